@@ -1,0 +1,94 @@
+"""Exceptions raised by kvcore.
+
+Every error subclasses :class:`KvcoreError` and the builtin that matches the
+mistake (``ValueError``, ``KeyError``, ``TypeError``), so callers can catch
+either.  Messages name the layer, field, request or plugin involved, the rule
+that was broken and the fix.
+"""
+
+from __future__ import annotations
+
+
+class KvcoreError(Exception):
+    """Base class of every error kvcore raises."""
+
+
+class KvcoreValueError(KvcoreError, ValueError):
+    """A value breaks one of kvcore's rules."""
+
+
+class KvcoreKeyError(KvcoreError, KeyError):
+    """A name (layer, request, kind) is not known."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class KvcoreTypeError(KvcoreError, TypeError):
+    """An object of the wrong type was passed."""
+
+
+class InvalidSpecError(KvcoreValueError):
+    """A cache spec's fields are inconsistent or out of range."""
+
+
+class MergeError(KvcoreValueError):
+    """Layers that must share one cache group have incompatible specs."""
+
+
+class LayoutError(KvcoreValueError):
+    """The KV-cache layout is unresolved, unknown or cannot express the plan."""
+
+
+class PlanError(KvcoreValueError):
+    """The model's layers cannot be planned into cache groups or blocks."""
+
+
+class BlockSizeError(KvcoreValueError):
+    """The scheduler or hash block size breaks a cache group's alignment."""
+
+
+class UnknownKindError(KvcoreKeyError):
+    """No registered plugin provides the named cache kind."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class DuplicateKindError(KvcoreValueError):
+    """Two plugins register the same cache kind name."""
+
+    def __init__(self, message: str, *, kind: str, first: str, second: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.first = first
+        self.second = second
+
+
+class PluginError(KvcoreValueError):
+    """A plugin failed to import, register or answer a hook."""
+
+    def __init__(
+        self, message: str, *, plugin_name: str, distribution: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.plugin_name = plugin_name
+        self.distribution = distribution
+
+
+class SerializationError(KvcoreValueError):
+    """A JSON document does not describe a valid spec, group or config."""
+
+
+class NoFreeBlocksError(KvcoreValueError):
+    """The block pool holds fewer free blocks than were asked for."""
+
+
+class InvalidRequestError(KvcoreValueError):
+    """A request was used against the rules of the block coordinator."""
+
+
+class UnknownRequestError(KvcoreKeyError):
+    """The coordinator holds no request with this id."""
