@@ -1,0 +1,111 @@
+"""kvcore: plans and manages the KV cache of hybrid LLMs.
+
+The core holds the packer, the pool and the block coordinator; every cache
+kind is a plugin.  Start with :func:`default_registry` (or build a registry
+from :func:`get_plugin_manager`), plan with :func:`get_kv_cache_groups` and
+:func:`get_kv_cache_config_from_groups`, and bind views with
+:class:`KVCachePool`.
+"""
+
+from __future__ import annotations
+
+from kvcore.config import CacheConfig, EngineConfig, ParallelConfig
+from kvcore.errors import (
+    BlockSizeError,
+    DuplicateKindError,
+    InvalidRequestError,
+    InvalidSpecError,
+    KvcoreError,
+    KvcoreKeyError,
+    KvcoreTypeError,
+    KvcoreValueError,
+    LayoutError,
+    MergeError,
+    NoFreeBlocksError,
+    PlanError,
+    PluginError,
+    SerializationError,
+    UnknownKindError,
+    UnknownRequestError,
+)
+from kvcore.hookspecs import hookimpl, hookspec
+from kvcore.kinds import AttentionKind, CacheKind, LayerView
+from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.packer import (
+    approximate_gcd,
+    build_kv_cache_tensors,
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+    get_packed_kv_cache_groups,
+    kv_cache_bytes_per_block,
+    resolve_kv_cache_block_sizes,
+    validate_kv_cache_layout,
+)
+from kvcore.plugins import get_plugin_manager
+from kvcore.pool import KVCachePool, allocate_kv_cache
+from kvcore.registry import KindRegistry, default_registry
+from kvcore.spec import (
+    AttentionSpec,
+    KVCacheSpec,
+    PackingRole,
+    UniformTypeKVCacheSpecs,
+    iter_layer_specs,
+)
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+__all__ = [
+    # plugins
+    "CacheKind",
+    "AttentionKind",
+    "KindRegistry",
+    "LayerView",
+    "default_registry",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+    # specs and plan
+    "AttentionSpec",
+    "KVCacheSpec",
+    "PackingRole",
+    "UniformTypeKVCacheSpecs",
+    "iter_layer_specs",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheTensor",
+    "KVCacheLayout",
+    "compute_layout_strides",
+    # settings
+    "CacheConfig",
+    "EngineConfig",
+    "ParallelConfig",
+    # packer and pool
+    "approximate_gcd",
+    "build_kv_cache_tensors",
+    "generate_scheduler_kv_cache_config",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_groups",
+    "get_packed_kv_cache_groups",
+    "kv_cache_bytes_per_block",
+    "resolve_kv_cache_block_sizes",
+    "validate_kv_cache_layout",
+    "KVCachePool",
+    "allocate_kv_cache",
+    # errors
+    "BlockSizeError",
+    "DuplicateKindError",
+    "InvalidRequestError",
+    "InvalidSpecError",
+    "KvcoreError",
+    "KvcoreKeyError",
+    "KvcoreTypeError",
+    "KvcoreValueError",
+    "LayoutError",
+    "MergeError",
+    "NoFreeBlocksError",
+    "PlanError",
+    "PluginError",
+    "SerializationError",
+    "UnknownKindError",
+    "UnknownRequestError",
+]

@@ -1,0 +1,70 @@
+"""Hook specifications of kvcore's plugin system.
+
+Every hook is prefixed ``kvcore_``.  Plugins implement them with the
+:data:`hookimpl` marker; kvcore calls them only while building a registry or
+planning, never per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from kvcore.config import EngineConfig
+    from kvcore.kinds import CacheKind
+    from kvcore.spec import KVCacheSpec
+    from kvcore.structs import KVCacheGroupSpec
+
+__all__ = ["hookimpl", "hookspec"]
+
+PROJECT = "kvcore"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+#: Marker to be imported and used in plugins.
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---------------------------------------------------------------------------
+# Registration hooks: called once when a registry is built
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def kvcore_register_kinds() -> Sequence[CacheKind]:
+    """Return the cache kinds this plugin provides.
+
+    Collects every plugin's list; a kind name registered by two plugins is
+    an error that names both.
+
+    :returns: kind objects (instances of :class:`kvcore.kinds.CacheKind`).
+
+    .. versionadded:: 0.1
+    """
+    raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------
+# Planning hooks: called once per plan
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def kvcore_choose_grouping(
+    config: EngineConfig, specs: Mapping[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec] | None:
+    """Choose how the model's layers are grouped, replacing kvcore's policy.
+
+    Stops at first non-None result.  The returned groups must cover every
+    layer exactly once; kvcore checks them before using them.
+
+    :param config: the engine settings (layout, block size, parallelism).
+    :param specs: layer name to spec, in model order.
+    :returns: the groups, or ``None`` to defer to the next plugin or to
+        kvcore's own grouping.
+
+    .. versionadded:: 0.1
+    """
+    raise NotImplementedError

@@ -1,0 +1,157 @@
+"""Building kvcore's plugin manager.
+
+Nothing here runs at import time: call :func:`get_plugin_manager` (or
+:func:`kvcore.default_registry`) to load plugins.
+
+Environment variables, read when the manager is built:
+
+``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1``
+    load no third-party entry points (kvcore's built-in kinds still load).
+``KVCORE_DISABLE_PLUGINS=a,b``
+    block the named plugins (entry-point names, e.g. ``mamba``).
+``KVCORE_TRACE_PLUGINS=1``
+    print every hook call and result to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterable
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from kvcore import hookspecs
+from kvcore.errors import PluginError
+
+__all__ = [
+    "BUILTIN_PLUGINS",
+    "ENTRY_POINT_GROUP",
+    "get_plugin_manager",
+    "plugin_distribution",
+]
+
+ENTRY_POINT_GROUP = "kvcore"
+_OWN_DISTRIBUTION = "kvcore"
+
+#: The built-in kinds: entry-point name to module.  They are registered through
+#: kvcore's own entry points; this table is the fallback for a source checkout
+#: that is not installed.
+BUILTIN_PLUGINS: dict[str, str] = {
+    "full_attention": "kvcore_full_attention",
+    "mla": "kvcore_mla",
+    "sliding_window": "kvcore_sliding_window",
+    "mamba": "kvcore_mamba",
+    "circular_buffer": "kvcore_circular_buffer",
+    "hisparse": "kvcore_hisparse",
+}
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _split(value: str | None) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+def get_plugin_manager(
+    *,
+    load_entrypoints: bool | None = None,
+    block: Iterable[str] = (),
+    builtins: bool = True,
+) -> pluggy.PluginManager:
+    """Build a fresh plugin manager with kvcore's hookspecs and plugins.
+
+    :param load_entrypoints: load third-party ``kvcore`` entry points; the
+        default follows ``KVCORE_DISABLE_PLUGIN_AUTOLOAD``.
+    :param block: plugin names to block, on top of ``KVCORE_DISABLE_PLUGINS``.
+    :param builtins: register kvcore's built-in kinds.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in [*_split(os.environ.get("KVCORE_DISABLE_PLUGINS")), *block]:
+        pm.set_blocked(name)
+    if load_entrypoints is None:
+        load_entrypoints = not _truthy(os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD"))
+
+    own_loaded: set[str] = set()
+    for ep in _entry_points():
+        dist = ep.dist.name if ep.dist is not None else None
+        own = dist is not None and _normalise(dist) == _OWN_DISTRIBUTION
+        if (own and not builtins) or (not own and not load_entrypoints):
+            continue
+        if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+            continue
+        _register(pm, ep.name, lambda ep=ep: ep.load(), dist)
+        if own:
+            own_loaded.add(ep.name)
+    if builtins:
+        for name, module in BUILTIN_PLUGINS.items():
+            if name in own_loaded or pm.is_blocked(name) or pm.get_plugin(name):
+                continue
+            _register(pm, name, lambda module=module: importlib.import_module(module), None)
+
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        plugin_name = pm.get_name(exc.plugin) or repr(exc.plugin)
+        msg = (
+            f"kvcore plugin {plugin_name!r} implements a hook kvcore does not "
+            f"define: {exc}; hooks are listed in kvcore.hookspecs (all start with "
+            "'kvcore_')"
+        )
+        raise PluginError(msg, plugin_name=plugin_name) from exc
+    if _truthy(os.environ.get("KVCORE_TRACE_PLUGINS")):
+        pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
+        pm.enable_tracing()
+    return pm
+
+
+def _normalise(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    return sorted(
+        metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name
+    )
+
+
+def _register(
+    pm: pluggy.PluginManager, name: str, load: Any, distribution: str | None
+) -> None:
+    where = f" (distribution {distribution!r})" if distribution else ""
+    try:
+        plugin = load()
+    except Exception as exc:
+        msg = (
+            f"kvcore plugin {name!r}{where} failed to import: "
+            f"{type(exc).__name__}: {exc}; fix or uninstall it, or block it with "
+            f"KVCORE_DISABLE_PLUGINS={name}"
+        )
+        raise PluginError(msg, plugin_name=name, distribution=distribution) from exc
+    try:
+        pm.register(plugin, name=name)
+    except (ValueError, pluggy.PluginValidationError) as exc:
+        msg = (
+            f"kvcore plugin {name!r}{where} could not be registered: {exc}; "
+            f"block it with KVCORE_DISABLE_PLUGINS={name}"
+        )
+        raise PluginError(msg, plugin_name=name, distribution=distribution) from exc
+
+
+def plugin_distribution(pm: pluggy.PluginManager, name: str) -> str | None:
+    """``"dist-name version"`` of the distribution that provides plugin
+    ``name``, or ``None`` for plugins registered by hand or from source."""
+    plugin = pm.get_plugin(name)
+    for registered, dist in pm.list_plugin_distinfo():
+        if registered is plugin:
+            return f"{dist.metadata['name']} {dist.version}"
+    for ep in _entry_points():
+        if ep.name == name and ep.dist is not None:
+            return f"{ep.dist.name} {ep.dist.version}"
+    return None

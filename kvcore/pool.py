@@ -1,0 +1,161 @@
+"""The pool: one backing allocation and a zero-copy typed view per layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcore.errors import LayoutError, PlanError
+from kvcore.kinds import LayerView
+from kvcore.layout import AXIS_B, AXIS_L, KVCacheLayout
+from kvcore.packer import tensor_strides
+from kvcore.registry import KindRegistry, default_registry
+from kvcore.spec import KVCacheSpec
+from kvcore.structs import KVCacheConfig, KVCacheTensor
+
+__all__ = ["KVCachePool", "allocate_kv_cache"]
+
+
+class KVCachePool:
+    """One byte buffer holding every layer's pages, with a typed view per layer.
+
+    Every view shares the buffer's storage: layers of different groups at the
+    same offset alias (a block id is owned by one group at a time), layers of
+    one group are disjoint.
+
+    :param config: the plan.
+    :param device: where to allocate.
+    :param layout: the layout the plan was made for (default: the plan's).
+    :param kernel_block_sizes: per group, split each block into kernel blocks
+        of this many tokens (needs dense, unpadded pages).
+    """
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        device: torch.device | str = "cpu",
+        layout: KVCacheLayout | None = None,
+        kernel_block_sizes: Sequence[int] | None = None,
+        *,
+        registry: KindRegistry | None = None,
+    ) -> None:
+        registry = registry if registry is not None else default_registry()
+        layout = layout if layout is not None else config.kv_cache_layout
+        if layout is None:
+            msg = "the plan carries no layout; pass the layout it was made for"
+            raise LayoutError(msg)
+        if config.kv_cache_layout is not None and layout is not config.kv_cache_layout:
+            msg = (
+                f"the plan was made for layout {config.kv_cache_layout.name}, not "
+                f"{layout.name}; re-plan for {layout.name}"
+            )
+            raise LayoutError(msg)
+        if kernel_block_sizes is not None and len(kernel_block_sizes) != len(
+            config.kv_cache_groups
+        ):
+            msg = (
+                f"kernel_block_sizes has {len(kernel_block_sizes)} entries for "
+                f"{len(config.kv_cache_groups)} cache groups; give one per group"
+            )
+            raise PlanError(msg)
+        self.config = config
+        self.layout = layout
+        sizes = {t.size for t in config.kv_cache_tensors}
+        if len(sizes) > 1:
+            msg = (
+                f"KV cache tensors must share one backing allocation, but their "
+                f"sizes differ ({sorted(sizes)}); build the config with "
+                "get_kv_cache_config_from_groups"
+            )
+            raise PlanError(msg)
+        size = sizes.pop() if sizes else 0
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        group_of = {
+            name: i for i, g in enumerate(config.kv_cache_groups) for name in g.layer_names
+        }
+        self.views: dict[str, LayerView] = {}
+        for tensor in config.kv_cache_tensors:
+            gid = group_of.get(tensor.layers[0])
+            if gid is None:
+                msg = f"tensor layer {tensor.layers[0]!r} is in no cache group of the plan"
+                raise PlanError(msg)
+            group = config.kv_cache_groups[gid]
+            spec = group.layer_spec(tensor.layers[0])
+            kind = registry.kind_for(spec, layer=tensor.layers[0])
+            kernel = kernel_block_sizes[gid] if kernel_block_sizes is not None else None
+            raws = self._raw_views(tensor, spec, config.num_blocks, kernel)
+            for name, raw in zip(tensor.layers, raws, strict=True):
+                self.views[name] = kind.bind_view(spec, raw)
+
+    def _raw_views(
+        self,
+        tensor: KVCacheTensor,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        kernel_block_size: int | None,
+    ) -> list[torch.Tensor]:
+        h, n, c = spec.page_grid
+        strides = list(
+            tensor_strides(
+                spec,
+                self.layout,
+                num_layers=len(tensor.layers),
+                num_blocks=num_blocks,
+                bytes_per_block=self.config.bytes_per_block or tensor.block_stride,
+                layer_stride=tensor.layer_stride,
+            )
+        )
+        strides[AXIS_B] = tensor.block_stride
+        blocks = num_blocks
+        if kernel_block_size is not None and kernel_block_size != spec.block_size:
+            ratio, rest = divmod(spec.block_size, kernel_block_size)
+            if rest or ratio < 1 or n % ratio:
+                msg = (
+                    f"kernel block size {kernel_block_size} must divide the block "
+                    f"size {spec.block_size} of layer {tensor.layers[0]!r} into "
+                    "whole states"
+                )
+                raise LayoutError(msg)
+            dense = h * n * c
+            if tensor.block_stride != dense or not self.layout.is_block_compact:
+                msg = (
+                    f"layer {tensor.layers[0]!r} cannot be split into kernel blocks: "
+                    f"its block stride ({tensor.block_stride} bytes) is not one dense "
+                    f"page ({dense} bytes); use a layer-outer block-compact layout "
+                    "with unpadded pages, or no kernel block split"
+                )
+                raise LayoutError(msg)
+            blocks, n = num_blocks * ratio, n // ratio
+            strides[AXIS_B] = tensor.block_stride // ratio
+        full = torch.as_strided(
+            self.buffer,
+            (len(tensor.layers), blocks, h, n, c),
+            tuple(strides),
+            self.buffer.storage_offset() + tensor.offset,
+        )
+        end = tensor.offset + sum(
+            (d - 1) * s for d, s in zip(full.shape, strides, strict=True)
+        ) + 1
+        if end > self.buffer.numel():
+            msg = (
+                f"tensor of layers {tensor.layers[:3]} reaches byte {end} of a "
+                f"{self.buffer.numel()}-byte pool; the plan is inconsistent"
+            )
+            raise PlanError(msg)
+        del strides[AXIS_L]
+        return [full[i] for i in range(len(tensor.layers))]
+
+
+def allocate_kv_cache(
+    config: KVCacheConfig,
+    device: torch.device | str = "cpu",
+    layout: KVCacheLayout | None = None,
+    kernel_block_sizes: Sequence[int] | None = None,
+    *,
+    registry: KindRegistry | None = None,
+) -> dict[str, LayerView]:
+    """Allocate the plan's single buffer and return ``layer -> view``."""
+    if not config.kv_cache_tensors:
+        return {}
+    return KVCachePool(config, device, layout, kernel_block_sizes, registry=registry).views

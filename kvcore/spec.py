@@ -1,0 +1,371 @@
+"""Cache specs: what one layer's cache page looks like.
+
+A spec is pure data: a frozen, keyword-only attrs class with a ``kind``
+class variable naming the cache kind that owns it.  Everything a spec can
+derive from its own fields lives here too (page size, merge rule, grouping
+key, hashing behaviour), so the packer can plan from specs alone.  Kinds add
+what needs context or torch (view binding, the block manager); see
+:mod:`kvcore.kinds`.
+
+The page model shared by every spec: one block of ``block_size`` tokens is a
+byte array ``[H, N, C]`` of heads (or head slots), stored states and content
+bytes per state.  ``page_size_bytes`` is ``H * N * C`` unless the spec pads it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any, ClassVar, Self
+
+import attrs
+import torch
+
+from kvcore.errors import InvalidSpecError, MergeError
+
+__all__ = [
+    "AttentionSpec",
+    "KVCacheSpec",
+    "PackingRole",
+    "UniformTypeKVCacheSpecs",
+    "cdiv",
+    "dtype_size",
+    "iter_layer_specs",
+    "positive_int",
+    "optional_positive_int",
+    "round_up",
+]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ``a`` by positive ``b``."""
+    return -(-a // b)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Round ``value`` up to a multiple of ``multiple``."""
+    return cdiv(value, multiple) * multiple
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of a torch dtype."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: an ``int`` (not a ``bool``) greater than zero."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} must be an int, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+        raise InvalidSpecError(msg)
+    if value <= 0:
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} must be positive, "
+            f"got {value}"
+        )
+        raise InvalidSpecError(msg)
+
+
+def optional_positive_int(
+    instance: object, attribute: attrs.Attribute[Any], value: Any
+) -> None:
+    """attrs validator: ``None`` or a positive ``int``."""
+    if value is not None:
+        positive_int(instance, attribute, value)
+
+
+def non_negative_int(
+    instance: object, attribute: attrs.Attribute[Any], value: Any
+) -> None:
+    """attrs validator: an ``int`` that is zero or more."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} must be a "
+            f"non-negative int, got {value!r}"
+        )
+        raise InvalidSpecError(msg)
+
+
+def is_dtype(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: a ``torch.dtype``."""
+    if not isinstance(value, torch.dtype):
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} must be a torch.dtype "
+            f"(e.g. torch.bfloat16), got {value!r}"
+        )
+        raise InvalidSpecError(msg)
+
+
+class PackingRole(enum.Enum):
+    """How the packer may split a bucket of equal-keyed layers into groups.
+
+    ``PAGED`` layers hold tokens in pages and split by the model's repeat
+    pattern.  ``STATE`` layers hold a fixed per-request state; their bucket is
+    split only as far as the block the other buckets already force.
+    ``WINDOW`` layers are paged, but act as ``STATE`` when the model has no
+    balanced multi-page repeat pattern to split them by.
+    """
+
+    PAGED = "paged"
+    STATE = "state"
+    WINDOW = "window"
+
+
+@attrs.frozen(kw_only=True)
+class KVCacheSpec:
+    """Base of every layer spec.
+
+    :param block_size: tokens per block (for a ring, its capacity).
+    :param block_stride_alignment: required byte alignment of the distance
+        between consecutive blocks; the packer rounds the block up to it.
+    """
+
+    #: Registry name of the kind that owns this spec; subclasses set it.
+    kind: ClassVar[str] = ""
+    #: How the packer may split a bucket of these layers.
+    packing_role: ClassVar[PackingRole] = PackingRole.PAGED
+    #: Whether the block size is multiplied by decode context parallelism.
+    scales_with_context_parallel: ClassVar[bool] = False
+    #: Whether the layout must keep the block dimension outermost.
+    requires_block_outer_layout: ClassVar[bool] = False
+
+    block_size: int = attrs.field(validator=positive_int)
+    block_stride_alignment: int | None = attrs.field(
+        default=None, validator=optional_positive_int
+    )
+
+    # -- page model -----------------------------------------------------
+    @property
+    def page_grid(self) -> tuple[int, int, int]:
+        """``(H, N, C)``: heads, states per block and content bytes per state."""
+        raise NotImplementedError
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one page before any padding."""
+        h, n, c = self.page_grid
+        return h * n * c
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one page of this layer, padding included."""
+        return self.real_page_size_bytes
+
+    def stride_alignment(self) -> int:
+        """The byte alignment this layer imposes on the shared block stride."""
+        return self.block_stride_alignment or 1
+
+    # -- hashing behaviour ------------------------------------------------
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether blocks of this layer may be shared through prefix caching."""
+        return True
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """Tokens the scheduler must recompute after a prefix hit."""
+        return 0
+
+    @property
+    def tokens_per_state(self) -> int:
+        """Tokens compressed into one stored state; hits must align to it."""
+        return 1
+
+    @property
+    def allows_sub_block_hashing(self) -> bool:
+        """Whether hashes may be finer than this layer's block."""
+        return True
+
+    @property
+    def caches_partial_block_hits(self) -> bool:
+        """Whether this layer can serve a hit that ends inside its block."""
+        return False
+
+    def max_num_blocks_per_request(self, max_model_len: int) -> int:
+        """Blocks one request may hold at most."""
+        return cdiv(max_model_len, self.block_size)
+
+    # -- grouping ---------------------------------------------------------
+    def group_key(self) -> Hashable:
+        """Layers whose keys are equal may share a cache group."""
+        return (self.kind, self.block_size)
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> Self:
+        """Merge the specs of layers that share one group into one spec.
+
+        The default rule: every spec is of this exact type and equal to the
+        first.  Raises :class:`~kvcore.errors.MergeError` naming the first
+        field that differs.
+        """
+        if not specs:
+            msg = f"{cls.__name__}.merge() needs at least one spec"
+            raise MergeError(msg)
+        first = specs[0]
+        for spec in specs:
+            if type(spec) is not cls:
+                msg = (
+                    f"{cls.__name__}.merge() got a {type(spec).__name__}; layers "
+                    f"of one cache group must all be {cls.__name__}"
+                )
+                raise MergeError(msg)
+            if spec != first:
+                diff = _first_difference(first, spec)
+                msg = (
+                    f"all layers in one {cls.__name__} cache group must be the "
+                    f"same, but {diff}; give them equal specs or let them land "
+                    "in separate groups"
+                )
+                raise MergeError(msg)
+        return first  # type: ignore[return-value]
+
+
+def _first_difference(a: KVCacheSpec, b: KVCacheSpec) -> str:
+    for field in attrs.fields(type(a)):
+        va, vb = getattr(a, field.name), getattr(b, field.name)
+        if va != vb:
+            return f"{field.name} differs ({va!r} vs {vb!r})"
+    return "they differ"
+
+
+@attrs.frozen(kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """The attention page model: ``[num_kv_heads, block_size / tokens_per_state,
+    (head_size + head_size_v) * dtype size]``.
+
+    :param num_kv_heads: KV heads stored per layer (on this rank).
+    :param head_size: key (or latent) elements per state.
+    :param dtype: element type of the cache.
+    :param head_size_v: value elements per state; defaults to ``head_size``.
+    :param tokens_per_state: tokens compressed into one stored state.
+    :param alignment: pad the page up to a multiple of this many bytes.
+    :param page_size_padded: an explicit padded page size in bytes.
+    """
+
+    scales_with_context_parallel: ClassVar[bool] = True
+
+    num_kv_heads: int = attrs.field(validator=positive_int)
+    head_size: int = attrs.field(validator=positive_int)
+    dtype: torch.dtype = attrs.field(validator=is_dtype)
+    head_size_v: int = attrs.field(
+        default=attrs.Factory(lambda self: self.head_size, takes_self=True),
+        validator=non_negative_int,
+    )
+    tokens_per_state: int = attrs.field(default=1, validator=positive_int)  # type: ignore[assignment]
+    alignment: int | None = attrs.field(default=None, validator=optional_positive_int)
+    page_size_padded: int | None = attrs.field(
+        default=None, validator=optional_positive_int
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_size % self.tokens_per_state:
+            msg = (
+                f"{type(self).__name__}: block_size={self.block_size} must be a "
+                f"multiple of tokens_per_state={self.tokens_per_state}, so each "
+                "block holds whole compressed states"
+            )
+            raise InvalidSpecError(msg)
+        if (
+            self.page_size_padded is not None
+            and self.page_size_padded < self.real_page_size_bytes
+        ):
+            msg = (
+                f"{type(self).__name__}: page_size_padded={self.page_size_padded} "
+                f"is smaller than the page itself ({self.real_page_size_bytes} "
+                "bytes); pad up, never down"
+            )
+            raise InvalidSpecError(msg)
+
+    @property
+    def page_grid(self) -> tuple[int, int, int]:
+        content = (self.head_size + self.head_size_v) * dtype_size(self.dtype)
+        return (self.num_kv_heads, self.block_size // self.tokens_per_state, content)
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        page = self.real_page_size_bytes
+        if self.alignment is not None:
+            return round_up(page, self.alignment)
+        return page
+
+    @property
+    def view_content(self) -> int:
+        """Elements per state in the typed view (keys then values)."""
+        return self.head_size + self.head_size_v
+
+
+@attrs.frozen(kw_only=True, eq=True, hash=False)
+class UniformTypeKVCacheSpecs:
+    """The spec of one cache group whose layers share a grouping key (and so
+    the same block size and token-slot needs) but may differ in page size.
+
+    :param block_size: the members' common block size.
+    :param kv_cache_specs: layer name to that layer's spec, in packing order.
+    """
+
+    block_size: int = attrs.field(validator=positive_int)
+    kv_cache_specs: dict[str, KVCacheSpec]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.kv_cache_specs:
+            msg = "UniformTypeKVCacheSpecs needs at least one member spec"
+            raise InvalidSpecError(msg)
+        for name, spec in self.kv_cache_specs.items():
+            if spec.block_size != self.block_size:
+                msg = (
+                    f"layer {name!r} has block_size={spec.block_size} but its "
+                    f"group's block_size is {self.block_size}; members of one "
+                    "group share one block size"
+                )
+                raise InvalidSpecError(msg)
+
+    @property
+    def first_spec(self) -> KVCacheSpec:
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Packed bytes of one block of this group: the sum of member pages."""
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return all(s.prefix_cacheable for s in self.kv_cache_specs.values())
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return max(s.prefix_replay_tokens for s in self.kv_cache_specs.values())
+
+    def max_layers_per_page_size(self) -> int:
+        counts: dict[int, int] = {}
+        for spec in self.kv_cache_specs.values():
+            counts[spec.page_size_bytes] = counts.get(spec.page_size_bytes, 0) + 1
+        return max(counts.values())
+
+    @classmethod
+    def from_specs(cls, specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+        """Wrap ``specs`` if they share one grouping key, else return None."""
+        keys = {s.group_key() for s in specs.values()}
+        keys_with_role = {
+            (s.prefix_cacheable, s.prefix_replay_tokens) for s in specs.values()
+        }
+        if not specs or len(keys) != 1 or len(keys_with_role) != 1:
+            return None
+        return cls(
+            block_size=next(iter(specs.values())).block_size, kv_cache_specs=dict(specs)
+        )
+
+
+GroupSpec = KVCacheSpec | UniformTypeKVCacheSpecs
+
+
+def iter_layer_specs(spec: GroupSpec) -> Iterator[KVCacheSpec]:
+    """The per-layer specs behind a group spec (the spec itself if plain)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        yield from spec.kv_cache_specs.values()
+    else:
+        yield spec

@@ -1,0 +1,44 @@
+"""Circular buffer: one block per request for its whole life.
+
+A compressor ring holds the raw keys of the token group still being
+compressed; ``block_size`` is the ring's capacity.  It covers no token range,
+so it is never hashed and never contributes a prefix hit.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from kvcore.hookspecs import hookimpl
+from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.spec import AttentionSpec, PackingRole
+
+__all__ = ["CircularBuffer", "CircularBufferSpec"]
+
+
+@attrs.frozen(kw_only=True)
+class CircularBufferSpec(AttentionSpec):
+    """A ring of ``block_size`` states: ``[num_kv_heads, block_size,
+    head_size + head_size_v]`` per page."""
+
+    kind: ClassVar[str] = "circular_buffer"
+    packing_role: ClassVar[PackingRole] = PackingRole.STATE
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    def max_num_blocks_per_request(self, max_model_len: int) -> int:
+        return 1
+
+
+class CircularBuffer(AttentionKind):
+    name: ClassVar[str] = "circular_buffer"
+    spec_type = CircularBufferSpec
+
+
+@hookimpl
+def kvcore_register_kinds() -> list[CacheKind]:
+    return [CircularBuffer()]

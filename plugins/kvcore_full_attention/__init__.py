@@ -1,0 +1,39 @@
+"""Full attention: every token's keys and values stay for the request's life."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import ClassVar
+
+import attrs
+
+from kvcore.hookspecs import hookimpl
+from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.spec import AttentionSpec
+
+__all__ = ["ATTENTION_FAMILY", "FullAttention", "FullAttentionSpec"]
+
+#: Grouping tag shared by every kind whose layers need one slot per token for
+#: the whole request (full attention and MLA), so they may share a group.
+ATTENTION_FAMILY = "attention"
+
+
+@attrs.frozen(kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """A full-attention layer: ``[num_kv_heads, block_size, head_size +
+    head_size_v]`` elements per page."""
+
+    kind: ClassVar[str] = "full_attention"
+
+    def group_key(self) -> Hashable:
+        return (ATTENTION_FAMILY, self.block_size)
+
+
+class FullAttention(AttentionKind):
+    name: ClassVar[str] = "full_attention"
+    spec_type = FullAttentionSpec
+
+
+@hookimpl
+def kvcore_register_kinds() -> list[CacheKind]:
+    return [FullAttention()]

@@ -1,0 +1,173 @@
+"""Mamba and linear-attention state: a fixed-size recurrent state per request.
+
+A layer's state is one or more tensors (for example a convolution state and
+an SSM state); a page holds all of them back to back.  With
+``mamba_cache_mode="align"`` states are also cached at block boundaries so a
+prefix hit can restore them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any, ClassVar, Literal
+
+import attrs
+import torch
+
+from kvcore.errors import InvalidSpecError, LayoutError
+from kvcore.hookspecs import hookimpl
+from kvcore.kinds import CacheKind, LayerView, view_as_dtype
+from kvcore.spec import (
+    KVCacheSpec,
+    PackingRole,
+    cdiv,
+    dtype_size,
+    non_negative_int,
+    optional_positive_int,
+)
+
+__all__ = ["Mamba", "MambaSpec"]
+
+_MODES = ("none", "align", "all")
+
+
+def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(d) for d in shape) for shape in value)
+
+
+def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """A recurrent-state layer.
+
+    :param shapes: the shape of each state tensor (per request, this rank).
+    :param dtypes: the dtype of each state tensor, one per shape.
+    :param tp_replicated: every tensor-parallel rank holds the whole state
+        (it is not sharded); such a state never shares a group with sharded
+        ones.
+    :param mamba_cache_mode: ``none`` (no prefix caching of states),
+        ``align`` (states cached at block boundaries) or ``all``.
+    :param num_speculative_blocks: extra state blocks for speculative decoding.
+    :param page_size_padded: pad the page to this many bytes.
+    """
+
+    kind: ClassVar[str] = "mamba"
+    packing_role: ClassVar[PackingRole] = PackingRole.STATE
+
+    shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
+    dtypes: tuple[torch.dtype, ...] = attrs.field(converter=_dtypes)
+    tp_replicated: bool = False
+    mamba_cache_mode: Literal["none", "align", "all"] = "none"
+    num_speculative_blocks: int = attrs.field(default=0, validator=non_negative_int)
+    page_size_padded: int | None = attrs.field(
+        default=None, validator=optional_positive_int
+    )
+
+    def __attrs_post_init__(self) -> None:
+        name = type(self).__name__
+        if not self.shapes or len(self.shapes) != len(self.dtypes):
+            msg = (
+                f"{name} needs one dtype per state shape, got {len(self.shapes)} "
+                f"shapes and {len(self.dtypes)} dtypes"
+            )
+            raise InvalidSpecError(msg)
+        for shape in self.shapes:
+            if not shape or any(d <= 0 for d in shape):
+                msg = f"{name}.shapes must hold non-empty positive shapes, got {shape}"
+                raise InvalidSpecError(msg)
+        for dtype in self.dtypes:
+            if not isinstance(dtype, torch.dtype):
+                msg = f"{name}.dtypes must hold torch dtypes, got {dtype!r}"
+                raise InvalidSpecError(msg)
+        if self.mamba_cache_mode not in _MODES:
+            msg = (
+                f"{name}.mamba_cache_mode must be one of {', '.join(_MODES)}, got "
+                f"{self.mamba_cache_mode!r}"
+            )
+            raise InvalidSpecError(msg)
+        if self.page_size_padded is not None and self.page_size_padded < self.state_bytes:
+            msg = (
+                f"{name}: page_size_padded={self.page_size_padded} is smaller than "
+                f"the state itself ({self.state_bytes} bytes)"
+            )
+            raise InvalidSpecError(msg)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of all state tensors together."""
+        return sum(
+            math.prod(shape) * dtype_size(dtype)
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
+
+    @property
+    def page_grid(self) -> tuple[int, int, int]:
+        return (1, 1, self.state_bytes)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded or self.state_bytes
+
+    @property
+    def tokens_per_state(self) -> int:
+        return 1
+
+    @property
+    def allows_sub_block_hashing(self) -> bool:
+        return self.mamba_cache_mode == "align"
+
+    @property
+    def caches_partial_block_hits(self) -> bool:
+        return self.mamba_cache_mode == "align"
+
+    def max_num_blocks_per_request(self, max_model_len: int) -> int:
+        if self.mamba_cache_mode == "all":
+            return cdiv(max_model_len, self.block_size) + self.num_speculative_blocks
+        if self.mamba_cache_mode == "align":
+            return 2 + self.num_speculative_blocks
+        return 1 + self.num_speculative_blocks
+
+    def group_key(self) -> Hashable:
+        return (
+            self.kind,
+            self.block_size,
+            self.page_size_bytes,
+            self.tp_replicated,
+            self.num_speculative_blocks,
+            self.mamba_cache_mode,
+        )
+
+
+class Mamba(CacheKind):
+    """Binds each layer to a tuple of typed state tensors ``[num_blocks,
+    *shape]``, one per state shape, back to back inside the page."""
+
+    name: ClassVar[str] = "mamba"
+    spec_type = MambaSpec
+
+    def bind_view(self, spec: MambaSpec, raw: torch.Tensor) -> LayerView:
+        flat = raw[:, 0, 0, :]
+        views = []
+        offset = 0
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+            nbytes = math.prod(shape) * dtype_size(dtype)
+            if offset % dtype_size(dtype):
+                msg = (
+                    f"mamba state tensor {len(views)} ({dtype}) starts at byte "
+                    f"{offset} of its page, not a multiple of its element size; "
+                    "order the state shapes from the widest dtype down"
+                )
+                raise LayoutError(msg)
+            part = view_as_dtype(flat[:, offset : offset + nbytes], dtype, what="mamba state")
+            views.append(part.unflatten(1, shape))
+            offset += nbytes
+        return tuple(views)
+
+
+@hookimpl
+def kvcore_register_kinds() -> list[CacheKind]:
+    return [Mamba()]

@@ -1,0 +1,43 @@
+"""Multi-head latent attention: one latent vector per stored state.
+
+``tokens_per_state > 1`` compresses that many tokens into one state (the
+compressed sparse-MLA caches); ``alignment`` pads each page to a multiple of
+the kernel's row size.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from kvcore.hookspecs import hookimpl
+from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.spec import non_negative_int
+from kvcore_full_attention import FullAttentionSpec
+
+__all__ = ["MLA", "MLAAttentionSpec"]
+
+
+@attrs.frozen(kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """An MLA layer: ``[1, block_size / tokens_per_state, head_size]`` per page.
+
+    It shares a grouping key with full attention of the same block size, so
+    a model's main KV and its compressed or indexer caches can pack into one
+    group.
+    """
+
+    kind: ClassVar[str] = "mla"
+
+    head_size_v: int = attrs.field(default=0, validator=non_negative_int)
+
+
+class MLA(AttentionKind):
+    name: ClassVar[str] = "mla"
+    spec_type = MLAAttentionSpec
+
+
+@hookimpl
+def kvcore_register_kinds() -> list[CacheKind]:
+    return [MLA()]

@@ -1,0 +1,81 @@
+"""Sliding-window attention: only the last ``sliding_window`` tokens are kept.
+
+With ``bounded_replay`` the window is not prefix-cached at all: after a hit
+the scheduler recomputes the hit's last ``sliding_window`` tokens instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import ClassVar
+
+import attrs
+
+from kvcore.hookspecs import hookimpl
+from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.spec import AttentionSpec, PackingRole, cdiv, non_negative_int, positive_int
+
+__all__ = [
+    "SlidingWindow",
+    "SlidingWindowMLA",
+    "SlidingWindowMLASpec",
+    "SlidingWindowSpec",
+]
+
+
+@attrs.frozen(kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """A sliding-window attention layer.
+
+    :param sliding_window: tokens each query attends to (the current one
+        included).
+    :param extra_retained_tokens: tokens kept beyond the window.
+    :param bounded_replay: keep the window out of prefix caching and replay
+        it after a hit.
+    """
+
+    kind: ClassVar[str] = "sliding_window"
+    packing_role: ClassVar[PackingRole] = PackingRole.WINDOW
+
+    sliding_window: int = attrs.field(validator=positive_int)
+    extra_retained_tokens: int = attrs.field(default=0, validator=non_negative_int)
+    bounded_replay: bool = False
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return not self.bounded_replay
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return self.sliding_window if self.bounded_replay else 0
+
+    def max_num_blocks_per_request(self, max_model_len: int) -> int:
+        live = min(self.sliding_window - 1 + self.extra_retained_tokens, max_model_len)
+        return min(cdiv(live, self.block_size) + 1, cdiv(max_model_len, self.block_size))
+
+    def group_key(self) -> Hashable:
+        return (self.kind, self.block_size, self.sliding_window, self.extra_retained_tokens)
+
+
+@attrs.frozen(kw_only=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """A sliding window of MLA latents: ``[1, block_size, head_size]``."""
+
+    kind: ClassVar[str] = "sliding_window_mla"
+
+    head_size_v: int = attrs.field(default=0, validator=non_negative_int)
+
+
+class SlidingWindow(AttentionKind):
+    name: ClassVar[str] = "sliding_window"
+    spec_type = SlidingWindowSpec
+
+
+class SlidingWindowMLA(AttentionKind):
+    name: ClassVar[str] = "sliding_window_mla"
+    spec_type = SlidingWindowMLASpec
+
+
+@hookimpl
+def kvcore_register_kinds() -> list[CacheKind]:
+    return [SlidingWindow(), SlidingWindowMLA()]
