@@ -1,0 +1,580 @@
+"""Chained block hashing for prefix caching.
+
+A request's tokens are cut into chunks of ``hash_block_size`` tokens.  Chunk
+``i`` is hashed together with the hash of chunk ``i - 1`` (its *parent*; the
+first chunk's parent is :data:`NONE_HASH`) and the chunk's *extra keys*, so two
+equal hashes mean two equal prefixes: same tokens, same LoRA, same salt, same
+multimodal inputs, all the way from the first token.
+
+The bytes fed to the hash function are fixed by :func:`encode_block` and never
+depend on the process, the machine or the Python version (no ``hash()``, no
+pickle)::
+
+    u32(len(parent)) || parent || u32(n) || token_0 .. token_{n-1} || extra
+
+where ``u32`` is a 4-byte little-endian unsigned int, every token id is a
+4-byte little-endian unsigned int (0 <= id < 2**32), and ``extra`` is empty
+when there are no extra keys, else the tagged encoding of the extra-keys tuple
+(see :func:`encode_extra_keys`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
+from typing import TypeAlias, overload
+
+from kvcore.errors import (
+    BlockSizeError,
+    KvcoreKeyError,
+    KvcoreTypeError,
+    KvcoreValueError,
+)
+
+__all__ = [
+    "NONE_HASH",
+    "TOKEN_ID_LIMIT",
+    "BlockHash",
+    "BlockHashView",
+    "BlockHasher",
+    "ExtraKey",
+    "HashFunction",
+    "MMFeature",
+    "block_extra_keys",
+    "encode_block",
+    "encode_extra_keys",
+    "get_hash_function",
+    "hash_block_tokens",
+    "hash_function_names",
+    "hashes_at_block_size",
+    "normalize_mm_features",
+]
+
+BlockHash: TypeAlias = bytes
+"""The digest of one chunk, chained over every chunk before it."""
+
+HashFunction: TypeAlias = Callable[[bytes], bytes]
+"""Maps the canonical encoding of a chunk to its digest."""
+
+ExtraKey: TypeAlias = "str | int | bytes | bool | tuple[ExtraKey, ...] | None"
+"""One element of a chunk's extra keys; tuples nest."""
+
+MMFeature: TypeAlias = tuple[str, int, int]
+"""A multimodal placeholder: ``(identifier, offset, length)`` in token positions."""
+
+NONE_HASH: BlockHash = bytes(32)
+"""Parent of the first chunk of every request: 32 zero bytes."""
+
+TOKEN_ID_LIMIT = 1 << 32
+"""Token ids must lie in ``[0, TOKEN_ID_LIMIT)``: they are encoded as u32."""
+
+_U32 = struct.Struct("<I")
+_pack_u32 = _U32.pack
+# Length prefixes for the digest sizes in use (sha256: 32, xxh3_128: 16).
+_U32_SMALL = tuple(_pack_u32(i) for i in range(129))
+
+
+# ---------------------------------------------------------------------------
+# Hash functions
+# ---------------------------------------------------------------------------
+
+
+_sha256_new = hashlib.sha256
+
+
+def _sha256(data: bytes) -> bytes:
+    return _sha256_new(data).digest()
+
+
+def _load_sha256() -> HashFunction:
+    return _sha256
+
+
+def _load_xxh3_128() -> HashFunction:
+    try:
+        import xxhash
+    except ImportError as exc:  # pragma: no cover - xxhash is a dependency
+        msg = (
+            "hash function 'xxh3_128' needs the 'xxhash' package, which is not "
+            "installed; install it (pip install xxhash) or use 'sha256'"
+        )
+        raise KvcoreValueError(msg) from exc
+    fn: HashFunction = xxhash.xxh3_128_digest
+    return fn
+
+
+_HASH_LOADERS: dict[str, Callable[[], HashFunction]] = {
+    "sha256": _load_sha256,
+    "xxh3_128": _load_xxh3_128,
+}
+_HASH_CACHE: dict[str, HashFunction] = {}
+
+
+def hash_function_names() -> tuple[str, ...]:
+    """Names accepted by :func:`get_hash_function`, default first."""
+    return tuple(_HASH_LOADERS)
+
+
+def get_hash_function(name: str | HashFunction) -> HashFunction:
+    """Return the hash function called ``name``.
+
+    ``"sha256"`` (the default, cryptographic: use it when tenants share a cache
+    and rely on ``cache_salt``) or ``"xxh3_128"`` (much faster, not
+    cryptographic).  A callable is returned unchanged, so callers may pass
+    either.
+    """
+    if type(name) is str:
+        fn = _HASH_CACHE.get(name)
+        if fn is not None:
+            return fn
+        loader = _HASH_LOADERS.get(name)
+        if loader is None:
+            valid = ", ".join(repr(n) for n in _HASH_LOADERS)
+            msg = (
+                f"unknown block hash function {name!r}; valid names are {valid}, "
+                "or pass a callable mapping bytes to a digest"
+            )
+            raise KvcoreKeyError(msg)
+        fn = _HASH_CACHE[name] = loader()
+        return fn
+    if callable(name):
+        return name
+    msg = (
+        f"hash_function must be a name ({', '.join(map(repr, _HASH_LOADERS))}) "
+        f"or a callable mapping bytes to a digest, not {type(name).__name__}"
+    )
+    raise KvcoreTypeError(msg)
+
+
+# ---------------------------------------------------------------------------
+# Canonical encoding
+# ---------------------------------------------------------------------------
+
+
+def _encode_key(key: object, out: list[bytes]) -> None:
+    # Every value is tag + length (or fixed width) + payload, so the encoding of
+    # a tuple is prefix-free and different tuples never encode the same.
+    if isinstance(key, str):
+        raw = key.encode("utf-8")
+        out.append(b"S" + _pack_u32(len(raw)) + raw)
+    elif isinstance(key, bool):  # before int: bool is an int subclass
+        out.append(b"T" if key else b"F")
+    elif isinstance(key, int):
+        width = (key.bit_length() + 8) // 8  # room for the sign bit
+        out.append(b"I" + _pack_u32(width) + key.to_bytes(width, "little", signed=True))
+    elif isinstance(key, bytes):
+        out.append(b"B" + _pack_u32(len(key)) + key)
+    elif isinstance(key, tuple):
+        out.append(b"(" + _pack_u32(len(key)))
+        for item in key:
+            _encode_key(item, out)
+    elif key is None:
+        out.append(b"N")
+    else:
+        msg = (
+            f"block hash extra key {key!r} has type {type(key).__name__}; extra "
+            "keys must be str, int, bytes, bool, None or tuples of those"
+        )
+        raise KvcoreTypeError(msg)
+
+
+def encode_extra_keys(extra_keys: tuple[ExtraKey, ...] | None) -> bytes:
+    """Encode a chunk's extra keys; ``None`` and ``()`` both encode to ``b""``.
+
+    Tags: ``S`` + u32 length + UTF-8 for str, ``B`` + u32 length + raw for bytes,
+    ``I`` + u32 width + little-endian two's complement for int, ``T``/``F`` for
+    True/False, ``N`` for None, ``(`` + u32 count + items for a tuple.  The
+    top-level tuple is encoded as a tuple.
+    """
+    if extra_keys is None or extra_keys == ():
+        return b""
+    keys: object = extra_keys  # checked at runtime: callers may pass anything
+    if not isinstance(keys, tuple):
+        msg = (
+            f"extra_keys must be a tuple or None, not {type(keys).__name__}; "
+            "wrap a single key as (key,)"
+        )
+        raise KvcoreTypeError(msg)
+    out: list[bytes] = []
+    _encode_key(keys, out)
+    return b"".join(out)
+
+
+_TOKEN_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _token_struct(n: int) -> struct.Struct:
+    st = _TOKEN_STRUCTS.get(n)
+    if st is None:
+        st = struct.Struct(f"<{n}I")
+        if n <= 4096:
+            _TOKEN_STRUCTS[n] = st
+    return st
+
+
+def _pack_tokens(token_ids: Sequence[int], what: str) -> bytes:
+    try:
+        return _token_struct(len(token_ids)).pack(*token_ids)
+    except struct.error:
+        raise _bad_token_error(token_ids, what) from None
+
+
+def _bad_token_error(token_ids: Sequence[object], what: str) -> Exception:
+    # Slow path, only taken after struct refused the tokens.
+    for pos, tok in enumerate(token_ids):
+        index = getattr(tok, "__index__", None)
+        if index is None:
+            msg = (
+                f"{what}: token id at position {pos} is {tok!r} "
+                f"({type(tok).__name__}); token ids must be ints"
+            )
+            return KvcoreTypeError(msg)
+        if not 0 <= index() < TOKEN_ID_LIMIT:
+            msg = (
+                f"{what}: token id at position {pos} is {tok}; token ids must lie "
+                f"in [0, {TOKEN_ID_LIMIT}) to be hashed"
+            )
+            return KvcoreValueError(msg)
+    msg = f"{what}: token ids could not be encoded; they must be ints in [0, 2**32)"
+    return KvcoreValueError(msg)
+
+
+def encode_block(
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[ExtraKey, ...] | None = None,
+) -> bytes:
+    """The exact bytes hashed for one chunk (see the module docstring)."""
+    if parent is None:
+        parent = NONE_HASH
+    plen = len(parent)
+    head = _U32_SMALL[plen] if plen < len(_U32_SMALL) else _pack_u32(plen)
+    n = len(token_ids)
+    ntok = _U32_SMALL[n] if n < len(_U32_SMALL) else _pack_u32(n)
+    return (
+        head
+        + parent
+        + ntok
+        + _pack_tokens(token_ids, "hash_block_tokens")
+        + encode_extra_keys(extra_keys)
+    )
+
+
+def hash_block_tokens(
+    hash_function: str | HashFunction,
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[ExtraKey, ...] | None = None,
+) -> BlockHash:
+    """Hash one chunk chained onto ``parent`` (``None`` means :data:`NONE_HASH`)."""
+    fn = get_hash_function(hash_function)
+    return fn(encode_block(parent, token_ids, extra_keys))
+
+
+# ---------------------------------------------------------------------------
+# Extra keys of a chunk
+# ---------------------------------------------------------------------------
+
+
+def block_extra_keys(
+    start: int,
+    end: int,
+    *,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    mm_features: Sequence[MMFeature] = (),
+) -> tuple[ExtraKey, ...] | None:
+    """Extra keys of the chunk covering token positions ``[start, end)``.
+
+    In order: ``("lora", name)`` on every chunk when a LoRA is set, then
+    ``("mm", identifier, offset - start)`` for every multimodal feature that
+    overlaps the chunk (in the order given; requests sort them by offset),
+    then ``("salt", cache_salt)`` on the first chunk (``start == 0``) only.
+    Returns ``None`` when there are none.  Each key is tagged, so a LoRA name
+    can never pose as a salt.
+    """
+    keys: list[ExtraKey] = []
+    if lora_name is not None:
+        keys.append(("lora", lora_name))
+    for ident, offset, length in mm_features:
+        if offset < end and offset + length > start:
+            keys.append(("mm", ident, offset - start))
+    if cache_salt is not None and start == 0:
+        keys.append(("salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+# ---------------------------------------------------------------------------
+# Incremental hasher
+# ---------------------------------------------------------------------------
+
+
+class BlockHasher:
+    """Hashes the new full chunks of one request's growing token list.
+
+    The hasher keeps no token state: :meth:`hash_new_blocks` looks at how many
+    hashes the caller's list already holds, hashes only the full chunks after
+    them, chaining from the last one, and appends the results.
+    """
+
+    __slots__ = (
+        "_cache_salt",
+        "_const_extra",
+        "_fn",
+        "_lora_name",
+        "_mm_ends",
+        "_mm_features",
+        "_mm_offsets",
+        "_ntok_prefix",
+        "hash_block_size",
+        "hash_function",
+    )
+
+    def __init__(
+        self,
+        hash_block_size: int,
+        hash_function: str | HashFunction = "sha256",
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+    ) -> None:
+        if type(hash_block_size) is not int or hash_block_size < 1:
+            msg = (
+                f"hash_block_size must be a positive int, got {hash_block_size!r}; "
+                "pass the number of tokens per hashed chunk (e.g. 16)"
+            )
+            raise BlockSizeError(msg)
+        if cache_salt is not None and type(cache_salt) is not str:
+            msg = f"cache_salt must be a str or None, not {type(cache_salt).__name__}"
+            raise KvcoreTypeError(msg)
+        if lora_name is not None and type(lora_name) is not str:
+            msg = f"lora_name must be a str or None, not {type(lora_name).__name__}"
+            raise KvcoreTypeError(msg)
+        self.hash_block_size = hash_block_size
+        self.hash_function = hash_function
+        self._fn = get_hash_function(hash_function)
+        self._cache_salt = cache_salt
+        self._lora_name = lora_name
+        self._mm_features: tuple[MMFeature, ...] = normalize_mm_features(mm_features)
+        self._mm_offsets = [f[1] for f in self._mm_features]
+        self._mm_ends = [f[1] + f[2] for f in self._mm_features]
+        self._ntok_prefix = _pack_u32(hash_block_size)
+        # Encoded extra keys of a chunk that has no salt and no multimodal key.
+        self._const_extra = (
+            encode_extra_keys((("lora", lora_name),)) if lora_name is not None else b""
+        )
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Salt mixed into the first chunk's hash."""
+        return self._cache_salt
+
+    @property
+    def lora_name(self) -> str | None:
+        """LoRA name mixed into every chunk's hash."""
+        return self._lora_name
+
+    @property
+    def mm_features(self) -> tuple[MMFeature, ...]:
+        """Multimodal placeholders, sorted by offset."""
+        return self._mm_features
+
+    @property
+    def has_dynamic_extra_keys(self) -> bool:
+        """Whether some chunk's extra keys differ from the others'."""
+        return self._cache_salt is not None or bool(self._mm_features)
+
+    def extra_keys(self, block_index: int) -> tuple[ExtraKey, ...] | None:
+        """Extra keys of chunk ``block_index`` (see :func:`block_extra_keys`)."""
+        start = block_index * self.hash_block_size
+        end = start + self.hash_block_size
+        keys: list[ExtraKey] = []
+        if self._lora_name is not None:
+            keys.append(("lora", self._lora_name))
+        if self._mm_features:
+            # Placeholders are sorted and disjoint, so both ends are sorted.
+            lo = bisect_right(self._mm_ends, start)
+            hi = bisect_left(self._mm_offsets, end)
+            for ident, offset, _ in self._mm_features[lo:hi]:
+                keys.append(("mm", ident, offset - start))
+        if self._cache_salt is not None and start == 0:
+            keys.append(("salt", self._cache_salt))
+        return tuple(keys) if keys else None
+
+    def hash_new_blocks(
+        self, token_ids: Sequence[int], block_hashes: list[BlockHash]
+    ) -> int:
+        """Append the hashes of the full chunks not yet in ``block_hashes``.
+
+        Returns how many hashes were appended.
+        """
+        bs = self.hash_block_size
+        done = len(block_hashes)
+        full = len(token_ids) // bs
+        if full <= done:
+            return 0
+        start = done * bs
+        width = 4 * bs
+        data = _pack_tokens(token_ids[start : full * bs], "block hashing")
+        parent = block_hashes[-1] if done else NONE_HASH
+        fn = self._fn
+        ntok = self._ntok_prefix
+        append = block_hashes.append
+        small = _U32_SMALL
+        const_extra = self._const_extra
+        salted = self._cache_salt is not None
+        mm_ends = self._mm_ends
+        mm_offsets = self._mm_offsets
+        num_mm = len(mm_ends)
+        off = 0
+        for i in range(done, full):
+            plen = len(parent)
+            head = small[plen] if plen < 129 else _pack_u32(plen)
+            enc = head + parent + ntok + data[off : off + width]
+            off += width
+            if num_mm:
+                # First placeholder ending after this chunk's start: it
+                # overlaps the chunk iff it also starts before the chunk's end.
+                j = bisect_right(mm_ends, i * bs)
+                dynamic = j < num_mm and mm_offsets[j] < (i + 1) * bs
+            else:
+                dynamic = False
+            if dynamic or (salted and i == 0):
+                enc += encode_extra_keys(self.extra_keys(i))
+            elif const_extra:
+                enc += const_extra
+            parent = fn(enc)
+            append(parent)
+        return full - done
+
+
+def normalize_mm_features(
+    mm_features: Sequence[MMFeature] | None,
+) -> tuple[MMFeature, ...]:
+    """Check multimodal placeholders and return them sorted by offset.
+
+    Each must be an ``(identifier: str, offset: int >= 0, length: int >= 1)``
+    triple, and no two may share a token position.
+    """
+    if not mm_features:
+        return ()
+    out: list[MMFeature] = []
+    for item in mm_features:
+        try:
+            ident, offset, length = item
+        except (TypeError, ValueError):
+            msg = (
+                f"multimodal feature {item!r} is not an (identifier, offset, length) "
+                "triple; pass one triple per placeholder"
+            )
+            raise KvcoreTypeError(msg) from None
+        if type(ident) is not str:
+            msg = (
+                f"multimodal feature {item!r}: identifier must be a str (e.g. the "
+                f"content hash), not {type(ident).__name__}"
+            )
+            raise KvcoreTypeError(msg)
+        if type(offset) is not int or type(length) is not int:
+            msg = f"multimodal feature {item!r}: offset and length must be ints"
+            raise KvcoreTypeError(msg)
+        if offset < 0 or length < 1:
+            msg = (
+                f"multimodal feature {ident!r} has offset {offset} and length "
+                f"{length}; offset must be >= 0 and length >= 1"
+            )
+            raise KvcoreValueError(msg)
+        out.append((ident, offset, length))
+    out.sort(key=lambda f: f[1])
+    for prev, cur in pairwise(out):
+        if cur[1] < prev[1] + prev[2]:
+            msg = (
+                f"multimodal features {prev[0]!r} (tokens [{prev[1]}, "
+                f"{prev[1] + prev[2]})) and {cur[0]!r} (tokens [{cur[1]}, "
+                f"{cur[1] + cur[2]})) overlap; each token position may belong to "
+                "one placeholder only"
+            )
+            raise KvcoreValueError(msg)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# Coarser block sizes
+# ---------------------------------------------------------------------------
+
+
+class BlockHashView(Sequence[BlockHash]):
+    """Live view of chunk hashes at a block size ``k`` times the chunk size.
+
+    Block ``i`` is identified by the hash of its last chunk,
+    ``hashes[(i + 1) * k - 1]``; because hashes chain, that one hash names the
+    whole prefix up to the end of block ``i``.  The view reads the underlying
+    list on every access, so it follows a request's hashes as they grow.
+    """
+
+    __slots__ = ("_hashes", "_k")
+
+    def __init__(self, hashes: Sequence[BlockHash], k: int) -> None:
+        self._hashes = hashes
+        self._k = k
+
+    def __len__(self) -> int:
+        return len(self._hashes) // self._k
+
+    @overload
+    def __getitem__(self, index: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, index: int | slice) -> BlockHash | list[BlockHash]:
+        k = self._k
+        if isinstance(index, slice):
+            return [
+                self._hashes[(i + 1) * k - 1] for i in range(*index.indices(len(self)))
+            ]
+        n = len(self._hashes) // k
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            msg = f"block index {index} out of range for {n} blocks"
+            raise IndexError(msg)
+        return self._hashes[(index + 1) * k - 1]
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        hashes = self._hashes
+        k = self._k
+        for i in range(k - 1, (len(hashes) // k) * k, k):
+            yield hashes[i]
+
+    def __repr__(self) -> str:
+        return f"BlockHashView(k={self._k}, len={len(self)})"
+
+
+def hashes_at_block_size(
+    block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
+    """Present chunk hashes at ``block_size`` (a multiple of ``hash_block_size``).
+
+    O(1): returns ``block_hashes`` itself when the sizes are equal, else a
+    :class:`BlockHashView`.
+    """
+    if block_size == hash_block_size and type(block_size) is int and block_size > 0:
+        return block_hashes
+    if (
+        type(block_size) is not int
+        or type(hash_block_size) is not int
+        or block_size < 1
+        or hash_block_size < 1
+        or block_size % hash_block_size
+    ):
+        msg = (
+            f"block_size={block_size!r} must be a positive multiple of "
+            f"hash_block_size={hash_block_size!r} to reuse chunk hashes; choose a "
+            "hash block size that divides every prefix-cacheable group's block size"
+        )
+        raise BlockSizeError(msg)
+    return BlockHashView(block_hashes, block_size // hash_block_size)
