@@ -1,0 +1,281 @@
+"""The coordinator's view of one inference request."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from kvcore.coordinator.hashing import (
+    BlockHash,
+    BlockHasher,
+    HashFunction,
+    MMFeature,
+    normalize_mm_features,
+)
+from kvcore.errors import (
+    InvalidRequestError,
+    KvcoreError,
+    KvcoreTypeError,
+    KvcoreValueError,
+)
+
+__all__ = ["Request", "RequestStatus", "create_requests", "make_requests"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Tokens, chunk hashes and progress of one request.
+
+    ``block_hashes`` holds the chained hash of every full ``hash_block_size``
+    chunk of ``all_token_ids``; it is extended at construction and by
+    :meth:`append_output_token_ids`.  With ``hash_block_size=None`` nothing is
+    hashed and ``block_hashes`` stays empty.
+
+    ``all_token_ids`` and ``block_hashes`` are the request's own lists: read
+    them, but grow them only through :meth:`append_output_token_ids`.
+    """
+
+    __slots__ = (
+        "_cache_salt",
+        "_hasher",
+        "_lora_name",
+        "_mm_features",
+        "_num_prompt_tokens",
+        "_prompt_token_ids",
+        "all_token_ids",
+        "block_hashes",
+        "num_computed_tokens",
+        "request_id",
+        "skip_reading_prefix_cache",
+        "status",
+    )
+
+    request_id: str
+    all_token_ids: list[int]
+    block_hashes: list[BlockHash]
+    num_computed_tokens: int
+    skip_reading_prefix_cache: bool
+    status: RequestStatus
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        hash_block_size: int | None,
+        hash_function: str | HashFunction = "sha256",
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_features: Sequence[MMFeature] | None = None,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
+        if type(request_id) is not str:
+            msg = (
+                f"request_id must be a str, not {type(request_id).__name__} "
+                f"({request_id!r}); convert it with str()"
+            )
+            raise KvcoreTypeError(msg)
+        prompt = tuple(prompt_token_ids)
+        num_prompt = len(prompt)
+        if num_prompt == 0:
+            msg = (
+                f"request {request_id!r} has an empty prompt; a request needs at "
+                "least one prompt token"
+            )
+            raise InvalidRequestError(msg)
+        self.request_id = request_id
+        self._prompt_token_ids = prompt
+        self._num_prompt_tokens = num_prompt
+        self.all_token_ids = list(prompt)
+        self.num_computed_tokens = 0
+        self._cache_salt = cache_salt
+        self._lora_name = lora_name
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.status = RequestStatus.WAITING
+        self.block_hashes = []
+        try:
+            if cache_salt is not None and type(cache_salt) is not str:
+                msg = (
+                    f"cache_salt must be a str or None, not {type(cache_salt).__name__}"
+                )
+                raise KvcoreTypeError(msg)
+            if lora_name is not None and type(lora_name) is not str:
+                msg = f"lora_name must be a str or None, not {type(lora_name).__name__}"
+                raise KvcoreTypeError(msg)
+            features = normalize_mm_features(mm_features) if mm_features else ()
+            self._mm_features = features
+            if hash_block_size is None:
+                self._hasher = None
+            else:
+                self._hasher = BlockHasher(
+                    hash_block_size,
+                    hash_function,
+                    cache_salt=cache_salt,
+                    lora_name=lora_name,
+                    mm_features=features,
+                )
+        except KvcoreError as exc:
+            exc.add_note(f"while creating request {request_id!r}")
+            raise
+        for ident, offset, length in features:
+            if offset + length > num_prompt:
+                msg = (
+                    f"request {request_id!r}: multimodal feature {ident!r} spans "
+                    f"tokens [{offset}, {offset + length}) but the prompt has "
+                    f"{num_prompt} tokens; placeholders must lie inside the prompt"
+                )
+                raise InvalidRequestError(msg)
+        if self._hasher is not None:
+            self._hash(self._hasher)
+
+    def _hash(self, hasher: BlockHasher) -> None:
+        try:
+            hasher.hash_new_blocks(self.all_token_ids, self.block_hashes)
+        except KvcoreError as exc:
+            exc.add_note(f"in request {self.request_id!r}")
+            raise
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt, as given at construction."""
+        return self._prompt_token_ids
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Salt mixed into the first chunk's hash (tenant isolation)."""
+        return self._cache_salt
+
+    @property
+    def lora_name(self) -> str | None:
+        """LoRA adapter name mixed into every chunk's hash."""
+        return self._lora_name
+
+    @property
+    def mm_features(self) -> tuple[MMFeature, ...]:
+        """Multimodal placeholders ``(identifier, offset, length)``, by offset."""
+        return self._mm_features
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return self._num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Number of tokens appended after the prompt."""
+        return len(self.all_token_ids) - self._num_prompt_tokens
+
+    @property
+    def hash_block_size(self) -> int | None:
+        """Tokens per hashed chunk, or ``None`` when the request is not hashed."""
+        hasher = self._hasher
+        return None if hasher is None else hasher.hash_block_size
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether :attr:`status` is ``FINISHED``."""
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Append generated tokens and hash any chunk they complete."""
+        if type(token_ids) is int:
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)  # type: ignore[arg-type]
+        hasher = self._hasher
+        if hasher is not None and (
+            len(self.all_token_ids) // hasher.hash_block_size > len(self.block_hashes)
+        ):
+            self._hash(hasher)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, num_tokens={len(self.all_token_ids)}, "
+            f"num_computed_tokens={self.num_computed_tokens}, "
+            f"status={self.status.name})"
+        )
+
+
+def _splitmix64(state: int) -> tuple[int, int]:
+    # A tiny, fully specified generator: the same seed gives the same tokens on
+    # every Python version and platform.
+    state = (state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return state, z ^ (z >> 31)
+
+
+def _token_stream(seed: int, count: int, vocab_size: int) -> list[int]:
+    state = seed & 0xFFFFFFFFFFFFFFFF
+    out = []
+    for _ in range(count):
+        state, value = _splitmix64(state)
+        out.append(value % vocab_size)
+    return out
+
+
+def make_requests(
+    num_requests: int,
+    num_tokens: int,
+    block_size: int | None,
+    *,
+    hash_function: str | HashFunction = "sha256",
+    common_prefix_len: int = 0,
+    seed: int = 0,
+    vocab_size: int = 32000,
+    id_prefix: str = "req-",
+) -> list[Request]:
+    """Build ``num_requests`` requests of ``num_tokens`` prompt tokens each.
+
+    Token ids are drawn deterministically from ``seed`` (the same on every
+    platform).  The first ``common_prefix_len`` tokens are shared by every
+    request; the rest differ per request.  ``block_size`` is the hash block size
+    (``None``: no hashing).  Ids are ``f"{id_prefix}{i}"``.
+    """
+    if type(num_requests) is not int or num_requests < 0:
+        msg = f"num_requests must be an int >= 0, got {num_requests!r}"
+        raise KvcoreValueError(msg)
+    if type(num_tokens) is not int or num_tokens < 1:
+        msg = f"num_tokens must be an int >= 1, got {num_tokens!r}"
+        raise KvcoreValueError(msg)
+    if type(common_prefix_len) is not int or not 0 <= common_prefix_len <= num_tokens:
+        msg = (
+            f"common_prefix_len must be an int in [0, num_tokens={num_tokens}], "
+            f"got {common_prefix_len!r}"
+        )
+        raise KvcoreValueError(msg)
+    if type(vocab_size) is not int or vocab_size < 1:
+        msg = f"vocab_size must be an int >= 1, got {vocab_size!r}"
+        raise KvcoreValueError(msg)
+    prefix = _token_stream(seed, common_prefix_len, vocab_size)
+    tail_len = num_tokens - common_prefix_len
+    requests = []
+    for i in range(num_requests):
+        tail = _token_stream(seed * 1_000_003 + i + 1, tail_len, vocab_size)
+        requests.append(
+            Request(
+                f"{id_prefix}{i}",
+                prefix + tail,
+                hash_block_size=block_size,
+                hash_function=hash_function,
+            )
+        )
+    return requests
+
+
+create_requests = make_requests
+"""Alias of :func:`make_requests` (the name the seed tests use)."""

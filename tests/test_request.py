@@ -1,0 +1,233 @@
+"""Requests: token bookkeeping, incremental block hashes, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore.coordinator import create_requests
+from kvcore.coordinator.hashing import NONE_HASH, hash_block_tokens
+from kvcore.coordinator.request import Request, RequestStatus, make_requests
+from kvcore.errors import (
+    BlockSizeError,
+    InvalidRequestError,
+    KvcoreKeyError,
+    KvcoreTypeError,
+    KvcoreValueError,
+)
+
+
+def test_new_request_counts_and_hashes_full_chunks() -> None:
+    req = Request("r1", list(range(40)), hash_block_size=16)
+    assert req.request_id == "r1"
+    assert req.num_tokens == 40
+    assert req.num_prompt_tokens == 40
+    assert req.num_output_tokens == 0
+    assert req.num_computed_tokens == 0
+    assert req.prompt_token_ids == tuple(range(40))
+    assert req.all_token_ids == list(range(40))
+    assert req.status is RequestStatus.WAITING
+    assert req.skip_reading_prefix_cache is False
+    assert req.hash_block_size == 16
+    # 40 tokens, chunks of 16: two full chunks; the last 8 tokens wait.
+    assert len(req.block_hashes) == 2
+    h0 = hash_block_tokens("sha256", NONE_HASH, list(range(16)))
+    assert req.block_hashes == [
+        h0,
+        hash_block_tokens("sha256", h0, list(range(16, 32))),
+    ]
+
+
+def test_512_token_prompt_has_32_hashes() -> None:
+    req = Request("r", [7] * 512, hash_block_size=16)
+    assert len(req.block_hashes) == 32
+    assert len(set(req.block_hashes)) == 32  # chained: equal chunks, new hashes
+
+
+def test_appending_tokens_hashes_each_completed_chunk() -> None:
+    req = Request("r", list(range(40)), hash_block_size=16)
+    for tok in range(40, 47):
+        req.append_output_token_ids(tok)
+        assert len(req.block_hashes) == 2
+    req.append_output_token_ids(47)  # token 48 completes chunk 2
+    assert len(req.block_hashes) == 3
+    assert req.num_tokens == 48
+    assert req.num_output_tokens == 8
+    assert req.num_prompt_tokens == 40
+    assert (
+        req.block_hashes
+        == Request("s", list(range(48)), hash_block_size=16).block_hashes
+    )
+    # A list may complete several chunks at once.
+    req.append_output_token_ids(list(range(48, 84)))
+    assert len(req.block_hashes) == 5  # 84 // 16
+    assert (
+        req.block_hashes
+        == Request("t", list(range(84)), hash_block_size=16).block_hashes
+    )
+
+
+def test_prompt_is_copied() -> None:
+    prompt = [1, 2, 3]
+    req = Request("r", prompt, hash_block_size=None)
+    prompt.append(4)
+    req.append_output_token_ids(9)
+    assert req.prompt_token_ids == (1, 2, 3)
+    assert req.all_token_ids == [1, 2, 3, 9]
+
+
+def test_no_hashing_without_hash_block_size() -> None:
+    req = Request("r", list(range(64)), hash_block_size=None)
+    assert req.block_hashes == []
+    assert req.hash_block_size is None
+    req.append_output_token_ids(list(range(64)))
+    assert req.block_hashes == []
+
+
+def test_xxh3_and_callable_hash_functions() -> None:
+    sha = Request("a", list(range(32)), hash_block_size=16)
+    xxh = Request("a", list(range(32)), hash_block_size=16, hash_function="xxh3_128")
+    assert len(xxh.block_hashes[0]) == 16
+    assert xxh.block_hashes[0] != sha.block_hashes[0]
+    calls: list[int] = []
+
+    def counting(data: bytes) -> bytes:
+        calls.append(len(data))
+        return data[:8]
+
+    Request("c", list(range(32)), hash_block_size=16, hash_function=counting)
+    # First chunk: 4 + 32 (root) + 4 + 64; second: 4 + 8 (parent) + 4 + 64.
+    assert calls == [104, 80]
+
+
+def test_salt_lora_and_mm_features_reach_the_hashes() -> None:
+    tokens = list(range(32))
+    plain = Request("p", tokens, hash_block_size=16).block_hashes
+    salted = Request("s", tokens, hash_block_size=16, cache_salt="t1")
+    lora = Request("l", tokens, hash_block_size=16, lora_name="ad")
+    mm = Request("m", tokens, hash_block_size=16, mm_features=[("img", 20, 4)])
+    assert salted.cache_salt == "t1"
+    assert lora.lora_name == "ad"
+    assert mm.mm_features == (("img", 20, 4),)
+    assert salted.block_hashes[0] != plain[0]
+    assert lora.block_hashes[0] != plain[0]
+    # The image sits in chunk 1 only, so chunk 0 is unchanged.
+    assert mm.block_hashes[0] == plain[0]
+    assert mm.block_hashes[1] != plain[1]
+    assert mm.block_hashes[1] == hash_block_tokens(
+        "sha256", plain[0], tokens[16:], (("mm", "img", 4),)
+    )
+
+
+def test_status_and_computed_tokens_are_writable() -> None:
+    req = Request("r", [1, 2, 3], hash_block_size=2)
+    req.num_computed_tokens = 2
+    req.status = RequestStatus.RUNNING
+    assert req.num_computed_tokens == 2
+    assert not req.is_finished
+    done = Request("d", [1], hash_block_size=None)
+    done.status = RequestStatus.FINISHED
+    assert done.is_finished
+    assert {s.name for s in RequestStatus} == {
+        "WAITING",
+        "RUNNING",
+        "PREEMPTED",
+        "FINISHED",
+    }
+    with pytest.raises(AttributeError):
+        req.extra = 1  # type: ignore[attr-defined]
+
+
+# -- validation -----------------------------------------------------------------
+
+
+def test_empty_prompt_is_rejected() -> None:
+    with pytest.raises(InvalidRequestError, match="'r9' has an empty prompt"):
+        Request("r9", [], hash_block_size=16)
+
+
+def test_request_id_must_be_str() -> None:
+    with pytest.raises(KvcoreTypeError, match="request_id must be a str"):
+        Request(7, [1], hash_block_size=16)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -16, 2.0], ids=["zero", "negative", "float"])
+def test_bad_hash_block_size(bad: int) -> None:
+    with pytest.raises(BlockSizeError, match="hash_block_size") as info:
+        Request("r", [1], hash_block_size=bad)
+    assert "while creating request 'r'" in info.value.__notes__
+
+
+def test_unknown_hash_function_name() -> None:
+    with pytest.raises(KvcoreKeyError, match="'sha1'"):
+        Request("r", [1], hash_block_size=16, hash_function="sha1")
+
+
+def test_bad_tokens_name_the_request() -> None:
+    with pytest.raises(KvcoreValueError, match="position 3 is -5") as info:
+        Request("neg", [1, 2, 3, -5], hash_block_size=4)
+    assert "in request 'neg'" in info.value.__notes__
+    with pytest.raises(KvcoreTypeError, match="ints"):
+        Request("f", [1.0, 2, 3, 4], hash_block_size=4)  # type: ignore[list-item]
+
+
+def test_bad_output_token_is_caught_when_its_chunk_is_hashed() -> None:
+    req = Request("r", [1, 2, 3], hash_block_size=4)
+    with pytest.raises(KvcoreValueError, match="position 3"):
+        req.append_output_token_ids(2**32)
+
+
+def test_salt_and_lora_types() -> None:
+    with pytest.raises(KvcoreTypeError, match="cache_salt"):
+        Request("r", [1], hash_block_size=None, cache_salt=b"x")  # type: ignore[arg-type]
+    with pytest.raises(KvcoreTypeError, match="lora_name"):
+        Request("r", [1], hash_block_size=16, lora_name=3)  # type: ignore[arg-type]
+
+
+def test_mm_feature_must_lie_inside_the_prompt() -> None:
+    with pytest.raises(InvalidRequestError, match=r"\[8, 12\).*10 tokens"):
+        Request("r", [0] * 10, hash_block_size=4, mm_features=[("img", 8, 4)])
+    with pytest.raises(KvcoreValueError, match="overlap"):
+        Request(
+            "r", [0] * 10, hash_block_size=None, mm_features=[("a", 0, 4), ("b", 3, 2)]
+        )
+
+
+# -- make_requests --------------------------------------------------------------
+
+
+def test_make_requests_is_deterministic_and_pinned() -> None:
+    a = make_requests(2, 20, 16, seed=0, common_prefix_len=4)
+    b = make_requests(2, 20, 16, seed=0, common_prefix_len=4)
+    assert [r.all_token_ids for r in a] == [r.all_token_ids for r in b]
+    assert [r.request_id for r in a] == ["req-0", "req-1"]
+    # splitmix64 from seed 0, modulo 32000: fixed on every platform.
+    assert a[0].all_token_ids[:4] == [15535, 19700, 25679, 30444]
+    assert a[1].all_token_ids[:4] == [15535, 19700, 25679, 30444]
+    assert a[0].all_token_ids[4:6] == [22465, 28519]
+    assert a[1].all_token_ids[4:6] == [28110, 28226]
+    assert make_requests(1, 20, 16, seed=1)[0].all_token_ids != a[0].all_token_ids
+
+
+def test_make_requests_common_prefix_shares_block_hashes() -> None:
+    reqs = make_requests(3, 64, 16, common_prefix_len=40)
+    first = reqs[0].block_hashes
+    assert all(len(r.block_hashes) == 4 for r in reqs)
+    for r in reqs[1:]:
+        # 40 shared tokens: chunks 0 and 1 are shared, chunk 2 is not.
+        assert r.block_hashes[:2] == first[:2]
+        assert r.block_hashes[2] != first[2]
+        assert r.all_token_ids[:40] == reqs[0].all_token_ids[:40]
+
+
+def test_make_requests_options_and_alias() -> None:
+    reqs = create_requests(num_requests=1, num_tokens=256, block_size=128)
+    assert len(reqs[0].block_hashes) == 2
+    none = make_requests(1, 10, None, vocab_size=5, id_prefix="x")
+    assert none[0].block_hashes == []
+    assert none[0].request_id == "x0"
+    assert all(0 <= t < 5 for t in none[0].all_token_ids)
+    assert make_requests(0, 10, 16) == []
+    with pytest.raises(KvcoreValueError, match="common_prefix_len"):
+        make_requests(1, 10, 16, common_prefix_len=11)
+    with pytest.raises(KvcoreValueError, match="num_tokens"):
+        make_requests(1, 0, 16)
