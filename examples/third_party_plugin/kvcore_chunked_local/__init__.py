@@ -1,0 +1,47 @@
+"""Chunked local attention: a token attends to the tokens of its own chunk.
+
+Blocks of chunks that are already complete are never read again, so a
+request holds at most the blocks of one chunk (plus one for the boundary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import ClassVar
+
+import attrs
+
+from kvcore import AttentionKind, AttentionSpec, CacheKind, hookimpl
+from kvcore.spec import PackingRole, cdiv, positive_int
+
+__all__ = ["ChunkedLocalAttention", "ChunkedLocalAttentionSpec"]
+
+
+@attrs.frozen(kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """A chunked-local attention layer.
+
+    :param attention_chunk_size: tokens per attention chunk.
+    """
+
+    kind: ClassVar[str] = "chunked_local_attention"
+    packing_role: ClassVar[PackingRole] = PackingRole.WINDOW
+
+    attention_chunk_size: int = attrs.field(validator=positive_int)
+
+    def max_num_blocks_per_request(self, max_model_len: int) -> int:
+        span = min(self.attention_chunk_size, max_model_len)
+        return min(cdiv(span, self.block_size) + 1, cdiv(max_model_len, self.block_size))
+
+    def group_key(self) -> Hashable:
+        return (self.kind, self.block_size, self.attention_chunk_size)
+
+
+class ChunkedLocalAttention(AttentionKind):
+    name: ClassVar[str] = "chunked_local_attention"
+    spec_type = ChunkedLocalAttentionSpec
+
+
+@hookimpl
+def kvcore_register_kinds() -> list[CacheKind]:
+    return [ChunkedLocalAttention()]

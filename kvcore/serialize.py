@@ -1,0 +1,261 @@
+"""JSON for specs, groups, tensors and whole configs.
+
+The converter is built from a kind registry after plugins load, so a
+third-party kind round-trips like a built-in one.  A spec is a JSON object
+whose ``kind`` names its cache kind; every other key is a constructor
+keyword; dtypes are torch dtype names (``"bfloat16"``).  This JSON is what a
+scheduler ships to its workers, and what model files (``zoo/*.json``) use.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import torch
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
+
+from kvcore.errors import SerializationError, UnknownKindError
+from kvcore.layout import KVCacheLayout
+from kvcore.registry import KindRegistry, default_registry
+from kvcore.spec import KVCacheSpec, UniformTypeKVCacheSpecs
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+__all__ = [
+    "ModelFile",
+    "SpecConverter",
+    "dump_config",
+    "load_config",
+    "load_model_file",
+    "make_converter",
+]
+
+UNIFORM_TAG = "uniform_type"
+
+
+def _dtype_from_name(value: Any, _: Any) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        msg = f"{value!r} is not a torch dtype name (e.g. 'bfloat16', 'uint8')"
+        raise ValueError(msg)
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _format_exception(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, KeyError):
+        return f"required field missing ({exc})"
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        return f"unknown field(s) {sorted(exc.extra_fields)}"
+    if isinstance(exc, ValueError | TypeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+class SpecConverter:
+    """Structures and unstructures kvcore's plan objects for one registry."""
+
+    def __init__(self, registry: KindRegistry) -> None:
+        self.registry = registry
+        c = cattrs.Converter(forbid_extra_keys=True)
+        c.register_structure_hook(torch.dtype, _dtype_from_name)
+        c.register_unstructure_hook(torch.dtype, _dtype_name)
+        c.register_structure_hook(KVCacheLayout, lambda v, _: KVCacheLayout.from_name(v))
+        c.register_unstructure_hook(KVCacheLayout, lambda v: v.name)
+        for spec_type in registry.spec_types:
+            c.register_unstructure_hook(
+                spec_type, make_dict_unstructure_fn(spec_type, c, _cattrs_omit_if_default=True)
+            )
+            c.register_structure_hook(
+                spec_type, make_dict_structure_fn(spec_type, c, _cattrs_forbid_extra_keys=True)
+            )
+        c.register_structure_hook_func(
+            lambda t: t is KVCacheSpec, lambda d, _: self.structure_spec(d)
+        )
+        c.register_unstructure_hook_func(lambda t: t is KVCacheSpec, self.unstructure_spec)
+        group_spec = KVCacheSpec | UniformTypeKVCacheSpecs
+        c.register_structure_hook(group_spec, lambda d, _: self._structure_group_spec(d))
+        c.register_structure_hook(
+            UniformTypeKVCacheSpecs, lambda d, _: self._structure_group_spec(d)
+        )
+        c.register_unstructure_hook(UniformTypeKVCacheSpecs, self._unstructure_uniform)
+        c.register_structure_hook(
+            KVCacheGroupSpec,
+            lambda d, _: KVCacheGroupSpec(
+                list(d["layer_names"]), self._structure_group_spec(d["kv_cache_spec"])
+            ),
+        )
+        c.register_unstructure_hook(
+            KVCacheGroupSpec,
+            lambda g: {
+                "layer_names": list(g.layer_names),
+                "kv_cache_spec": self._unstructure_group_spec(g.kv_cache_spec),
+            },
+        )
+        self._c = c
+
+    # -- specs ----------------------------------------------------------------
+    def structure_spec(self, data: Any, *, where: str = "$") -> KVCacheSpec:
+        """A spec from its JSON object (``kind`` plus constructor keywords)."""
+        if isinstance(data, KVCacheSpec):
+            return data
+        if not isinstance(data, Mapping) or "kind" not in data:
+            msg = (
+                f"a cache spec at {where} must be a JSON object with a 'kind' key "
+                f"(one of {', '.join(sorted(self.registry))}), got {data!r}"
+            )
+            raise SerializationError(msg)
+        fields = dict(data)
+        name = fields.pop("kind")
+        try:
+            spec_type = self.registry[name].spec_type
+        except UnknownKindError as exc:
+            msg = f"{exc} (at {where})"
+            raise UnknownKindError(msg, kind=str(name)) from None
+        try:
+            return self._c.structure(fields, spec_type)
+        except cattrs.BaseValidationError as exc:
+            errors = cattrs.transform_error(
+                exc, path=where, format_exception=_format_exception
+            )
+            msg = f"invalid {name!r} spec: " + "; ".join(errors)
+            raise SerializationError(msg) from exc
+        except (ValueError, TypeError) as exc:
+            msg = f"invalid {name!r} spec at {where}: {exc}"
+            raise SerializationError(msg) from exc
+
+    def unstructure_spec(self, spec: KVCacheSpec) -> dict[str, Any]:
+        """A spec's JSON object: ``kind`` first, then non-default fields."""
+        self.registry.kind_for(spec)
+        body = self._c.unstructure(spec, unstructure_as=type(spec))
+        return {"kind": type(spec).kind, **body}
+
+    def _structure_group_spec(self, data: Any) -> KVCacheSpec | UniformTypeKVCacheSpecs:
+        if isinstance(data, Mapping) and data.get("kind") == UNIFORM_TAG:
+            unknown = set(data) - {"kind", "block_size", "kv_cache_specs"}
+            if unknown:
+                msg = f"unknown field(s) {sorted(unknown)} in a {UNIFORM_TAG} group spec"
+                raise SerializationError(msg)
+            members = {
+                name: self.structure_spec(spec, where=f"$.kv_cache_specs.{name}")
+                for name, spec in data["kv_cache_specs"].items()
+            }
+            return UniformTypeKVCacheSpecs(block_size=data["block_size"], kv_cache_specs=members)
+        return self.structure_spec(data)
+
+    def _unstructure_uniform(self, spec: UniformTypeKVCacheSpecs) -> dict[str, Any]:
+        return {
+            "kind": UNIFORM_TAG,
+            "block_size": spec.block_size,
+            "kv_cache_specs": {
+                name: self.unstructure_spec(member)
+                for name, member in spec.kv_cache_specs.items()
+            },
+        }
+
+    def _unstructure_group_spec(
+        self, spec: KVCacheSpec | UniformTypeKVCacheSpecs
+    ) -> dict[str, Any]:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return self._unstructure_uniform(spec)
+        return self.unstructure_spec(spec)
+
+    # -- anything -------------------------------------------------------------
+    def unstructure(self, obj: Any) -> Any:
+        """JSON-ready data for a spec, group spec, group, tensor or config."""
+        if isinstance(obj, KVCacheSpec):
+            return self.unstructure_spec(obj)
+        if isinstance(obj, UniformTypeKVCacheSpecs):
+            return self._unstructure_uniform(obj)
+        return self._c.unstructure(obj)
+
+    def structure(self, data: Any, cls: type[Any]) -> Any:
+        """The inverse of :meth:`unstructure` for ``cls``."""
+        if cls is KVCacheSpec or (isinstance(cls, type) and issubclass(cls, KVCacheSpec)):
+            spec = self.structure_spec(data)
+            if not isinstance(spec, cls):
+                msg = f"expected a {cls.__name__}, the JSON describes a {type(spec).__name__}"
+                raise SerializationError(msg)
+            return spec
+        try:
+            return self._c.structure(data, cls)
+        except cattrs.BaseValidationError as exc:
+            errors = cattrs.transform_error(exc, format_exception=_format_exception)
+            msg = f"invalid {getattr(cls, '__name__', cls)}: " + "; ".join(errors)
+            raise SerializationError(msg) from exc
+        except (KeyError, TypeError) as exc:
+            msg = f"invalid {getattr(cls, '__name__', cls)}: {exc!r}"
+            raise SerializationError(msg) from exc
+
+
+def make_converter(registry: KindRegistry | None = None) -> SpecConverter:
+    """A converter for ``registry`` (default: :func:`kvcore.default_registry`)."""
+    return SpecConverter(registry if registry is not None else default_registry())
+
+
+def dump_config(config: KVCacheConfig, registry: KindRegistry | None = None) -> str:
+    """A config as a JSON string, as a scheduler ships it to workers."""
+    return json.dumps(make_converter(registry).unstructure(config), indent=1)
+
+
+def load_config(text: str, registry: KindRegistry | None = None) -> KVCacheConfig:
+    """The inverse of :func:`dump_config`."""
+    config: KVCacheConfig = make_converter(registry).structure(json.loads(text), KVCacheConfig)
+    return config
+
+
+@attrs.frozen(kw_only=True)
+class ModelFile:
+    """A model's cache layers, as in ``zoo/*.json``."""
+
+    name: str
+    layers: dict[str, KVCacheSpec]
+    notes: str = ""
+    sources: tuple[str, ...] = ()
+
+
+def load_model_file(
+    source: str | Path | Mapping[str, Any], registry: KindRegistry | None = None
+) -> ModelFile:
+    """Read a model file: ``{"name": ..., "layers": {layer: spec, ...}}``."""
+    if isinstance(source, Mapping):
+        data: Any = source
+        where = "model file"
+    else:
+        path = Path(source)
+        where = str(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            msg = f"cannot read model file {where}: {exc}"
+            raise SerializationError(msg) from exc
+    if not isinstance(data, Mapping) or not isinstance(data.get("layers"), Mapping):
+        msg = f"{where} must be a JSON object with a 'layers' object (layer name -> spec)"
+        raise SerializationError(msg)
+    unknown = set(data) - {"name", "notes", "sources", "layers"}
+    if unknown:
+        msg = f"{where}: unknown top-level key(s) {sorted(unknown)}"
+        raise SerializationError(msg)
+    converter = make_converter(registry)
+    layers = {
+        name: converter.structure_spec(spec, where=f"{where}: layers.{name}")
+        for name, spec in data["layers"].items()
+    }
+    if not layers:
+        msg = f"{where} lists no layers"
+        raise SerializationError(msg)
+    return ModelFile(
+        name=str(data.get("name", where)),
+        layers=layers,
+        notes=str(data.get("notes", "")),
+        sources=tuple(data.get("sources", ())),
+    )
