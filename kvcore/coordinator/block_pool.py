@@ -1,0 +1,565 @@
+"""Physical KV-cache blocks: reference counts, the free queue, the prefix cache.
+
+Every cache group draws block ids from one :class:`BlockPool`.  A block is
+*in use* while its reference count is positive and *free* otherwise; free
+blocks wait in a :class:`FreeBlockQueue` in eviction order.  A full block can
+be registered in the prefix cache under ``(block hash, group id)``; it keeps
+that key while free, so a later request can hit it, and loses it only when the
+pool hands the block out again (or the cache is reset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from kvcore.coordinator.hashing import BlockHash
+from kvcore.errors import (
+    BlockSizeError,
+    InvalidRequestError,
+    KvcoreTypeError,
+    KvcoreValueError,
+    NoFreeBlocksError,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHashWithGroupId",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "FreeBlockQueue",
+    "KVCacheBlock",
+    "KVCacheEvent",
+]
+
+BlockHashWithGroupId: TypeAlias = tuple[BlockHash, int]
+"""Prefix-cache key: the block's chained hash and its cache group id."""
+
+
+class KVCacheBlock:
+    """Metadata of one physical block (the data lives in the pool's tensors)."""
+
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "is_null",
+        "next_free",
+        "prev_free",
+        "ref_cnt",
+    )
+
+    block_id: int
+    ref_cnt: int
+    block_hash: BlockHashWithGroupId | None
+    prev_free: KVCacheBlock | None
+    next_free: KVCacheBlock | None
+    is_null: bool
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        #: Prefix-cache key while the block is registered, else None.
+        self.block_hash = None
+        #: Free-queue links; both None while the block is not in a queue.
+        self.prev_free = None
+        self.next_free = None
+        #: True only for the pool's placeholder block (id 0).
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        key = None if self.block_hash is None else self.block_hash[0].hex()[:12]
+        null = ", null" if self.is_null else ""
+        return (
+            f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={key}{null})"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Free queue
+# ---------------------------------------------------------------------------
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks threaded through the blocks themselves.
+
+    The front is evicted (handed out) first.  Every operation is O(1) per block;
+    ``remove`` takes a block out of the middle, which is how a prefix-cache hit
+    revives a free block.  Sentinel head and tail blocks (id -1) remove all
+    end-of-list special cases.
+    """
+
+    __slots__ = ("_head", "_tail", "num_free")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        self.append_n(list(blocks))
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the front block."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            msg = "the free block queue is empty; free blocks before taking one"
+            raise NoFreeBlocksError(msg)
+        nxt = block.next_free
+        assert nxt is not None  # internal invariant: linked blocks have links
+        self._head.next_free = nxt
+        nxt.prev_free = self._head
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take the ``n`` front blocks, front first."""
+        if n > self.num_free or n < 0:
+            msg = (
+                f"asked the free block queue for {n} blocks but it holds "
+                f"{self.num_free}; ask for between 0 and {self.num_free}"
+            )
+            raise NoFreeBlocksError(msg)
+        out: list[KVCacheBlock] = []
+        if n == 0:
+            return out
+        append = out.append
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None
+            append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from wherever it is in the queue."""
+        prev = block.prev_free
+        nxt = block.next_free
+        if prev is None or nxt is None:
+            msg = (
+                f"block {block.block_id} is not in the free block queue; only a "
+                "free block (reference count 0) can be removed from it"
+            )
+            raise KvcoreValueError(msg)
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the back (evicted last)."""
+        if block.prev_free is not None:
+            raise _already_queued(block)
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = tail
+        tail.prev_free = block
+        self.num_free += 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the back, in order (the first given leaves first)."""
+        if not blocks:
+            return
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        self._link_after(last, tail, blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, in order (the first given leaves first)."""
+        if not blocks:
+            return
+        head = self._head
+        first = head.next_free
+        assert first is not None
+        self._link_after(head, first, blocks)
+
+    def _link_after(
+        self, left: KVCacheBlock, right: KVCacheBlock, blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        for block in blocks:
+            if block.prev_free is not None:
+                raise _already_queued(block)
+        prev = left
+        for block in blocks:
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = right
+        right.prev_free = prev
+        self.num_free += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks, front first (O(n); for tests and debugging)."""
+        out = []
+        block = self._head.next_free
+        tail = self._tail
+        while block is not tail and block is not None:
+            out.append(block)
+            block = block.next_free
+        return out
+
+
+def _already_queued(block: KVCacheBlock) -> KvcoreValueError:
+    msg = (
+        f"block {block.block_id} is already in the free block queue; a block can "
+        "be queued once (take it out with remove() or popleft() first)"
+    )
+    return KvcoreValueError(msg)
+
+
+# ---------------------------------------------------------------------------
+# KV cache events
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks were registered in the prefix cache."""
+
+    block_hashes: tuple[BlockHash, ...]
+    group_id: int
+    block_ids: tuple[int, ...]
+    #: Hash of the block before the first stored one, or None at the start.
+    parent_block_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks were evicted from the prefix cache."""
+
+    block_hashes: tuple[BlockHash, ...]
+    group_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset."""
+
+
+KVCacheEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# ---------------------------------------------------------------------------
+# Block pool
+# ---------------------------------------------------------------------------
+
+
+class BlockPool:
+    """All blocks of the KV cache, shared by every cache group.
+
+    Block 0 is the *null block*: a placeholder for positions a group does not
+    keep (e.g. outside a sliding window).  It is taken out at construction,
+    never freed, hashed or reference-counted, and does not count as free or
+    usable.
+    """
+
+    __slots__ = (
+        "_cached",
+        "_events",
+        "blocks",
+        "enable_caching",
+        "enable_kv_cache_events",
+        "free_queue",
+        "hash_block_size",
+        "null_block",
+        "num_blocks",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        if type(num_blocks) is not int:
+            msg = f"num_blocks must be an int, not {type(num_blocks).__name__}"
+            raise KvcoreTypeError(msg)
+        if num_blocks < 1:
+            msg = (
+                f"num_blocks must be >= 1 (block 0 is the null block), got "
+                f"{num_blocks}; give the pool more memory or smaller blocks"
+            )
+            raise KvcoreValueError(msg)
+        if type(hash_block_size) is not int or hash_block_size < 1:
+            msg = (
+                f"hash_block_size must be a positive int, got {hash_block_size!r}; "
+                "pass the number of tokens per hashed chunk"
+            )
+            raise BlockSizeError(msg)
+        self.num_blocks = num_blocks
+        self.enable_caching = bool(enable_caching)
+        self.hash_block_size = hash_block_size
+        self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # key -> block, or key -> {block_id: block} when several blocks hold it.
+        self._cached: dict[
+            BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]
+        ] = {}
+        self._events: list[KVCacheEvent] = []
+        self.null_block = self.free_queue.popleft()
+        self.null_block.is_null = True
+
+    # -- allocation ---------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Hand out ``num_blocks`` free blocks with reference count 1.
+
+        Blocks come from the front of the free queue; any prefix-cache key they
+        still hold is evicted.  Raises :class:`NoFreeBlocksError`, changing
+        nothing, when fewer blocks are free.
+        """
+        queue = self.free_queue
+        if num_blocks > queue.num_free or num_blocks < 0:
+            raise self._no_free_blocks(num_blocks)
+        if num_blocks == 1:
+            block = queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            return [block]
+        blocks = queue.popleft_n(num_blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def _no_free_blocks(self, num_blocks: int) -> KvcoreValueError:
+        if num_blocks < 0:
+            msg = f"cannot allocate {num_blocks} blocks; ask for 0 or more"
+            return KvcoreValueError(msg)
+        free = self.free_queue.num_free
+        msg = (
+            f"asked for {num_blocks} KV-cache blocks but only {free} of "
+            f"{self.num_blocks - 1} are free; free or preempt requests first, or "
+            "give the cache more blocks"
+        )
+        return NoFreeBlocksError(msg)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        key = block.block_hash
+        assert key is not None
+        block.block_hash = None
+        cached = self._cached
+        entry = cached.get(key)
+        if entry is block:
+            del cached[key]
+        elif isinstance(entry, dict):
+            entry.pop(block.block_id, None)
+            if len(entry) == 1:
+                cached[key] = next(iter(entry.values()))
+        if self.enable_kv_cache_events:
+            self._events.append(BlockRemoved((key[0],), key[1]))
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block, reviving free ones (cache hits).
+
+        The null block is skipped.
+        """
+        remove = self.free_queue.remove
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; blocks reaching 0 become free.
+
+        Pass a request's blocks tail first, so its tail is evicted first.
+        Freed blocks with a prefix-cache key go to the back of the free queue
+        (least recently used order, kept as given); with caching on, blocks
+        without one go to the front, so they are reused before any cached
+        block.  The null block is skipped.  Dropping a reference a block does
+        not hold (a double free) raises :class:`InvalidRequestError` and
+        changes nothing.
+        """
+        blocks: Sequence[KVCacheBlock] = (
+            ordered_blocks
+            if type(ordered_blocks) is list or type(ordered_blocks) is tuple
+            else list(ordered_blocks)
+        )
+        if len(blocks) == 1:
+            block = blocks[0]
+            if block.is_null:
+                return
+            cnt = block.ref_cnt - 1
+            if cnt < 0:
+                raise _double_free(block)
+            block.ref_cnt = cnt
+            if cnt == 0:
+                if self.enable_caching and block.block_hash is None:
+                    self.free_queue.prepend_n(blocks)
+                else:
+                    self.free_queue.append(block)
+            return
+        freed: list[KVCacheBlock] = []
+        for i, block in enumerate(blocks):
+            if block.is_null:
+                continue
+            cnt = block.ref_cnt - 1
+            if cnt < 0:
+                for done in blocks[:i]:
+                    if not done.is_null:
+                        done.ref_cnt += 1
+                raise _double_free(block)
+            block.ref_cnt = cnt
+            if cnt == 0:
+                freed.append(block)
+        if not freed:
+            return
+        if self.enable_caching:
+            unhashed = [b for b in freed if b.block_hash is None]
+            if unhashed:
+                if len(unhashed) == len(freed):
+                    self.free_queue.prepend_n(freed)
+                    return
+                self.free_queue.prepend_n(unhashed)
+                freed = [b for b in freed if b.block_hash is not None]
+        self.free_queue.append_n(freed)
+
+    # -- prefix cache ---------------------------------------------------------
+
+    def get_cached_block(
+        self, block_hash: BlockHash, group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group for ``block_hash``, or None if any misses."""
+        cached = self._cached
+        out = []
+        for group_id in group_ids:
+            entry = cached.get((block_hash, group_id))
+            if entry is None:
+                return None
+            if isinstance(entry, dict):
+                entry = next(iter(entry.values()))
+            out.append(entry)
+        return out
+
+    def cache_full_blocks(
+        self,
+        *,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        group_id: int,
+    ) -> None:
+        """Register ``blocks[num_cached_blocks:num_full_blocks]`` in the cache.
+
+        ``block_hashes`` are already at this group's block size (see
+        :func:`~kvcore.coordinator.hashing.hashes_at_block_size`); block ``i``
+        gets key ``(block_hashes[i], group_id)``.  Null blocks and blocks that
+        already hold a key are skipped.  Does nothing when caching is off.
+        """
+        if not 0 <= num_cached_blocks <= num_full_blocks <= len(blocks):
+            msg = (
+                f"cache_full_blocks: need 0 <= num_cached_blocks "
+                f"({num_cached_blocks}) <= num_full_blocks ({num_full_blocks}) <= "
+                f"number of blocks ({len(blocks)}) for group {group_id}"
+            )
+            raise InvalidRequestError(msg)
+        if num_full_blocks > len(block_hashes):
+            msg = (
+                f"cache_full_blocks: {num_full_blocks} full blocks but only "
+                f"{len(block_hashes)} block hashes for group {group_id}; hash the "
+                "request's tokens before caching its blocks"
+            )
+            raise InvalidRequestError(msg)
+        if not self.enable_caching or num_cached_blocks == num_full_blocks:
+            return
+        cached = self._cached
+        events = self.enable_kv_cache_events
+        stored_hashes: list[BlockHash] = []
+        stored_ids: list[int] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or block.block_hash is not None:
+                continue
+            block_hash = block_hashes[i]
+            key = (block_hash, group_id)
+            block.block_hash = key
+            entry = cached.get(key)
+            if entry is None:
+                cached[key] = block
+            elif isinstance(entry, dict):
+                entry[block.block_id] = block
+            else:
+                cached[key] = {entry.block_id: entry, block.block_id: block}
+            if events:
+                stored_hashes.append(block_hash)
+                stored_ids.append(block.block_id)
+        if stored_hashes:
+            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+            self._events.append(
+                BlockStored(tuple(stored_hashes), group_id, tuple(stored_ids), parent)
+            )
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a prefix-cache key, in use or free (O(n))."""
+        return sum(
+            1 if not isinstance(e, dict) else len(e) for e in self._cached.values()
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache key.
+
+        Only allowed while no block other than the null block is in use; returns
+        False, changing nothing, otherwise.
+        """
+        if self.num_blocks - self.free_queue.num_free != 1:
+            return False
+        self._cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.enable_kv_cache_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    # -- accounting -----------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out (the null block never counts)."""
+        return self.free_queue.num_free
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks in use, in [0, 1]."""
+        usable = self.num_blocks - 1
+        if usable == 0:
+            return 0.0
+        return 1.0 - self.free_queue.num_free / usable
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the events recorded since the last call."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+
+def _double_free(block: KVCacheBlock) -> InvalidRequestError:
+    msg = (
+        f"block {block.block_id} freed more often than it was taken (reference "
+        "count would drop below 0); free each block once per allocate/touch"
+    )
+    return InvalidRequestError(msg)

@@ -1,0 +1,609 @@
+"""Block pool: free queue order, reference counts, prefix cache, events."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.coordinator.block_pool import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    FreeBlockQueue,
+    KVCacheBlock,
+)
+from kvcore.errors import (
+    BlockSizeError,
+    InvalidRequestError,
+    KvcoreTypeError,
+    KvcoreValueError,
+    NoFreeBlocksError,
+)
+
+
+def ids(blocks: list[KVCacheBlock]) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    return ids(pool.free_queue.get_all_free_blocks())
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def pool(
+    num_blocks: int = 10, *, caching: bool = True, events: bool = False
+) -> BlockPool:
+    return BlockPool(
+        num_blocks,
+        enable_caching=caching,
+        hash_block_size=16,
+        enable_kv_cache_events=events,
+    )
+
+
+# -- FreeBlockQueue ---------------------------------------------------------------
+
+
+def make_queue(n: int) -> tuple[FreeBlockQueue, list[KVCacheBlock]]:
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    return FreeBlockQueue(blocks), blocks
+
+
+def test_queue_starts_in_block_id_order() -> None:
+    queue, _ = make_queue(5)
+    assert queue.num_free == len(queue) == 5
+    assert ids(queue.get_all_free_blocks()) == [0, 1, 2, 3, 4]
+
+
+def test_queue_popleft_and_popleft_n() -> None:
+    queue, _ = make_queue(5)
+    assert queue.popleft().block_id == 0
+    assert ids(queue.popleft_n(3)) == [1, 2, 3]
+    assert queue.popleft_n(0) == []
+    assert queue.num_free == 1
+    with pytest.raises(NoFreeBlocksError, match="asked the free block queue for 2"):
+        queue.popleft_n(2)
+    assert queue.num_free == 1  # unchanged by the failed call
+    assert queue.popleft().block_id == 4
+    with pytest.raises(NoFreeBlocksError, match="empty"):
+        queue.popleft()
+    assert queue.get_all_free_blocks() == []
+
+
+def test_queue_popped_blocks_are_unlinked() -> None:
+    queue, blocks = make_queue(3)
+    block = queue.popleft()
+    assert block.prev_free is None
+    assert block.next_free is None
+    for b in queue.popleft_n(2):
+        assert b.prev_free is None
+        assert b.next_free is None
+    assert blocks[2].next_free is None
+
+
+def test_queue_remove_from_the_middle_and_ends() -> None:
+    queue, blocks = make_queue(5)
+    queue.remove(blocks[2])
+    queue.remove(blocks[0])
+    queue.remove(blocks[4])
+    assert ids(queue.get_all_free_blocks()) == [1, 3]
+    assert queue.num_free == 2
+    with pytest.raises(
+        KvcoreValueError, match="block 2 is not in the free block queue"
+    ):
+        queue.remove(blocks[2])
+
+
+def test_queue_append_and_prepend_keep_given_order() -> None:
+    queue, _ = make_queue(6)
+    taken = queue.popleft_n(4)  # 0 1 2 3 ; queue: 4 5
+    queue.append(taken[0])  # 4 5 0
+    queue.append_n([taken[1], taken[2]])  # 4 5 0 1 2
+    queue.prepend_n([taken[3]])  # 3 4 5 0 1 2
+    assert ids(queue.get_all_free_blocks()) == [3, 4, 5, 0, 1, 2]
+    got = queue.popleft_n(6)
+    queue.prepend_n([got[5], got[4]])  # the first given comes out first
+    queue.prepend_n([got[0]])
+    assert ids(queue.get_all_free_blocks()) == [3, 2, 1]
+    queue.append_n([])
+    queue.prepend_n([])
+    assert queue.num_free == 3
+
+
+def test_queue_rejects_a_block_queued_twice() -> None:
+    queue, blocks = make_queue(3)
+    with pytest.raises(KvcoreValueError, match="block 1 is already in the free"):
+        queue.append(blocks[1])
+    outside = queue.popleft()
+    with pytest.raises(KvcoreValueError, match="block 2 is already"):
+        queue.prepend_n([outside, blocks[2]])
+    # Validated before linking: nothing changed.
+    assert ids(queue.get_all_free_blocks()) == [1, 2]
+    assert queue.num_free == 2
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"]
+        ),
+        st.integers(min_value=0, max_value=10_000),
+        st.integers(min_value=0, max_value=6),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(min_value=0, max_value=12), ops=_OPS)
+def test_queue_matches_a_list_model(n: int, ops: list[tuple[str, int, int]]) -> None:
+    queue, blocks = make_queue(n)
+    model = list(range(n))  # block ids, front first
+    for op, pick, count in ops:
+        outside = [i for i in range(n) if i not in model]
+        if op == "popleft":
+            if model:
+                assert queue.popleft().block_id == model.pop(0)
+            else:
+                with pytest.raises(NoFreeBlocksError):
+                    queue.popleft()
+        elif op == "popleft_n":
+            if count <= len(model):
+                assert ids(queue.popleft_n(count)) == model[:count]
+                del model[:count]
+            else:
+                with pytest.raises(NoFreeBlocksError):
+                    queue.popleft_n(count)
+        elif op == "remove" and model:
+            victim = model.pop(pick % len(model))
+            queue.remove(blocks[victim])
+        elif op == "append" and outside:
+            chosen = outside[pick % len(outside)]
+            queue.append(blocks[chosen])
+            model.append(chosen)
+        elif op in ("append_n", "prepend_n"):
+            # A pick-dependent rotation of the outside blocks, up to `count`.
+            k = min(count, len(outside))
+            start = pick % len(outside) if outside else 0
+            chosen_ids = (outside[start:] + outside[:start])[:k]
+            chosen_blocks = [blocks[i] for i in chosen_ids]
+            if op == "append_n":
+                queue.append_n(chosen_blocks)
+                model.extend(chosen_ids)
+            else:
+                queue.prepend_n(chosen_blocks)
+                model[:0] = chosen_ids
+        assert queue.num_free == len(model)
+        assert ids(queue.get_all_free_blocks()) == model
+    # Links are consistent in both directions.
+    forward = queue.get_all_free_blocks()
+    for a, b in pairwise(forward):
+        assert a.next_free is b
+        assert b.prev_free is a
+
+
+# -- BlockPool construction and allocation ----------------------------------------
+
+
+def test_pool_reserves_block_0_as_the_null_block() -> None:
+    p = pool(10)
+    assert p.num_blocks == 10
+    assert p.null_block is p.blocks[0]
+    assert p.null_block.is_null
+    assert p.get_num_free_blocks() == 9
+    assert free_ids(p) == list(range(1, 10))
+    assert p.get_usage() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_blocks": 0}, KvcoreValueError, "num_blocks must be >= 1"),
+        ({"num_blocks": -3}, KvcoreValueError, "got -3"),
+        ({"num_blocks": 2.0}, KvcoreTypeError, "float"),
+        ({"hash_block_size": 0}, BlockSizeError, "hash_block_size"),
+    ],
+    ids=["zero", "negative", "float", "zero-hash-block"],
+)
+def test_pool_validates_its_arguments(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    args: dict[str, object] = {
+        "num_blocks": 4,
+        "enable_caching": True,
+        "hash_block_size": 16,
+    }
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        BlockPool(**args)  # type: ignore[arg-type]
+
+
+def test_pool_with_only_the_null_block() -> None:
+    p = pool(1)
+    assert p.get_num_free_blocks() == 0
+    assert p.get_usage() == 0.0
+    assert p.get_new_blocks(0) == []
+    with pytest.raises(
+        NoFreeBlocksError, match="asked for 1 KV-cache blocks but only 0 of 0"
+    ):
+        p.get_new_blocks(1)
+
+
+def test_get_new_blocks_takes_from_the_front_with_ref_1() -> None:
+    p = pool(10)
+    got = p.get_new_blocks(3)
+    assert ids(got) == [1, 2, 3]
+    assert [b.ref_cnt for b in got] == [1, 1, 1]
+    assert p.get_num_free_blocks() == 6
+    assert p.get_usage() == pytest.approx(3 / 9)
+    assert ids(p.get_new_blocks(1)) == [4]
+
+
+def test_get_new_blocks_fails_before_touching_anything() -> None:
+    p = pool(5)
+    p.get_new_blocks(2)
+    before = free_ids(p)
+    with pytest.raises(NoFreeBlocksError) as info:
+        p.get_new_blocks(3)
+    msg = str(info.value)
+    assert "asked for 3" in msg
+    assert "only 2 of 4 are free" in msg
+    assert "free or preempt" in msg
+    assert free_ids(p) == before
+    assert all(p.blocks[i].ref_cnt == 0 for i in before)
+    with pytest.raises(KvcoreValueError, match="-1"):
+        p.get_new_blocks(-1)
+
+
+# -- freeing ------------------------------------------------------------------------
+
+
+def test_free_unhashed_blocks_go_to_the_front_in_given_order() -> None:
+    p = pool(10)
+    a = p.get_new_blocks(3)  # 1 2 3
+    p.free_blocks(reversed(a))  # tail first: 3 2 1
+    assert free_ids(p) == [3, 2, 1, 4, 5, 6, 7, 8, 9]
+    assert [b.ref_cnt for b in a] == [0, 0, 0]
+    # Reused first, for locality.
+    assert ids(p.get_new_blocks(2)) == [3, 2]
+
+
+def test_free_hashed_blocks_go_to_the_back_in_given_order() -> None:
+    p = pool(6)
+    a = p.get_new_blocks(3)  # 1 2 3
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2), h(3)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=3,
+        group_id=0,
+    )
+    p.free_blocks(a[::-1])
+    # The request's tail (block 3) is evicted before its head (block 1).
+    assert free_ids(p) == [4, 5, 3, 2, 1]
+
+
+def test_free_mixed_blocks_split_front_and_back() -> None:
+    p = pool(8)
+    a = p.get_new_blocks(4)  # 1 2 3 4; queue 5 6 7
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    p.free_blocks(a[::-1])  # 4(unhashed) 3(unhashed) 2(hashed) 1(hashed)
+    assert free_ids(p) == [4, 3, 5, 6, 7, 2, 1]
+
+
+def test_free_without_caching_appends_everything() -> None:
+    p = pool(6, caching=False)
+    a = p.get_new_blocks(3)
+    p.free_blocks(a[::-1])
+    assert free_ids(p) == [4, 5, 3, 2, 1]
+    b = p.get_new_blocks(1)
+    p.free_blocks(b)
+    assert free_ids(p) == [5, 3, 2, 1, 4]
+
+
+def test_shared_block_is_freed_only_at_ref_0() -> None:
+    p = pool(5)
+    (b,) = p.get_new_blocks(1)
+    p.touch([b])
+    assert b.ref_cnt == 2
+    p.free_blocks([b])
+    assert b.ref_cnt == 1
+    assert 1 not in free_ids(p)
+    p.free_blocks([b])
+    assert b.ref_cnt == 0
+    assert free_ids(p)[0] == 1
+
+
+def test_double_free_raises_and_changes_nothing() -> None:
+    p = pool(6)
+    a = p.get_new_blocks(3)
+    p.free_blocks([a[0]])
+    before = free_ids(p)
+    with pytest.raises(InvalidRequestError, match="block 1 freed more often"):
+        p.free_blocks([a[0]])
+    # In a longer list, the blocks before the bad one are restored.
+    with pytest.raises(InvalidRequestError, match="block 1"):
+        p.free_blocks([a[2], a[1], a[0]])
+    assert [b.ref_cnt for b in a] == [0, 1, 1]
+    assert free_ids(p) == before
+    # The same block twice in one call with a single reference.
+    with pytest.raises(InvalidRequestError, match="block 2"):
+        p.free_blocks([a[1], a[1]])
+    assert a[1].ref_cnt == 1
+    assert free_ids(p) == before
+
+
+def test_block_listed_twice_with_two_references() -> None:
+    p = pool(4)
+    (b,) = p.get_new_blocks(1)
+    p.touch([b])
+    p.free_blocks([b, b])
+    assert b.ref_cnt == 0
+    assert free_ids(p) == [1, 2, 3]  # queued once
+
+
+def test_null_block_is_never_freed_or_counted() -> None:
+    p = pool(4)
+    a = p.get_new_blocks(1)
+    p.free_blocks([p.null_block, *a, p.null_block])
+    p.free_blocks([p.null_block])
+    assert 0 not in free_ids(p)
+    assert p.get_num_free_blocks() == 3
+    p.touch([p.null_block, p.null_block])
+    assert p.null_block.ref_cnt == 0
+
+
+# -- touch and the prefix cache -----------------------------------------------------
+
+
+def test_touch_revives_free_cached_blocks() -> None:
+    p = pool(6)
+    a = p.get_new_blocks(2)  # 1 2
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    p.free_blocks(a[::-1])
+    assert free_ids(p) == [3, 4, 5, 2, 1]
+    hit = p.get_cached_block(h(1), [0])
+    assert hit == [a[0]]
+    p.touch(hit)
+    assert a[0].ref_cnt == 1
+    assert free_ids(p) == [3, 4, 5, 2]
+    assert a[0].block_hash == (h(1), 0)  # still cached while in use
+    p.touch(hit)
+    assert a[0].ref_cnt == 2
+
+
+def test_cached_lookup_needs_every_group() -> None:
+    p = pool(8)
+    a = p.get_new_blocks(2)
+    b = p.get_new_blocks(2)
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=b,
+        num_cached_blocks=0,
+        num_full_blocks=1,
+        group_id=1,
+    )
+    assert p.get_cached_block(h(1), [0, 1]) == [a[0], b[0]]
+    assert p.get_cached_block(h(2), [0]) == [a[1]]
+    assert p.get_cached_block(h(2), [0, 1]) is None  # group 1 only cached block 0
+    assert p.get_cached_block(h(9), [0]) is None
+    assert p.get_cached_block(h(1), []) == []
+    assert b[1].block_hash is None
+
+
+def test_cache_full_blocks_range_and_skips() -> None:
+    p = pool(8)
+    a = p.get_new_blocks(4)
+    blocks = [p.null_block, *a]  # a table that starts with a skipped position
+    hashes = [h(0), h(1), h(2), h(3), h(4)]
+    p.cache_full_blocks(
+        block_hashes=hashes,
+        blocks=blocks,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=3,
+    )
+    assert p.null_block.block_hash is None
+    assert a[0].block_hash == (h(1), 3)
+    assert a[1].block_hash is None  # outside [0, 2)
+    # Already-cached blocks are left alone; the range continues.
+    p.cache_full_blocks(
+        block_hashes=hashes,
+        blocks=blocks,
+        num_cached_blocks=1,
+        num_full_blocks=4,
+        group_id=3,
+    )
+    assert [b.block_hash for b in a] == [(h(1), 3), (h(2), 3), (h(3), 3), None]
+    assert p.num_cached_blocks == 3
+
+
+@pytest.mark.parametrize(
+    ("cached", "full", "n_hashes", "match"),
+    [
+        (2, 1, 4, "num_cached_blocks"),
+        (0, 5, 5, "number of blocks"),
+        (-1, 1, 4, "num_cached_blocks"),
+        (0, 3, 2, "only 2 block hashes"),
+    ],
+    ids=["cached-after-full", "past-blocks", "negative", "missing-hashes"],
+)
+def test_cache_full_blocks_rejects_bad_ranges(
+    cached: int, full: int, n_hashes: int, match: str
+) -> None:
+    p = pool(8)
+    a = p.get_new_blocks(4)
+    with pytest.raises(InvalidRequestError, match=match):
+        p.cache_full_blocks(
+            block_hashes=[h(i) for i in range(n_hashes)],
+            blocks=a,
+            num_cached_blocks=cached,
+            num_full_blocks=full,
+            group_id=0,
+        )
+    assert all(b.block_hash is None for b in a)
+
+
+def test_cache_full_blocks_does_nothing_without_caching() -> None:
+    p = pool(4, caching=False)
+    a = p.get_new_blocks(2)
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    assert a[0].block_hash is None
+    assert p.get_cached_block(h(1), [0]) is None
+
+
+def test_reusing_a_cached_block_evicts_its_hash() -> None:
+    p = pool(3)  # usable: 1 2
+    a = p.get_new_blocks(2)
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    p.free_blocks(a[::-1])  # queue: 2 1
+    (reused,) = p.get_new_blocks(1)
+    assert reused is a[1]
+    assert reused.block_hash is None
+    assert reused.ref_cnt == 1
+    assert p.get_cached_block(h(2), [0]) is None
+    assert p.get_cached_block(h(1), [0]) == [a[0]]
+
+
+def test_duplicate_keys_are_all_kept() -> None:
+    p = pool(6)
+    a = p.get_new_blocks(1)
+    b = p.get_new_blocks(1)
+    c = p.get_new_blocks(1)
+    for blocks in (a, b, c):
+        p.cache_full_blocks(
+            block_hashes=[h(7)],
+            blocks=blocks,
+            num_cached_blocks=0,
+            num_full_blocks=1,
+            group_id=0,
+        )
+    assert p.num_cached_blocks == 3
+    assert p.get_cached_block(h(7), [0]) in ([a[0]], [b[0]], [c[0]])
+    # Evict two of them: the third still hits.
+    p.free_blocks(a + b)
+    p.get_new_blocks(4)  # 4 5, then a (block 1), then b (block 2)
+    assert a[0].block_hash is None
+    assert b[0].block_hash is None
+    assert p.get_cached_block(h(7), [0]) == [c[0]]
+    p.free_blocks(c)
+    p.get_new_blocks(1)
+    assert p.get_cached_block(h(7), [0]) is None
+    assert p.num_cached_blocks == 0
+
+
+def test_reset_prefix_cache_only_when_idle() -> None:
+    p = pool(5, events=True)
+    a = p.get_new_blocks(2)
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    p.take_events()
+    assert p.reset_prefix_cache() is False
+    assert a[0].block_hash == (h(1), 0)
+    assert p.take_events() == []
+    p.free_blocks(a[::-1])
+    assert p.reset_prefix_cache() is True
+    assert all(b.block_hash is None for b in p.blocks)
+    assert p.get_cached_block(h(1), [0]) is None
+    assert p.take_events() == [AllBlocksCleared()]
+    assert p.get_num_free_blocks() == 4
+
+
+# -- events -----------------------------------------------------------------------
+
+
+def test_events_record_store_and_remove() -> None:
+    p = pool(4, events=True)
+    a = p.get_new_blocks(3)  # 1 2 3
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=5,
+    )
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2), h(3)],
+        blocks=a,
+        num_cached_blocks=2,
+        num_full_blocks=3,
+        group_id=5,
+    )
+    assert p.take_events() == [
+        BlockStored(block_hashes=(h(1), h(2)), group_id=5, block_ids=(1, 2)),
+        BlockStored(
+            block_hashes=(h(3),), group_id=5, block_ids=(3,), parent_block_hash=h(2)
+        ),
+    ]
+    assert p.take_events() == []
+    p.free_blocks(a[::-1])  # queue: 3 2 1
+    p.get_new_blocks(2)
+    assert p.take_events() == [
+        BlockRemoved(block_hashes=(h(3),), group_id=5),
+        BlockRemoved(block_hashes=(h(2),), group_id=5),
+    ]
+
+
+def test_events_are_off_by_default() -> None:
+    p = pool(4)
+    a = p.get_new_blocks(2)
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    p.free_blocks(a)
+    p.get_new_blocks(3)
+    p.reset_prefix_cache()
+    assert p.take_events() == []
+
+
+def test_events_are_frozen() -> None:
+    event = BlockRemoved(block_hashes=(h(1),), group_id=0)
+    with pytest.raises(AttributeError):
+        event.group_id = 1  # type: ignore[misc]
