@@ -415,6 +415,9 @@ def test_cached_lookup_needs_every_group() -> None:
     assert p.get_cached_block(h(9), [0]) is None
     assert p.get_cached_block(h(1), []) == []
     assert b[1].block_hash is None
+    assert p.lookup(h(1), 1) is b[0]
+    assert p.lookup(h(2), 0) is a[1]
+    assert p.lookup(h(2), 1) is None
 
 
 def test_cache_full_blocks_range_and_skips() -> None:
@@ -518,12 +521,14 @@ def test_duplicate_keys_are_all_kept() -> None:
         )
     assert p.num_cached_blocks == 3
     assert p.get_cached_block(h(7), [0]) in ([a[0]], [b[0]], [c[0]])
+    assert p.lookup(h(7), 0) in (a[0], b[0], c[0])
     # Evict two of them: the third still hits.
     p.free_blocks(a + b)
     p.get_new_blocks(4)  # 4 5, then a (block 1), then b (block 2)
     assert a[0].block_hash is None
     assert b[0].block_hash is None
     assert p.get_cached_block(h(7), [0]) == [c[0]]
+    assert p.lookup(h(7), 0) is c[0]
     p.free_blocks(c)
     p.get_new_blocks(1)
     assert p.get_cached_block(h(7), [0]) is None

@@ -439,6 +439,13 @@ class BlockPool:
 
     # -- prefix cache ---------------------------------------------------------
 
+    def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
+        """The cached block of one group for ``block_hash``, or None (fast path)."""
+        entry = self._cached.get((block_hash, group_id))
+        if isinstance(entry, dict):
+            return next(iter(entry.values()))
+        return entry
+
     def get_cached_block(
         self, block_hash: BlockHash, group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
