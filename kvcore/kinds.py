@@ -50,6 +50,24 @@ class CacheKind:
         """
         return raw
 
+    def make_manager(self, spec: Any, block_pool: Any, **kwargs: Any) -> SingleTypeManager:
+        """Build the block manager for one group of this kind.
+
+        :param spec: the group's representative layer spec.
+        :param block_pool: the shared :class:`~kvcore.coordinator.BlockPool`.
+        :param kwargs: ``group_id``, ``block_size``, ``hash_block_size``,
+            ``enable_caching`` and ``max_model_len``.
+        """
+        if self.manager_type is None:
+            from kvcore.errors import PluginError
+
+            msg = (
+                f"cache kind {self.name!r} has no block manager; its plugin must "
+                "set manager_type (a kvcore.coordinator.SingleTypeManager subclass)"
+            )
+            raise PluginError(msg, plugin_name=self.name)
+        return self.manager_type(spec, block_pool, **kwargs)
+
     def __repr__(self) -> str:
         return f"<cache kind {self.name!r} ({self.spec_type.__name__})>"
 

@@ -36,6 +36,7 @@ from kvcore import (
 from kvcore import get_packed_kv_cache_groups as _get_packed_kv_cache_groups
 from kvcore import kv_cache_bytes_per_block as _get_kv_cache_bytes_per_block
 from kvcore import kv_cache_bytes_per_block as _pool_bytes_per_block
+from kvcore.coordinator import KVCacheManager, create_requests
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
@@ -263,7 +264,6 @@ class TestCSALinearGrouping:
             assert tensor.block_stride == bytes_per_block
             assert tensor.offset < bytes_per_block
 
-    @pytest.mark.xfail(strict=True, reason="needs the block coordinator (issue 3)")
     def test_scratch_group_survives_computed_block_truncation(self):
         """The scratch group contributes no computed blocks, so truncating a
         lookup result must skip it: its block size is the ring capacity, which
@@ -275,8 +275,6 @@ class TestCSALinearGrouping:
             config, groups, available_memory=BYTES_PER_BLOCK * 64
         )
         scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
-        from kvcore.coordinator import KVCacheManager
-
         manager = KVCacheManager(
             scheduler_config,
             max_model_len=8192,
@@ -623,7 +621,6 @@ if __name__ == "__main__":
     pytest.main([__file__, "-v"])
 
 
-@pytest.mark.xfail(strict=True, reason="needs the block coordinator (issue 3)")
 class TestCompressorRingGroup:
     def test_ring_beside_paged_groups_keeps_the_kv_block_as_scheduler_block(self):
         """DeepSeek-V4.1 compressor state: a CircularBufferSpec ring (capacity
@@ -666,8 +663,6 @@ class TestCompressorRingGroup:
             config, groups, available_memory=64 * _get_kv_cache_bytes_per_block(groups)
         )
         assert resolve_kv_cache_block_sizes(kv_cache_config, config) == (128, 64)
-        from kvcore.coordinator import KVCacheManager
-
         manager = KVCacheManager(
             generate_scheduler_kv_cache_config([kv_cache_config]),
             max_model_len=8192,
@@ -678,7 +673,6 @@ class TestCompressorRingGroup:
         assert len(manager.coordinator.single_type_managers) == len(groups)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the block coordinator (issue 3)")
 class TestSWABoundedReplayGrouping:
     def test_non_cacheable_swa_leaves_hits_to_the_paged_group(self):
         """Under SWA bounded replay only the paged MLA group hashes (hash
@@ -717,8 +711,6 @@ class TestSWABoundedReplayGrouping:
         kv_cache_config = get_kv_cache_config_from_groups(
             config, groups, available_memory=64 * _get_kv_cache_bytes_per_block(groups)
         )
-        from kvcore.coordinator import KVCacheManager
-
         manager = KVCacheManager(
             generate_scheduler_kv_cache_config([kv_cache_config]),
             max_model_len=8192,
@@ -734,8 +726,6 @@ class TestSWABoundedReplayGrouping:
         # Allocating and caching a request goes through every group's manager;
         # the 32-token SWA group must skip hashing rather than assert on the
         # 128-token hash block.
-        from kvcore.coordinator import create_requests
-
         request = create_requests(num_requests=1, num_tokens=256, block_size=128)[0]
         assert manager.allocate_slots(request, 256) is not None
         request.num_computed_tokens = 256

@@ -1,4 +1,5 @@
-"""Block coordinator runtime: chained hashing, requests and the block pool."""
+"""The block coordinator: block pool, chained hashing, requests, one manager
+per cache group, and the ``KVCacheManager`` a scheduler calls every step."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ from kvcore.coordinator.hashing import (
     hash_function_names,
     hashes_at_block_size,
 )
+from kvcore.coordinator.coordinator import KVCacheCoordinator, SpecGroup
+from kvcore.coordinator.kv_cache_manager import (
+    KVCacheBlocks,
+    KVCacheManager,
+    PrefixCacheStats,
+)
+from kvcore.coordinator.manager import FixedBlocksManager, SingleTypeManager
 from kvcore.coordinator.request import (
     Request,
     RequestStatus,
@@ -32,6 +40,14 @@ from kvcore.coordinator.request import (
 )
 
 __all__ = [
+    # coordinator
+    "FixedBlocksManager",
+    "KVCacheBlocks",
+    "KVCacheCoordinator",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "SingleTypeManager",
+    "SpecGroup",
     # hashing
     "NONE_HASH",
     "BlockHash",

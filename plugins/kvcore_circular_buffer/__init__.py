@@ -12,10 +12,12 @@ from typing import ClassVar
 import attrs
 
 from kvcore.hookspecs import hookimpl
+from kvcore_circular_buffer.manager import CircularBufferManager
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import AttentionSpec, PackingRole
 
-__all__ = ["CircularBuffer", "CircularBufferSpec"]
+__all__ = [
+    "CircularBufferManager","CircularBuffer", "CircularBufferSpec"]
 
 
 @attrs.frozen(kw_only=True)
@@ -37,6 +39,7 @@ class CircularBufferSpec(AttentionSpec):
 class CircularBuffer(AttentionKind):
     name: ClassVar[str] = "circular_buffer"
     spec_type = CircularBufferSpec
+    manager_type = CircularBufferManager
 
 
 @hookimpl

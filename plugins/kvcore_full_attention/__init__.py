@@ -10,8 +10,9 @@ import attrs
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import AttentionSpec
+from kvcore_full_attention.manager import FullAttentionManager
 
-__all__ = ["ATTENTION_FAMILY", "FullAttention", "FullAttentionSpec"]
+__all__ = ["ATTENTION_FAMILY", "FullAttention", "FullAttentionManager", "FullAttentionSpec"]
 
 #: Grouping tag shared by every kind whose layers need one slot per token for
 #: the whole request (full attention and MLA), so they may share a group.
@@ -32,6 +33,7 @@ class FullAttentionSpec(AttentionSpec):
 class FullAttention(AttentionKind):
     name: ClassVar[str] = "full_attention"
     spec_type = FullAttentionSpec
+    manager_type = FullAttentionManager
 
 
 @hookimpl

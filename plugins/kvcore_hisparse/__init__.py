@@ -16,12 +16,14 @@ import attrs
 
 from kvcore.errors import LayoutError
 from kvcore.hookspecs import hookimpl
+from kvcore_hisparse.manager import HiSparseHotManager
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import KVCacheSpec, PackingRole, positive_int
 from kvcore.structs import KVCacheGroupSpec, KVCacheTensor
 
-__all__ = ["HiSparseHot", "HiSparseHotSpec", "build_hisparse_kv_cache_tensors"]
+__all__ = [
+    "HiSparseHotManager","HiSparseHot", "HiSparseHotSpec", "build_hisparse_kv_cache_tensors"]
 
 
 @attrs.frozen(kw_only=True)
@@ -62,6 +64,7 @@ class HiSparseHot(CacheKind):
 
     name: ClassVar[str] = "hisparse_hot"
     spec_type = HiSparseHotSpec
+    manager_type = HiSparseHotManager
 
 
 def build_hisparse_kv_cache_tensors(

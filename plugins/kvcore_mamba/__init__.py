@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 import attrs
 import torch
 
+from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.errors import InvalidSpecError, LayoutError
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import CacheKind, LayerView, view_as_dtype
@@ -27,7 +28,9 @@ from kvcore.spec import (
     optional_positive_int,
 )
 
-__all__ = ["Mamba", "MambaSpec"]
+from kvcore_mamba.manager import MambaManager, MambaStateManager
+
+__all__ = ["Mamba", "MambaManager", "MambaSpec", "MambaStateManager"]
 
 _MODES = ("none", "align", "all")
 
@@ -148,6 +151,12 @@ class Mamba(CacheKind):
 
     name: ClassVar[str] = "mamba"
     spec_type = MambaSpec
+    manager_type = MambaManager
+
+    def make_manager(self, spec: MambaSpec, block_pool: Any, **kwargs: Any) -> SingleTypeManager:
+        if spec.mamba_cache_mode == "none":
+            return MambaStateManager(spec, block_pool, **kwargs)
+        return MambaManager(spec, block_pool, **kwargs)
 
     def bind_view(self, spec: MambaSpec, raw: torch.Tensor) -> LayerView:
         flat = raw[:, 0, 0, :]

@@ -14,7 +14,7 @@ import attrs
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import non_negative_int
-from kvcore_full_attention import FullAttentionSpec
+from kvcore_full_attention import FullAttentionManager, FullAttentionSpec
 
 __all__ = ["MLA", "MLAAttentionSpec"]
 
@@ -36,6 +36,8 @@ class MLAAttentionSpec(FullAttentionSpec):
 class MLA(AttentionKind):
     name: ClassVar[str] = "mla"
     spec_type = MLAAttentionSpec
+    # An MLA layer keeps every state of the request, like full attention.
+    manager_type = FullAttentionManager
 
 
 @hookimpl

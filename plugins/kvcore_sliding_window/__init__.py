@@ -12,10 +12,12 @@ from typing import ClassVar
 import attrs
 
 from kvcore.hookspecs import hookimpl
+from kvcore_sliding_window.manager import SlidingWindowManager
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import AttentionSpec, PackingRole, cdiv, non_negative_int, positive_int
 
 __all__ = [
+    "SlidingWindowManager",
     "SlidingWindow",
     "SlidingWindowMLA",
     "SlidingWindowMLASpec",
@@ -69,11 +71,13 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 class SlidingWindow(AttentionKind):
     name: ClassVar[str] = "sliding_window"
     spec_type = SlidingWindowSpec
+    manager_type = SlidingWindowManager
 
 
 class SlidingWindowMLA(AttentionKind):
     name: ClassVar[str] = "sliding_window_mla"
     spec_type = SlidingWindowMLASpec
+    manager_type = SlidingWindowManager
 
 
 @hookimpl

@@ -1,0 +1,257 @@
+"""The coordinator: one manager per cache group over one block pool.
+
+It finds the longest prefix every prefix-cacheable group can serve (a fixed
+point over any number of groups), attaches hits in two phases (every group's
+hit blocks are touched before any group allocates, so one group's allocation
+never evicts another's hit), and forwards allocation, caching and freeing to
+every group's manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.request import Request
+from kvcore.errors import BlockSizeError
+from kvcore.registry import KindRegistry
+from kvcore.structs import KVCacheConfig
+
+__all__ = ["KVCacheCoordinator", "SpecGroup"]
+
+
+@attrs.define
+class SpecGroup:
+    """Prefix-cacheable groups with one spec, searched together."""
+
+    spec: Any
+    group_ids: list[int]
+    manager_type: type[SingleTypeManager]
+    block_size: int
+
+
+class KVCacheCoordinator:
+    """Runs every cache group's manager over one :class:`BlockPool`.
+
+    :param kv_cache_config: the scheduler's view of the plan.
+    :param max_model_len: the longest request, in tokens.
+    :param enable_caching: prefix caching on or off.
+    :param hash_block_size: tokens per hashed chunk.
+    :param scheduler_block_size: the token alignment of scheduling.
+    :param registry: kinds, for each group's manager.
+    :param dcp: decode context parallelism (scales attention block sizes).
+    :param use_eagle: drop the last block of every hit, so a draft model
+        recomputes it.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        *,
+        max_model_len: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        scheduler_block_size: int,
+        registry: KindRegistry,
+        dcp: int = 1,
+        use_eagle: bool = False,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        if scheduler_block_size % hash_block_size:
+            msg = (
+                f"hash_block_size={hash_block_size} must divide "
+                f"scheduler_block_size={scheduler_block_size}; resolve both with "
+                "kvcore.resolve_kv_cache_block_sizes"
+            )
+            raise BlockSizeError(msg)
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.scheduler_block_size = scheduler_block_size
+        self.max_model_len = max_model_len
+        self.use_eagle = use_eagle
+        managers: list[SingleTypeManager] = []
+        for gid, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            layer_spec = group.layer_spec(group.layer_names[0])
+            block_size = spec.block_size * (
+                dcp if layer_spec.scales_with_context_parallel else 1
+            )
+            if scheduler_block_size % block_size:
+                msg = (
+                    f"cache group {gid} ({layer_spec.kind}, block {block_size}) does not "
+                    f"divide scheduler_block_size={scheduler_block_size}; the scheduler "
+                    "block must be a multiple of every group's block size"
+                )
+                raise BlockSizeError(msg)
+            cacheable = spec.prefix_cacheable
+            if enable_caching and cacheable and block_size % hash_block_size:
+                msg = (
+                    f"prefix-cacheable cache group {gid} ({layer_spec.kind}) has "
+                    f"block size {block_size}, not a multiple of "
+                    f"hash_block_size={hash_block_size}"
+                )
+                raise BlockSizeError(msg)
+            kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
+            managers.append(
+                kind.make_manager(
+                    layer_spec,
+                    self.block_pool,
+                    group_id=gid,
+                    block_size=block_size,
+                    hash_block_size=hash_block_size,
+                    enable_caching=enable_caching,
+                    max_model_len=max_model_len,
+                )
+            )
+        self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
+        self._skipping = tuple(m for m in managers if m.skips_blocks)
+
+        # Prefix-cacheable groups with equal specs are searched together;
+        # monotone (left-to-right) searches go first: they bound the others.
+        spec_groups: dict[Any, SpecGroup] = {}
+        for gid, manager in enumerate(managers):
+            if not manager.caching:
+                continue
+            key = (manager.kv_cache_spec, type(manager), manager.block_size)
+            if key in spec_groups:
+                spec_groups[key].group_ids.append(gid)
+            else:
+                spec_groups[key] = SpecGroup(
+                    manager.kv_cache_spec, [gid], type(manager), manager.block_size
+                )
+        self.attention_groups: list[SpecGroup] = sorted(
+            spec_groups.values(), key=lambda g: not g.manager_type.monotone_hits
+        )
+        partial = any(
+            m.caching and m.kv_cache_spec.caches_partial_block_hits and m.block_size > hash_block_size
+            for m in managers
+        )
+        #: Hits are multiples of this many tokens.
+        self.cache_hit_alignment = hash_block_size if partial else scheduler_block_size
+        self.num_groups = len(managers)
+        self.empty_hit: tuple[list[KVCacheBlock], ...] = tuple([] for _ in managers)
+
+    # -- lookup -----------------------------------------------------------------
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Every group's hit blocks and the common hit length in tokens.
+
+        A fixed point: each group's search is bounded by the shortest hit so
+        far, and groups whose hit is not monotone are searched again until no
+        group shortens it.  Non-cacheable groups hold an empty hit.
+        """
+        groups = self.attention_groups
+        if not groups or max_length <= 0:
+            return tuple([] for _ in range(self.num_groups)), 0
+        alignment = self.cache_hit_alignment
+        limit = max_length - max_length % alignment
+        if self.use_eagle:
+            hits, length = self._fixed_point(block_hashes, limit, alignment)
+            if length == 0:
+                return hits, 0
+            limit = length - alignment
+        hits, length = self._fixed_point(block_hashes, limit, alignment)
+        return hits, length
+
+    def _fixed_point(
+        self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        pool = self.block_pool
+        hash_bs = self.hash_block_size
+        found: dict[int, list[list[KVCacheBlock]]] = {}
+        searched_at: dict[int, int] = {}
+        length = limit
+        changed = True
+        while changed:
+            changed = False
+            for index, group in enumerate(self.attention_groups):
+                if index in found and (
+                    group.manager_type.monotone_hits or searched_at[index] == length
+                ):
+                    continue
+                hashes = hashes_at_block_size(block_hashes, hash_bs, group.block_size)
+                blocks = group.manager_type.find_longest_cache_hit(
+                    group.spec, hashes, length, group.group_ids, pool, group.block_size, alignment
+                )
+                found[index] = blocks
+                searched_at[index] = length
+                hit = len(blocks[0]) * group.block_size
+                if hit < length:
+                    length = hit
+                    changed = True
+            if length == 0:
+                break
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        for index, group in enumerate(self.attention_groups):
+            blocks_per_group = found.get(index)
+            if blocks_per_group is None:
+                continue
+            keep = length // group.block_size
+            for gid, blocks in zip(group.group_ids, blocks_per_group, strict=True):
+                out[gid] = blocks if len(blocks) == keep else blocks[:keep]
+        return tuple(out), length
+
+    # -- allocation -------------------------------------------------------------
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for manager in self._skipping:
+            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+    ) -> int:
+        total = 0
+        for manager, computed in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, computed)
+        return total
+
+    def add_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
+    ) -> None:
+        """Phase one: touch every group's hit blocks before anything allocates."""
+        for manager, computed in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            if computed:
+                manager.add_computed_blocks(request_id, computed)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Phase two: grow every group's table to cover ``num_tokens``."""
+        return tuple(
+            manager.allocate_new_blocks(request_id, num_tokens)
+            for manager in self.single_type_managers
+        )
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            if manager.caching:
+                manager.cache_blocks(request, num_tokens)
+
+    def free(self, request_id: str) -> None:
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def holds(self, request_id: str) -> bool:
+        return any(m.holds(request_id) for m in self.single_type_managers)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            m.req_to_blocks.get(request_id, []) for m in self.single_type_managers
+        )

@@ -1,0 +1,304 @@
+"""``KVCacheManager``: what an engine's scheduler calls every step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
+from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.request import Request
+from kvcore.errors import InvalidRequestError, UnknownRequestError
+from kvcore.registry import KindRegistry, default_registry
+from kvcore.structs import KVCacheConfig
+
+__all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
+
+
+class KVCacheBlocks:
+    """Blocks of one request step: ``blocks[group]`` is that group's list."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self.blocks = blocks
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(
+            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()})"
+
+
+class PrefixCacheStats:
+    """Lookups since the last reset: requests, queried and hit tokens."""
+
+    __slots__ = ("hits", "queries", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Allocates, caches and frees every group's blocks for each request.
+
+    :param kv_cache_config: the scheduler's view of the plan
+        (:func:`kvcore.generate_scheduler_kv_cache_config`).
+    :param max_model_len: the longest request, in tokens.
+    :param scheduler_block_size: the token alignment of scheduling (see
+        :func:`kvcore.resolve_kv_cache_block_sizes`).
+    :param hash_block_size: tokens per hashed chunk; requests must be hashed
+        at this size.
+    :param enable_caching: prefix caching on or off.
+    :param registry: the kinds (default: :func:`kvcore.default_registry`).
+    :param dcp: decode context parallelism.
+    :param use_eagle: drop the last hit block for a draft model.
+    :param enable_kv_cache_events: record stored / removed / cleared events.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        *,
+        scheduler_block_size: int,
+        hash_block_size: int | None = None,
+        enable_caching: bool = True,
+        registry: KindRegistry | None = None,
+        dcp: int = 1,
+        use_eagle: bool = False,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        if hash_block_size is None:
+            hash_block_size = scheduler_block_size
+        for name, value in (
+            ("max_model_len", max_model_len),
+            ("scheduler_block_size", scheduler_block_size),
+            ("hash_block_size", hash_block_size),
+        ):
+            if type(value) is not int or value < 1:
+                msg = f"KVCacheManager: {name} must be a positive int, got {value!r}"
+                raise InvalidRequestError(msg)
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.scheduler_block_size = scheduler_block_size
+        self.coordinator = KVCacheCoordinator(
+            kv_cache_config,
+            max_model_len=max_model_len,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            scheduler_block_size=scheduler_block_size,
+            registry=registry if registry is not None else default_registry(),
+            dcp=dcp,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.block_pool = self.coordinator.block_pool
+        self.kv_cache_config = kv_cache_config
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._managers = self.coordinator.single_type_managers
+        self._live: set[str] = set()
+
+    # -- lookups ----------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The request's prefix hit (blocks, tokens); the last prompt token is
+        always recomputed so the step yields logits."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0
+        self._check_hashing(request)
+        blocks, length = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += length
+        return self.create_kv_cache_blocks(blocks), length
+
+    def _check_hashing(self, request: Request) -> None:
+        if request.hash_block_size != self.hash_block_size:
+            msg = (
+                f"request {request.request_id!r} is hashed at "
+                f"{request.hash_block_size} tokens per chunk but the manager hashes "
+                f"at {self.hash_block_size}; build requests with "
+                f"hash_block_size={self.hash_block_size}"
+            )
+            raise InvalidRequestError(msg)
+
+    # -- allocation -------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for ``num_new_tokens`` more tokens.
+
+        :param num_new_computed_tokens: tokens of a prefix hit attached now
+            (from :meth:`get_computed_blocks`).
+        :param new_computed_blocks: the hit's blocks.
+        :param num_lookahead_tokens: extra slots for speculative tokens.
+        :returns: the newly allocated blocks per group, or ``None`` when the
+            pool cannot satisfy the step (nothing is changed then).
+        """
+        if num_new_tokens <= 0:
+            msg = (
+                f"allocate_slots for request {request.request_id!r} asks for "
+                f"{num_new_tokens} new tokens; schedule at least one token"
+            )
+            raise InvalidRequestError(msg)
+        coordinator = self.coordinator
+        rid = request.request_id
+        computed = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        if num_new_computed_tokens:
+            if num_new_computed_tokens % coordinator.cache_hit_alignment:
+                msg = (
+                    f"request {rid!r}: {num_new_computed_tokens} computed tokens break "
+                    f"the cache-hit alignment of {coordinator.cache_hit_alignment} "
+                    "tokens; pass the hit length get_computed_blocks returned"
+                )
+                raise InvalidRequestError(msg)
+            if rid in self._live:
+                msg = (
+                    f"request {rid!r} already holds blocks; prefix hits attach only "
+                    "when a request is first scheduled"
+                )
+                raise InvalidRequestError(msg)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        if num_tokens > self.max_model_len:
+            num_tokens = self.max_model_len
+        if coordinator._skipping and request.num_computed_tokens:
+            coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
+        empty = self.empty_kv_cache_blocks.blocks
+        need = coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens, computed if computed is not None else empty
+        )
+        if need > self.block_pool.free_queue.num_free:
+            return None
+        if computed is not None:
+            coordinator.add_computed_blocks(rid, computed)
+        new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
+        self._live.add(rid)
+        if self.enable_caching and not delay_cache_blocks:
+            cached = num_computed + num_new_tokens
+            coordinator.cache_blocks(request, min(cached, request.num_tokens))
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Hash the request's blocks filled by ``num_computed_tokens``."""
+        if self.enable_caching:
+            self._require_live(request.request_id)
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: Request | str) -> None:
+        """Release every block the request holds (tail blocks evicted first)."""
+        rid = request if isinstance(request, str) else request.request_id
+        self._require_live(rid)
+        self._live.discard(rid)
+        self.coordinator.free(rid)
+
+    def _require_live(self, rid: str) -> None:
+        if rid not in self._live:
+            msg = (
+                f"request {rid!r} holds no blocks: it was never allocated or was "
+                "already freed"
+            )
+            raise UnknownRequestError(msg)
+
+    # -- block lists ------------------------------------------------------------
+
+    def create_kv_cache_blocks(
+        self, blocks: tuple[Sequence[KVCacheBlock], ...]
+    ) -> KVCacheBlocks:
+        """Wrap per-group block lists (the shared empty instance if all empty)."""
+        for group in blocks:
+            if group:
+                return KVCacheBlocks(blocks)
+        return self.empty_kv_cache_blocks
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """The first ``num_computed_tokens`` of a hit (reference counts are not
+        touched).  Non-cacheable groups contribute no hit blocks."""
+        out: list[list[KVCacheBlock]] = []
+        for gid, (manager, group_blocks) in enumerate(
+            zip(self._managers, blocks.blocks, strict=True)
+        ):
+            if not manager.kv_cache_spec.prefix_cacheable:
+                if group_blocks:
+                    msg = (
+                        f"group {gid} is not prefix-cacheable but the computed "
+                        f"blocks hold {len(group_blocks)} blocks for it"
+                    )
+                    raise InvalidRequestError(msg)
+                out.append([])
+                continue
+            if manager.position_indexed:
+                if num_computed_tokens % manager.block_size:
+                    msg = (
+                        f"cannot truncate group {gid}'s hit to {num_computed_tokens} "
+                        f"tokens: not a multiple of its block size {manager.block_size}"
+                    )
+                    raise InvalidRequestError(msg)
+                if num_computed_tokens // manager.block_size > len(group_blocks):
+                    msg = (
+                        f"cannot truncate group {gid}'s hit of {len(group_blocks)} "
+                        f"blocks to {num_computed_tokens} tokens: it is shorter"
+                    )
+                    raise InvalidRequestError(msg)
+            out.append(manager.truncate_hit(list(group_blocks), num_computed_tokens))
+        return self.create_kv_cache_blocks(tuple(out))
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        self._require_live(request_id)
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Every group's block ids for the request (0 is the null block)."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    # -- pool -------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use."""
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only while no request holds blocks."""
+        ok = self.block_pool.reset_prefix_cache()
+        if ok:
+            self.prefix_cache_stats = PrefixCacheStats()
+        return ok
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV-cache events (stored / removed / cleared) since the last call."""
+        return self.block_pool.take_events()

@@ -1,0 +1,272 @@
+"""Single-type managers: the block tables of one cache group.
+
+The coordinator runs one manager per cache group.  Each cache kind's plugin
+contributes its manager class (``CacheKind.manager_type``); this module holds
+the base class and two generic strategies kinds build on:
+
+- :class:`SingleTypeManager` (the base): a block per ``block_size`` tokens,
+  indexed by position, hashed left to right, hit search from the left.
+- :class:`FixedBlocksManager`: a fixed number of blocks per request for its
+  whole life (a ring, a recurrent state, hot pages), never hashed, no hits.
+
+Everything here is on the scheduler's per-step path: no hook calls, no
+per-block allocations beyond the block lists themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.request import Request
+from kvcore.errors import UnknownRequestError
+
+__all__ = ["FixedBlocksManager", "SingleTypeManager"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeManager:
+    """Block tables of one cache group.
+
+    :param spec: the group's (representative) layer spec.
+    :param block_pool: the pool every group draws from.
+    :param group_id: this group's index in the plan.
+    :param block_size: tokens per block (the spec's, times context parallelism
+        where it applies).
+    :param hash_block_size: tokens per hashed chunk.
+    :param enable_caching: whether prefix caching is on for the engine.
+    :param max_model_len: the longest request, in tokens.
+    """
+
+    #: A hit found under a bound stays a hit under any smaller aligned bound
+    #: (true for left-to-right search), so the coordinator may trim it instead
+    #: of searching again.
+    monotone_hits: ClassVar[bool] = True
+    #: Whether the manager may free blocks a request no longer reads.
+    skips_blocks: ClassVar[bool] = False
+    #: Whether block lists are indexed by token position (``len * block_size``
+    #: covers the request).  False for fixed per-request blocks.
+    position_indexed: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        spec: Any,
+        block_pool: BlockPool,
+        *,
+        group_id: int,
+        block_size: int,
+        hash_block_size: int,
+        enable_caching: bool,
+        max_model_len: int,
+    ) -> None:
+        self.kv_cache_spec = spec
+        self.block_pool = block_pool
+        self.kv_cache_group_id = group_id
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size
+        self.max_model_len = max_model_len
+        #: Whether this group's blocks are hashed and looked up.
+        self.caching = enable_caching and spec.prefix_cacheable
+        self.null_block = block_pool.null_block
+        #: request id -> the request's blocks (null blocks where skipped).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        #: request id -> how many of its blocks are already hashed.
+        self.num_cached_block: dict[str, int] = {}
+
+    # -- allocation -----------------------------------------------------------
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+    ) -> int:
+        """Free blocks this group needs so the request covers ``num_tokens``:
+        new blocks plus hit blocks that must leave the free queue."""
+        held = self.req_to_blocks.get(request_id)
+        need = _cdiv(num_tokens, self.block_size) - len(new_computed_blocks)
+        if held is not None:
+            need -= len(held)
+        if need < 0:
+            need = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                need += 1
+        return need
+
+    def add_computed_blocks(
+        self, request_id: str, blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Attach prefix-hit blocks to a request (taking a reference on each)."""
+        if not blocks:
+            return
+        self.block_pool.touch(blocks)
+        held = self.req_to_blocks.get(request_id)
+        if held is None:
+            self.req_to_blocks[request_id] = list(blocks)
+        else:
+            held.extend(blocks)
+        self.num_cached_block[request_id] = len(self.req_to_blocks[request_id])
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> list[KVCacheBlock]:
+        """Grow the request's table to cover ``num_tokens``; return new blocks."""
+        held = self.req_to_blocks.get(request_id)
+        if held is None:
+            held = self.req_to_blocks[request_id] = []
+        need = _cdiv(num_tokens, self.block_size) - len(held)
+        if need <= 0:
+            return []
+        new = self.block_pool.get_new_blocks(need)
+        held.extend(new)
+        return new
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash the request's blocks that ``num_tokens`` tokens fill."""
+        if not self.caching:
+            return
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        cached = self.num_cached_block.get(rid, 0)
+        if num_full <= cached:
+            return
+        blocks = self.req_to_blocks[rid]
+        hashes = hashes_at_block_size(
+            request.block_hashes, self.hash_block_size, self.block_size
+        )
+        num_full = min(num_full, len(hashes), len(blocks))
+        if num_full <= cached:
+            return
+        self.block_pool.cache_full_blocks(
+            block_hashes=hashes,
+            blocks=blocks,
+            num_cached_blocks=cached,
+            num_full_blocks=num_full,
+            group_id=self.kv_cache_group_id,
+        )
+        self.num_cached_block[rid] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release all of a request's blocks, tail first (evicted first)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            blocks.reverse()
+            self.block_pool.free_blocks(blocks)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free blocks the request will never read again (none by default)."""
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            msg = (
+                f"group {self.kv_cache_group_id} holds no blocks for request "
+                f"{request_id!r}"
+            )
+            raise UnknownRequestError(msg)
+        return blocks
+
+    def truncate_hit(
+        self, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> list[KVCacheBlock]:
+        """The first blocks of a hit that cover ``num_tokens`` tokens."""
+        return blocks[: num_tokens // self.block_size]
+
+    # -- prefix-cache lookup ----------------------------------------------------
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        spec: Any,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_ids: Sequence[int],
+        block_pool: BlockPool,
+        block_size: int,
+        alignment: int,
+    ) -> list[list[KVCacheBlock]]:
+        """The longest cached prefix of at most ``max_length`` tokens, as one
+        block list per group id, a multiple of ``alignment`` tokens long.
+
+        Kinds whose groups are prefix-cacheable implement this.
+        """
+        msg = (
+            f"{cls.__name__} does not implement find_longest_cache_hit; a "
+            "prefix-cacheable kind's manager must"
+        )
+        raise NotImplementedError(msg)
+
+
+class FixedBlocksManager(SingleTypeManager):
+    """A fixed number of blocks per request for its whole life.
+
+    The blocks cover no token range: they are never hashed, never hit, and
+    the request keeps them until it is freed.  Subclasses say how many with
+    :meth:`blocks_per_request`.
+    """
+
+    position_indexed: ClassVar[bool] = False
+
+    def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
+        super().__init__(spec, block_pool, **kwargs)
+        self.caching = False
+        self.fixed_blocks = self.blocks_per_request(spec)
+
+    def blocks_per_request(self, spec: Any) -> int:
+        """Blocks each request holds; one by default."""
+        return 1
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+    ) -> int:
+        if request_id in self.req_to_blocks:
+            return 0
+        return self.fixed_blocks
+
+    def add_computed_blocks(
+        self, request_id: str, blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        return
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> list[KVCacheBlock]:
+        if request_id in self.req_to_blocks:
+            return []
+        new = self.block_pool.get_new_blocks(self.fixed_blocks)
+        self.req_to_blocks[request_id] = list(new)
+        return new
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        return
+
+    def truncate_hit(
+        self, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> list[KVCacheBlock]:
+        return []
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        spec: Any,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_ids: Sequence[int],
+        block_pool: BlockPool,
+        block_size: int,
+        alignment: int,
+    ) -> list[list[KVCacheBlock]]:
+        return [[] for _ in group_ids]

@@ -1,0 +1,12 @@
+"""The ring's block manager: one block per request for its whole life."""
+
+from __future__ import annotations
+
+from kvcore.coordinator.manager import FixedBlocksManager
+
+__all__ = ["CircularBufferManager"]
+
+
+class CircularBufferManager(FixedBlocksManager):
+    """Claims exactly one block when a request first allocates and keeps it
+    until the request is freed; never hashed, never a hit."""
