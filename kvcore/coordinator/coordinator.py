@@ -117,6 +117,20 @@ class KVCacheCoordinator:
             )
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
         self._skipping = tuple(m for m in managers if m.skips_blocks)
+        self._caching = tuple(m for m in managers if m.caching)
+        # Freeing pops each table directly unless a manager keeps more
+        # per-request state (it then overrides pop_blocks).
+        self._poppers = tuple(
+            (m.req_to_blocks, None)
+            if type(m).pop_blocks is SingleTypeManager.pop_blocks
+            else (m.req_to_blocks, m.pop_blocks)
+            for m in managers
+        )
+        # Managers whose tables grow with the request; fixed-block managers
+        # are settled at a request's first allocation.
+        self._growing = tuple(
+            (gid, m) for gid, m in enumerate(managers) if m.position_indexed
+        )
 
         # Prefix-cacheable groups with equal specs are searched together;
         # monotone (left-to-right) searches go first: they bound the others.
@@ -239,14 +253,42 @@ class KVCacheCoordinator:
             for manager in self.single_type_managers
         )
 
+    def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
+        total = 0
+        for _, manager in self._growing:
+            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
+        return total
+
+    def grow(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """Grow a running request's tables; ``None`` if no block was added."""
+        out: list[list[KVCacheBlock]] | None = None
+        for gid, manager in self._growing:
+            new = manager.allocate_new_blocks(request_id, num_tokens)
+            if new:
+                if out is None:
+                    out = [[] for _ in range(self.num_groups)]
+                out[gid] = new
+        return tuple(out) if out is not None else None
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        for manager in self.single_type_managers:
-            if manager.caching:
-                manager.cache_blocks(request, num_tokens)
+        for manager in self._caching:
+            manager.cache_blocks(request, num_tokens)
 
     def free(self, request_id: str) -> None:
-        for manager in self.single_type_managers:
-            manager.free(request_id)
+        """Free every group's blocks at once, each group's tail first."""
+        freed: list[KVCacheBlock] = []
+        for tables, pop in self._poppers:
+            blocks = tables.pop(request_id, None) if pop is None else pop(request_id)
+            if blocks:
+                blocks.reverse()
+                freed += blocks
+        for manager in self._caching:
+            manager.num_cached_block.pop(request_id, None)
+        if freed:
+            self.block_pool.free_blocks(freed)
 
     def holds(self, request_id: str) -> bool:
         return any(m.holds(request_id) for m in self.single_type_managers)

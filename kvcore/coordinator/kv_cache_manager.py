@@ -193,19 +193,29 @@ class KVCacheManager:
             num_tokens = self.max_model_len
         if coordinator._skipping and request.num_computed_tokens:
             coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
-        empty = self.empty_kv_cache_blocks.blocks
-        need = coordinator.get_num_blocks_to_allocate(
-            rid, num_tokens, computed if computed is not None else empty
-        )
-        if need > self.block_pool.free_queue.num_free:
-            return None
-        if computed is not None:
-            coordinator.add_computed_blocks(rid, computed)
-        new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
-        self._live.add(rid)
+        free = self.block_pool.free_queue.num_free
+        new_blocks: tuple[list[KVCacheBlock], ...] | None
+        if computed is None and rid in self._live:
+            # A running request: only tables that grow with tokens can change.
+            if coordinator.get_num_blocks_to_grow(rid, num_tokens) > free:
+                return None
+            new_blocks = coordinator.grow(rid, num_tokens)
+        else:
+            empty = self.empty_kv_cache_blocks.blocks
+            need = coordinator.get_num_blocks_to_allocate(
+                rid, num_tokens, computed if computed is not None else empty
+            )
+            if need > free:
+                return None
+            if computed is not None:
+                coordinator.add_computed_blocks(rid, computed)
+            new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
+            self._live.add(rid)
         if self.enable_caching and not delay_cache_blocks:
             cached = num_computed + num_new_tokens
             coordinator.cache_blocks(request, min(cached, request.num_tokens))
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

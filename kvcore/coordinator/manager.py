@@ -154,11 +154,15 @@ class SingleTypeManager:
 
     def free(self, request_id: str) -> None:
         """Release all of a request's blocks, tail first (evicted first)."""
-        blocks = self.req_to_blocks.pop(request_id, None)
-        self.num_cached_block.pop(request_id, None)
+        blocks = self.pop_blocks(request_id)
         if blocks:
             blocks.reverse()
             self.block_pool.free_blocks(blocks)
+
+    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        """Forget the request and hand back its table (the caller frees it)."""
+        self.num_cached_block.pop(request_id, None)
+        return self.req_to_blocks.pop(request_id, None)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free blocks the request will never read again (none by default)."""
