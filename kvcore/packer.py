@@ -355,7 +355,6 @@ def validate_kv_cache_layout(
     if len({s.page_size_bytes for s in specs}) > 1 and (
         not layout.is_block_compact
         or (layout.is_layer_compact and len(groups) > 1)
-        or (layout.is_block_outermost and not layout.is_block_compact)
     ):
         _raise_mixed_pages(layout, specs)
     for group in groups:
@@ -441,7 +440,11 @@ def build_kv_cache_tensors(
                     host_resident=host_resident,
                 )
             )
-            offset += len(layers) * layer_stride
+            # A run spans its layers' pages inside each block (block-outer) or
+            # its layers' whole regions (layer-outer).
+            offset += len(layers) * (
+                spec.page_size_bytes if layout.is_block_outermost else layer_stride
+            )
     return tensors
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kvcore.errors import LayoutError, PlanError
 from kvcore.kinds import LayerView
-from kvcore.layout import AXIS_B, AXIS_L, KVCacheLayout
+from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
 from kvcore.packer import tensor_strides
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import KVCacheSpec
@@ -118,12 +118,14 @@ class KVCachePool:
                 )
                 raise LayoutError(msg)
             dense = h * n * c
-            if tensor.block_stride != dense or not self.layout.is_block_compact:
+            order = self.layout.value
+            n_outside_h = h == 1 or order.index(AXIS_N) < order.index(AXIS_H)
+            if tensor.block_stride != dense or not self.layout.is_block_compact or not n_outside_h:
                 msg = (
                     f"layer {tensor.layers[0]!r} cannot be split into kernel blocks: "
                     f"its block stride ({tensor.block_stride} bytes) is not one dense "
-                    f"page ({dense} bytes); use a layer-outer block-compact layout "
-                    "with unpadded pages, or no kernel block split"
+                    f"page ({dense} bytes) whose token axis is outside its head axis; "
+                    "use LBNHC with unpadded pages, or no kernel block split"
                 )
                 raise LayoutError(msg)
             blocks, n = num_blocks * ratio, n // ratio
