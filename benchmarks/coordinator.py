@@ -54,7 +54,10 @@ def make_trace(
     num_requests: int, prompt_len: int, shared_len: int, num_prefixes: int, seed: int
 ) -> list[list[int]]:
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(1, 32000) for _ in range(shared_len)] for _ in range(num_prefixes)]
+    prefixes = [
+        [rng.randrange(1, 32000) for _ in range(shared_len)]
+        for _ in range(num_prefixes)
+    ]
     prompts = []
     for i in range(num_requests):
         tail = [rng.randrange(1, 32000) for _ in range(prompt_len - shared_len)]
@@ -62,8 +65,12 @@ def make_trace(
     return prompts
 
 
-def full_attention_manager(num_blocks: int, hash_function: str) -> tuple[Callable[[], KVCacheManager], int]:
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+def full_attention_manager(
+    num_blocks: int, hash_function: str
+) -> tuple[Callable[[], KVCacheManager], int]:
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
     config = kvcore.KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -71,7 +78,10 @@ def full_attention_manager(num_blocks: int, hash_function: str) -> tuple[Callabl
     )
     return (
         lambda: KVCacheManager(
-            config, max_model_len=8192, scheduler_block_size=16, hash_block_size=16,
+            config,
+            max_model_len=8192,
+            scheduler_block_size=16,
+            hash_block_size=16,
             enable_caching=True,
         ),
         16,
@@ -84,7 +94,8 @@ def deepseek_v4_manager(num_blocks: int) -> tuple[Callable[[], KVCacheManager], 
     registry = kvcore.default_registry()
     config = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(
-            kv_cache_layout="BLHNC", enable_prefix_caching=True,
+            kv_cache_layout="BLHNC",
+            enable_prefix_caching=True,
             num_gpu_blocks_override=num_blocks,
         )
     )
@@ -94,8 +105,12 @@ def deepseek_v4_manager(num_blocks: int) -> tuple[Callable[[], KVCacheManager], 
     scheduler_plan = kvcore.generate_scheduler_kv_cache_config([plan])
     return (
         lambda: KVCacheManager(
-            scheduler_plan, max_model_len=8192, scheduler_block_size=sched,
-            hash_block_size=hashing, enable_caching=True, registry=registry,
+            scheduler_plan,
+            max_model_len=8192,
+            scheduler_block_size=sched,
+            hash_block_size=hashing,
+            enable_caching=True,
+            registry=registry,
         ),
         hashing,
     )
@@ -131,7 +146,10 @@ def run_trace(
             i, prompt = item
             t0 = clock()
             request = Request(
-                f"r{i}", prompt, hash_block_size=hash_block_size, hash_function=hash_function
+                f"r{i}",
+                prompt,
+                hash_block_size=hash_block_size,
+                hash_function=hash_function,
             )
             t1 = clock()
             blocks, hit = manager.get_computed_blocks(request)
@@ -215,7 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     for plan_name, (make, hash_bs) in plans.items():
         for batch in (1, 64):
             runs = [
-                run_trace(make, prompts, hash_bs, args.hash, batch, args.decode_steps, args.seed)
+                run_trace(
+                    make,
+                    prompts,
+                    hash_bs,
+                    args.hash,
+                    batch,
+                    args.decode_steps,
+                    args.seed,
+                )
                 for _ in range(args.repeat)
             ]
             figures = median_of(runs)
@@ -229,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                     if key != "ratio_vs_reference":
                         print(f"  {key:>26} {value:10.2f}", file=sys.stderr)
     headline = results["full_attention/batch1"]
-    summary = {key: round(headline[key], 3) for key in (*REFERENCE, "requests_per_s", "hit_rate")}
+    summary = {
+        key: round(headline[key], 3)
+        for key in (*REFERENCE, "requests_per_s", "hit_rate")
+    }
     output = {**summary, "runs": results}
     print(json.dumps(output, indent=1 if not args.json else None))
     return 0

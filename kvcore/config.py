@@ -56,7 +56,9 @@ class CacheConfig:
     prefix_match_unit: int | None = attrs.field(
         default=None, validator=optional_positive_int
     )
-    mamba_cache_mode: MambaCacheMode = attrs.field(default="none", validator=_mamba_mode)
+    mamba_cache_mode: MambaCacheMode = attrs.field(
+        default="none", validator=_mamba_mode
+    )
 
     def resolved_layout(self) -> KVCacheLayout:
         """The layout, or a :class:`~kvcore.errors.LayoutError` if unresolved."""
@@ -93,5 +95,7 @@ class EngineConfig:
 
     cache_config: CacheConfig = attrs.Factory(CacheConfig)
     parallel_config: ParallelConfig = attrs.Factory(ParallelConfig)
-    max_model_len: int | None = attrs.field(default=None, validator=optional_positive_int)
+    max_model_len: int | None = attrs.field(
+        default=None, validator=optional_positive_int
+    )
     kv_transfer_enabled: bool = False

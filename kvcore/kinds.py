@@ -50,7 +50,9 @@ class CacheKind:
         """
         return raw
 
-    def make_manager(self, spec: Any, block_pool: Any, **kwargs: Any) -> SingleTypeManager:
+    def make_manager(
+        self, spec: Any, block_pool: Any, **kwargs: Any
+    ) -> SingleTypeManager:
         """Build the block manager for one group of this kind.
 
         :param spec: the group's representative layer spec.

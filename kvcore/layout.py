@@ -13,7 +13,15 @@ from collections.abc import Mapping
 
 from kvcore.errors import LayoutError
 
-__all__ = ["AXIS_B", "AXIS_C", "AXIS_H", "AXIS_L", "AXIS_N", "KVCacheLayout", "compute_layout_strides"]
+__all__ = [
+    "AXIS_B",
+    "AXIS_C",
+    "AXIS_H",
+    "AXIS_L",
+    "AXIS_N",
+    "KVCacheLayout",
+    "compute_layout_strides",
+]
 
 AXIS_L, AXIS_B, AXIS_H, AXIS_N, AXIS_C = range(5)
 
@@ -36,7 +44,8 @@ class KVCacheLayout(enum.Enum):
         ``LBNHC`` and ``LBHNC``."""
         if isinstance(name, KVCacheLayout):
             return name
-        key = _ALIASES.get(name.upper(), name.upper()) if isinstance(name, str) else name
+        key = str(name).upper()
+        key = _ALIASES.get(key, key)
         try:
             return cls[key]
         except KeyError:
@@ -106,7 +115,7 @@ def compute_layout_strides(
         )
         raise LayoutError(msg)
     for axis in reversed(layout.value):
-        if axis in (AXIS_L, AXIS_B) and not page_closed:
+        if padded and axis in (AXIS_L, AXIS_B) and not page_closed:
             running = max(running, page_bytes)
             page_closed = True
         stride = fixed.get(axis) or running

@@ -193,7 +193,9 @@ class _Bucket:
         order = {name: i for i, name in enumerate(self.specs)}
         out: list[list[str]] = [[] for _ in range(n)]
         cursor = 0
-        for names in sorted(self.by_page.values(), key=lambda v: -self.specs[v[0]].page_size_bytes):
+        for names in sorted(
+            self.by_page.values(), key=lambda v: -self.specs[v[0]].page_size_bytes
+        ):
             for name in names:
                 out[cursor % n].append(name)
                 cursor += 1
@@ -273,7 +275,9 @@ def get_uniform_page_kv_cache_groups(
     than the smallest bucket, which minimises padded layer slots.
     """
     buckets = _buckets(specs)
-    size = approximate_gcd([len(b) for b in buckets], lower_bound=min(len(b) for b in buckets))
+    size = approximate_gcd(
+        [len(b) for b in buckets], lower_bound=min(len(b) for b in buckets)
+    )
     groups: list[KVCacheGroupSpec] = []
     for bucket in buckets:
         bucket_obj = _Bucket.of(bucket)
@@ -320,13 +324,18 @@ def kv_cache_bytes_per_block(
         raise PlanError(msg)
     if layout is not None and not layout.is_block_outermost:
         widest = max(
-            sum(round_up(s.page_size_bytes, s.stride_alignment()) for s in _layer_specs(g))
+            sum(
+                round_up(s.page_size_bytes, s.stride_alignment())
+                for s in _layer_specs(g)
+            )
             for g in groups
         )
         alignment = 1
     else:
         widest = max(g.packed_bytes for g in groups)
-        alignment = math.lcm(*(s.stride_alignment() for g in groups for s in _layer_specs(g)))
+        alignment = math.lcm(
+            *(s.stride_alignment() for g in groups for s in _layer_specs(g))
+        )
     if widest <= 0:
         msg = f"cache groups have no bytes per block (widest group: {widest} bytes)"
         raise PlanError(msg)
@@ -353,8 +362,7 @@ def validate_kv_cache_layout(
     outermost."""
     specs = [s for g in groups for s in _layer_specs(g)]
     if len({s.page_size_bytes for s in specs}) > 1 and (
-        not layout.is_block_compact
-        or (layout.is_layer_compact and len(groups) > 1)
+        not layout.is_block_compact or (layout.is_layer_compact and len(groups) > 1)
     ):
         _raise_mixed_pages(layout, specs)
     for group in groups:
@@ -462,7 +470,9 @@ def get_kv_cache_config_from_groups(
     if not groups:
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
     if isinstance(available_memory, bool) or not isinstance(available_memory, int):
-        msg = f"available_memory must be an int number of bytes, got {available_memory!r}"
+        msg = (
+            f"available_memory must be an int number of bytes, got {available_memory!r}"
+        )
         raise PlanError(msg)
     cache = config.cache_config
     layout = cache.resolved_layout()
@@ -530,7 +540,11 @@ def resolve_kv_cache_block_sizes(
     specs = [s for g in groups for s in _layer_specs(g)]
     if not all(s.allows_sub_block_hashing for s in specs):
         return scheduler, scheduler
-    cacheable = [e for e, g in zip(effective, groups, strict=True) if g.kv_cache_spec.prefix_cacheable]
+    cacheable = [
+        e
+        for e, g in zip(effective, groups, strict=True)
+        if g.kv_cache_spec.prefix_cacheable
+    ]
     hashing = cacheable or effective
     unit = cache.prefix_match_unit or math.gcd(*hashing)
     bad = sorted({h for h in hashing if h % unit})
@@ -542,11 +556,14 @@ def resolve_kv_cache_block_sizes(
         )
         raise BlockSizeError(msg)
     alignments = sorted(
-        {s.tokens_per_state for s in specs if s.prefix_cacheable and s.tokens_per_state > 1}
+        {
+            s.tokens_per_state
+            for s in specs
+            if s.prefix_cacheable and s.tokens_per_state > 1
+        }
     )
     partial = any(
-        s.caches_partial_block_hits
-        and (e > unit if dcp == 1 else e >= unit)
+        s.caches_partial_block_hits and (e > unit if dcp == 1 else e >= unit)
         for g, e in zip(groups, effective, strict=True)
         for s in _layer_specs(g)
     )
@@ -563,7 +580,9 @@ def resolve_kv_cache_block_sizes(
     return scheduler, unit
 
 
-def generate_scheduler_kv_cache_config(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
+def generate_scheduler_kv_cache_config(
+    configs: Sequence[KVCacheConfig],
+) -> KVCacheConfig:
     """The scheduler's view of the workers' configs.
 
     Every worker must have the same ``num_blocks``.  Each group's spec

@@ -93,18 +93,26 @@ def get_plugin_manager(
         for name, module in BUILTIN_PLUGINS.items():
             if name in own_loaded or pm.is_blocked(name) or pm.get_plugin(name):
                 continue
-            _register(pm, name, lambda module=module: importlib.import_module(module), None)
+            _register(
+                pm, name, lambda module=module: importlib.import_module(module), None
+            )
 
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         plugin_name = pm.get_name(exc.plugin) or repr(exc.plugin)
+        shown = plugin_distribution(pm, plugin_name)
+        distribution = shown.rsplit(" ", 1)[0] if shown else None
+        where = f" (distribution {distribution!r})" if distribution else ""
         msg = (
-            f"kvcore plugin {plugin_name!r} implements a hook kvcore does not "
+            f"kvcore plugin {plugin_name!r}{where} implements a hook kvcore does not "
             f"define: {exc}; hooks are listed in kvcore.hookspecs (all start with "
-            "'kvcore_')"
+            f"'kvcore_'). Fix the plugin, or block it with "
+            f"KVCORE_DISABLE_PLUGINS={plugin_name}"
         )
-        raise PluginError(msg, plugin_name=plugin_name) from exc
+        raise PluginError(
+            msg, plugin_name=plugin_name, distribution=distribution
+        ) from exc
     if _truthy(os.environ.get("KVCORE_TRACE_PLUGINS")):
         pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
         pm.enable_tracing()

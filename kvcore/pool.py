@@ -72,7 +72,9 @@ class KVCachePool:
         size = sizes.pop() if sizes else 0
         self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         group_of = {
-            name: i for i, g in enumerate(config.kv_cache_groups) for name in g.layer_names
+            name: i
+            for i, g in enumerate(config.kv_cache_groups)
+            for name in g.layer_names
         }
         self.views: dict[str, LayerView] = {}
         for tensor in config.kv_cache_tensors:
@@ -120,7 +122,11 @@ class KVCachePool:
             dense = h * n * c
             order = self.layout.value
             n_outside_h = h == 1 or order.index(AXIS_N) < order.index(AXIS_H)
-            if tensor.block_stride != dense or not self.layout.is_block_compact or not n_outside_h:
+            if (
+                tensor.block_stride != dense
+                or not self.layout.is_block_compact
+                or not n_outside_h
+            ):
                 msg = (
                     f"layer {tensor.layers[0]!r} cannot be split into kernel blocks: "
                     f"its block stride ({tensor.block_stride} bytes) is not one dense "
@@ -136,9 +142,11 @@ class KVCachePool:
             tuple(strides),
             self.buffer.storage_offset() + tensor.offset,
         )
-        end = tensor.offset + sum(
-            (d - 1) * s for d, s in zip(full.shape, strides, strict=True)
-        ) + 1
+        end = (
+            tensor.offset
+            + sum((d - 1) * s for d, s in zip(full.shape, strides, strict=True))
+            + 1
+        )
         if end > self.buffer.numel():
             msg = (
                 f"tensor of layers {tensor.layers[:3]} reaches byte {end} of a "
@@ -160,4 +168,6 @@ def allocate_kv_cache(
     """Allocate the plan's single buffer and return ``layer -> view``."""
     if not config.kv_cache_tensors:
         return {}
-    return KVCachePool(config, device, layout, kernel_block_sizes, registry=registry).views
+    return KVCachePool(
+        config, device, layout, kernel_block_sizes, registry=registry
+    ).views

@@ -48,7 +48,9 @@ class KindRegistry(Mapping[str, CacheKind]):
             owners[kind.name] = owner
         self._kinds = by_name
         self._owners = owners
-        self._by_type = {kind.spec_type: kind for kind in by_name.values()}
+        self._by_type: dict[type, CacheKind] = {
+            kind.spec_type: kind for kind in by_name.values()
+        }
         self._pm = plugin_manager
 
     @classmethod
@@ -57,7 +59,7 @@ class KindRegistry(Mapping[str, CacheKind]):
         collected: list[tuple[CacheKind, str]] = []
         for impl in pm.hook.kvcore_register_kinds.get_hookimpls():
             try:
-                kinds = impl.function()
+                kinds: Any = impl.function()
             except Exception as exc:
                 msg = (
                     f"kvcore plugin {impl.plugin_name!r} raised in "
@@ -72,7 +74,9 @@ class KindRegistry(Mapping[str, CacheKind]):
         return cls(collected, plugin_manager=pm)
 
     @classmethod
-    def from_kinds(cls, kinds: Iterable[CacheKind], owner: str = "<manual>") -> KindRegistry:
+    def from_kinds(
+        cls, kinds: Iterable[CacheKind], owner: str = "<manual>"
+    ) -> KindRegistry:
         """A registry of the given kinds, with no plugin manager behind it."""
         return cls((kind, owner) for kind in kinds)
 

@@ -23,7 +23,7 @@ from kvcore.errors import SerializationError, UnknownKindError
 from kvcore.layout import KVCacheLayout
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import KVCacheSpec, UniformTypeKVCacheSpecs
-from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
 __all__ = [
     "ModelFile",
@@ -69,21 +69,29 @@ class SpecConverter:
         c = cattrs.Converter(forbid_extra_keys=True)
         c.register_structure_hook(torch.dtype, _dtype_from_name)
         c.register_unstructure_hook(torch.dtype, _dtype_name)
-        c.register_structure_hook(KVCacheLayout, lambda v, _: KVCacheLayout.from_name(v))
+        c.register_structure_hook(
+            KVCacheLayout, lambda v, _: KVCacheLayout.from_name(v)
+        )
         c.register_unstructure_hook(KVCacheLayout, lambda v: v.name)
         for spec_type in registry.spec_types:
             c.register_unstructure_hook(
-                spec_type, make_dict_unstructure_fn(spec_type, c, _cattrs_omit_if_default=True)
+                spec_type,
+                make_dict_unstructure_fn(spec_type, c, _cattrs_omit_if_default=True),
             )
             c.register_structure_hook(
-                spec_type, make_dict_structure_fn(spec_type, c, _cattrs_forbid_extra_keys=True)
+                spec_type,
+                make_dict_structure_fn(spec_type, c, _cattrs_forbid_extra_keys=True),
             )
         c.register_structure_hook_func(
             lambda t: t is KVCacheSpec, lambda d, _: self.structure_spec(d)
         )
-        c.register_unstructure_hook_func(lambda t: t is KVCacheSpec, self.unstructure_spec)
+        c.register_unstructure_hook_func(
+            lambda t: t is KVCacheSpec, self.unstructure_spec
+        )
         group_spec = KVCacheSpec | UniformTypeKVCacheSpecs
-        c.register_structure_hook(group_spec, lambda d, _: self._structure_group_spec(d))
+        c.register_structure_hook(
+            group_spec, lambda d, _: self._structure_group_spec(d)
+        )
         c.register_structure_hook(
             UniformTypeKVCacheSpecs, lambda d, _: self._structure_group_spec(d)
         )
@@ -143,13 +151,17 @@ class SpecConverter:
         if isinstance(data, Mapping) and data.get("kind") == UNIFORM_TAG:
             unknown = set(data) - {"kind", "block_size", "kv_cache_specs"}
             if unknown:
-                msg = f"unknown field(s) {sorted(unknown)} in a {UNIFORM_TAG} group spec"
+                msg = (
+                    f"unknown field(s) {sorted(unknown)} in a {UNIFORM_TAG} group spec"
+                )
                 raise SerializationError(msg)
             members = {
                 name: self.structure_spec(spec, where=f"$.kv_cache_specs.{name}")
                 for name, spec in data["kv_cache_specs"].items()
             }
-            return UniformTypeKVCacheSpecs(block_size=data["block_size"], kv_cache_specs=members)
+            return UniformTypeKVCacheSpecs(
+                block_size=data["block_size"], kv_cache_specs=members
+            )
         return self.structure_spec(data)
 
     def _unstructure_uniform(self, spec: UniformTypeKVCacheSpecs) -> dict[str, Any]:
@@ -180,7 +192,7 @@ class SpecConverter:
 
     def structure(self, data: Any, cls: type[Any]) -> Any:
         """The inverse of :meth:`unstructure` for ``cls``."""
-        if cls is KVCacheSpec or (isinstance(cls, type) and issubclass(cls, KVCacheSpec)):
+        if issubclass(cls, KVCacheSpec):
             spec = self.structure_spec(data)
             if not isinstance(spec, cls):
                 msg = f"expected a {cls.__name__}, the JSON describes a {type(spec).__name__}"
@@ -209,7 +221,9 @@ def dump_config(config: KVCacheConfig, registry: KindRegistry | None = None) -> 
 
 def load_config(text: str, registry: KindRegistry | None = None) -> KVCacheConfig:
     """The inverse of :func:`dump_config`."""
-    config: KVCacheConfig = make_converter(registry).structure(json.loads(text), KVCacheConfig)
+    config: KVCacheConfig = make_converter(registry).structure(
+        json.loads(text), KVCacheConfig
+    )
     return config
 
 
@@ -239,7 +253,9 @@ def load_model_file(
             msg = f"cannot read model file {where}: {exc}"
             raise SerializationError(msg) from exc
     if not isinstance(data, Mapping) or not isinstance(data.get("layers"), Mapping):
-        msg = f"{where} must be a JSON object with a 'layers' object (layer name -> spec)"
+        msg = (
+            f"{where} must be a JSON object with a 'layers' object (layer name -> spec)"
+        )
         raise SerializationError(msg)
     unknown = set(data) - {"name", "notes", "sources", "layers"}
     if unknown:

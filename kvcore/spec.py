@@ -62,8 +62,7 @@ def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) 
         raise InvalidSpecError(msg)
     if value <= 0:
         msg = (
-            f"{type(instance).__name__}.{attribute.name} must be positive, "
-            f"got {value}"
+            f"{type(instance).__name__}.{attribute.name} must be positive, got {value}"
         )
         raise InvalidSpecError(msg)
 
@@ -253,7 +252,7 @@ class AttentionSpec(KVCacheSpec):
         default=attrs.Factory(lambda self: self.head_size, takes_self=True),
         validator=non_negative_int,
     )
-    tokens_per_state: int = attrs.field(default=1, validator=positive_int)  # type: ignore[assignment]
+    tokens_per_state: int = attrs.field(default=1, validator=positive_int)
     alignment: int | None = attrs.field(default=None, validator=optional_positive_int)
     page_size_padded: int | None = attrs.field(
         default=None, validator=optional_positive_int
@@ -347,7 +346,9 @@ class UniformTypeKVCacheSpecs:
         return max(counts.values())
 
     @classmethod
-    def from_specs(cls, specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+    def from_specs(
+        cls, specs: dict[str, KVCacheSpec]
+    ) -> UniformTypeKVCacheSpecs | None:
         """Wrap ``specs`` if they share one grouping key, else return None."""
         keys = {s.group_key() for s in specs.values()}
         keys_with_role = {

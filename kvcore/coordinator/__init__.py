@@ -13,6 +13,7 @@ from kvcore.coordinator.block_pool import (
     KVCacheBlock,
     KVCacheEvent,
 )
+from kvcore.coordinator.coordinator import KVCacheCoordinator, SpecGroup
 from kvcore.coordinator.hashing import (
     NONE_HASH,
     BlockHash,
@@ -25,7 +26,6 @@ from kvcore.coordinator.hashing import (
     hash_function_names,
     hashes_at_block_size,
 )
-from kvcore.coordinator.coordinator import KVCacheCoordinator, SpecGroup
 from kvcore.coordinator.kv_cache_manager import (
     KVCacheBlocks,
     KVCacheManager,

@@ -149,7 +149,9 @@ class KVCacheCoordinator:
             spec_groups.values(), key=lambda g: not g.manager_type.monotone_hits
         )
         partial = any(
-            m.caching and m.kv_cache_spec.caches_partial_block_hits and m.block_size > hash_block_size
+            m.caching
+            and m.kv_cache_spec.caches_partial_block_hits
+            and m.block_size > hash_block_size
             for m in managers
         )
         #: Hits are multiples of this many tokens.
@@ -199,7 +201,13 @@ class KVCacheCoordinator:
                     continue
                 hashes = hashes_at_block_size(block_hashes, hash_bs, group.block_size)
                 blocks = group.manager_type.find_longest_cache_hit(
-                    group.spec, hashes, length, group.group_ids, pool, group.block_size, alignment
+                    group.spec,
+                    hashes,
+                    length,
+                    group.group_ids,
+                    pool,
+                    group.block_size,
+                    alignment,
                 )
                 found[index] = blocks
                 searched_at[index] = length
@@ -215,8 +223,8 @@ class KVCacheCoordinator:
             if blocks_per_group is None:
                 continue
             keep = length // group.block_size
-            for gid, blocks in zip(group.group_ids, blocks_per_group, strict=True):
-                out[gid] = blocks if len(blocks) == keep else blocks[:keep]
+            for gid, group_hit in zip(group.group_ids, blocks_per_group, strict=True):
+                out[gid] = group_hit if len(group_hit) == keep else group_hit[:keep]
         return tuple(out), length
 
     # -- allocation -------------------------------------------------------------
@@ -232,15 +240,21 @@ class KVCacheCoordinator:
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
     ) -> int:
         total = 0
-        for manager, computed in zip(self.single_type_managers, new_computed_blocks, strict=True):
-            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, computed)
+        for manager, computed in zip(
+            self.single_type_managers, new_computed_blocks, strict=True
+        ):
+            total += manager.get_num_blocks_to_allocate(
+                request_id, num_tokens, computed
+            )
         return total
 
     def add_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
     ) -> None:
         """Phase one: touch every group's hit blocks before anything allocates."""
-        for manager, computed in zip(self.single_type_managers, new_computed_blocks, strict=True):
+        for manager, computed in zip(
+            self.single_type_managers, new_computed_blocks, strict=True
+        ):
             if computed:
                 manager.add_computed_blocks(request_id, computed)
 

@@ -172,7 +172,9 @@ class KVCacheManager:
             raise InvalidRequestError(msg)
         coordinator = self.coordinator
         rid = request.request_id
-        computed = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        computed = (
+            new_computed_blocks.blocks if new_computed_blocks is not None else None
+        )
         if num_new_computed_tokens:
             if num_new_computed_tokens % coordinator.cache_hit_alignment:
                 msg = (

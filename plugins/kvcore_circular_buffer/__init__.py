@@ -12,12 +12,11 @@ from typing import ClassVar
 import attrs
 
 from kvcore.hookspecs import hookimpl
-from kvcore_circular_buffer.manager import CircularBufferManager
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import AttentionSpec, PackingRole
+from kvcore_circular_buffer.manager import CircularBufferManager
 
-__all__ = [
-    "CircularBufferManager","CircularBuffer", "CircularBufferSpec"]
+__all__ = ["CircularBufferManager", "CircularBuffer", "CircularBufferSpec"]
 
 
 @attrs.frozen(kw_only=True)

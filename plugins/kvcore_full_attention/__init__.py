@@ -12,7 +12,12 @@ from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import AttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
 
-__all__ = ["ATTENTION_FAMILY", "FullAttention", "FullAttentionManager", "FullAttentionSpec"]
+__all__ = [
+    "ATTENTION_FAMILY",
+    "FullAttention",
+    "FullAttentionManager",
+    "FullAttentionSpec",
+]
 
 #: Grouping tag shared by every kind whose layers need one slot per token for
 #: the whole request (full attention and MLA), so they may share a group.

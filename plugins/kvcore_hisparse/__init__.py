@@ -16,14 +16,18 @@ import attrs
 
 from kvcore.errors import LayoutError
 from kvcore.hookspecs import hookimpl
-from kvcore_hisparse.manager import HiSparseHotManager
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import KVCacheSpec, PackingRole, positive_int
 from kvcore.structs import KVCacheGroupSpec, KVCacheTensor
+from kvcore_hisparse.manager import HiSparseHotManager
 
 __all__ = [
-    "HiSparseHotManager","HiSparseHot", "HiSparseHotSpec", "build_hisparse_kv_cache_tensors"]
+    "HiSparseHotManager",
+    "HiSparseHot",
+    "HiSparseHotSpec",
+    "build_hisparse_kv_cache_tensors",
+]
 
 
 @attrs.frozen(kw_only=True)

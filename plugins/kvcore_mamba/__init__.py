@@ -27,7 +27,6 @@ from kvcore.spec import (
     non_negative_int,
     optional_positive_int,
 )
-
 from kvcore_mamba.manager import MambaManager, MambaStateManager
 
 __all__ = ["Mamba", "MambaManager", "MambaSpec", "MambaStateManager"]
@@ -40,7 +39,12 @@ def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
 
 
 def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
-    return tuple(value)
+    dtypes = tuple(value)
+    for dtype in dtypes:
+        if not isinstance(dtype, torch.dtype):
+            msg = f"MambaSpec.dtypes must hold torch dtypes, got {dtype!r}"
+            raise InvalidSpecError(msg)
+    return dtypes
 
 
 @attrs.frozen(kw_only=True)
@@ -82,17 +86,16 @@ class MambaSpec(KVCacheSpec):
             if not shape or any(d <= 0 for d in shape):
                 msg = f"{name}.shapes must hold non-empty positive shapes, got {shape}"
                 raise InvalidSpecError(msg)
-        for dtype in self.dtypes:
-            if not isinstance(dtype, torch.dtype):
-                msg = f"{name}.dtypes must hold torch dtypes, got {dtype!r}"
-                raise InvalidSpecError(msg)
         if self.mamba_cache_mode not in _MODES:
             msg = (
                 f"{name}.mamba_cache_mode must be one of {', '.join(_MODES)}, got "
                 f"{self.mamba_cache_mode!r}"
             )
             raise InvalidSpecError(msg)
-        if self.page_size_padded is not None and self.page_size_padded < self.state_bytes:
+        if (
+            self.page_size_padded is not None
+            and self.page_size_padded < self.state_bytes
+        ):
             msg = (
                 f"{name}: page_size_padded={self.page_size_padded} is smaller than "
                 f"the state itself ({self.state_bytes} bytes)"
@@ -153,14 +156,16 @@ class Mamba(CacheKind):
     spec_type = MambaSpec
     manager_type = MambaManager
 
-    def make_manager(self, spec: MambaSpec, block_pool: Any, **kwargs: Any) -> SingleTypeManager:
+    def make_manager(
+        self, spec: MambaSpec, block_pool: Any, **kwargs: Any
+    ) -> SingleTypeManager:
         if spec.mamba_cache_mode == "none":
             return MambaStateManager(spec, block_pool, **kwargs)
         return MambaManager(spec, block_pool, **kwargs)
 
     def bind_view(self, spec: MambaSpec, raw: torch.Tensor) -> LayerView:
         flat = raw[:, 0, 0, :]
-        views = []
+        views: list[torch.Tensor] = []
         offset = 0
         for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
             nbytes = math.prod(shape) * dtype_size(dtype)
@@ -171,8 +176,10 @@ class Mamba(CacheKind):
                     "order the state shapes from the widest dtype down"
                 )
                 raise LayoutError(msg)
-            part = view_as_dtype(flat[:, offset : offset + nbytes], dtype, what="mamba state")
-            views.append(part.unflatten(1, shape))
+            part = view_as_dtype(
+                flat[:, offset : offset + nbytes], dtype, what="mamba state"
+            )
+            views.append(part.view(part.shape[0], *shape))
             offset += nbytes
         return tuple(views)
 

@@ -58,7 +58,9 @@ class MambaManager(SingleTypeManager):
                 need += 1
         return need
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> list[KVCacheBlock]:
         held = self.req_to_blocks.get(request_id)
         if held is None:
             held = self.req_to_blocks[request_id] = []
@@ -87,7 +89,9 @@ class MambaManager(SingleTypeManager):
             return
         if self.num_cached_block.get(rid, 0) > pos:
             return
-        hashes = hashes_at_block_size(request.block_hashes, self.hash_block_size, self.block_size)
+        hashes = hashes_at_block_size(
+            request.block_hashes, self.hash_block_size, self.block_size
+        )
         if pos >= len(hashes):
             return
         self.block_pool.cache_full_blocks(
@@ -118,7 +122,9 @@ class MambaManager(SingleTypeManager):
         if removed:
             self.block_pool.free_blocks(removed)
 
-    def truncate_hit(self, blocks: list[KVCacheBlock], num_tokens: int) -> list[KVCacheBlock]:
+    def truncate_hit(
+        self, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> list[KVCacheBlock]:
         return blocks[: min(num_tokens // self.block_size, len(blocks))]
 
     @classmethod

@@ -12,9 +12,9 @@ from typing import ClassVar
 import attrs
 
 from kvcore.hookspecs import hookimpl
-from kvcore_sliding_window.manager import SlidingWindowManager
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import AttentionSpec, PackingRole, cdiv, non_negative_int, positive_int
+from kvcore_sliding_window.manager import SlidingWindowManager
 
 __all__ = [
     "SlidingWindowManager",
@@ -53,10 +53,17 @@ class SlidingWindowSpec(AttentionSpec):
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         live = min(self.sliding_window - 1 + self.extra_retained_tokens, max_model_len)
-        return min(cdiv(live, self.block_size) + 1, cdiv(max_model_len, self.block_size))
+        return min(
+            cdiv(live, self.block_size) + 1, cdiv(max_model_len, self.block_size)
+        )
 
     def group_key(self) -> Hashable:
-        return (self.kind, self.block_size, self.sliding_window, self.extra_retained_tokens)
+        return (
+            self.kind,
+            self.block_size,
+            self.sliding_window,
+            self.extra_retained_tokens,
+        )
 
 
 @attrs.frozen(kw_only=True)

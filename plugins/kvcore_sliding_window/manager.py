@@ -37,7 +37,9 @@ class SlidingWindowManager(SingleTypeManager):
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        last = min(self.num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks))
+        last = min(
+            self.num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks)
+        )
         null = self.null_block
         removed = []
         for i in range(last - 1, -1, -1):
@@ -49,7 +51,9 @@ class SlidingWindowManager(SingleTypeManager):
         if removed:
             self.block_pool.free_blocks(removed)
 
-    def truncate_hit(self, blocks: list[KVCacheBlock], num_tokens: int) -> list[KVCacheBlock]:
+    def truncate_hit(
+        self, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> list[KVCacheBlock]:
         return blocks[: num_tokens // self.block_size]
 
     @classmethod

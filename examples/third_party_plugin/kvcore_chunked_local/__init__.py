@@ -31,7 +31,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         span = min(self.attention_chunk_size, max_model_len)
-        return min(cdiv(span, self.block_size) + 1, cdiv(max_model_len, self.block_size))
+        return min(
+            cdiv(span, self.block_size) + 1, cdiv(max_model_len, self.block_size)
+        )
 
     def group_key(self) -> Hashable:
         return (self.kind, self.block_size, self.attention_chunk_size)
