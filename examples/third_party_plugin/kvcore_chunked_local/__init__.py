@@ -2,6 +2,8 @@
 
 Blocks of chunks that are already complete are never read again, so a
 request holds at most the blocks of one chunk (plus one for the boundary).
+The cache is not prefix-cached: after another group's prefix hit, the
+scheduler replays the hit's last chunk to rebuild it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import ClassVar
 import attrs
 
 from kvcore import AttentionKind, AttentionSpec, CacheKind, hookimpl
+from kvcore.coordinator import SingleTypeManager
 from kvcore.spec import PackingRole, cdiv, positive_int
 
-__all__ = ["ChunkedLocalAttention", "ChunkedLocalAttentionSpec"]
+__all__ = ["ChunkedLocalAttention", "ChunkedLocalAttentionSpec", "ChunkedLocalManager"]
 
 
 @attrs.frozen(kw_only=True)
@@ -29,6 +32,14 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     attention_chunk_size: int = attrs.field(validator=positive_int)
 
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return self.attention_chunk_size
+
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         span = min(self.attention_chunk_size, max_model_len)
         return min(
@@ -39,9 +50,32 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         return (self.kind, self.block_size, self.attention_chunk_size)
 
 
+class ChunkedLocalManager(SingleTypeManager):
+    """Frees the blocks of completed chunks; never hashed."""
+
+    skips_blocks: ClassVar[bool] = True
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        chunk = self.kv_cache_spec.attention_chunk_size
+        first_live = (num_computed_tokens // chunk) * chunk
+        last = min(first_live // self.block_size, len(blocks))
+        removed = []
+        for i in range(last - 1, -1, -1):
+            if blocks[i] is self.null_block:
+                break
+            removed.append(blocks[i])
+            blocks[i] = self.null_block
+        if removed:
+            self.block_pool.free_blocks(removed)
+
+
 class ChunkedLocalAttention(AttentionKind):
     name: ClassVar[str] = "chunked_local_attention"
     spec_type = ChunkedLocalAttentionSpec
+    manager_type = ChunkedLocalManager
 
 
 @hookimpl
