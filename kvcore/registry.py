@@ -127,6 +127,15 @@ class KindRegistry(Mapping[str, CacheKind]):
             )
             raise UnknownKindError(msg, kind=type(spec).__name__)
         name = type(spec).kind or type(spec).__name__
+        owner = self._kinds.get(name)
+        if owner is not None:
+            msg = (
+                f"{where} {type(spec).__name__} spec, a subclass of "
+                f"{owner.spec_type.__name__} that inherits its kind tag {name!r}; "
+                f"kind {name!r} owns {owner.spec_type.__name__} only. Give "
+                f"{type(spec).__name__} its own kind name and register a kind for it"
+            )
+            raise UnknownKindError(msg, kind=name)
         msg = (
             f"{where} {type(spec).__name__} spec (kind {name!r}) that no registered "
             f"plugin provides; known kinds: {self._known()}. Install or register "
