@@ -233,6 +233,13 @@ class KVCacheCoordinator:
         for manager in self._skipping:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
+        """Blocks that skipping would return to the free queue."""
+        return sum(
+            m.count_freeable_skipped(request_id, num_computed_tokens)
+            for m in self._skipping
+        )
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,

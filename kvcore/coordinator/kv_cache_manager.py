@@ -193,14 +193,19 @@ class KVCacheManager:
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if num_tokens > self.max_model_len:
             num_tokens = self.max_model_len
-        if coordinator._skipping and request.num_computed_tokens:
-            coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
         free = self.block_pool.free_queue.num_free
+        # Blocks that fell out of use are released only once the step is
+        # known to fit, so a refused step changes nothing; they count as free.
+        skipping = bool(coordinator._skipping) and request.num_computed_tokens > 0
+        if skipping:
+            free += coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
         new_blocks: tuple[list[KVCacheBlock], ...] | None
         if computed is None and rid in self._live:
             # A running request: only tables that grow with tokens can change.
             if coordinator.get_num_blocks_to_grow(rid, num_tokens) > free:
                 return None
+            if skipping:
+                coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
             new_blocks = coordinator.grow(rid, num_tokens)
         else:
             empty = self.empty_kv_cache_blocks.blocks
@@ -209,6 +214,8 @@ class KVCacheManager:
             )
             if need > free:
                 return None
+            if skipping:
+                coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
             if computed is not None:
                 coordinator.add_computed_blocks(rid, computed)
             new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)

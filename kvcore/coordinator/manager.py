@@ -164,8 +164,48 @@ class SingleTypeManager:
         self.num_cached_block.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, None)
 
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks a request with ``num_computed_tokens`` computed
+        tokens never reads again (none by default; see :attr:`skips_blocks`)."""
+        return 0
+
+    def _skipped(self, request_id: str, num_computed_tokens: int) -> list[int]:
+        """Positions of the still-held blocks that skipping would release,
+        newest first."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return []
+        last = min(self.num_skipped_blocks(num_computed_tokens), len(blocks))
+        null = self.null_block
+        out = []
+        for i in range(last - 1, -1, -1):
+            if blocks[i] is null:
+                break
+            out.append(i)
+        return out
+
+    def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
+        """Blocks :meth:`remove_skipped_blocks` would return to the free queue."""
+        if not self.skips_blocks:
+            return 0
+        blocks = self.req_to_blocks.get(request_id)
+        return sum(
+            1
+            for i in self._skipped(request_id, num_computed_tokens)
+            if blocks is not None and blocks[i].ref_cnt == 1
+        )
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Free blocks the request will never read again (none by default)."""
+        """Free the blocks the request will never read again and put the null
+        block in their place."""
+        positions = self._skipped(request_id, num_computed_tokens)
+        if not positions:
+            return
+        blocks = self.req_to_blocks[request_id]
+        removed = [blocks[i] for i in positions]
+        for i in positions:
+            blocks[i] = self.null_block
+        self.block_pool.free_blocks(removed)
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.req_to_blocks

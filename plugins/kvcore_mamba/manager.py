@@ -103,24 +103,11 @@ class MambaManager(SingleTypeManager):
         )
         self.num_cached_block[rid] = pos + 1
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        if self.keep_all:
-            return
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks or num_computed_tokens <= 0:
-            return
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is read again.
-        last = min((num_computed_tokens - 1) // self.block_size, len(blocks))
-        null = self.null_block
-        removed = []
-        for i in range(last - 1, -1, -1):
-            block = blocks[i]
-            if block is null:
-                break
-            removed.append(block)
-            blocks[i] = null
-        if removed:
-            self.block_pool.free_blocks(removed)
+        if self.keep_all or num_computed_tokens <= 0:
+            return 0
+        return (num_computed_tokens - 1) // self.block_size
 
     def truncate_hit(
         self, blocks: list[KVCacheBlock], num_tokens: int

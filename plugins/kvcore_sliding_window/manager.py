@@ -33,23 +33,8 @@ class SlidingWindowManager(SingleTypeManager):
         skipped = num_computed_tokens - self.sliding_window + 1 - self.extra_retained
         return skipped if skipped > 0 else 0
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return
-        last = min(
-            self.num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks)
-        )
-        null = self.null_block
-        removed = []
-        for i in range(last - 1, -1, -1):
-            block = blocks[i]
-            if block is null:
-                break
-            removed.append(block)
-            blocks[i] = null
-        if removed:
-            self.block_pool.free_blocks(removed)
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        return self.num_skipped_tokens(num_computed_tokens) // self.block_size
 
     def truncate_hit(
         self, blocks: list[KVCacheBlock], num_tokens: int

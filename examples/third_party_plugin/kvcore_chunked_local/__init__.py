@@ -55,21 +55,9 @@ class ChunkedLocalManager(SingleTypeManager):
 
     skips_blocks: ClassVar[bool] = True
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         chunk = self.kv_cache_spec.attention_chunk_size
-        first_live = (num_computed_tokens // chunk) * chunk
-        last = min(first_live // self.block_size, len(blocks))
-        removed = []
-        for i in range(last - 1, -1, -1):
-            if blocks[i] is self.null_block:
-                break
-            removed.append(blocks[i])
-            blocks[i] = self.null_block
-        if removed:
-            self.block_pool.free_blocks(removed)
+        return (num_computed_tokens // chunk) * chunk // self.block_size
 
 
 class ChunkedLocalAttention(AttentionKind):
