@@ -195,14 +195,19 @@ class KVCacheManager:
             num_tokens = self.max_model_len
         free = self.block_pool.free_queue.num_free
         # Blocks that fell out of use are released only once the step is
-        # known to fit, so a refused step changes nothing; they count as free.
+        # known to fit, so a refused step changes nothing; when the pool is
+        # short, the blocks they would return count as free.
         skipping = bool(coordinator._skipping) and request.num_computed_tokens > 0
-        if skipping:
-            free += coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
         new_blocks: tuple[list[KVCacheBlock], ...] | None
         if computed is None and rid in self._live:
             # A running request: only tables that grow with tokens can change.
-            if coordinator.get_num_blocks_to_grow(rid, num_tokens) > free:
+            need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
+            if need > free and (
+                not skipping
+                or need
+                > free
+                + coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
+            ):
                 return None
             if skipping:
                 coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
@@ -212,7 +217,12 @@ class KVCacheManager:
             need = coordinator.get_num_blocks_to_allocate(
                 rid, num_tokens, computed if computed is not None else empty
             )
-            if need > free:
+            if need > free and (
+                not skipping
+                or need
+                > free
+                + coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
+            ):
                 return None
             if skipping:
                 coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
