@@ -41,6 +41,8 @@ class MambaManager(SingleTypeManager):
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
         self.keep_all = spec.mamba_cache_mode == "all"
+        #: request id -> positions below this are all null (already released).
+        self._released: dict[str, int] = {}
 
     def get_num_blocks_to_allocate(
         self,
@@ -108,6 +110,31 @@ class MambaManager(SingleTypeManager):
         if self.keep_all or num_computed_tokens <= 0:
             return 0
         return (num_computed_tokens - 1) // self.block_size
+
+    def _skipped(self, request_id: str, num_computed_tokens: int) -> list[int]:
+        # A step longer than a block pads the table with nulls between the
+        # state it reads and the one it writes, and a hit pads before its
+        # state, so nulls are not a prefix: scan down to where the previous
+        # release stopped instead of stopping at the first null.
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return []
+        last = min(self.num_skipped_blocks(num_computed_tokens), len(blocks))
+        null = self.null_block
+        start = self._released.get(request_id, 0)
+        return [i for i in range(last - 1, start - 1, -1) if blocks[i] is not null]
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens)
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks:
+            last = min(self.num_skipped_blocks(num_computed_tokens), len(blocks))
+            if last > self._released.get(request_id, 0):
+                self._released[request_id] = last
+
+    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        self._released.pop(request_id, None)
+        return super().pop_blocks(request_id)
 
     def truncate_hit(
         self, blocks: list[KVCacheBlock], num_tokens: int
