@@ -195,10 +195,18 @@ class KVCacheCoordinator:
         while changed:
             changed = False
             for index, group in enumerate(self.attention_groups):
-                if index in found and (
-                    group.manager_type.monotone_hits or searched_at[index] == length
-                ):
-                    continue
+                if index in found:
+                    if group.manager_type.monotone_hits:
+                        # Trimmed, not searched again, but only to whole
+                        # blocks: a finer alignment (partial hits) can leave
+                        # the length inside this group's block.
+                        whole = length - length % group.block_size
+                        if whole < length:
+                            length = whole
+                            changed = True
+                        continue
+                    if searched_at[index] == length:
+                        continue
                 hashes = hashes_at_block_size(block_hashes, hash_bs, group.block_size)
                 blocks = group.manager_type.find_longest_cache_hit(
                     group.spec,
