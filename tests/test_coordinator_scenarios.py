@@ -890,3 +890,13 @@ def test_usage_is_used_over_usable_blocks():
     mgr.free(b)
     assert mgr.usage == 0.0  # cached but free blocks do not count
     assert mgr.block_pool.num_cached_blocks == 2
+
+
+def test_allocation_rejects_a_request_hashed_at_another_size() -> None:
+    """Even a request that skips reading the cache would store its blocks under
+    keys of the wrong granularity, so its first allocation is refused."""
+    mgr = make_manager([fa(4)], num_blocks=10)
+    r = Request("x", list(range(16)), hash_block_size=8, skip_reading_prefix_cache=True)
+    with pytest.raises(kvcore.InvalidRequestError, match=r"'x'.*hash_block_size=4"):
+        mgr.allocate_slots(r, 16)
+    assert mgr.get_num_free_blocks() == 9

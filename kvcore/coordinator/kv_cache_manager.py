@@ -213,6 +213,8 @@ class KVCacheManager:
                 coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
             new_blocks = coordinator.grow(rid, num_tokens)
         else:
+            if self.enable_caching:
+                self._check_hashing(request)
             empty = self.empty_kv_cache_blocks.blocks
             need = coordinator.get_num_blocks_to_allocate(
                 rid, num_tokens, computed if computed is not None else empty
