@@ -193,41 +193,36 @@ class KVCacheManager:
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if num_tokens > self.max_model_len:
             num_tokens = self.max_model_len
-        free = self.block_pool.free_queue.num_free
+        running = computed is None and rid in self._live
+        if running:
+            # Only tables that grow with tokens can change.
+            need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
+        else:
+            if self.enable_caching:
+                self._check_hashing(request)
+            need = coordinator.get_num_blocks_to_allocate(
+                rid,
+                num_tokens,
+                computed if computed is not None else self.empty_kv_cache_blocks.blocks,
+            )
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
         skipping = bool(coordinator._skipping) and request.num_computed_tokens > 0
+        free = self.block_pool.free_queue.num_free
+        if need > free and (
+            not skipping
+            or need
+            > free
+            + coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
+        ):
+            return None
+        if skipping:
+            coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
         new_blocks: tuple[list[KVCacheBlock], ...] | None
-        if computed is None and rid in self._live:
-            # A running request: only tables that grow with tokens can change.
-            need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
-            if need > free and (
-                not skipping
-                or need
-                > free
-                + coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
-            ):
-                return None
-            if skipping:
-                coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
+        if running:
             new_blocks = coordinator.grow(rid, num_tokens)
         else:
-            if self.enable_caching:
-                self._check_hashing(request)
-            empty = self.empty_kv_cache_blocks.blocks
-            need = coordinator.get_num_blocks_to_allocate(
-                rid, num_tokens, computed if computed is not None else empty
-            )
-            if need > free and (
-                not skipping
-                or need
-                > free
-                + coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
-            ):
-                return None
-            if skipping:
-                coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
             if computed is not None:
                 coordinator.add_computed_blocks(rid, computed)
             new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
