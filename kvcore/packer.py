@@ -180,14 +180,15 @@ class _Bucket:
     def split(self, n: int) -> list[list[str]]:
         """Split into ``n`` groups.
 
-        A balanced bucket deals whole repeats of its page pattern (group i
-        takes repeats i, i+n, ...), so pipeline stages stay balanced.  Any
-        other bucket deals layers round-robin, page size by page size, so no
-        layer is dropped and unequal pages spread evenly.
+        A balanced bucket split at most once per repeat deals whole repeats
+        of its page pattern (group i takes repeats i, i+n, ...), so pipeline
+        stages stay balanced.  Otherwise layers are dealt round-robin, page
+        size by page size, so no layer is dropped, no group is empty and
+        unequal pages spread evenly.
         """
         if n <= 1:
             return [list(self.specs)]
-        if self.balanced:
+        if self.balanced and n <= self.repeats:
             pattern = list(zip(*self.by_page.values(), strict=True))
             return [[name for rep in pattern[i::n] for name in rep] for i in range(n)]
         order = {name: i for i, name in enumerate(self.specs)}
@@ -530,8 +531,13 @@ def resolve_kv_cache_block_sizes(
     cache = config.cache_config
     dcp = config.parallel_config.decode_context_parallel_size
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) <= 1:
+    if not groups:
         size = cache.block_size * dcp
+        return size, size
+    if len(groups) == 1:
+        # The group's own block, not the engine default: a single MLA group of
+        # 64-token blocks schedules in 64s whatever ``cache.block_size`` says.
+        size = _effective_block_size(groups[0], dcp)
         return size, size
     effective = [_effective_block_size(g, dcp) for g in groups]
     scheduler = math.lcm(*effective)

@@ -170,10 +170,21 @@ def test_bad_tokens_name_the_request() -> None:
         Request("f", [1.0, 2, 3, 4], hash_block_size=4)  # type: ignore[list-item]
 
 
-def test_bad_output_token_is_caught_when_its_chunk_is_hashed() -> None:
+def test_bad_output_token_is_refused_before_it_is_appended() -> None:
     req = Request("r", [1, 2, 3], hash_block_size=4)
     with pytest.raises(KvcoreValueError, match="position 3"):
         req.append_output_token_ids(2**32)
+    with pytest.raises(KvcoreTypeError, match=r"position 3 is 7\.0"):
+        req.append_output_token_ids([7.0])  # type: ignore[list-item]
+    assert req.all_token_ids == [1, 2, 3]
+    req.append_output_token_ids(4)
+    assert len(req.block_hashes) == 1
+
+
+def test_bad_token_in_the_unhashed_prompt_tail_is_refused_at_once() -> None:
+    # 6 tokens at 4 per chunk: tokens 4 and 5 are not hashed yet.
+    with pytest.raises(KvcoreTypeError, match="position 5 is 'x'"):
+        Request("r", [1, 2, 3, 4, 5, "x"], hash_block_size=4)  # type: ignore[list-item]
 
 
 def test_salt_and_lora_types() -> None:

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.request import Request
-from kvcore.errors import InvalidRequestError, UnknownRequestError
+from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
 
@@ -164,31 +165,33 @@ class KVCacheManager:
         :returns: the newly allocated blocks per group, or ``None`` when the
             pool cannot satisfy the step (nothing is changed then).
         """
-        if num_new_tokens <= 0:
+        if not isinstance(request, Request):
+            raise _not_a_request(request)
+        rid = request.request_id
+        if type(num_new_tokens) is not int or num_new_tokens <= 0:
             msg = (
-                f"allocate_slots for request {request.request_id!r} asks for "
-                f"{num_new_tokens} new tokens; schedule at least one token"
+                f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
+                "tokens; schedule a positive int number of tokens"
             )
             raise InvalidRequestError(msg)
+        for name, value in (
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
+            if type(value) is not int or value < 0:
+                msg = (
+                    f"allocate_slots for request {rid!r}: {name} must be a "
+                    f"non-negative int, got {value!r}"
+                )
+                raise InvalidRequestError(msg)
         coordinator = self.coordinator
-        rid = request.request_id
         computed = (
             new_computed_blocks.blocks if new_computed_blocks is not None else None
         )
-        if num_new_computed_tokens:
-            if num_new_computed_tokens % coordinator.cache_hit_alignment:
-                msg = (
-                    f"request {rid!r}: {num_new_computed_tokens} computed tokens break "
-                    f"the cache-hit alignment of {coordinator.cache_hit_alignment} "
-                    "tokens; pass the hit length get_computed_blocks returned"
-                )
-                raise InvalidRequestError(msg)
-            if rid in self._live:
-                msg = (
-                    f"request {rid!r} already holds blocks; prefix hits attach only "
-                    "when a request is first scheduled"
-                )
-                raise InvalidRequestError(msg)
+        if computed is not None and not any(computed):
+            computed = None
+        if num_new_computed_tokens or computed is not None:
+            self._check_hit(request, computed, num_new_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if num_tokens > self.max_model_len:
@@ -233,6 +236,72 @@ class KVCacheManager:
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_hit(
+        self,
+        request: Request,
+        computed: tuple[Sequence[KVCacheBlock], ...] | None,
+        num_tokens: int,
+    ) -> None:
+        """A prefix hit may attach only to a new request, as one block list
+        per group covering exactly ``num_tokens`` tokens, with every block
+        still holding this request's prefix (a hit looked up earlier may
+        have been evicted since)."""
+        rid = request.request_id
+        coordinator = self.coordinator
+        if rid in self._live:
+            msg = (
+                f"request {rid!r} already holds blocks; prefix hits attach only "
+                "when a request is first scheduled"
+            )
+            raise InvalidRequestError(msg)
+        if num_tokens % coordinator.cache_hit_alignment:
+            msg = (
+                f"request {rid!r}: {num_tokens} computed tokens break the cache-hit "
+                f"alignment of {coordinator.cache_hit_alignment} tokens; pass the hit "
+                "length get_computed_blocks returned"
+            )
+            raise InvalidRequestError(msg)
+        if computed is None or len(computed) != self.num_kv_cache_groups:
+            got = "no blocks" if computed is None else f"{len(computed)} block lists"
+            msg = (
+                f"request {rid!r}: a hit of {num_tokens} tokens came with {got}; pass "
+                f"the blocks get_computed_blocks returned (one list per each of the "
+                f"{self.num_kv_cache_groups} groups)"
+            )
+            raise InvalidRequestError(msg)
+        self._check_hashing(request)
+        for gid, (manager, blocks) in enumerate(
+            zip(self._managers, computed, strict=True)
+        ):
+            if not manager.caching:
+                if blocks:
+                    msg = (
+                        f"request {rid!r}: group {gid} is not prefix-cacheable but "
+                        f"the hit holds {len(blocks)} blocks for it"
+                    )
+                    raise InvalidRequestError(msg)
+                continue
+            if len(blocks) * manager.block_size != num_tokens:
+                msg = (
+                    f"request {rid!r}: the hit covers {num_tokens} tokens but group "
+                    f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
+                )
+                raise InvalidRequestError(msg)
+            hashes = hashes_at_block_size(
+                request.block_hashes, self.hash_block_size, manager.block_size
+            )
+            for i, block in enumerate(blocks):
+                if block.is_null:
+                    continue
+                if i >= len(hashes) or block.block_hash != (hashes[i], gid):
+                    msg = (
+                        f"request {rid!r}: hit block {block.block_id} of group {gid} "
+                        "no longer holds this request's prefix (it was evicted after "
+                        "the lookup); call get_computed_blocks again right before "
+                        "allocate_slots"
+                    )
+                    raise InvalidRequestError(msg)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Hash the request's blocks filled by ``num_computed_tokens``."""
@@ -328,3 +397,11 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV-cache events (stored / removed / cleared) since the last call."""
         return self.block_pool.take_events()
+
+
+def _not_a_request(value: object) -> KvcoreTypeError:
+    msg = (
+        f"expected a kvcore.coordinator.Request, got {type(value).__name__}; build "
+        "requests with Request(request_id, prompt_token_ids, hash_block_size=...)"
+    )
+    return KvcoreTypeError(msg)

@@ -6,6 +6,7 @@ import enum
 from collections.abc import Sequence
 
 from kvcore.coordinator.hashing import (
+    TOKEN_ID_LIMIT,
     BlockHash,
     BlockHasher,
     HashFunction,
@@ -133,6 +134,14 @@ class Request:
                     f"{num_prompt} tokens; placeholders must lie inside the prompt"
                 )
                 raise InvalidRequestError(msg)
+        # Full chunks are checked as they are hashed; check the rest now so a
+        # bad token is reported here, not when a later append completes it.
+        hashed = (
+            0
+            if hash_block_size is None or self._hasher is None
+            else num_prompt - num_prompt % hash_block_size
+        )
+        _check_tokens(prompt[hashed:], f"request {request_id!r}: prompt", hashed)
         if self._hasher is not None:
             self._hash(self._hasher)
 
@@ -190,11 +199,23 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Append generated tokens and hash any chunk they complete."""
-        if type(token_ids) is int:
+        """Append generated tokens and hash any chunk they complete.
+
+        Invalid tokens (not ints in ``[0, 2**32)``) are refused before
+        anything is appended.
+        """
+        if type(token_ids) is int and 0 <= token_ids < TOKEN_ID_LIMIT:
             self.all_token_ids.append(token_ids)
         else:
-            self.all_token_ids.extend(token_ids)  # type: ignore[arg-type]
+            new = (
+                [token_ids] if not isinstance(token_ids, Sequence) else list(token_ids)
+            )
+            _check_tokens(
+                new,
+                f"request {self.request_id!r}: appended tokens",
+                len(self.all_token_ids),
+            )
+            self.all_token_ids.extend(new)
         hasher = self._hasher
         if hasher is not None and (
             len(self.all_token_ids) // hasher.hash_block_size > len(self.block_hashes)
@@ -279,3 +300,15 @@ def make_requests(
 
 create_requests = make_requests
 """Alias of :func:`make_requests` (the name the seed tests use)."""
+
+
+def _check_tokens(tokens: Sequence[object], what: str, start: int = 0) -> None:
+    """Raise a kvcore error unless every token is an int in ``[0, 2**32)``;
+    positions are reported from ``start``."""
+    for pos, tok in enumerate(tokens, start):
+        if type(tok) is not int:
+            msg = f"{what}: token id at position {pos} is {tok!r} ({type(tok).__name__}); token ids must be ints"
+            raise KvcoreTypeError(msg)
+        if not 0 <= tok < TOKEN_ID_LIMIT:
+            msg = f"{what}: token id at position {pos} is {tok}; token ids must lie in [0, {TOKEN_ID_LIMIT})"
+            raise KvcoreValueError(msg)

@@ -21,6 +21,7 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import FixedBlocksManager, SingleTypeManager
 from kvcore.coordinator.request import Request
+from kvcore.errors import InvalidSpecError
 
 __all__ = ["MambaManager", "MambaStateManager"]
 
@@ -39,6 +40,15 @@ class MambaManager(SingleTypeManager):
     skips_blocks: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
+        if spec.num_speculative_blocks:
+            msg = (
+                f"mamba_cache_mode={spec.mamba_cache_mode!r} with "
+                f"num_speculative_blocks={spec.num_speculative_blocks} is not "
+                "supported: state blocks are cached by position, and speculative "
+                "states have none. Use mamba_cache_mode='none' with speculative "
+                "decoding"
+            )
+            raise InvalidSpecError(msg)
         super().__init__(spec, block_pool, **kwargs)
         self.keep_all = spec.mamba_cache_mode == "all"
         #: request id -> positions below this are all null (already released).

@@ -1,0 +1,157 @@
+"""Misuse of the coordinator's public API is refused before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcore
+from kvcore import KVCacheConfig, KVCacheGroupSpec
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_mamba import MambaSpec
+
+
+def fa_manager(num_blocks: int = 8) -> KVCacheManager:
+    spec = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l"], spec)],
+    )
+    return KVCacheManager(
+        config, max_model_len=64, scheduler_block_size=4, hash_block_size=4
+    )
+
+
+def req(rid: str, n: int) -> Request:
+    return Request(rid, list(range(n)), hash_block_size=4)
+
+
+def snapshot(mgr: KVCacheManager) -> tuple[object, ...]:
+    pool = mgr.block_pool
+    return (
+        [b.ref_cnt for b in pool.blocks],
+        [b.block_id for b in pool.free_queue.get_all_free_blocks()],
+        pool.num_cached_blocks,
+    )
+
+
+def test_stale_hit_is_refused() -> None:
+    # num_blocks 8 -> 7 usable.  r1 caches 3 full blocks (ids 1, 2, 3) and is
+    # freed; r2's lookup hits all three (12 of 13 tokens: max is num_tokens - 1).
+    mgr = fa_manager(8)
+    r1 = req("r1", 12)
+    mgr.allocate_slots(r1, 12)
+    mgr.free(r1)
+    r2 = req("r2", 13)
+    hit, n = mgr.get_computed_blocks(r2)
+    assert n == 12
+    assert hit.get_block_ids() == ([1, 2, 3],)
+    # r3 (different tokens) takes all 7 free blocks: the 4 never-hashed ones
+    # first, then the LRU cached ones, evicting 1, 2 and 3.
+    r3 = Request("r3", [9] * 28, hash_block_size=4)
+    assert mgr.allocate_slots(r3, 28) is not None
+    mgr.free(r3)
+    before = snapshot(mgr)
+    with pytest.raises(kvcore.InvalidRequestError, match=r"'r2'.*no longer holds"):
+        mgr.allocate_slots(r2, 1, n, hit)
+    assert snapshot(mgr) == before
+
+
+def test_hit_tokens_without_blocks_are_refused() -> None:
+    mgr = fa_manager()
+    before = snapshot(mgr)
+    with pytest.raises(
+        kvcore.InvalidRequestError, match="hit of 8 tokens came with no blocks"
+    ):
+        mgr.allocate_slots(req("a", 12), 4, num_new_computed_tokens=8)
+    assert snapshot(mgr) == before
+
+
+def test_hit_blocks_for_a_running_request_are_refused() -> None:
+    mgr = fa_manager()
+    r1 = req("r1", 12)
+    mgr.allocate_slots(r1, 12)
+    mgr.free(r1)
+    r2 = req("r2", 13)
+    hit, _ = mgr.get_computed_blocks(r2)
+    mgr.allocate_slots(r2, 4)  # scheduled without its hit
+    r2.num_computed_tokens = 4
+    with pytest.raises(kvcore.InvalidRequestError, match="'r2' already holds blocks"):
+        mgr.allocate_slots(r2, 4, 0, hit)
+
+
+def test_hit_length_must_match_the_blocks() -> None:
+    mgr = fa_manager()
+    r1 = req("r1", 12)
+    mgr.allocate_slots(r1, 12)
+    mgr.free(r1)
+    r2 = req("r2", 13)
+    hit, _ = mgr.get_computed_blocks(r2)  # 3 blocks = 12 tokens
+    with pytest.raises(
+        kvcore.InvalidRequestError, match="covers 8 tokens but group 0 holds 3"
+    ):
+        mgr.allocate_slots(r2, 5, 8, hit)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_new_tokens": 1.5}, "positive int"),
+        ({"num_new_tokens": 0}, "positive int"),
+        ({"num_new_tokens": 1, "num_lookahead_tokens": -100}, "num_lookahead_tokens"),
+        (
+            {"num_new_tokens": 1, "num_new_computed_tokens": -4},
+            "num_new_computed_tokens",
+        ),
+    ],
+    ids=["float", "zero", "negative-lookahead", "negative-computed"],
+)
+def test_bad_token_counts_are_refused(kwargs: dict[str, object], match: str) -> None:
+    mgr = fa_manager()
+    with pytest.raises(kvcore.InvalidRequestError, match=match):
+        mgr.allocate_slots(req("a", 4), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_request_id_is_not_a_request() -> None:
+    with pytest.raises(
+        kvcore.KvcoreTypeError, match=r"expected a kvcore\.coordinator\.Request"
+    ):
+        fa_manager().allocate_slots("a", 4)  # type: ignore[arg-type]
+
+
+def test_single_group_schedules_in_its_own_block() -> None:
+    # One MLA-like group of 64-token blocks: the engine default (16) must not
+    # leak into the scheduler block, or the manager would refuse the plan.
+    spec = FullAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=8, dtype=torch.uint8
+    )
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True
+        )
+    )
+    groups = kvcore.get_kv_cache_groups(config, {"a": spec, "b": spec})
+    plan = kvcore.get_kv_cache_config_from_groups(config, groups, 10 * 2 * 64 * 16)
+    assert kvcore.resolve_kv_cache_block_sizes(plan, config) == (64, 64)
+    KVCacheManager(plan, max_model_len=256, scheduler_block_size=64, hash_block_size=64)
+
+
+def test_speculative_mamba_states_in_align_mode_are_refused() -> None:
+    spec = MambaSpec(
+        block_size=4,
+        shapes=((8,),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=2,
+    )
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["m"], spec)],
+    )
+    with pytest.raises(kvcore.InvalidSpecError, match="num_speculative_blocks=2"):
+        KVCacheManager(config, max_model_len=64, scheduler_block_size=4)
