@@ -8,7 +8,7 @@ import attrs
 
 from kvcore.errors import KvcoreValueError, LayoutError
 from kvcore.layout import KVCacheLayout
-from kvcore.spec import optional_positive_int, positive_int
+from kvcore.spec import is_bool, optional_positive_int, positive_int
 
 __all__ = ["CacheConfig", "EngineConfig", "MambaCacheMode", "ParallelConfig"]
 
@@ -52,7 +52,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = attrs.field(
         default=None, validator=optional_positive_int
     )
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = attrs.field(default=False, validator=is_bool)
     prefix_match_unit: int | None = attrs.field(
         default=None, validator=optional_positive_int
     )
@@ -98,4 +98,4 @@ class EngineConfig:
     max_model_len: int | None = attrs.field(
         default=None, validator=optional_positive_int
     )
-    kv_transfer_enabled: bool = False
+    kv_transfer_enabled: bool = attrs.field(default=False, validator=is_bool)

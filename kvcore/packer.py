@@ -24,7 +24,13 @@ from typing import Any
 import attrs
 
 from kvcore.config import EngineConfig
-from kvcore.errors import BlockSizeError, LayoutError, MergeError, PlanError
+from kvcore.errors import (
+    BlockSizeError,
+    KvcoreTypeError,
+    LayoutError,
+    MergeError,
+    PlanError,
+)
 from kvcore.layout import AXIS_B, AXIS_L, KVCacheLayout, compute_layout_strides
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import (
@@ -72,31 +78,70 @@ def get_kv_cache_groups(
     :param specs: layer name to spec, in model order.
     """
     registry = registry if registry is not None else default_registry()
+    raw: object = specs
+    if not isinstance(raw, Mapping):
+        msg = (
+            f"get_kv_cache_groups takes a mapping of layer name to spec, got "
+            f"{type(raw).__name__}"
+        )
+        raise KvcoreTypeError(msg)
     for name, spec in specs.items():
         registry.kind_for(spec, layer=name)
     if not specs:
         return []
     chosen = registry.choose_grouping(config, specs)
     if chosen is not None:
-        _check_covers(chosen, specs)
+        _check_chosen(chosen, specs)
         return chosen
-    names = list(specs)
-    values = list(specs.values())
-    first_type = type(values[0])
-    if all(type(s) is first_type for s in values):
-        try:
-            merged = first_type.merge(values)
-        except MergeError:
-            pass
-        else:
-            return [KVCacheGroupSpec(names, merged)]
-    uniform = UniformTypeKVCacheSpecs.from_specs(dict(specs))
-    if uniform is not None:
-        return [KVCacheGroupSpec(names, uniform)]
+    whole = _group_spec(dict(specs))
+    if whole is not None:
+        return [KVCacheGroupSpec(list(specs), whole)]
     packed = get_packed_kv_cache_groups(config, specs)
     if packed is not None:
         return packed
     return get_uniform_page_kv_cache_groups(specs)
+
+
+def _group_spec(members: dict[str, KVCacheSpec]) -> GroupSpec | None:
+    """One spec for layers that may share a group: their merge if they merge,
+    else a :class:`UniformTypeKVCacheSpecs` if they share a grouping key."""
+    values = list(members.values())
+    first_type = type(values[0])
+    if all(type(s) is first_type for s in values):
+        try:
+            return first_type.merge(values)
+        except MergeError:
+            pass
+    return UniformTypeKVCacheSpecs.from_specs(members)
+
+
+def _check_chosen(chosen: object, specs: Mapping[str, KVCacheSpec]) -> None:
+    """Check a plugin's grouping: groups covering every layer once, each with
+    a spec that matches its layers."""
+    if not isinstance(chosen, list) or not all(
+        isinstance(g, KVCacheGroupSpec) for g in chosen
+    ):
+        msg = (
+            "a kvcore_choose_grouping plugin returned "
+            f"{type(chosen).__name__}; it must return a list of KVCacheGroupSpec "
+            "(or None to defer)"
+        )
+        raise PlanError(msg)
+    _check_covers(chosen, specs)
+    for i, group in enumerate(chosen):
+        members = {name: specs[name] for name in group.layer_names}
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            ok = spec.kv_cache_specs == members
+        else:
+            ok = spec == _group_spec(members)
+        if not ok:
+            msg = (
+                f"a kvcore_choose_grouping plugin gave group {i} (layers "
+                f"{group.layer_names[:4]}) a spec that does not match its layers' "
+                "specs; use their merged spec or a UniformTypeKVCacheSpecs of them"
+            )
+            raise PlanError(msg)
 
 
 def _check_covers(groups: Sequence[KVCacheGroupSpec], specs: Mapping[str, Any]) -> None:
@@ -137,7 +182,7 @@ def _buckets(specs: Mapping[str, KVCacheSpec]) -> list[dict[str, KVCacheSpec]]:
 def approximate_gcd(values: Sequence[int], lower_bound: int = 1) -> int:
     """The divisor ``d >= lower_bound`` that minimises the padding
     ``sum((-v) % d)``; ties go to the larger ``d``."""
-    if not values or any(v <= 0 for v in values):
+    if not values or any(type(v) is not int or v <= 0 for v in values):
         msg = f"approximate_gcd needs positive values, got {list(values)}"
         raise PlanError(msg)
     low = max(1, lower_bound)
@@ -283,19 +328,10 @@ def get_uniform_page_kv_cache_groups(
     for bucket in buckets:
         bucket_obj = _Bucket.of(bucket)
         for names in bucket_obj.split(cdiv(len(bucket), size)):
-            members = {name: bucket[name] for name in names}
-            first_type = type(members[names[0]])
-            spec: GroupSpec
-            try:
-                if any(type(s) is not first_type for s in members.values()):
-                    raise MergeError("mixed types")  # noqa: EM101
-                spec = first_type.merge(list(members.values()))
-            except MergeError:
-                wrapper = UniformTypeKVCacheSpecs.from_specs(members)
-                if wrapper is None:  # pragma: no cover - buckets share one key
-                    msg = f"layers {names} share a bucket but not a grouping key"
-                    raise PlanError(msg) from None
-                spec = wrapper
+            spec = _group_spec({name: bucket[name] for name in names})
+            if spec is None:  # pragma: no cover - buckets share one key
+                msg = f"layers {names} share a bucket but not a grouping key"
+                raise PlanError(msg)
             groups.append(KVCacheGroupSpec(names, spec))
     return groups
 

@@ -51,6 +51,11 @@ class KVCachePool:
                 f"{layout.name}; re-plan for {layout.name}"
             )
             raise LayoutError(msg)
+        if kernel_block_sizes is not None and any(
+            type(k) is not int or k <= 0 for k in kernel_block_sizes
+        ):
+            msg = f"kernel_block_sizes must be positive ints, got {list(kernel_block_sizes)}"
+            raise PlanError(msg)
         if kernel_block_sizes is not None and len(kernel_block_sizes) != len(
             config.kv_cache_groups
         ):
@@ -70,7 +75,14 @@ class KVCachePool:
             )
             raise PlanError(msg)
         size = sizes.pop() if sizes else 0
-        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        try:
+            self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        except (RuntimeError, TypeError) as exc:
+            msg = (
+                f"cannot allocate the {size}-byte KV cache pool on device "
+                f"{device!r}: {exc}"
+            )
+            raise PlanError(msg) from exc
         group_of = {
             name: i
             for i, g in enumerate(config.kv_cache_groups)

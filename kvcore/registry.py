@@ -150,9 +150,17 @@ class KindRegistry(Mapping[str, CacheKind]):
         """Ask plugins for a grouping policy (``kvcore_choose_grouping``)."""
         if self._pm is None:
             return None
-        result: list[KVCacheGroupSpec] | None = self._pm.hook.kvcore_choose_grouping(
-            config=config, specs=specs
-        )
+        hook = self._pm.hook.kvcore_choose_grouping
+        try:
+            result: list[KVCacheGroupSpec] | None = hook(config=config, specs=specs)
+        except Exception as exc:
+            names = [impl.plugin_name for impl in hook.get_hookimpls()]
+            msg = (
+                f"a kvcore_choose_grouping plugin raised {type(exc).__name__}: {exc} "
+                f"(plugins implementing it: {', '.join(names)}); fix it or block it "
+                "with KVCORE_DISABLE_PLUGINS"
+            )
+            raise PluginError(msg, plugin_name=",".join(names)) from exc
         return result
 
 

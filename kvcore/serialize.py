@@ -19,7 +19,7 @@ import cattrs
 import torch
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
-from kvcore.errors import SerializationError, UnknownKindError
+from kvcore.errors import KvcoreError, SerializationError, UnknownKindError
 from kvcore.layout import KVCacheLayout
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import KVCacheSpec, UniformTypeKVCacheSpecs
@@ -51,6 +51,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _strict(kind: type) -> Any:
+    """A structure hook that takes values of exactly ``kind`` (cattrs would
+    otherwise turn ``"false"`` into ``True`` and ``2.5`` into ``2``)."""
+
+    def hook(value: Any, _: Any) -> Any:
+        if type(value) is not kind:
+            msg = f"expected {kind.__name__}, got {value!r} ({type(value).__name__})"
+            raise ValueError(msg)
+        return value
+
+    return hook
+
+
 def _format_exception(exc: BaseException, type_: Any) -> str:
     if isinstance(exc, KeyError):
         return f"required field missing ({exc})"
@@ -67,6 +80,8 @@ class SpecConverter:
     def __init__(self, registry: KindRegistry) -> None:
         self.registry = registry
         c = cattrs.Converter(forbid_extra_keys=True)
+        for kind in (int, bool, str):
+            c.register_structure_hook(kind, _strict(kind))
         c.register_structure_hook(torch.dtype, _dtype_from_name)
         c.register_unstructure_hook(torch.dtype, _dtype_name)
         c.register_structure_hook(
@@ -99,7 +114,7 @@ class SpecConverter:
         c.register_structure_hook(
             KVCacheGroupSpec,
             lambda d, _: KVCacheGroupSpec(
-                list(d["layer_names"]), self._structure_group_spec(d["kv_cache_spec"])
+                d["layer_names"], self._structure_group_spec(d["kv_cache_spec"])
             ),
         )
         c.register_unstructure_hook(
@@ -124,6 +139,9 @@ class SpecConverter:
             raise SerializationError(msg)
         fields = dict(data)
         name = fields.pop("kind")
+        if not isinstance(name, str):
+            msg = f"the 'kind' of the spec at {where} must be a string, got {name!r}"
+            raise SerializationError(msg)
         try:
             spec_type = self.registry[name].spec_type
         except UnknownKindError as exc:
@@ -204,8 +222,8 @@ class SpecConverter:
             errors = cattrs.transform_error(exc, format_exception=_format_exception)
             msg = f"invalid {getattr(cls, '__name__', cls)}: " + "; ".join(errors)
             raise SerializationError(msg) from exc
-        except (KeyError, TypeError) as exc:
-            msg = f"invalid {getattr(cls, '__name__', cls)}: {exc!r}"
+        except (KeyError, TypeError, KvcoreError) as exc:
+            msg = f"invalid {getattr(cls, '__name__', cls)}: {exc}"
             raise SerializationError(msg) from exc
 
 
@@ -221,9 +239,15 @@ def dump_config(config: KVCacheConfig, registry: KindRegistry | None = None) -> 
 
 def load_config(text: str, registry: KindRegistry | None = None) -> KVCacheConfig:
     """The inverse of :func:`dump_config`."""
-    config: KVCacheConfig = make_converter(registry).structure(
-        json.loads(text), KVCacheConfig
-    )
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        msg = f"a KV cache config must be JSON: {exc}"
+        raise SerializationError(msg) from exc
+    if not isinstance(data, dict):
+        msg = f"a KV cache config must be a JSON object, got {type(data).__name__}"
+        raise SerializationError(msg)
+    config: KVCacheConfig = make_converter(registry).structure(data, KVCacheConfig)
     return config
 
 
@@ -261,6 +285,10 @@ def load_model_file(
     if unknown:
         msg = f"{where}: unknown top-level key(s) {sorted(unknown)}"
         raise SerializationError(msg)
+    sources = data.get("sources", [])
+    if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+        msg = f"{where}: 'sources' must be a list of strings"
+        raise SerializationError(msg)
     converter = make_converter(registry)
     layers = {
         name: converter.structure_spec(spec, where=f"{where}: layers.{name}")
@@ -273,5 +301,5 @@ def load_model_file(
         name=str(data.get("name", where)),
         layers=layers,
         notes=str(data.get("notes", "")),
-        sources=tuple(data.get("sources", ())),
+        sources=tuple(sources),
     )

@@ -32,6 +32,7 @@ __all__ = [
     "dtype_size",
     "iter_layer_specs",
     "positive_int",
+    "is_bool",
     "optional_positive_int",
     "round_up",
 ]
@@ -83,6 +84,16 @@ def non_negative_int(
         msg = (
             f"{type(instance).__name__}.{attribute.name} must be a "
             f"non-negative int, got {value!r}"
+        )
+        raise InvalidSpecError(msg)
+
+
+def is_bool(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: a real ``bool`` (a string such as ``"false"`` is not)."""
+    if type(value) is not bool:
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} must be True or False, "
+            f"got {value!r} ({type(value).__name__})"
         )
         raise InvalidSpecError(msg)
 
@@ -310,9 +321,17 @@ class UniformTypeKVCacheSpecs:
     kv_cache_specs: dict[str, KVCacheSpec]
 
     def __attrs_post_init__(self) -> None:
-        if not self.kv_cache_specs:
-            msg = "UniformTypeKVCacheSpecs needs at least one member spec"
+        members: object = self.kv_cache_specs  # checked: callers pass anything
+        if not isinstance(members, dict) or not members:
+            msg = (
+                "UniformTypeKVCacheSpecs.kv_cache_specs must be a non-empty dict of "
+                f"layer name to spec, got {self.kv_cache_specs!r}"
+            )
             raise InvalidSpecError(msg)
+        for name, member in members.items():
+            if not isinstance(member, KVCacheSpec):
+                msg = f"layer {name!r} has member spec {member!r}, not a KVCacheSpec"
+                raise InvalidSpecError(msg)
         for name, spec in self.kv_cache_specs.items():
             if spec.block_size != self.block_size:
                 msg = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from kvcore.errors import KvcoreTypeError, PlanError
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import GroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 
@@ -20,6 +21,39 @@ class KVCacheGroupSpec:
 
     layer_names: list[str]
     kv_cache_spec: GroupSpec
+
+    def __attrs_post_init__(self) -> None:
+        names: list[str] = self.layer_names
+        raw: object = names  # checked: callers pass anything
+        if (
+            not isinstance(raw, list)
+            or not raw
+            or not all(isinstance(n, str) for n in raw)
+        ):
+            msg = (
+                f"KVCacheGroupSpec.layer_names must be a non-empty list of layer "
+                f"names, got {names!r}"
+            )
+            raise PlanError(msg)
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            msg = f"KVCacheGroupSpec lists layers {dupes} more than once"
+            raise PlanError(msg)
+        spec: object = self.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            if set(spec.kv_cache_specs) != set(names):
+                msg = (
+                    f"the group's layer_names {names[:4]}... and its "
+                    f"UniformTypeKVCacheSpecs members {list(spec.kv_cache_specs)[:4]}... "
+                    "name different layers; give every layer exactly one member spec"
+                )
+                raise PlanError(msg)
+        elif not isinstance(spec, KVCacheSpec):
+            msg = (
+                f"the group of layers {names[:4]} has kv_cache_spec {spec!r}; it must "
+                "be a KVCacheSpec or a UniformTypeKVCacheSpecs"
+            )
+            raise KvcoreTypeError(msg)
 
     def layer_spec(self, name: str) -> KVCacheSpec:
         """The spec of one layer of this group."""
@@ -50,6 +84,20 @@ class KVCacheTensor:
     offset: int = 0
     host_resident: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        layers: object = self.layers
+        if not isinstance(layers, list) or not layers:
+            msg = f"KVCacheTensor.layers must be a non-empty list, got {self.layers!r}"
+            raise PlanError(msg)
+        for name in ("size", "layer_stride", "block_stride", "offset"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                msg = (
+                    f"KVCacheTensor.{name} of layers {self.layers[:3]} must be a "
+                    f"non-negative int, got {value!r}"
+                )
+                raise PlanError(msg)
+
 
 @attrs.define(kw_only=True)
 class KVCacheConfig:
@@ -60,6 +108,24 @@ class KVCacheConfig:
     kv_cache_groups: list[KVCacheGroupSpec]
     kv_cache_layout: KVCacheLayout | None = None
     bytes_per_block: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if type(self.num_blocks) is not int or self.num_blocks < 1:
+            msg = (
+                f"KVCacheConfig.num_blocks must be a positive int (block 0 is the null "
+                f"block), got {self.num_blocks!r}"
+            )
+            raise PlanError(msg)
+        groups: list[object] = list(self.kv_cache_groups)
+        tensors: list[object] = list(self.kv_cache_tensors)
+        for group in groups:
+            if not isinstance(group, KVCacheGroupSpec):
+                msg = f"KVCacheConfig.kv_cache_groups holds {group!r}, not a KVCacheGroupSpec"
+                raise KvcoreTypeError(msg)
+        for tensor in tensors:
+            if not isinstance(tensor, KVCacheTensor):
+                msg = f"KVCacheConfig.kv_cache_tensors holds {tensor!r}, not a KVCacheTensor"
+                raise KvcoreTypeError(msg)
 
     def group_of(self, layer: str) -> int:
         """Index of the group holding ``layer``."""

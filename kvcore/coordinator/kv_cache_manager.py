@@ -123,6 +123,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The request's prefix hit (blocks, tokens); the last prompt token is
         always recomputed so the step yields logits."""
+        if not isinstance(request, Request):
+            raise _not_a_request(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         self._check_hashing(request)

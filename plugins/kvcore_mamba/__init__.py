@@ -24,6 +24,7 @@ from kvcore.spec import (
     PackingRole,
     cdiv,
     dtype_size,
+    is_bool,
     non_negative_int,
     optional_positive_int,
 )
@@ -35,10 +36,26 @@ _MODES = ("none", "align", "all")
 
 
 def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(d) for d in shape) for shape in value)
+    ok = isinstance(value, list | tuple) and all(
+        isinstance(shape, list | tuple) and all(type(d) is int for d in shape)
+        for shape in value
+    )
+    if not ok:
+        msg = (
+            f"MambaSpec.shapes must be a sequence of int shapes such as ((3, 64), "
+            f"(8, 16)), got {value!r}"
+        )
+        raise InvalidSpecError(msg)
+    return tuple(tuple(shape) for shape in value)
 
 
 def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
+    if not isinstance(value, list | tuple):
+        msg = (
+            f"MambaSpec.dtypes must be a sequence of torch dtypes, one per shape, "
+            f"got {value!r}"
+        )
+        raise InvalidSpecError(msg)
     dtypes = tuple(value)
     for dtype in dtypes:
         if not isinstance(dtype, torch.dtype):
@@ -67,7 +84,7 @@ class MambaSpec(KVCacheSpec):
 
     shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
     dtypes: tuple[torch.dtype, ...] = attrs.field(converter=_dtypes)
-    tp_replicated: bool = False
+    tp_replicated: bool = attrs.field(default=False, validator=is_bool)
     mamba_cache_mode: Literal["none", "align", "all"] = "none"
     num_speculative_blocks: int = attrs.field(default=0, validator=non_negative_int)
     page_size_padded: int | None = attrs.field(

@@ -13,7 +13,14 @@ import attrs
 
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
-from kvcore.spec import AttentionSpec, PackingRole, cdiv, non_negative_int, positive_int
+from kvcore.spec import (
+    AttentionSpec,
+    PackingRole,
+    cdiv,
+    is_bool,
+    non_negative_int,
+    positive_int,
+)
 from kvcore_sliding_window.manager import SlidingWindowManager
 
 __all__ = [
@@ -41,7 +48,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     sliding_window: int = attrs.field(validator=positive_int)
     extra_retained_tokens: int = attrs.field(default=0, validator=non_negative_int)
-    bounded_replay: bool = False
+    bounded_replay: bool = attrs.field(default=False, validator=is_bool)
 
     @property
     def prefix_cacheable(self) -> bool:
