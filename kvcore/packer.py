@@ -46,6 +46,8 @@ from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
 __all__ = [
     "approximate_gcd",
+    "effective_block_size",
+    "serves_partial_hits",
     "build_kv_cache_tensors",
     "generate_scheduler_kv_cache_config",
     "get_kv_cache_config_from_groups",
@@ -341,10 +343,6 @@ def get_uniform_page_kv_cache_groups(
 # ---------------------------------------------------------------------------
 
 
-def _layer_specs(group: KVCacheGroupSpec) -> list[KVCacheSpec]:
-    return [group.layer_spec(name) for name in group.layer_names]
-
-
 def kv_cache_bytes_per_block(
     groups: Sequence[KVCacheGroupSpec], layout: KVCacheLayout | None = None
 ) -> int:
@@ -363,7 +361,7 @@ def kv_cache_bytes_per_block(
         widest = max(
             sum(
                 round_up(s.page_size_bytes, s.stride_alignment())
-                for s in _layer_specs(g)
+                for s in g.layer_specs()
             )
             for g in groups
         )
@@ -371,7 +369,7 @@ def kv_cache_bytes_per_block(
     else:
         widest = max(g.packed_bytes for g in groups)
         alignment = math.lcm(
-            *(s.stride_alignment() for g in groups for s in _layer_specs(g))
+            *(s.stride_alignment() for g in groups for s in g.layer_specs())
         )
     if widest <= 0:
         msg = f"cache groups have no bytes per block (widest group: {widest} bytes)"
@@ -397,7 +395,7 @@ def validate_kv_cache_layout(
     the groups: mixed page sizes need a block-compact layout, and a
     layer-outer one only for a single group; some kinds need the block axis
     outermost."""
-    specs = [s for g in groups for s in _layer_specs(g)]
+    specs = [s for g in groups for s in g.layer_specs()]
     if len({s.page_size_bytes for s in specs}) > 1 and (
         not layout.is_block_compact or (layout.is_layer_compact and len(groups) > 1)
     ):
@@ -547,10 +545,21 @@ def get_kv_cache_config_from_groups(
 # ---------------------------------------------------------------------------
 
 
-def _effective_block_size(group: KVCacheGroupSpec, dcp: int) -> int:
-    specs = _layer_specs(group)
+def effective_block_size(group: KVCacheGroupSpec, dcp: int) -> int:
+    """A group's block in tokens: its block size, times decode context
+    parallelism when every layer scales with it."""
+    specs = group.layer_specs()
     scale = dcp if all(s.scales_with_context_parallel for s in specs) else 1
     return group.kv_cache_spec.block_size * scale
+
+
+def serves_partial_hits(
+    group: KVCacheGroupSpec, block_size: int, hash_block_size: int, dcp: int
+) -> bool:
+    """Whether a group can serve a prefix hit that ends inside its block, so
+    hits align to the hash block rather than the scheduler block."""
+    wider = block_size > hash_block_size if dcp == 1 else block_size >= hash_block_size
+    return wider and any(s.caches_partial_block_hits for s in group.layer_specs())
 
 
 def resolve_kv_cache_block_sizes(
@@ -573,13 +582,13 @@ def resolve_kv_cache_block_sizes(
     if len(groups) == 1:
         # The group's own block, not the engine default: a single MLA group of
         # 64-token blocks schedules in 64s whatever ``cache.block_size`` says.
-        size = _effective_block_size(groups[0], dcp)
+        size = effective_block_size(groups[0], dcp)
         return size, size
-    effective = [_effective_block_size(g, dcp) for g in groups]
+    effective = [effective_block_size(g, dcp) for g in groups]
     scheduler = math.lcm(*effective)
     if not (cache.enable_prefix_caching or config.kv_transfer_enabled):
         return scheduler, scheduler
-    specs = [s for g in groups for s in _layer_specs(g)]
+    specs = [s for g in groups for s in g.layer_specs()]
     if not all(s.allows_sub_block_hashing for s in specs):
         return scheduler, scheduler
     cacheable = [
@@ -605,9 +614,8 @@ def resolve_kv_cache_block_sizes(
         }
     )
     partial = any(
-        s.caches_partial_block_hits and (e > unit if dcp == 1 else e >= unit)
+        serves_partial_hits(g, e, unit, dcp)
         for g, e in zip(groups, effective, strict=True)
-        for s in _layer_specs(g)
     )
     hit_alignment = unit if partial else scheduler
     broken = [a for a in alignments if hit_alignment % a]
@@ -654,14 +662,4 @@ def generate_scheduler_kv_cache_config(
     return scheduler
 
 
-def check_alignment(scheduler_block_size: int, hash_block_size: int) -> None:
-    """Raise unless the hash block divides the scheduler block."""
-    if scheduler_block_size % hash_block_size:
-        msg = (
-            f"hash_block_size={hash_block_size} must divide "
-            f"scheduler_block_size={scheduler_block_size}"
-        )
-        raise BlockSizeError(msg)
-
-
-__all__ += ["check_alignment", "iter_layer_specs", "tensor_strides"]
+__all__ += ["iter_layer_specs", "tensor_strides"]

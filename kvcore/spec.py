@@ -302,11 +302,6 @@ class AttentionSpec(KVCacheSpec):
             return round_up(page, self.alignment)
         return page
 
-    @property
-    def view_content(self) -> int:
-        """Elements per state in the typed view (keys then values)."""
-        return self.head_size + self.head_size_v
-
 
 @attrs.frozen(kw_only=True, eq=True, hash=False)
 class UniformTypeKVCacheSpecs:
@@ -357,12 +352,6 @@ class UniformTypeKVCacheSpecs:
     @property
     def prefix_replay_tokens(self) -> int:
         return max(s.prefix_replay_tokens for s in self.kv_cache_specs.values())
-
-    def max_layers_per_page_size(self) -> int:
-        counts: dict[int, int] = {}
-        for spec in self.kv_cache_specs.values():
-            counts[spec.page_size_bytes] = counts.get(spec.page_size_bytes, 0) + 1
-        return max(counts.values())
 
     @classmethod
     def from_specs(

@@ -62,6 +62,10 @@ class KVCacheGroupSpec:
             return spec.kv_cache_specs[name]
         return spec
 
+    def layer_specs(self) -> list[KVCacheSpec]:
+        """The spec of every layer, in ``layer_names`` order."""
+        return [self.layer_spec(name) for name in self.layer_names]
+
     @property
     def packed_bytes(self) -> int:
         """Bytes of one block of this group: the sum of its layers' pages."""

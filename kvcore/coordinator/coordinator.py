@@ -19,6 +19,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError
+from kvcore.packer import effective_block_size, serves_partial_hits
 from kvcore.registry import KindRegistry
 from kvcore.structs import KVCacheConfig
 
@@ -85,9 +86,7 @@ class KVCacheCoordinator:
         for gid, group in enumerate(groups):
             spec = group.kv_cache_spec
             layer_spec = group.layer_spec(group.layer_names[0])
-            block_size = spec.block_size * (
-                dcp if layer_spec.scales_with_context_parallel else 1
-            )
+            block_size = effective_block_size(group, dcp)
             if scheduler_block_size % block_size:
                 msg = (
                     f"cache group {gid} ({layer_spec.kind}, block {block_size}) does not "
@@ -116,16 +115,9 @@ class KVCacheCoordinator:
                 )
             )
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
-        self._skipping = tuple(m for m in managers if m.skips_blocks)
+        #: Managers that release blocks a request no longer reads.
+        self.skipping = tuple(m for m in managers if m.skips_blocks)
         self._caching = tuple(m for m in managers if m.caching)
-        # Freeing pops each table directly unless a manager keeps more
-        # per-request state (it then overrides pop_blocks).
-        self._poppers = tuple(
-            (m.req_to_blocks, None)
-            if type(m).pop_blocks is SingleTypeManager.pop_blocks
-            else (m.req_to_blocks, m.pop_blocks)
-            for m in managers
-        )
         # Managers whose tables grow with the request; fixed-block managers
         # are settled at a request's first allocation.
         self._growing = tuple(
@@ -149,10 +141,8 @@ class KVCacheCoordinator:
             spec_groups.values(), key=lambda g: not g.manager_type.monotone_hits
         )
         partial = any(
-            m.caching
-            and m.kv_cache_spec.caches_partial_block_hits
-            and m.block_size > hash_block_size
-            for m in managers
+            m.caching and serves_partial_hits(g, m.block_size, hash_block_size, dcp)
+            for m, g in zip(managers, groups, strict=True)
         )
         #: Hits are multiples of this many tokens.
         self.cache_hit_alignment = hash_block_size if partial else scheduler_block_size
@@ -190,6 +180,7 @@ class KVCacheCoordinator:
         hash_bs = self.hash_block_size
         found: dict[int, list[list[KVCacheBlock]]] = {}
         searched_at: dict[int, int] = {}
+        views: dict[int, Sequence[BlockHash]] = {}
         length = limit
         changed = True
         while changed:
@@ -207,7 +198,11 @@ class KVCacheCoordinator:
                         continue
                     if searched_at[index] == length:
                         continue
-                hashes = hashes_at_block_size(block_hashes, hash_bs, group.block_size)
+                hashes = views.get(index)
+                if hashes is None:
+                    hashes = views[index] = hashes_at_block_size(
+                        block_hashes, hash_bs, group.block_size
+                    )
                 blocks = group.manager_type.find_longest_cache_hit(
                     group.spec,
                     hashes,
@@ -238,14 +233,14 @@ class KVCacheCoordinator:
     # -- allocation -------------------------------------------------------------
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        for manager in self._skipping:
+        for manager in self.skipping:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
         return sum(
             m.count_freeable_skipped(request_id, num_computed_tokens)
-            for m in self._skipping
+            for m in self.skipping
         )
 
     def get_num_blocks_to_allocate(
@@ -309,13 +304,11 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
         freed: list[KVCacheBlock] = []
-        for tables, pop in self._poppers:
-            blocks = tables.pop(request_id, None) if pop is None else pop(request_id)
+        for manager in self.single_type_managers:
+            blocks = manager.pop_blocks(request_id)
             if blocks:
                 blocks.reverse()
                 freed += blocks
-        for manager in self._caching:
-            manager.num_cached_block.pop(request_id, None)
         if freed:
             self.block_pool.free_blocks(freed)
 

@@ -213,7 +213,7 @@ class KVCacheManager:
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
-        skipping = bool(coordinator._skipping) and request.num_computed_tokens > 0
+        skipping = bool(coordinator.skipping) and request.num_computed_tokens > 0
         free = self.block_pool.free_queue.num_free
         if need > free and (
             not skipping

@@ -22,12 +22,9 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
 from kvcore.errors import UnknownRequestError
+from kvcore.spec import cdiv
 
 __all__ = ["FixedBlocksManager", "SingleTypeManager"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SingleTypeManager:
@@ -89,7 +86,7 @@ class SingleTypeManager:
         """Free blocks this group needs so the request covers ``num_tokens``:
         new blocks plus hit blocks that must leave the free queue."""
         held = self.req_to_blocks.get(request_id)
-        need = _cdiv(num_tokens, self.block_size) - len(new_computed_blocks)
+        need = cdiv(num_tokens, self.block_size) - len(new_computed_blocks)
         if held is not None:
             need -= len(held)
         if need < 0:
@@ -120,7 +117,7 @@ class SingleTypeManager:
         held = self.req_to_blocks.get(request_id)
         if held is None:
             held = self.req_to_blocks[request_id] = []
-        need = _cdiv(num_tokens, self.block_size) - len(held)
+        need = cdiv(num_tokens, self.block_size) - len(held)
         if need <= 0:
             return []
         new = self.block_pool.get_new_blocks(need)
@@ -296,11 +293,6 @@ class FixedBlocksManager(SingleTypeManager):
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         return
-
-    def truncate_hit(
-        self, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> list[KVCacheBlock]:
-        return []
 
     @classmethod
     def find_longest_cache_hit(

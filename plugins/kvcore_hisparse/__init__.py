@@ -14,7 +14,6 @@ from typing import ClassVar
 
 import attrs
 
-from kvcore.errors import LayoutError
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
@@ -85,16 +84,9 @@ def build_hisparse_kv_cache_tensors(
     Hot pages need a block-outermost layout; every group restarts at byte 0
     of the block and every tensor spans ``size`` bytes.
     """
-    from kvcore.packer import build_kv_cache_tensors
+    from kvcore.packer import build_kv_cache_tensors, validate_kv_cache_layout
 
-    if not layout.is_block_outermost and any(
-        isinstance(s, HiSparseHotSpec) for g in groups for s in _layer_specs(g)
-    ):
-        msg = (
-            f"HiSparse hot pages require a block-outermost KV layout, got "
-            f"{layout.name}; use BLHNC or BLNHC"
-        )
-        raise LayoutError(msg)
+    validate_kv_cache_layout(layout, groups)
     return build_kv_cache_tensors(
         groups,
         num_blocks=num_blocks,
@@ -103,10 +95,6 @@ def build_hisparse_kv_cache_tensors(
         bytes_per_block=bytes_per_block,
         host_resident=host_resident,
     )
-
-
-def _layer_specs(group: KVCacheGroupSpec) -> list[KVCacheSpec]:
-    return [group.layer_spec(n) for n in group.layer_names]
 
 
 @hookimpl

@@ -22,6 +22,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import FixedBlocksManager, SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.errors import InvalidSpecError
+from kvcore.spec import cdiv
 
 __all__ = ["MambaManager", "MambaStateManager"]
 
@@ -62,9 +63,9 @@ class MambaManager(SingleTypeManager):
     ) -> int:
         held = self.req_to_blocks.get(request_id)
         have = len(new_computed_blocks) + (len(held) if held is not None else 0)
-        need = 1 if _cdiv(num_tokens, self.block_size) > have else 0
+        need = 1 if cdiv(num_tokens, self.block_size) > have else 0
         if self.keep_all:
-            need = max(_cdiv(num_tokens, self.block_size) - have, 0)
+            need = max(cdiv(num_tokens, self.block_size) - have, 0)
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 need += 1
@@ -76,7 +77,7 @@ class MambaManager(SingleTypeManager):
         held = self.req_to_blocks.get(request_id)
         if held is None:
             held = self.req_to_blocks[request_id] = []
-        target = _cdiv(num_tokens, self.block_size)
+        target = cdiv(num_tokens, self.block_size)
         missing = target - len(held)
         if missing <= 0:
             return []
@@ -146,11 +147,6 @@ class MambaManager(SingleTypeManager):
         self._released.pop(request_id, None)
         return super().pop_blocks(request_id)
 
-    def truncate_hit(
-        self, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> list[KVCacheBlock]:
-        return blocks[: min(num_tokens // self.block_size, len(blocks))]
-
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -172,7 +168,3 @@ class MambaManager(SingleTypeManager):
             if cached is not None:
                 return [[null] * i + [block] for block in cached]
         return [[] for _ in group_ids]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

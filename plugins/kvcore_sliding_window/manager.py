@@ -36,11 +36,6 @@ class SlidingWindowManager(SingleTypeManager):
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         return self.num_skipped_tokens(num_computed_tokens) // self.block_size
 
-    def truncate_hit(
-        self, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> list[KVCacheBlock]:
-        return blocks[: num_tokens // self.block_size]
-
     @classmethod
     def find_longest_cache_hit(
         cls,
