@@ -661,3 +661,46 @@ def test_conformance(name: str) -> None:
     assert type(spec).merge([spec]) == spec
     with pytest.raises(InvalidSpecError):
         attrs.evolve(spec, block_size=0)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY), ids=sorted(REGISTRY))
+def test_every_builtin_kind_passes_the_shipped_conformance_check(name: str) -> None:
+    from kvcore.testing import check_kind
+
+    check_kind(REGISTRY[name], _sample(name), registry=REGISTRY)
+
+
+def test_conformance_check_names_the_broken_rule() -> None:
+    from kvcore.testing import ConformanceError, check_kind
+
+    spec = _sample("full_attention")
+    with pytest.raises(
+        ConformanceError, match="'mla': the sample spec must be its spec_type"
+    ):
+        check_kind(REGISTRY["mla"], spec, registry=REGISTRY)
+
+
+def test_third_party_kind_passes_the_conformance_check() -> None:
+    import sys
+    from pathlib import Path
+
+    from kvcore.testing import check_kind
+
+    sys.path.insert(
+        0, str(Path(__file__).parent.parent / "examples" / "third_party_plugin")
+    )
+    try:
+        from kvcore_chunked_local import (
+            ChunkedLocalAttention,
+            ChunkedLocalAttentionSpec,
+        )
+    finally:
+        sys.path.pop(0)
+    spec = ChunkedLocalAttentionSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=8192,
+    )
+    check_kind(ChunkedLocalAttention(), spec)
