@@ -155,3 +155,68 @@ def test_speculative_mamba_states_in_align_mode_are_refused() -> None:
     )
     with pytest.raises(kvcore.InvalidSpecError, match="num_speculative_blocks=2"):
         KVCacheManager(config, max_model_len=64, scheduler_block_size=4)
+
+
+def _sw_manager() -> KVCacheManager:
+    from kvcore_sliding_window import SlidingWindowSpec
+
+    fa4 = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    sw = SlidingWindowSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=8
+    )
+    config = KVCacheConfig(
+        num_blocks=40,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["f"], fa4), KVCacheGroupSpec(["s"], sw)],
+    )
+    return KVCacheManager(
+        config, max_model_len=64, scheduler_block_size=4, hash_block_size=4
+    )
+
+
+def test_a_truncated_window_hit_is_refused() -> None:
+    # Window 8 over blocks of 4: a hit of n tokens needs positions n-7..n-1,
+    # i.e. blocks from (n - 7) // 4 on.  A 20-token hit holds SW blocks
+    # [0, 0, 0, x, y] (positions 13..19 in blocks 3 and 4).  Cut to 12 tokens
+    # it is [0, 0, 0]: token 12 reads positions 5..11 (blocks 1 and 2), both
+    # null, so the cut hit cannot be served.
+    mgr = _sw_manager()
+    toks = list(range(100, 120))
+    a = Request("a", toks, hash_block_size=4)
+    mgr.allocate_slots(a, 20)
+    a.num_computed_tokens = 20
+    b = Request("b", [*toks, 1], hash_block_size=4)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 20
+    assert blocks.get_block_ids()[1][:3] == [0, 0, 0]
+    cut = mgr.truncate_computed_blocks(blocks, 12)
+    before = snapshot(mgr)
+    with pytest.raises(
+        kvcore.InvalidRequestError, match="lack what the next token reads"
+    ):
+        mgr.allocate_slots(b, 9, 12, cut)
+    assert snapshot(mgr) == before
+    # The uncut hit attaches.
+    assert mgr.allocate_slots(b, 1, hit, blocks) is not None
+
+
+def test_steps_past_max_model_len_are_refused() -> None:
+    mgr = fa_manager()  # max_model_len 64
+    with pytest.raises(kvcore.InvalidRequestError, match="past max_model_len=64"):
+        mgr.allocate_slots(req("a", 65), 65)
+
+
+def test_lookahead_is_refused_for_align_mode_states() -> None:
+    spec = MambaSpec(
+        block_size=4, shapes=((8,),), dtypes=(torch.float16,), mamba_cache_mode="align"
+    )
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["m"], spec)],
+    )
+    mgr = KVCacheManager(config, max_model_len=64, scheduler_block_size=4)
+    with pytest.raises(kvcore.InvalidRequestError, match="lookahead"):
+        mgr.allocate_slots(req("a", 7), 7, num_lookahead_tokens=2)

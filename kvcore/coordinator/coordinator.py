@@ -148,6 +148,17 @@ class KVCacheCoordinator:
         self.cache_hit_alignment = hash_block_size if partial else scheduler_block_size
         self.num_groups = len(managers)
         self.empty_hit: tuple[list[KVCacheBlock], ...] = tuple([] for _ in managers)
+        #: Groups whose state depends on the whole prefix but whose manager
+        #: caches nothing (a recurrent state that is never checkpointed):
+        #: no prefix can be restored for them, so there is no hit at all.
+        self.hit_blockers = tuple(
+            gid
+            for gid, m in enumerate(managers)
+            if enable_caching and m.kv_cache_spec.prefix_cacheable and not m.caching
+        )
+        self.lookahead_refusers = tuple(
+            gid for gid, m in enumerate(managers) if not m.supports_lookahead
+        )
 
     # -- lookup -----------------------------------------------------------------
 
@@ -158,10 +169,12 @@ class KVCacheCoordinator:
 
         A fixed point: each group's search is bounded by the shortest hit so
         far, and groups whose hit is not monotone are searched again until no
-        group shortens it.  Non-cacheable groups hold an empty hit.
+        group shortens it.  Non-cacheable groups hold an empty hit; a group
+        that needs its prefix but caches none (see :attr:`hit_blockers`)
+        allows no hit.
         """
         groups = self.attention_groups
-        if not groups or max_length <= 0:
+        if not groups or max_length <= 0 or self.hit_blockers:
             return tuple([] for _ in range(self.num_groups)), 0
         alignment = self.cache_hit_alignment
         limit = max_length - max_length % alignment

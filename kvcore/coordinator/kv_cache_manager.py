@@ -195,6 +195,20 @@ class KVCacheManager:
         if num_new_computed_tokens or computed is not None:
             self._check_hit(request, computed, num_new_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if num_computed + num_new_tokens > self.max_model_len:
+            msg = (
+                f"request {rid!r} would hold {num_computed + num_new_tokens} tokens, "
+                f"past max_model_len={self.max_model_len}; stop or truncate it first"
+            )
+            raise InvalidRequestError(msg)
+        if num_lookahead_tokens and coordinator.lookahead_refusers:
+            gid = coordinator.lookahead_refusers[0]
+            msg = (
+                f"request {rid!r}: group {gid} ({self._managers[gid].kv_cache_spec.kind}) "
+                "cannot hold speculative lookahead slots (its state sits at the last "
+                "computed position); schedule without lookahead for this plan"
+            )
+            raise InvalidRequestError(msg)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if num_tokens > self.max_model_len:
             num_tokens = self.max_model_len
@@ -288,6 +302,14 @@ class KVCacheManager:
                 msg = (
                     f"request {rid!r}: the hit covers {num_tokens} tokens but group "
                     f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
+                )
+                raise InvalidRequestError(msg)
+            if not manager.hit_serves(blocks):
+                msg = (
+                    f"request {rid!r}: the hit's blocks for group {gid} "
+                    f"({manager.kv_cache_spec.kind}) lack what the next token reads "
+                    "(a window or state cut off by truncation); attach the hit "
+                    "get_computed_blocks returned, uncut"
                 )
                 raise InvalidRequestError(msg)
             hashes = hashes_at_block_size(

@@ -49,6 +49,8 @@ class SingleTypeManager:
     #: Whether block lists are indexed by token position (``len * block_size``
     #: covers the request).  False for fixed per-request blocks.
     position_indexed: ClassVar[bool] = True
+    #: Whether the table may grow for speculative lookahead tokens.
+    supports_lookahead: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -216,6 +218,11 @@ class SingleTypeManager:
             )
             raise UnknownRequestError(msg)
         return blocks
+
+    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+        """Whether a hit of ``blocks`` holds what the next token reads.  The
+        base rule: every block of the prefix is present."""
+        return not any(block.is_null for block in blocks)
 
     def truncate_hit(
         self, blocks: list[KVCacheBlock], num_tokens: int

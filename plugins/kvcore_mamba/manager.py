@@ -39,6 +39,9 @@ class MambaManager(SingleTypeManager):
 
     monotone_hits: ClassVar[bool] = False
     skips_blocks: ClassVar[bool] = True
+    # The state is written at the last computed position; slots past it for
+    # speculative tokens would move it.
+    supports_lookahead: ClassVar[bool] = False
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         if spec.num_speculative_blocks:
@@ -115,6 +118,10 @@ class MambaManager(SingleTypeManager):
             group_id=self.kv_cache_group_id,
         )
         self.num_cached_block[rid] = pos + 1
+
+    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+        # The next token reads the state at the hit's last position.
+        return not blocks or not blocks[-1].is_null
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is read again.

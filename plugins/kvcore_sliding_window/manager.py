@@ -33,6 +33,13 @@ class SlidingWindowManager(SingleTypeManager):
         skipped = num_computed_tokens - self.sliding_window + 1 - self.extra_retained
         return skipped if skipped > 0 else 0
 
+    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+        # The next token reads the window before it: those blocks must be real.
+        start = (
+            self.num_skipped_tokens(len(blocks) * self.block_size) // self.block_size
+        )
+        return not any(block.is_null for block in blocks[start:])
+
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         return self.num_skipped_tokens(num_computed_tokens) // self.block_size
 
