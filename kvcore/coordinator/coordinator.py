@@ -147,7 +147,6 @@ class KVCacheCoordinator:
         #: Hits are multiples of this many tokens.
         self.cache_hit_alignment = hash_block_size if partial else scheduler_block_size
         self.num_groups = len(managers)
-        self.empty_hit: tuple[list[KVCacheBlock], ...] = tuple([] for _ in managers)
         #: Groups whose state depends on the whole prefix but whose manager
         #: caches nothing (a recurrent state that is never checkpointed):
         #: no prefix can be restored for them, so there is no hit at all.
@@ -324,9 +323,6 @@ class KVCacheCoordinator:
                 freed += blocks
         if freed:
             self.block_pool.free_blocks(freed)
-
-    def holds(self, request_id: str) -> bool:
-        return any(m.holds(request_id) for m in self.single_type_managers)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(

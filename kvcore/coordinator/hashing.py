@@ -383,11 +383,6 @@ class BlockHasher:
         """Multimodal placeholders, sorted by offset."""
         return self._mm_features
 
-    @property
-    def has_dynamic_extra_keys(self) -> bool:
-        """Whether some chunk's extra keys differ from the others'."""
-        return self._cache_salt is not None or bool(self._mm_features)
-
     def extra_keys(self, block_index: int) -> tuple[ExtraKey, ...] | None:
         """Extra keys of chunk ``block_index`` (see :func:`block_extra_keys`)."""
         start = block_index * self.hash_block_size

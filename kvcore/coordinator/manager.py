@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
-from kvcore.errors import UnknownRequestError
 from kvcore.spec import cdiv
 
 __all__ = ["FixedBlocksManager", "SingleTypeManager"]
@@ -205,19 +204,6 @@ class SingleTypeManager:
         for i in positions:
             blocks[i] = self.null_block
         self.block_pool.free_blocks(removed)
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.req_to_blocks
-
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks is None:
-            msg = (
-                f"group {self.kv_cache_group_id} holds no blocks for request "
-                f"{request_id!r}"
-            )
-            raise UnknownRequestError(msg)
-        return blocks
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
