@@ -1,9 +1,10 @@
 """kvcore: plans and manages the KV cache of hybrid LLMs.
 
-The core holds the packer, the pool and the block coordinator; every cache
+The core holds the planner, the pool and the block coordinator; every cache
 kind is a plugin.  Start with :func:`default_registry` (or build a registry
 from :func:`get_plugin_manager`), plan with :func:`get_kv_cache_groups` and
-:func:`get_kv_cache_config_from_groups`, and bind views with
+:func:`get_kv_cache_config_from_groups` (or :func:`plan_kv_cache` in one
+call), ask :func:`capacity` how many requests fit, and bind views with
 :class:`KVCachePool`.
 """
 
@@ -31,7 +32,7 @@ from kvcore.errors import (
 from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.kinds import AttentionKind, CacheKind, LayerView
 from kvcore.layout import KVCacheLayout, compute_layout_strides
-from kvcore.packer import (
+from kvcore.plan import (
     approximate_gcd,
     build_kv_cache_tensors,
     generate_scheduler_kv_cache_config,
@@ -39,9 +40,11 @@ from kvcore.packer import (
     get_kv_cache_groups,
     get_packed_kv_cache_groups,
     kv_cache_bytes_per_block,
+    plan_kv_cache,
     resolve_kv_cache_block_sizes,
     validate_kv_cache_layout,
 )
+from kvcore.plan.capacity import Capacity, capacity, ideal_concurrency
 from kvcore.plugins import get_plugin_manager
 from kvcore.pool import KVCachePool, allocate_kv_cache
 from kvcore.registry import KindRegistry, default_registry
@@ -87,7 +90,11 @@ __all__ = [
     "get_kv_cache_groups",
     "get_packed_kv_cache_groups",
     "kv_cache_bytes_per_block",
+    "plan_kv_cache",
     "resolve_kv_cache_block_sizes",
+    "Capacity",
+    "capacity",
+    "ideal_concurrency",
     "validate_kv_cache_layout",
     "KVCachePool",
     "allocate_kv_cache",

@@ -18,7 +18,7 @@ from pathlib import Path
 from kvcore import zoo
 from kvcore.config import CacheConfig, EngineConfig
 from kvcore.errors import KvcoreError
-from kvcore.packer import (
+from kvcore.plan import (
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
     resolve_kv_cache_block_sizes,

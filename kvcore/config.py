@@ -10,10 +10,22 @@ from kvcore.errors import KvcoreValueError, LayoutError
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import is_bool, optional_positive_int, positive_int
 
-__all__ = ["CacheConfig", "EngineConfig", "MambaCacheMode", "ParallelConfig"]
+__all__ = [
+    "DEFAULT_TARGET_CONTEXT",
+    "PACKING_POLICIES",
+    "CacheConfig",
+    "EngineConfig",
+    "MambaCacheMode",
+    "ParallelConfig",
+]
 
 MambaCacheMode = Literal["none", "align", "all"]
 _MAMBA_MODES = ("none", "align", "all")
+#: The packing policies kvcore ships (see :mod:`kvcore.plan.policies`).
+PACKING_POLICIES = ("min_waste", "seed")
+#: The context ``min_waste`` plans for when neither ``target_context`` nor
+#: ``max_model_len`` is set.
+DEFAULT_TARGET_CONTEXT = 32768
 
 
 def _layout(value: Any) -> KVCacheLayout | None:
@@ -22,8 +34,17 @@ def _layout(value: Any) -> KVCacheLayout | None:
     return KVCacheLayout.from_name(value)
 
 
+def _policy(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in PACKING_POLICIES:
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} must be one of "
+            f"{', '.join(PACKING_POLICIES)}, got {value!r}"
+        )
+        raise KvcoreValueError(msg)
+
+
 def _mamba_mode(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value not in _MAMBA_MODES:
+    if value is not None and value not in _MAMBA_MODES:
         msg = (
             f"{type(instance).__name__}.{attribute.name} must be one of "
             f"{', '.join(_MAMBA_MODES)}, got {value!r}"
@@ -42,7 +63,16 @@ class CacheConfig:
     :param enable_prefix_caching: share blocks between requests by hash.
     :param prefix_match_unit: hash granularity in tokens (default: the gcd of
         the cacheable groups' block sizes).
-    :param mamba_cache_mode: ``none``, ``align`` or ``all``.
+    :param mamba_cache_mode: the engine's recurrent-state caching mode
+        (``none``, ``align`` or ``all``); when set, every layer spec that has a
+        ``mamba_cache_mode`` must agree with it (``None``: each spec's own).
+    :param packing_policy: how layers are grouped: ``min_waste`` (the most
+        requests of ``target_context`` tokens; the default) or ``seed`` (the
+        reference rules).
+    :param target_context: the request length ``min_waste`` plans for
+        (default: the engine's ``max_model_len``, else 32768).
+    :param max_kv_cache_groups: the most groups ``min_waste`` may plan (each
+        costs the scheduler a block table and a manager per step).
     """
 
     block_size: int = attrs.field(default=16, validator=positive_int)
@@ -56,9 +86,14 @@ class CacheConfig:
     prefix_match_unit: int | None = attrs.field(
         default=None, validator=optional_positive_int
     )
-    mamba_cache_mode: MambaCacheMode = attrs.field(
-        default="none", validator=_mamba_mode
+    mamba_cache_mode: MambaCacheMode | None = attrs.field(
+        default=None, validator=_mamba_mode
     )
+    packing_policy: str = attrs.field(default="min_waste", validator=_policy)
+    target_context: int | None = attrs.field(
+        default=None, validator=optional_positive_int
+    )
+    max_kv_cache_groups: int = attrs.field(default=64, validator=positive_int)
 
     def resolved_layout(self) -> KVCacheLayout:
         """The layout, or a :class:`~kvcore.errors.LayoutError` if unresolved."""
@@ -74,8 +109,12 @@ class CacheConfig:
 
 @attrs.define(kw_only=True)
 class ParallelConfig:
-    """Parallelism that changes block sizes.
+    """Parallelism.
 
+    :param tensor_parallel_size: ranks each layer's heads are split over
+        (recorded in the plan; specs are per rank).
+    :param pipeline_parallel_size: stages the layers are split over
+        (recorded in the plan; each stage plans its own layers).
     :param decode_context_parallel_size: attention block sizes are multiplied
         by this (each rank holds a slice of every block's tokens).
     """
@@ -89,6 +128,10 @@ class ParallelConfig:
 class EngineConfig:
     """Everything the planner reads.
 
+    :param max_model_len: the longest request, in tokens; a plan whose pool
+        cannot hold one such request is refused.
+    :param max_num_batched_tokens: tokens one scheduler step may prefill;
+        the capacity model reserves one step's worth of blocks.
     :param kv_transfer_enabled: a KV connector is active (hashes are then
         computed even without prefix caching).
     """
@@ -98,4 +141,13 @@ class EngineConfig:
     max_model_len: int | None = attrs.field(
         default=None, validator=optional_positive_int
     )
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=positive_int)
     kv_transfer_enabled: bool = attrs.field(default=False, validator=is_bool)
+
+    def resolved_target_context(self) -> int:
+        """The context ``min_waste`` plans for."""
+        return (
+            self.cache_config.target_context
+            or self.max_model_len
+            or DEFAULT_TARGET_CONTEXT
+        )

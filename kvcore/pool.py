@@ -9,7 +9,7 @@ import torch
 from kvcore.errors import LayoutError, PlanError
 from kvcore.kinds import LayerView
 from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
-from kvcore.packer import tensor_strides
+from kvcore.plan import tensor_strides
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheTensor
@@ -110,17 +110,20 @@ class KVCachePool:
         kernel_block_size: int | None,
     ) -> list[torch.Tensor]:
         h, n, c = spec.page_grid
-        strides = list(
-            tensor_strides(
-                spec,
-                self.layout,
-                num_layers=len(tensor.layers),
-                num_blocks=num_blocks,
-                bytes_per_block=self.config.bytes_per_block or tensor.block_stride,
-                layer_stride=tensor.layer_stride,
+        if tensor.page_strides is not None:
+            strides = [tensor.layer_stride, tensor.block_stride, *tensor.page_strides]
+        else:  # a hand-built tensor: derive its page strides from the layout
+            strides = list(
+                tensor_strides(
+                    spec,
+                    self.layout,
+                    num_layers=len(tensor.layers),
+                    num_blocks=num_blocks,
+                    bytes_per_block=self.config.bytes_per_block or tensor.block_stride,
+                    layer_stride=tensor.layer_stride,
+                )
             )
-        )
-        strides[AXIS_B] = tensor.block_stride
+            strides[AXIS_B] = tensor.block_stride
         blocks = num_blocks
         if kernel_block_size is not None and kernel_block_size != spec.block_size:
             ratio, rest = divmod(spec.block_size, kernel_block_size)

@@ -50,7 +50,7 @@ def round_up(value: int, multiple: int) -> int:
 
 def dtype_size(dtype: torch.dtype) -> int:
     """Bytes per element of a torch dtype."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -140,6 +140,8 @@ class KVCacheSpec:
     scales_with_context_parallel: ClassVar[bool] = False
     #: Whether the layout must keep the block dimension outermost.
     requires_block_outer_layout: ClassVar[bool] = False
+    #: The largest factor :meth:`grown` may multiply the block size by.
+    max_block_growth: ClassVar[int] = 1
 
     block_size: int = attrs.field(validator=positive_int)
     block_stride_alignment: int | None = attrs.field(
@@ -166,6 +168,43 @@ class KVCacheSpec:
     def stride_alignment(self) -> int:
         """The byte alignment this layer imposes on the shared block stride."""
         return self.block_stride_alignment or 1
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element of the layer's typed view: its page must start,
+        and every stride must be, a multiple of this."""
+        return 1
+
+    # -- planning ---------------------------------------------------------
+    def grown(self, factor: int) -> Self | None:
+        """This spec with ``factor`` times the block size, or ``None`` if the
+        kind's block size may not grow by ``factor``.
+
+        A planner may grow a paged kind's block so that its pages fill a
+        stride that other groups (a large recurrent state) force; the file's
+        block size is the kernel's block, and a grown block is a whole number
+        of kernel blocks.  Kinds that allow it set :attr:`max_block_growth`.
+        """
+        return None
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens a request with ``num_computed_tokens`` computed
+        tokens never reads again (their blocks go back to the pool)."""
+        return 0
+
+    def num_blocks_held(
+        self, num_computed_tokens: int, num_tokens: int, block_size: int
+    ) -> int:
+        """Blocks a request holds while it covers ``num_tokens`` tokens, the
+        first ``num_computed_tokens`` of them computed (and their skipped
+        blocks released), at ``block_size`` tokens per block.
+
+        The capacity model reads this; a kind's manager must hold exactly
+        this many (``kvcore.testing.check_kind`` checks it).
+        """
+        return cdiv(num_tokens, block_size) - (
+            self.skipped_tokens(num_computed_tokens) // block_size
+        )
 
     # -- hashing behaviour ------------------------------------------------
     @property
@@ -231,6 +270,31 @@ class KVCacheSpec:
                 raise MergeError(msg)
         return first  # type: ignore[return-value]
 
+    @classmethod
+    def merge_group(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+        """The spec a group's manager runs on, from the group's members.
+
+        Members of one group share a grouping key, which carries everything
+        a manager reads (block size, window, mode); they may still differ in
+        page shape.  The default rule: their :meth:`merge` when they merge,
+        else the first member's spec, after checking every member shares its
+        grouping key.  A kind whose manager reads more (a flag to OR, sizes
+        to combine) overrides this.
+        """
+        try:
+            return cls.merge(specs)
+        except MergeError:
+            pass
+        key = specs[0].group_key()
+        for spec in specs:
+            if spec.group_key() != key:
+                msg = (
+                    f"layers of one cache group have grouping keys {key!r} and "
+                    f"{spec.group_key()!r}; a group's layers must share one key"
+                )
+                raise MergeError(msg)
+        return specs[0]
+
 
 def _first_difference(a: KVCacheSpec, b: KVCacheSpec) -> str:
     for field in attrs.fields(type(a)):
@@ -255,6 +319,7 @@ class AttentionSpec(KVCacheSpec):
     """
 
     scales_with_context_parallel: ClassVar[bool] = True
+    max_block_growth: ClassVar[int] = 64
 
     num_kv_heads: int = attrs.field(validator=positive_int)
     head_size: int = attrs.field(validator=positive_int)
@@ -301,6 +366,24 @@ class AttentionSpec(KVCacheSpec):
         if self.alignment is not None:
             return round_up(page, self.alignment)
         return page
+
+    @property
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def grown(self, factor: int) -> Self | None:
+        """A paged attention block grows by any factor up to
+        :attr:`max_block_growth`, unless its page is explicitly padded (the
+        padding was sized for the file's block)."""
+        if (
+            type(factor) is not int
+            or not 1 <= factor <= self.max_block_growth
+            or self.page_size_padded is not None
+        ):
+            return None
+        if factor == 1:
+            return self
+        return attrs.evolve(self, block_size=self.block_size * factor)
 
 
 @attrs.frozen(kw_only=True, eq=True, hash=False)

@@ -71,6 +71,16 @@ class KVCacheGroupSpec:
         """Bytes of one block of this group: the sum of its layers' pages."""
         return sum(self.layer_spec(n).page_size_bytes for n in self.layer_names)
 
+    @property
+    def manager_spec(self) -> KVCacheSpec:
+        """The spec the group's manager runs on: the kind's
+        :meth:`~kvcore.spec.KVCacheSpec.merge_group` over the members."""
+        spec = self.kv_cache_spec
+        if not isinstance(spec, UniformTypeKVCacheSpecs):
+            return spec
+        members = list(spec.kv_cache_specs.values())
+        return type(members[0]).merge_group(members)
+
 
 @attrs.define(kw_only=False)
 class KVCacheTensor:
@@ -87,6 +97,9 @@ class KVCacheTensor:
     block_stride: int
     offset: int = 0
     host_resident: bool = False
+    #: Byte strides of a page's ``[H, N, C]`` axes, as placed by the planner
+    #: (``None`` for a hand-built tensor: the pool derives them).
+    page_strides: tuple[int, int, int] | None = None
 
     def __attrs_post_init__(self) -> None:
         layers: object = self.layers
@@ -105,13 +118,32 @@ class KVCacheTensor:
 
 @attrs.define(kw_only=True)
 class KVCacheConfig:
-    """The full plan: how many blocks, where every layer lives, the groups."""
+    """The full plan: how many blocks, where every layer lives, the groups,
+    and the settings the scheduler and the workers need to run it.
+
+    :param scheduler_block_size: the token alignment of scheduling.
+    :param hash_block_size: tokens per hashed chunk.
+    :param max_model_len: the longest request the plan admits.
+    :param enable_prefix_caching: whether blocks are shared by hash.
+    :param packing_policy: the grouping policy that made the groups.
+    :param target_context: the context the policy planned for.
+    :param decode_context_parallel_size: the factor on attention block sizes.
+    :param available_memory: the bytes the plan was sized for.
+    """
 
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]
     kv_cache_groups: list[KVCacheGroupSpec]
     kv_cache_layout: KVCacheLayout | None = None
     bytes_per_block: int = 0
+    scheduler_block_size: int | None = None
+    hash_block_size: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = False
+    packing_policy: str | None = None
+    target_context: int | None = None
+    decode_context_parallel_size: int = 1
+    available_memory: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if type(self.num_blocks) is not int or self.num_blocks < 1:

@@ -20,7 +20,7 @@ from kvcore.coordinator.block_pool import BlockPool
 from kvcore.errors import InvalidSpecError, KvcoreError
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
-from kvcore.packer import get_kv_cache_config_from_groups
+from kvcore.plan import get_kv_cache_config_from_groups
 from kvcore.pool import KVCachePool
 from kvcore.registry import KindRegistry
 from kvcore.serialize import make_converter

@@ -19,7 +19,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError
-from kvcore.packer import effective_block_size, serves_partial_hits
+from kvcore.plan import effective_block_size, serves_partial_hits
 from kvcore.registry import KindRegistry
 from kvcore.structs import KVCacheConfig
 
@@ -85,7 +85,7 @@ class KVCacheCoordinator:
         managers: list[SingleTypeManager] = []
         for gid, group in enumerate(groups):
             spec = group.kv_cache_spec
-            layer_spec = group.layer_spec(group.layer_names[0])
+            layer_spec = group.manager_spec
             block_size = effective_block_size(group, dcp)
             if scheduler_block_size % block_size:
                 msg = (

@@ -118,6 +118,47 @@ class KVCacheManager:
         self._managers = self.coordinator.single_type_managers
         self._live: set[str] = set()
 
+    @classmethod
+    def from_plan(
+        cls,
+        plan: KVCacheConfig,
+        *,
+        registry: KindRegistry | None = None,
+        use_eagle: bool = False,
+        enable_kv_cache_events: bool = False,
+    ) -> KVCacheManager:
+        """The scheduler's manager for a plan, with the block sizes,
+        ``max_model_len``, prefix caching and context parallelism the plan
+        carries (a worker's plan is turned into the scheduler's view)."""
+        from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
+
+        missing = [
+            name
+            for name in ("scheduler_block_size", "hash_block_size", "max_model_len")
+            if getattr(plan, name) is None
+        ]
+        if missing:
+            msg = (
+                f"the plan carries no {', '.join(missing)}; build it with "
+                "kvcore.plan_kv_cache (or get_kv_cache_config_from_groups with "
+                "EngineConfig(max_model_len=...)), or call KVCacheManager(...) "
+                "with them"
+            )
+            raise InvalidRequestError(msg)
+        assert plan.scheduler_block_size is not None  # noqa: S101 - checked above
+        assert plan.max_model_len is not None  # noqa: S101 - checked above
+        return cls(
+            generate_scheduler_kv_cache_config([plan]),
+            plan.max_model_len,
+            scheduler_block_size=plan.scheduler_block_size,
+            hash_block_size=plan.hash_block_size,
+            enable_caching=plan.enable_prefix_caching,
+            registry=registry,
+            dcp=plan.decode_context_parallel_size,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+
     # -- lookups ----------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:

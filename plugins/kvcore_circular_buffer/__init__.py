@@ -34,6 +34,15 @@ class CircularBufferSpec(AttentionSpec):
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         return 1
 
+    def grown(self, factor: int) -> CircularBufferSpec | None:
+        # The block is the ring's capacity, not a page of tokens.
+        return self if factor == 1 else None
+
+    def num_blocks_held(
+        self, num_computed_tokens: int, num_tokens: int, block_size: int
+    ) -> int:
+        return 1
+
 
 class CircularBuffer(AttentionKind):
     name: ClassVar[str] = "circular_buffer"

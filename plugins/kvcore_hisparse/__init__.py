@@ -58,6 +58,11 @@ class HiSparseHotSpec(KVCacheSpec):
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         return self.blocks_per_request
 
+    def num_blocks_held(
+        self, num_computed_tokens: int, num_tokens: int, block_size: int
+    ) -> int:
+        return self.blocks_per_request
+
     def group_key(self) -> Hashable:
         return (self.kind, self.block_size, self.blocks_per_request)
 
@@ -84,7 +89,7 @@ def build_hisparse_kv_cache_tensors(
     Hot pages need a block-outermost layout; every group restarts at byte 0
     of the block and every tensor spans ``size`` bytes.
     """
-    from kvcore.packer import build_kv_cache_tensors, validate_kv_cache_layout
+    from kvcore.plan import build_kv_cache_tensors, validate_kv_cache_layout
 
     validate_kv_cache_layout(layout, groups)
     return build_kv_cache_tensors(

@@ -109,6 +109,17 @@ class MambaSpec(KVCacheSpec):
                 f"{self.mamba_cache_mode!r}"
             )
             raise InvalidSpecError(msg)
+        offset = 0
+        for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
+            if offset % dtype.itemsize:
+                msg = (
+                    f"{name}: state tensor {i} ({dtype}) would start at byte {offset} "
+                    f"of the page, not a multiple of its {dtype.itemsize}-byte "
+                    "elements, so no worker could bind it; order the state shapes "
+                    "from the widest dtype down"
+                )
+                raise InvalidSpecError(msg)
+            offset += math.prod(shape) * dtype.itemsize
         if (
             self.page_size_padded is not None
             and self.page_size_padded < self.state_bytes
@@ -138,6 +149,24 @@ class MambaSpec(KVCacheSpec):
     @property
     def tokens_per_state(self) -> int:
         return 1
+
+    @property
+    def element_size(self) -> int:
+        return max(dtype.itemsize for dtype in self.dtypes)
+
+    def num_blocks_held(
+        self, num_computed_tokens: int, num_tokens: int, block_size: int
+    ) -> int:
+        """``none``: one state (plus speculative ones).  ``all``: a state per
+        block.  ``align``: the state the step reads and, when the step
+        reaches a new block, the one it writes."""
+        if self.mamba_cache_mode == "all":
+            return cdiv(num_tokens, block_size)
+        if self.mamba_cache_mode == "align":
+            reads = 1 if num_computed_tokens > 0 else 0
+            writes = cdiv(num_tokens, block_size) > cdiv(num_computed_tokens, block_size)
+            return max(reads + int(writes), 1)
+        return 1 + self.num_speculative_blocks
 
     @property
     def allows_sub_block_hashing(self) -> bool:

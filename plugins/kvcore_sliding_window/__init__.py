@@ -58,6 +58,13 @@ class SlidingWindowSpec(AttentionSpec):
     def prefix_replay_tokens(self) -> int:
         return self.sliding_window if self.bounded_replay else 0
 
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens below the window of the next token to compute."""
+        skipped = (
+            num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens
+        )
+        return skipped if skipped > 0 else 0
+
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         live = min(self.sliding_window - 1 + self.extra_retained_tokens, max_model_len)
         return min(

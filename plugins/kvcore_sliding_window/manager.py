@@ -26,12 +26,7 @@ class SlidingWindowManager(SingleTypeManager):
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
         self.sliding_window: int = spec.sliding_window
-        self.extra_retained: int = spec.extra_retained_tokens
-
-    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens below the window of the next token to compute."""
-        skipped = num_computed_tokens - self.sliding_window + 1 - self.extra_retained
-        return skipped if skipped > 0 else 0
+        self.num_skipped_tokens = spec.skipped_tokens
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         # The next token reads the window before it: those blocks must be real.

@@ -40,6 +40,19 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def prefix_replay_tokens(self) -> int:
         return self.attention_chunk_size
 
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        """The tokens of completed chunks."""
+        chunk = self.attention_chunk_size
+        return (num_computed_tokens // chunk) * chunk
+
+    def grown(self, factor: int) -> ChunkedLocalAttentionSpec | None:
+        # A grown block must still tile the chunk, so chunks free whole blocks.
+        if type(factor) is not int or self.attention_chunk_size % (
+            self.block_size * factor
+        ):
+            return None
+        return super().grown(factor)
+
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         span = min(self.attention_chunk_size, max_model_len)
         return min(
@@ -56,8 +69,7 @@ class ChunkedLocalManager(SingleTypeManager):
     skips_blocks: ClassVar[bool] = True
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        chunk = self.kv_cache_spec.attention_chunk_size
-        return (num_computed_tokens // chunk) * chunk // self.block_size
+        return self.kv_cache_spec.skipped_tokens(num_computed_tokens) // self.block_size
 
 
 class ChunkedLocalAttention(AttentionKind):

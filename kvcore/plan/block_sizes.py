@@ -1,0 +1,159 @@
+"""Block sizes: each group's block in tokens, and the plan's scheduler and
+hash block sizes."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+
+from kvcore.config import EngineConfig
+from kvcore.errors import BlockSizeError, PlanError
+from kvcore.spec import UniformTypeKVCacheSpecs
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
+
+__all__ = [
+    "effective_block_size",
+    "generate_scheduler_kv_cache_config",
+    "resolve_block_sizes",
+    "resolve_kv_cache_block_sizes",
+    "serves_partial_hits",
+]
+
+
+def effective_block_size(group: KVCacheGroupSpec, dcp: int) -> int:
+    """A group's block in tokens: its block size, times decode context
+    parallelism when every layer scales with it."""
+    specs = group.layer_specs()
+    scale = dcp if all(s.scales_with_context_parallel for s in specs) else 1
+    return group.kv_cache_spec.block_size * scale
+
+
+def serves_partial_hits(
+    group: KVCacheGroupSpec, block_size: int, hash_block_size: int, dcp: int
+) -> bool:
+    """Whether a group can serve a prefix hit that ends inside its block, so
+    hits align to the hash block rather than the scheduler block."""
+    wider = block_size > hash_block_size if dcp == 1 else block_size >= hash_block_size
+    return wider and any(s.caches_partial_block_hits for s in group.layer_specs())
+
+
+def resolve_kv_cache_block_sizes(
+    kv_cache_config: KVCacheConfig, config: EngineConfig
+) -> tuple[int, int]:
+    """``(scheduler_block_size, hash_block_size)`` for a plan (see
+    :func:`resolve_block_sizes`)."""
+    return resolve_block_sizes(kv_cache_config.kv_cache_groups, config)
+
+
+def resolve_block_sizes(
+    groups: Sequence[KVCacheGroupSpec], config: EngineConfig
+) -> tuple[int, int]:
+    """``(scheduler_block_size, hash_block_size)`` for a grouping.
+
+    The scheduler block is the lcm of the groups' block sizes.  Hashes are
+    as fine as the gcd of the prefix-cacheable groups' block sizes (or
+    ``prefix_match_unit``), unless a layer forbids sub-block hashing.  Every
+    prefix-cache boundary must align with each cacheable layer's per-state
+    compression.
+    """
+    cache = config.cache_config
+    dcp = config.parallel_config.decode_context_parallel_size
+    if not groups:
+        size = cache.block_size * dcp
+        return size, size
+    if len(groups) == 1:
+        # The group's own block, not the engine default: a single MLA group of
+        # 64-token blocks schedules in 64s whatever ``cache.block_size`` says.
+        size = effective_block_size(groups[0], dcp)
+        return size, size
+    effective = [effective_block_size(g, dcp) for g in groups]
+    scheduler = math.lcm(*effective)
+    if not (cache.enable_prefix_caching or config.kv_transfer_enabled):
+        return scheduler, scheduler
+    specs = [s for g in groups for s in g.layer_specs()]
+    if not all(s.allows_sub_block_hashing for s in specs):
+        return scheduler, scheduler
+    cacheable = [
+        e
+        for e, g in zip(effective, groups, strict=True)
+        if g.kv_cache_spec.prefix_cacheable
+    ]
+    hashing = cacheable or effective
+    unit = cache.prefix_match_unit or math.gcd(*hashing)
+    bad = sorted({h for h in hashing if h % unit})
+    if bad:
+        msg = (
+            f"Invalid prefix_match_unit={unit}; prefix-cacheable KV cache group "
+            f"block sizes must be divisible by prefix_match_unit (block sizes "
+            f"{bad} are not); choose a divisor of {math.gcd(*hashing)}"
+        )
+        raise BlockSizeError(msg)
+    alignments = sorted(
+        {
+            s.tokens_per_state
+            for s in specs
+            if s.prefix_cacheable and s.tokens_per_state > 1
+        }
+    )
+    partial = any(
+        serves_partial_hits(g, e, unit, dcp)
+        for g, e in zip(groups, effective, strict=True)
+    )
+    hit_alignment = unit if partial else scheduler
+    broken = [a for a in alignments if hit_alignment % a]
+    if broken:
+        msg = (
+            f"Invalid prefix_match_unit={unit}; prefix-cache boundaries must align "
+            f"with each spec's per-state compression. Got alignments={alignments}, "
+            f"and hits land on multiples of {hit_alignment} tokens; use a "
+            f"multiple of {math.lcm(*alignments)}"
+        )
+        raise BlockSizeError(msg)
+    return scheduler, unit
+
+
+def hit_alignment(
+    groups: Sequence[KVCacheGroupSpec],
+    scheduler_block_size: int,
+    hash_block_size: int,
+    dcp: int,
+) -> int:
+    """Prefix hits are multiples of this many tokens: the hash block when a
+    cacheable group serves hits inside its block, else the scheduler block."""
+    partial = any(
+        g.kv_cache_spec.prefix_cacheable
+        and serves_partial_hits(g, effective_block_size(g, dcp), hash_block_size, dcp)
+        for g in groups
+    )
+    return hash_block_size if partial else scheduler_block_size
+
+
+def generate_scheduler_kv_cache_config(
+    configs: Sequence[KVCacheConfig],
+) -> KVCacheConfig:
+    """The scheduler's view of the workers' configs.
+
+    Every worker must have the same ``num_blocks``.  Each group's spec
+    becomes the spec its manager runs on (the kind's merge of the group's
+    members): the scheduler needs one per group, not the per-layer pages.
+    """
+    if not configs:
+        msg = "generate_scheduler_kv_cache_config needs at least one worker config"
+        raise PlanError(msg)
+    counts = [c.num_blocks for c in configs]
+    if len(set(counts)) != 1:
+        msg = (
+            f"workers planned different block counts {counts}; every worker must "
+            "have the same num_blocks (give them equal memory, or set "
+            "num_gpu_blocks_override to the smallest)"
+        )
+        raise PlanError(msg)
+    scheduler = copy.deepcopy(configs[0])
+    for group in scheduler.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs):
+            group.kv_cache_spec = group.manager_spec
+    return scheduler
+
+
+__all__ += ["hit_alignment"]

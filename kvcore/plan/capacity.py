@@ -1,0 +1,221 @@
+"""The capacity model: how many requests of ``T`` tokens a plan holds.
+
+At steady state a request of ``T`` computed tokens holds, per group, what
+its kind's :meth:`~kvcore.spec.KVCacheSpec.num_blocks_held` says (all of
+``T`` for full attention and MLA, a window's blocks, a fixed state, a ring's
+block, hot pages).  One prefill step of up to ``max_num_batched_tokens``
+tokens is in flight at a time: it needs, once per batch, the blocks its
+request holds beyond steady state while its last chunks are computed.  Block
+0 is the null block.  So with ``U = num_blocks - 1`` usable blocks, ``s``
+blocks per request and a prefill peak of ``p``::
+
+    concurrency = 0 if p > U else 1 + (U - p) // s
+
+The physical limit keeps every layer's own pages at its model-file block
+size, with no stride, no padding, no reservation and no null block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from kvcore.errors import PlanError
+from kvcore.plan.block_sizes import effective_block_size
+from kvcore.spec import KVCacheSpec
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
+
+__all__ = [
+    "Capacity",
+    "GroupCapacity",
+    "capacity",
+    "ideal_bytes_per_request",
+    "ideal_concurrency",
+    "prefill_peak_blocks",
+    "steady_blocks",
+]
+
+
+@attrs.frozen
+class GroupCapacity:
+    """One group's share of a request of ``context`` tokens."""
+
+    group: int
+    kinds: tuple[str, ...]
+    num_layers: int
+    block_size: int
+    packed_bytes: int
+    blocks_per_request: int
+
+
+@attrs.frozen
+class Capacity:
+    """What a plan holds at one context length.
+
+    :param concurrency: requests of ``context`` tokens that fit together,
+        with one prefill step in flight and the null block taken.
+    :param ideal_concurrency: the physical limit on the same memory.
+    :param unreserved_concurrency: ``memory / (stride x blocks per request)``
+        unrounded, with nothing reserved: the figure engines usually quote.
+    """
+
+    context: int
+    num_blocks: int
+    bytes_per_block: int
+    blocks_per_request: int
+    prefill_peak_blocks: int
+    concurrency: int
+    unreserved_concurrency: float
+    ideal_concurrency: float
+    groups: tuple[GroupCapacity, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the concurrent requests hold together."""
+        return self.concurrency * self.context
+
+    @property
+    def ratio(self) -> float:
+        """Unreserved concurrency over the physical limit (1.0 is perfect)."""
+        if not self.ideal_concurrency:
+            return 0.0
+        return self.unreserved_concurrency / self.ideal_concurrency
+
+    @property
+    def bytes_per_request(self) -> int:
+        return self.blocks_per_request * self.bytes_per_block
+
+
+def _block_sizes(groups: Sequence[KVCacheGroupSpec], dcp: int) -> list[int]:
+    return [effective_block_size(g, dcp) for g in groups]
+
+
+def steady_blocks(
+    groups: Sequence[KVCacheGroupSpec], context: int, *, dcp: int = 1
+) -> list[int]:
+    """Blocks each group holds for a request of ``context`` computed tokens."""
+    return [
+        g.manager_spec.num_blocks_held(context, context, b)
+        for g, b in zip(groups, _block_sizes(groups, dcp), strict=True)
+    ]
+
+
+def prefill_peak_blocks(
+    groups: Sequence[KVCacheGroupSpec],
+    context: int,
+    max_num_batched_tokens: int,
+    *,
+    dcp: int = 1,
+) -> int:
+    """The most blocks a request holds while it is prefilled in steps of
+    ``max_num_batched_tokens`` tokens (blocks it no longer reads are released
+    at the start of each step)."""
+    specs = [g.manager_spec for g in groups]
+    sizes = _block_sizes(groups, dcp)
+    peak = 0
+    start = 0
+    while start < context:
+        end = min(start + max_num_batched_tokens, context)
+        held = sum(
+            s.num_blocks_held(start, end, b) for s, b in zip(specs, sizes, strict=True)
+        )
+        peak = max(peak, held)
+        start = end
+    return peak
+
+
+def ideal_bytes_per_request(specs: Mapping[str, KVCacheSpec], context: int) -> int:
+    """Bytes a request of ``context`` tokens holds when every layer keeps
+    exactly its own pages at its own block size."""
+    return sum(
+        s.page_size_bytes * s.num_blocks_held(context, context, s.block_size)
+        for s in specs.values()
+    )
+
+
+def ideal_concurrency(
+    specs: Mapping[str, KVCacheSpec], context: int, memory: int
+) -> float:
+    """The physical limit: requests of ``context`` tokens in ``memory`` bytes."""
+    per_request = ideal_bytes_per_request(specs, context)
+    return memory / per_request if per_request else 0.0
+
+
+def capacity(
+    plan: KVCacheConfig,
+    context: int,
+    *,
+    max_num_batched_tokens: int = 8192,
+    specs: Mapping[str, KVCacheSpec] | None = None,
+    memory: int | None = None,
+) -> Capacity:
+    """The plan's capacity at ``context`` tokens per request.
+
+    :param specs: the model's layer specs at their file block sizes, for the
+        physical limit (default: the plan's own layer specs).
+    :param memory: the bytes compared (default: the memory the plan was
+        sized for, else its pool).
+    """
+    if type(context) is not int or context < 1:
+        msg = f"capacity needs a positive int context length, got {context!r}"
+        raise PlanError(msg)
+    if type(max_num_batched_tokens) is not int or max_num_batched_tokens < 1:
+        msg = (
+            "capacity needs a positive int max_num_batched_tokens, got "
+            f"{max_num_batched_tokens!r}"
+        )
+        raise PlanError(msg)
+    groups = plan.kv_cache_groups
+    dcp = plan.decode_context_parallel_size
+    if specs is None:
+        specs = {n: g.layer_spec(n) for g in groups for n in g.layer_names}
+    if memory is None:
+        memory = plan.available_memory or plan.num_blocks * plan.bytes_per_block
+    per_group = steady_blocks(groups, context, dcp=dcp)
+    steady = sum(per_group)
+    peak = prefill_peak_blocks(groups, context, max_num_batched_tokens, dcp=dcp)
+    usable = plan.num_blocks - 1
+    if steady <= 0:
+        concurrency = 0
+    else:
+        concurrency = 0 if peak > usable else 1 + (usable - peak) // steady
+    bpb = plan.bytes_per_block
+    unreserved = memory / (bpb * steady) if bpb and steady else 0.0
+    sizes = _block_sizes(groups, dcp)
+    return Capacity(
+        context=context,
+        num_blocks=plan.num_blocks,
+        bytes_per_block=bpb,
+        blocks_per_request=steady,
+        prefill_peak_blocks=peak,
+        concurrency=concurrency,
+        unreserved_concurrency=unreserved,
+        ideal_concurrency=ideal_concurrency(specs, context, memory),
+        groups=tuple(
+            GroupCapacity(
+                group=i,
+                kinds=tuple(dict.fromkeys(s.kind for s in g.layer_specs())),
+                num_layers=len(g.layer_names),
+                block_size=b,
+                packed_bytes=g.packed_bytes,
+                blocks_per_request=n,
+            )
+            for i, (g, b, n) in enumerate(zip(groups, sizes, per_group, strict=True))
+        ),
+    )
+
+
+def min_blocks_for_one_request(
+    groups: Sequence[KVCacheGroupSpec],
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    *,
+    dcp: int = 1,
+) -> int:
+    """Blocks a pool needs to run one request of ``max_model_len`` tokens:
+    its prefill peak plus the null block."""
+    return prefill_peak_blocks(groups, max_model_len, max_num_batched_tokens, dcp=dcp) + 1
+
+
+__all__ += ["min_blocks_for_one_request"]
