@@ -4,7 +4,7 @@ The core holds the planner, the pool and the block coordinator; every cache
 kind is a plugin.  Start with :func:`default_registry` (or build a registry
 from :func:`get_plugin_manager`), plan with :func:`get_kv_cache_groups` and
 :func:`get_kv_cache_config_from_groups` (or :func:`plan_kv_cache` in one
-call), ask :func:`capacity` how many requests fit, and bind views with
+call), ask :func:`plan_capacity` how many requests fit, and bind views with
 :class:`KVCachePool`.
 """
 
@@ -44,7 +44,7 @@ from kvcore.plan import (
     resolve_kv_cache_block_sizes,
     validate_kv_cache_layout,
 )
-from kvcore.plan.capacity import Capacity, capacity, ideal_concurrency
+from kvcore.plan.capacity import Capacity, ideal_concurrency, plan_capacity
 from kvcore.plugins import get_plugin_manager
 from kvcore.pool import KVCachePool, allocate_kv_cache
 from kvcore.registry import KindRegistry, default_registry
@@ -93,7 +93,7 @@ __all__ = [
     "plan_kv_cache",
     "resolve_kv_cache_block_sizes",
     "Capacity",
-    "capacity",
+    "plan_capacity",
     "ideal_concurrency",
     "validate_kv_cache_layout",
     "KVCachePool",

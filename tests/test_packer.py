@@ -31,7 +31,7 @@ def test_state_bucket_of_unequal_pages_splits_to_one_state_per_group() -> None:
         "ring1": ring(2),
     }
     config = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC")
+        cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC", packing_policy="seed")
     )
     groups = kvcore.get_kv_cache_groups(config, specs)
     assert sorted(g.layer_names for g in groups) == [["full"], ["ring0"], ["ring1"]]

@@ -1,7 +1,8 @@
 """The behavioural spec of contiguous KV cache packing, ported to kvcore.
 
 Every test name and assertion of the spec is kept; only imports, the engine
-config (kvcore's real config objects instead of a mock), ``attrs.evolve`` for
+config (kvcore's real config objects instead of a mock, with the ``seed``
+packing policy the spec's rules are), ``attrs.evolve`` for
 ``dataclasses.replace`` and kvcore's MergeError for an invalid merge changed.
 
 
@@ -78,7 +79,10 @@ def _mixed_page_groups(n_mla=3, n_idx=3, n_swa=5):
 
 
 def _mock_vllm_config(layout: str | None):
-    return EngineConfig(cache_config=CacheConfig(kv_cache_layout=layout))
+    # The spec pins the reference grouping rules: kvcore's ``seed`` policy.
+    return EngineConfig(
+        cache_config=CacheConfig(kv_cache_layout=layout, packing_policy="seed")
+    )
 
 
 def test_packed_alignment_preserves_hot_pages_and_generic_stride():

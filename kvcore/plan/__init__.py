@@ -20,7 +20,7 @@ from kvcore.plan.block_sizes import (
     serves_partial_hits,
 )
 from kvcore.plan.buckets import approximate_gcd
-from kvcore.plan.capacity import Capacity, capacity, ideal_concurrency
+from kvcore.plan.capacity import Capacity, ideal_concurrency, plan_capacity
 from kvcore.plan.grouping import get_kv_cache_groups
 from kvcore.plan.placement import (
     build_kv_cache_tensors,
@@ -36,7 +36,7 @@ __all__ = [
     "Capacity",
     "approximate_gcd",
     "build_kv_cache_tensors",
-    "capacity",
+    "plan_capacity",
     "effective_block_size",
     "generate_scheduler_kv_cache_config",
     "get_kv_cache_config_from_groups",

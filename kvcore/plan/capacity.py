@@ -29,7 +29,7 @@ from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 __all__ = [
     "Capacity",
     "GroupCapacity",
-    "capacity",
+    "plan_capacity",
     "ideal_bytes_per_request",
     "ideal_concurrency",
     "prefill_peak_blocks",
@@ -142,7 +142,7 @@ def ideal_concurrency(
     return memory / per_request if per_request else 0.0
 
 
-def capacity(
+def plan_capacity(
     plan: KVCacheConfig,
     context: int,
     *,

@@ -3,8 +3,9 @@
 ``get_kv_cache_config_from_groups`` turns groups into a
 :class:`~kvcore.structs.KVCacheConfig`: the block stride, ``num_blocks``,
 every layer's tensor and strides, the resolved scheduler and hash block
-sizes, ``max_model_len``, prefix caching, the policy and its target.  A plan
-that cannot run is refused here, with the numbers and the fix.
+sizes, ``max_model_len``, prefix caching, the policy and its target.
+``plan_kv_cache`` does every step and refuses a plan that cannot run, with
+the numbers and the fix.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ def get_kv_cache_config_from_groups(
             "block). Give the cache more memory or set num_gpu_blocks_override"
         )
         raise PlanError(msg)
-    _check_fits_one_request(config, groups, num_blocks, bytes_per_block)
     size = bytes_per_block * num_blocks
     tensors = build_kv_cache_tensors(
         groups,
@@ -131,6 +131,13 @@ def plan_kv_cache(
     *,
     registry: KindRegistry | None = None,
 ) -> KVCacheConfig:
-    """Group, size and place in one call: specs in, a plan out."""
+    """Group, size and place in one call: specs in, a plan out.
+
+    Unlike the step-by-step functions this is what an engine runs, so it
+    also refuses a pool that cannot hold one request of ``max_model_len``.
+    """
     groups = get_kv_cache_groups(config, specs, registry=registry)
-    return get_kv_cache_config_from_groups(config, groups, available_memory)
+    plan = get_kv_cache_config_from_groups(config, groups, available_memory)
+    if groups:
+        _check_fits_one_request(config, groups, plan.num_blocks, plan.bytes_per_block)
+    return plan
