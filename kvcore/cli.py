@@ -18,11 +18,8 @@ from pathlib import Path
 from kvcore import zoo
 from kvcore.config import CacheConfig, EngineConfig
 from kvcore.errors import KvcoreError
-from kvcore.plan import (
-    get_kv_cache_config_from_groups,
-    get_kv_cache_groups,
-    resolve_kv_cache_block_sizes,
-)
+from kvcore.config import PACKING_POLICIES
+from kvcore.plan import plan_capacity, plan_kv_cache
 from kvcore.plugins import get_plugin_manager, plugin_distribution
 from kvcore.registry import KindRegistry
 from kvcore.report import format_plan
@@ -83,25 +80,48 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         source if source.suffix == ".json" or source.exists() else zoo.path(args.model)
     )
     model = load_model_file(path, registry)
+    contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
     config = EngineConfig(
         cache_config=CacheConfig(
             kv_cache_layout=args.layout,
             enable_prefix_caching=not args.no_prefix_caching,
+            packing_policy=args.policy,
+            target_context=contexts[0],
         )
     )
-    groups = get_kv_cache_groups(config, model.layers, registry=registry)
-    plan = get_kv_cache_config_from_groups(config, groups, int(args.memory_gib * 2**30))
-    sched, hashing = resolve_kv_cache_block_sizes(plan, config)
+    memory = int(args.memory_gib * 2**30)
+    plan = plan_kv_cache(config, model.layers, memory, registry=registry)
+    reports = [
+        plan_capacity(plan, c, specs=model.layers, memory=memory) for c in contexts
+    ]
     if args.json:
         out = make_converter(registry).unstructure(plan)
-        out["scheduler_block_size"] = sched
-        out["hash_block_size"] = hashing
+        out["capacity"] = [
+            {
+                "context": r.context,
+                "concurrency": r.concurrency,
+                "unreserved_concurrency": r.unreserved_concurrency,
+                "ideal_concurrency": r.ideal_concurrency,
+                "ratio": r.ratio,
+                "blocks_per_request": r.blocks_per_request,
+            }
+            for r in reports
+        ]
         print(json.dumps(out, indent=1))
     else:
         print(
             format_plan(plan, title=f"{model.name}: {len(model.layers)} cache layers")
         )
-        print(f"\n  scheduler block {sched} tokens, hash block {hashing} tokens")
+        print(
+            f"\n  policy {plan.packing_policy} (target {plan.target_context} tokens); "
+            f"scheduler block {plan.scheduler_block_size} tokens, hash block "
+            f"{plan.hash_block_size} tokens"
+        )
+        for r in reports:
+            print(
+                f"  {r.context:>7} tokens: {r.concurrency} requests "
+                f"({r.ratio:.3f} of the physical limit, {r.ideal_concurrency:.1f})"
+            )
     return 0
 
 
@@ -125,6 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.add_argument(
         "--layout", default="BLHNC", help="KV cache layout (default BLHNC)"
+    )
+    plan.add_argument(
+        "--policy",
+        choices=PACKING_POLICIES,
+        default="min_waste",
+        help="grouping policy (default min_waste)",
+    )
+    plan.add_argument(
+        "--context",
+        default="32768",
+        help="request length(s) in tokens, comma-separated; the first is the "
+        "policy's target (default 32768)",
     )
     plan.add_argument("--no-prefix-caching", action="store_true")
     plan.add_argument("--json", action="store_true")

@@ -1,4 +1,5 @@
-"""The pool: one backing allocation and a zero-copy typed view per layer."""
+"""The pool: one backing allocation per residency (device, and host for
+host-resident tensors) and a zero-copy typed view per layer."""
 
 from __future__ import annotations
 
@@ -20,12 +21,22 @@ __all__ = ["KVCachePool", "allocate_kv_cache"]
 class KVCachePool:
     """One byte buffer holding every layer's pages, with a typed view per layer.
 
-    Every view shares the buffer's storage: layers of different groups at the
+    Every view shares its buffer's storage: layers of different groups at the
     same offset alias (a block id is owned by one group at a time), layers of
     one group are disjoint.
 
+    Tensors marked :attr:`~kvcore.structs.KVCacheTensor.host_resident` are
+    the host side of a sparse cache (HiSparse keeps its full source KV in host
+    memory and only the hot pages on the device), so they are bound in a
+    separate host buffer, :attr:`host_buffer`, and never in device memory:
+    a host-resident tensor must not require the device.  The host buffer is
+    pinned when CUDA is available, so the device can copy pages from it
+    asynchronously.  Every other tensor lives in :attr:`buffer`, on
+    ``device``.  Tensors of one residency share one size (one allocation).
+
     :param config: the plan.
-    :param device: where to allocate.
+    :param device: where to allocate the device buffer (host-resident tensors
+        are always allocated in host memory).
     :param layout: the layout the plan was made for (default: the plan's).
     :param kernel_block_sizes: per group, split each block into kernel blocks
         of this many tokens (needs dense, unpadded pages).
@@ -66,23 +77,22 @@ class KVCachePool:
             raise PlanError(msg)
         self.config = config
         self.layout = layout
-        sizes = {t.size for t in config.kv_cache_tensors}
-        if len(sizes) > 1:
-            msg = (
-                f"KV cache tensors must share one backing allocation, but their "
-                f"sizes differ ({sorted(sizes)}); build the config with "
-                "get_kv_cache_config_from_groups"
+        device_tensors = [t for t in config.kv_cache_tensors if not t.host_resident]
+        host_tensors = [t for t in config.kv_cache_tensors if t.host_resident]
+        #: The device buffer: every tensor that is not host resident.
+        self.buffer = _allocate(
+            _shared_size(device_tensors, "device"), device, pin_memory=False
+        )
+        #: The host buffer of the host-resident tensors (``None`` when there
+        #: are none): host memory, pinned when CUDA is available, because it
+        #: holds the host side of a sparse cache that the device copies from.
+        self.host_buffer: torch.Tensor | None = None
+        if host_tensors:
+            self.host_buffer = _allocate(
+                _shared_size(host_tensors, "host-resident"),
+                "cpu",
+                pin_memory=torch.cuda.is_available(),
             )
-            raise PlanError(msg)
-        size = sizes.pop() if sizes else 0
-        try:
-            self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-        except (RuntimeError, TypeError) as exc:
-            msg = (
-                f"cannot allocate the {size}-byte KV cache pool on device "
-                f"{device!r}: {exc}"
-            )
-            raise PlanError(msg) from exc
         group_of = {
             name: i
             for i, g in enumerate(config.kv_cache_groups)
@@ -98,12 +108,15 @@ class KVCachePool:
             spec = group.layer_spec(tensor.layers[0])
             kind = registry.kind_for(spec, layer=tensor.layers[0])
             kernel = kernel_block_sizes[gid] if kernel_block_sizes is not None else None
-            raws = self._raw_views(tensor, spec, config.num_blocks, kernel)
+            host = self.host_buffer if tensor.host_resident else None
+            buffer = host if host is not None else self.buffer
+            raws = self._raw_views(buffer, tensor, spec, config.num_blocks, kernel)
             for name, raw in zip(tensor.layers, raws, strict=True):
                 self.views[name] = kind.bind_view(spec, raw)
 
     def _raw_views(
         self,
+        buffer: torch.Tensor,
         tensor: KVCacheTensor,
         spec: KVCacheSpec,
         num_blocks: int,
@@ -151,25 +164,52 @@ class KVCachePool:
                 raise LayoutError(msg)
             blocks, n = num_blocks * ratio, n // ratio
             strides[AXIS_B] = tensor.block_stride // ratio
-        full = torch.as_strided(
-            self.buffer,
-            (len(tensor.layers), blocks, h, n, c),
-            tuple(strides),
-            self.buffer.storage_offset() + tensor.offset,
-        )
+        shape = (len(tensor.layers), blocks, h, n, c)
+        # Checked before the view is made: torch refuses an out-of-bounds
+        # view with an error that names no layer.
         end = (
             tensor.offset
-            + sum((d - 1) * s for d, s in zip(full.shape, strides, strict=True))
+            + sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
             + 1
         )
-        if end > self.buffer.numel():
+        if end > buffer.numel():
+            where = "host-resident" if tensor.host_resident else "device"
             msg = (
                 f"tensor of layers {tensor.layers[:3]} reaches byte {end} of a "
-                f"{self.buffer.numel()}-byte pool; the plan is inconsistent"
+                f"{buffer.numel()}-byte {where} pool; the plan is inconsistent"
             )
             raise PlanError(msg)
+        full = torch.as_strided(
+            buffer, shape, tuple(strides), buffer.storage_offset() + tensor.offset
+        )
         del strides[AXIS_L]
         return [full[i] for i in range(len(tensor.layers))]
+
+
+def _shared_size(tensors: Sequence[KVCacheTensor], residency: str) -> int:
+    """The one size the tensors of one residency share (0 when none)."""
+    sizes = {t.size for t in tensors}
+    if len(sizes) > 1:
+        msg = (
+            f"{residency} KV cache tensors must share one backing allocation, but "
+            f"their sizes differ ({sorted(sizes)}); build the config with "
+            "get_kv_cache_config_from_groups"
+        )
+        raise PlanError(msg)
+    return sizes.pop() if sizes else 0
+
+
+def _allocate(
+    size: int, device: torch.device | str, *, pin_memory: bool
+) -> torch.Tensor:
+    where = "in pinned host memory" if pin_memory else f"on device {device!r}"
+    try:
+        return torch.zeros(
+            size, dtype=torch.uint8, device=device, pin_memory=pin_memory
+        )
+    except (RuntimeError, TypeError) as exc:
+        msg = f"cannot allocate the {size}-byte KV cache pool {where}: {exc}"
+        raise PlanError(msg) from exc
 
 
 def allocate_kv_cache(
@@ -180,7 +220,10 @@ def allocate_kv_cache(
     *,
     registry: KindRegistry | None = None,
 ) -> dict[str, LayerView]:
-    """Allocate the plan's single buffer and return ``layer -> view``."""
+    """Allocate the plan's buffers and return ``layer -> view``.
+
+    Host-resident tensors get views of a host buffer (see :class:`KVCachePool`).
+    """
     if not config.kv_cache_tensors:
         return {}
     return KVCachePool(

@@ -37,7 +37,8 @@ def test_plan_a_shipped_model(capsys: pytest.CaptureFixture[str]) -> None:
     # Gemma-3-27B: 52 sliding-window and 10 full layers, all 131072-byte pages
     # (16 heads * 16 tokens * (128 + 128) * 2 bytes).  Groups of 13 pad the
     # fewest layer slots (52 = 4 * 13; 10 -> 13 pads 3), so a block is 13 pages.
-    assert main(["plan", "gemma-3-27b", "--memory-gib", "1", "--json"]) == 0
+    args = ["plan", "gemma-3-27b", "--memory-gib", "1", "--policy", "seed", "--json"]
+    assert main(args) == 0
     plan = json.loads(capsys.readouterr().out)
     assert [len(g["layer_names"]) for g in plan["kv_cache_groups"]] == [
         13,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvcore.coordinator import create_requests
+from kvcore import KVCacheConfig, KVCacheGroupSpec
+from kvcore.coordinator import KVCacheManager, create_requests
 from kvcore.coordinator.hashing import NONE_HASH, hash_block_tokens
 from kvcore.coordinator.request import Request, RequestStatus, make_requests
 from kvcore.errors import (
@@ -13,7 +15,9 @@ from kvcore.errors import (
     KvcoreKeyError,
     KvcoreTypeError,
     KvcoreValueError,
+    UnknownRequestError,
 )
+from kvcore_full_attention import FullAttentionSpec
 
 
 def test_new_request_counts_and_hashes_full_chunks() -> None:
@@ -127,14 +131,96 @@ def test_status_and_computed_tokens_are_writable() -> None:
     done = Request("d", [1], hash_block_size=None)
     done.status = RequestStatus.FINISHED
     assert done.is_finished
-    assert {s.name for s in RequestStatus} == {
-        "WAITING",
-        "RUNNING",
-        "PREEMPTED",
-        "FINISHED",
-    }
+    assert {s.name for s in RequestStatus} == {"WAITING", "RUNNING", "FINISHED"}
     with pytest.raises(AttributeError):
         req.extra = 1  # type: ignore[attr-defined]
+
+
+# -- status, as a real KVCacheManager sets it -------------------------------------
+
+
+def _manager(num_blocks: int) -> KVCacheManager:
+    """One full-attention group of 4-token blocks (block 0 is the null block)."""
+    spec = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        enable_caching=True,
+    )
+
+
+def test_manager_runs_then_finishes_a_request() -> None:
+    mgr = _manager(num_blocks=8)
+    r = Request("r", list(range(10)), hash_block_size=4)
+    assert r.status is RequestStatus.WAITING
+    blocks, hit = mgr.get_computed_blocks(r)
+    assert r.status is RequestStatus.WAITING  # a lookup changes nothing
+    assert mgr.allocate_slots(r, 10, hit, blocks) is not None
+    assert r.status is RequestStatus.RUNNING
+    assert not r.is_finished
+    r.num_computed_tokens = 10
+    r.append_output_token_ids(7)
+    assert mgr.allocate_slots(r, 1) is not None  # a decode step keeps it running
+    assert r.status is RequestStatus.RUNNING
+    mgr.free(r)
+    assert r.status is RequestStatus.FINISHED
+    assert r.is_finished
+
+
+def test_free_by_id_finishes_the_request() -> None:
+    mgr = _manager(num_blocks=8)
+    r = Request("r", list(range(6)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 6) is not None
+    mgr.free("r")
+    assert r.is_finished
+
+
+def test_refused_allocation_leaves_the_request_waiting() -> None:
+    # 3 blocks: the null block and 2 usable ones, 8 tokens in all
+    mgr = _manager(num_blocks=3)
+    r = Request("big", list(range(12)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 12) is None
+    assert r.status is RequestStatus.WAITING
+    assert not r.is_finished
+    # a running request refused a step stays running
+    small = Request("small", list(range(8)), hash_block_size=4)
+    assert mgr.allocate_slots(small, 8) is not None
+    small.num_computed_tokens = 8
+    small.append_output_token_ids(1)
+    assert mgr.allocate_slots(small, 1) is None
+    assert small.status is RequestStatus.RUNNING
+
+
+def test_a_rejected_call_does_not_change_the_status() -> None:
+    mgr = _manager(num_blocks=8)
+    r = Request("r", list(range(6)), hash_block_size=4)
+    with pytest.raises(InvalidRequestError):
+        mgr.allocate_slots(r, 0)
+    assert r.status is RequestStatus.WAITING
+    with pytest.raises(UnknownRequestError):
+        mgr.free(r)
+    assert r.status is RequestStatus.WAITING
+
+
+def test_a_freed_request_runs_again_when_re_admitted() -> None:
+    """Preemption is a free and a later re-admission: FINISHED, then RUNNING."""
+    mgr = _manager(num_blocks=8)
+    r = Request("r", list(range(6)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 6) is not None
+    mgr.free(r)
+    assert r.is_finished
+    blocks, hit = mgr.get_computed_blocks(r)
+    assert mgr.allocate_slots(r, 6 - hit, hit, blocks) is not None
+    assert r.status is RequestStatus.RUNNING
 
 
 # -- validation -----------------------------------------------------------------

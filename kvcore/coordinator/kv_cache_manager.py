@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator
 from kvcore.coordinator.hashing import hashes_at_block_size
-from kvcore.coordinator.request import Request
+from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
@@ -117,6 +117,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._managers = self.coordinator.single_type_managers
         self._live: set[str] = set()
+        # The request object of each live id, so free() by id can mark it.
+        self._requests: dict[str, Request] = {}
 
     @classmethod
     def from_plan(
@@ -206,7 +208,9 @@ class KVCacheManager:
         :param new_computed_blocks: the hit's blocks.
         :param num_lookahead_tokens: extra slots for speculative tokens.
         :returns: the newly allocated blocks per group, or ``None`` when the
-            pool cannot satisfy the step (nothing is changed then).
+            pool cannot satisfy the step (nothing is changed then, the
+            request's status included); on success the request's status is
+            ``RUNNING``.
         """
         if not isinstance(request, Request):
             raise _not_a_request(request)
@@ -287,6 +291,8 @@ class KVCacheManager:
                 coordinator.add_computed_blocks(rid, computed)
             new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
             self._live.add(rid)
+        request.status = RequestStatus.RUNNING
+        self._requests[rid] = request
         if self.enable_caching and not delay_cache_blocks:
             cached = num_computed + num_new_tokens
             coordinator.cache_blocks(request, min(cached, request.num_tokens))
@@ -375,11 +381,15 @@ class KVCacheManager:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request | str) -> None:
-        """Release every block the request holds (tail blocks evicted first)."""
+        """Release every block the request holds (tail blocks evicted first)
+        and mark the request ``FINISHED``."""
         rid = request if isinstance(request, str) else request.request_id
         self._require_live(rid)
         self._live.discard(rid)
         self.coordinator.free(rid)
+        self._requests.pop(rid).status = RequestStatus.FINISHED
+        if isinstance(request, Request):
+            request.status = RequestStatus.FINISHED
 
     def _require_live(self, rid: str) -> None:
         if rid not in self._live:

@@ -24,11 +24,19 @@ __all__ = ["Request", "RequestStatus", "create_requests", "make_requests"]
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is in its life."""
+    """Where a request is in its life, as the
+    :class:`~kvcore.coordinator.KVCacheManager` last saw it.
+
+    A request starts ``WAITING``; it becomes ``RUNNING`` when
+    :meth:`~kvcore.coordinator.KVCacheManager.allocate_slots` gives it slots
+    (a refused step leaves it as it was), and ``FINISHED`` when
+    :meth:`~kvcore.coordinator.KVCacheManager.free` releases its blocks.  A
+    scheduler that preempts by freeing and later re-admits the request sees
+    it ``RUNNING`` again once its next step is allocated.
+    """
 
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
@@ -195,7 +203,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        """Whether :attr:`status` is ``FINISHED``."""
+        """Whether :attr:`status` is ``FINISHED``: the manager freed the
+        request's blocks and has not allocated it again since."""
         return self.status is RequestStatus.FINISHED
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
