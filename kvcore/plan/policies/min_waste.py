@@ -20,7 +20,7 @@ table and a manager) unless the model has more buckets than that.
 
 from __future__ import annotations
 
-import bisect
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -176,21 +176,26 @@ def _options(bucket: Bucket, context: int, dcp: int, allow: bool) -> list[Option
     first = bucket.first
     total = len(bucket)
     scale = dcp if first.scales_with_context_parallel else 1
-    raw: list[Option] = []
+    raw: list[tuple[int, int, int, int]] = []
     for factor, (spec, profile) in _factors(bucket, context, allow).items():
-        block = spec.block_size * scale
-        held = spec.num_blocks_held(context, context, block)
+        held = spec.num_blocks_held(context, context, spec.block_size * scale)
+        key = tuple(profile)
         for n in _candidate_splits(profile, total):
-            raw.append(Option(widest_of(profile, n), n * held, n, factor))
-    raw.sort(key=lambda o: (o.width, o.cost, o.groups, o.factor))
+            raw.append((_widest(key, n), n * held, n, factor))
+    raw.sort()
     frontier: list[Option] = []
-    for option in raw:
-        if frontier:
-            best = frontier[-1]
-            if (option.cost, option.groups) >= (best.cost, best.groups):
-                continue
-        frontier.append(option)
+    best = (-1, -1)
+    for width, cost, groups, factor in raw:
+        if frontier and (cost, groups) >= best:
+            continue
+        best = (cost, groups)
+        frontier.append(Option(width, cost, groups, factor))
     return frontier
+
+
+@functools.lru_cache(maxsize=65536)
+def _widest(profile: tuple[tuple[int, int], ...], n: int) -> int:
+    return widest_of(profile, n)
 
 
 def search(
@@ -203,46 +208,65 @@ def search(
     allow_growth: bool = True,
 ) -> Choice:
     """The stride and per-bucket options with the fewest bytes per request
-    at ``context`` tokens (see the module docstring for ties and the cap)."""
+    at ``context`` tokens (see the module docstring for ties and the cap).
+
+    Strides are swept upwards; each bucket's option changes only where the
+    stride passes one of its frontier widths, so the totals are kept as
+    running sums (linear in the options, not in options x buckets).
+    """
     frontiers = [_options(b, context, dcp, allow_growth) for b in buckets]
-    widths = [[o.width for o in f] for f in frontiers]
-    floor = max(f[0].width for f in frontiers)
-    strides = sorted(
-        {round_up(o.width, alignment) for f in frontiers for o in f if o.width >= floor}
-        | {round_up(floor, alignment)}
-    )
+    fewest = [_fewest_frontier(f) for f in frontiers]
+    floor = round_up(max(f[0].width for f in frontiers), alignment)
     cap = max(max_groups, len(buckets))
-    found: list[Choice] = []
-    for stride in strides:
-        picks = []
-        for frontier, ws in zip(frontiers, widths, strict=True):
-            i = bisect.bisect_right(ws, stride) - 1
-            picks.append(frontier[i])
-        choice = Choice(stride, tuple(picks))
-        if choice.num_groups > cap:
-            fewest = _fewest_groups(frontiers, stride)
-            if fewest.num_groups > cap:
-                continue
-            choice = fewest
-        found.append(choice)
-    best = min(c.bytes_per_request for c in found)
-    ties = [c for c in found if c.bytes_per_request <= best * (1 + TIE_TOLERANCE)]
-    return min(
-        ties,
-        key=lambda c: (
-            c.num_groups,
-            c.bytes_per_request,
-            max(o.factor for o in c.options),
-            c.stride,
-        ),
+    # events: (stride at which it applies, bucket, option, which frontier)
+    events: list[tuple[int, int, int, int]] = []
+    for b, (front, few) in enumerate(zip(frontiers, fewest, strict=True)):
+        for i, option in enumerate(front):
+            events.append((max(round_up(option.width, alignment), floor), b, i, 0))
+        for i, option in enumerate(few):
+            events.append((max(round_up(option.width, alignment), floor), b, i, 1))
+    events.sort()
+    lists = (frontiers, fewest)
+    at = ([-1] * len(buckets), [-1] * len(buckets))
+    cost = [0, 0]
+    groups = [0, 0]
+    # (bytes per request, groups, stride, which list) at every stride
+    found: list[tuple[int, int, int, int]] = []
+    k = 0
+    while k < len(events):
+        stride = events[k][0]
+        while k < len(events) and events[k][0] == stride:
+            _, b, i, which = events[k]
+            k += 1
+            if at[which][b] >= 0:
+                old = lists[which][b][at[which][b]]
+                cost[which] -= old.cost
+                groups[which] -= old.groups
+            at[which][b] = i
+            cost[which] += lists[which][b][i].cost
+            groups[which] += lists[which][b][i].groups
+        for which in (0, 1):
+            if groups[which] <= cap:
+                found.append((stride * cost[which], groups[which], stride, which))
+                break
+    best = min(f[0] for f in found)
+    _, _, stride, which = min(
+        (f for f in found if f[0] <= best * (1 + TIE_TOLERANCE)),
+        key=lambda f: (f[1], f[0], f[2]),
     )
-
-
-def _fewest_groups(frontiers: Sequence[list[Option]], stride: int) -> Choice:
-    """At ``stride``, each bucket's option with the fewest groups (cheapest
-    among those): the fallback when the cheapest options pass the cap."""
     picks = []
-    for frontier in frontiers:
-        fitting = [o for o in frontier if o.width <= stride]
-        picks.append(min(fitting, key=lambda o: (o.groups, o.cost)))
+    for options in lists[which]:
+        fitting = [o for o in options if max(round_up(o.width, alignment), floor) <= stride]
+        picks.append(fitting[-1])
     return Choice(stride, tuple(picks))
+
+
+def _fewest_frontier(frontier: list[Option]) -> list[Option]:
+    """The options that have the fewest groups for some stride (the fallback
+    when the cheapest options pass the group cap): by width, each with fewer
+    groups than every narrower one."""
+    out: list[Option] = []
+    for option in frontier:
+        if not out or option.groups < out[-1].groups:
+            out.append(option)
+    return out
