@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 from kvcore import zoo
-from kvcore.config import CacheConfig, EngineConfig
+from kvcore.config import PACKING_POLICIES, CacheConfig, EngineConfig
 from kvcore.errors import KvcoreError
-from kvcore.config import PACKING_POLICIES
 from kvcore.plan import plan_capacity, plan_kv_cache
 from kvcore.plugins import get_plugin_manager, plugin_distribution
 from kvcore.registry import KindRegistry

@@ -185,7 +185,7 @@ class KVCacheSpec:
         block size is the kernel's block, and a grown block is a whole number
         of kernel blocks.  Kinds that allow it set :attr:`max_block_growth`.
         """
-        return None
+        return self if factor == 1 else None
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens a request with ``num_computed_tokens`` computed

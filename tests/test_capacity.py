@@ -56,7 +56,9 @@ def _fill(manager: KVCacheManager, context: int, chunk: int) -> int:
     Returns how many were admitted whole."""
     admitted = 0
     while True:
-        request = Request(f"r{admitted}", [admitted % 30000 + 1] * context, hash_block_size=None)
+        request = Request(
+            f"r{admitted}", [admitted % 30000 + 1] * context, hash_block_size=None
+        )
         done = 0
         while done < context:
             step = min(chunk, context - done)
@@ -101,15 +103,22 @@ def test_capacity_of_a_hand_worked_hybrid() -> None:
     # 2 full-attention layers (page 4096 B at 16 tokens) beside a 1024-token
     # window layer with the same page, one 8 KiB state, BLHNC.
     registry = kvcore.default_registry()
-    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    full = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+    )
     specs = {
         "full.0": full,
         "full.1": full,
         "swa.0": SlidingWindowSpec(
-            block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16,
+            block_size=16,
+            num_kv_heads=1,
+            head_size=64,
+            dtype=torch.bfloat16,
             sliding_window=1024,
         ),
-        "state.0": MambaSpec(block_size=16, shapes=((4096,),), dtypes=(torch.bfloat16,)),
+        "state.0": MambaSpec(
+            block_size=16, shapes=((4096,),), dtypes=(torch.bfloat16,)
+        ),
     }
     config = _config("seed", 4096, 1024)
     plan = kvcore.plan_kv_cache(config, specs, 100 * 2**20, registry=registry)
@@ -132,35 +141,54 @@ def test_capacity_of_a_hand_worked_hybrid() -> None:
 
 
 def test_pool_too_small_for_one_request_is_refused_with_the_numbers() -> None:
-    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    full = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+    )
     config = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC"), max_model_len=4096
     )
     # One request of 4096 tokens needs 256 blocks of 4096 bytes plus the null.
     with pytest.raises(PlanError, match=r"needs 257 .*1052672 bytes") as info:
-        kvcore.plan_kv_cache(config, {"a": full}, 100 * 4096, registry=kvcore.default_registry())
+        kvcore.plan_kv_cache(
+            config, {"a": full}, 100 * 4096, registry=kvcore.default_registry()
+        )
     assert isinstance(info.value, ValueError)
-    plan = kvcore.plan_kv_cache(config, {"a": full}, 257 * 4096, registry=kvcore.default_registry())
+    plan = kvcore.plan_kv_cache(
+        config, {"a": full}, 257 * 4096, registry=kvcore.default_registry()
+    )
     assert plan.num_blocks == 257
 
 
 def test_pages_off_their_element_size_are_refused_at_plan_time() -> None:
     registry = kvcore.default_registry()
-    config = kvcore.EngineConfig(cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC"))
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC")
+    )
     # A 1-byte-head uint8 MLA layer of 3 tokens (3 bytes) before a bf16 one:
     # the bf16 page would start at byte 3.
-    narrow = MLAAttentionSpec(block_size=3, num_kv_heads=1, head_size=1, dtype=torch.uint8)
-    wide = MLAAttentionSpec(block_size=3, num_kv_heads=1, head_size=1, dtype=torch.bfloat16)
+    narrow = MLAAttentionSpec(
+        block_size=3, num_kv_heads=1, head_size=1, dtype=torch.uint8
+    )
+    wide = MLAAttentionSpec(
+        block_size=3, num_kv_heads=1, head_size=1, dtype=torch.bfloat16
+    )
     group = kvcore.KVCacheGroupSpec(
         ["narrow", "wide"],
-        kvcore.UniformTypeKVCacheSpecs(block_size=3, kv_cache_specs={"narrow": narrow, "wide": wide}),
+        kvcore.UniformTypeKVCacheSpecs(
+            block_size=3, kv_cache_specs={"narrow": narrow, "wide": wide}
+        ),
     )
-    with pytest.raises(LayoutError, match="layer 'wide'.*offset is 3 bytes"):
+    with pytest.raises(LayoutError, match=r"layer 'wide'.*offset is 3 bytes"):
         kvcore.get_kv_cache_config_from_groups(config, [group], 2**20)
     # A 3-byte hot page beside a bf16 layer: the stride rounds to both.
     hot = HiSparseHotSpec(block_size=16, page_size=3, blocks_per_request=1)
-    bf16 = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype=torch.bfloat16)
-    groups = [kvcore.KVCacheGroupSpec(["hot"], hot), kvcore.KVCacheGroupSpec(["a"], bf16)]
+    bf16 = FullAttentionSpec(
+        block_size=1, num_kv_heads=1, head_size=1, dtype=torch.bfloat16
+    )
+    groups = [
+        kvcore.KVCacheGroupSpec(["hot"], hot),
+        kvcore.KVCacheGroupSpec(["a"], bf16),
+    ]
     bpb = kvcore.kv_cache_bytes_per_block(groups)
     assert bpb % 3 == 0
     assert bpb % 2 == 0
@@ -168,7 +196,7 @@ def test_pages_off_their_element_size_are_refused_at_plan_time() -> None:
     views = kvcore.allocate_kv_cache(plan, "cpu", registry=registry)
     assert views["a"].dtype == torch.bfloat16
     # A state whose narrow dtype comes first is refused when it is built.
-    with pytest.raises(InvalidSpecError, match="starts at byte|start at byte 3"):
+    with pytest.raises(InvalidSpecError, match=r"would start at byte 3"):
         MambaSpec(
             block_size=16, shapes=((3,), (4,)), dtypes=(torch.uint8, torch.float32)
         )
@@ -178,22 +206,27 @@ def test_from_plan_carries_the_settings() -> None:
     registry = kvcore.default_registry()
     specs = load_model_file(zoo.path("gemma-3-27b"), registry).layers
     config = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC", enable_prefix_caching=True),
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True
+        ),
         max_model_len=8192,
     )
     plan = kvcore.plan_kv_cache(config, specs, 2**33, registry=registry)
     assert plan.packing_policy == "min_waste"
     assert plan.target_context == 8192
-    assert (plan.scheduler_block_size, plan.hash_block_size) == kvcore.resolve_kv_cache_block_sizes(
-        plan, config
-    )
+    assert (
+        plan.scheduler_block_size,
+        plan.hash_block_size,
+    ) == kvcore.resolve_kv_cache_block_sizes(plan, config)
     manager = KVCacheManager.from_plan(plan, registry=registry)
     assert manager.max_model_len == 8192
     assert manager.enable_caching is True
     assert manager.scheduler_block_size == plan.scheduler_block_size
     assert manager.hash_block_size == plan.hash_block_size
     # Every group's manager runs on the group's merged spec.
-    for group, m in zip(plan.kv_cache_groups, manager.coordinator.single_type_managers, strict=True):
+    for group, m in zip(
+        plan.kv_cache_groups, manager.coordinator.single_type_managers, strict=True
+    ):
         assert m.kv_cache_spec == group.manager_spec
         assert m.block_size == group.kv_cache_spec.block_size
     # The JSON a scheduler ships round-trips with every setting.
@@ -217,7 +250,10 @@ def test_planning_is_fast_and_close_to_linear() -> None:
     specs: dict[str, kvcore.KVCacheSpec] = {}
     for i in range(5000):
         specs[f"swa.{i}"] = SlidingWindowSpec(
-            block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16,
+            block_size=16,
+            num_kv_heads=1,
+            head_size=64,
+            dtype=torch.bfloat16,
             sliding_window=128 + 16 * (i % 1000),
         )
         specs[f"full.{i}"] = FullAttentionSpec(
@@ -225,6 +261,8 @@ def test_planning_is_fast_and_close_to_linear() -> None:
         )
     for policy in ("seed", "min_waste"):
         config = _config(policy, 4096, 2048)
-        groups = kvcore.get_kv_cache_groups(config, specs, registry=kvcore.default_registry())
+        groups = kvcore.get_kv_cache_groups(
+            config, specs, registry=kvcore.default_registry()
+        )
         assert sorted(n for g in groups for n in g.layer_names) == sorted(specs)
         assert math.isfinite(len(groups))

@@ -147,8 +147,8 @@ class KVCacheManager:
                 "with them"
             )
             raise InvalidRequestError(msg)
-        assert plan.scheduler_block_size is not None  # noqa: S101 - checked above
-        assert plan.max_model_len is not None  # noqa: S101 - checked above
+        assert plan.scheduler_block_size is not None
+        assert plan.max_model_len is not None
         return cls(
             generate_scheduler_kv_cache_config([plan]),
             plan.max_model_len,

@@ -60,7 +60,7 @@ class Bucket:
     :param specs: layer name to spec, in model order.
     """
 
-    __slots__ = ("by_page", "pages", "role", "specs", "_desc")
+    __slots__ = ("_desc", "by_page", "pages", "role", "specs")
 
     def __init__(self, specs: dict[str, KVCacheSpec]) -> None:
         self.specs = specs

@@ -215,7 +215,9 @@ def min_blocks_for_one_request(
 ) -> int:
     """Blocks a pool needs to run one request of ``max_model_len`` tokens:
     its prefill peak plus the null block."""
-    return prefill_peak_blocks(groups, max_model_len, max_num_batched_tokens, dcp=dcp) + 1
+    return (
+        prefill_peak_blocks(groups, max_model_len, max_num_batched_tokens, dcp=dcp) + 1
+    )
 
 
 __all__ += ["min_blocks_for_one_request"]

@@ -13,8 +13,15 @@ import math
 from collections.abc import Iterable, Sequence
 
 from kvcore.errors import LayoutError, PlanError
-from kvcore.layout import AXIS_B, AXIS_C, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
-from kvcore.layout import compute_layout_strides
+from kvcore.layout import (
+    AXIS_B,
+    AXIS_C,
+    AXIS_H,
+    AXIS_L,
+    AXIS_N,
+    KVCacheLayout,
+    compute_layout_strides,
+)
 from kvcore.spec import KVCacheSpec, round_up
 from kvcore.structs import KVCacheGroupSpec, KVCacheTensor
 

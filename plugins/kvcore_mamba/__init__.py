@@ -164,7 +164,9 @@ class MambaSpec(KVCacheSpec):
             return cdiv(num_tokens, block_size)
         if self.mamba_cache_mode == "align":
             reads = 1 if num_computed_tokens > 0 else 0
-            writes = cdiv(num_tokens, block_size) > cdiv(num_computed_tokens, block_size)
+            writes = cdiv(num_tokens, block_size) > cdiv(
+                num_computed_tokens, block_size
+            )
             return max(reads + int(writes), 1)
         return 1 + self.num_speculative_blocks
 

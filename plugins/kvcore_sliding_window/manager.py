@@ -36,7 +36,8 @@ class SlidingWindowManager(SingleTypeManager):
         return not any(block.is_null for block in blocks[start:])
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        return self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        skipped: int = self.num_skipped_tokens(num_computed_tokens)
+        return skipped // self.block_size
 
     @classmethod
     def find_longest_cache_hit(

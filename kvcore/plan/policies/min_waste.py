@@ -150,7 +150,10 @@ def _factors(
                 break
             grown.append((g, count))
         else:
-            out[factor] = (grown[0][0], _profile((g.page_size_bytes, c) for g, c in grown))
+            out[factor] = (
+                grown[0][0],
+                _profile((g.page_size_bytes, c) for g, c in grown),
+            )
     return out
 
 
@@ -256,7 +259,9 @@ def search(
     )
     picks = []
     for options in lists[which]:
-        fitting = [o for o in options if max(round_up(o.width, alignment), floor) <= stride]
+        fitting = [
+            o for o in options if max(round_up(o.width, alignment), floor) <= stride
+        ]
         picks.append(fitting[-1])
     return Choice(stride, tuple(picks))
 
