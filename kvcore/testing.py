@@ -17,6 +17,8 @@ import attrs
 
 from kvcore.config import CacheConfig, EngineConfig
 from kvcore.coordinator.block_pool import BlockPool
+from kvcore.coordinator.kv_cache_manager import KVCacheManager
+from kvcore.coordinator.request import Request
 from kvcore.errors import InvalidSpecError, KvcoreError
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
@@ -24,7 +26,7 @@ from kvcore.plan import get_kv_cache_config_from_groups
 from kvcore.pool import KVCachePool
 from kvcore.registry import KindRegistry
 from kvcore.serialize import make_converter
-from kvcore.spec import KVCacheSpec
+from kvcore.spec import KVCacheSpec, cdiv
 from kvcore.structs import KVCacheGroupSpec
 
 __all__ = ["ConformanceError", "check_kind"]
@@ -74,6 +76,13 @@ def check_kind(
         _require(
             False, kind, "attrs.evolve(spec, block_size=0) must raise InvalidSpecError"
         )
+    _require(
+        type(spec).merge_group([spec]) == spec,
+        kind,
+        "merge_group([spec]) must be spec (the spec a one-layer group's manager "
+        "runs on)",
+    )
+    _check_planning_declarations(kind, spec)
     converter = make_converter(registry)
     data = json.loads(json.dumps(converter.unstructure(spec)))
     _require(data.get("kind") == kind.name, kind, "JSON carries the kind tag")
@@ -124,3 +133,131 @@ def check_kind(
                 spec.block_size,
             )
             _require(hits == [[]], kind, "a search over no hashes finds no hit")
+
+    if kind.manager_type is not None:
+        _check_blocks_held(kind, spec, registry)
+
+
+def _check_planning_declarations(kind: CacheKind, spec: KVCacheSpec) -> None:
+    """``element_size`` and ``grown`` follow their contracts."""
+    element = spec.element_size
+    _require(
+        type(element) is int and element > 0,
+        kind,
+        f"element_size must be a positive int, got {element!r}",
+    )
+    same = spec.grown(1)
+    _require(
+        same is spec or same == spec,
+        kind,
+        f"grown(1) must return the spec itself, got {same!r}",
+    )
+    max_growth = type(spec).max_block_growth
+    for factor in range(2, min(4, max_growth) + 1):
+        grown = spec.grown(factor)
+        if grown is None:
+            continue
+        _require(
+            type(grown) is type(spec),
+            kind,
+            f"grown({factor}) must return None or a {type(spec).__name__}, got "
+            f"a {type(grown).__name__}",
+        )
+        _require(
+            grown.block_size == spec.block_size * factor,
+            kind,
+            f"grown({factor}) must multiply block_size by {factor} "
+            f"({spec.block_size} -> {spec.block_size * factor}), got "
+            f"block_size={grown.block_size}",
+        )
+
+
+def _prefill_steps(total: int, block_size: int) -> list[int]:
+    """Uneven step sizes summing to ``total``: a part block, then runs that
+    start and end inside blocks, then whole blocks, last a single token."""
+    pattern = [max(1, block_size // 2), 3 * block_size, 2 * block_size + 1]
+    steps: list[int] = []
+    left = total - 1
+    i = 0
+    while left > 0:
+        size = pattern[i] if i < len(pattern) else 4 * block_size
+        size = min(size, left)
+        steps.append(size)
+        left -= size
+        i += 1
+    steps.append(1)
+    return steps
+
+
+def _check_blocks_held(
+    kind: CacheKind, spec: KVCacheSpec, registry: KindRegistry
+) -> None:
+    """Run one request through the kind's manager and compare the blocks it
+    holds with ``spec.num_blocks_held`` after every step."""
+    bs = spec.block_size
+    total = 16 * bs
+    # Enough blocks for the whole request however the kind holds them.
+    num_blocks = max(cdiv(total, bs), spec.max_num_blocks_per_request(total)) + 4
+    config = EngineConfig(
+        cache_config=CacheConfig(
+            kv_cache_layout=KVCacheLayout.BLHNC, num_gpu_blocks_override=num_blocks
+        ),
+        max_model_len=total,
+    )
+    group = KVCacheGroupSpec(["layer.0"], spec)
+    plan = get_kv_cache_config_from_groups(
+        config, [group], num_blocks * spec.page_size_bytes
+    )
+    manager = KVCacheManager.from_plan(plan, registry=registry)
+    block_size = manager.coordinator.single_type_managers[0].block_size
+    pool = manager.block_pool
+    usable = plan.num_blocks - 1
+    rid = "check_kind"
+    fix = (
+        "make the manager and num_blocks_held agree (the capacity model "
+        "trusts num_blocks_held)"
+    )
+
+    def compare(step: str, computed: int, covered: int) -> None:
+        table = manager.coordinator.get_blocks(rid)[0]
+        in_table = len({b.block_id for b in table if not b.is_null})
+        taken = usable - pool.free_queue.num_free
+        _require(
+            in_table == taken,
+            kind,
+            f"{step}: the manager's table holds {in_table} blocks but "
+            f"{taken} are out of the pool; a manager must keep in its table "
+            "every block it takes",
+        )
+        expected = spec.num_blocks_held(computed, covered, block_size)
+        _require(
+            in_table == expected,
+            kind,
+            f"{step}: the manager holds {in_table} blocks but "
+            f"spec.num_blocks_held({computed}, {covered}, {block_size}) says "
+            f"{expected}; {fix}",
+        )
+
+    request = Request(rid, list(range(total)), hash_block_size=None)
+    computed = 0
+    for n, size in enumerate(_prefill_steps(total, block_size), 1):
+        step = f"step {n} (tokens {computed}..{computed + size})"
+        blocks = manager.allocate_slots(request, size)
+        _require(
+            blocks is not None,
+            kind,
+            f"{step}: allocate_slots refused a step with {pool.free_queue.num_free} "
+            f"of {usable} blocks free",
+        )
+        compare(step, computed, computed + size)
+        computed += size
+        request.num_computed_tokens = computed
+    manager.coordinator.remove_skipped_blocks(rid, total)
+    compare(f"after remove_skipped_blocks({total})", total, total)
+    manager.free(request)
+    _require(
+        pool.free_queue.num_free == usable,
+        kind,
+        f"after free the pool has {pool.free_queue.num_free} of {usable} blocks "
+        "free; free must give back every block the request held",
+    )

@@ -299,3 +299,42 @@ def test_public_hybrids_reach_the_targets(name, context):
         assert best.ratio >= 0.98
     else:
         assert best.ratio >= BOUNDS.get(name, {}).get(context, 1.0) - 0.005
+
+
+def test_a_kinds_planning_answers_are_checked():
+    import attrs
+
+    @attrs.frozen(kw_only=True)
+    class LyingGrowth(FullAttentionSpec):
+        def grown(self, factor):
+            return self  # claims to grow but keeps its block
+
+    @attrs.frozen(kw_only=True)
+    class LyingBlocks(FullAttentionSpec):
+        def num_blocks_held(self, num_computed_tokens, num_tokens, block_size):
+            return -1
+
+    state = MambaSpec(block_size=16, shapes=((32768,),), dtypes=(torch.bfloat16,))
+    buckets = bucket_layers(
+        {
+            "m": state,
+            "a": LyingGrowth(
+                block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+            ),
+        }
+    )
+    with pytest.raises(
+        kvcore.PluginError,
+        match=r"grown\(2\).*must return None or a LyingGrowth with block_size 32",
+    ):
+        search(buckets, context=4096, alignment=2, max_groups=64)
+    buckets = bucket_layers(
+        {
+            "m": state,
+            "a": LyingBlocks(
+                block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+            ),
+        }
+    )
+    with pytest.raises(kvcore.PluginError, match=r"num_blocks_held.*returned -1"):
+        search(buckets, context=4096, alignment=2, max_groups=64)

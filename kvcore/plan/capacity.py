@@ -23,6 +23,7 @@ import attrs
 
 from kvcore.errors import PlanError
 from kvcore.plan.block_sizes import effective_block_size
+from kvcore.plan.declarations import checked_blocks_held
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
@@ -96,7 +97,7 @@ def steady_blocks(
 ) -> list[int]:
     """Blocks each group holds for a request of ``context`` computed tokens."""
     return [
-        g.manager_spec.num_blocks_held(context, context, b)
+        checked_blocks_held(g.manager_spec, context, context, b)
         for g, b in zip(groups, _block_sizes(groups, dcp), strict=True)
     ]
 
@@ -118,7 +119,8 @@ def prefill_peak_blocks(
     while start < context:
         end = min(start + max_num_batched_tokens, context)
         held = sum(
-            s.num_blocks_held(start, end, b) for s, b in zip(specs, sizes, strict=True)
+            checked_blocks_held(s, start, end, b)
+            for s, b in zip(specs, sizes, strict=True)
         )
         peak = max(peak, held)
         start = end
@@ -129,7 +131,7 @@ def ideal_bytes_per_request(specs: Mapping[str, KVCacheSpec], context: int) -> i
     """Bytes a request of ``context`` tokens holds when every layer keeps
     exactly its own pages at its own block size."""
     return sum(
-        s.page_size_bytes * s.num_blocks_held(context, context, s.block_size)
+        s.page_size_bytes * checked_blocks_held(s, context, context, s.block_size)
         for s in specs.values()
     )
 

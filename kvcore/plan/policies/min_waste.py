@@ -28,6 +28,7 @@ import attrs
 
 from kvcore.config import EngineConfig
 from kvcore.plan.buckets import Bucket, bucket_layers, widest_of
+from kvcore.plan.declarations import checked_blocks_held, checked_grown
 from kvcore.plan.groups import make_group
 from kvcore.spec import KVCacheSpec, cdiv, round_up
 from kvcore.structs import KVCacheGroupSpec
@@ -115,7 +116,7 @@ def _grown_bucket(bucket: Bucket, factor: int) -> Bucket:
     grown: dict[str, KVCacheSpec] = {}
     for name, spec in bucket.specs.items():
         if spec not in cache:
-            g = spec.grown(factor)
+            g = checked_grown(spec, factor)
             if g is None:  # pragma: no cover - the search only offers valid factors
                 msg = f"{spec.kind} cannot grow by {factor}"
                 raise AssertionError(msg)
@@ -145,7 +146,7 @@ def _factors(
             break
         grown: list[tuple[KVCacheSpec, int]] = []
         for spec, count in distinct.items():
-            g = spec.grown(factor)
+            g = checked_grown(spec, factor)
             if g is None:
                 break
             grown.append((g, count))
@@ -181,7 +182,7 @@ def _options(bucket: Bucket, context: int, dcp: int, allow: bool) -> list[Option
     scale = dcp if first.scales_with_context_parallel else 1
     raw: list[tuple[int, int, int, int]] = []
     for factor, (spec, profile) in _factors(bucket, context, allow).items():
-        held = spec.num_blocks_held(context, context, spec.block_size * scale)
+        held = checked_blocks_held(spec, context, context, spec.block_size * scale)
         key = tuple(profile)
         for n in _candidate_splits(profile, total):
             raw.append((_widest(key, n), n * held, n, factor))

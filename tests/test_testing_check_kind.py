@@ -1,0 +1,331 @@
+"""``kvcore.testing.check_kind``: every built-in kind and the example
+third-party kind pass it, including its allocate/skip/free cycle against
+``num_blocks_held`` and its checks of ``grown`` and ``element_size``; a kind
+whose declarations disagree with its manager fails it, by name.
+
+Every registry here is built explicitly from the kinds under test, so the
+result does not depend on which plugins are installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+
+from kvcore import KVCacheSpec
+from kvcore.kinds import CacheKind
+from kvcore.registry import KindRegistry
+from kvcore.testing import ConformanceError, check_kind
+from kvcore_circular_buffer import CircularBuffer, CircularBufferSpec
+from kvcore_full_attention import FullAttention, FullAttentionSpec
+from kvcore_hisparse import HiSparseHot, HiSparseHotSpec
+from kvcore_mamba import Mamba, MambaSpec
+from kvcore_mla import MLA, MLAAttentionSpec
+from kvcore_sliding_window import (
+    SlidingWindow,
+    SlidingWindowManager,
+    SlidingWindowMLA,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+# check_kind runs a request of 16 blocks; every window below is shorter, so
+# blocks fall out of it and are released during the run.
+
+
+def _full() -> KVCacheSpec:
+    return FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
+
+
+def _mla() -> KVCacheSpec:
+    return MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=512, dtype=torch.uint8
+    )
+
+
+def _sw() -> KVCacheSpec:
+    # window 64 < 256 tokens of the run
+    return SlidingWindowSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float16,
+        sliding_window=64,
+    )
+
+
+def _sw_extra() -> KVCacheSpec:
+    return SlidingWindowSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float16,
+        sliding_window=40,
+        extra_retained_tokens=8,
+    )
+
+
+def _swmla() -> KVCacheSpec:
+    # window 128 < 1024 tokens of the run
+    return SlidingWindowMLASpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=584,
+        dtype=torch.uint8,
+        sliding_window=128,
+        alignment=576,
+    )
+
+
+def _mamba(mode: str, **kw: object) -> Callable[[], KVCacheSpec]:
+    def make() -> KVCacheSpec:
+        return MambaSpec(
+            block_size=16,
+            shapes=((32,),),
+            dtypes=(torch.bfloat16,),
+            mamba_cache_mode=mode,  # type: ignore[arg-type]
+            **kw,  # type: ignore[arg-type]
+        )
+
+    return make
+
+
+def _ring() -> KVCacheSpec:
+    return CircularBufferSpec(
+        block_size=4, num_kv_heads=1, head_size=8, head_size_v=0, dtype=torch.bfloat16
+    )
+
+
+def _hot() -> KVCacheSpec:
+    return HiSparseHotSpec(block_size=16, page_size=5120, blocks_per_request=2)
+
+
+BUILTIN_CASES = [
+    pytest.param(FullAttention(), _full, id="full_attention"),
+    pytest.param(MLA(), _mla, id="mla"),
+    pytest.param(SlidingWindow(), _sw, id="sliding_window"),
+    pytest.param(SlidingWindow(), _sw_extra, id="sliding_window-extra-retained"),
+    pytest.param(SlidingWindowMLA(), _swmla, id="sliding_window_mla"),
+    pytest.param(Mamba(), _mamba("none"), id="mamba-none"),
+    pytest.param(
+        Mamba(), _mamba("none", num_speculative_blocks=2), id="mamba-none-speculative"
+    ),
+    pytest.param(Mamba(), _mamba("align"), id="mamba-align"),
+    pytest.param(Mamba(), _mamba("all"), id="mamba-all"),
+    pytest.param(CircularBuffer(), _ring, id="circular_buffer"),
+    pytest.param(HiSparseHot(), _hot, id="hisparse_hot"),
+]
+
+
+@pytest.mark.parametrize(("kind", "factory"), BUILTIN_CASES)
+def test_builtin_kind_passes(
+    kind: CacheKind, factory: Callable[[], KVCacheSpec]
+) -> None:
+    spec = factory()
+    check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+
+
+@pytest.mark.parametrize(("kind", "factory"), BUILTIN_CASES)
+def test_builtin_kind_passes_with_its_default_registry(
+    kind: CacheKind, factory: Callable[[], KVCacheSpec]
+) -> None:
+    """Without ``registry=``, check_kind builds one holding just the kind."""
+    check_kind(kind, factory())
+
+
+def test_the_window_run_releases_blocks() -> None:
+    """The sliding-window sample really skips blocks over check_kind's run of
+    16 blocks, so the cycle checks the released count, not just the total."""
+    spec = _sw()
+    total = 16 * spec.block_size
+    assert spec.num_blocks_held(total, total, spec.block_size) < 16
+
+
+def _chunked_local() -> tuple[Any, Any]:
+    sys.path.insert(
+        0, str(Path(__file__).parent.parent / "examples" / "third_party_plugin")
+    )
+    try:
+        from kvcore_chunked_local import (
+            ChunkedLocalAttention,
+            ChunkedLocalAttentionSpec,
+        )
+    finally:
+        sys.path.pop(0)
+    return ChunkedLocalAttention, ChunkedLocalAttentionSpec
+
+
+@pytest.mark.parametrize("chunk", [64, 8192], ids=["chunk-64-skips", "chunk-8192"])
+def test_third_party_chunked_local_kind_passes(chunk: int) -> None:
+    kind_type, spec_type = _chunked_local()
+    kind = kind_type()
+    spec = spec_type(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=chunk,
+    )
+    check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+
+
+# ---------------------------------------------------------------------------
+# Kinds whose declarations break the rules
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class LyingWindowSpec(SlidingWindowSpec):
+    """Says it holds one block more than its manager does."""
+
+    kind: ClassVar[str] = "lying_window"
+
+    def num_blocks_held(
+        self, num_computed_tokens: int, num_tokens: int, block_size: int
+    ) -> int:
+        return super().num_blocks_held(num_computed_tokens, num_tokens, block_size) + 1
+
+
+class LyingWindow(SlidingWindow):
+    name: ClassVar[str] = "lying_window"
+    spec_type = LyingWindowSpec
+
+
+def _lying() -> LyingWindowSpec:
+    return LyingWindowSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float16,
+        sliding_window=64,
+    )
+
+
+def test_num_blocks_held_that_lies_fails_naming_the_kind() -> None:
+    kind = LyingWindow()
+    with pytest.raises(ConformanceError, match="'lying_window'") as info:
+        check_kind(kind, _lying(), registry=KindRegistry.from_kinds([kind]))
+    message = str(info.value)
+    assert "step 1" in message
+    # the manager holds 1 block after tokens 0..8; the spec claims 2
+    assert "holds 1 blocks" in message
+    assert "num_blocks_held(0, 8, 16) says 2" in message
+    assert "make the manager and num_blocks_held agree" in message
+    assert isinstance(info.value, AssertionError)
+
+
+class HoardingManager(SlidingWindowManager):
+    """Never releases the blocks that leave the window."""
+
+    skips_blocks: ClassVar[bool] = False
+
+
+@attrs.frozen(kw_only=True)
+class HoardingWindowSpec(SlidingWindowSpec):
+    kind: ClassVar[str] = "hoarding_window"
+
+
+class HoardingWindow(SlidingWindow):
+    name: ClassVar[str] = "hoarding_window"
+    spec_type = HoardingWindowSpec
+    manager_type = HoardingManager
+
+
+def test_a_manager_that_keeps_skipped_blocks_fails_once_the_window_passes() -> None:
+    """Correct while the request fits the window.  check_kind's steps are
+    8, 48, 33, 64, ... tokens; step 4 starts at 89 computed tokens, whose
+    window (64) leaves token 25 and below, so block 0, unread: declared
+    cdiv(153, 16) - 1 = 9 blocks, held 10."""
+    kind = HoardingWindow()
+    spec = HoardingWindowSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float16,
+        sliding_window=64,
+    )
+    with pytest.raises(ConformanceError, match="'hoarding_window'") as info:
+        check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+    message = str(info.value)
+    assert "step 4 (tokens 89..153)" in message
+    assert "holds 10 blocks" in message
+    assert "num_blocks_held(89, 153, 16) says 9" in message
+
+
+@attrs.frozen(kw_only=True)
+class BadGrowthSpec(FullAttentionSpec):
+    """Grows its block by the wrong amount."""
+
+    kind: ClassVar[str] = "bad_growth"
+
+    def grown(self, factor: int) -> BadGrowthSpec | None:
+        if factor == 1:
+            return self
+        return attrs.evolve(self, block_size=self.block_size * factor + 16)
+
+
+class BadGrowth(FullAttention):
+    name: ClassVar[str] = "bad_growth"
+    spec_type = BadGrowthSpec
+
+
+def test_grown_with_the_wrong_block_size_fails() -> None:
+    kind = BadGrowth()
+    spec = BadGrowthSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
+    with pytest.raises(ConformanceError, match=r"'bad_growth': grown\(2\)"):
+        check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+
+
+@attrs.frozen(kw_only=True)
+class NoIdentityGrowthSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "no_identity_growth"
+
+    def grown(self, factor: int) -> NoIdentityGrowthSpec | None:
+        return None
+
+
+class NoIdentityGrowth(FullAttention):
+    name: ClassVar[str] = "no_identity_growth"
+    spec_type = NoIdentityGrowthSpec
+
+
+def test_grown_1_must_be_the_spec() -> None:
+    kind = NoIdentityGrowth()
+    spec = NoIdentityGrowthSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
+    with pytest.raises(ConformanceError, match=r"grown\(1\) must return the spec"):
+        check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+
+
+@attrs.frozen(kw_only=True)
+class ZeroElementSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "zero_element"
+
+    @property
+    def element_size(self) -> int:
+        return 0
+
+
+class ZeroElement(FullAttention):
+    name: ClassVar[str] = "zero_element"
+    spec_type = ZeroElementSpec
+
+
+def test_element_size_must_be_positive() -> None:
+    kind = ZeroElement()
+    spec = ZeroElementSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
+    with pytest.raises(ConformanceError, match="'zero_element': element_size"):
+        check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
