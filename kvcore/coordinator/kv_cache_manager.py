@@ -134,12 +134,14 @@ class KVCacheManager:
         carries (a worker's plan is turned into the scheduler's view)."""
         from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
 
+        scheduler_block_size = plan.scheduler_block_size
+        max_model_len = plan.max_model_len
         missing = [
             name
             for name in ("scheduler_block_size", "hash_block_size", "max_model_len")
             if getattr(plan, name) is None
         ]
-        if missing:
+        if missing or scheduler_block_size is None or max_model_len is None:
             msg = (
                 f"the plan carries no {', '.join(missing)}; build it with "
                 "kvcore.plan_kv_cache (or get_kv_cache_config_from_groups with "
@@ -147,12 +149,10 @@ class KVCacheManager:
                 "with them"
             )
             raise InvalidRequestError(msg)
-        assert plan.scheduler_block_size is not None
-        assert plan.max_model_len is not None
         return cls(
             generate_scheduler_kv_cache_config([plan]),
-            plan.max_model_len,
-            scheduler_block_size=plan.scheduler_block_size,
+            max_model_len,
+            scheduler_block_size=scheduler_block_size,
             hash_block_size=plan.hash_block_size,
             enable_caching=plan.enable_prefix_caching,
             registry=registry,

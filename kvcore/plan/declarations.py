@@ -21,7 +21,6 @@ def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:
     if grown is None:
         return None
     if type(grown) is type(spec):
-        assert isinstance(grown, KVCacheSpec)  # noqa: S101 - for the type checker
         if grown.block_size == spec.block_size * factor:
             return grown
         got = f"a {type(grown).__name__} of block_size {grown.block_size}"
