@@ -111,11 +111,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(
             format_plan(plan, title=f"{model.name}: {len(model.layers)} cache layers")
         )
-        print(
-            f"\n  policy {plan.packing_policy} (target {plan.target_context} tokens); "
-            f"scheduler block {plan.scheduler_block_size} tokens, hash block "
-            f"{plan.hash_block_size} tokens"
-        )
+        print()
         for r in reports:
             print(
                 f"  {r.context:>7} tokens: {r.concurrency} requests "

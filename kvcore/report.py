@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvcore.plan.block_sizes import hit_alignment
 from kvcore.structs import KVCacheConfig
+
+#: Why each built-in policy is chosen, for the plan's report.
+POLICY_REASONS = {
+    "min_waste": "the grouping and block sizes that hold the most requests of "
+    "the target context (exact search over one-stride plans)",
+    "seed": "the reference grouping rules, file block sizes kept",
+}
 
 __all__ = ["format_bytes", "format_plan"]
 
@@ -30,6 +38,28 @@ def format_plan(config: KVCacheConfig, *, title: str = "KV cache plan") -> str:
         "",
         f"  {'group':>5}  {'kinds':<34} {'layers':>6} {'block':>6} {'bytes/block':>12} {'fill':>6}",
     ]
+    if config.packing_policy:
+        reason = POLICY_REASONS.get(config.packing_policy, "")
+        lines.insert(
+            2,
+            f"  policy {config.packing_policy} for {config.target_context} tokens: {reason}",
+        )
+    if config.scheduler_block_size and config.hash_block_size:
+        hits = (
+            hit_alignment(
+                config.kv_cache_groups,
+                config.scheduler_block_size,
+                config.hash_block_size,
+                config.decode_context_parallel_size,
+            )
+            if config.enable_prefix_caching
+            else config.scheduler_block_size
+        )
+        lines.insert(
+            3 if config.packing_policy else 2,
+            f"  scheduler block {config.scheduler_block_size} tokens, hash block "
+            f"{config.hash_block_size} tokens; prefix hits are multiples of {hits} tokens",
+        )
     for i, group in enumerate(config.kv_cache_groups):
         kinds = Counter(group.layer_spec(n).kind for n in group.layer_names)
         kind_text = ", ".join(f"{k}x{v}" for k, v in kinds.items())

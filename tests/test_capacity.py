@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,24 +19,10 @@ from kvcore_mamba import MambaSpec
 from kvcore_mla import MLAAttentionSpec
 from kvcore_sliding_window import SlidingWindowSpec
 
-THIRD_PARTY = Path(__file__).parent.parent / "examples" / "third_party_plugin"
-
 
 @pytest.fixture(scope="module")
-def registry() -> kvcore.KindRegistry:
-    """Built-in kinds plus the example chunked-local kind (the Llama-4 file
-    needs it), registered explicitly."""
-    import sys
-
-    sys.path.insert(0, str(THIRD_PARTY))
-    try:
-        import kvcore_chunked_local
-    finally:
-        sys.path.remove(str(THIRD_PARTY))
-    pm = kvcore.get_plugin_manager(load_entrypoints=False)
-    if pm.get_plugin("chunked_local") is None:
-        pm.register(kvcore_chunked_local, name="chunked_local")
-    return kvcore.KindRegistry.from_plugin_manager(pm)
+def registry(zoo_registry: kvcore.KindRegistry) -> kvcore.KindRegistry:
+    return zoo_registry
 
 
 def _config(policy: str, context: int, chunk: int) -> kvcore.EngineConfig:

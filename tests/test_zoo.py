@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
 import kvcore
 from kvcore import zoo
 from kvcore.serialize import load_model_file
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "third_party_plugin"
-
 
 @pytest.fixture(scope="module")
-def registry() -> kvcore.KindRegistry:
-    """Built-in kinds plus the example third-party kind the Llama-4 file needs."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        plugin = importlib.import_module("kvcore_chunked_local")
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    pm = kvcore.get_plugin_manager(load_entrypoints=False)
-    if pm.get_plugin("chunked_local_attention") is None:
-        pm.register(plugin, name="chunked_local_attention")
-    return kvcore.KindRegistry.from_plugin_manager(pm)
+def registry(zoo_registry: kvcore.KindRegistry) -> kvcore.KindRegistry:
+    return zoo_registry
 
 
 def _expressible(

@@ -19,7 +19,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError
-from kvcore.plan import effective_block_size, serves_partial_hits
+from kvcore.plan import effective_block_size, hit_alignment
 from kvcore.registry import KindRegistry
 from kvcore.structs import KVCacheConfig
 
@@ -140,12 +140,12 @@ class KVCacheCoordinator:
         self.attention_groups: list[SpecGroup] = sorted(
             spec_groups.values(), key=lambda g: not g.manager_type.monotone_hits
         )
-        partial = any(
-            m.caching and serves_partial_hits(g, m.block_size, hash_block_size, dcp)
-            for m, g in zip(managers, groups, strict=True)
-        )
         #: Hits are multiples of this many tokens.
-        self.cache_hit_alignment = hash_block_size if partial else scheduler_block_size
+        self.cache_hit_alignment = (
+            hit_alignment(groups, scheduler_block_size, hash_block_size, dcp)
+            if enable_caching
+            else scheduler_block_size
+        )
         self.num_groups = len(managers)
         #: Groups whose state depends on the whole prefix but whose manager
         #: caches nothing (a recurrent state that is never checkpointed):
