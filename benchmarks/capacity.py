@@ -235,7 +235,7 @@ def bound_ratio(specs: Mapping[str, KVCacheSpec], context: int) -> float | None:
             alignment=stride_alignment(specs),
             max_groups=10**9,
             dcp=1,
-            allow_growth=True,
+            max_growth=64,
         )
     except KvcoreError as exc:
         note(f"no one-stride bound at {context} tokens: {exc}")

@@ -86,6 +86,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             packing_policy=args.policy,
             target_context=contexts[0],
+            max_block_growth=args.max_block_growth,
         )
     )
     memory = int(args.memory_gib * 2**30)
@@ -152,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         default="32768",
         help="request length(s) in tokens, comma-separated; the first is the "
         "policy's target (default 32768)",
+    )
+    plan.add_argument(
+        "--max-block-growth",
+        type=int,
+        default=64,
+        help="largest factor min_waste may grow a block size by; 1 keeps the "
+        "model's block sizes (finer prefix hits)",
     )
     plan.add_argument("--no-prefix-caching", action="store_true")
     plan.add_argument("--json", action="store_true")

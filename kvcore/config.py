@@ -73,6 +73,10 @@ class CacheConfig:
         (default: the engine's ``max_model_len``, else 32768).
     :param max_kv_cache_groups: the most groups ``min_waste`` may plan (each
         costs the scheduler a block table and a manager per step).
+    :param max_block_growth: the largest factor ``min_waste`` may grow a
+        kind's block size by (1: keep the model's block sizes).  Larger blocks
+        fill strides that large states force, but prefix hits become
+        multiples of the larger block.
     """
 
     block_size: int = attrs.field(default=16, validator=positive_int)
@@ -94,6 +98,7 @@ class CacheConfig:
         default=None, validator=optional_positive_int
     )
     max_kv_cache_groups: int = attrs.field(default=64, validator=positive_int)
+    max_block_growth: int = attrs.field(default=64, validator=positive_int)
 
     def resolved_layout(self) -> KVCacheLayout:
         """The layout, or a :class:`~kvcore.errors.LayoutError` if unresolved."""

@@ -338,3 +338,18 @@ def test_a_kinds_planning_answers_are_checked():
     )
     with pytest.raises(kvcore.PluginError, match=r"num_blocks_held.*returned -1"):
         search(buckets, context=4096, alignment=2, max_groups=64)
+
+
+def test_growth_can_be_capped_for_finer_prefix_hits():
+    state = MambaSpec(block_size=16, shapes=((32768,),), dtypes=(torch.bfloat16,))
+    specs = {"m0": state, "m1": state, "m2": state, "attn": _full()}
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", target_context=4096, max_block_growth=4
+        )
+    )
+    groups = kvcore.get_kv_cache_groups(config, specs, registry=REGISTRY)
+    assert max(g.kv_cache_spec.block_size for g in groups) <= 64
+    config.cache_config.max_block_growth = 1
+    groups = kvcore.get_kv_cache_groups(config, specs, registry=REGISTRY)
+    assert {g.kv_cache_spec.block_size for g in groups} == {16}

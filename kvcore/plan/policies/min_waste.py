@@ -89,7 +89,7 @@ def min_waste_groups(
         alignment=_alignment(specs.values()),
         max_groups=cache.max_kv_cache_groups,
         dcp=config.parallel_config.decode_context_parallel_size,
-        allow_growth=packing,
+        max_growth=cache.max_block_growth if packing else 1,
     )
     groups: list[KVCacheGroupSpec] = []
     for bucket, option in zip(buckets, choice.options, strict=True):
@@ -126,7 +126,7 @@ def _grown_bucket(bucket: Bucket, factor: int) -> Bucket:
 
 
 def _factors(
-    bucket: Bucket, context: int, allow: bool
+    bucket: Bucket, context: int, max_growth: int
 ) -> dict[int, tuple[KVCacheSpec, list[tuple[int, int]]]]:
     """Growth factor -> (the bucket's first spec, its page profile
     ``[(page, count)]``) at that factor.
@@ -139,9 +139,7 @@ def _factors(
         distinct[spec] = distinct.get(spec, 0) + 1
     first = bucket.first
     out = {1: (first, _profile((s.page_size_bytes, c) for s, c in distinct.items()))}
-    if not allow:
-        return out
-    for factor in range(2, first.max_block_growth + 1):
+    for factor in range(2, min(first.max_block_growth, max_growth) + 1):
         if first.block_size * factor > max(context, first.block_size):
             break
         grown: list[tuple[KVCacheSpec, int]] = []
@@ -173,7 +171,7 @@ def _candidate_splits(profile: list[tuple[int, int]], total: int) -> list[int]:
     return sorted({cdiv(total, q) for q in range(1, total + 1)})
 
 
-def _options(bucket: Bucket, context: int, dcp: int, allow: bool) -> list[Option]:
+def _options(bucket: Bucket, context: int, dcp: int, max_growth: int) -> list[Option]:
     """Every (groups, factor) option of a bucket, pruned to those that are
     best for some stride: sorted by width, each cheaper (or as cheap with
     fewer groups) than every narrower one."""
@@ -181,7 +179,7 @@ def _options(bucket: Bucket, context: int, dcp: int, allow: bool) -> list[Option
     total = len(bucket)
     scale = dcp if first.scales_with_context_parallel else 1
     raw: list[tuple[int, int, int, int]] = []
-    for factor, (spec, profile) in _factors(bucket, context, allow).items():
+    for factor, (spec, profile) in _factors(bucket, context, max_growth).items():
         held = checked_blocks_held(spec, context, context, spec.block_size * scale)
         key = tuple(profile)
         for n in _candidate_splits(profile, total):
@@ -209,7 +207,7 @@ def search(
     alignment: int,
     max_groups: int,
     dcp: int = 1,
-    allow_growth: bool = True,
+    max_growth: int = 64,
 ) -> Choice:
     """The stride and per-bucket options with the fewest bytes per request
     at ``context`` tokens (see the module docstring for ties and the cap).
@@ -218,7 +216,7 @@ def search(
     stride passes one of its frontier widths, so the totals are kept as
     running sums (linear in the options, not in options x buckets).
     """
-    frontiers = [_options(b, context, dcp, allow_growth) for b in buckets]
+    frontiers = [_options(b, context, dcp, max_growth) for b in buckets]
     fewest = [_fewest_frontier(f) for f in frontiers]
     floor = round_up(max(f[0].width for f in frontiers), alignment)
     cap = max(max_groups, len(buckets))
