@@ -116,10 +116,11 @@ class CacheConfig:
 class ParallelConfig:
     """Parallelism.
 
-    :param tensor_parallel_size: ranks each layer's heads are split over
-        (recorded in the plan; specs are per rank).
-    :param pipeline_parallel_size: stages the layers are split over
-        (recorded in the plan; each stage plans its own layers).
+    :param tensor_parallel_size: ranks each layer's heads are split over.
+        The specs a planner gets are one rank's; the plan records the size so
+        workers and the scheduler can check they agree.
+    :param pipeline_parallel_size: stages the layers are split over; each
+        stage plans its own layers, and the plan records the size.
     :param decode_context_parallel_size: attention block sizes are multiplied
         by this (each rank holds a slice of every block's tokens).
     """

@@ -128,6 +128,9 @@ class KVCacheConfig:
     :param packing_policy: the grouping policy that made the groups.
     :param target_context: the context the policy planned for.
     :param decode_context_parallel_size: the factor on attention block sizes.
+    :param tensor_parallel_size: ranks each layer's heads were split over
+        (the specs are one rank's).
+    :param pipeline_parallel_size: stages the model's layers were split over.
     :param available_memory: the bytes the plan was sized for.
     """
 
@@ -143,6 +146,8 @@ class KVCacheConfig:
     packing_policy: str | None = None
     target_context: int | None = None
     decode_context_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     available_memory: int | None = None
 
     def __attrs_post_init__(self) -> None:

@@ -52,6 +52,8 @@ def get_kv_cache_config_from_groups(
         "packing_policy": cache.packing_policy,
         "target_context": config.resolved_target_context(),
         "decode_context_parallel_size": config.parallel_config.decode_context_parallel_size,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size,
         "available_memory": available_memory,
     }
     scheduler_block_size, hash_block_size = resolve_block_sizes(groups, config)
