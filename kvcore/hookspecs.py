@@ -58,9 +58,13 @@ def kvcore_choose_grouping(
     """Choose how the model's layers are grouped, replacing kvcore's policy.
 
     Stops at first non-None result.  The returned groups must cover every
-    layer exactly once; kvcore checks them before using them.
+    layer exactly once; kvcore checks them before using them.  The context
+    the plan is for is ``config.resolved_target_context()``; kvcore's own
+    policies are importable (``kvcore.plan.policies.POLICIES``) for a plugin
+    that adjusts their answer.
 
-    :param config: the engine settings (layout, block size, parallelism).
+    :param config: the engine settings (layout, block size, parallelism,
+        packing policy and target context).
     :param specs: layer name to spec, in model order.
     :returns: the groups, or ``None`` to defer to the next plugin or to
         kvcore's own grouping.
