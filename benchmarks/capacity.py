@@ -237,6 +237,7 @@ def bound_ratio(specs: Mapping[str, KVCacheSpec], context: int) -> float | None:
             max_groups=10**9,
             dcp=1,
             max_growth=64,
+            tie_tolerance=0.0,
         )
     except KvcoreError as exc:
         note(f"no one-stride bound at {context} tokens: {exc}")

@@ -36,24 +36,21 @@ def _config(policy: str, context: int, chunk: int) -> kvcore.EngineConfig:
 
 
 def _fill(manager: KVCacheManager, context: int, chunk: int) -> int:
-    """Admit requests of ``context`` tokens, prefilled in steps of ``chunk``
-    tokens, one at a time as a scheduler would, until a step is refused.
+    """Admit requests of ``context`` tokens one at a time, as a scheduler
+    would: the prompt of ``context - 1`` tokens prefilled in steps of
+    ``chunk`` tokens, then the last token; until a step is refused.
     Returns how many were admitted whole."""
+    from kvcore.plan.capacity import prefill_steps
+
     admitted = 0
     while True:
-        request = Request(
-            f"r{admitted}", [admitted % 30000 + 1] * context, hash_block_size=None
-        )
-        done = 0
-        while done < context:
-            step = min(chunk, context - done)
-            if manager.allocate_slots(request, step) is None:
+        tokens = [admitted % 30000 + 1] * context
+        request = Request(f"r{admitted}", tokens, hash_block_size=None)
+        for start, end in prefill_steps(context, chunk):
+            assert request.num_computed_tokens == start
+            if manager.allocate_slots(request, end - start) is None:
                 return admitted
-            done += step
-            request.num_computed_tokens = done
-        # The next step of this request starts by releasing what it no
-        # longer reads; the steady state is after that.
-        manager.coordinator.remove_skipped_blocks(request.request_id, context)
+            request.num_computed_tokens = end
         admitted += 1
         if admitted > 10_000:  # pragma: no cover - a runaway fill is a bug
             raise AssertionError("fill never refused")
@@ -113,11 +110,12 @@ def test_capacity_of_a_hand_worked_hybrid() -> None:
     assert plan.bytes_per_block == 8192
     assert len(plan.kv_cache_groups) == 3
     cap = kvcore.plan_capacity(plan, 4096, max_num_batched_tokens=1024)
-    # full: 4096/16 = 256 blocks; window: 256 - (4096 - 1023) // 16 = 64;
-    # state: 1.  Steady 321 blocks.
+    # Computing token 4096: full 4096/16 = 256 blocks; window
+    # 256 - (4095 - 1023) // 16 = 64; state 1.  Steady 321 blocks.
     assert cap.blocks_per_request == 256 + 64 + 1
-    # The last 1024-token prefill step holds the window of the step before
-    # it, 256 - (3072 - 1023) // 16 = 128 blocks: 64 more than steady.
+    # The prompt's last 1023-token chunk, [3072, 4095), holds the window of
+    # the chunk before it, 256 - (3072 - 1023) // 16 = 128 blocks: 64 more
+    # than steady.
     assert cap.prefill_peak_blocks == 321 + 64
     usable = plan.num_blocks - 1
     assert cap.concurrency == 1 + (usable - 385) // 321
@@ -251,3 +249,27 @@ def test_planning_is_fast_and_close_to_linear() -> None:
         )
         assert sorted(n for g in groups for n in g.layer_names) == sorted(specs)
         assert math.isfinite(len(groups))
+
+
+def test_a_chunk_aligned_request_still_holds_its_chunk(
+    registry: kvcore.KindRegistry,
+) -> None:
+    # Chunked-local layers alone, 256-token chunks, requests of 512 tokens:
+    # computing token 512 reads the second chunk, 256 - 1 earlier tokens of
+    # it and itself: 16 blocks of 16 tokens (not 0, though 512 is a whole
+    # number of chunks).
+    spec_type = registry["chunked_local_attention"].spec_type
+    chunked = spec_type(
+        block_size=16,
+        num_kv_heads=1,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=256,
+    )
+    specs = {"c0": chunked, "c1": chunked}
+    config = _config("seed", 512, 256)
+    plan = kvcore.plan_kv_cache(config, specs, 100 * 8192, registry=registry)
+    cap = kvcore.plan_capacity(plan, 512, max_num_batched_tokens=256)
+    assert cap.blocks_per_request == 16
+    manager = KVCacheManager.from_plan(plan, registry=registry)
+    assert _fill(manager, 512, 256) == cap.concurrency

@@ -12,9 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcore
+from kvcore import zoo
 from kvcore.plan.buckets import bucket_layers, widest_of
 from kvcore.plan.capacity import ideal_bytes_per_request
 from kvcore.plan.policies.min_waste import TIE_TOLERANCE, search
+from kvcore.serialize import load_model_file
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec
@@ -24,13 +26,13 @@ from kvcore_sliding_window import SlidingWindowMLASpec, SlidingWindowSpec
 REGISTRY = kvcore.default_registry()
 
 
-def _plan(specs, policy, context, memory=2**32):
+def _plan(specs, policy, context, memory=2**32, registry=REGISTRY):
     config = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(
             kv_cache_layout="BLHNC", packing_policy=policy, target_context=context
         )
     )
-    plan = kvcore.plan_kv_cache(config, specs, memory, registry=REGISTRY)
+    plan = kvcore.plan_kv_cache(config, specs, memory, registry=registry)
     return plan, kvcore.plan_capacity(plan, context, specs=specs, memory=memory)
 
 
@@ -244,7 +246,9 @@ def test_search_finds_the_best_one_stride_plan(specs, context):
     _, seed_cap = _plan(specs, "seed", context)
     assert cap.bytes_per_request <= seed_cap.bytes_per_request
     if len(buckets) > 1:
-        assert cap.bytes_per_request == choice.bytes_per_request
+        # The placed plan costs what the search modelled; a tie may only be
+        # cheaper (it never exceeds seed's plan).
+        assert best <= cap.bytes_per_request <= choice.bytes_per_request
 
 
 def test_group_cap_is_honoured():
@@ -275,26 +279,71 @@ BOUNDS = {
 }
 
 
-@pytest.mark.parametrize("context", [4096, 32768, 131072])
-@pytest.mark.parametrize(
-    "name",
-    [
-        "deepseek-v4-flash",
-        "qwen3-next-80b-a3b",
-        "jamba-1-5-mini",
-        "gemma-3-27b",
-        "gpt-oss-120b",
-    ],
-)
-def test_public_hybrids_reach_the_targets(name, context):
-    from kvcore import zoo
-    from kvcore.serialize import load_model_file
+# vLLM 0.33 on the public model files at 64 GiB: (its best concurrency,
+# its physical limit), per context.  Capacity figures are arithmetic, so
+# stored figures compare soundly.
+VLLM_033 = {
+    "deepseek-v3-2-exp": {
+        4096: (214.1875, 214.2027),
+        32768: (26.7734, 26.7753),
+        131072: (6.6934, 6.6938),
+    },
+    "deepseek-v3": {
+        4096: (238.7344, 238.7468),
+        32768: (29.8418, 29.8434),
+        131072: (7.4604, 7.4608),
+    },
+    "deepseek-v4-flash": {
+        4096: (1523.6667, 2077.8949),
+        32768: (436.7197, 472.8755),
+        131072: (126.7375, 129.6147),
+    },
+    "gemma-3-27b": {
+        4096: (81.1579, 88.264),
+        32768: (21.5045, 21.9735),
+        131072: (6.1091, 6.1464),
+    },
+    "gpt-oss-120b": {
+        4096: (439.6528, 439.6545),
+        32768: (56.6398, 56.64),
+        131072: (14.2066, 14.2066),
+    },
+    "jamba-1-5-mini": {
+        4096: (888.6102, 906.2887),
+        32768: (125.7266, 125.9551),
+        131072: (31.8518, 31.8706),
+    },
+    "llama-3-1-8b": {
+        4096: (128.0, 128.0),
+        32768: (16.0, 16.0),
+        131072: (4.0, 4.0),
+    },
+    "llama-4-scout-17b-16e": {
+        4096: (85.333, 85.3333),
+        32768: (24.3809, 24.3606),
+        131072: (8.9824, 8.9797),
+    },
+    "qwen3-next-80b-a3b": {
+        4096: (467.2727, 490.2179),
+        32768: (80.3125, 81.3417),
+        131072: (21.0656, 21.0748),
+    },
+}
 
-    specs = load_model_file(zoo.path(name), REGISTRY).layers
+
+@pytest.mark.parametrize("context", [4096, 32768, 131072])
+@pytest.mark.parametrize("name", zoo.names())
+def test_public_models_reach_the_targets(name, context, zoo_registry):
+    specs = load_model_file(zoo.path(name), zoo_registry).layers
     memory = 64 * 2**30
-    _, seed = _plan(specs, "seed", context, memory)
-    _, best = _plan(specs, "min_waste", context, memory)
+    _, seed = _plan(specs, "seed", context, memory, zoo_registry)
+    _, best = _plan(specs, "min_waste", context, memory, zoo_registry)
     assert best.ratio >= seed.ratio
+    assert best.concurrency >= seed.concurrency
+    # Not below vLLM 0.33: as a share of each one's own physical limit (they
+    # count windows differently), or in requests.
+    vllm, vllm_ideal = VLLM_033[name][context]
+    assert best.ratio >= vllm / vllm_ideal or best.unreserved_concurrency >= vllm
     if context >= 32768:
         assert best.ratio >= 0.98
     else:

@@ -1,13 +1,16 @@
 """The capacity model: how many requests of ``T`` tokens a plan holds.
 
-At steady state a request of ``T`` computed tokens holds, per group, what
-its kind's :meth:`~kvcore.spec.KVCacheSpec.num_blocks_held` says (all of
-``T`` for full attention and MLA, a window's blocks, a fixed state, a ring's
-block, hot pages).  One prefill step of up to ``max_num_batched_tokens``
-tokens is in flight at a time: it needs, once per batch, the blocks its
-request holds beyond steady state while its last chunks are computed.  Block
-0 is the null block.  So with ``U = num_blocks - 1`` usable blocks, ``s``
-blocks per request and a prefill peak of ``p``::
+A request of ``T`` tokens is served at steady state when its ``T``-th token
+is computed: with ``T - 1`` tokens behind it (blocks it no longer reads
+released), it holds, per group, what its kind's
+:meth:`~kvcore.spec.KVCacheSpec.num_blocks_held` says for the step
+``[T - 1, T)``: all of ``T`` for full attention and MLA, the window's (or
+the current chunk's) blocks, a fixed state, a ring's block, hot pages.  One
+prefill of up to ``max_num_batched_tokens`` tokens a step is in flight at a
+time: it needs, once per batch, the blocks its request holds beyond steady
+state while its prompt (``T - 1`` tokens, then the last one) is computed.
+Block 0 is the null block.  So with ``U = num_blocks - 1`` usable blocks,
+``s`` blocks per request and a prefill peak of ``p``::
 
     concurrency = 0 if p > U else 1 + (U - p) // s
 
@@ -34,6 +37,8 @@ __all__ = [
     "ideal_bytes_per_request",
     "ideal_concurrency",
     "prefill_peak_blocks",
+    "prefill_steps",
+    "serving_blocks",
     "steady_blocks",
 ]
 
@@ -92,12 +97,33 @@ def _block_sizes(groups: Sequence[KVCacheGroupSpec], dcp: int) -> list[int]:
     return [effective_block_size(g, dcp) for g in groups]
 
 
+def serving_blocks(spec: KVCacheSpec, context: int, block_size: int) -> int:
+    """Blocks a layer of ``spec`` holds while a request computes its
+    ``context``-th token (the step ``[context - 1, context)``)."""
+    return checked_blocks_held(spec, context - 1, context, block_size)
+
+
+def prefill_steps(context: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    """The steps that bring a request to ``context`` tokens: its prompt of
+    ``context - 1`` tokens in chunks of at most ``max_num_batched_tokens``,
+    then its last token."""
+    steps = []
+    start = 0
+    while start < context - 1:
+        end = min(start + max_num_batched_tokens, context - 1)
+        steps.append((start, end))
+        start = end
+    steps.append((context - 1, context))
+    return steps
+
+
 def steady_blocks(
     groups: Sequence[KVCacheGroupSpec], context: int, *, dcp: int = 1
 ) -> list[int]:
-    """Blocks each group holds for a request of ``context`` computed tokens."""
+    """Blocks each group holds for a request computing its ``context``-th
+    token."""
     return [
-        checked_blocks_held(g.manager_spec, context, context, b)
+        serving_blocks(g.manager_spec, context, b)
         for g, b in zip(groups, _block_sizes(groups, dcp), strict=True)
     ]
 
@@ -109,29 +135,24 @@ def prefill_peak_blocks(
     *,
     dcp: int = 1,
 ) -> int:
-    """The most blocks a request holds while it is prefilled in steps of
-    ``max_num_batched_tokens`` tokens (blocks it no longer reads are released
-    at the start of each step)."""
+    """The most blocks a request holds over its :func:`prefill_steps` (blocks
+    it no longer reads are released at the start of each step)."""
     specs = [g.manager_spec for g in groups]
     sizes = _block_sizes(groups, dcp)
-    peak = 0
-    start = 0
-    while start < context:
-        end = min(start + max_num_batched_tokens, context)
-        held = sum(
+    return max(
+        sum(
             checked_blocks_held(s, start, end, b)
             for s, b in zip(specs, sizes, strict=True)
         )
-        peak = max(peak, held)
-        start = end
-    return peak
+        for start, end in prefill_steps(context, max_num_batched_tokens)
+    )
 
 
 def ideal_bytes_per_request(specs: Mapping[str, KVCacheSpec], context: int) -> int:
     """Bytes a request of ``context`` tokens holds when every layer keeps
     exactly its own pages at its own block size."""
     return sum(
-        s.page_size_bytes * checked_blocks_held(s, context, context, s.block_size)
+        s.page_size_bytes * serving_blocks(s, context, s.block_size)
         for s in specs.values()
     )
 
@@ -179,9 +200,13 @@ def plan_capacity(
     peak = prefill_peak_blocks(groups, context, max_num_batched_tokens, dcp=dcp)
     usable = plan.num_blocks - 1
     if steady <= 0:
-        concurrency = 0
-    else:
-        concurrency = 0 if peak > usable else 1 + (usable - peak) // steady
+        msg = (
+            f"the plan's groups hold no blocks for a request of {context} tokens "
+            f"(kinds: {sorted({s.kind for g in groups for s in g.layer_specs()})}), "
+            "so the cache bounds no concurrency; check the kinds' num_blocks_held"
+        )
+        raise PlanError(msg)
+    concurrency = 0 if peak > usable else 1 + (usable - peak) // steady
     bpb = plan.bytes_per_block
     unreserved = memory / (bpb * steady) if bpb and steady else 0.0
     sizes = _block_sizes(groups, dcp)

@@ -13,7 +13,8 @@ fewest groups whose widest fits the stride, jointly with a block-size growth
 factor where its kind declares one (:meth:`KVCacheSpec.grown`).  The stride
 and choices with the fewest bytes per request win.  Plans within
 :data:`TIE_TOLERANCE` of the best are ties and go to fewer groups, then to
-smaller blocks (finer prefix hits).  No plan has more than
+smaller blocks (finer prefix hits), but never to a plan that holds fewer
+requests than ``seed`` would.  No plan has more than
 ``CacheConfig.max_kv_cache_groups`` groups (each costs the scheduler a block
 table and a manager) unless the model has more buckets than that.
 """
@@ -27,9 +28,12 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from kvcore.config import EngineConfig
+from kvcore.errors import KvcoreError
 from kvcore.plan.buckets import Bucket, bucket_layers, widest_of
-from kvcore.plan.declarations import checked_blocks_held, checked_grown
+from kvcore.plan.capacity import serving_blocks, steady_blocks
+from kvcore.plan.declarations import checked_grown
 from kvcore.plan.groups import make_group
+from kvcore.plan.placement import kv_cache_bytes_per_block
 from kvcore.spec import KVCacheSpec, cdiv, round_up
 from kvcore.structs import KVCacheGroupSpec
 
@@ -83,13 +87,16 @@ def min_waste_groups(
 
         return seed_groups(config, specs)
     buckets = bucket_layers(specs)
+    context = config.resolved_target_context()
+    dcp = config.parallel_config.decode_context_parallel_size
     choice = search(
         buckets,
-        context=config.resolved_target_context(),
+        context=context,
         alignment=_alignment(specs.values()),
         max_groups=cache.max_kv_cache_groups,
-        dcp=config.parallel_config.decode_context_parallel_size,
+        dcp=dcp,
         max_growth=cache.max_block_growth if packing else 1,
+        ceiling=_seed_bytes_per_request(config, specs, context, dcp),
     )
     groups: list[KVCacheGroupSpec] = []
     for bucket, option in zip(buckets, choice.options, strict=True):
@@ -99,6 +106,21 @@ def min_waste_groups(
             make_group(grown, names, wrap=wrap) for names in grown.split(option.groups)
         )
     return groups
+
+
+def _seed_bytes_per_request(
+    config: EngineConfig, specs: Mapping[str, KVCacheSpec], context: int, dcp: int
+) -> int | None:
+    """Bytes per request of the ``seed`` plan, which a tie must not exceed
+    (``None`` where ``seed`` cannot plan the model)."""
+    from kvcore.plan.policies.seed import seed_groups
+
+    try:
+        groups = seed_groups(config, specs)
+        stride = kv_cache_bytes_per_block(groups, config.cache_config.kv_cache_layout)
+    except KvcoreError:
+        return None
+    return stride * sum(steady_blocks(groups, context, dcp=dcp))
 
 
 def _alignment(specs: object) -> int:
@@ -180,7 +202,7 @@ def _options(bucket: Bucket, context: int, dcp: int, max_growth: int) -> list[Op
     scale = dcp if first.scales_with_context_parallel else 1
     raw: list[tuple[int, int, int, int]] = []
     for factor, (spec, profile) in _factors(bucket, context, max_growth).items():
-        held = checked_blocks_held(spec, context, context, spec.block_size * scale)
+        held = serving_blocks(spec, context, spec.block_size * scale)
         key = tuple(profile)
         for n in _candidate_splits(profile, total):
             raw.append((_widest(key, n), n * held, n, factor))
@@ -208,6 +230,8 @@ def search(
     max_groups: int,
     dcp: int = 1,
     max_growth: int = 64,
+    tie_tolerance: float = TIE_TOLERANCE,
+    ceiling: int | None = None,
 ) -> Choice:
     """The stride and per-bucket options with the fewest bytes per request
     at ``context`` tokens (see the module docstring for ties and the cap).
@@ -215,6 +239,10 @@ def search(
     Strides are swept upwards; each bucket's option changes only where the
     stride passes one of its frontier widths, so the totals are kept as
     running sums (linear in the options, not in options x buckets).
+
+    :param tie_tolerance: plans within this fraction of the best are ties.
+    :param ceiling: a tie never costs more than this many bytes per request
+        (the plan another policy already reaches).
     """
     frontiers = [_options(b, context, dcp, max_growth) for b in buckets]
     fewest = [_fewest_frontier(f) for f in frontiers]
@@ -252,8 +280,11 @@ def search(
                 found.append((stride * cost[which], groups[which], stride, which))
                 break
     best = min(f[0] for f in found)
+    limit = best * (1 + tie_tolerance)
+    if ceiling is not None:
+        limit = min(limit, max(ceiling, best))
     _, _, stride, which = min(
-        (f for f in found if f[0] <= best * (1 + TIE_TOLERANCE)),
+        (f for f in found if f[0] <= limit),
         key=lambda f: (f[1], f[0], f[2]),
     )
     picks = []
