@@ -273,3 +273,36 @@ def test_a_chunk_aligned_request_still_holds_its_chunk(
     assert cap.blocks_per_request == 16
     manager = KVCacheManager.from_plan(plan, registry=registry)
     assert _fill(manager, 512, 256) == cap.concurrency
+
+
+def test_context_parallel_scales_the_physical_limit_too() -> None:
+    # Decode context parallelism gives each rank every dcp-th token: a rank's
+    # 16-token page covers 32 tokens at dcp 2, in the plan and in the limit.
+    registry = kvcore.default_registry()
+    specs = {"a": _full_spec(), "b": _full_spec()}
+    for dcp in (1, 2, 4):
+        config = kvcore.EngineConfig(
+            cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC"),
+            parallel_config=kvcore.ParallelConfig(decode_context_parallel_size=dcp),
+        )
+        plan = kvcore.plan_kv_cache(config, specs, 2**30, registry=registry)
+        cap = kvcore.plan_capacity(plan, 4096)
+        assert cap.blocks_per_request == 256 // dcp
+        assert cap.ratio == pytest.approx(1.0)
+
+
+def test_capacity_past_max_model_len_is_refused() -> None:
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC"), max_model_len=4096
+    )
+    plan = kvcore.plan_kv_cache(
+        config, {"a": _full_spec()}, 2**30, registry=kvcore.default_registry()
+    )
+    with pytest.raises(PlanError, match="at most max_model_len=4096"):
+        kvcore.plan_capacity(plan, 8192)
+
+
+def _full_spec() -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+    )

@@ -903,3 +903,47 @@ def test_allocation_rejects_a_request_hashed_at_another_size() -> None:
     with pytest.raises(kvcore.InvalidRequestError, match=r"'x'.*hash_block_size=4"):
         mgr.allocate_slots(r, 16)
     assert mgr.get_num_free_blocks() == 9
+
+
+def test_window_hit_covers_the_extra_retained_tokens() -> None:
+    """A window that keeps extra tokens needs them cached for a hit too: the
+    hit get_computed_blocks returns must be one allocate_slots accepts."""
+    import kvcore
+    from kvcore.coordinator import KVCacheManager, make_requests
+    from kvcore_sliding_window import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=100,
+        dtype=torch.bfloat16,
+        sliding_window=100,
+        extra_retained_tokens=64,
+    )
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True
+        ),
+        max_model_len=1100,
+    )
+    registry = kvcore.default_registry()
+    plan = kvcore.plan_kv_cache(config, {"l0": spec}, 2**28, registry=registry)
+    manager = KVCacheManager.from_plan(plan, registry=registry)
+    a, b = make_requests(2, 1000, plan.hash_block_size, common_prefix_len=570)
+    manager.allocate_slots(a, 1000)
+    a.num_computed_tokens = 1000
+    manager.free(a)
+    blocks, hit = manager.get_computed_blocks(b)
+    # 512 tokens hit; the token after them reads 99 + 64 = 163 tokens back,
+    # blocks 5..7 (cdiv(163, 64) = 3 blocks), all cached.
+    assert hit == 512
+    assert [blk.is_null for blk in blocks.blocks[0]] == [True] * 5 + [False] * 3
+    assert (
+        manager.allocate_slots(
+            b,
+            b.num_tokens - hit,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+        )
+        is not None
+    )

@@ -148,20 +148,26 @@ def prefill_peak_blocks(
     )
 
 
-def ideal_bytes_per_request(specs: Mapping[str, KVCacheSpec], context: int) -> int:
+def ideal_bytes_per_request(
+    specs: Mapping[str, KVCacheSpec], context: int, *, dcp: int = 1
+) -> int:
     """Bytes a request of ``context`` tokens holds when every layer keeps
-    exactly its own pages at its own block size."""
+    exactly its own pages at its own block size (times decode context
+    parallelism where the layer scales with it: each rank holds a slice)."""
     return sum(
-        s.page_size_bytes * serving_blocks(s, context, s.block_size)
+        s.page_size_bytes
+        * serving_blocks(
+            s, context, s.block_size * (dcp if s.scales_with_context_parallel else 1)
+        )
         for s in specs.values()
     )
 
 
 def ideal_concurrency(
-    specs: Mapping[str, KVCacheSpec], context: int, memory: int
+    specs: Mapping[str, KVCacheSpec], context: int, memory: int, *, dcp: int = 1
 ) -> float:
     """The physical limit: requests of ``context`` tokens in ``memory`` bytes."""
-    per_request = ideal_bytes_per_request(specs, context)
+    per_request = ideal_bytes_per_request(specs, context, dcp=dcp)
     return memory / per_request if per_request else 0.0
 
 
@@ -187,6 +193,13 @@ def plan_capacity(
         msg = (
             "capacity needs a positive int max_num_batched_tokens, got "
             f"{max_num_batched_tokens!r}"
+        )
+        raise PlanError(msg)
+    if plan.max_model_len is not None and context > plan.max_model_len:
+        msg = (
+            f"the plan admits requests of at most max_model_len={plan.max_model_len} "
+            f"tokens, so none of {context} tokens fits; ask about a context up to "
+            "max_model_len, or plan with a larger one"
         )
         raise PlanError(msg)
     groups = plan.kv_cache_groups
@@ -218,7 +231,7 @@ def plan_capacity(
         prefill_peak_blocks=peak,
         concurrency=concurrency,
         unreserved_concurrency=unreserved,
-        ideal_concurrency=ideal_concurrency(specs, context, memory),
+        ideal_concurrency=ideal_concurrency(specs, context, memory, dcp=dcp),
         groups=tuple(
             GroupCapacity(
                 group=i,

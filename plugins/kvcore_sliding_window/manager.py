@@ -50,7 +50,8 @@ class SlidingWindowManager(SingleTypeManager):
         block_size: int,
         alignment: int,
     ) -> list[list[KVCacheBlock]]:
-        """The longest hit whose last ``sliding_window - 1`` tokens are cached.
+        """The longest hit whose last ``sliding_window - 1`` tokens (plus the
+        extra retained tokens) are cached.
 
         Scans from the right for a run of cached blocks long enough to cover
         the window; earlier positions are the null block.  A hit shorter than
@@ -58,7 +59,8 @@ class SlidingWindowManager(SingleTypeManager):
         a multiple of ``alignment`` tokens, searching again below the cut
         when the cut leaves the window uncovered.
         """
-        needed = -(-(spec.sliding_window - 1) // block_size)
+        # The next token reads the window (and the extra tokens kept with it).
+        needed = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // block_size)
         null = block_pool.null_block
         limit = min(max_length // block_size, len(block_hashes))
         while True:
