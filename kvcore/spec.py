@@ -213,6 +213,14 @@ class KVCacheSpec:
         return True
 
     @property
+    def hashes_blocks(self) -> bool:
+        """Whether the kind's manager hashes this layer's blocks when prefix
+        caching is on (so its block must be a multiple of the hash block).
+        A prefix-cacheable kind that keeps nothing to restore (a recurrent
+        state that is never checkpointed) says ``False``."""
+        return self.prefix_cacheable
+
+    @property
     def prefix_replay_tokens(self) -> int:
         """Tokens the scheduler must recompute after a prefix hit."""
         return 0

@@ -163,9 +163,9 @@ def _brute_force(buckets, context, alignment):
     for bucket in buckets:
         first = bucket.first
         options = []
+        # every factor the kind allows, whatever the context (the search
+        # stops once a block holds the whole context)
         for factor in range(1, first.max_block_growth + 1):
-            if first.block_size * factor > max(context, first.block_size):
-                break
             grown = {n: s.grown(factor) for n, s in bucket.specs.items()}
             if any(g is None for g in grown.values()):
                 continue
@@ -173,7 +173,7 @@ def _brute_force(buckets, context, alignment):
             for g in grown.values():
                 pages[g.page_size_bytes] = pages.get(g.page_size_bytes, 0) + 1
             spec = grown[next(iter(grown))]
-            held = spec.num_blocks_held(context, context, spec.block_size)
+            held = spec.num_blocks_held(context - 1, context, spec.block_size)
             for n in range(1, len(bucket) + 1):
                 options.append((widest_of(list(pages.items()), n), n * held))
         per_bucket.append(options)
@@ -402,3 +402,49 @@ def test_growth_can_be_capped_for_finer_prefix_hits():
     config.cache_config.max_block_growth = 1
     groups = kvcore.get_kv_cache_groups(config, specs, registry=REGISTRY)
     assert {g.kv_cache_spec.block_size for g in groups} == {16}
+
+
+def _brute_force_capped(buckets, context, alignment, cap):
+    """The fewest bytes per request over every one-stride plan with at most
+    ``cap`` groups."""
+    per_bucket = []
+    for bucket in buckets:
+        first = bucket.first
+        options = []
+        for factor in range(1, first.max_block_growth + 1):
+            grown = {n: s.grown(factor) for n, s in bucket.specs.items()}
+            if any(g is None for g in grown.values()):
+                continue
+            pages: dict[int, int] = {}
+            for g in grown.values():
+                pages[g.page_size_bytes] = pages.get(g.page_size_bytes, 0) + 1
+            spec = grown[next(iter(grown))]
+            held = spec.num_blocks_held(context - 1, context, spec.block_size)
+            for n in range(1, len(bucket) + 1):
+                options.append((widest_of(list(pages.items()), n), n * held, n))
+        per_bucket.append(options)
+    best = None
+    for combo in itertools.product(*per_bucket):
+        if sum(n for _, _, n in combo) > cap:
+            continue
+        stride = -(-max(w for w, _, _ in combo) // alignment) * alignment
+        total = stride * sum(c for _, c, _ in combo)
+        best = total if best is None else min(best, total)
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_models(), st.sampled_from([256, 1000]), st.integers(1, 4))
+def test_search_is_exact_under_a_group_cap(specs, context, cap):
+    buckets = bucket_layers(specs)
+    alignment = math.lcm(
+        *(math.lcm(s.stride_alignment(), s.element_size) for s in specs.values())
+    )
+    choice = search(
+        buckets, context=context, alignment=alignment, max_groups=cap, tie_tolerance=0.0
+    )
+    cap = max(cap, len(buckets))
+    assert choice.num_groups <= cap
+    assert choice.bytes_per_request == _brute_force_capped(
+        buckets, context, alignment, cap
+    )

@@ -84,7 +84,6 @@ class KVCacheCoordinator:
         self.use_eagle = use_eagle
         managers: list[SingleTypeManager] = []
         for gid, group in enumerate(groups):
-            spec = group.kv_cache_spec
             layer_spec = group.manager_spec
             block_size = effective_block_size(group, dcp)
             if scheduler_block_size % block_size:
@@ -94,26 +93,26 @@ class KVCacheCoordinator:
                     "block must be a multiple of every group's block size"
                 )
                 raise BlockSizeError(msg)
-            cacheable = spec.prefix_cacheable
-            if enable_caching and cacheable and block_size % hash_block_size:
+            kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
+            manager = kind.make_manager(
+                layer_spec,
+                self.block_pool,
+                group_id=gid,
+                block_size=block_size,
+                hash_block_size=hash_block_size,
+                enable_caching=enable_caching,
+                max_model_len=max_model_len,
+            )
+            # Only groups whose manager hashes its blocks must align with the
+            # hash block (a recurrent state that is never kept hashes nothing).
+            if manager.caching and block_size % hash_block_size:
                 msg = (
                     f"prefix-cacheable cache group {gid} ({layer_spec.kind}) has "
                     f"block size {block_size}, not a multiple of "
                     f"hash_block_size={hash_block_size}"
                 )
                 raise BlockSizeError(msg)
-            kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
-            managers.append(
-                kind.make_manager(
-                    layer_spec,
-                    self.block_pool,
-                    group_id=gid,
-                    block_size=block_size,
-                    hash_block_size=hash_block_size,
-                    enable_caching=enable_caching,
-                    max_model_len=max_model_len,
-                )
-            )
+            managers.append(manager)
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
         #: Managers that release blocks a request no longer reads.
         self.skipping = tuple(m for m in managers if m.skips_blocks)

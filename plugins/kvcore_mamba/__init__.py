@@ -151,6 +151,11 @@ class MambaSpec(KVCacheSpec):
         return 1
 
     @property
+    def hashes_blocks(self) -> bool:
+        # Mode none keeps only the live state: nothing is hashed.
+        return self.mamba_cache_mode != "none"
+
+    @property
     def element_size(self) -> int:
         return max(dtype.itemsize for dtype in self.dtypes)
 

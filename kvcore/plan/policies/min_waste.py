@@ -21,14 +21,17 @@ table and a manager) unless the model has more buckets than that.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 
 from kvcore.config import EngineConfig
-from kvcore.errors import KvcoreError
+from kvcore.errors import KvcoreError, PlanError
+from kvcore.plan.block_sizes import effective_block_size, resolve_block_sizes
 from kvcore.plan.buckets import Bucket, bucket_layers, widest_of
 from kvcore.plan.capacity import serving_blocks, steady_blocks
 from kvcore.plan.declarations import checked_grown
@@ -42,10 +45,13 @@ __all__ = ["TIE_TOLERANCE", "Option", "min_waste_groups", "search"]
 #: Plans whose bytes per request are within this fraction of the best are
 #: ties (and go to fewer groups).
 TIE_TOLERANCE = 1e-3
+#: Strides whose cheapest plan passes the group cap get an exact capped plan
+#: (a knapsack) on at most this many of the cheapest; later ones take each
+#: bucket's fewest groups.
+CAPPED_STRIDES = 32
 
 
-@attrs.frozen
-class Option:
+class Option(NamedTuple):
     """One way to cut a bucket: ``groups`` groups at block growth ``factor``,
     the widest ``width`` bytes, holding ``cost`` blocks per request."""
 
@@ -89,23 +95,52 @@ def min_waste_groups(
     buckets = bucket_layers(specs)
     context = config.resolved_target_context()
     dcp = config.parallel_config.decode_context_parallel_size
-    choice = search(
-        buckets,
-        context=context,
-        alignment=_alignment(specs.values()),
-        max_groups=cache.max_kv_cache_groups,
-        dcp=dcp,
-        max_growth=cache.max_block_growth if packing else 1,
-        ceiling=_seed_bytes_per_request(config, specs, context, dcp),
-    )
-    groups: list[KVCacheGroupSpec] = []
-    for bucket, option in zip(buckets, choice.options, strict=True):
-        grown = _grown_bucket(bucket, option.factor)
-        wrap = len(pages) > 1 or option.factor > 1
-        groups.extend(
-            make_group(grown, names, wrap=wrap) for names in grown.split(option.groups)
+    growth = cache.max_block_growth if packing else 1
+
+    def plan(caps: list[int]) -> list[KVCacheGroupSpec]:
+        choice = search(
+            buckets,
+            context=context,
+            alignment=_alignment(specs.values()),
+            max_groups=cache.max_kv_cache_groups,
+            dcp=dcp,
+            growth_caps=caps,
+            ceiling=_seed_bytes_per_request(config, specs, context, dcp),
         )
+        groups: list[KVCacheGroupSpec] = []
+        for bucket, option in zip(buckets, choice.options, strict=True):
+            grown = _grown_bucket(bucket, option.factor)
+            wrap = len(pages) > 1 or option.factor > 1
+            groups.extend(
+                make_group(grown, names, wrap=wrap)
+                for names in grown.split(option.groups)
+            )
+        return groups
+
+    groups = plan([growth] * len(buckets))
+    if not _hash_compatible(groups, config):
+        # Some layer forbids hashing finer than the scheduler block, so every
+        # hashed group must hold whole scheduler blocks: keep the hashed
+        # kinds at their own block sizes and grow only the others.
+        groups = plan([1 if b.first.hashes_blocks else growth for b in buckets])
     return groups
+
+
+def _hash_compatible(groups: Sequence[KVCacheGroupSpec], config: EngineConfig) -> bool:
+    """Whether every group whose blocks are hashed holds whole hash blocks
+    (the coordinator refuses a plan where one does not)."""
+    if not (config.cache_config.enable_prefix_caching or config.kv_transfer_enabled):
+        return True
+    dcp = config.parallel_config.decode_context_parallel_size
+    try:
+        _, hash_block = resolve_block_sizes(groups, config)
+    except KvcoreError:
+        return False
+    return all(
+        effective_block_size(g, dcp) % hash_block == 0
+        for g in groups
+        if g.manager_spec.hashes_blocks
+    )
 
 
 def _seed_bytes_per_request(
@@ -162,8 +197,8 @@ def _factors(
     first = bucket.first
     out = {1: (first, _profile((s.page_size_bytes, c) for s, c in distinct.items()))}
     for factor in range(2, min(first.max_block_growth, max_growth) + 1):
-        if first.block_size * factor > max(context, first.block_size):
-            break
+        if first.block_size * (factor - 1) >= context:
+            break  # the previous factor's block already holds the context
         grown: list[tuple[KVCacheSpec, int]] = []
         for spec, count in distinct.items():
             g = checked_grown(spec, factor)
@@ -193,10 +228,12 @@ def _candidate_splits(profile: list[tuple[int, int]], total: int) -> list[int]:
     return sorted({cdiv(total, q) for q in range(1, total + 1)})
 
 
-def _options(bucket: Bucket, context: int, dcp: int, max_growth: int) -> list[Option]:
-    """Every (groups, factor) option of a bucket, pruned to those that are
-    best for some stride: sorted by width, each cheaper (or as cheap with
-    fewer groups) than every narrower one."""
+def _options(
+    bucket: Bucket, context: int, dcp: int, max_growth: int
+) -> tuple[list[Option], list[Option]]:
+    """Every (groups, factor) option of a bucket, sorted by width, and the
+    frontier of those best for some stride when groups are free: each
+    cheaper (or as cheap with fewer groups) than every narrower one."""
     first = bucket.first
     total = len(bucket)
     scale = dcp if first.scales_with_context_parallel else 1
@@ -207,14 +244,15 @@ def _options(bucket: Bucket, context: int, dcp: int, max_growth: int) -> list[Op
         for n in _candidate_splits(profile, total):
             raw.append((_widest(key, n), n * held, n, factor))
     raw.sort()
+    options = list(map(Option._make, raw))
     frontier: list[Option] = []
     best = (-1, -1)
-    for width, cost, groups, factor in raw:
-        if frontier and (cost, groups) >= best:
+    for option in options:
+        if frontier and (option.cost, option.groups) >= best:
             continue
-        best = (cost, groups)
-        frontier.append(Option(width, cost, groups, factor))
-    return frontier
+        best = (option.cost, option.groups)
+        frontier.append(option)
+    return options, frontier
 
 
 @functools.lru_cache(maxsize=65536)
@@ -230,6 +268,7 @@ def search(
     max_groups: int,
     dcp: int = 1,
     max_growth: int = 64,
+    growth_caps: Sequence[int] | None = None,
     tie_tolerance: float = TIE_TOLERANCE,
     ceiling: int | None = None,
 ) -> Choice:
@@ -240,68 +279,186 @@ def search(
     stride passes one of its frontier widths, so the totals are kept as
     running sums (linear in the options, not in options x buckets).
 
+    :param growth_caps: per bucket, the largest growth factor (default
+        ``max_growth`` for every bucket).
     :param tie_tolerance: plans within this fraction of the best are ties.
     :param ceiling: a tie never costs more than this many bytes per request
         (the plan another policy already reaches).
     """
-    frontiers = [_options(b, context, dcp, max_growth) for b in buckets]
-    fewest = [_fewest_frontier(f) for f in frontiers]
+    if not buckets:
+        msg = "min_waste needs at least one bucket of layers to plan"
+        raise PlanError(msg)
+    caps = list(growth_caps) if growth_caps is not None else [max_growth] * len(buckets)
+    built = [
+        _options(b, context, dcp, cap) for b, cap in zip(buckets, caps, strict=True)
+    ]
+    frontiers = [f for _, f in built]
     floor = round_up(max(f[0].width for f in frontiers), alignment)
     cap = max(max_groups, len(buckets))
-    # events: (stride at which it applies, bucket, option, which frontier)
-    events: list[tuple[int, int, int, int]] = []
-    for b, (front, few) in enumerate(zip(frontiers, fewest, strict=True)):
-        for i, option in enumerate(front):
-            events.append((max(round_up(option.width, alignment), floor), b, i, 0))
-        for i, option in enumerate(few):
-            events.append((max(round_up(option.width, alignment), floor), b, i, 1))
-    events.sort()
-    lists = (frontiers, fewest)
-    at = ([-1] * len(buckets), [-1] * len(buckets))
-    cost = [0, 0]
-    groups = [0, 0]
-    # (bytes per request, groups, stride, which list) at every stride
-    found: list[tuple[int, int, int, int]] = []
+
+    def stride_of(option: Option) -> int:
+        return max(round_up(option.width, alignment), floor)
+
+    # Sweep the strides upwards: (stride, bucket, frontier index) events.
+    events = sorted(
+        (stride_of(o), b, i) for b, f in enumerate(frontiers) for i, o in enumerate(f)
+    )
+    at = [-1] * len(buckets)
+    cost = groups = 0
+    # unconstrained (bytes per request, groups, stride) at every stride
+    sweep: list[tuple[int, int, int]] = []
     k = 0
     while k < len(events):
         stride = events[k][0]
         while k < len(events) and events[k][0] == stride:
-            _, b, i, which = events[k]
+            _, b, i = events[k]
             k += 1
-            if at[which][b] >= 0:
-                old = lists[which][b][at[which][b]]
-                cost[which] -= old.cost
-                groups[which] -= old.groups
-            at[which][b] = i
-            cost[which] += lists[which][b][i].cost
-            groups[which] += lists[which][b][i].groups
-        for which in (0, 1):
-            if groups[which] <= cap:
-                found.append((stride * cost[which], groups[which], stride, which))
-                break
-    best = min(f[0] for f in found)
+            if at[b] >= 0:
+                cost -= frontiers[b][at[b]].cost
+                groups -= frontiers[b][at[b]].groups
+            at[b] = i
+            cost += frontiers[b][i].cost
+            groups += frontiers[b][i].groups
+        sweep.append((stride * cost, groups, stride))
+
+    # Walk the strides from the cheapest unconstrained plan up; a stride whose
+    # cheapest plan passes the group cap gets the best plan within the cap
+    # (a knapsack over the buckets' group counts), which costs at least as
+    # much, so the walk stops once no later stride can be a tie of the best
+    # found.  The knapsack runs on at most CAPPED_STRIDES strides; later ones
+    # take each bucket's fewest groups instead.
+    sweep.sort()
+    found: list[tuple[int, int, int, tuple[Option, ...]]] = []
+    best: int | None = None
+    knapsacks = 0
+    options = [o for o, _ in built]
+    singles = [_single_group_frontier(o, stride_of) for o in options]
+    for bytes_, n_groups, stride in sweep:
+        if best is not None and bytes_ > best * (1 + tie_tolerance):
+            break
+        capped: tuple[Option, ...] | None
+        if n_groups <= cap:
+            capped = tuple(_cheapest(f, stride, stride_of) for f in frontiers)
+        elif cap == len(buckets):
+            capped = _one_group_each(singles, stride)
+        elif knapsacks < CAPPED_STRIDES:
+            knapsacks += 1
+            capped = _within_cap(options, stride, stride_of, cap)
+        else:
+            capped = _fewest_groups(options, stride, stride_of, cap)
+        if capped is None:
+            continue
+        total = stride * sum(o.cost for o in capped)
+        found.append((total, sum(o.groups for o in capped), stride, capped))
+        best = total if best is None else min(best, total)
+    if best is None:  # pragma: no cover - one group a bucket always fits
+        msg = "min_waste found no plan within the group cap"
+        raise PlanError(msg)
     limit = best * (1 + tie_tolerance)
     if ceiling is not None:
         limit = min(limit, max(ceiling, best))
-    _, _, stride, which = min(
-        (f for f in found if f[0] <= limit),
-        key=lambda f: (f[1], f[0], f[2]),
+    _, _, stride, picks = min(
+        (f for f in found if f[0] <= limit), key=lambda f: (f[1], f[0], f[2])
     )
-    picks = []
-    for options in lists[which]:
-        fitting = [
-            o for o in options if max(round_up(o.width, alignment), floor) <= stride
-        ]
-        picks.append(fitting[-1])
-    return Choice(stride, tuple(picks))
+    return Choice(stride, picks)
 
 
-def _fewest_frontier(frontier: list[Option]) -> list[Option]:
-    """The options that have the fewest groups for some stride (the fallback
-    when the cheapest options pass the group cap): by width, each with fewer
-    groups than every narrower one."""
+def _cheapest(
+    frontier: list[Option], stride: int, stride_of: Callable[[Option], int]
+) -> Option:
+    """The frontier's cheapest option that fits ``stride``."""
+    fitting = [o for o in frontier if stride_of(o) <= stride]
+    return fitting[-1]
+
+
+def _fitting_by_groups(
+    bucket_options: list[Option], stride: int, stride_of: Callable[[Option], int]
+) -> dict[int, Option]:
+    """Per group count, the bucket's cheapest option that fits ``stride``."""
+    by_groups: dict[int, Option] = {}
+    for o in bucket_options:
+        if stride_of(o) > stride:
+            break
+        if o.groups not in by_groups or o.cost < by_groups[o.groups].cost:
+            by_groups[o.groups] = o
+    return by_groups
+
+
+def _single_group_frontier(
+    bucket_options: list[Option], stride_of: Callable[[Option], int]
+) -> tuple[list[int], list[Option]]:
+    """A bucket's one-group options by stride, each cheaper than every
+    narrower one: (strides, options)."""
+    strides: list[int] = []
     out: list[Option] = []
-    for option in frontier:
-        if not out or option.groups < out[-1].groups:
-            out.append(option)
-    return out
+    for o in bucket_options:
+        if o.groups == 1 and (not out or o.cost < out[-1].cost):
+            strides.append(stride_of(o))
+            out.append(o)
+    return strides, out
+
+
+def _one_group_each(
+    singles: Sequence[tuple[list[int], list[Option]]], stride: int
+) -> tuple[Option, ...] | None:
+    """Each bucket's cheapest one-group option (the cap equals the buckets)."""
+    picks = []
+    for strides, frontier in singles:
+        i = bisect.bisect_right(strides, stride) - 1
+        if i < 0:
+            return None
+        picks.append(frontier[i])
+    return tuple(picks)
+
+
+def _fewest_groups(
+    options: Sequence[list[Option]],
+    stride: int,
+    stride_of: Callable[[Option], int],
+    cap: int,
+) -> tuple[Option, ...] | None:
+    """Each bucket's cheapest option with its fewest fitting groups."""
+    picks = []
+    for bucket_options in options:
+        by_groups = _fitting_by_groups(bucket_options, stride, stride_of)
+        if not by_groups:
+            return None
+        picks.append(by_groups[min(by_groups)])
+    return tuple(picks) if sum(o.groups for o in picks) <= cap else None
+
+
+def _within_cap(
+    options: Sequence[list[Option]],
+    stride: int,
+    stride_of: Callable[[Option], int],
+    cap: int,
+) -> tuple[Option, ...] | None:
+    """The cheapest options that fit ``stride`` with at most ``cap`` groups
+    in all, or ``None``: a knapsack over the buckets' group counts."""
+    per_bucket = [_fitting_by_groups(o, stride, stride_of) for o in options]
+    if not all(per_bucket):
+        return None
+    # cost[g]: the least cost of the buckets so far in exactly g groups;
+    # choice[b][g]: the option bucket b takes in that best.
+    cost: dict[int, int] = {0: 0}
+    choice: list[dict[int, Option]] = []
+    for by_groups in per_bucket:
+        step: dict[int, int] = {}
+        took: dict[int, Option] = {}
+        for used, so_far in cost.items():
+            for n, o in by_groups.items():
+                g = used + n
+                if g <= cap and (g not in step or so_far + o.cost < step[g]):
+                    step[g] = so_far + o.cost
+                    took[g] = o
+        if not step:
+            return None
+        cost = step
+        choice.append(took)
+    g = min(cost, key=cost.__getitem__)
+    picks: list[Option] = []
+    for took in reversed(choice):
+        o = took[g]
+        picks.append(o)
+        g -= o.groups
+    return tuple(reversed(picks))
