@@ -183,7 +183,10 @@ class KVCacheSpec:
         A planner may grow a paged kind's block so that its pages fill a
         stride that other groups (a large recurrent state) force; the file's
         block size is the kernel's block, and a grown block is a whole number
-        of kernel blocks.  Kinds that allow it set :attr:`max_block_growth`.
+        of it.  The worker's attention kernel must then take the grown block
+        size itself (a packed block cannot be split back into the file's
+        blocks); ``CacheConfig.max_block_growth=1`` keeps the file's sizes.
+        Kinds that allow growth set :attr:`max_block_growth`.
         """
         return self if factor == 1 else None
 

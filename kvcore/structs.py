@@ -131,6 +131,8 @@ class KVCacheConfig:
     :param tensor_parallel_size: ranks each layer's heads were split over
         (the specs are one rank's).
     :param pipeline_parallel_size: stages the model's layers were split over.
+    :param max_num_batched_tokens: tokens one scheduler step may prefill
+        (the capacity model reserves one such step).
     :param available_memory: the bytes the plan was sized for.
     """
 
@@ -148,6 +150,7 @@ class KVCacheConfig:
     decode_context_parallel_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    max_num_batched_tokens: int | None = None
     available_memory: int | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -157,6 +160,35 @@ class KVCacheConfig:
                 f"block), got {self.num_blocks!r}"
             )
             raise PlanError(msg)
+        for name in (
+            "decode_context_parallel_size",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+        ):
+            _check_int(name, getattr(self, name), optional=False)
+        for name in (
+            "scheduler_block_size",
+            "hash_block_size",
+            "max_model_len",
+            "target_context",
+            "max_num_batched_tokens",
+        ):
+            _check_int(name, getattr(self, name), optional=True)
+        _check_int("available_memory", self.available_memory, optional=True, minimum=0)
+        caching: object = self.enable_prefix_caching
+        if type(caching) is not bool:
+            msg = (
+                "KVCacheConfig.enable_prefix_caching must be True or False, got "
+                f"{self.enable_prefix_caching!r}"
+            )
+            raise KvcoreTypeError(msg)
+        policy: object = self.packing_policy
+        if policy is not None and type(policy) is not str:
+            msg = (
+                "KVCacheConfig.packing_policy must be a policy name or None, got "
+                f"{self.packing_policy!r}"
+            )
+            raise KvcoreTypeError(msg)
         groups: list[object] = list(self.kv_cache_groups)
         tensors: list[object] = list(self.kv_cache_tensors)
         for group in groups:
@@ -177,3 +209,12 @@ class KVCacheConfig:
 
         msg = f"layer {layer!r} is in no cache group of this config"
         raise KvcoreKeyError(msg)
+
+
+def _check_int(name: str, value: object, *, optional: bool, minimum: int = 1) -> None:
+    if optional and value is None:
+        return
+    if type(value) is not int or value < minimum:
+        allowed = f"an int of at least {minimum}" + (" or None" if optional else "")
+        msg = f"KVCacheConfig.{name} must be {allowed}, got {value!r}"
+        raise PlanError(msg)

@@ -306,3 +306,30 @@ def _full_spec() -> FullAttentionSpec:
     return FullAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
     )
+
+
+@pytest.mark.parametrize("mode", ["none", "align", "all"])
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "jamba-1-5-mini"])
+def test_prefix_caching_plans_of_mamba_hybrids_run(
+    registry: kvcore.KindRegistry, name: str, mode: str
+) -> None:
+    """With prefix caching on, every hashed group must hold whole hash
+    blocks: the default policy never plans what the coordinator refuses."""
+    import attrs
+
+    specs = {
+        layer: attrs.evolve(spec, mamba_cache_mode=mode)
+        if isinstance(spec, MambaSpec)
+        else spec
+        for layer, spec in load_model_file(zoo.path(name), registry).layers.items()
+    }
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True
+        ),
+        max_model_len=4096,
+    )
+    plan = kvcore.plan_kv_cache(config, specs, 2**34, registry=registry)
+    manager = KVCacheManager.from_plan(plan, registry=registry)
+    request = Request("r", list(range(1, 2001)), hash_block_size=plan.hash_block_size)
+    assert manager.allocate_slots(request, 2000) is not None

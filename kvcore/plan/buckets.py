@@ -28,7 +28,7 @@ def bucket_layers(specs: Mapping[str, KVCacheSpec]) -> list[Bucket]:
     buckets: dict[Hashable, dict[str, KVCacheSpec]] = {}
     for name, spec in specs.items():
         buckets.setdefault(bucket_key(spec), {})[name] = spec
-    return [Bucket.of(b) for b in buckets.values()]
+    return [Bucket(b) for b in buckets.values()]
 
 
 def approximate_gcd(values: Sequence[int], lower_bound: int = 1) -> int:
@@ -72,10 +72,6 @@ class Bucket:
         self.role: PackingRole = next(iter(specs.values())).packing_role
         # pages from the widest down, for the round-robin deal
         self._desc = sorted(self.by_page, reverse=True)
-
-    @classmethod
-    def of(cls, specs: dict[str, KVCacheSpec]) -> Bucket:
-        return cls(specs)
 
     def __len__(self) -> int:
         return len(self.specs)

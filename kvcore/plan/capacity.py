@@ -30,6 +30,10 @@ from kvcore.plan.declarations import checked_blocks_held
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
+#: The prefill step the model reserves when neither the call nor the plan
+#: says (the engine default of :class:`~kvcore.config.EngineConfig`).
+DEFAULT_BATCHED_TOKENS = 8192
+
 __all__ = [
     "Capacity",
     "GroupCapacity",
@@ -175,12 +179,14 @@ def plan_capacity(
     plan: KVCacheConfig,
     context: int,
     *,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int | None = None,
     specs: Mapping[str, KVCacheSpec] | None = None,
     memory: int | None = None,
 ) -> Capacity:
     """The plan's capacity at ``context`` tokens per request.
 
+    :param max_num_batched_tokens: tokens a prefill step may hold (default:
+        the plan's, else 8192).
     :param specs: the model's layer specs at their file block sizes, for the
         physical limit (default: the plan's own layer specs).
     :param memory: the bytes compared (default: the memory the plan was
@@ -189,6 +195,8 @@ def plan_capacity(
     if type(context) is not int or context < 1:
         msg = f"capacity needs a positive int context length, got {context!r}"
         raise PlanError(msg)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = plan.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
     if type(max_num_batched_tokens) is not int or max_num_batched_tokens < 1:
         msg = (
             "capacity needs a positive int max_num_batched_tokens, got "

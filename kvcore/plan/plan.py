@@ -53,6 +53,7 @@ def get_kv_cache_config_from_groups(
         "target_context": config.resolved_target_context(),
         "decode_context_parallel_size": config.parallel_config.decode_context_parallel_size,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
         "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size,
         "available_memory": available_memory,
     }

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from kvcore.config import EngineConfig
 from kvcore.plan.buckets import Bucket, approximate_gcd, bucket_layers
-from kvcore.plan.groups import group_spec, make_group
+from kvcore.plan.groups import make_group
 from kvcore.plan.placement import raise_mixed_pages
 from kvcore.spec import KVCacheSpec, PackingRole, cdiv
 from kvcore.structs import KVCacheGroupSpec
@@ -91,6 +91,3 @@ def uniform_page_groups(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSp
         for b in buckets
         for names in b.split(cdiv(len(b), size))
     ]
-
-
-__all__ += ["group_spec"]
