@@ -50,6 +50,7 @@ from kvcore.errors import KvcoreError, KvcoreKeyError, UnknownKindError
 from kvcore.plan.block_sizes import effective_block_size, hit_alignment
 from kvcore.plan.buckets import bucket_layers
 from kvcore.plan.capacity import ideal_bytes_per_request
+from kvcore.plan.declarations import layer_alignment
 from kvcore.plan.policies.min_waste import search
 from kvcore.registry import KindRegistry
 from kvcore.serialize import load_model_file
@@ -221,9 +222,7 @@ def timed_plan(
 
 def stride_alignment(specs: Mapping[str, KVCacheSpec]) -> int:
     """The lcm of every spec's stride alignment and element size."""
-    return math.lcm(
-        *(math.lcm(s.stride_alignment(), s.element_size) for s in specs.values())
-    )
+    return math.lcm(*(layer_alignment(s) for s in specs.values()))
 
 
 def bound_ratio(specs: Mapping[str, KVCacheSpec], context: int) -> float | None:

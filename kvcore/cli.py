@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvcore import zoo
 from kvcore.config import PACKING_POLICIES, CacheConfig, EngineConfig
-from kvcore.errors import KvcoreError
+from kvcore.errors import KvcoreError, KvcoreValueError
 from kvcore.plan import plan_capacity, plan_kv_cache
 from kvcore.plugins import get_plugin_manager, plugin_distribution
 from kvcore.registry import KindRegistry
@@ -72,6 +72,18 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _contexts(text: str) -> list[int]:
+    """``"4096,32768"`` -> ``[4096, 32768]``; a clear error otherwise."""
+    parts = [part.strip() for part in str(text).split(",") if part.strip()]
+    if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
+        msg = (
+            f"--context takes positive token counts separated by commas "
+            f"(e.g. 4096,32768), got {text!r}"
+        )
+        raise KvcoreValueError(msg)
+    return [int(part) for part in parts]
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     registry, _ = _registry()
     source = Path(args.model)
@@ -79,7 +91,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         source if source.suffix == ".json" or source.exists() else zoo.path(args.model)
     )
     model = load_model_file(path, registry)
-    contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
+    contexts = _contexts(args.context)
     config = EngineConfig(
         cache_config=CacheConfig(
             kv_cache_layout=args.layout,

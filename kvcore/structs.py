@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvcore.errors import KvcoreTypeError, PlanError
+from kvcore.errors import KvcoreTypeError, PlanError, PluginError
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import GroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 
@@ -79,7 +79,16 @@ class KVCacheGroupSpec:
         if not isinstance(spec, UniformTypeKVCacheSpecs):
             return spec
         members = list(spec.kv_cache_specs.values())
-        return type(members[0]).merge_group(members)
+        merged: object = type(members[0]).merge_group(members)
+        if not isinstance(merged, KVCacheSpec):
+            kind = members[0].kind
+            msg = (
+                f"{type(members[0]).__name__}.merge_group (kind {kind!r}) returned "
+                f"{merged!r} for layers {self.layer_names[:3]}; it must return the "
+                "KVCacheSpec the group's manager runs on"
+            )
+            raise PluginError(msg, plugin_name=kind)
+        return merged
 
 
 @attrs.define(kw_only=False)

@@ -448,3 +448,18 @@ def test_search_is_exact_under_a_group_cap(specs, context, cap):
     assert choice.bytes_per_request == _brute_force_capped(
         buckets, context, alignment, cap
     )
+
+
+def test_a_kinds_declared_sizes_are_checked():
+    import attrs
+
+    @attrs.frozen(kw_only=True)
+    class NoElements(FullAttentionSpec):
+        @property
+        def element_size(self):
+            return 0
+
+    spec = NoElements(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    state = MambaSpec(block_size=16, shapes=((32768,),), dtypes=(torch.bfloat16,))
+    with pytest.raises(kvcore.PluginError, match=r"NoElements.element_size .* is 0"):
+        _plan({"a": spec, "m": state}, "min_waste", 4096)

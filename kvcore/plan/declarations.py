@@ -8,10 +8,17 @@ error naming the kind.
 
 from __future__ import annotations
 
+import math
+
 from kvcore.errors import PluginError
 from kvcore.spec import KVCacheSpec
 
-__all__ = ["checked_blocks_held", "checked_grown"]
+__all__ = [
+    "checked_blocks_held",
+    "checked_grown",
+    "checked_positive",
+    "layer_alignment",
+]
 
 
 def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:
@@ -47,3 +54,24 @@ def checked_blocks_held(
         )
         raise PluginError(msg, plugin_name=spec.kind)
     return held
+
+
+def checked_positive(spec: KVCacheSpec, what: str, value: object) -> int:
+    """A declared size (``element_size``, ``stride_alignment()``,
+    ``max_block_growth``), which must be a positive int."""
+    if type(value) is not int or value < 1:
+        msg = (
+            f"{type(spec).__name__}.{what} (kind {spec.kind!r}) is {value!r}; it "
+            "must be a positive int"
+        )
+        raise PluginError(msg, plugin_name=spec.kind)
+    return value
+
+
+def layer_alignment(spec: KVCacheSpec) -> int:
+    """The byte alignment a layer imposes on the block stride: its stride
+    alignment and its element size."""
+    return math.lcm(
+        checked_positive(spec, "stride_alignment()", spec.stride_alignment()),
+        checked_positive(spec, "element_size", spec.element_size),
+    )

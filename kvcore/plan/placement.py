@@ -22,6 +22,7 @@ from kvcore.layout import (
     KVCacheLayout,
     compute_layout_strides,
 )
+from kvcore.plan.declarations import layer_alignment
 from kvcore.spec import KVCacheSpec, round_up
 from kvcore.structs import KVCacheGroupSpec, KVCacheTensor
 
@@ -60,11 +61,7 @@ def kv_cache_bytes_per_block(
     else:
         widest = max(g.packed_bytes for g in groups)
         alignment = math.lcm(
-            *(
-                math.lcm(s.stride_alignment(), s.element_size)
-                for g in groups
-                for s in g.layer_specs()
-            )
+            *(layer_alignment(s) for g in groups for s in g.layer_specs())
         )
     if widest <= 0:
         msg = f"cache groups have no bytes per block (widest group: {widest} bytes)"

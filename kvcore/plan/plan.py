@@ -120,9 +120,14 @@ def _check_fits_one_request(
         msg = (
             f"the pool holds {num_blocks} blocks of {bytes_per_block} bytes, but one "
             f"request of max_model_len={config.max_model_len} tokens needs {need} "
-            f"(with its prefill step and the null block): give the cache at least "
-            f"{need * bytes_per_block} bytes ({need * bytes_per_block / 2**30:.2f} "
-            "GiB), or lower max_model_len"
+            f"(with its prefill step and the null block): "
+            + (
+                f"set num_gpu_blocks_override to at least {need}"
+                if config.cache_config.num_gpu_blocks_override is not None
+                else f"give the cache at least {need * bytes_per_block} bytes "
+                f"({need * bytes_per_block / 2**30:.2f} GiB)"
+            )
+            + ", or lower max_model_len"
         )
         raise PlanError(msg)
 

@@ -13,7 +13,7 @@ fewest groups whose widest fits the stride, jointly with a block-size growth
 factor where its kind declares one (:meth:`KVCacheSpec.grown`).  The stride
 and choices with the fewest bytes per request win.  Plans within
 :data:`TIE_TOLERANCE` of the best are ties and go to fewer groups, then to
-smaller blocks (finer prefix hits), but never to a plan that holds fewer
+fewer bytes and the narrower stride, but never to a plan that holds fewer
 requests than ``seed`` would.  No plan has more than
 ``CacheConfig.max_kv_cache_groups`` groups (each costs the scheduler a block
 table and a manager) unless the model has more buckets than that.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import attrs
@@ -34,7 +34,7 @@ from kvcore.errors import KvcoreError, PlanError
 from kvcore.plan.block_sizes import effective_block_size, resolve_block_sizes
 from kvcore.plan.buckets import Bucket, bucket_layers, widest_of
 from kvcore.plan.capacity import serving_blocks, steady_blocks
-from kvcore.plan.declarations import checked_grown
+from kvcore.plan.declarations import checked_grown, checked_positive, layer_alignment
 from kvcore.plan.groups import make_group
 from kvcore.plan.placement import kv_cache_bytes_per_block
 from kvcore.spec import KVCacheSpec, cdiv, round_up
@@ -158,12 +158,8 @@ def _seed_bytes_per_request(
     return stride * sum(steady_blocks(groups, context, dcp=dcp))
 
 
-def _alignment(specs: object) -> int:
-    values = [
-        math.lcm(s.stride_alignment(), s.element_size)
-        for s in specs  # type: ignore[attr-defined]
-    ]
-    return math.lcm(*values) if values else 1
+def _alignment(specs: Iterable[KVCacheSpec]) -> int:
+    return math.lcm(*(layer_alignment(s) for s in specs))
 
 
 def _grown_bucket(bucket: Bucket, factor: int) -> Bucket:
@@ -196,7 +192,8 @@ def _factors(
         distinct[spec] = distinct.get(spec, 0) + 1
     first = bucket.first
     out = {1: (first, _profile((s.page_size_bytes, c) for s, c in distinct.items()))}
-    for factor in range(2, min(first.max_block_growth, max_growth) + 1):
+    allowed = checked_positive(first, "max_block_growth", first.max_block_growth)
+    for factor in range(2, min(allowed, max_growth) + 1):
         if first.block_size * (factor - 1) >= context:
             break  # the previous factor's block already holds the context
         grown: list[tuple[KVCacheSpec, int]] = []
