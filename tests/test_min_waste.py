@@ -462,4 +462,9 @@ def test_a_kinds_declared_sizes_are_checked():
     spec = NoElements(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     state = MambaSpec(block_size=16, shapes=((32768,),), dtypes=(torch.bfloat16,))
     with pytest.raises(kvcore.PluginError, match=r"NoElements.element_size .* is 0"):
-        _plan({"a": spec, "m": state}, "min_waste", 4096)
+        kvcore.kv_cache_bytes_per_block(
+            [
+                kvcore.KVCacheGroupSpec(["a"], spec),
+                kvcore.KVCacheGroupSpec(["m"], state),
+            ]
+        )
