@@ -96,17 +96,13 @@ def resolve_block_sizes(
             if s.prefix_cacheable and s.tokens_per_state > 1
         }
     )
-    partial = any(
-        serves_partial_hits(g, e, unit, dcp)
-        for g, e in zip(groups, effective, strict=True)
-    )
-    hit_alignment = unit if partial else scheduler
-    broken = [a for a in alignments if hit_alignment % a]
+    hits = hit_alignment(groups, scheduler, unit, dcp)
+    broken = [a for a in alignments if hits % a]
     if broken:
         msg = (
             f"Invalid prefix_match_unit={unit}; prefix-cache boundaries must align "
             f"with each spec's per-state compression. Got alignments={alignments}, "
-            f"and hits land on multiples of {hit_alignment} tokens; use a "
+            f"and hits land on multiples of {hits} tokens; use a "
             f"multiple of {math.lcm(*alignments)}"
         )
         raise BlockSizeError(msg)
