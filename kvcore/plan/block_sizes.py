@@ -125,12 +125,28 @@ def hit_alignment(
     return hash_block_size if partial else scheduler_block_size
 
 
+#: Plan settings every worker must share.
+_AGREED = (
+    "kv_cache_layout",
+    "scheduler_block_size",
+    "hash_block_size",
+    "max_model_len",
+    "enable_prefix_caching",
+    "packing_policy",
+    "target_context",
+    "decode_context_parallel_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+)
+
+
 def generate_scheduler_kv_cache_config(
     configs: Sequence[KVCacheConfig],
 ) -> KVCacheConfig:
     """The scheduler's view of the workers' configs.
 
-    Every worker must have the same ``num_blocks``.  Each group's spec
+    Every worker must have the same ``num_blocks``, settings and groups
+    (pipeline stages plan their own layers and are combined elsewhere).  Each group's spec
     becomes the spec its manager runs on (the kind's merge of the group's
     members): the scheduler needs one per group, not the per-layer pages.
     """
@@ -145,7 +161,25 @@ def generate_scheduler_kv_cache_config(
             "num_gpu_blocks_override to the smallest)"
         )
         raise PlanError(msg)
-    scheduler = copy.deepcopy(configs[0])
+    first = configs[0]
+    for i, other in enumerate(configs[1:], start=1):
+        for name in _AGREED:
+            if getattr(other, name) != getattr(first, name):
+                msg = (
+                    f"worker {i} planned {name}={getattr(other, name)!r} but worker 0 "
+                    f"planned {getattr(first, name)!r}; every worker must plan with "
+                    "the same settings"
+                )
+                raise PlanError(msg)
+        if [g.layer_names for g in other.kv_cache_groups] != [
+            g.layer_names for g in first.kv_cache_groups
+        ]:
+            msg = (
+                f"worker {i} grouped its layers differently from worker 0; every "
+                "worker must plan the same groups"
+            )
+            raise PlanError(msg)
+    scheduler = copy.deepcopy(first)
     for group in scheduler.kv_cache_groups:
         if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs):
             group.kv_cache_spec = group.manager_spec
