@@ -54,7 +54,7 @@ def test_mamba_hybrid_grows_the_attention_block():
     assert cap.blocks_per_request == 3 + 256
     # min_waste grows attention 16x (256-token blocks, 65536-byte pages), so
     # every block is full: 65536 * (3 + 16), exactly the physical limit.
-    plan, cap = _plan(specs, "min_waste", 4096)
+    plan, cap = _plan(specs, "min_waste", 4096, memory=64 * 65536)
     assert plan.bytes_per_block == 65536
     assert [g.kv_cache_spec.block_size for g in plan.kv_cache_groups] == [
         16,
