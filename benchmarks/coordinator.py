@@ -14,11 +14,11 @@ Each run builds a fresh manager, then (as an engine does after start-up)
 collects and freezes the garbage collector's heap, so a full collection over
 the pool's long-lived block objects does not land inside a timed call.
 
-Figures are mean microseconds per call.  ``ratio_vs_reference`` divides the
-reference figures (another engine's manager, measured on a machine of this
-kind on the same trace) by ours: above 1 means faster.  ``calibration_us`` times
-a fixed pure-Python loop in the same run, so figures from different machines
-can be compared as multiples of it.
+Figures are mean microseconds per call, on this machine.  A speed ratio
+against another engine's manager needs both timed in the same run on the same
+machine (``../shared/baselines/vllm_blockpool_bench.py`` times vLLM's on this
+trace); figures stored from another machine are not divided here.
+``calibration_us`` times a fixed pure-Python loop in the same run.
 
     python benchmarks/coordinator.py --json
 """
@@ -44,15 +44,15 @@ from kvcore_full_attention import FullAttentionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-#: Another engine's manager on this trace (batch 1), in microseconds per call.
-REFERENCE = {
-    "allocate_slots_us": 8.4,
-    "allocate_slots_decode_us": 8.0,
-    "allocate_slots_prompt_us": 65.0,
-    "get_computed_blocks_us": 33.0,
-    "free_us": 15.0,
-    "request_us": 112.0,
-}
+#: The per-call figures the summary reports.
+HEADLINE = (
+    "allocate_slots_us",
+    "allocate_slots_decode_us",
+    "allocate_slots_prompt_us",
+    "get_computed_blocks_us",
+    "free_us",
+    "request_us",
+)
 
 
 def make_trace(
@@ -255,19 +255,15 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.repeat)
             ]
             figures = median_of(runs)
-            figures["ratio_vs_reference"] = {
-                key: REFERENCE[key] / figures[key] for key in REFERENCE
-            }
             results[f"{plan_name}/batch{batch}"] = figures
             if not args.json:
                 print(f"{plan_name} batch {batch}:", file=sys.stderr)
                 for key, value in figures.items():
-                    if key != "ratio_vs_reference":
-                        print(f"  {key:>26} {value:10.2f}", file=sys.stderr)
+                    print(f"  {key:>26} {value:10.2f}", file=sys.stderr)
     headline = results["full_attention/batch1"]
     summary = {
         key: round(headline[key], 3)
-        for key in (*REFERENCE, "requests_per_s", "hit_rate")
+        for key in (*HEADLINE, "requests_per_s", "hit_rate")
     }
     output = {**summary, "runs": results}
     print(json.dumps(output, indent=1 if not args.json else None))

@@ -156,15 +156,14 @@ def test_deepseek_v4_style_model_at_4k():
     assert ideal_bytes_per_request(specs, 4096) == ideal
 
 
-def _brute_force(buckets, context, alignment):
-    """The fewest bytes per request over every one-stride plan: each bucket
-    cut into every group count at every offered growth factor."""
+def _brute_force(buckets, context, alignment, cap=None):
+    """The fewest bytes per request over every one-stride plan (with at most
+    ``cap`` groups): each bucket cut into every group count at every growth
+    factor its kind allows, whatever the context."""
     per_bucket = []
     for bucket in buckets:
         first = bucket.first
         options = []
-        # every factor the kind allows, whatever the context (the search
-        # stops once a block holds the whole context)
         for factor in range(1, first.max_block_growth + 1):
             grown = {n: s.grown(factor) for n, s in bucket.specs.items()}
             if any(g is None for g in grown.values()):
@@ -175,12 +174,14 @@ def _brute_force(buckets, context, alignment):
             spec = grown[next(iter(grown))]
             held = spec.num_blocks_held(context - 1, context, spec.block_size)
             for n in range(1, len(bucket) + 1):
-                options.append((widest_of(list(pages.items()), n), n * held))
+                options.append((widest_of(list(pages.items()), n), n * held, n))
         per_bucket.append(options)
     best = None
     for combo in itertools.product(*per_bucket):
-        stride = -(-max(w for w, _ in combo) // alignment) * alignment
-        total = stride * sum(c for _, c in combo)
+        if cap is not None and sum(n for _, _, n in combo) > cap:
+            continue
+        stride = -(-max(w for w, _, _ in combo) // alignment) * alignment
+        total = stride * sum(c for _, c, _ in combo)
         best = total if best is None else min(best, total)
     return best
 
@@ -402,35 +403,6 @@ def test_growth_can_be_capped_for_finer_prefix_hits():
     config.cache_config.max_block_growth = 1
     groups = kvcore.get_kv_cache_groups(config, specs, registry=REGISTRY)
     assert {g.kv_cache_spec.block_size for g in groups} == {16}
-
-
-def _brute_force_capped(buckets, context, alignment, cap):
-    """The fewest bytes per request over every one-stride plan with at most
-    ``cap`` groups."""
-    per_bucket = []
-    for bucket in buckets:
-        first = bucket.first
-        options = []
-        for factor in range(1, first.max_block_growth + 1):
-            grown = {n: s.grown(factor) for n, s in bucket.specs.items()}
-            if any(g is None for g in grown.values()):
-                continue
-            pages: dict[int, int] = {}
-            for g in grown.values():
-                pages[g.page_size_bytes] = pages.get(g.page_size_bytes, 0) + 1
-            spec = grown[next(iter(grown))]
-            held = spec.num_blocks_held(context - 1, context, spec.block_size)
-            for n in range(1, len(bucket) + 1):
-                options.append((widest_of(list(pages.items()), n), n * held, n))
-        per_bucket.append(options)
-    best = None
-    for combo in itertools.product(*per_bucket):
-        if sum(n for _, _, n in combo) > cap:
-            continue
-        stride = -(-max(w for w, _, _ in combo) // alignment) * alignment
-        total = stride * sum(c for _, c, _ in combo)
-        best = total if best is None else min(best, total)
-    return best
 
 
 @settings(max_examples=40, deadline=None)
