@@ -417,9 +417,7 @@ def test_search_is_exact_under_a_group_cap(specs, context, cap):
     )
     cap = max(cap, len(buckets))
     assert choice.num_groups <= cap
-    assert choice.bytes_per_request == _brute_force_capped(
-        buckets, context, alignment, cap
-    )
+    assert choice.bytes_per_request == _brute_force(buckets, context, alignment, cap)
 
 
 def test_a_kinds_declared_sizes_are_checked():
