@@ -96,6 +96,7 @@ def min_waste_groups(
     context = config.resolved_target_context()
     dcp = config.parallel_config.decode_context_parallel_size
     growth = cache.max_block_growth if packing else 1
+    seed = _seed_plan_cost(config, specs, context, dcp)
 
     def plan(caps: list[int]) -> list[KVCacheGroupSpec]:
         choice = search(
@@ -105,7 +106,8 @@ def min_waste_groups(
             max_groups=cache.max_kv_cache_groups,
             dcp=dcp,
             growth_caps=caps,
-            ceiling=_seed_bytes_per_request(config, specs, context, dcp),
+            ceiling=seed[0] if seed else None,
+            ceiling_groups=seed[1] if seed else None,
         )
         groups: list[KVCacheGroupSpec] = []
         for bucket, option in zip(buckets, choice.options, strict=True):
@@ -143,11 +145,11 @@ def _hash_compatible(groups: Sequence[KVCacheGroupSpec], config: EngineConfig) -
     )
 
 
-def _seed_bytes_per_request(
+def _seed_plan_cost(
     config: EngineConfig, specs: Mapping[str, KVCacheSpec], context: int, dcp: int
-) -> int | None:
-    """Bytes per request of the ``seed`` plan, which a tie must not exceed
-    (``None`` where ``seed`` cannot plan the model)."""
+) -> tuple[int, int] | None:
+    """Bytes per request and groups of the ``seed`` plan, which a tie must
+    not exceed (``None`` where ``seed`` cannot plan the model)."""
     from kvcore.plan.policies.seed import seed_groups
 
     try:
@@ -155,7 +157,7 @@ def _seed_bytes_per_request(
         stride = kv_cache_bytes_per_block(groups, config.cache_config.kv_cache_layout)
     except KvcoreError:
         return None
-    return stride * sum(steady_blocks(groups, context, dcp=dcp))
+    return stride * sum(steady_blocks(groups, context, dcp=dcp)), len(groups)
 
 
 def _alignment(specs: Iterable[KVCacheSpec]) -> int:
@@ -179,13 +181,17 @@ def _grown_bucket(bucket: Bucket, factor: int) -> Bucket:
 
 
 def _factors(
-    bucket: Bucket, context: int, max_growth: int
+    bucket: Bucket, context: int, dcp: int, max_growth: int, max_width: int | None
 ) -> dict[int, tuple[KVCacheSpec, list[tuple[int, int]]]]:
     """Growth factor -> (the bucket's first spec, its page profile
     ``[(page, count)]``) at that factor.
 
-    A factor is offered when every distinct spec of the bucket grows by it
-    and the grown block stays within the target context.
+    A factor is offered when every distinct spec of the bucket grows by it,
+    the grown block stays within the target context, and a request holds
+    fewer blocks at it than at every smaller factor (the blocks held are
+    counted at the grown block size, from the kind's ``num_blocks_held``).  Growth stops once
+    a single grown page is wider than ``max_width`` (pages do not shrink as
+    blocks grow, so no larger factor fits either).
     """
     distinct: dict[KVCacheSpec, int] = {}
     for spec in bucket.specs.values():
@@ -193,9 +199,17 @@ def _factors(
     first = bucket.first
     out = {1: (first, _profile((s.page_size_bytes, c) for s, c in distinct.items()))}
     allowed = checked_positive(first, "max_block_growth", first.max_block_growth)
+    scale = dcp if first.scales_with_context_parallel else 1
+    fewest = serving_blocks(first, context, first.block_size * scale)
     for factor in range(2, min(allowed, max_growth) + 1):
         if first.block_size * (factor - 1) >= context:
             break  # the previous factor's block already holds the context
+        # A factor whose request holds no fewer blocks than a smaller one's
+        # is dominated: its pages are no narrower, its cost no lower.
+        held = serving_blocks(first, context, first.block_size * factor * scale)
+        if held >= fewest:
+            continue
+        fewest = held
         grown: list[tuple[KVCacheSpec, int]] = []
         for spec, count in distinct.items():
             g = checked_grown(spec, factor)
@@ -203,10 +217,10 @@ def _factors(
                 break
             grown.append((g, count))
         else:
-            out[factor] = (
-                grown[0][0],
-                _profile((g.page_size_bytes, c) for g, c in grown),
-            )
+            profile = _profile((g.page_size_bytes, c) for g, c in grown)
+            if max_width is not None and max(p for p, _ in profile) > max_width:
+                break
+            out[factor] = (grown[0][0], profile)
     return out
 
 
@@ -226,7 +240,7 @@ def _candidate_splits(profile: list[tuple[int, int]], total: int) -> list[int]:
 
 
 def _options(
-    bucket: Bucket, context: int, dcp: int, max_growth: int
+    bucket: Bucket, context: int, dcp: int, max_growth: int, max_width: int | None
 ) -> tuple[list[Option], list[Option]]:
     """Every (groups, factor) option of a bucket, sorted by width, and the
     frontier of those best for some stride when groups are free: each
@@ -235,11 +249,15 @@ def _options(
     total = len(bucket)
     scale = dcp if first.scales_with_context_parallel else 1
     raw: list[tuple[int, int, int, int]] = []
-    for factor, (spec, profile) in _factors(bucket, context, max_growth).items():
+    for factor, (spec, profile) in _factors(
+        bucket, context, dcp, max_growth, max_width
+    ).items():
         held = serving_blocks(spec, context, spec.block_size * scale)
         key = tuple(profile)
         for n in _candidate_splits(profile, total):
-            raw.append((_widest(key, n), n * held, n, factor))
+            width = _widest(key, n)
+            if max_width is None or width <= max_width:
+                raw.append((width, n * held, n, factor))
     raw.sort()
     options = list(map(Option._make, raw))
     frontier: list[Option] = []
@@ -268,6 +286,7 @@ def search(
     growth_caps: Sequence[int] | None = None,
     tie_tolerance: float = TIE_TOLERANCE,
     ceiling: int | None = None,
+    ceiling_groups: int | None = None,
 ) -> Choice:
     """The stride and per-bucket options with the fewest bytes per request
     at ``context`` tokens (see the module docstring for ties and the cap).
@@ -281,17 +300,28 @@ def search(
     :param tie_tolerance: plans within this fraction of the best are ties.
     :param ceiling: a tie never costs more than this many bytes per request
         (the plan another policy already reaches).
+    :param ceiling_groups: the groups of that plan; when it is within the
+        cap, the best plan costs no more than it, which bounds the stride.
     """
     if not buckets:
         msg = "min_waste needs at least one bucket of layers to plan"
         raise PlanError(msg)
     caps = list(growth_caps) if growth_caps is not None else [max_growth] * len(buckets)
+    # A plan within the ceiling has a stride of at most ceiling / buckets:
+    # every bucket holds at least one block a request.  Wider options are
+    # never chosen, so they are not built.
+    cap = max(max_groups, len(buckets))
+    max_width = (
+        ceiling // len(buckets)
+        if ceiling is not None and ceiling_groups is not None and ceiling_groups <= cap
+        else None
+    )
     built = [
-        _options(b, context, dcp, cap) for b, cap in zip(buckets, caps, strict=True)
+        _options(b, context, dcp, cap, max_width)
+        for b, cap in zip(buckets, caps, strict=True)
     ]
     frontiers = [f for _, f in built]
     floor = round_up(max(f[0].width for f in frontiers), alignment)
-    cap = max(max_groups, len(buckets))
 
     def stride_of(option: Option) -> int:
         return max(round_up(option.width, alignment), floor)
