@@ -36,7 +36,6 @@ from kvcore.plan.buckets import Bucket, bucket_layers, widest_of
 from kvcore.plan.capacity import serving_blocks, steady_blocks
 from kvcore.plan.declarations import checked_grown, checked_positive, layer_alignment
 from kvcore.plan.groups import make_group
-from kvcore.plan.placement import kv_cache_bytes_per_block
 from kvcore.spec import KVCacheSpec, cdiv, round_up
 from kvcore.structs import KVCacheGroupSpec
 
@@ -149,14 +148,16 @@ def _seed_plan_cost(
     config: EngineConfig, specs: Mapping[str, KVCacheSpec], context: int, dcp: int
 ) -> tuple[int, int] | None:
     """Bytes per request and groups of the ``seed`` plan, which a tie must
-    not exceed (``None`` where ``seed`` cannot plan the model)."""
+    not exceed (``None`` where ``seed`` cannot plan the model), costed as
+    the search costs a plan: the widest group rounded to the alignment."""
     from kvcore.plan.policies.seed import seed_groups
 
     try:
         groups = seed_groups(config, specs)
-        stride = kv_cache_bytes_per_block(groups, config.cache_config.kv_cache_layout)
     except KvcoreError:
         return None
+    widest = max(g.packed_bytes for g in groups)
+    stride = round_up(widest, _alignment(specs.values()))
     return stride * sum(steady_blocks(groups, context, dcp=dcp)), len(groups)
 
 
@@ -378,6 +379,18 @@ def search(
         total = stride * sum(o.cost for o in capped)
         found.append((total, sum(o.groups for o in capped), stride, capped))
         best = total if best is None else min(best, total)
+    if best is None and max_width is not None:  # pragma: no cover - a safety net
+        return search(
+            buckets,
+            context=context,
+            alignment=alignment,
+            max_groups=max_groups,
+            dcp=dcp,
+            max_growth=max_growth,
+            growth_caps=growth_caps,
+            tie_tolerance=tie_tolerance,
+            ceiling=ceiling,
+        )
     if best is None:  # pragma: no cover - one group a bucket always fits
         msg = "min_waste found no plan within the group cap"
         raise PlanError(msg)
