@@ -127,7 +127,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print()
         for r in reports:
             print(
-                f"  {r.context:>7} tokens: {r.concurrency} requests "
+                f"  {r.context:>7} tokens: {r.concurrency} "
+                f"{'request' if r.concurrency == 1 else 'requests'} "
                 f"({r.ratio:.3f} of the physical limit, {r.ideal_concurrency:.1f})"
             )
     return 0
