@@ -55,3 +55,24 @@ def test_plan_a_shipped_model(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_error_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "qwen3-next-80b-a3b", "--layout", "LBNHC"]) == 2
     assert "cannot express this model's mixed page sizes" in capsys.readouterr().err
+
+
+def test_plan_reports_capacity_at_each_context(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["plan", "gemma-3-27b", "--memory-gib", "64", "--context", "32768,4096"]
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["packing_policy"] == "min_waste"
+    assert plan["target_context"] == 32768
+    assert [c["context"] for c in plan["capacity"]] == [32768, 4096]
+    assert all(c["ratio"] >= 0.98 for c in plan["capacity"])
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "policy min_waste for 32768 tokens" in text
+    assert "prefix hits are multiples of" in text
+
+
+def test_plan_refuses_a_malformed_context(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gemma-3-27b", "--context", "4k"]) == 2
+    assert "--context takes positive token counts" in capsys.readouterr().err
