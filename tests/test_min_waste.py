@@ -438,3 +438,37 @@ def test_a_kinds_declared_sizes_are_checked():
                 kvcore.KVCacheGroupSpec(["m"], state),
             ]
         )
+
+
+def test_a_kind_that_holds_no_blocks_still_plans():
+    # The stride bound assumes every bucket holds a block a request; a kind
+    # that holds none must not make min_waste prune the plan away.
+    from typing import ClassVar
+
+    import attrs
+
+    import kvcore_hisparse
+    from kvcore_hisparse import HiSparseHotSpec
+
+    @attrs.frozen(kw_only=True)
+    class ZeroSpec(HiSparseHotSpec):
+        kind: ClassVar[str] = "zero_hot"
+
+        def num_blocks_held(self, num_computed_tokens, num_tokens, block_size):
+            return 0
+
+    class ZeroKind(kvcore_hisparse.HiSparseHot):
+        name = "zero_hot"
+        spec_type = ZeroSpec
+
+    registry = kvcore.KindRegistry.from_kinds([*REGISTRY.values(), ZeroKind()])
+    specs = {
+        "a": HiSparseHotSpec(block_size=16, page_size=4096, blocks_per_request=1),
+        "z": ZeroSpec(block_size=16, page_size=1024, blocks_per_request=1),
+    }
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC", target_context=1000)
+    )
+    groups = kvcore.get_kv_cache_groups(config, specs, registry=registry)
+    assert sorted(n for g in groups for n in g.layer_names) == ["a", "z"]
+    assert kvcore.kv_cache_bytes_per_block(groups) == 4096

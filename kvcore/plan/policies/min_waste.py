@@ -314,7 +314,13 @@ def search(
     cap = max(max_groups, len(buckets))
     max_width = (
         ceiling // len(buckets)
-        if ceiling is not None and ceiling_groups is not None and ceiling_groups <= cap
+        if ceiling is not None
+        and ceiling_groups is not None
+        and ceiling_groups <= cap
+        and all(
+            _fewest_held(b, context, dcp, c) >= 1
+            for b, c in zip(buckets, caps, strict=True)
+        )
         else None
     )
     built = [
@@ -401,6 +407,20 @@ def search(
         (f for f in found if f[0] <= limit), key=lambda f: (f[1], f[0], f[2])
     )
     return Choice(stride, picks)
+
+
+def _fewest_held(bucket: Bucket, context: int, dcp: int, max_growth: int) -> int:
+    """The fewest blocks a request holds in one group of the bucket, at any
+    growth factor (the stride bound needs every bucket to hold one)."""
+    first = bucket.first
+    scale = dcp if first.scales_with_context_parallel else 1
+    top = min(
+        checked_positive(first, "max_block_growth", first.max_block_growth), max_growth
+    )
+    return min(
+        serving_blocks(first, context, first.block_size * f * scale)
+        for f in range(1, max(top, 1) + 1)
+    )
 
 
 def _cheapest(
