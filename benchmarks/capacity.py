@@ -47,7 +47,7 @@ import kvcore
 import kvcore.zoo
 from kvcore.config import PACKING_POLICIES
 from kvcore.errors import KvcoreError, KvcoreKeyError, UnknownKindError
-from kvcore.plan.block_sizes import effective_block_size, hit_alignment
+from kvcore.plan.block_sizes import effective_block_size, plan_hit_granularity
 from kvcore.plan.buckets import bucket_layers
 from kvcore.plan.capacity import ideal_bytes_per_request
 from kvcore.plan.declarations import layer_alignment
@@ -265,11 +265,11 @@ def vllm_figures(
 def hit_granularity(plan: kvcore.KVCacheConfig) -> int:
     """Tokens prefix hits are multiples of (the scheduler block when prefix
     caching is off)."""
-    scheduler, hashing = plan.scheduler_block_size, plan.hash_block_size
-    if scheduler is None or hashing is None:  # plan_kv_cache always sets them
+    hits = plan_hit_granularity(plan)
+    if hits is None:  # plan_kv_cache always resolves them
         msg = "the plan has no resolved block sizes"
         raise AssertionError(msg)
-    return hit_alignment(plan.kv_cache_groups, scheduler, hashing, dcp=1)
+    return hits
 
 
 def plan_row(

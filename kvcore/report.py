@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvcore.plan.block_sizes import hit_alignment
+from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.structs import KVCacheConfig
 
 #: Why each built-in policy is chosen, for the plan's report.
 POLICY_REASONS = {
     "min_waste": "the grouping and block sizes that hold the most requests of "
-    "the target context (exact search over one-stride plans)",
+    "the target context (a search over one-stride plans)",
     "seed": "the reference grouping rules, file block sizes kept",
 }
 
@@ -44,17 +44,8 @@ def format_plan(config: KVCacheConfig, *, title: str = "KV cache plan") -> str:
             2,
             f"  policy {config.packing_policy} for {config.target_context} tokens: {reason}",
         )
-    if config.scheduler_block_size and config.hash_block_size:
-        hits = (
-            hit_alignment(
-                config.kv_cache_groups,
-                config.scheduler_block_size,
-                config.hash_block_size,
-                config.decode_context_parallel_size,
-            )
-            if config.enable_prefix_caching
-            else config.scheduler_block_size
-        )
+    hits = plan_hit_granularity(config)
+    if hits is not None:
         lines.insert(
             3 if config.packing_policy else 2,
             f"  scheduler block {config.scheduler_block_size} tokens, hash block "

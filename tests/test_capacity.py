@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -248,7 +246,6 @@ def test_planning_is_fast_and_close_to_linear() -> None:
             config, specs, registry=kvcore.default_registry()
         )
         assert sorted(n for g in groups for n in g.layer_names) == sorted(specs)
-        assert math.isfinite(len(groups))
 
 
 def test_a_chunk_aligned_request_still_holds_its_chunk(

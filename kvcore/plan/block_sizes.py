@@ -140,6 +140,19 @@ _AGREED = (
 )
 
 
+def plan_hit_granularity(plan: KVCacheConfig) -> int | None:
+    """Tokens a plan's prefix hits are multiples of (``None`` for a plan
+    without resolved block sizes)."""
+    scheduler, hashing = plan.scheduler_block_size, plan.hash_block_size
+    if scheduler is None or hashing is None:
+        return None
+    if not plan.enable_prefix_caching:
+        return scheduler
+    return hit_alignment(
+        plan.kv_cache_groups, scheduler, hashing, plan.decode_context_parallel_size
+    )
+
+
 def generate_scheduler_kv_cache_config(
     configs: Sequence[KVCacheConfig],
 ) -> KVCacheConfig:
@@ -186,4 +199,4 @@ def generate_scheduler_kv_cache_config(
     return scheduler
 
 
-__all__ += ["hit_alignment"]
+__all__ += ["hit_alignment", "plan_hit_granularity"]
