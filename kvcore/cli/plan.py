@@ -1,75 +1,21 @@
-"""``kvcore``: list plugins and kinds, and plan a model's KV cache.
-
-    kvcore kinds
-    kvcore plugins [--json]
-    kvcore plan MODEL [--memory-gib N] [--layout BLHNC] [--json]
-
-``MODEL`` is a model file path or the name of a shipped one
-(``kvcore plan deepseek-v4-flash``).
-"""
+"""``kvcore plan``: how many requests of each length fit."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from kvcore import zoo
 from kvcore.config import PACKING_POLICIES, CacheConfig, EngineConfig
-from kvcore.errors import KvcoreError, KvcoreValueError
+from kvcore.errors import KvcoreValueError
 from kvcore.plan import plan_capacity, plan_kv_cache
-from kvcore.plugins import get_plugin_manager, plugin_distribution
+from kvcore.plugins import get_plugin_manager
 from kvcore.registry import KindRegistry
 from kvcore.report import format_plan
 from kvcore.serialize import load_model_file, make_converter
 
-__all__ = ["main"]
-
-
-def _registry() -> tuple[KindRegistry, object]:
-    pm = get_plugin_manager()
-    return KindRegistry.from_plugin_manager(pm), pm
-
-
-def _cmd_kinds(args: argparse.Namespace) -> int:
-    registry, _ = _registry()
-    rows = [
-        {"kind": name, "spec": kind.spec_type.__name__, "plugin": registry.owner(name)}
-        for name, kind in registry.items()
-    ]
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        for row in rows:
-            print(f"{row['kind']:<26} {row['spec']:<24} {row['plugin']}")
-    return 0
-
-
-def _cmd_plugins(args: argparse.Namespace) -> int:
-    registry, pm = _registry()
-    rows = []
-    for name, plugin in sorted(pm.list_name_plugin()):  # type: ignore[attr-defined]
-        if plugin is None:
-            continue
-        kinds = [k for k in registry if registry.owner(k) == name]
-        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())  # type: ignore[attr-defined]
-        rows.append(
-            {
-                "name": name,
-                "distribution": plugin_distribution(pm, name),  # type: ignore[arg-type]
-                "hooks": hooks,
-                "kinds": kinds,
-            }
-        )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        for row in rows:
-            print(
-                f"{row['name']:<20} {row['distribution'] or '-':<22} kinds: {', '.join(row['kinds'])}"
-            )
-    return 0
+__all__ = ["register"]
 
 
 def _contexts(text: str) -> list[int]:
@@ -85,7 +31,7 @@ def _contexts(text: str) -> list[int]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    registry, _ = _registry()
+    registry = KindRegistry.from_plugin_manager(get_plugin_manager())
     source = Path(args.model)
     path = (
         source if source.suffix == ".json" or source.exists() else zoo.path(args.model)
@@ -134,17 +80,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvcore", description=__doc__.split("\n\n")[0]
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    kinds = sub.add_parser("kinds", help="list the registered cache kinds")
-    kinds.add_argument("--json", action="store_true")
-    kinds.set_defaults(func=_cmd_kinds)
-    plugins = sub.add_parser("plugins", help="list the loaded plugins")
-    plugins.add_argument("--json", action="store_true")
-    plugins.set_defaults(func=_cmd_plugins)
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plan = sub.add_parser("plan", help="plan a model file's KV cache")
     plan.add_argument(
         "model", help=f"a model file, or one of: {', '.join(zoo.names())}"
@@ -177,14 +113,3 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--no-prefix-caching", action="store_true")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
-    args = parser.parse_args(argv)
-    try:
-        code: int = args.func(args)
-    except KvcoreError as exc:
-        print(f"kvcore: error: {exc}", file=sys.stderr)
-        return 2
-    return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
