@@ -92,3 +92,7 @@ class InvalidRequestError(KvcoreValueError):
 
 class UnknownRequestError(KvcoreKeyError):
     """The coordinator holds no request with this id."""
+
+
+class MissingExtraError(KvcoreError, ImportError):
+    """An optional dependency is not installed; the message names the extra."""
