@@ -1,11 +1,18 @@
-"""Human-readable summaries of a plan."""
+"""Human-readable reports of a plan: a plain-text table and a rich one."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
 
 from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.structs import KVCacheConfig
+from kvcore.summary import PlanSummary
+from kvcore.units import format_size, format_tokens
 
 #: Why each built-in policy is chosen, for the plan's report.
 POLICY_REASONS = {
@@ -14,17 +21,12 @@ POLICY_REASONS = {
     "seed": "the reference grouping rules, file block sizes kept",
 }
 
-__all__ = ["format_bytes", "format_plan"]
+__all__ = ["format_bytes", "format_plan", "print_summary", "render_summary"]
 
 
 def format_bytes(n: int) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
+    return format_size(n)
 
 
 def format_plan(config: KVCacheConfig, *, title: str = "KV cache plan") -> str:
@@ -61,3 +63,118 @@ def format_plan(config: KVCacheConfig, *, title: str = "KV cache plan") -> str:
             f"{group.kv_cache_spec.block_size:>6} {packed:>12} {fill:>6}"
         )
     return "\n".join(lines)
+
+
+def _groups_table(summary: PlanSummary) -> Table:
+    table = Table(
+        title="cache groups (they overlay each other: a block is one group's)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    for name, justify in (
+        ("group", "right"),
+        ("layers", "left"),
+        ("kind", "left"),
+        ("block", "right"),
+        ("packed", "right"),
+        ("fill", "right"),
+        ("prefix", "left"),
+    ):
+        table.add_column(
+            name,
+            justify=justify,  # type: ignore[arg-type]
+            overflow="fold",
+            no_wrap=name != "layers",
+        )
+    for g in summary.groups:
+        kinds = ", ".join(
+            f"{kind} x{count}" if count > 1 else kind for kind, count in g.kinds.items()
+        )
+        table.add_row(
+            str(g.index),
+            "\n".join(g.layer_ranges),
+            kinds,
+            f"{g.block_size} tok",
+            format_size(g.packed_bytes),
+            f"{100 * g.fill:.1f}%",
+            g.role,
+        )
+    return table
+
+
+def _capacity_table(summary: PlanSummary) -> Table:
+    table = Table(
+        title="capacity (limit: every layer's own pages, no padding, no reserve)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    for name in ("context", "requests", "tokens", "limit", "ratio", "per request"):
+        table.add_column(name, justify="right")
+    for row in summary.rows:
+        c = row.capacity
+        if not row.fits:
+            table.add_row(
+                format_tokens(c.context),
+                "0",
+                "0",
+                f"{c.ideal_concurrency:.1f}",
+                "-",
+                f"needs {format_size(row.bytes_for_one)} for one",
+            )
+            continue
+        table.add_row(
+            format_tokens(c.context),
+            str(c.concurrency),
+            f"{c.tokens:,}",
+            f"{c.ideal_concurrency:.1f}",
+            f"{row.ratio:.3f}",
+            f"{c.blocks_per_request} blocks, {format_size(c.bytes_per_request)}",
+        )
+    return table
+
+
+def render_summary(summary: PlanSummary) -> RenderableType:
+    """The report ``kvcore plan`` prints: the verdict first, then the groups,
+    the stride and the capacity at each context."""
+    plan = summary.plan
+    parts: list[RenderableType] = [Text(summary.verdict(), style="bold")]
+    for note in summary.notes:
+        parts.append(Text(f"  {note}", style="dim"))
+    layout = plan.kv_cache_layout.name if plan.kv_cache_layout else "?"
+    lines = [
+        f"policy {plan.packing_policy or '?'}"
+        + (
+            f" for {format_tokens(plan.target_context)} tokens"
+            if plan.target_context
+            else ""
+        )
+        + f", layout {layout}, {len(summary.groups)} groups",
+        f"stride {format_size(summary.bytes_per_block)} ({summary.bytes_per_block} B): "
+        f"{summary.stride_reason()}",
+        f"{summary.num_blocks:,} blocks in {format_size(summary.memory)} "
+        f"(block 0 is the null block)",
+    ]
+    hits = summary.hit_granularity
+    if hits is not None:
+        lines.append(
+            f"prefix hits are multiples of {hits} tokens (hash block "
+            f"{plan.hash_block_size}, scheduler block {plan.scheduler_block_size})"
+        )
+    parts.append(Text("\n".join(lines)))
+    parts.append(Text(""))
+    parts.append(_groups_table(summary))
+    parts.append(Text(""))
+    parts.append(_capacity_table(summary))
+    return Group(*parts)
+
+
+def print_summary(
+    summary: PlanSummary, console: Console | None = None, *, extra: Sequence[str] = ()
+) -> None:
+    """Print :func:`render_summary` (to stdout unless ``console`` says)."""
+    console = console or Console(highlight=False, soft_wrap=False)
+    console.print(render_summary(summary))
+    for line in extra:
+        console.print(line)

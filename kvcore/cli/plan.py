@@ -1,115 +1,200 @@
-"""``kvcore plan``: how many requests of each length fit."""
+"""``kvcore plan`` and ``kvcore compare``: how many requests of each length fit.
+
+``plan`` prints the verdict, the groups, the stride and the capacity at each
+context (or the JSON document of :mod:`kvcore.cli.document`), and can draw
+the block and the capacity curve.  ``compare`` plans the same model and
+memory with every policy and sets them side by side.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from kvcore import zoo
-from kvcore.config import PACKING_POLICIES, CacheConfig, EngineConfig
-from kvcore.errors import KvcoreValueError
-from kvcore.plan import plan_capacity, plan_kv_cache
-from kvcore.plugins import get_plugin_manager
-from kvcore.registry import KindRegistry
-from kvcore.report import format_plan
-from kvcore.serialize import load_model_file, make_converter
+from rich.console import Console
+from rich.table import Table
 
-__all__ = ["register"]
+from kvcore.cli.document import SCHEMA_VERSION, plan_document
+from kvcore.cli.options import Planned, add_model_options, plan_from_args
+from kvcore.config import PACKING_POLICIES
+from kvcore.report import print_summary
+from kvcore.summary import PlanSummary, summarize
+from kvcore.units import format_size, format_tokens
+
+__all__ = ["register", "setting_text", "summary_of"]
 
 
-def _contexts(text: str) -> list[int]:
-    """``"4096,32768"`` -> ``[4096, 32768]``; a clear error otherwise."""
-    parts = [part.strip() for part in str(text).split(",") if part.strip()]
-    if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
-        msg = (
-            f"--context takes positive token counts separated by commas "
-            f"(e.g. 4096,32768), got {text!r}"
-        )
-        raise KvcoreValueError(msg)
-    return [int(part) for part in parts]
+def setting_text(planned: Planned, dtype_name: str) -> str:
+    """``" on 2x H100 80GB (TP 2), fp8 KV cache"``: what the verdict is about."""
+    tp = planned.choices.tensor_parallel_size
+    budget = planned.budget
+    if budget.gpu is not None:
+        text = f" on {tp}x {budget.gpu.name}"
+        if tp > 1:
+            text += f" (TP {tp})"
+    else:
+        text = f" in {format_size(budget.kv_bytes)} of KV cache"
+        if tp > 1:
+            text += f" per rank, TP {tp}"
+    if planned.choices.kv_cache_dtype is not None:
+        text += f", {dtype_name} KV cache"
+    return text
+
+
+def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
+    """The summary every output of ``kvcore plan`` is drawn from."""
+    notes = list(planned.served.notes)
+    if planned.budget.gpu is not None:
+        notes.insert(0, planned.budget.describe())
+        if not planned.budget.weights_bytes:
+            notes.insert(
+                1,
+                "no weights set aside: pass --weights SIZE (or add weights_bytes "
+                "to the model file) for a device's real KV budget",
+            )
+    return summarize(
+        planned.plan,
+        planned.contexts,
+        model_name=planned.model.name,
+        specs=planned.served.layers,
+        memory=planned.memory,
+        setting=setting_text(planned, dtype_name),
+        notes=notes,
+    )
+
+
+def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
+    from kvcore.picture import capacity_curve, save_plan_figure
+
+    curve = capacity_curve(
+        planned.plan,
+        max(min(planned.contexts) // 4, 256),
+        max(planned.contexts) * 4,
+        specs=planned.served.layers,
+        memory=planned.memory,
+    )
+    save_plan_figure(
+        planned.plan,
+        [row.capacity for row in summary.rows],
+        Path(path),
+        title=summary.verdict(),
+        fmt=fmt,
+        curve=curve,
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    registry = KindRegistry.from_plugin_manager(get_plugin_manager())
-    source = Path(args.model)
-    path = (
-        source if source.suffix == ".json" or source.exists() else zoo.path(args.model)
-    )
-    model = load_model_file(path, registry)
-    contexts = _contexts(args.context)
-    config = EngineConfig(
-        cache_config=CacheConfig(
-            kv_cache_layout=args.layout,
-            enable_prefix_caching=not args.no_prefix_caching,
-            packing_policy=args.policy,
-            target_context=contexts[0],
-            max_block_growth=args.max_block_growth,
-        )
-    )
-    memory = int(args.memory_gib * 2**30)
-    plan = plan_kv_cache(config, model.layers, memory, registry=registry)
-    reports = [
-        plan_capacity(plan, c, specs=model.layers, memory=memory) for c in contexts
-    ]
+    planned = plan_from_args(args)
+    summary = summary_of(planned, args.kv_cache_dtype)
+    if args.svg:
+        _draw(planned, summary, args.svg, "svg")
+    if args.png:
+        _draw(planned, summary, args.png, "png")
     if args.json:
-        out = make_converter(registry).unstructure(plan)
-        out["capacity"] = [
-            {
-                "context": r.context,
-                "concurrency": r.concurrency,
-                "unreserved_concurrency": r.unreserved_concurrency,
-                "ideal_concurrency": r.ideal_concurrency,
-                "ratio": r.ratio,
-                "blocks_per_request": r.blocks_per_request,
-            }
-            for r in reports
-        ]
-        print(json.dumps(out, indent=1))
-    else:
-        print(
-            format_plan(plan, title=f"{model.name}: {len(model.layers)} cache layers")
-        )
-        print()
-        for r in reports:
-            print(
-                f"  {r.context:>7} tokens: {r.concurrency} "
-                f"{'request' if r.concurrency == 1 else 'requests'} "
-                f"({r.ratio:.3f} of the physical limit, {r.ideal_concurrency:.1f})"
-            )
+        doc = plan_document(planned, summary, dtype_name=args.kv_cache_dtype)
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        return 0
+    print_summary(summary, _console())
     return 0
 
 
+def _console() -> Console:
+    return Console(
+        highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120
+    )
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    results = []
+    for policy in PACKING_POLICIES:
+        planned = plan_from_args(args, policy=policy)
+        results.append((policy, planned, summary_of(planned, args.kv_cache_dtype)))
+    baseline = results[-1][2] if results[-1][0] == "seed" else results[0][2]
+    if args.json:
+        out = {
+            "schema": SCHEMA_VERSION,
+            "model": results[0][1].model.name,
+            "policies": [
+                {
+                    "policy": policy,
+                    "groups": len(s.groups),
+                    "bytes_per_block": s.bytes_per_block,
+                    "num_blocks": s.num_blocks,
+                    "capacity": [r.to_dict() for r in s.rows],
+                }
+                for policy, _, s in results
+            ],
+        }
+        sys.stdout.write(json.dumps(out, indent=1) + "\n")
+        return 0
+    first = results[0][2]
+    table = Table(
+        title=f"{first.model_name}{first.setting}: every policy on the same memory",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    table.add_column("policy")
+    table.add_column("groups", justify="right")
+    table.add_column("stride", justify="right")
+    table.add_column("blocks", justify="right")
+    for context in results[0][1].contexts:
+        table.add_column(
+            f"{format_tokens(context)}: requests (limit ratio)", justify="right"
+        )
+        table.add_column("vs seed", justify="right")
+    for policy, _, s in results:
+        cells = [
+            policy,
+            str(len(s.groups)),
+            format_size(s.bytes_per_block),
+            f"{s.num_blocks:,}",
+        ]
+        for row, base in zip(s.rows, baseline.rows, strict=True):
+            cells.append(f"{row.concurrency} ({row.ratio:.3f})")
+            cells.append(
+                f"{row.concurrency / base.concurrency:.2f}x"
+                if base.concurrency
+                else "-"
+            )
+        table.add_row(*cells)
+    console = _console()
+    console.print(table)
+    return 0
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print the JSON document (schema {SCHEMA_VERSION}, see the docs)",
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    plan = sub.add_parser("plan", help="plan a model file's KV cache")
-    plan.add_argument(
-        "model", help=f"a model file, or one of: {', '.join(zoo.names())}"
+    plan = sub.add_parser(
+        "plan",
+        help="how many requests of each length fit, with the plan behind it",
+        description="Plan a model's KV cache for one device's memory and report "
+        "the requests of each context length that fit, next to the physical limit.",
     )
-    plan.add_argument(
-        "--memory-gib", type=float, default=8.0, help="KV cache memory (default 8)"
+    add_model_options(plan)
+    _add_output_options(plan)
+    drawing = plan.add_argument_group("pictures (needs the plot extra)")
+    drawing.add_argument(
+        "--svg", metavar="FILE", help="draw the block and capacity curve as SVG"
     )
-    plan.add_argument(
-        "--layout", default="BLHNC", help="KV cache layout (default BLHNC)"
-    )
-    plan.add_argument(
-        "--policy",
-        choices=PACKING_POLICIES,
-        default="min_waste",
-        help="grouping policy (default min_waste)",
-    )
-    plan.add_argument(
-        "--context",
-        default="32768",
-        help="request length(s) in tokens, comma-separated; the first is the "
-        "policy's target (default 32768)",
-    )
-    plan.add_argument(
-        "--max-block-growth",
-        type=int,
-        default=64,
-        help="largest factor min_waste may grow a block size by; 1 keeps the "
-        "model's block sizes (finer prefix hits)",
-    )
-    plan.add_argument("--no-prefix-caching", action="store_true")
-    plan.add_argument("--json", action="store_true")
+    drawing.add_argument("--png", metavar="FILE", help="the same picture as PNG")
     plan.set_defaults(func=_cmd_plan)
+    compare = sub.add_parser(
+        "compare",
+        help="every packing policy side by side on the same model and memory",
+        description="Plan the model with each packing policy and compare the "
+        "requests each holds at every context.",
+    )
+    add_model_options(compare)
+    _add_output_options(compare)
+    compare.set_defaults(func=_cmd_compare)

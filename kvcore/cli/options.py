@@ -1,0 +1,404 @@
+"""The options every planning command shares, and the plan they describe.
+
+``add_model_options`` adds them to a command's parser; ``plan_from_args``
+reads them back into a :class:`Planned`: the model file, the serving
+choices applied to its layers, the memory one rank gives its KV cache, and
+the plan.  ``plan``, ``compare`` and ``simulate`` all start here, so they
+answer the same question the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvcore import zoo
+from kvcore.accelerators import Accelerator, find_accelerator
+from kvcore.config import (
+    PACKING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+)
+from kvcore.errors import KvcoreValueError, SerializationError
+from kvcore.plan import plan_kv_cache
+from kvcore.plugins import get_plugin_manager
+from kvcore.registry import KindRegistry
+from kvcore.serialize import ModelFile, load_model_file
+from kvcore.serving import (
+    CACHE_DTYPE_ALIASES,
+    ServedLayers,
+    ServingChoices,
+    apply_serving_choices,
+    parse_cache_dtype,
+)
+from kvcore.structs import KVCacheConfig
+from kvcore.units import format_size, parse_fraction, parse_size, parse_tokens
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_MEMORY",
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "MemoryBudget",
+    "Planned",
+    "add_model_options",
+    "plan_from_args",
+    "resolve_model",
+]
+
+#: The model ``kvcore plan`` plans when given none.
+DEFAULT_MODEL = "deepseek-v4-flash"
+#: The KV cache budget per rank when neither ``--memory`` nor ``--gpu`` is given.
+DEFAULT_MEMORY = "8GiB"
+#: The share of a device an engine takes (as vLLM's ``--gpu-memory-utilization``).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+class CliUsageError(KvcoreValueError):
+    """A command-line option or model source cannot be used as given."""
+
+
+@attrs.frozen
+class MemoryBudget:
+    """The bytes one rank gives its KV cache, and where the figure came from."""
+
+    kv_bytes: int
+    gpu: Accelerator | None = None
+    gpu_memory_utilization: float | None = None
+    weights_bytes: int = 0
+    weights_per_rank: int = 0
+
+    def describe(self) -> str:
+        """``"H100 80GB x 0.90 - 13.7 GiB weights"`` or ``"8.0 GiB"``."""
+        if self.gpu is None:
+            return f"{format_size(self.kv_bytes)} of KV cache"
+        text = f"{self.gpu.name} x {self.gpu_memory_utilization:.2f}"
+        if self.weights_per_rank:
+            text += f" - {format_size(self.weights_per_rank)} weights"
+        return f"{text} = {format_size(self.kv_bytes)} of KV cache"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kv_cache_bytes": self.kv_bytes,
+            "gpu": self.gpu.name if self.gpu else None,
+            "gpu_memory_bytes": self.gpu.memory_bytes if self.gpu else None,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "weights_bytes": self.weights_bytes,
+            "weights_bytes_per_rank": self.weights_per_rank,
+        }
+
+
+@attrs.frozen
+class Planned:
+    """One model planned with the command line's settings."""
+
+    model: ModelFile
+    source: Path
+    registry: KindRegistry
+    choices: ServingChoices
+    served: ServedLayers
+    budget: MemoryBudget
+    config: EngineConfig
+    plan: KVCacheConfig
+    contexts: tuple[int, ...]
+
+    @property
+    def memory(self) -> int:
+        return self.budget.kv_bytes
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    @property
+    def specs(self) -> dict[str, Any]:
+        """The layers as one rank serves them (the plan's input)."""
+        return self.served.layers
+
+
+def _tokens_list(text: str) -> tuple[int, ...]:
+    parts = [part.strip() for part in str(text).split(",") if part.strip()]
+    if not parts:
+        msg = f"--context takes token counts separated by commas (e.g. 4k,32k,128k), got {text!r}"
+        raise CliUsageError(msg)
+    values = tuple(parse_tokens(part, what="--context") for part in parts)
+    if len(set(values)) != len(values):
+        msg = f"--context lists a length twice: {text!r}"
+        raise CliUsageError(msg)
+    return values
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The model, memory, serving and planning options (shared by commands)."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        metavar="MODEL",
+        help="a model file, or the name of a shipped one: "
+        f"{', '.join(zoo.names())} (default {DEFAULT_MODEL})",
+    )
+    memory = parser.add_argument_group(
+        "memory", "the KV cache budget of one rank (one device)"
+    )
+    which = memory.add_mutually_exclusive_group()
+    which.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="bytes of KV cache per rank: 80GiB, 64GB, 1.5TiB or plain bytes "
+        f"(default {DEFAULT_MEMORY} when --gpu is not given)",
+    )
+    which.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="a device from the accelerator table (H100, H200, B200, A100-40GB, "
+        "L40S, MI300X, ...): its memory x --gpu-memory-utilization - --weights",
+    )
+    memory.add_argument(
+        "--gpu-memory-utilization",
+        metavar="FRACTION",
+        default=str(DEFAULT_GPU_MEMORY_UTILIZATION),
+        help="share of the device the engine takes, with --gpu (default "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION}, as engines default)",
+    )
+    memory.add_argument(
+        "--weights",
+        metavar="SIZE",
+        help="bytes of weights and activations for the whole model, split evenly "
+        "over the --tp ranks and set aside from the --gpu memory (default: the "
+        "model file's weights_bytes, else nothing)",
+    )
+    serving = parser.add_argument_group(
+        "serving", "engine choices applied to every layer before planning"
+    )
+    serving.add_argument(
+        "--tp",
+        type=str,
+        default="1",
+        metavar="N",
+        help="tensor-parallel ranks: KV heads divided by N (replicated when a "
+        "layer has fewer heads than ranks); states shard through their plugin",
+    )
+    serving.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="DTYPE",
+        help="cache dtype of every attention layer: auto (the model file's), "
+        f"{', '.join(sorted(CACHE_DTYPE_ALIASES))}",
+    )
+    serving.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        help="tokens per block of every paged attention layer (states and rings "
+        "keep theirs; default: the model file's)",
+    )
+    planning = parser.add_argument_group("planning")
+    planning.add_argument(
+        "--context",
+        default="32k",
+        metavar="LENGTHS",
+        help="request lengths in tokens, comma-separated (4k,32k,128k); the "
+        "first is the policy's target (default 32k)",
+    )
+    planning.add_argument(
+        "--max-num-batched-tokens",
+        default="8192",
+        metavar="TOKENS",
+        help="tokens one scheduler step prefills; the capacity model reserves "
+        "one such step (default 8192)",
+    )
+    planning.add_argument(
+        "--policy",
+        choices=PACKING_POLICIES,
+        default="min_waste",
+        help="grouping policy (default min_waste)",
+    )
+    planning.add_argument(
+        "--layout", default="BLHNC", help="KV cache layout (default BLHNC)"
+    )
+    planning.add_argument(
+        "--max-block-growth",
+        default="64",
+        metavar="FACTOR",
+        help="largest factor min_waste may grow a block size by; 1 keeps the "
+        "model's block sizes (finer prefix hits) (default 64)",
+    )
+    planning.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="plan without prefix caching (no hash alignment between groups)",
+    )
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A model file path, or the shipped file of that name."""
+    if "\x00" in name_or_path:
+        msg = "the model path holds a NUL byte; give a file path or a shipped name"
+        raise CliUsageError(msg)
+    path = Path(name_or_path)
+    looks_like_path = (
+        path.suffix == ".json" or "/" in name_or_path or "\\" in name_or_path
+    )
+    if path.exists() or looks_like_path:
+        if path.is_dir():
+            msg = (
+                f"{name_or_path} is a directory; give a model file inside it "
+                "(a .json file with a 'layers' object)"
+            )
+            raise CliUsageError(msg)
+        if not path.exists():
+            msg = (
+                f"no model file {name_or_path}; give an existing file or one of "
+                f"the shipped models: {', '.join(zoo.names())}"
+            )
+            raise CliUsageError(msg)
+        if not path.is_file():
+            msg = f"{name_or_path} is not a regular file; give a model file"
+            raise CliUsageError(msg)
+        return path
+    return zoo.path(name_or_path)
+
+
+def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | None]:
+    """The model file and its optional ``weights_bytes``."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        msg = f"cannot read model file {path}: {exc.strerror or exc}"
+        raise CliUsageError(msg) from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        msg = (
+            f"{path} is not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}); "
+            "a model file is UTF-8 JSON"
+        )
+        raise CliUsageError(msg) from exc
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        msg = f"{path} is not valid JSON: {exc}"
+        raise CliUsageError(msg) from exc
+    weights = None
+    if isinstance(data, dict) and "weights_bytes" in data:
+        data = dict(data)
+        value = data.pop("weights_bytes")
+        if type(value) is not int or value < 0:
+            msg = (
+                f"{path}: weights_bytes must be a non-negative int of bytes, "
+                f"got {value!r}"
+            )
+            raise SerializationError(msg)
+        weights = value
+    model = load_model_file(data, registry)
+    if model.name == "model file":
+        model = attrs.evolve(model, name=path.stem)
+    return model, weights
+
+
+def _positive(text: str, option: str) -> int:
+    return parse_tokens(text, what=option)
+
+
+def _budget(
+    args: argparse.Namespace, tp: int, file_weights: int | None
+) -> MemoryBudget:
+    if args.gpu is None:
+        if args.weights is not None:
+            msg = (
+                "--weights sets weights aside from a device's memory; give --gpu "
+                "with it (--memory is already the KV cache budget)"
+            )
+            raise CliUsageError(msg)
+        memory = args.memory if args.memory is not None else DEFAULT_MEMORY
+        return MemoryBudget(kv_bytes=parse_size(memory, what="--memory"))
+    gpu = find_accelerator(args.gpu)
+    utilization = parse_fraction(
+        args.gpu_memory_utilization, what="--gpu-memory-utilization"
+    )
+    if args.weights is not None:
+        weights = parse_size(args.weights, what="--weights")
+    else:
+        weights = file_weights or 0
+    per_rank = -(-weights // tp)
+    usable = int(gpu.memory_bytes * utilization)
+    kv = usable - per_rank
+    if kv <= 0:
+        msg = (
+            f"{format_size(per_rank)} of weights per rank leave no KV cache in "
+            f"{gpu.name} x {utilization:.2f} = {format_size(usable)}; use more "
+            "ranks (--tp), a larger device or a higher --gpu-memory-utilization"
+        )
+        raise CliUsageError(msg)
+    return MemoryBudget(
+        kv_bytes=kv,
+        gpu=gpu,
+        gpu_memory_utilization=utilization,
+        weights_bytes=weights,
+        weights_per_rank=per_rank,
+    )
+
+
+def registry_for_cli() -> KindRegistry:
+    """The kinds of every installed plugin."""
+    return KindRegistry.from_plugin_manager(get_plugin_manager())
+
+
+def plan_from_args(
+    args: argparse.Namespace,
+    *,
+    policy: str | None = None,
+    registry: KindRegistry | None = None,
+) -> Planned:
+    """Plan ``args.model`` as the options say (``policy`` overrides
+    ``--policy``)."""
+    registry = registry or registry_for_cli()
+    source = resolve_model(args.model)
+    model, file_weights = _read_model(source, registry)
+    tp = _positive(args.tp, "--tp")
+    choices = ServingChoices(
+        kv_cache_dtype=parse_cache_dtype(args.kv_cache_dtype),
+        tensor_parallel_size=tp,
+        block_size=(
+            None
+            if args.block_size is None
+            else _positive(args.block_size, "--block-size")
+        ),
+    )
+    served = apply_serving_choices(model.layers, choices)
+    budget = _budget(args, tp, file_weights)
+    contexts = _tokens_list(args.context)
+    config = EngineConfig(
+        cache_config=CacheConfig(
+            kv_cache_layout=args.layout,
+            enable_prefix_caching=not args.no_prefix_caching,
+            packing_policy=policy or args.policy,
+            target_context=contexts[0],
+            max_block_growth=_positive(args.max_block_growth, "--max-block-growth"),
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        max_num_batched_tokens=_positive(
+            args.max_num_batched_tokens, "--max-num-batched-tokens"
+        ),
+    )
+    plan = plan_kv_cache(config, served.layers, budget.kv_bytes, registry=registry)
+    return Planned(
+        model=model,
+        source=source,
+        registry=registry,
+        choices=choices,
+        served=served,
+        budget=budget,
+        config=config,
+        plan=plan,
+        contexts=contexts,
+    )
+
+
+def context_label(contexts: Sequence[int]) -> str:
+    return ",".join(str(c) for c in contexts)

@@ -1,0 +1,303 @@
+"""What a person reads about a plan: groups, the stride, and capacity.
+
+:func:`summarize` turns a plan and its capacity rows into a
+:class:`PlanSummary`, the one value the text report, the JSON document and
+the picture are all drawn from, so they never disagree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvcore.plan.block_sizes import effective_block_size, plan_hit_granularity
+from kvcore.plan.capacity import (
+    Capacity,
+    min_blocks_for_one_request,
+    plan_capacity,
+)
+from kvcore.plan.declarations import layer_alignment
+from kvcore.spec import KVCacheSpec
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
+from kvcore.units import format_size, format_tokens
+
+__all__ = [
+    "CapacityRow",
+    "GroupSummary",
+    "PlanSummary",
+    "compact_layer_names",
+    "summarize",
+]
+
+_NUMBER = re.compile(r"\d+")
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``; an even stride of four or
+    more, ``[2, 6, 10, 14]``, -> ``"2,6,...,14"``."""
+    steps = {b - a for a, b in itertools.pairwise(values)}
+    if len(values) >= 4 and len(steps) == 1 and steps != {1}:
+        return f"{values[0]},{values[1]},...,{values[-1]}"
+    out: list[str] = []
+    start = prev = values[0]
+    for v in values[1:]:
+        if v == prev + 1:
+            prev = v
+            continue
+        out.append(f"{start}-{prev}" if prev != start else str(start))
+        start = prev = v
+    out.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(out)
+
+
+def compact_layer_names(names: Iterable[str]) -> list[str]:
+    """Layer names folded on their first number, in first-seen order:
+    ``model.layers.0.attn``, ``model.layers.1.attn`` ->
+    ``model.layers.{0-1}.attn``."""
+    templates: dict[str, list[int]] = {}
+    singles: list[str] = []
+    for name in names:
+        match = _NUMBER.search(name)
+        if match is None:
+            singles.append(name)
+            continue
+        key = name[: match.start()] + "{}" + name[match.end() :]
+        templates.setdefault(key, []).append(int(match.group()))
+    out = []
+    for template, numbers in templates.items():
+        numbers = sorted(set(numbers))
+        if len(numbers) == 1:
+            out.append(template.replace("{}", str(numbers[0])))
+        else:
+            out.append(template.replace("{}", "{" + _ranges(numbers) + "}"))
+    return out + singles
+
+
+@attrs.frozen
+class GroupSummary:
+    """One cache group as a person reads it."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    layer_ranges: tuple[str, ...]
+    kinds: Mapping[str, int]
+    block_size: int
+    packed_bytes: int
+    fill: float
+    prefix_cacheable: bool
+
+    @property
+    def role(self) -> str:
+        """``cacheable`` (its blocks serve prefix hits) or ``scratch``."""
+        return "cacheable" if self.prefix_cacheable else "scratch"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "layers": list(self.layer_names),
+            "layer_ranges": list(self.layer_ranges),
+            "kinds": dict(self.kinds),
+            "block_size": self.block_size,
+            "packed_bytes": self.packed_bytes,
+            "fill": self.fill,
+            "prefix_cacheable": self.prefix_cacheable,
+        }
+
+
+@attrs.frozen
+class CapacityRow:
+    """Requests of one length the plan holds, beside the physical limit."""
+
+    capacity: Capacity
+    bytes_for_one: int
+
+    @property
+    def context(self) -> int:
+        return self.capacity.context
+
+    @property
+    def concurrency(self) -> int:
+        return self.capacity.concurrency
+
+    @property
+    def limit(self) -> int:
+        """Whole requests the same memory holds at the physical limit."""
+        return math.floor(self.capacity.ideal_concurrency + 1e-9)
+
+    @property
+    def ratio(self) -> float:
+        """Requests held over the physical limit's (1.0 is the limit)."""
+        ideal = self.capacity.ideal_concurrency
+        return self.concurrency / ideal if ideal else 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.concurrency > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.capacity
+        return {
+            "context": c.context,
+            "concurrency": c.concurrency,
+            "tokens": c.tokens,
+            "physical_limit": c.ideal_concurrency,
+            "physical_limit_requests": self.limit,
+            "ratio": self.ratio,
+            "unreserved_concurrency": c.unreserved_concurrency,
+            "blocks_per_request": c.blocks_per_request,
+            "bytes_per_request": c.bytes_per_request,
+            "prefill_peak_blocks": c.prefill_peak_blocks,
+            "fits": self.fits,
+            "bytes_for_one_request": self.bytes_for_one,
+        }
+
+
+@attrs.frozen
+class PlanSummary:
+    """A plan, its groups, what set its stride, and its capacity rows."""
+
+    model_name: str
+    setting: str
+    memory: int
+    plan: KVCacheConfig
+    groups: tuple[GroupSummary, ...]
+    widest_group: int
+    stride_alignment: int
+    rows: tuple[CapacityRow, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.plan.bytes_per_block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.plan.num_blocks
+
+    @property
+    def hit_granularity(self) -> int | None:
+        return plan_hit_granularity(self.plan)
+
+    def stride_reason(self) -> str:
+        """What set the stride: the widest group, and any rounding."""
+        widest = self.groups[self.widest_group]
+        text = (
+            f"group {widest.index} is the widest ({format_size(widest.packed_bytes)}"
+            f" of pages)"
+        )
+        padding = self.bytes_per_block - widest.packed_bytes
+        if padding > 0:
+            text += (
+                f", rounded up by {padding} B to the layout's alignment"
+                if self.stride_alignment > 1
+                else f", plus {padding} B of per-page alignment"
+            )
+        return text
+
+    def verdict(self) -> str:
+        """The line a person reads first."""
+        row = self.rows[0]
+        head = f"{self.model_name}{self.setting}"
+        if not row.fits:
+            return (
+                f"{head}: no request of {format_tokens(row.context)} tokens fits in "
+                f"{format_size(self.memory)}; one needs "
+                f"{format_size(row.bytes_for_one)}"
+            )
+        plural = "request" if row.concurrency == 1 else "requests"
+        return (
+            f"{head}: {row.concurrency} {plural} of {format_tokens(row.context)} "
+            f"tokens (limit {row.limit}, {row.ratio:.2f})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bytes_per_block": self.bytes_per_block,
+            "num_blocks": self.num_blocks,
+            "memory": self.memory,
+            "widest_group": self.widest_group,
+            "stride_alignment": self.stride_alignment,
+            "stride_reason": self.stride_reason(),
+            "hit_granularity": self.hit_granularity,
+            "groups": [g.to_dict() for g in self.groups],
+            "verdict": self.verdict(),
+        }
+
+
+def _group_summary(
+    index: int, group: KVCacheGroupSpec, bytes_per_block: int, dcp: int
+) -> GroupSummary:
+    kinds = Counter(group.layer_spec(n).kind for n in group.layer_names)
+    packed = group.packed_bytes
+    return GroupSummary(
+        index=index,
+        layer_names=tuple(group.layer_names),
+        layer_ranges=tuple(compact_layer_names(group.layer_names)),
+        kinds=dict(kinds),
+        block_size=effective_block_size(group, dcp),
+        packed_bytes=packed,
+        fill=packed / bytes_per_block if bytes_per_block else 0.0,
+        prefix_cacheable=bool(group.manager_spec.prefix_cacheable),
+    )
+
+
+def summarize(
+    plan: KVCacheConfig,
+    contexts: Sequence[int],
+    *,
+    model_name: str,
+    specs: Mapping[str, KVCacheSpec] | None = None,
+    memory: int | None = None,
+    setting: str = "",
+    notes: Sequence[str] = (),
+) -> PlanSummary:
+    """The summary of ``plan`` at each of ``contexts``.
+
+    :param specs: the layers at their own block sizes, for the physical limit
+        (default: the plan's).
+    :param memory: the bytes compared against the limit (default: the
+        plan's).
+    :param setting: text after the model name in the verdict, such as
+        ``" on 2x H100 80GB (TP 2)"``.
+    """
+    if memory is None:
+        memory = plan.available_memory or plan.num_blocks * plan.bytes_per_block
+    dcp = plan.decode_context_parallel_size
+    groups = tuple(
+        _group_summary(i, g, plan.bytes_per_block, dcp)
+        for i, g in enumerate(plan.kv_cache_groups)
+    )
+    widest = max(range(len(groups)), key=lambda i: groups[i].packed_bytes)
+    layout = plan.kv_cache_layout
+    alignment = (
+        math.lcm(
+            *(layer_alignment(s) for g in plan.kv_cache_groups for s in g.layer_specs())
+        )
+        if layout is None or layout.is_block_outermost
+        else 1
+    )
+    batched = plan.max_num_batched_tokens or 8192
+    rows = []
+    for context in contexts:
+        capacity = plan_capacity(plan, context, specs=specs, memory=memory)
+        need_blocks = min_blocks_for_one_request(
+            plan.kv_cache_groups, context, batched, dcp=dcp
+        )
+        rows.append(CapacityRow(capacity, need_blocks * plan.bytes_per_block))
+    return PlanSummary(
+        model_name=model_name,
+        setting=setting,
+        memory=memory,
+        plan=plan,
+        groups=groups,
+        widest_group=widest,
+        stride_alignment=alignment,
+        rows=tuple(rows),
+        notes=tuple(notes),
+    )

@@ -1,0 +1,148 @@
+"""Sizes and token counts as people write them: ``80GiB``, ``64GB``, ``32k``.
+
+Byte sizes take IEC prefixes (``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of
+1024) or SI ones (``KB``/``kB``, ``MB``, ``GB``, ``TB``: powers of 1000), as
+vendors and engines print them; a bare number is bytes.  Token counts take
+``k`` and ``m`` as powers of 1024 (``32k`` is 32768, the length model cards
+mean), so a context written either way lands on the same number.
+
+Every parse is strict: NaN, infinity, zero, negatives, fractions of a byte
+or token and trailing junk are refused with a message that shows the forms
+accepted.  The parsers are small and exact, which no maintained units
+library offers for both conventions without pulling in a unit system.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+
+from kvcore.errors import KvcoreValueError
+
+__all__ = [
+    "UnitError",
+    "format_size",
+    "format_tokens",
+    "parse_size",
+    "parse_tokens",
+    "parse_fraction",
+]
+
+#: Multipliers of the byte units, lower-cased.
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "pib": 1024**5,
+}
+
+#: Multipliers of the token units, lower-cased.
+TOKEN_UNITS = {"": 1, "k": 1024, "m": 1024**2}
+
+_NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+class UnitError(KvcoreValueError):
+    """A size, token count or fraction does not parse or is out of range."""
+
+
+def _split(text: object, what: str, example: str) -> tuple[Decimal, str]:
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        msg = f"{what} must be written like {example}, got {text!r}"
+        raise UnitError(msg)
+    if isinstance(text, float) and not math.isfinite(text):
+        msg = f"{what} must be a finite positive amount like {example}, got {text!r}"
+        raise UnitError(msg)
+    match = _NUMBER.match(str(text))
+    if match is None:
+        msg = (
+            f"{what} must be a positive number with an optional unit, like "
+            f"{example}; got {text!r}"
+        )
+        raise UnitError(msg)
+    try:
+        value = Decimal(match.group(1))
+    except InvalidOperation as exc:  # pragma: no cover - the pattern forbids it
+        msg = f"{what}: cannot read the number in {text!r}"
+        raise UnitError(msg) from exc
+    return value, match.group(2).lower()
+
+
+def parse_size(text: str | int, *, what: str = "memory") -> int:
+    """``"80GiB"`` -> ``85899345920``; ``"64GB"`` -> ``64000000000``."""
+    example = "80GiB, 64GB, 1.5TiB or 85899345920"
+    value, unit = _split(text, what, example)
+    if unit not in SIZE_UNITS:
+        msg = (
+            f"{what}: unknown unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, "
+            f"TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000), like {example}"
+        )
+        raise UnitError(msg)
+    total = value * SIZE_UNITS[unit]
+    if total != total.to_integral_value():
+        msg = f"{what} {text!r} is not a whole number of bytes"
+        raise UnitError(msg)
+    if total <= 0:
+        msg = f"{what} must be positive, got {text!r}"
+        raise UnitError(msg)
+    return int(total)
+
+
+def parse_tokens(text: str | int, *, what: str = "context") -> int:
+    """``"32k"`` -> ``32768``; ``"4096"`` -> ``4096``."""
+    example = "4096, 4k, 32k or 1m"
+    value, unit = _split(text, what, example)
+    if unit not in TOKEN_UNITS:
+        msg = (
+            f"{what}: unknown unit {unit!r} in {text!r}; token counts take k "
+            f"(1024) or m (1024*1024), like {example}"
+        )
+        raise UnitError(msg)
+    total = value * TOKEN_UNITS[unit]
+    if total != total.to_integral_value() or total <= 0:
+        msg = f"{what} must be a positive whole number of tokens, got {text!r}"
+        raise UnitError(msg)
+    return int(total)
+
+
+def parse_fraction(text: str | float, *, what: str) -> float:
+    """A fraction in ``(0, 1]`` (``"0.9"``), refusing NaN and infinity."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError) as exc:
+        msg = f"{what} must be a number in (0, 1] such as 0.9, got {text!r}"
+        raise UnitError(msg) from exc
+    if not math.isfinite(value) or not 0 < value <= 1:
+        msg = f"{what} must be in (0, 1] such as 0.9, got {text!r}"
+        raise UnitError(msg)
+    return value
+
+
+def format_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (IEC units, as the pool is sized)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def format_tokens(n: int) -> str:
+    """``32768`` -> ``"32k"``; ``1000`` -> ``"1000"`` (exact or plain)."""
+    for unit, size in (("m", 1024**2), ("k", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
