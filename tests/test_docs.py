@@ -1,8 +1,10 @@
-"""The plugin docs document every hook with its exact signature."""
+"""The docs document every hook with its exact signature, every public name
+and every layout."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -22,3 +24,29 @@ def test_hook_is_documented_with_its_signature(name: str) -> None:
     params = inspect.signature(getattr(hookspecs, name)).parameters
     heading = f"### {name}({', '.join(params)})"
     assert heading in DOCS.read_text().splitlines()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_api_reference_documents_every_public_name() -> None:
+    import kvcore
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    documented = set(
+        re.findall(
+            r"^\.\. (?:auto)?(?:class|function|exception|data):: (\w+)", text, re.M
+        )
+    )
+    assert sorted(set(kvcore.__all__) - documented) == []
+    assert sorted(documented - set(kvcore.__all__)) == []
+
+
+def test_layouts_page_and_picture_show_every_layout() -> None:
+    from kvcore.layout import KVCacheLayout
+
+    page = (ROOT / "docs" / "layouts.md").read_text()
+    picture = (ROOT / "docs" / "layouts.svg").read_text()
+    for layout in KVCacheLayout:
+        assert f"`{layout.name}`" in page
+        assert f">{layout.name}<" in picture
