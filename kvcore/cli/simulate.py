@@ -1,11 +1,341 @@
-"""``kvcore simulate``: replay a workload through the real coordinator."""
+"""``kvcore simulate``: replay a workload through the real coordinator.
+
+The model is planned as ``kvcore plan`` plans it (the shared options of
+:mod:`kvcore.cli.options`); the workload is a trace file (``--trace``) or
+drawn from the synthetic options; the run is
+:class:`kvcore.simulate.Driver` with the plan's ``--max-num-batched-tokens``
+as the step budget.  The figures print as a table, or as JSON with
+``--json``.  A progress bar is drawn on stderr only when it is a terminal
+and the run takes more than a couple of seconds.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from kvcore.cli.options import CliUsageError, add_model_options, plan_from_args
+from kvcore.simulate import (
+    Driver,
+    SimulationResult,
+    Workload,
+    load_trace,
+    parse_distribution,
+    synthetic_workload,
+)
+from kvcore.units import format_size
 
 __all__ = ["register"]
 
+#: JSON schema version of ``kvcore simulate --json``.
+SCHEMA_VERSION = 1
+
+#: The synthetic options and their defaults (``None`` in the parser, so a
+#: synthetic option next to ``--trace`` can be refused).
+SYNTHETIC_DEFAULTS: dict[str, str | None] = {
+    "requests": "64",
+    "prompt_len": "1024",
+    "output_len": "128",
+    "shared_prefixes": "0",
+    "prefix_len": None,
+    "turns": "1",
+    "arrival_gap": "0",
+    "seed": "0",
+}
+
+#: Seconds a run goes before its progress bar appears.
+PROGRESS_DELAY_S = 2.0
+
+
+def _int(text: str, option: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        msg = f"{option} takes an int >= {low}, got {text!r}"
+        raise CliUsageError(msg)
+    return value
+
+
+def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
+    given = [
+        "--" + name.replace("_", "-")
+        for name in SYNTHETIC_DEFAULTS
+        if getattr(args, name) is not None
+    ]
+    if args.trace is not None:
+        if given:
+            msg = (
+                f"{', '.join(given)} shape a synthetic workload; a --trace file "
+                "already gives every request, so drop them"
+            )
+            raise CliUsageError(msg)
+        return load_trace(args.trace), {"trace": args.trace}
+    values: dict[str, str] = {
+        name: str(getattr(args, name) if getattr(args, name) is not None else default)
+        for name, default in SYNTHETIC_DEFAULTS.items()
+    }
+    shared = _int(values["shared_prefixes"], "--shared-prefixes", 0)
+    if args.prefix_len is None:
+        if shared:
+            msg = "--shared-prefixes needs --prefix-len, the tokens of each prefix"
+            raise CliUsageError(msg)
+        prefix_len = 0
+    else:
+        prefix_len = _int(values["prefix_len"], "--prefix-len", 1)
+    if prefix_len and not shared:
+        msg = (
+            "--prefix-len sets the length of shared prefixes; give --shared-prefixes K"
+        )
+        raise CliUsageError(msg)
+    requests = _int(values["requests"], "--requests", 1)
+    prompt_len = parse_distribution(values["prompt_len"], what="--prompt-len")
+    output_len = parse_distribution(values["output_len"], what="--output-len")
+    turns = _int(values["turns"], "--turns", 1)
+    gap = parse_distribution(values["arrival_gap"], what="--arrival-gap", minimum=0)
+    seed = _int(values["seed"], "--seed", 0)
+    workload = synthetic_workload(
+        requests,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        shared_prefixes=shared,
+        prefix_len=prefix_len,
+        turns=turns,
+        arrival_gap=gap,
+        seed=seed,
+    )
+    options = {
+        "requests": requests,
+        "prompt_len": str(prompt_len),
+        "output_len": str(output_len),
+        "shared_prefixes": shared,
+        "prefix_len": prefix_len,
+        "turns": turns,
+        "arrival_gap": str(gap),
+        "seed": seed,
+    }
+    return workload, {"synthetic": options}
+
+
+class _ProgressBar:
+    """A rich bar on stderr that appears only once a run has gone on for
+    :data:`PROGRESS_DELAY_S` seconds (and only on a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.start = time.monotonic()
+        self.bar: Progress | None = None
+        self.task: Any = None
+
+    def __call__(self, step: int, resolved: int, total: int) -> None:
+        if self.bar is None:
+            if time.monotonic() - self.start < PROGRESS_DELAY_S:
+                return
+            self.bar = Progress(
+                TextColumn("simulating"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("requests, step {task.fields[step]}"),
+                console=Console(file=sys.stderr),
+                transient=True,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("run", total=total, step=step)
+        self.bar.update(self.task, completed=resolved, step=step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    planned = plan_from_args(args)
+    workload, source = _workload(args)
+    max_steps = (
+        None if args.max_steps is None else _int(args.max_steps, "--max-steps", 1)
+    )
+    driver = Driver(
+        planned.plan,
+        registry=planned.registry,
+        max_num_batched_tokens=planned.max_num_batched_tokens,
+        keep_finished=args.keep_finished,
+        max_steps=max_steps,
+    )
+    bar = _ProgressBar(len(workload)) if sys.stderr.isatty() else None
+    try:
+        result = driver.run(workload, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        doc = {
+            "schema": SCHEMA_VERSION,
+            "model": planned.model.name,
+            "memory": planned.budget.to_dict(),
+            "plan": {
+                "packing_policy": planned.plan.packing_policy,
+                "num_blocks": planned.plan.num_blocks,
+                "bytes_per_block": planned.plan.bytes_per_block,
+                "scheduler_block_size": planned.plan.scheduler_block_size,
+                "hash_block_size": planned.plan.hash_block_size,
+                "enable_prefix_caching": planned.plan.enable_prefix_caching,
+            },
+            "workload": {
+                **source,
+                "requests": len(workload),
+                "prompt_tokens": workload.prompt_tokens,
+                "output_tokens": workload.output_tokens,
+            },
+            "keep_finished": args.keep_finished,
+            "result": result.to_dict(),
+        }
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        return 0
+    _print(planned.model.name, planned.memory, workload, result)
+    return 0
+
+
+def _print(
+    model: str, memory: int, workload: Workload, result: SimulationResult
+) -> None:
+    console = Console(
+        highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120
+    )
+    usable = result.num_blocks - 1
+    table = Table(
+        title=f"{model} in {format_size(memory)} of KV cache: {len(workload)} requests, "
+        f"{usable:,} usable blocks, {result.max_num_batched_tokens:,} tokens a step",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+        show_header=False,
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("requests completed", f"{result.completed:,} of {result.requests:,}"),
+        ("steps", f"{result.steps:,}"),
+        ("tokens generated", f"{result.tokens_generated:,}"),
+        ("tokens computed (recompute included)", f"{result.computed_tokens:,}"),
+        (
+            "prefix hits",
+            f"{result.prefix_hit_tokens:,} of {result.prompt_tokens_looked_up:,} "
+            f"tokens ({result.prefix_hit_rate:.1%})",
+        ),
+        (
+            "peak blocks in use",
+            f"{result.peak_blocks_in_use:,} of {usable:,} ({result.peak_usage:.1%})",
+        ),
+        ("mean blocks in use", f"{result.mean_blocks_in_use:,.1f}"),
+        ("peak requests holding blocks", f"{result.peak_running:,}"),
+        ("refused steps", f"{result.refused_steps:,}"),
+        ("preemptions", f"{result.preemptions:,}"),
+        ("admissions refused (waited)", f"{result.admission_refusals:,}"),
+    ]
+    if result.unserved:
+        rows.append(("unserved requests", f"{len(result.unserved):,}"))
+    if result.unfinished:
+        rows.append(("unfinished at --max-steps", f"{len(result.unfinished):,}"))
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    groups = Table(
+        title="blocks per cache group", title_justify="left", box=None, pad_edge=False
+    )
+    for name in ("group", "kinds", "block", "peak", "mean"):
+        groups.add_column(name, justify="left" if name == "kinds" else "right")
+    for g in result.groups:
+        groups.add_row(
+            str(g.group),
+            ", ".join(g.kinds),
+            str(g.block_size),
+            f"{g.peak_blocks:,}",
+            f"{g.mean_blocks:,.1f}",
+        )
+    console.print()
+    console.print(groups)
+    for u in result.unserved[:5]:
+        console.print(f"unserved {u.id}: {u.reason}")
+    if len(result.unserved) > 5:
+        console.print(f"... and {len(result.unserved) - 5} more unserved (see --json)")
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``kvcore simulate`` (filled in by the simulator)."""
+    """Add ``kvcore simulate``."""
+    parser = sub.add_parser(
+        "simulate",
+        help="replay a workload through the real block coordinator",
+        description="Plan the model as 'kvcore plan' does, then replay a trace "
+        "file or a synthetic workload through the block coordinator with a small "
+        "continuous-batching scheduler, and report prefix hits, blocks in use per "
+        "group, refused steps and preemptions.",
+    )
+    add_model_options(parser)
+    work = parser.add_argument_group(
+        "workload", "a trace file, or a synthetic workload (docs: simulate)"
+    )
+    work.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="JSON lines, one request a line (arrival step, prompt or prompt_len, "
+        "prefix_id/prefix_len, parent, output_len)",
+    )
+    work.add_argument("--requests", metavar="N", help="requests to draw (default 64)")
+    work.add_argument(
+        "--prompt-len",
+        metavar="DIST",
+        help="new prompt tokens of each request: N, LO-HI, normal:MEAN,STD or "
+        "lognormal:MEAN,STD (default 1024)",
+    )
+    work.add_argument(
+        "--output-len",
+        metavar="DIST",
+        help="tokens each request generates (default 128)",
+    )
+    work.add_argument(
+        "--shared-prefixes",
+        metavar="K",
+        help="system prefixes the chats start with, one picked per chat (default 0)",
+    )
+    work.add_argument("--prefix-len", metavar="N", help="tokens of each shared prefix")
+    work.add_argument(
+        "--turns",
+        metavar="N",
+        help="turns per chat: a turn's prompt is the last turn's prompt and output "
+        "plus --prompt-len new tokens (default 1)",
+    )
+    work.add_argument(
+        "--arrival-gap",
+        metavar="DIST",
+        help="steps between chats' arrivals, 0 for all at once (default 0)",
+    )
+    work.add_argument(
+        "--seed", metavar="N", help="seed of the synthetic draw (default 0)"
+    )
+    run = parser.add_argument_group("run")
+    run.add_argument(
+        "--max-steps",
+        metavar="N",
+        help="stop after N steps; the rest are reported unfinished",
+    )
+    run.add_argument(
+        "--keep-finished",
+        action="store_true",
+        help="finished requests keep their blocks until the run ends (measures "
+        "how many fit together, as the capacity model counts)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print the figures as JSON (schema {SCHEMA_VERSION}, see the docs)",
+    )
+    parser.set_defaults(func=_cmd_simulate)

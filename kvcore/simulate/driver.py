@@ -1,0 +1,448 @@
+"""A small continuous-batching scheduler over the real coordinator.
+
+Every step has a budget of ``max_num_batched_tokens`` tokens:
+
+1. Requests whose arrival step has come (and whose parent turn has
+   finished) join the back of the waiting queue.
+2. Running requests, oldest admission first, each compute what they have
+   left, up to the budget: the next prompt chunk, or their last sampled
+   token (a decode).  When the pool refuses a step, the most recently
+   admitted running request is preempted (freed, put at the front of the
+   waiting queue to recompute its prompt and generated tokens) and the step
+   is tried again; a request preempting itself waits for the next step.
+3. Waiting requests are admitted in order while budget is left, fewer than
+   ``max_partial_prefills`` requests are in prefill, and ``allocate_slots``
+   (after ``get_computed_blocks`` for the prefix hit) succeeds; the first
+   refusal ends admission for the step.
+4. The scheduled tokens are computed: their blocks are cached, a request
+   whose tokens are all computed samples its next output token, and one
+   that has generated its output length finishes and is freed.
+
+A request the pool refuses while no other request runs (nothing left to
+preempt) can never fit: it is reported in ``unserved`` and dropped, so no
+run loops forever.  The oldest running request progresses every step, so a
+run always ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore.errors import KvcoreValueError
+from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
+from kvcore.plan.capacity import DEFAULT_BATCHED_TOKENS
+from kvcore.registry import KindRegistry, default_registry
+from kvcore.simulate.result import GroupUsage, SimulationResult, Unserved
+from kvcore.simulate.workload import Workload, WorkloadRequest
+from kvcore.structs import KVCacheConfig
+
+__all__ = ["Driver", "ProgressCallback", "SimulationError", "simulate"]
+
+#: ``progress(step, resolved, total)``: called once per step that did work.
+ProgressCallback = Callable[[int, int, int], None]
+
+
+class SimulationError(KvcoreValueError):
+    """The plan or the driver's settings cannot be simulated."""
+
+
+class _Live:
+    """A workload request inside the driver."""
+
+    __slots__ = ("generated", "request", "spec")
+
+    def __init__(self, spec: WorkloadRequest, request: Request) -> None:
+        self.spec = spec
+        self.request = request
+        self.generated = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.request.num_tokens - self.request.num_computed_tokens
+
+
+def _positive(name: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        msg = f"{name} must be a positive int, got {value!r}"
+        raise SimulationError(msg)
+    return value
+
+
+class Driver:
+    """Replays workloads through a fresh :class:`KVCacheManager` of ``plan``.
+
+    :param max_num_batched_tokens: the token budget of a step (default: the
+        plan's, else 8192).
+    :param max_model_len: the longest request (default: the plan's, else
+        the longest request of each workload).
+    :param max_partial_prefills: requests that may be in prefill at once
+        (1, as the capacity model assumes and vLLM's V0 scheduler defaults).
+    :param keep_finished: a finished request keeps its blocks until the run
+        ends: every request then sits at its last token, the picture
+        :func:`kvcore.plan_capacity` counts, so a run measures how many fit.
+    :param max_steps: stop after this many steps; requests left are
+        reported in ``unfinished``.
+    """
+
+    def __init__(
+        self,
+        plan: KVCacheConfig,
+        *,
+        registry: KindRegistry | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        max_partial_prefills: int = 1,
+        keep_finished: bool = False,
+        max_steps: int | None = None,
+        hash_function: str = "sha256",
+    ) -> None:
+        if plan.scheduler_block_size is None or plan.hash_block_size is None:
+            msg = (
+                "the plan carries no scheduler or hash block size; build it with "
+                "kvcore.plan_kv_cache"
+            )
+            raise SimulationError(msg)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = (
+                plan.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
+            )
+        self.plan = plan
+        self.registry = registry if registry is not None else default_registry()
+        self.max_num_batched_tokens = _positive(
+            "max_num_batched_tokens", max_num_batched_tokens
+        )
+        if max_model_len is None:
+            max_model_len = plan.max_model_len
+        self.max_model_len = (
+            None if max_model_len is None else _positive("max_model_len", max_model_len)
+        )
+        self.max_partial_prefills = _positive(
+            "max_partial_prefills", max_partial_prefills
+        )
+        self.keep_finished = bool(keep_finished)
+        self.max_steps = (
+            None if max_steps is None else _positive("max_steps", max_steps)
+        )
+        self.hash_function = hash_function
+        #: The manager of the last run (all its blocks are free after it).
+        self.manager: KVCacheManager | None = None
+
+    def _manager(self, workload: Workload) -> tuple[KVCacheManager, int]:
+        plan = self.plan
+        assert plan.scheduler_block_size is not None  # checked in __init__
+        limit = self.max_model_len
+        if limit is None:
+            limit = max((r.max_tokens for r in workload.requests), default=1)
+            limit = max(limit, 1)
+        manager = KVCacheManager(
+            generate_scheduler_kv_cache_config([plan]),
+            limit,
+            scheduler_block_size=plan.scheduler_block_size,
+            hash_block_size=plan.hash_block_size,
+            enable_caching=plan.enable_prefix_caching,
+            registry=self.registry,
+            dcp=plan.decode_context_parallel_size,
+        )
+        return manager, limit
+
+    def run(
+        self, workload: Workload, *, progress: ProgressCallback | None = None
+    ) -> SimulationResult:
+        """Replay ``workload`` from step 0 until every request is resolved."""
+        return _Run(self, workload, progress).result()
+
+
+def simulate(
+    plan: KVCacheConfig,
+    workload: Workload,
+    *,
+    registry: KindRegistry | None = None,
+    max_num_batched_tokens: int | None = None,
+    keep_finished: bool = False,
+    max_steps: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> SimulationResult:
+    """Run ``workload`` through ``plan``'s coordinator (see :class:`Driver`)."""
+    driver = Driver(
+        plan,
+        registry=registry,
+        max_num_batched_tokens=max_num_batched_tokens,
+        keep_finished=keep_finished,
+        max_steps=max_steps,
+    )
+    return driver.run(workload, progress=progress)
+
+
+class _Run:
+    """The state of one run; :meth:`result` drives it to the end."""
+
+    def __init__(
+        self, driver: Driver, workload: Workload, progress: ProgressCallback | None
+    ) -> None:
+        self.driver = driver
+        self.workload = workload
+        self.progress = progress
+        manager, self.max_model_len = driver._manager(workload)
+        driver.manager = self.manager = manager
+        self.hash_block_size = (
+            manager.hash_block_size if manager.enable_caching else None
+        )
+        self.pending: deque[WorkloadRequest] = deque(workload.requests)
+        self.blocked: dict[str, list[WorkloadRequest]] = {}
+        self.ready: list[WorkloadRequest] = []
+        self.resolved: set[str] = set()
+        self.waiting: deque[_Live] = deque()
+        self.running: list[_Live] = []
+        self.held: list[_Live] = []
+        self.unserved: list[Unserved] = []
+        num_groups = len(driver.plan.kv_cache_groups)
+        self.peak = [0] * num_groups
+        self.total = [0] * num_groups
+        self.peak_in_use = 0
+        self.total_in_use = 0
+        self.peak_running = 0
+        self.completed = 0
+        self.generated = 0
+        self.computed = 0
+        self.looked_up = 0
+        self.hits = 0
+        self.refused = 0
+        self.preemptions = 0
+        self.admission_refusals = 0
+
+    # -- queue ------------------------------------------------------------------
+
+    def _arrive(self, spec: WorkloadRequest) -> None:
+        if spec.parent is not None and spec.parent not in self.resolved:
+            self.blocked.setdefault(spec.parent, []).append(spec)
+            return
+        if spec.max_tokens > self.max_model_len:
+            self._unserve(
+                spec,
+                f"it computes {spec.max_tokens} tokens, past max_model_len="
+                f"{self.max_model_len}",
+            )
+            return
+        request = Request(
+            spec.id,
+            spec.prompt,
+            hash_block_size=self.hash_block_size,
+            hash_function=self.driver.hash_function,
+        )
+        self.waiting.append(_Live(spec, request))
+
+    def _resolve(self, rid: str) -> None:
+        self.resolved.add(rid)
+        self.ready.extend(self.blocked.pop(rid, ()))
+
+    def _unserve(self, spec: WorkloadRequest, reason: str) -> None:
+        self.unserved.append(Unserved(spec.id, reason))
+        self._resolve(spec.id)
+
+    def _never_fits(self, live: _Live) -> None:
+        held = (
+            f", {len(self.held)} finished requests keeping theirs" if self.held else ""
+        )
+        self._unserve(
+            live.spec,
+            f"the pool of {self.manager.block_pool.num_blocks - 1} usable blocks "
+            f"refused it with no other request to preempt{held}",
+        )
+
+    def _preempt(self, live: _Live) -> None:
+        self.running.remove(live)
+        self.manager.free(live.request)
+        live.request.num_computed_tokens = 0
+        self.waiting.appendleft(live)
+        self.preemptions += 1
+
+    # -- one step ---------------------------------------------------------------
+
+    def _schedule_running(self, budget: int) -> tuple[list[tuple[_Live, int]], int]:
+        manager = self.manager
+        running = self.running
+        scheduled: list[tuple[_Live, int]] = []
+        i = 0
+        while i < len(running) and budget:
+            live = running[i]
+            n = min(live.remaining, budget)
+            fits = True
+            while (
+                manager.allocate_slots(live.request, n, delay_cache_blocks=True) is None
+            ):
+                self.refused += 1
+                victim = running[-1]
+                if victim is live and len(running) == 1:
+                    running.pop()
+                    manager.free(live.request)
+                    self._never_fits(live)
+                    fits = False
+                    break
+                self._preempt(victim)
+                if victim is live:
+                    fits = False
+                    break
+            if fits:
+                scheduled.append((live, n))
+                budget -= n
+                i += 1
+        return scheduled, budget
+
+    def _admit(self, budget: int, scheduled: list[tuple[_Live, int]]) -> None:
+        manager = self.manager
+        waiting = self.waiting
+        prefilling = sum(1 for live in self.running if live.remaining > 1)
+        limit = self.driver.max_partial_prefills
+        while waiting and budget and prefilling < limit:
+            live = waiting[0]
+            request = live.request
+            blocks, hit = manager.get_computed_blocks(request)
+            n = min(request.num_tokens - hit, budget)
+            if (
+                manager.allocate_slots(request, n, hit, blocks, delay_cache_blocks=True)
+                is None
+            ):
+                if self.running:
+                    # Running requests will free blocks: wait for them.
+                    self.admission_refusals += 1
+                    return
+                waiting.popleft()
+                self._never_fits(live)
+                continue
+            waiting.popleft()
+            self.looked_up += request.num_tokens
+            self.hits += hit
+            request.num_computed_tokens = hit
+            self.running.append(live)
+            scheduled.append((live, n))
+            budget -= n
+            if request.num_tokens - hit > 1:
+                prefilling += 1
+
+    def _compute(self, scheduled: list[tuple[_Live, int]]) -> list[_Live]:
+        manager = self.manager
+        caching = manager.enable_caching
+        finished = []
+        for live, n in scheduled:
+            request = live.request
+            request.num_computed_tokens += n
+            self.computed += n
+            if caching:
+                manager.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens == request.num_tokens:
+                token = live.spec.output[live.generated]
+                live.generated += 1
+                self.generated += 1
+                if live.generated == len(live.spec.output):
+                    finished.append(live)
+                else:
+                    request.append_output_token_ids(token)
+        return finished
+
+    def _measure(self) -> None:
+        manager = self.manager
+        groups: list[set[int]] = [set() for _ in self.peak]
+        for live in (*self.running, *self.held):
+            for ids, blocks in zip(
+                groups, manager.get_blocks(live.spec.id).blocks, strict=True
+            ):
+                ids.update(b.block_id for b in blocks if not b.is_null)
+        for g, ids in enumerate(groups):
+            count = len(ids)
+            self.total[g] += count
+            if count > self.peak[g]:
+                self.peak[g] = count
+        in_use = manager.block_pool.num_blocks - 1 - manager.get_num_free_blocks()
+        self.total_in_use += in_use
+        self.peak_in_use = max(self.peak_in_use, in_use)
+        self.peak_running = max(self.peak_running, len(self.running) + len(self.held))
+
+    def _finish(self, finished: list[_Live]) -> None:
+        for live in finished:
+            self.running.remove(live)
+            if self.driver.keep_finished:
+                self.held.append(live)
+            else:
+                self.manager.free(live.request)
+            self.completed += 1
+            self._resolve(live.spec.id)
+
+    # -- the run ----------------------------------------------------------------
+
+    def result(self) -> SimulationResult:
+        driver = self.driver
+        step = 0
+        steps = 0
+        total = len(self.workload)
+        while self.pending or self.waiting or self.running or self.ready:
+            if driver.max_steps is not None and step >= driver.max_steps:
+                break
+            ready, self.ready = self.ready, []
+            for spec in ready:
+                self._arrive(spec)
+            while self.pending and self.pending[0].arrival <= step:
+                self._arrive(self.pending.popleft())
+            if not (self.waiting or self.running):
+                if self.ready:
+                    continue
+                if self.pending:
+                    step = self.pending[0].arrival
+                    if driver.max_steps is not None:
+                        step = min(step, driver.max_steps)
+                    continue
+                break
+            scheduled, budget = self._schedule_running(driver.max_num_batched_tokens)
+            self._admit(budget, scheduled)
+            finished = self._compute(scheduled)
+            self._measure()
+            self._finish(finished)
+            step += 1
+            steps = step
+            if self.progress is not None:
+                self.progress(step, len(self.resolved), total)
+        return self._close(steps)
+
+    def _close(self, steps: int) -> SimulationResult:
+        manager = self.manager
+        unfinished = [live.spec.id for live in (*self.running, *self.waiting)]
+        for live in (*self.running, *self.held):
+            manager.free(live.request)
+        self.running.clear()
+        self.held.clear()
+        unfinished += [s.id for s in self.ready]
+        unfinished += [s.id for specs in self.blocked.values() for s in specs]
+        unfinished += [s.id for s in self.pending]
+        plan = self.driver.plan
+        managers = manager.coordinator.single_type_managers
+        groups = tuple(
+            GroupUsage(
+                group=g,
+                kinds=tuple(dict.fromkeys(s.kind for s in group.layer_specs())),
+                block_size=managers[g].block_size,
+                peak_blocks=self.peak[g],
+                mean_blocks=self.total[g] / steps if steps else 0.0,
+            )
+            for g, group in enumerate(plan.kv_cache_groups)
+        )
+        return SimulationResult(
+            requests=len(self.workload),
+            completed=self.completed,
+            steps=steps,
+            tokens_generated=self.generated,
+            computed_tokens=self.computed,
+            prompt_tokens_looked_up=self.looked_up,
+            prefix_hit_tokens=self.hits,
+            refused_steps=self.refused,
+            preemptions=self.preemptions,
+            admission_refusals=self.admission_refusals,
+            peak_running=self.peak_running,
+            num_blocks=manager.block_pool.num_blocks,
+            peak_blocks_in_use=self.peak_in_use,
+            mean_blocks_in_use=self.total_in_use / steps if steps else 0.0,
+            max_num_batched_tokens=self.driver.max_num_batched_tokens,
+            groups=groups,
+            unserved=tuple(self.unserved),
+            unfinished=tuple(unfinished),
+        )

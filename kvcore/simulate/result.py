@@ -1,0 +1,121 @@
+"""What a simulation reports: prefix hits, blocks in use, refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["GroupUsage", "SimulationResult", "Unserved"]
+
+
+@attrs.frozen
+class GroupUsage:
+    """One cache group's blocks over the run: distinct blocks its requests'
+    tables hold (blocks shared by a prefix hit count once; the null block
+    never), sampled at every step after allocation."""
+
+    group: int
+    kinds: tuple[str, ...]
+    block_size: int
+    peak_blocks: int
+    mean_blocks: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "kinds": list(self.kinds),
+            "block_size": self.block_size,
+            "peak_blocks": self.peak_blocks,
+            "mean_blocks": self.mean_blocks,
+        }
+
+
+@attrs.frozen
+class Unserved:
+    """A request the simulator gave up on, and why."""
+
+    id: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"id": self.id, "reason": self.reason}
+
+
+@attrs.frozen
+class SimulationResult:
+    """The figures of one run.
+
+    :param steps: scheduler steps from step 0 to the last one that did work
+        (idle steps between arrivals included).
+    :param prompt_tokens_looked_up: tokens of every admitted request at its
+        admission (re-admissions after preemption included).
+    :param prefix_hit_tokens: of those, tokens the prefix cache served.
+    :param refused_steps: running requests' steps the pool refused (each one
+        preempted a request).
+    :param admission_refusals: steps whose first waiting request the pool
+        refused (it waits; nothing is preempted for it).
+    :param computed_tokens: tokens the steps computed, recomputation included.
+    :param peak_blocks_in_use: most blocks of the shared pool held at once
+        (of ``num_blocks``, block 0 the null block).
+    :param unserved: requests that could not run even with nothing left to
+        preempt, or are longer than ``max_model_len``.
+    :param unfinished: requests still queued or running when ``max_steps``
+        ran out.
+    """
+
+    requests: int
+    completed: int
+    steps: int
+    tokens_generated: int
+    computed_tokens: int
+    prompt_tokens_looked_up: int
+    prefix_hit_tokens: int
+    refused_steps: int
+    preemptions: int
+    admission_refusals: int
+    peak_running: int
+    num_blocks: int
+    peak_blocks_in_use: int
+    mean_blocks_in_use: float
+    max_num_batched_tokens: int
+    groups: tuple[GroupUsage, ...]
+    unserved: tuple[Unserved, ...] = ()
+    unfinished: tuple[str, ...] = ()
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Hit tokens over looked-up tokens (0 when nothing was looked up)."""
+        if not self.prompt_tokens_looked_up:
+            return 0.0
+        return self.prefix_hit_tokens / self.prompt_tokens_looked_up
+
+    @property
+    def peak_usage(self) -> float:
+        """Peak blocks in use over the usable blocks."""
+        usable = self.num_blocks - 1
+        return self.peak_blocks_in_use / usable if usable else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "completed": self.completed,
+            "steps": self.steps,
+            "tokens_generated": self.tokens_generated,
+            "computed_tokens": self.computed_tokens,
+            "prompt_tokens_looked_up": self.prompt_tokens_looked_up,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "refused_steps": self.refused_steps,
+            "preemptions": self.preemptions,
+            "admission_refusals": self.admission_refusals,
+            "peak_running": self.peak_running,
+            "num_blocks": self.num_blocks,
+            "peak_blocks_in_use": self.peak_blocks_in_use,
+            "mean_blocks_in_use": self.mean_blocks_in_use,
+            "peak_usage": self.peak_usage,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "groups": [g.to_dict() for g in self.groups],
+            "unserved": [u.to_dict() for u in self.unserved],
+            "unfinished": list(self.unfinished),
+        }

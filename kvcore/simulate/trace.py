@@ -1,0 +1,192 @@
+"""Trace files: a workload as JSON lines, one request a line.
+
+Each line is an object with these fields (docs/simulate.md has examples):
+
+``id``
+    a unique string (default ``"line-N"``, N the line number).
+``arrival``
+    the scheduler step the request arrives at, an int >= 0 (default 0).
+    The simulator has no clock: steps, not seconds.  Lines are in arrival
+    order.
+``prompt`` or ``prompt_len``
+    the prompt's token ids, or how many tokens it has; with ``prefix_id``
+    or ``parent`` these are the tokens after the prefix.
+``prefix_id``, ``prefix_len``
+    the prompt starts with the first ``prefix_len`` tokens of the shared
+    prefix named ``prefix_id``: equal names give equal token ids.
+``parent``
+    the id of an earlier line: this turn's prompt is the parent's prompt
+    and output, then its own tokens; it waits for the parent to finish.
+``output_len``
+    tokens the request generates, an int >= 1.
+
+Every line is checked as it is read; an error names the line and field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NoReturn
+
+from kvcore.coordinator.hashing import TOKEN_ID_LIMIT
+from kvcore.errors import KvcoreValueError
+from kvcore.simulate.workload import Workload, WorkloadRequest, token_stream
+
+__all__ = ["FIELDS", "TraceError", "load_trace", "parse_trace"]
+
+FIELDS = (
+    "id",
+    "arrival",
+    "prompt",
+    "prompt_len",
+    "prefix_id",
+    "prefix_len",
+    "parent",
+    "output_len",
+)
+
+
+class TraceError(KvcoreValueError):
+    """A trace file line is not a valid request."""
+
+    def __init__(self, message: str, *, line: int, field: str | None = None) -> None:
+        super().__init__(message)
+        self.line = line
+        self.field = field
+
+
+def load_trace(path: str | Path) -> Workload:
+    """The workload of a trace file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        msg = f"cannot read trace {path}: {exc.strerror or exc}"
+        raise TraceError(msg, line=0) from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        msg = f"{path} line {line}: not UTF-8 text; a trace is UTF-8 JSON lines"
+        raise TraceError(msg, line=line) from exc
+    return parse_trace(text.splitlines(), source=str(path))
+
+
+def parse_trace(lines: Iterable[str], *, source: str = "trace") -> Workload:
+    """The workload of trace lines (blank lines are skipped)."""
+    requests: list[WorkloadRequest] = []
+    by_id: dict[str, WorkloadRequest] = {}
+    prefix_streams: dict[str, list[int]] = {}
+    last_arrival = 0
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        request = _parse_line(raw, number, source, by_id, prefix_streams, last_arrival)
+        last_arrival = request.arrival
+        requests.append(request)
+        by_id[request.id] = request
+    if not requests:
+        msg = f"{source}: the trace holds no requests"
+        raise TraceError(msg, line=0)
+    return Workload(tuple(requests))
+
+
+def _parse_line(
+    raw: str,
+    number: int,
+    source: str,
+    by_id: dict[str, WorkloadRequest],
+    prefixes: dict[str, list[int]],
+    last_arrival: int,
+) -> WorkloadRequest:
+    def fail(field: str | None, why: str) -> NoReturn:
+        where = f"{source} line {number}" + (f", field {field!r}" if field else "")
+        msg = f"{where}: {why}"
+        raise TraceError(msg, line=number, field=field)
+
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        msg = f"{source} line {number}: not valid JSON ({exc})"
+        raise TraceError(msg, line=number) from exc
+    if not isinstance(data, dict):
+        fail(None, f"a line must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        fail(unknown[0], f"unknown field; the fields are {', '.join(FIELDS)}")
+
+    def count(field: str, low: int, default: int | None = None) -> int:
+        value = data.get(field, default)
+        if type(value) is not int or value < low:
+            fail(field, f"must be an int >= {low}, got {value!r}")
+        return value
+
+    def name(field: str) -> str | None:
+        value = data.get(field)
+        if value is not None and (type(value) is not str or not value):
+            fail(field, f"must be a non-empty string, got {value!r}")
+        return value
+
+    rid = name("id") or f"line-{number}"
+    if rid in by_id:
+        fail("id", f"{rid!r} is used by an earlier line; ids must be unique")
+    arrival = count("arrival", 0, 0)
+    if arrival < last_arrival:
+        fail(
+            "arrival",
+            f"step {arrival} is before the previous line's {last_arrival}; "
+            "list requests in arrival order",
+        )
+    output_len = count("output_len", 1)
+    if ("prompt" in data) == ("prompt_len" in data):
+        fail("prompt", "give exactly one of 'prompt' (token ids) and 'prompt_len'")
+    parent_id = name("parent")
+    prefix_id = name("prefix_id")
+    if parent_id is not None and prefix_id is not None:
+        fail(
+            "prefix_id",
+            "a turn with a parent inherits the parent's prefix; drop prefix_id",
+        )
+    if (prefix_id is None) != ("prefix_len" not in data):
+        field = "prefix_len" if prefix_id is not None else "prefix_id"
+        fail(field, "'prefix_id' and 'prefix_len' go together")
+    head: tuple[int, ...] = ()
+    if parent_id is not None:
+        parent = by_id.get(parent_id)
+        if parent is None:
+            fail("parent", f"{parent_id!r} is not the id of an earlier line")
+        head = parent.prompt + parent.output
+    if prefix_id is not None:
+        length = count("prefix_len", 1)
+        stream = prefixes.get(prefix_id, [])
+        if len(stream) < length:
+            stream = prefixes[prefix_id] = token_stream(
+                f"trace:prefix:{prefix_id}", length
+            )
+        head = tuple(stream[:length])
+    if "prompt" in data:
+        own = _tokens(data["prompt"], fail)
+    else:
+        own = tuple(token_stream(f"trace:prompt:{rid}", count("prompt_len", 1)))
+    if not head and not own:
+        fail("prompt", "the prompt is empty; a request needs a prompt token")
+    output = tuple(token_stream(f"trace:output:{rid}", output_len))
+    return WorkloadRequest(
+        rid, arrival, head + own, output, prefix_id=prefix_id, parent=parent_id
+    )
+
+
+def _tokens(
+    value: object, fail: Callable[[str | None, str], NoReturn]
+) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        fail("prompt", f"must be a list of token ids, got {type(value).__name__}")
+    for pos, tok in enumerate(value):
+        if type(tok) is not int or not 0 <= tok < TOKEN_ID_LIMIT:
+            fail(
+                "prompt",
+                f"token {pos} is {tok!r}; token ids are ints in [0, {TOKEN_ID_LIMIT})",
+            )
+    return tuple(value)

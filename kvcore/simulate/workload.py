@@ -1,0 +1,225 @@
+"""Workloads: the requests a simulation replays, and synthetic ones.
+
+A :class:`Workload` is a list of :class:`WorkloadRequest` in arrival
+order.  Every token id is fixed when the workload is built (the prompt and
+the output the request will generate), so a multi-turn chat's next turn can
+carry its parent's prompt and output verbatim and the prefix cache sees
+equal tokens.  Token ids are drawn from keyed streams: the same key gives
+the same ids on every platform and Python version.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import attrs
+import numpy as np
+
+from kvcore.errors import KvcoreValueError
+from kvcore.simulate.lengths import Distribution, parse_distribution
+
+__all__ = [
+    "VOCAB_SIZE",
+    "Workload",
+    "WorkloadError",
+    "WorkloadRequest",
+    "synthetic_workload",
+    "token_stream",
+]
+
+#: Token ids are drawn from ``[0, VOCAB_SIZE)``.
+VOCAB_SIZE = 32000
+
+
+class WorkloadError(KvcoreValueError):
+    """A workload's requests break the simulator's rules."""
+
+
+def token_stream(key: str, count: int) -> list[int]:
+    """``count`` token ids determined by ``key`` alone."""
+    if count <= 0:
+        return []
+    raw = random.Random(key).randbytes(4 * count)
+    return (np.frombuffer(raw, dtype="<u4") % VOCAB_SIZE).tolist()  # type: ignore[no-any-return]
+
+
+@attrs.frozen
+class WorkloadRequest:
+    """One request: when it arrives, its prompt, and the output it generates.
+
+    :param arrival: the first scheduler step it may be admitted at.
+    :param prompt: every prompt token id (a turn's prompt starts with its
+        parent's prompt and output).
+    :param output: the token ids it generates, one per sampled token; their
+        number is its output length.
+    :param prefix_id: the shared prefix its prompt starts with, if any.
+    :param parent: the earlier turn whose prompt and output this prompt
+        extends; the request is not admitted before the parent finishes.
+    """
+
+    id: str
+    arrival: int
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    prefix_id: str | None = None
+    parent: str | None = None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output)
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens it holds computed at most: the last sampled token is never
+        computed."""
+        return len(self.prompt) + len(self.output) - 1
+
+
+@attrs.frozen
+class Workload:
+    """Requests in arrival order, with unique ids and parents that come first."""
+
+    requests: tuple[WorkloadRequest, ...]
+
+    def __attrs_post_init__(self) -> None:
+        seen: dict[str, WorkloadRequest] = {}
+        last_arrival = 0
+        for index, request in enumerate(self.requests):
+            where = f"request {index} ({request.id!r})"
+            if type(request.id) is not str or not request.id:
+                msg = f"{where}: id must be a non-empty str"
+                raise WorkloadError(msg)
+            if request.id in seen:
+                msg = f"{where}: id {request.id!r} is used twice; ids must be unique"
+                raise WorkloadError(msg)
+            if type(request.arrival) is not int or request.arrival < 0:
+                msg = f"{where}: arrival must be an int step >= 0, got {request.arrival!r}"
+                raise WorkloadError(msg)
+            if request.arrival < last_arrival:
+                msg = (
+                    f"{where}: arrives at step {request.arrival}, before the request "
+                    f"ahead of it (step {last_arrival}); list requests in arrival order"
+                )
+                raise WorkloadError(msg)
+            last_arrival = request.arrival
+            if not request.prompt:
+                msg = f"{where}: the prompt is empty; a request needs a prompt token"
+                raise WorkloadError(msg)
+            if not request.output:
+                msg = f"{where}: the output is empty; a request generates at least one token"
+                raise WorkloadError(msg)
+            if request.parent is not None:
+                parent = seen.get(request.parent)
+                if parent is None:
+                    msg = (
+                        f"{where}: parent {request.parent!r} is not an earlier request"
+                    )
+                    raise WorkloadError(msg)
+                text = parent.prompt + parent.output
+                if request.prompt[: len(text)] != text:
+                    msg = (
+                        f"{where}: the prompt does not start with parent "
+                        f"{request.parent!r}'s prompt and output"
+                    )
+                    raise WorkloadError(msg)
+            seen[request.id] = request
+
+    @classmethod
+    def of(cls, requests: Iterable[WorkloadRequest]) -> Workload:
+        return cls(tuple(requests))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(r.output) for r in self.requests)
+
+
+def synthetic_workload(
+    num_requests: int,
+    *,
+    prompt_len: Distribution | str = "1024",
+    output_len: Distribution | str = "128",
+    shared_prefixes: int = 0,
+    prefix_len: int = 0,
+    turns: int = 1,
+    arrival_gap: Distribution | str = "0",
+    seed: int = 0,
+) -> Workload:
+    """``num_requests`` requests grouped into chats of ``turns`` turns (the
+    last chat may be shorter).
+
+    A chat's first prompt is one of ``shared_prefixes`` system prefixes of
+    ``prefix_len`` tokens (picked at random; none when 0) followed by
+    ``prompt_len`` new tokens; each later turn is its parent's prompt and
+    output followed by ``prompt_len`` new tokens.  Chats arrive
+    ``arrival_gap`` steps apart (0: all at step 0); a later turn carries its
+    chat's arrival and waits for its parent to finish.
+    """
+    prompt_dist = _dist(prompt_len, "prompt_len", 1)
+    output_dist = _dist(output_len, "output_len", 1)
+    gap_dist = _dist(arrival_gap, "arrival_gap", 0)
+    for name, value, low in (
+        ("num_requests", num_requests, 0),
+        ("shared_prefixes", shared_prefixes, 0),
+        ("prefix_len", prefix_len, 0),
+        ("turns", turns, 1),
+        ("seed", seed, None),
+    ):
+        if type(value) is not int or (low is not None and value < low):
+            bound = "an int" if low is None else f"an int >= {low}"
+            msg = f"{name} must be {bound}, got {value!r}"
+            raise WorkloadError(msg)
+    if shared_prefixes and not prefix_len:
+        msg = f"{shared_prefixes} shared prefixes need a prefix_len >= 1"
+        raise WorkloadError(msg)
+    rng = random.Random(seed)
+    prefixes = [
+        tuple(token_stream(f"{seed}:prefix:{k}", prefix_len))
+        for k in range(shared_prefixes)
+    ]
+    requests: list[WorkloadRequest] = []
+    arrival = 0
+    chat = 0
+    while len(requests) < num_requests:
+        if chat:
+            arrival += gap_dist.sample(rng)
+        prefix_id: str | None = None
+        text: tuple[int, ...] = ()
+        if prefixes:
+            k = rng.randrange(len(prefixes))
+            prefix_id, text = f"p{k}", prefixes[k]
+        parent: str | None = None
+        for turn in range(turns):
+            if len(requests) == num_requests:
+                break
+            rid = f"c{chat}" if turns == 1 else f"c{chat}.t{turn}"
+            new = token_stream(f"{seed}:prompt:{rid}", prompt_dist.sample(rng))
+            out = token_stream(f"{seed}:output:{rid}", output_dist.sample(rng))
+            prompt = text + tuple(new)
+            requests.append(
+                WorkloadRequest(
+                    rid,
+                    arrival,
+                    prompt,
+                    tuple(out),
+                    prefix_id=prefix_id if parent is None else None,
+                    parent=parent,
+                )
+            )
+            text = prompt + tuple(out)
+            parent = rid
+        chat += 1
+    return Workload(tuple(requests))
+
+
+def _dist(value: Distribution | str, what: str, minimum: int) -> Distribution:
+    if isinstance(value, Distribution):
+        return value
+    return parse_distribution(value, what=what, minimum=minimum)
