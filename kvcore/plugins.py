@@ -9,6 +9,9 @@ Environment variables, read when the manager is built:
     load no third-party entry points (kvcore's built-in kinds still load).
 ``KVCORE_DISABLE_PLUGINS=a,b``
     block the named plugins (entry-point names, e.g. ``mamba``).
+``KVCORE_PLUGINS=module,other``
+    also import and register these modules as plugins (named by module),
+    to try a kind without installing its distribution.
 ``KVCORE_TRACE_PLUGINS=1``
     print every hook call and result to stderr.
 """
@@ -96,6 +99,13 @@ def get_plugin_manager(
             _register(
                 pm, name, lambda module=module: importlib.import_module(module), None
             )
+
+    for module in _split(os.environ.get("KVCORE_PLUGINS")):
+        if pm.is_blocked(module) or pm.get_plugin(module) is not None:
+            continue
+        _register(
+            pm, module, lambda module=module: importlib.import_module(module), None
+        )
 
     try:
         pm.check_pending()

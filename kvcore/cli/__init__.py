@@ -44,9 +44,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--memory -5GiB`` -> ``--memory=-5GiB``, so a negative value reaches
+    the option's own check (and its message) instead of reading as a flag."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if (
+            token.startswith("--")
+            and "=" not in token
+            and nxt[:1] == "-"
+            and nxt[1:2].isdigit()
+        ):
+            out.append(f"{token}={nxt}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(
+        _join_negative_values(list(sys.argv[1:] if argv is None else argv))
+    )
     debug = bool(getattr(args, "debug", False))
     try:
         code: int = args.func(args)

@@ -302,7 +302,12 @@ def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | No
 
 
 def _positive(text: str, option: str) -> int:
-    return parse_tokens(text, what=option)
+    """A positive whole number (``--tp 2``, ``--block-size 32``)."""
+    value = str(text).strip()
+    if not value.isdigit() or int(value) < 1:
+        msg = f"{option} takes a positive whole number such as 2, got {text!r}"
+        raise CliUsageError(msg)
+    return int(value)
 
 
 def _budget(
@@ -382,8 +387,8 @@ def plan_from_args(
             max_block_growth=_positive(args.max_block_growth, "--max-block-growth"),
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
-        max_num_batched_tokens=_positive(
-            args.max_num_batched_tokens, "--max-num-batched-tokens"
+        max_num_batched_tokens=parse_tokens(
+            args.max_num_batched_tokens, what="--max-num-batched-tokens"
         ),
     )
     plan = plan_kv_cache(config, served.layers, budget.kv_bytes, registry=registry)
