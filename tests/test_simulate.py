@@ -538,6 +538,23 @@ def test_simulate_refuses_bad_options(
     assert match in capsys.readouterr().err
 
 
+def test_the_progress_bar_draws_on_stderr_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import simulate as command
+
+    quiet = command._ProgressBar(10)
+    quiet(1, 0, 10)
+    assert quiet.bar is None  # a short run draws nothing
+    monkeypatch.setattr(command, "PROGRESS_DELAY_S", 0.0)
+    bar = command._ProgressBar(10)
+    bar(1, 3, 10)
+    assert bar.bar is not None
+    assert bar.bar.tasks[0].completed == 3
+    bar.close()
+    assert capsys.readouterr().out == ""
+
+
 def test_the_installed_script_simulates() -> None:
     script = Path(sys.executable).with_name("kvcore")
     out = subprocess.run(

@@ -98,7 +98,8 @@ class Driver:
         max_steps: int | None = None,
         hash_function: str = "sha256",
     ) -> None:
-        if plan.scheduler_block_size is None or plan.hash_block_size is None:
+        scheduler_block_size = plan.scheduler_block_size
+        if scheduler_block_size is None or plan.hash_block_size is None:
             msg = (
                 "the plan carries no scheduler or hash block size; build it with "
                 "kvcore.plan_kv_cache"
@@ -109,6 +110,7 @@ class Driver:
                 plan.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
             )
         self.plan = plan
+        self._scheduler_block_size = scheduler_block_size
         self.registry = registry if registry is not None else default_registry()
         self.max_num_batched_tokens = _positive(
             "max_num_batched_tokens", max_num_batched_tokens
@@ -131,7 +133,6 @@ class Driver:
 
     def _manager(self, workload: Workload) -> tuple[KVCacheManager, int]:
         plan = self.plan
-        assert plan.scheduler_block_size is not None  # checked in __init__
         limit = self.max_model_len
         if limit is None:
             limit = max((r.max_tokens for r in workload.requests), default=1)
@@ -139,7 +140,7 @@ class Driver:
         manager = KVCacheManager(
             generate_scheduler_kv_cache_config([plan]),
             limit,
-            scheduler_block_size=plan.scheduler_block_size,
+            scheduler_block_size=self._scheduler_block_size,
             hash_block_size=plan.hash_block_size,
             enable_caching=plan.enable_prefix_caching,
             registry=self.registry,
