@@ -48,6 +48,7 @@ from kvcore.plan.capacity import Capacity, ideal_concurrency, plan_capacity
 from kvcore.plugins import get_plugin_manager
 from kvcore.pool import KVCachePool, allocate_kv_cache
 from kvcore.registry import KindRegistry, default_registry
+from kvcore.serving import ServingChoices, apply_serving_choices, parse_cache_dtype
 from kvcore.spec import (
     AttentionSpec,
     KVCacheSpec,
@@ -82,6 +83,9 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "ParallelConfig",
+    "ServingChoices",
+    "apply_serving_choices",
+    "parse_cache_dtype",
     # packer and pool
     "approximate_gcd",
     "build_kv_cache_tensors",

@@ -3,8 +3,10 @@
 The converter is built from a kind registry after plugins load, so a
 third-party kind round-trips like a built-in one.  A spec is a JSON object
 whose ``kind`` names its cache kind; every other key is a constructor
-keyword; dtypes are torch dtype names (``"bfloat16"``).  This JSON is what a
-scheduler ships to its workers, and what model files (``zoo/*.json``) use.
+keyword; dtypes are torch dtype names (``"bfloat16"``), and on reading also
+the cache dtype aliases engines take (``"fp8"``, ``"bf16"``).  This JSON is
+what a scheduler ships to its workers, and what model files (``zoo/*.json``)
+use.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 from kvcore.errors import KvcoreError, SerializationError, UnknownKindError
 from kvcore.layout import KVCacheLayout
 from kvcore.registry import KindRegistry, default_registry
+from kvcore.serving import CACHE_DTYPE_ALIASES
 from kvcore.spec import KVCacheSpec, UniformTypeKVCacheSpecs
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
@@ -38,13 +41,23 @@ UNIFORM_TAG = "uniform_type"
 
 
 def _dtype_from_name(value: Any, _: Any) -> torch.dtype:
+    """A torch dtype name (``"bfloat16"``, ``"torch.uint8"``) or a cache dtype
+    alias engines use (``"fp8"``, ``"bf16"``); ``auto`` names no dtype."""
     if isinstance(value, torch.dtype):
         return value
-    dtype = getattr(torch, str(value).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        msg = f"{value!r} is not a torch dtype name (e.g. 'bfloat16', 'uint8')"
-        raise ValueError(msg)
-    return dtype
+    if isinstance(value, str):
+        alias = CACHE_DTYPE_ALIASES.get(value.strip().lower())
+        if alias is not None:
+            return alias
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    aliases = ", ".join(k for k, v in CACHE_DTYPE_ALIASES.items() if v is not None)
+    msg = (
+        f"{value!r} is not a torch dtype name (e.g. 'bfloat16', 'uint8') or a "
+        f"cache dtype alias ({aliases})"
+    )
+    raise ValueError(msg)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -27,13 +27,16 @@ __all__ = [
     "AttentionSpec",
     "KVCacheSpec",
     "PackingRole",
+    "Sharded",
     "UniformTypeKVCacheSpecs",
     "cdiv",
+    "check_tp_size",
     "dtype_size",
     "iter_layer_specs",
     "positive_int",
     "is_bool",
     "optional_positive_int",
+    "replicate",
     "round_up",
 ]
 
@@ -106,6 +109,43 @@ def is_dtype(instance: object, attribute: attrs.Attribute[Any], value: Any) -> N
             f"(e.g. torch.bfloat16), got {value!r}"
         )
         raise InvalidSpecError(msg)
+
+
+def check_tp_size(tp_size: object) -> int:
+    """``tp_size`` if it is a positive int, else an :class:`InvalidSpecError`."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size <= 0:
+        msg = f"a tensor-parallel size must be a positive int, got {tp_size!r}"
+        raise InvalidSpecError(msg)
+    return tp_size
+
+
+@attrs.frozen(kw_only=True)
+class Sharded:
+    """What one tensor-parallel rank keeps of a layer's cache.
+
+    :param spec: the layer's spec on one rank.
+    :param replicas: ranks holding each copy of that per-rank cache: 1 when
+        the ranks split the layer, the tensor-parallel size when every rank
+        keeps all of it.
+    :param note: for a replicated layer, what is replicated and how, worded
+        so that equal layers give equal notes (the served notes group them).
+    """
+
+    spec: KVCacheSpec
+    replicas: int = attrs.field(default=1, validator=positive_int)
+    note: str = ""
+
+    @property
+    def replicated(self) -> bool:
+        """Whether more than one rank holds the same cache."""
+        return self.replicas > 1
+
+
+def replicate(spec: KVCacheSpec, tp_size: int, what: str) -> Sharded:
+    """``spec`` kept whole on each of ``tp_size`` ranks; ``what`` names the
+    cache in the note (``"MLA latent"``)."""
+    tp = check_tp_size(tp_size)
+    return Sharded(spec=spec, replicas=tp, note=f"{what} replicated on all {tp} ranks")
 
 
 class PackingRole(enum.Enum):
@@ -189,6 +229,45 @@ class KVCacheSpec:
         Kinds that allow growth set :attr:`max_block_growth`.
         """
         return self if factor == 1 else None
+
+    # -- serving choices ------------------------------------------------
+    def with_cache_dtype(self, dtype: torch.dtype) -> Self | None:
+        """This spec stored as ``dtype`` (an engine's ``--kv-cache-dtype``), or
+        ``None`` if the kind keeps its own dtype.
+
+        Default ``None``: only a kind whose pages hold the model's keys and
+        values as plain floats follows the engine's cache dtype; recurrent
+        states, rings and byte buffers have their own precision.
+        """
+        return None
+
+    def with_block_size(self, block_size: int) -> Self | None:
+        """This spec with ``block_size`` tokens per block (an engine's
+        ``--block-size``), or ``None`` if the kind keeps its own block.
+
+        Default ``None``: the block of a state, ring or buffer is not a page
+        of tokens, so the engine's block size does not apply.  Raise
+        :class:`InvalidSpecError` when the kind pages tokens but cannot take
+        this size.
+        """
+        return None
+
+    def sharded(self, tp_size: int) -> Sharded:
+        """What one of ``tp_size`` tensor-parallel ranks keeps of this layer.
+
+        Default: at size 1 the spec itself; any other size raises
+        :class:`InvalidSpecError`, since only the kind knows which of its
+        dimensions the ranks split and a guess would misstate every rank's
+        memory.  The model file holds whole-model (size 1) specs.
+        """
+        if check_tp_size(tp_size) == 1:
+            return Sharded(spec=self)
+        msg = (
+            f"kind {self.kind!r} ({type(self).__name__}) does not say how its "
+            f"cache splits across {tp_size} tensor-parallel ranks; its spec "
+            "class must override KVCacheSpec.sharded (see docs/plugins.md)"
+        )
+        raise InvalidSpecError(msg)
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens a request with ``num_computed_tokens`` computed
@@ -395,6 +474,72 @@ class AttentionSpec(KVCacheSpec):
         if factor == 1:
             return self
         return attrs.evolve(self, block_size=self.block_size * factor)
+
+    def with_cache_dtype(self, dtype: torch.dtype) -> Self | None:
+        """A floating-point cache takes ``dtype``.  A packed byte format (a
+        non-float dtype, such as DeepSeek's uint8 fp8 records with their
+        scales inline) or a page padded to an explicit size keeps its own:
+        the kernel defines that format, not the engine's cache dtype."""
+        if not self.dtype.is_floating_point or self.page_size_padded is not None:
+            return None
+        if dtype == self.dtype:
+            return self
+        return attrs.evolve(self, dtype=dtype)
+
+    def with_block_size(self, block_size: int) -> Self | None:
+        """A paged cache takes the block size.  Two keep their own block: a
+        page padded to an explicit size (the padding was sized for the
+        block), and a compressed cache (``tokens_per_state > 1``), whose block
+        the model's compression ratio and kernel fix rather than the
+        engine's block size."""
+        if self.page_size_padded is not None or self.tokens_per_state > 1:
+            return None
+        if block_size == self.block_size:
+            return self
+        return attrs.evolve(self, block_size=block_size)
+
+    def sharded(self, tp_size: int) -> Sharded:
+        """KV heads split across ranks as engines split the K/V projections:
+        ``num_kv_heads // tp`` heads a rank when ``tp`` divides the heads;
+        with fewer heads than ranks and ``tp`` a multiple of them, each rank
+        keeps one head and ``tp // num_kv_heads`` ranks hold each.  Any other
+        pair cannot be served."""
+        tp = check_tp_size(tp_size)
+        heads = self.num_kv_heads
+        if heads % tp == 0:
+            per_rank, replicas = heads // tp, 1
+        elif tp % heads == 0:
+            per_rank, replicas = 1, tp // heads
+        else:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            msg = (
+                f"{heads} KV heads do not divide across {tp} tensor-parallel "
+                f"ranks; engines need heads % tp == 0 (each rank keeps heads / "
+                f"tp) or tp % heads == 0 (heads replicated); use a "
+                f"tensor-parallel size in {divisors} or a multiple of {heads}"
+            )
+            raise InvalidSpecError(msg)
+        if per_rank == heads:
+            spec = self
+        elif self.page_size_padded is not None:
+            msg = (
+                f"{type(self).__name__}: page_size_padded={self.page_size_padded} "
+                f"was sized for {heads} KV heads, but each of {tp} ranks keeps "
+                f"{per_rank}; give the per-rank padded size, or drop the padding"
+            )
+            raise InvalidSpecError(msg)
+        else:
+            spec = attrs.evolve(self, num_kv_heads=per_rank)
+        if replicas == 1:
+            return Sharded(spec=spec)
+        if heads == 1:
+            note = f"single KV head replicated on all {tp} ranks"
+        else:
+            note = (
+                f"KV heads replicated across {tp} ranks: {heads} heads, "
+                "each rank keeps 1"
+            )
+        return Sharded(spec=spec, replicas=replicas, note=note)
 
 
 @attrs.frozen(kw_only=True, eq=True, hash=False)

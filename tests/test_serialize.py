@@ -127,9 +127,9 @@ def test_unknown_kind_lists_the_known_ones() -> None:
                 "block_size": 16,
                 "num_kv_heads": 1,
                 "head_size": 8,
-                "dtype": "bf16",
+                "dtype": "bf17",
             },
-            r"'bf16' is not a torch dtype name .* @ \$\.dtype",
+            r"'bf17' is not a torch dtype name .* @ \$\.dtype",
         ),
         (
             {

@@ -2,7 +2,9 @@
 
 A compressor ring holds the raw keys of the token group still being
 compressed; ``block_size`` is the ring's capacity.  It covers no token range,
-so it is never hashed and never contributes a prefix hit.
+so it is never hashed and never contributes a prefix hit.  Serving choices
+leave its dtype and capacity alone; under tensor parallelism its heads split
+like attention heads (a one-head ring of a latent is replicated).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
+import torch
 
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
@@ -42,6 +45,15 @@ class CircularBufferSpec(AttentionSpec):
         self, num_computed_tokens: int, num_tokens: int, block_size: int
     ) -> int:
         return 1
+
+    def with_cache_dtype(self, dtype: torch.dtype) -> CircularBufferSpec | None:
+        # The ring accumulates compressor inputs at the compressor's own
+        # precision; the engine's cache dtype is for the compressed cache.
+        return None
+
+    def with_block_size(self, block_size: int) -> CircularBufferSpec | None:
+        # The block is the ring's capacity, which the compression ratio fixes.
+        return None
 
 
 class CircularBuffer(AttentionKind):

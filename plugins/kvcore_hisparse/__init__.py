@@ -17,7 +17,7 @@ import attrs
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
-from kvcore.spec import KVCacheSpec, PackingRole, positive_int
+from kvcore.spec import KVCacheSpec, PackingRole, Sharded, positive_int, replicate
 from kvcore.structs import KVCacheGroupSpec, KVCacheTensor
 from kvcore_hisparse.manager import HiSparseHotManager
 
@@ -65,6 +65,12 @@ class HiSparseHotSpec(KVCacheSpec):
 
     def group_key(self) -> Hashable:
         return (self.kind, self.block_size, self.blocks_per_request)
+
+    def sharded(self, tp_size: int) -> Sharded:
+        """A hot page copies one page of a sparse-MLA latent cache, which every
+        rank keeps whole, so every rank keeps the same hot pages.  (Dtype and
+        block size stay too: a hot page is raw bytes of its source.)"""
+        return replicate(self, tp_size, "hot pages")
 
 
 class HiSparseHot(CacheKind):

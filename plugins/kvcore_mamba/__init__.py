@@ -22,11 +22,14 @@ from kvcore.kinds import CacheKind, LayerView, view_as_dtype
 from kvcore.spec import (
     KVCacheSpec,
     PackingRole,
+    Sharded,
     cdiv,
+    check_tp_size,
     dtype_size,
     is_bool,
     non_negative_int,
     optional_positive_int,
+    replicate,
 )
 from kvcore_mamba.manager import MambaManager, MambaStateManager
 
@@ -64,6 +67,21 @@ def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
     return dtypes
 
 
+def _shard_dims(value: Any) -> tuple[int | None, ...] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, list | tuple) and all(
+        d is None or type(d) is int for d in value
+    )
+    if not ok:
+        msg = (
+            "MambaSpec.shard_dims must be null or a sequence with one entry per "
+            f"state shape (the dim the ranks split, or null), got {value!r}"
+        )
+        raise InvalidSpecError(msg)
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class MambaSpec(KVCacheSpec):
     """A recurrent-state layer.
@@ -77,6 +95,11 @@ class MambaSpec(KVCacheSpec):
         ``align`` (states cached at block boundaries) or ``all``.
     :param num_speculative_blocks: extra state blocks for speculative decoding.
     :param page_size_padded: pad the page to this many bytes.
+    :param shard_dims: per state shape, the dim tensor-parallel ranks split
+        (``None``: every rank keeps that tensor whole); unset, the first of
+        two or more shapes (the conv state, ``(kernel - 1, channels)``)
+        splits its last dim and every other shape its dim 0 (heads or
+        channels).
     """
 
     kind: ClassVar[str] = "mamba"
@@ -90,9 +113,27 @@ class MambaSpec(KVCacheSpec):
     page_size_padded: int | None = attrs.field(
         default=None, validator=optional_positive_int
     )
+    shard_dims: tuple[int | None, ...] | None = attrs.field(
+        default=None, converter=_shard_dims
+    )
 
     def __attrs_post_init__(self) -> None:
         name = type(self).__name__
+        if self.shard_dims is not None:
+            if len(self.shard_dims) != len(self.shapes):
+                msg = (
+                    f"{name}.shard_dims needs one entry per state shape, got "
+                    f"{len(self.shard_dims)} for {len(self.shapes)} shapes"
+                )
+                raise InvalidSpecError(msg)
+            for shape, dim in zip(self.shapes, self.shard_dims, strict=True):
+                if dim is not None and not 0 <= dim < len(shape):
+                    msg = (
+                        f"{name}.shard_dims: dim {dim} is not a dim of state "
+                        f"shape {shape}; use 0..{len(shape) - 1}, or null to "
+                        "keep that tensor whole on every rank"
+                    )
+                    raise InvalidSpecError(msg)
         if not self.shapes or len(self.shapes) != len(self.dtypes):
             msg = (
                 f"{name} needs one dtype per state shape, got {len(self.shapes)} "
@@ -189,6 +230,54 @@ class MambaSpec(KVCacheSpec):
         if self.mamba_cache_mode == "align":
             return 2 + self.num_speculative_blocks
         return 1 + self.num_speculative_blocks
+
+    def shard_dim(self, index: int) -> int | None:
+        """The dim ranks split of state shape ``index`` (``None``: kept whole)."""
+        if self.shard_dims is not None:
+            return self.shard_dims[index]
+        if index == 0 and len(self.shapes) > 1:
+            return len(self.shapes[0]) - 1
+        return 0
+
+    def sharded(self, tp_size: int) -> Sharded:
+        """Each state tensor split along its :meth:`shard_dim`, as engines
+        shard the channels and heads of a recurrent mixer; a
+        ``tp_replicated`` state is kept whole on every rank.
+
+        The shapes are whole-model shapes, so this holds where the engine
+        divides each state dim evenly.  Where it instead replicates parts
+        before dividing (Mamba-2 with fewer groups than ranks adds groups to
+        the conv state), give per-rank shapes at size 1 instead.
+        """
+        tp = check_tp_size(tp_size)
+        if self.tp_replicated:
+            return replicate(self, tp, "recurrent state (tp_replicated)")
+        if tp == 1:
+            return Sharded(spec=self)
+        shapes: list[tuple[int, ...]] = []
+        for index, shape in enumerate(self.shapes):
+            dim = self.shard_dim(index)
+            if dim is None:
+                shapes.append(shape)
+                continue
+            if shape[dim] % tp:
+                msg = (
+                    f"state shape {index} {shape} splits dim {dim} "
+                    f"({shape[dim]}) across {tp} tensor-parallel ranks, which "
+                    f"does not divide it; use a tensor-parallel size that "
+                    f"divides {shape[dim]}, or set shard_dims (or tp_replicated)"
+                    " in the model file if the engine splits another dim"
+                )
+                raise InvalidSpecError(msg)
+            shapes.append((*shape[:dim], shape[dim] // tp, *shape[dim + 1 :]))
+        if self.page_size_padded is not None:
+            msg = (
+                f"{type(self).__name__}: page_size_padded={self.page_size_padded} "
+                f"was sized for the whole state, but {tp} ranks split it; give "
+                "the per-rank padded size, or drop the padding"
+            )
+            raise InvalidSpecError(msg)
+        return Sharded(spec=attrs.evolve(self, shapes=tuple(shapes)))
 
     def group_key(self) -> Hashable:
         return (

@@ -13,7 +13,7 @@ import attrs
 
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
-from kvcore.spec import non_negative_int
+from kvcore.spec import Sharded, non_negative_int, replicate
 from kvcore_full_attention import FullAttentionManager, FullAttentionSpec
 
 __all__ = ["MLA", "MLAAttentionSpec"]
@@ -31,6 +31,12 @@ class MLAAttentionSpec(FullAttentionSpec):
     kind: ClassVar[str] = "mla"
 
     head_size_v: int = attrs.field(default=0, validator=non_negative_int)
+
+    def sharded(self, tp_size: int) -> Sharded:
+        """Every rank keeps the whole latent: all query heads read the one
+        latent, so engines run MLA as a single KV head on each rank whatever
+        the tensor-parallel size."""
+        return replicate(self, tp_size, "MLA latent")
 
 
 class MLA(AttentionKind):

@@ -16,10 +16,12 @@ from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import (
     AttentionSpec,
     PackingRole,
+    Sharded,
     cdiv,
     is_bool,
     non_negative_int,
     positive_int,
+    replicate,
 )
 from kvcore_sliding_window.manager import SlidingWindowManager
 
@@ -87,6 +89,10 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
     kind: ClassVar[str] = "sliding_window_mla"
 
     head_size_v: int = attrs.field(default=0, validator=non_negative_int)
+
+    def sharded(self, tp_size: int) -> Sharded:
+        """Every rank keeps the whole latent window, as for MLA."""
+        return replicate(self, tp_size, "MLA latent")
 
 
 class SlidingWindow(AttentionKind):

@@ -15,6 +15,7 @@ import attrs
 
 from kvcore import AttentionKind, AttentionSpec, CacheKind, hookimpl
 from kvcore.coordinator import SingleTypeManager
+from kvcore.errors import InvalidSpecError
 from kvcore.spec import PackingRole, cdiv, positive_int
 
 __all__ = ["ChunkedLocalAttention", "ChunkedLocalAttentionSpec", "ChunkedLocalManager"]
@@ -52,6 +53,18 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         ):
             return None
         return super().grown(factor)
+
+    def with_block_size(self, block_size: int) -> ChunkedLocalAttentionSpec | None:
+        # Completed chunks free whole blocks only if the block tiles the chunk.
+        chunk = self.attention_chunk_size
+        if type(block_size) is int and block_size > 0 and chunk % block_size:
+            msg = (
+                f"block size {block_size} does not tile attention_chunk_size="
+                f"{chunk}; a chunk must be a whole number of blocks so completed "
+                f"chunks free whole blocks; use a block size that divides {chunk}"
+            )
+            raise InvalidSpecError(msg)
+        return super().with_block_size(block_size)
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         span = min(self.attention_chunk_size, max_model_len)

@@ -1,0 +1,291 @@
+"""Serving choices: what an engine changes in a model file's layers.
+
+A model file describes each layer as the model defines it, at tensor-parallel
+size 1.  An engine then applies its own settings before planning: the KV
+cache dtype (``--kv-cache-dtype``), the tensor-parallel size (``--tp``) and
+the block size (``--block-size``).  :func:`apply_serving_choices` turns the
+file's specs into one rank's specs and says, in notes a person reads, what
+changed and what did not.  It names no kind: each spec answers for itself
+through :meth:`~kvcore.spec.KVCacheSpec.with_cache_dtype`,
+:meth:`~kvcore.spec.KVCacheSpec.with_block_size` and
+:meth:`~kvcore.spec.KVCacheSpec.sharded`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore.errors import InvalidSpecError, KvcoreTypeError, KvcoreValueError
+from kvcore.spec import KVCacheSpec, Sharded
+
+__all__ = [
+    "CACHE_DTYPE_ALIASES",
+    "ServedLayers",
+    "ServingChoices",
+    "ServingError",
+    "apply_serving_choices",
+    "cache_dtype_name",
+    "parse_cache_dtype",
+]
+
+
+class ServingError(KvcoreValueError):
+    """A serving choice is unknown or cannot apply to one of the layers."""
+
+
+#: Every ``--kv-cache-dtype`` name kvcore accepts (lower case) and its torch
+#: dtype; ``auto`` (``None``) keeps the model file's dtypes.  ``fp8`` means
+#: e4m3, as in vLLM and SGLang; ``fp8_inc`` is the e4m3 cache of Intel Gaudi
+#: (Intel Neural Compressor), the same bytes per element.
+CACHE_DTYPE_ALIASES: Mapping[str, torch.dtype | None] = MappingProxyType(
+    {
+        "auto": None,
+        "fp8": torch.float8_e4m3fn,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_inc": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+    }
+)
+
+_CACHE_DTYPES = frozenset(d for d in CACHE_DTYPE_ALIASES.values() if d is not None)
+
+#: Names engines take that are a packed layout rather than a dtype.
+_PACKED_FORMATS = {
+    "fp8_ds_mla": (
+        "DeepSeek's fp8_ds_mla is a packed record (fp8 values, fp32 scales and "
+        "a bf16 RoPE part), not a dtype; describe it in the model file as a "
+        "uint8 cache of its record size (656 bytes a token for V3.2)"
+    ),
+}
+
+
+def parse_cache_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype an engine's ``--kv-cache-dtype`` name selects, or
+    ``None`` for ``auto`` (keep the model file's dtypes); case-insensitive."""
+    raw: object = name  # checked: the CLI and config mappers pass anything
+    if not isinstance(raw, str):
+        msg = f"a KV cache dtype name must be a string, got {raw!r}"
+        raise ServingError(msg)
+    key = raw.strip().lower()
+    if key in CACHE_DTYPE_ALIASES:
+        return CACHE_DTYPE_ALIASES[key]
+    hint = _PACKED_FORMATS.get(key)
+    msg = (
+        f"unknown KV cache dtype {name!r}; "
+        + (f"{hint}; " if hint else "")
+        + f"use one of: {', '.join(CACHE_DTYPE_ALIASES)}"
+    )
+    raise ServingError(msg)
+
+
+def cache_dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's canonical torch name (``"float8_e4m3fn"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _cache_dtype(value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse_cache_dtype(value)
+    if isinstance(value, torch.dtype) and value in _CACHE_DTYPES:
+        return value
+    names = sorted({cache_dtype_name(d) for d in _CACHE_DTYPES})
+    msg = (
+        f"ServingChoices.kv_cache_dtype must be None, a cache dtype name or one "
+        f"of the torch dtypes {', '.join(names)}, got {value!r}"
+    )
+    raise ServingError(msg)
+
+
+def _positive(
+    optional: bool,
+) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            msg = (
+                f"ServingChoices.{attribute.name} must be a positive int"
+                f"{' or None' if optional else ''}, got {value!r}"
+            )
+            raise ServingError(msg)
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class ServingChoices:
+    """The settings an engine applies to a model file's layers.
+
+    :param kv_cache_dtype: the cache dtype (a torch dtype or a name from
+        :data:`CACHE_DTYPE_ALIASES`); ``None`` keeps the file's dtypes.
+    :param tensor_parallel_size: ranks the model's heads and channels split
+        across; the result is one rank's layers.
+    :param block_size: tokens per block of every paged kind; ``None`` keeps
+        the file's block sizes.
+    """
+
+    kv_cache_dtype: torch.dtype | None = attrs.field(
+        default=None, converter=_cache_dtype
+    )
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive(False))
+    block_size: int | None = attrs.field(default=None, validator=_positive(True))
+
+
+@attrs.frozen(kw_only=True)
+class ServedLayers:
+    """One rank's layers after the serving choices, and what changed.
+
+    :param layers: layer name to its per-rank spec, in model order.
+    :param notes: the facts a person must see, one short line each.
+    :param choices: the choices applied.
+    :param replicated_layers: layers whose cache more than one rank holds.
+    :param dtype_kept_layers: layers that keep their own dtype under a
+        ``kv_cache_dtype``.
+    :param block_size_kept_layers: layers that keep their own block under a
+        ``block_size``.
+    """
+
+    layers: dict[str, KVCacheSpec]
+    notes: tuple[str, ...] = ()
+    choices: ServingChoices = ServingChoices()
+    replicated_layers: tuple[str, ...] = ()
+    dtype_kept_layers: tuple[str, ...] = ()
+    block_size_kept_layers: tuple[str, ...] = ()
+
+
+def _by_kind(names: list[str], specs: Mapping[str, KVCacheSpec]) -> str:
+    counts = Counter(type(specs[n]).kind or type(specs[n]).__name__ for n in names)
+    return ", ".join(f"{count} {kind}" for kind, count in counts.items())
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer{'' if n == 1 else 's'}"
+
+
+def _call(name: str, spec: KVCacheSpec, method: str, arg: object, want: type) -> Any:
+    """``spec.method(arg)``, its result checked, its errors naming the layer."""
+    try:
+        result = getattr(spec, method)(arg)
+    except InvalidSpecError as exc:
+        msg = f"layer {name!r} ({type(spec).kind}): {exc}"
+        raise ServingError(msg) from exc
+    if result is not None and not isinstance(result, want):
+        msg = (
+            f"layer {name!r}: {type(spec).__name__}.{method}({arg!r}) returned "
+            f"{result!r}, not a {want.__name__} or None"
+        )
+        raise KvcoreTypeError(msg)
+    return result
+
+
+def apply_serving_choices(
+    specs: Mapping[str, KVCacheSpec], choices: ServingChoices
+) -> ServedLayers:
+    """One tensor-parallel rank's specs for ``specs`` (a model file's
+    layers) under ``choices``: the cache dtype first, then the block size,
+    then the split across ranks.
+
+    Raises :class:`ServingError` naming the layer, the rule and the fix when
+    a choice cannot apply to a layer (heads that do not divide across the
+    ranks, a block that does not tile a chunk, a result its spec refuses).
+    """
+    given: object = choices  # checked: callers pass anything
+    if not isinstance(given, ServingChoices):
+        msg = f"choices must be a ServingChoices, got {given!r}"
+        raise KvcoreTypeError(msg)
+    source: object = specs
+    if not isinstance(source, Mapping):
+        msg = f"specs must map layer names to specs, got {type(source).__name__}"
+        raise KvcoreTypeError(msg)
+    layers: dict[str, KVCacheSpec] = {}
+    for name, spec in source.items():
+        if not isinstance(spec, KVCacheSpec):
+            msg = f"layer {name!r} has spec {spec!r}, not a KVCacheSpec"
+            raise KvcoreTypeError(msg)
+        layers[name] = spec
+    notes: list[str] = []
+
+    dtype_kept: list[str] = []
+    dtype = choices.kv_cache_dtype
+    if dtype is not None:
+        for name, spec in layers.items():
+            new = _call(name, spec, "with_cache_dtype", dtype, KVCacheSpec)
+            if new is None:
+                dtype_kept.append(name)
+            else:
+                layers[name] = new
+        note = f"cache dtype {cache_dtype_name(dtype)} on "
+        note += _layers(len(layers) - len(dtype_kept))
+        if dtype_kept:
+            note += (
+                f"; {_layers(len(dtype_kept))} keep their own dtype: "
+                f"{_by_kind(dtype_kept, layers)}"
+            )
+        notes.append(note)
+
+    block_kept: list[str] = []
+    block_size = choices.block_size
+    if block_size is not None:
+        for name, spec in layers.items():
+            new = _call(name, spec, "with_block_size", block_size, KVCacheSpec)
+            if new is None:
+                block_kept.append(name)
+            else:
+                layers[name] = new
+        note = f"block size {block_size} on {_layers(len(layers) - len(block_kept))}"
+        if block_kept:
+            note += (
+                f"; {_layers(len(block_kept))} keep their own block: "
+                f"{_by_kind(block_kept, layers)}"
+            )
+        notes.append(note)
+
+    replicated: list[str] = []
+    tp = choices.tensor_parallel_size
+    if tp > 1:
+        groups: Counter[str] = Counter()
+        for name, spec in layers.items():
+            shard = _call(name, spec, "sharded", tp, Sharded)
+            if shard is None:
+                msg = (
+                    f"layer {name!r}: {type(spec).__name__}.sharded({tp}) returned None"
+                )
+                raise KvcoreTypeError(msg)
+            if not isinstance(shard.spec, KVCacheSpec):
+                msg = (
+                    f"layer {name!r}: {type(spec).__name__}.sharded({tp}) gave "
+                    f"{shard.spec!r}, not a KVCacheSpec"
+                )
+                raise KvcoreTypeError(msg)
+            layers[name] = shard.spec
+            if shard.replicated:
+                replicated.append(name)
+                groups[shard.note or f"replicated on {shard.replicas} ranks"] += 1
+        split = len(layers) - len(replicated)
+        notes.append(f"tensor parallel {tp}: {_layers(split)} split across ranks")
+        notes.extend(f"{note} ({_layers(n)})" for note, n in groups.items())
+
+    return ServedLayers(
+        layers=layers,
+        notes=tuple(notes),
+        choices=choices,
+        replicated_layers=tuple(replicated),
+        dtype_kept_layers=tuple(dtype_kept),
+        block_size_kept_layers=tuple(block_kept),
+    )
