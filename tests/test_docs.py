@@ -50,3 +50,19 @@ def test_layouts_page_and_picture_show_every_layout() -> None:
     for layout in KVCacheLayout:
         assert f"`{layout.name}`" in page
         assert f">{layout.name}<" in picture
+
+
+def test_the_gpu_table_is_documented_with_its_memory() -> None:
+    from kvcore.accelerators import ACCELERATORS
+
+    text = (DOCS.parent / "cli.md").read_text()
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and " GiB" not in line
+    ]
+    for acc in ACCELERATORS:
+        assert any(
+            line.startswith(f"| {acc.name} | {acc.vendor} | {acc.memory_gib} |")
+            for line in rows
+        ), acc.name
