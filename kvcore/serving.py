@@ -278,7 +278,8 @@ def apply_serving_choices(
                 replicated.append(name)
                 groups[shard.note or f"replicated on {shard.replicas} ranks"] += 1
         split = len(layers) - len(replicated)
-        notes.append(f"tensor parallel {tp}: {_layers(split)} split across ranks")
+        if split:
+            notes.append(f"tensor parallel {tp}: {_layers(split)} split across ranks")
         notes.extend(f"{note} ({_layers(n)})" for note, n in groups.items())
 
     return ServedLayers(

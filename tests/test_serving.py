@@ -171,7 +171,6 @@ def test_gemma_pages_under_dtype_and_tensor_parallelism(
     assert {s.page_size_bytes for s in tp32.layers.values()} == {16 * 256 * 2}
     assert tp32.replicated_layers == tuple(layers)
     assert tp32.notes == (
-        "tensor parallel 32: 0 layers split across ranks",
         "KV heads replicated across 32 ranks: 16 heads, each rank keeps 1 (62 layers)",
     )
 
@@ -286,10 +285,7 @@ def test_mla_latents_are_replicated(zoo_registry: kvcore.KindRegistry) -> None:
     # One 576-value bf16 latent a token, 64 tokens a block, on every rank.
     assert {s.page_size_bytes for s in served.layers.values()} == {73728}
     assert served.replicated_layers == tuple(layers)
-    assert served.notes == (
-        "tensor parallel 8: 0 layers split across ranks",
-        "MLA latent replicated on all 8 ranks (61 layers)",
-    )
+    assert served.notes == ("MLA latent replicated on all 8 ranks (61 layers)",)
     window = SlidingWindowMLASpec(
         block_size=64, num_kv_heads=1, head_size=584, dtype=torch.uint8,
         sliding_window=128,
@@ -310,7 +306,6 @@ def test_deepseek_v4_rings_and_hot_pages_are_replicated(
     assert served.layers == {**layers, "hot": hot}
     assert len(served.replicated_layers) == 168
     assert served.notes == (
-        "tensor parallel 4: 0 layers split across ranks",
         "MLA latent replicated on all 4 ranks (105 layers)",
         "single KV head replicated on all 4 ranks (62 layers)",
         "hot pages replicated on all 4 ranks (1 layer)",
