@@ -272,6 +272,9 @@ class ModelFile:
     layers: dict[str, KVCacheSpec]
     notes: str = ""
     sources: tuple[str, ...] = ()
+    #: bytes of the whole model's weights (and activations) a device sets
+    #: aside before its KV cache, when the file says.
+    weights_bytes: int | None = None
 
 
 def load_model_file(
@@ -294,9 +297,16 @@ def load_model_file(
             f"{where} must be a JSON object with a 'layers' object (layer name -> spec)"
         )
         raise SerializationError(msg)
-    unknown = set(data) - {"name", "notes", "sources", "layers"}
+    unknown = set(data) - {"name", "notes", "sources", "layers", "weights_bytes"}
     if unknown:
         msg = f"{where}: unknown top-level key(s) {sorted(unknown)}"
+        raise SerializationError(msg)
+    weights = data.get("weights_bytes")
+    if weights is not None and (type(weights) is not int or weights < 0):
+        msg = (
+            f"{where}: weights_bytes must be a non-negative int of bytes, "
+            f"got {weights!r}"
+        )
         raise SerializationError(msg)
     sources = data.get("sources", [])
     if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
@@ -315,4 +325,5 @@ def load_model_file(
         layers=layers,
         notes=str(data.get("notes", "")),
         sources=tuple(sources),
+        weights_bytes=weights,
     )

@@ -25,7 +25,7 @@ from kvcore.config import (
     EngineConfig,
     ParallelConfig,
 )
-from kvcore.errors import KvcoreValueError, SerializationError
+from kvcore.errors import KvcoreValueError
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
 from kvcore.registry import KindRegistry
@@ -284,21 +284,10 @@ def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | No
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         msg = f"{path} is not valid JSON: {exc}"
         raise CliUsageError(msg) from exc
-    weights = None
-    if isinstance(data, dict) and "weights_bytes" in data:
-        data = dict(data)
-        value = data.pop("weights_bytes")
-        if type(value) is not int or value < 0:
-            msg = (
-                f"{path}: weights_bytes must be a non-negative int of bytes, "
-                f"got {value!r}"
-            )
-            raise SerializationError(msg)
-        weights = value
     model = load_model_file(data, registry)
     if model.name == "model file":
         model = attrs.evolve(model, name=path.stem)
-    return model, weights
+    return model, model.weights_bytes
 
 
 def _positive(text: str, option: str) -> int:
