@@ -311,7 +311,7 @@ def test_distributions_parse_and_draw() -> None:
         ("9-3", "LO <= HI"),
         ("lognormal:0,5", "positive finite mean"),
         ("poisson:3", "must be written as"),
-        ("1k", "must be written as"),
+        ("1q", "must be written as"),
     ],
 )
 def test_bad_distributions_name_the_option(text: str, match: str) -> None:
@@ -579,3 +579,11 @@ def test_the_installed_script_simulates() -> None:
     assert doc["result"]["completed"] == 3
     assert doc["result"]["tokens_generated"] == 15
     assert out.stderr == ""
+
+
+def test_lengths_take_k_as_1024() -> None:
+    from kvcore.simulate.lengths import parse_distribution
+
+    assert parse_distribution("4k", what="--prompt-len").a == 4096
+    uniform = parse_distribution("1k-8K", what="--prompt-len")
+    assert (uniform.kind, uniform.a, uniform.b) == ("uniform", 1024, 8192)

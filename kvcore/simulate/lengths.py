@@ -20,13 +20,13 @@ __all__ = ["Distribution", "DistributionError", "parse_distribution"]
 
 KINDS = ("fixed", "uniform", "normal", "lognormal")
 
-_INT = r"\s*([0-9]+)\s*"
+_INT = r"\s*([0-9]+[kK]?)\s*"
 _NUM = r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*"
 _FIXED = re.compile(rf"^{_INT}$")
 _UNIFORM = re.compile(rf"^{_INT}-{_INT}$")
 _SHAPED = re.compile(rf"^\s*(normal|lognormal)\s*:{_NUM},{_NUM}$")
 
-FORMS = "N, LO-HI, normal:MEAN,STD or lognormal:MEAN,STD"
+FORMS = "N (4k is 4096), LO-HI, normal:MEAN,STD or lognormal:MEAN,STD"
 
 
 class DistributionError(KvcoreValueError):
@@ -70,6 +70,13 @@ class Distribution:
         return f"{self.kind}:{self.a:g},{self.b:g}"
 
 
+def _count(text: str) -> int:
+    """``"4k"`` -> 4096 (``k`` is 1024, as for ``--context``)."""
+    if text[-1] in "kK":
+        return int(text[:-1]) * 1024
+    return int(text)
+
+
 def parse_distribution(text: object, *, what: str, minimum: int = 1) -> Distribution:
     """Read ``text`` (one of :data:`FORMS`); ``what`` names the option in
     errors and ``minimum`` is the smallest value allowed (1 for lengths, 0 for
@@ -78,13 +85,13 @@ def parse_distribution(text: object, *, what: str, minimum: int = 1) -> Distribu
         msg = f"{what} must be written as {FORMS}, got {text!r}"
         raise DistributionError(msg)
     if match := _FIXED.match(text):
-        value = int(match.group(1))
+        value = _count(match.group(1))
         if value < minimum:
             msg = f"{what} must be at least {minimum}, got {text!r}"
             raise DistributionError(msg)
         return Distribution("fixed", value, minimum=minimum)
     if match := _UNIFORM.match(text):
-        lo, hi = int(match.group(1)), int(match.group(2))
+        lo, hi = _count(match.group(1)), _count(match.group(2))
         if lo < minimum or hi < lo:
             msg = f"{what}: a range LO-HI needs {minimum} <= LO <= HI, got {text!r}"
             raise DistributionError(msg)
