@@ -11,7 +11,7 @@ from rich.text import Text
 
 from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.structs import KVCacheConfig
-from kvcore.summary import PlanSummary
+from kvcore.summary import GroupSummary, PlanSummary
 from kvcore.units import format_size, format_tokens
 
 #: Why each built-in policy is chosen, for the plan's report.
@@ -65,6 +65,30 @@ def format_plan(config: KVCacheConfig, *, title: str = "KV cache plan") -> str:
     return "\n".join(lines)
 
 
+def _kinds(group: GroupSummary) -> str:
+    return ", ".join(
+        f"{kind} x{count}" if count > 1 else kind for kind, count in group.kinds.items()
+    )
+
+
+#: Below this many columns the groups print as lines rather than a table.
+NARROW = 110
+
+
+def _groups_lines(summary: PlanSummary) -> Text:
+    """The groups for a narrow terminal: one line of figures, then the
+    layers, each group."""
+    text = Text("cache groups (they overlay each other: a block is one group's)\n")
+    for g in summary.groups:
+        text.append(
+            f"{g.index:>3}  {_kinds(g)}: {g.block_size} tok, "
+            f"{format_size(g.packed_bytes)}, {100 * g.fill:.1f}% full, {g.role}\n"
+        )
+        for layers in g.layer_ranges:
+            text.append(f"     {layers}\n", style="dim")
+    return text
+
+
 def _groups_table(summary: PlanSummary) -> Table:
     table = Table(
         title="cache groups (they overlay each other: a block is one group's)",
@@ -88,13 +112,10 @@ def _groups_table(summary: PlanSummary) -> Table:
             no_wrap=name != "layers",
         )
     for g in summary.groups:
-        kinds = ", ".join(
-            f"{kind} x{count}" if count > 1 else kind for kind, count in g.kinds.items()
-        )
         table.add_row(
             str(g.index),
             "\n".join(g.layer_ranges),
-            kinds,
+            _kinds(g),
             f"{g.block_size} tok",
             format_size(g.packed_bytes),
             f"{100 * g.fill:.1f}%",
@@ -135,7 +156,7 @@ def _capacity_table(summary: PlanSummary) -> Table:
     return table
 
 
-def render_summary(summary: PlanSummary) -> RenderableType:
+def render_summary(summary: PlanSummary, *, width: int | None = None) -> RenderableType:
     """The report ``kvcore plan`` prints: the verdict first, then the groups,
     the stride and the capacity at each context."""
     plan = summary.plan
@@ -164,7 +185,8 @@ def render_summary(summary: PlanSummary) -> RenderableType:
         )
     parts.append(Text("\n".join(lines)))
     parts.append(Text(""))
-    parts.append(_groups_table(summary))
+    narrow = width is not None and width < NARROW
+    parts.append(_groups_lines(summary) if narrow else _groups_table(summary))
     parts.append(Text(""))
     parts.append(_capacity_table(summary))
     return Group(*parts)
@@ -175,6 +197,6 @@ def print_summary(
 ) -> None:
     """Print :func:`render_summary` (to stdout unless ``console`` says)."""
     console = console or Console(highlight=False, soft_wrap=False)
-    console.print(render_summary(summary))
+    console.print(render_summary(summary, width=console.width))
     for line in extra:
         console.print(line)

@@ -471,3 +471,19 @@ def test_contexts_in_k_and_plain_tokens_agree(
     assert doc["plan"]["target_context"] == 32768
     assert [c["context"] for c in doc["capacity"]] == [32768, 4096]
     assert all(0 < c["ratio"] <= 1 for c in doc["capacity"])
+
+
+def test_a_narrow_terminal_gets_groups_as_lines() -> None:
+    env_run = subprocess.run(
+        [*_kvcore(), "plan", "jamba-1-5-mini", "--context", "4k"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+        check=False,
+    )
+    assert env_run.returncode == 0, env_run.stderr
+    lines = env_run.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    assert "  6  full_attention x4: 96 tok, 1.5 MiB, 100.0% full, cacheable" in lines
+    assert "     model.layers.{4,12,...,28}.self_attn" in lines

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -101,9 +102,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _console() -> Console:
-    return Console(
-        highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120
-    )
+    """Rich output at the terminal's width; 120 columns when piped, unless
+    ``COLUMNS`` says otherwise."""
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, soft_wrap=False, width=120 if piped else None)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
