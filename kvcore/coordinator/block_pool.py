@@ -10,7 +10,7 @@ pool hands the block out again (or the cache is reset).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -271,6 +271,8 @@ class BlockPool:
     __slots__ = (
         "_cached",
         "_events",
+        "_events_mark",
+        "_journal",
         "blocks",
         "enable_caching",
         "enable_kv_cache_events",
@@ -314,8 +316,36 @@ class BlockPool:
             BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]
         ] = {}
         self._events: list[KVCacheEvent] = []
+        #: Undo records of the open transaction (see :meth:`begin`), else None.
+        self._journal: list[_Undo] | None = None
+        self._events_mark = 0
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
+
+    # -- transactions -------------------------------------------------------
+
+    def begin(self) -> None:
+        """Open a transaction: until :meth:`commit` or :meth:`rollback`, every
+        change to reference counts, the free queue, the prefix cache and the
+        events is recorded so that :meth:`rollback` can undo it exactly."""
+        self._journal = []
+        self._events_mark = len(self._events)
+
+    def commit(self) -> None:
+        """Keep the open transaction's changes."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every change since :meth:`begin`, newest first: reference
+        counts, free-queue order, prefix-cache keys and events are as they
+        were."""
+        journal = self._journal
+        self._journal = None
+        if journal is None:
+            return
+        for undo in reversed(journal):
+            undo()
+        del self._events[self._events_mark :]
 
     # -- allocation ---------------------------------------------------------
 
@@ -331,16 +361,27 @@ class BlockPool:
             raise self._no_free_blocks(num_blocks)
         if num_blocks == 1:
             block = queue.popleft()
+            blocks = [block]
+            if self._journal is not None:
+                self._journal.append(lambda: self._unget(blocks))
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-            return [block]
+            return blocks
         blocks = queue.popleft_n(num_blocks)
+        if self._journal is not None:
+            taken = list(blocks)
+            self._journal.append(lambda: self._unget(taken))
         for block in blocks:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
         return blocks
+
+    def _unget(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            block.ref_cnt = 0
+        self.free_queue.prepend_n(blocks)
 
     def _no_free_blocks(self, num_blocks: int) -> KvcoreValueError:
         if num_blocks < 0:
@@ -360,6 +401,8 @@ class BlockPool:
         block.block_hash = None
         cached = self._cached
         entry = cached.get(key)
+        if self._journal is not None:
+            self._journal.append(self._restore_key(block, key, entry, had_key=True))
         if entry is block:
             del cached[key]
         elif isinstance(entry, dict):
@@ -375,12 +418,17 @@ class BlockPool:
         The null block is skipped.
         """
         remove = self.free_queue.remove
+        journal = self._journal
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
+                if journal is not None:
+                    journal.append(self._relink(block))
                 remove(block)
             block.ref_cnt += 1
+            if journal is not None:
+                journal.append(_unref(block))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching 0 become free.
@@ -398,6 +446,9 @@ class BlockPool:
             if type(ordered_blocks) is list or type(ordered_blocks) is tuple
             else list(ordered_blocks)
         )
+        if self._journal is not None:
+            self._free_journaled(blocks)
+            return
         if len(blocks) == 1:
             block = blocks[0]
             if block.is_null:
@@ -436,6 +487,82 @@ class BlockPool:
                 self.free_queue.prepend_n(unhashed)
                 freed = [b for b in freed if b.block_hash is not None]
         self.free_queue.append_n(freed)
+
+    def _free_journaled(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``free_blocks`` inside a transaction: the same effect, recorded."""
+        drops: dict[int, int] = {}
+        for block in blocks:
+            if block.is_null:
+                continue
+            n = drops[block.block_id] = drops.get(block.block_id, 0) + 1
+            if n > block.ref_cnt:
+                raise _double_free(block)
+        journal = self._journal
+        assert journal is not None  # internal invariant: called in a transaction
+        kept = [b for b in blocks if not b.is_null]
+        freed: list[KVCacheBlock] = []
+        for block in kept:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                freed.append(block)
+
+        def undo() -> None:
+            for block in freed:
+                self.free_queue.remove(block)
+            for block in kept:
+                block.ref_cnt += 1
+
+        journal.append(undo)
+        if not freed:
+            return
+        if self.enable_caching:
+            unhashed = [b for b in freed if b.block_hash is None]
+            if unhashed:
+                self.free_queue.prepend_n(unhashed)
+            self.free_queue.append_n([b for b in freed if b.block_hash is not None])
+        else:
+            self.free_queue.append_n(freed)
+
+    def _relink(self, block: KVCacheBlock) -> _Undo:
+        """An undo that puts ``block`` back where it sits in the free queue."""
+        prev, nxt = block.prev_free, block.next_free
+        queue = self.free_queue
+
+        def undo() -> None:
+            assert prev is not None  # recorded while the block was queued
+            assert nxt is not None
+            prev.next_free = block
+            block.prev_free = prev
+            block.next_free = nxt
+            nxt.prev_free = block
+            queue.num_free += 1
+
+        return undo
+
+    def _restore_key(
+        self,
+        block: KVCacheBlock,
+        key: BlockHashWithGroupId,
+        entry: KVCacheBlock | dict[int, KVCacheBlock] | None,
+        *,
+        had_key: bool,
+    ) -> _Undo:
+        """An undo that puts ``block``'s key back as it was (``key`` if it
+        ``had_key``, else none) and the prefix-cache entry of ``key`` as
+        ``entry`` was."""
+        saved = dict(entry) if isinstance(entry, dict) else entry
+        cached = self._cached
+
+        def undo() -> None:
+            block.block_hash = key if had_key else None
+            if saved is None:
+                cached.pop(key, None)
+            elif isinstance(saved, dict):
+                cached[key] = dict(saved)
+            else:
+                cached[key] = saved
+
+        return undo
 
     # -- prefix cache ---------------------------------------------------------
 
@@ -503,8 +630,12 @@ class BlockPool:
                 continue
             block_hash = block_hashes[i]
             key = (block_hash, group_id)
-            block.block_hash = key
             entry = cached.get(key)
+            if self._journal is not None:
+                self._journal.append(
+                    self._restore_key(block, key, entry, had_key=False)
+                )
+            block.block_hash = key
             if entry is None:
                 cached[key] = block
             elif isinstance(entry, dict):
@@ -562,6 +693,16 @@ class BlockPool:
             return []
         self._events = []
         return events
+
+
+_Undo: TypeAlias = Callable[[], None]
+
+
+def _unref(block: KVCacheBlock) -> _Undo:
+    def undo() -> None:
+        block.ref_cnt -= 1
+
+    return undo
 
 
 def _double_free(block: KVCacheBlock) -> InvalidRequestError:

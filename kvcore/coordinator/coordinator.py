@@ -18,7 +18,7 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.request import Request
-from kvcore.errors import BlockSizeError
+from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
 from kvcore.plan import effective_block_size, hit_alignment
 from kvcore.registry import KindRegistry
 from kvcore.structs import KVCacheConfig
@@ -83,6 +83,8 @@ class KVCacheCoordinator:
         self.max_model_len = max_model_len
         self.use_eagle = use_eagle
         managers: list[SingleTypeManager] = []
+        #: The plugin that registered each group's kind.
+        owners: list[str] = []
         for gid, group in enumerate(groups):
             layer_spec = group.manager_spec
             block_size = effective_block_size(group, dcp)
@@ -94,6 +96,7 @@ class KVCacheCoordinator:
                 )
                 raise BlockSizeError(msg)
             kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
+            owners.append(registry.owner(kind.name))
             manager = kind.make_manager(
                 layer_spec,
                 self.block_pool,
@@ -114,6 +117,8 @@ class KVCacheCoordinator:
                 raise BlockSizeError(msg)
             managers.append(manager)
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
+        self._owners = tuple(owners)
+        self._plugin_manager = getattr(registry, "_pm", None)
         #: Managers that release blocks a request no longer reads.
         self.skipping = tuple(m for m in managers if m.skips_blocks)
         self._caching = tuple(m for m in managers if m.caching)
@@ -122,6 +127,7 @@ class KVCacheCoordinator:
         self._growing = tuple(
             (gid, m) for gid, m in enumerate(managers) if m.position_indexed
         )
+        self._growing_managers = tuple(m for _, m in self._growing)
 
         # Prefix-cacheable groups with equal specs are searched together;
         # monotone (left-to-right) searches go first: they bound the others.
@@ -242,17 +248,51 @@ class KVCacheCoordinator:
         return tuple(out), length
 
     # -- allocation -------------------------------------------------------------
+    #
+    # Every call into a group's manager goes through a loop that knows the
+    # group, so a manager that raises is reported as its plugin's failure
+    # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        for manager in self.skipping:
-            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+        gid = -1
+        try:
+            for manager in self.skipping:
+                gid = manager.kv_cache_group_id
+                manager.remove_skipped_blocks(request_id, num_computed_tokens)
+        except Exception as exc:
+            raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
-        return sum(
-            m.count_freeable_skipped(request_id, num_computed_tokens)
-            for m in self.skipping
-        )
+        total = 0
+        gid = -1
+        try:
+            for manager in self.skipping:
+                gid = manager.kv_cache_group_id
+                total += manager.count_freeable_skipped(request_id, num_computed_tokens)
+        except Exception as exc:
+            raise self.plugin_error(gid, "count_freeable_skipped", exc) from exc
+        return total
+
+    def admission_blocks(
+        self,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_computed_tokens: int,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Every group's admission blocks for a new request with
+        ``num_computed_tokens`` computed (see
+        :meth:`SingleTypeManager.admission_blocks`)."""
+        out: list[list[KVCacheBlock]] = []
+        gid = 0
+        try:
+            for manager, computed in zip(
+                self.single_type_managers, new_computed_blocks, strict=True
+            ):
+                gid = manager.kv_cache_group_id
+                out.append(manager.admission_blocks(computed, num_computed_tokens))
+        except Exception as exc:
+            raise self.plugin_error(gid, "admission_blocks", exc) from exc
+        return tuple(out)
 
     def get_num_blocks_to_allocate(
         self,
@@ -260,39 +300,63 @@ class KVCacheCoordinator:
         num_tokens: int,
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
     ) -> int:
+        """Blocks a new request needs to cover ``num_tokens`` with
+        ``new_computed_blocks`` (its admission blocks) attached."""
         total = 0
-        for manager, computed in zip(
-            self.single_type_managers, new_computed_blocks, strict=True
-        ):
-            total += manager.get_num_blocks_to_allocate(
-                request_id, num_tokens, computed
-            )
+        gid = 0
+        try:
+            for manager, computed in zip(
+                self.single_type_managers, new_computed_blocks, strict=True
+            ):
+                gid = manager.kv_cache_group_id
+                total += _count(
+                    manager.get_num_blocks_to_allocate(request_id, num_tokens, computed)
+                )
+        except Exception as exc:
+            raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
 
     def add_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
     ) -> None:
         """Phase one: touch every group's hit blocks before anything allocates."""
-        for manager, computed in zip(
-            self.single_type_managers, new_computed_blocks, strict=True
-        ):
-            if computed:
-                manager.add_computed_blocks(request_id, computed)
+        gid = 0
+        try:
+            for manager, computed in zip(
+                self.single_type_managers, new_computed_blocks, strict=True
+            ):
+                gid = manager.kv_cache_group_id
+                if computed:
+                    manager.add_computed_blocks(request_id, computed)
+        except Exception as exc:
+            raise self.plugin_error(gid, "add_computed_blocks", exc) from exc
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens``."""
-        return tuple(
-            manager.allocate_new_blocks(request_id, num_tokens)
-            for manager in self.single_type_managers
-        )
+        out: list[list[KVCacheBlock]] = []
+        gid = 0
+        try:
+            for manager in self.single_type_managers:
+                gid = manager.kv_cache_group_id
+                out.append(manager.allocate_new_blocks(request_id, num_tokens))
+        except Exception as exc:
+            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
+        return tuple(out)
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
         total = 0
-        for _, manager in self._growing:
-            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
+        gid = 0
+        try:
+            for manager in self._growing_managers:
+                gid = manager.kv_cache_group_id
+                total += _count(
+                    manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
+                )
+        except Exception as exc:
+            raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
 
     def grow(
@@ -300,26 +364,39 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables; ``None`` if no block was added."""
         out: list[list[KVCacheBlock]] | None = None
-        for gid, manager in self._growing:
-            new = manager.allocate_new_blocks(request_id, num_tokens)
-            if new:
-                if out is None:
-                    out = [[] for _ in range(self.num_groups)]
-                out[gid] = new
+        gid = 0
+        try:
+            for gid, manager in self._growing:
+                new = manager.allocate_new_blocks(request_id, num_tokens)
+                if new:
+                    if out is None:
+                        out = [[] for _ in range(self.num_groups)]
+                    out[gid] = new
+        except Exception as exc:
+            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out) if out is not None else None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        for manager in self._caching:
-            manager.cache_blocks(request, num_tokens)
+        gid = -1
+        try:
+            for manager in self._caching:
+                gid = manager.kv_cache_group_id
+                manager.cache_blocks(request, num_tokens)
+        except Exception as exc:
+            raise self.plugin_error(gid, "cache_blocks", exc) from exc
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
         freed: list[KVCacheBlock] = []
-        for manager in self.single_type_managers:
-            blocks = manager.pop_blocks(request_id)
-            if blocks:
-                blocks.reverse()
-                freed += blocks
+        gid = 0
+        try:
+            for manager in self.single_type_managers:
+                gid = manager.kv_cache_group_id
+                blocks = manager.pop_blocks(request_id)
+                if blocks:
+                    freed += reversed(blocks)
+        except Exception as exc:
+            raise self.plugin_error(gid, "pop_blocks", exc) from exc
         if freed:
             self.block_pool.free_blocks(freed)
 
@@ -327,3 +404,58 @@ class KVCacheCoordinator:
         return tuple(
             m.req_to_blocks.get(request_id, []) for m in self.single_type_managers
         )
+
+    # -- transactions -------------------------------------------------------------
+
+    def request_state(self, request_id: str) -> list[Any]:
+        """Every group's per-request state (see :meth:`restore_request_state`)."""
+        gid = 0
+        try:
+            return [
+                m.request_state(request_id)
+                for gid, m in enumerate(self.single_type_managers)
+            ]
+        except Exception as exc:
+            raise self.plugin_error(gid, "request_state", exc) from exc
+
+    def restore_request_state(self, request_id: str, states: list[Any]) -> None:
+        for manager, state in zip(self.single_type_managers, states, strict=True):
+            manager.restore_request_state(request_id, state)
+
+    def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
+        """The error for group ``gid``'s manager raising ``exc`` in ``method``
+        (the caller has undone the step): names the kind, its plugin and,
+        where known, the plugin's distribution."""
+        if isinstance(exc, PluginError):
+            return exc
+        if not 0 <= gid < self.num_groups:
+            gid = 0
+        manager = self.single_type_managers[gid]
+        kind = manager.kv_cache_spec.kind
+        plugin = self._owners[gid]
+        distribution = None
+        if self._plugin_manager is not None:
+            from kvcore.plugins import plugin_distribution
+
+            try:
+                shown = plugin_distribution(self._plugin_manager, plugin)
+            except Exception:  # metadata lookups only decorate the message
+                shown = None
+            distribution = shown.rsplit(" ", 1)[0] if shown else None
+        where = f" (distribution {distribution!r})" if distribution else ""
+        msg = (
+            f"the {type(manager).__name__} of cache group {gid} (kind {kind!r}, "
+            f"plugin {plugin!r}{where}) raised in {method}: "
+            f"{type(exc).__name__}: {exc}; the step was undone and the block pool "
+            "is as it was before it. Report this to the plugin's authors, or block "
+            f"the plugin with KVCORE_DISABLE_PLUGINS={plugin}"
+        )
+        return PluginError(msg, plugin_name=plugin, distribution=distribution)
+
+
+def _count(value: object) -> int:
+    """A manager's block count, checked (a plugin may return anything)."""
+    if type(value) is not int or value < 0:
+        msg = f"returned {value!r} blocks; a block count is a non-negative int"
+        raise KvcoreValueError(msg)
+    return value

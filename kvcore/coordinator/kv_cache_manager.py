@@ -83,16 +83,35 @@ class KVCacheManager:
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
     ) -> None:
+        _require_type(
+            "kv_cache_config",
+            kv_cache_config,
+            KVCacheConfig,
+            "a kvcore.KVCacheConfig (the scheduler's view of a plan)",
+        )
         if hash_block_size is None:
             hash_block_size = scheduler_block_size
         for name, value in (
             ("max_model_len", max_model_len),
             ("scheduler_block_size", scheduler_block_size),
             ("hash_block_size", hash_block_size),
+            ("dcp", dcp),
         ):
-            if type(value) is not int or value < 1:
-                msg = f"KVCacheManager: {name} must be a positive int, got {value!r}"
-                raise InvalidRequestError(msg)
+            _positive_int(name, value)
+        for name, flag in (
+            ("enable_caching", enable_caching),
+            ("use_eagle", use_eagle),
+            ("enable_kv_cache_events", enable_kv_cache_events),
+        ):
+            _require_type(name, flag, bool, "a bool (True or False)", exact=True)
+        if registry is not None:
+            _require_type(
+                "registry",
+                registry,
+                KindRegistry,
+                "a kvcore.KindRegistry or None (kvcore.default_registry() or "
+                "KindRegistry.from_plugin_manager)",
+            )
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -257,48 +276,81 @@ class KVCacheManager:
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if num_tokens > self.max_model_len:
             num_tokens = self.max_model_len
+        held = self._requests.get(rid)
+        if held is not None and held is not request:
+            self._check_same_request(held, request)
         running = computed is None and rid in self._live
+        # Every group's table is sized by one rule at num_computed tokens:
+        # positions its kind skips are null, the others hold a block.  A
+        # running request first releases the blocks it no longer reads; a new
+        # one never takes them (see SingleTypeManager.num_skipped_blocks).
+        attach: tuple[list[KVCacheBlock], ...] = ()
         if running:
-            # Only tables that grow with tokens can change.
             need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
         else:
             if self.enable_caching:
                 self._check_hashing(request)
-            need = coordinator.get_num_blocks_to_allocate(
-                rid,
-                num_tokens,
+            attach = coordinator.admission_blocks(
                 computed if computed is not None else self.empty_kv_cache_blocks.blocks,
+                num_computed,
             )
+            need = coordinator.get_num_blocks_to_allocate(rid, num_tokens, attach)
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
-        skipping = bool(coordinator.skipping) and request.num_computed_tokens > 0
+        skipping = running and bool(coordinator.skipping) and num_computed > 0
         free = self.block_pool.free_queue.num_free
         if need > free and (
             not skipping
-            or need
-            > free
-            + coordinator.count_freeable_skipped(rid, request.num_computed_tokens)
+            or need > free + coordinator.count_freeable_skipped(rid, num_computed)
         ):
             return None
-        if skipping:
-            coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
-        new_blocks: tuple[list[KVCacheBlock], ...] | None
-        if running:
-            new_blocks = coordinator.grow(rid, num_tokens)
-        else:
-            if computed is not None:
-                coordinator.add_computed_blocks(rid, computed)
-            new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
-            self._live.add(rid)
+        pool = self.block_pool
+        states = coordinator.request_state(rid)
+        pool.begin()
+        try:
+            if skipping:
+                coordinator.remove_skipped_blocks(rid, num_computed)
+            new_blocks: tuple[list[KVCacheBlock], ...] | None
+            if running:
+                new_blocks = coordinator.grow(rid, num_tokens)
+            else:
+                coordinator.add_computed_blocks(rid, attach)
+                new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
+            if self.enable_caching and not delay_cache_blocks:
+                cached = num_computed + num_new_tokens
+                coordinator.cache_blocks(request, min(cached, request.num_tokens))
+        except BaseException:
+            # A manager that raised is reported as a PluginError naming it
+            # (see KVCacheCoordinator.plugin_error); the step is undone first.
+            pool.rollback()
+            coordinator.restore_request_state(rid, states)
+            raise
+        pool.commit()
+        self._live.add(rid)
         request.status = RequestStatus.RUNNING
         self._requests[rid] = request
-        if self.enable_caching and not delay_cache_blocks:
-            cached = num_computed + num_new_tokens
-            coordinator.cache_blocks(request, min(cached, request.num_tokens))
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_same_request(self, held: Request, request: Request) -> None:
+        """A live request id belongs to the request that holds its blocks; a
+        request object with the same id and the same tokens stands for it,
+        one with other tokens is refused."""
+        if (
+            held.all_token_ids == request.all_token_ids
+            and held.cache_salt == request.cache_salt
+            and held.lora_name == request.lora_name
+        ):
+            return
+        rid = request.request_id
+        msg = (
+            f"request id {rid!r} already holds blocks for another request (other "
+            "tokens, cache salt or LoRA); free it before reusing its id, or give "
+            "the new request its own id"
+        )
+        raise InvalidRequestError(msg)
 
     def _check_hit(
         self,
@@ -334,6 +386,17 @@ class KVCacheManager:
             )
             raise InvalidRequestError(msg)
         self._check_hashing(request)
+        own = self.block_pool.blocks
+        for gid, blocks in enumerate(computed):
+            for block in blocks:
+                if not _owned(own, block):
+                    msg = (
+                        f"request {rid!r}: the hit's blocks for group {gid} do not "
+                        "belong to this manager's block pool (they came from another "
+                        "KVCacheManager, or were built by hand); attach only the hit "
+                        "this manager's get_computed_blocks returned"
+                    )
+                    raise InvalidRequestError(msg)
         for gid, (manager, blocks) in enumerate(
             zip(self._managers, computed, strict=True)
         ):
@@ -385,8 +448,20 @@ class KVCacheManager:
         and mark the request ``FINISHED``."""
         rid = request if isinstance(request, str) else request.request_id
         self._require_live(rid)
+        coordinator = self.coordinator
+        pool = self.block_pool
+        states = coordinator.request_state(rid)
+        pool.begin()
+        try:
+            coordinator.free(rid)
+        except BaseException:
+            # A manager that raised is reported as a PluginError naming it
+            # (see KVCacheCoordinator.plugin_error); the step is undone first.
+            pool.rollback()
+            coordinator.restore_request_state(rid, states)
+            raise
+        pool.commit()
         self._live.discard(rid)
-        self.coordinator.free(rid)
         self._requests.pop(rid).status = RequestStatus.FINISHED
         if isinstance(request, Request):
             request.status = RequestStatus.FINISHED
@@ -472,6 +547,38 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV-cache events (stored / removed / cleared) since the last call."""
         return self.block_pool.take_events()
+
+
+def _owned(own: list[KVCacheBlock], block: object) -> bool:
+    """Whether ``block`` is one of the pool's own block objects."""
+    if not isinstance(block, KVCacheBlock):
+        return False
+    bid = block.block_id
+    return 0 <= bid < len(own) and own[bid] is block
+
+
+def _require_type(
+    name: str, value: object, expected: type, what: str, *, exact: bool = False
+) -> None:
+    ok = type(value) is expected if exact else isinstance(value, expected)
+    if not ok:
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = "a value"
+        msg = f"KVCacheManager: {name} must be {what}, got {shown} ({type(value).__name__})"
+        raise KvcoreTypeError(msg)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if type(value) is not int:
+        msg = (
+            f"KVCacheManager: {name} must be a positive int, got {value!r} "
+            f"({type(value).__name__})"
+        )
+        raise KvcoreTypeError(msg)
+    if value < 1:
+        msg = f"KVCacheManager: {name} must be a positive int, got {value!r}"
+        raise InvalidRequestError(msg)
 
 
 def _not_a_request(value: object) -> KvcoreTypeError:

@@ -76,7 +76,48 @@ class SingleTypeManager:
         #: request id -> how many of its blocks are already hashed.
         self.num_cached_block: dict[str, int] = {}
 
+    # -- the release rule -----------------------------------------------------
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading table positions a request with ``num_computed_tokens``
+        computed tokens never reads again.
+
+        This is the one rule of what a kind releases, and kvcore applies it
+        everywhere: at admission those positions get the null block (hit
+        blocks there are not taken, and no block is allocated for them),
+        and before every later step the blocks still held there go back to
+        the pool.  It is only consulted when :attr:`skips_blocks` is set.
+        Default: the spec's ``skipped_tokens`` in whole blocks, which agrees
+        with the default ``num_blocks_held``.
+        """
+        skipped: int = self.kv_cache_spec.skipped_tokens(num_computed_tokens)
+        return skipped // self.block_size
+
+    def _skip(self, num_computed_tokens: int) -> int:
+        if not self.skips_blocks or num_computed_tokens <= 0:
+            return 0
+        return self.num_skipped_blocks(num_computed_tokens)
+
     # -- allocation -----------------------------------------------------------
+
+    def admission_blocks(
+        self, hit: Sequence[KVCacheBlock], num_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """What a new request attaches at admission with ``num_computed_tokens``
+        computed (its hit included): the hit with the null block at every
+        position the kind skips, padded with the null block up to the first
+        position it reads.  No block is taken or allocated for a skipped
+        position, so a group without a hit (a bounded-replay window or a
+        chunked-local group beside a prefix-cached one) asks only for the
+        blocks the step reads or writes."""
+        skip = self._skip(num_computed_tokens)
+        if skip <= 0:
+            return list(hit)
+        null = self.null_block
+        out = [null if i < skip else block for i, block in enumerate(hit)]
+        if len(out) < skip:
+            out.extend([null] * (skip - len(out)))
+        return out
 
     def get_num_blocks_to_allocate(
         self,
@@ -85,7 +126,8 @@ class SingleTypeManager:
         new_computed_blocks: Sequence[KVCacheBlock],
     ) -> int:
         """Free blocks this group needs so the request covers ``num_tokens``:
-        new blocks plus hit blocks that must leave the free queue."""
+        new blocks plus hit blocks that must leave the free queue (null
+        blocks stand for skipped positions and take nothing)."""
         held = self.req_to_blocks.get(request_id)
         need = cdiv(num_tokens, self.block_size) - len(new_computed_blocks)
         if held is not None:
@@ -100,7 +142,8 @@ class SingleTypeManager:
     def add_computed_blocks(
         self, request_id: str, blocks: Sequence[KVCacheBlock]
     ) -> None:
-        """Attach prefix-hit blocks to a request (taking a reference on each)."""
+        """Attach admission blocks (see :meth:`admission_blocks`) to a
+        request, taking a reference on each that is not the null block."""
         if not blocks:
             return
         self.block_pool.touch(blocks)
@@ -154,18 +197,40 @@ class SingleTypeManager:
         """Release all of a request's blocks, tail first (evicted first)."""
         blocks = self.pop_blocks(request_id)
         if blocks:
-            blocks.reverse()
-            self.block_pool.free_blocks(blocks)
+            self.block_pool.free_blocks(blocks[::-1])
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
-        """Forget the request and hand back its table (the caller frees it)."""
+        """Forget the request and hand back its table (the caller frees it;
+        the list is not changed afterwards)."""
         self.num_cached_block.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, None)
 
-    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        """Leading blocks a request with ``num_computed_tokens`` computed
-        tokens never reads again (none by default; see :attr:`skips_blocks`)."""
-        return 0
+    # -- transactions -----------------------------------------------------------
+
+    def request_state(self, request_id: str) -> Any:
+        """What :meth:`restore_request_state` needs to put the request's
+        per-request state back as it is now.  A manager that keeps more
+        per-request state than the table and the hashed count extends both."""
+        blocks = self.req_to_blocks.get(request_id)
+        table = None if blocks is None else (blocks, list(blocks))
+        return table, self.num_cached_block.get(request_id)
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        """Put back what :meth:`request_state` recorded (the table list is
+        the same object, so views of it handed out stay valid)."""
+        table, cached = state
+        if table is None:
+            self.req_to_blocks.pop(request_id, None)
+        else:
+            blocks, items = table
+            blocks[:] = items
+            self.req_to_blocks[request_id] = blocks
+        if cached is None:
+            self.num_cached_block.pop(request_id, None)
+        else:
+            self.num_cached_block[request_id] = cached
+
+    # -- releasing ------------------------------------------------------------
 
     def _skipped(self, request_id: str, num_computed_tokens: int) -> list[int]:
         """Positions of the still-held blocks that skipping would release,
@@ -173,7 +238,7 @@ class SingleTypeManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return []
-        last = min(self.num_skipped_blocks(num_computed_tokens), len(blocks))
+        last = min(self._skip(num_computed_tokens), len(blocks))
         null = self.null_block
         out = []
         for i in range(last - 1, -1, -1):

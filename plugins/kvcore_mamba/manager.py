@@ -154,6 +154,17 @@ class MambaManager(SingleTypeManager):
         self._released.pop(request_id, None)
         return super().pop_blocks(request_id)
 
+    def request_state(self, request_id: str) -> Any:
+        return super().request_state(request_id), self._released.get(request_id)
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        base, released = state
+        super().restore_request_state(request_id, base)
+        if released is None:
+            self._released.pop(request_id, None)
+        else:
+            self._released[request_id] = released
+
     @classmethod
     def find_longest_cache_hit(
         cls,

@@ -35,10 +35,6 @@ class SlidingWindowManager(SingleTypeManager):
         )
         return not any(block.is_null for block in blocks[start:])
 
-    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        skipped: int = self.num_skipped_tokens(num_computed_tokens)
-        return skipped // self.block_size
-
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -60,7 +56,9 @@ class SlidingWindowManager(SingleTypeManager):
         when the cut leaves the window uncovered.
         """
         # The next token reads the window (and the extra tokens kept with it).
-        needed = -(-(spec.sliding_window - 1 + spec.extra_retained_tokens) // block_size)
+        needed = -(
+            -(spec.sliding_window - 1 + spec.extra_retained_tokens) // block_size
+        )
         null = block_pool.null_block
         limit = min(max_length // block_size, len(block_hashes))
         while True:
