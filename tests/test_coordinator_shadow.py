@@ -1,0 +1,327 @@
+"""A shadow model drives ``KVCacheManager`` with seeded random traces.
+
+The model knows, from each group's spec alone, how many blocks a request
+must hold after a step (``spec.num_blocks_held``) and which of its table
+positions a step releases (the spec's skip rule).  After every step it
+checks the manager against that: each table holds exactly the blocks the
+spec says, the pool lends out exactly the blocks live tables hold (nothing
+that no computation reads), a refused step really needed more blocks than
+the pool could give, a successful step took exactly what it needed, and at
+the end every block is free.
+
+Traces mix shared prefixes (prefix hits, partial hits), chunked prefill,
+decode and preemption (``free`` with the request sent back to waiting).
+``KVCORE_SHADOW_EXAMPLES`` raises the number of traces per plan (default 3).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import kvcore
+import kvcore.zoo
+from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore.serialize import load_model_file
+from kvcore_circular_buffer import CircularBufferSpec
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_hisparse import HiSparseHotSpec
+from kvcore_mamba import MambaSpec
+from kvcore_sliding_window import SlidingWindowSpec
+
+EXAMPLES = int(os.environ.get("KVCORE_SHADOW_EXAMPLES", "3"))
+STEPS = 60
+
+
+def released_below(spec: Any, num_computed: int, block_size: int) -> int:
+    """Leading positions a step with ``num_computed`` computed tokens no
+    longer reads, from the spec's rules: an align-mode Mamba state keeps only
+    the state after the last computed token; everything else skips its
+    ``skipped_tokens`` in whole blocks."""
+    if isinstance(spec, MambaSpec):
+        if spec.mamba_cache_mode == "align" and num_computed > 0:
+            return (num_computed - 1) // block_size
+        return 0
+    return int(spec.skipped_tokens(num_computed)) // block_size
+
+
+class Shadow:
+    """The independent model of one manager's requests."""
+
+    def __init__(self, mgr: KVCacheManager, rng: random.Random) -> None:
+        self.mgr = mgr
+        self.rng = rng
+        managers = mgr.coordinator.single_type_managers
+        self.specs = [m.kv_cache_spec for m in managers]
+        self.block_sizes = [m.block_size for m in managers]
+        self.positioned = [m.position_indexed for m in managers]
+        self.usable = mgr.block_pool.num_blocks - 1
+        self.unit = mgr.scheduler_block_size
+        self.prefixes = [
+            [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 4) * self.unit)]
+            for _ in range(3)
+        ]
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.count = 0
+        #: (request id, group) -> leading positions a prefix hit left null in
+        #: a Mamba "all" table: a hit restores only the state at its end, so
+        #: the states before it are never held (num_blocks_held counts a
+        #: state per block, the whole prefix included).
+        self.hit_gap: dict[tuple[str, int], int] = {}
+
+    # -- the model ------------------------------------------------------------
+
+    def tables(self, rid: str) -> tuple[list[int], ...]:
+        return self.mgr.get_block_ids(rid)
+
+    def holders(self) -> dict[int, int]:
+        """block id -> how many live table entries hold it."""
+        out: dict[int, int] = {}
+        for r in self.running:
+            for table in self.tables(r.request_id):
+                for bid in table:
+                    if bid:
+                        out[bid] = out.get(bid, 0) + 1
+        return out
+
+    def plan_step(
+        self,
+        r: Request,
+        num_computed: int,
+        num_tokens: int,
+        hit: tuple[list[int], ...] | None,
+    ) -> tuple[list[int], int, int]:
+        """(blocks each group must hold after the step, blocks the step takes
+        from the free queue, blocks it returns to it)."""
+        pool = self.mgr.block_pool
+        live = r in self.running
+        holders = self.holders() if live else {}
+        expected: list[int] = []
+        take = give = 0
+        for g, spec in enumerate(self.specs):
+            bs = self.block_sizes[g]
+            after = int(spec.num_blocks_held(num_computed, num_tokens, bs))
+            if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "all":
+                if not live:
+                    gap = len(hit[g]) - 1 if hit is not None and hit[g] else 0
+                    self.hit_gap[r.request_id, g] = gap
+                after -= self.hit_gap.get((r.request_id, g), 0)
+            expected.append(after)
+            if not self.positioned[g]:
+                if not live:
+                    take += after
+                continue
+            below = released_below(spec, num_computed, bs)
+            if live:
+                table = self.tables(r.request_id)[g]
+                kept = sum(1 for bid in table[below:] if bid)
+                give += sum(1 for bid in table[:below] if bid and holders[bid] == 1)
+            else:
+                blocks = hit[g] if hit is not None else []
+                kept = sum(1 for bid in blocks[below:] if bid)
+                take += sum(
+                    1 for bid in blocks[below:] if bid and pool.blocks[bid].ref_cnt == 0
+                )
+            take += after - kept
+        return expected, take, give
+
+    def check_pool(self) -> None:
+        held = set(self.holders())
+        taken = self.usable - self.mgr.get_num_free_blocks()
+        assert taken == len(held), (
+            f"{taken} blocks are out of the pool but live tables hold {len(held)}"
+        )
+
+    # -- the scheduler ----------------------------------------------------------
+
+    def new_request(self) -> Request:
+        rng = self.rng
+        self.count += 1
+        prefix = rng.choice(self.prefixes)[: rng.randrange(0, 4) * self.unit]
+        tail = [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 3 * self.unit))]
+        return Request(
+            f"r{self.count}", prefix + tail, hash_block_size=self.mgr.hash_block_size
+        )
+
+    def step(self, r: Request, num_new: int, *, admit: bool) -> bool:
+        mgr = self.mgr
+        hit_blocks = None
+        hit = 0
+        hit_ids: tuple[list[int], ...] | None = None
+        if admit:
+            hit_blocks, hit = mgr.get_computed_blocks(r)
+            hit_ids = hit_blocks.get_block_ids() if hit else None
+        num_computed = r.num_computed_tokens + hit
+        num_new = min(num_new, r.num_tokens - num_computed)
+        num_tokens = num_computed + num_new
+        expected, take, give = self.plan_step(r, num_computed, num_tokens, hit_ids)
+        free = mgr.get_num_free_blocks()
+        out = mgr.allocate_slots(r, num_new, hit, hit_blocks if hit else None)
+        if out is None:
+            assert take > free + give, (
+                f"{r.request_id}: refused with {free} free + {give} released "
+                f"but the step needs {take}"
+            )
+            assert mgr.get_num_free_blocks() == free
+            self.check_pool()
+            return False
+        assert mgr.get_num_free_blocks() == free - take + give
+        if admit:
+            self.waiting.remove(r)
+            self.running.append(r)
+        tables = self.tables(r.request_id)
+        for g, table in enumerate(tables):
+            assert sum(1 for bid in table if bid) == expected[g], (
+                f"{r.request_id} group {g} ({self.specs[g].kind}) holds "
+                f"{sum(1 for bid in table if bid)} blocks after covering "
+                f"{num_tokens} tokens with {num_computed} computed; the spec "
+                f"says {expected[g]}"
+            )
+        r.num_computed_tokens = num_tokens
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output_token_ids(self.rng.randrange(1, 30000))
+        self.check_pool()
+        return True
+
+    def free(self, r: Request, *, preempt: bool) -> None:
+        self.mgr.free(r)
+        self.running.remove(r)
+        if preempt:
+            r.num_computed_tokens = 0
+            self.waiting.append(r)
+        self.check_pool()
+
+    def run(self, steps: int) -> None:
+        rng = self.rng
+        limit = self.mgr.max_model_len - 2
+        for _ in range(steps):
+            action = rng.random()
+            if action < 0.3 or not (self.waiting or self.running):
+                self.waiting.append(self.new_request())
+            if self.waiting and rng.random() < 0.5:
+                r = rng.choice(self.waiting)
+                self.step(r, rng.randrange(1, 3 * self.unit), admit=True)
+            elif self.running:
+                r = rng.choice(self.running)
+                if r.num_tokens >= limit or rng.random() < 0.1:
+                    self.free(r, preempt=rng.random() < 0.5)
+                else:
+                    left = r.num_tokens - r.num_computed_tokens
+                    self.step(r, rng.randrange(1, left + 1), admit=False)
+        for r in list(self.running):
+            self.free(r, preempt=False)
+        assert self.mgr.get_num_free_blocks() == self.usable
+
+
+# ---------------------------------------------------------------------------
+# plans
+# ---------------------------------------------------------------------------
+
+
+def zoo_manager(name: str, registry: KindRegistry, num_blocks: int) -> KVCacheManager:
+    model = load_model_file(kvcore.zoo.path(name), registry)
+    cfg = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC",
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=num_blocks,
+        )
+    )
+    groups = kvcore.get_kv_cache_groups(cfg, model.layers, registry=registry)
+    plan = kvcore.get_kv_cache_config_from_groups(cfg, groups, 0)
+    sched, hash_bs = kvcore.resolve_kv_cache_block_sizes(plan, cfg)
+    return KVCacheManager(
+        kvcore.generate_scheduler_kv_cache_config([plan]),
+        64 * sched,
+        scheduler_block_size=sched,
+        hash_block_size=hash_bs,
+        registry=registry,
+    )
+
+
+@pytest.mark.parametrize("name", kvcore.zoo.names())
+def test_shadow_model_over_every_model_file(
+    name: str, zoo_registry: KindRegistry
+) -> None:
+    for seed in range(EXAMPLES):
+        rng = random.Random(f"{name}-{seed}")
+        mgr = zoo_manager(name, zoo_registry, rng.choice([40, 80, 200]))
+        Shadow(mgr, rng).run(STEPS)
+
+
+def attn(cls: Any, block_size: int = 4, **kw: Any) -> Any:
+    return cls(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16, **kw
+    )
+
+
+def hybrid(name: str, registry: KindRegistry) -> list[Any]:
+    chunked = registry["chunked_local_attention"].spec_type
+    mamba = lambda mode, bs=8: MambaSpec(  # noqa: E731
+        block_size=bs, shapes=((2, 4),), dtypes=(torch.float32,), mamba_cache_mode=mode
+    )
+    fa = attn(FullAttentionSpec)
+    return {
+        "replay_window": [
+            fa,
+            attn(SlidingWindowSpec, sliding_window=8, bounded_replay=True),
+        ],
+        "window": [fa, attn(SlidingWindowSpec, sliding_window=6)],
+        "chunked_local": [fa, attn(chunked, attention_chunk_size=8)],
+        "mamba_align": [fa, mamba("align")],
+        "mamba_all": [fa, mamba("all")],
+        "mamba_none": [fa, mamba("none")],
+        "three_kinds": [
+            fa,
+            attn(SlidingWindowSpec, sliding_window=5, extra_retained_tokens=2),
+            mamba("align"),
+        ],
+        "fixed_blocks": [
+            fa,
+            attn(CircularBufferSpec),
+            HiSparseHotSpec(block_size=4, page_size=64, blocks_per_request=2),
+        ],
+    }[name]
+
+
+@pytest.mark.parametrize(
+    ("name", "hash_bs"),
+    [
+        ("replay_window", 4),
+        ("window", 4),
+        ("chunked_local", 4),
+        ("mamba_align", 4),
+        ("mamba_align", 2),  # partial hits inside a Mamba block
+        ("mamba_all", 4),
+        ("mamba_none", 4),
+        ("three_kinds", 4),
+        ("fixed_blocks", 4),
+    ],
+)
+def test_shadow_model_over_hand_made_hybrids(
+    name: str, hash_bs: int, zoo_registry: KindRegistry
+) -> None:
+    specs = hybrid(name, zoo_registry)
+    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
+    sched = 8
+    for seed in range(EXAMPLES):
+        rng = random.Random(f"{name}-{hash_bs}-{seed}")
+        config = KVCacheConfig(
+            num_blocks=rng.choice([12, 24, 48]),
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+        )
+        mgr = KVCacheManager(
+            config,
+            max_model_len=96,
+            scheduler_block_size=sched,
+            hash_block_size=hash_bs,
+            registry=zoo_registry,
+        )
+        Shadow(mgr, rng).run(STEPS)
