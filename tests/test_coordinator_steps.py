@@ -284,7 +284,7 @@ def test_a_failing_manager_leaves_the_pool_as_it_was(
     assert mgr.allocate_slots(r1, 12) is not None
     mgr.free(r1)
     mgr.take_events()
-    # r2 hits 2 blocks per group (8 of 9 tokens... the hit is 8 tokens).
+    # r2 (9 tokens) hits its first 8 tokens: 2 blocks per group.
     r2 = Request("r2", [*range(8), 99], hash_block_size=4)
     blocks, hit = mgr.get_computed_blocks(r2)
     assert (hit, blocks.get_block_ids()) == (8, ([1, 2], [4, 5]))
