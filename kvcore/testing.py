@@ -52,7 +52,10 @@ def check_kind(
     and stable; ``merge([spec])`` is the spec; validation runs again on
     ``attrs.evolve``; the spec round-trips through JSON; the binder returns
     views that share the pool's storage, one page per block; the manager (if
-    any) builds, and a prefix-cacheable kind can search for hits.
+    any) builds, holds what ``num_blocks_held`` says through a chunked
+    prefill, and runs a whole cycle (prefill, decode, a prefix hit exactly
+    where the kind declares one, preemption, re-admission, free) within
+    ``max_num_blocks_per_request`` and returning every block.
     """
     registry = registry if registry is not None else KindRegistry.from_kinds([kind])
     _require(
@@ -136,6 +139,7 @@ def check_kind(
 
     if kind.manager_type is not None:
         _check_blocks_held(kind, spec, registry)
+        _check_hit_cycle(kind, spec, registry)
 
 
 def _check_planning_declarations(kind: CacheKind, spec: KVCacheSpec) -> None:
@@ -260,4 +264,140 @@ def _check_blocks_held(
         kind,
         f"after free the pool has {pool.free_queue.num_free} of {usable} blocks "
         "free; free must give back every block the request held",
+    )
+
+
+def _check_hit_cycle(
+    kind: CacheKind, spec: KVCacheSpec, registry: KindRegistry
+) -> None:
+    """A scheduler's whole cycle with prefix caching on: a request prefills in
+    chunks and decodes; a second request with the same prompt takes the hit
+    the kind declares (some tokens when ``prefix_cacheable``, none when not);
+    it is preempted mid-decode and admitted again; every step stays within
+    ``max_num_blocks_per_request``, and every block returns at the end."""
+    bs = spec.block_size
+    prompt = 12 * bs
+    decode = 2 * bs
+    total = prompt + decode
+    bound = spec.max_num_blocks_per_request(total)
+    num_blocks = 2 * max(cdiv(total, bs), bound) + 8
+    config = EngineConfig(
+        cache_config=CacheConfig(
+            kv_cache_layout=KVCacheLayout.BLHNC,
+            num_gpu_blocks_override=num_blocks,
+            enable_prefix_caching=True,
+        ),
+        max_model_len=total,
+    )
+    plan = get_kv_cache_config_from_groups(
+        config, [KVCacheGroupSpec(["layer.0"], spec)], num_blocks * spec.page_size_bytes
+    )
+    manager = KVCacheManager.from_plan(plan, registry=registry)
+    pool = manager.block_pool
+    usable = plan.num_blocks - 1
+    hash_size = manager.hash_block_size if manager.enable_caching else None
+    tokens = [7 + i % 97 for i in range(prompt)]
+
+    def held(rid: str) -> int:
+        return len(
+            {
+                b.block_id
+                for b in manager.coordinator.get_blocks(rid)[0]
+                if not b.is_null
+            }
+        )
+
+    def run(request: Request, what: str, hit_tokens: int) -> None:
+        computed = request.num_computed_tokens
+        # Whole-block chunks, so kinds that keep a state only where a step
+        # ends (Mamba ``align``) have states a later request can hit.
+        while computed < prompt:
+            size = min(4 * bs, prompt - computed)
+            blocks = manager.allocate_slots(request, size)
+            _require(
+                blocks is not None,
+                kind,
+                f"{what}: allocate_slots refused a prefill step of {size} tokens "
+                f"with {pool.free_queue.num_free} of {usable} blocks free",
+            )
+            need = spec.num_blocks_held(computed, computed + size, bs)
+            _require(
+                held(request.request_id) <= need,
+                kind,
+                f"{what}: prefilling tokens {computed}..{computed + size} the "
+                f"request holds {held(request.request_id)} blocks, more than "
+                f"spec.num_blocks_held says ({need})",
+            )
+            computed += size
+            request.num_computed_tokens = computed
+        for i in range(decode):
+            if request.num_tokens <= request.num_computed_tokens:
+                request.append_output_token_ids([3 + i])
+            blocks = manager.allocate_slots(request, 1)
+            _require(
+                blocks is not None,
+                kind,
+                f"{what}: a decode step was refused with "
+                f"{pool.free_queue.num_free} of {usable} blocks free",
+            )
+            request.num_computed_tokens += 1
+            _require(
+                held(request.request_id) <= bound,
+                kind,
+                f"{what}: decoding, the request holds {held(request.request_id)} "
+                f"blocks, more than max_num_blocks_per_request({total}) = {bound}",
+            )
+        del hit_tokens
+
+    first = Request("cycle-1", tokens, hash_block_size=hash_size)
+    run(first, "the first request", 0)
+    manager.free(first)
+    second = Request("cycle-2", tokens, hash_block_size=hash_size)
+    hit, length = manager.get_computed_blocks(second)
+    if spec.prefix_cacheable and spec.hashes_blocks and manager.enable_caching:
+        _require(
+            length > 0,
+            kind,
+            f"the kind is prefix_cacheable, but a request repeating a {prompt}-token "
+            "prompt got no hit; cache the blocks that can end a hit, or declare "
+            "prefix_cacheable = False (which turns off hits for the whole model)",
+        )
+    else:
+        _require(
+            length == 0,
+            kind,
+            f"the kind does not hash its blocks (prefix_cacheable="
+            f"{spec.prefix_cacheable}, hashes_blocks={spec.hashes_blocks}), but a "
+            f"repeated prompt got a {length}-token hit",
+        )
+    if length:
+        blocks = manager.allocate_slots(
+            second, prompt - length, length, new_computed_blocks=hit
+        )
+        _require(
+            blocks is not None,
+            kind,
+            "admitting the second request with its hit was refused",
+        )
+        second.num_computed_tokens = prompt
+    run(second, "the second request", length)
+    # Preempt it mid-flight, then admit it again from its prompt.
+    manager.free(second)
+    again = Request("cycle-3", tokens, hash_block_size=hash_size)
+    hit, length = manager.get_computed_blocks(again)
+    if length:
+        blocks = manager.allocate_slots(
+            again, prompt - length, length, new_computed_blocks=hit
+        )
+        _require(
+            blocks is not None, kind, "re-admitting a preempted request was refused"
+        )
+        again.num_computed_tokens = prompt
+    run(again, "the re-admitted request", length)
+    manager.free(again)
+    _require(
+        pool.free_queue.num_free == usable,
+        kind,
+        f"after the cycle the pool has {pool.free_queue.num_free} of {usable} "
+        "blocks free; free must give back every block a request held",
     )

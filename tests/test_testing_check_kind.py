@@ -24,6 +24,7 @@ from kvcore.registry import KindRegistry
 from kvcore.testing import ConformanceError, check_kind
 from kvcore_circular_buffer import CircularBuffer, CircularBufferSpec
 from kvcore_full_attention import FullAttention, FullAttentionSpec
+from kvcore_full_attention.manager import FullAttentionManager
 from kvcore_hisparse import HiSparseHot, HiSparseHotSpec
 from kvcore_mamba import Mamba, MambaSpec
 from kvcore_mla import MLA, MLAAttentionSpec
@@ -329,3 +330,71 @@ def test_element_size_must_be_positive() -> None:
     )
     with pytest.raises(ConformanceError, match="'zero_element': element_size"):
         check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+
+
+# ---------------------------------------------------------------------------
+# The whole cycle: hits exactly where declared, every block back
+# ---------------------------------------------------------------------------
+
+
+class NeverHitsManager(FullAttentionManager):
+    """Caches nothing a later request can find, yet its spec keeps the default
+    ``prefix_cacheable = True``: every hit in a model using it would be lost."""
+
+    @classmethod
+    def find_longest_cache_hit(  # type: ignore[override]
+        cls, spec: Any, block_hashes: Any, max_length: int, group_ids: Any, *args: Any
+    ) -> list[list[Any]]:
+        return [[] for _ in group_ids]
+
+
+@attrs.frozen(kw_only=True)
+class NeverHitsSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "never_hits"
+
+
+class NeverHits(FullAttention):
+    name: ClassVar[str] = "never_hits"
+    spec_type = NeverHitsSpec
+    manager_type = NeverHitsManager
+
+
+def test_a_cacheable_kind_that_never_hits_fails() -> None:
+    kind = NeverHits()
+    spec = NeverHitsSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
+    with pytest.raises(ConformanceError, match="'never_hits'") as info:
+        check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+    assert "repeating a 192-token prompt got no hit" in str(info.value)
+    assert "prefix_cacheable = False" in str(info.value)
+
+
+@attrs.frozen(kw_only=True)
+class UnderDeclaredSpec(SlidingWindowSpec):
+    """Declares a per-request bound below what decoding through its window
+    holds (the window's blocks plus the one being written)."""
+
+    kind: ClassVar[str] = "under_declared"
+
+    def max_num_blocks_per_request(self, max_model_len: int) -> int:
+        return 2
+
+
+class UnderDeclared(SlidingWindow):
+    name: ClassVar[str] = "under_declared"
+    spec_type = UnderDeclaredSpec
+
+
+def test_a_bound_below_what_decoding_holds_fails() -> None:
+    kind = UnderDeclared()
+    spec = UnderDeclaredSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float16,
+        sliding_window=64,
+    )
+    with pytest.raises(ConformanceError, match="'under_declared'") as info:
+        check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+    assert "more than max_num_blocks_per_request(224) = 2" in str(info.value)
