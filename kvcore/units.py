@@ -80,19 +80,23 @@ def _split(text: object, what: str, example: str) -> tuple[Decimal, str]:
     return value, match.group(2).lower()
 
 
-def parse_size(text: str | int, *, what: str = "memory") -> int:
-    """``"80GiB"`` -> ``85899345920``; ``"64GB"`` -> ``64000000000``."""
-    example = "80GiB, 64GB, 1.5TiB or 85899345920"
+def _parse(
+    text: str | int,
+    *,
+    what: str,
+    units: dict[str, int],
+    example: str,
+    unit_help: str,
+    noun: str,
+) -> int:
+    """A positive whole count of ``noun`` written with one of ``units``."""
     value, unit = _split(text, what, example)
-    if unit not in SIZE_UNITS:
-        msg = (
-            f"{what}: unknown unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, "
-            f"TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000), like {example}"
-        )
+    if unit not in units:
+        msg = f"{what}: unknown unit {unit!r} in {text!r}; {unit_help}, like {example}"
         raise UnitError(msg)
-    total = value * SIZE_UNITS[unit]
+    total = value * units[unit]
     if total != total.to_integral_value():
-        msg = f"{what} {text!r} is not a whole number of bytes"
+        msg = f"{what} {text!r} is not a whole number of {noun}"
         raise UnitError(msg)
     if total <= 0:
         msg = f"{what} must be positive, got {text!r}"
@@ -100,21 +104,29 @@ def parse_size(text: str | int, *, what: str = "memory") -> int:
     return int(total)
 
 
+def parse_size(text: str | int, *, what: str = "memory") -> int:
+    """``"80GiB"`` -> ``85899345920``; ``"64GB"`` -> ``64000000000``."""
+    return _parse(
+        text,
+        what=what,
+        units=SIZE_UNITS,
+        example="80GiB, 64GB, 1.5TiB or 85899345920",
+        unit_help="use B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB "
+        "(powers of 1000)",
+        noun="bytes",
+    )
+
+
 def parse_tokens(text: str | int, *, what: str = "context") -> int:
     """``"32k"`` -> ``32768``; ``"4096"`` -> ``4096``."""
-    example = "4096, 4k, 32k or 1m"
-    value, unit = _split(text, what, example)
-    if unit not in TOKEN_UNITS:
-        msg = (
-            f"{what}: unknown unit {unit!r} in {text!r}; token counts take k "
-            f"(1024) or m (1024*1024), like {example}"
-        )
-        raise UnitError(msg)
-    total = value * TOKEN_UNITS[unit]
-    if total != total.to_integral_value() or total <= 0:
-        msg = f"{what} must be a positive whole number of tokens, got {text!r}"
-        raise UnitError(msg)
-    return int(total)
+    return _parse(
+        text,
+        what=what,
+        units=TOKEN_UNITS,
+        example="4096, 4k, 32k or 1m",
+        unit_help="token counts take k (1024) or m (1024*1024)",
+        noun="tokens",
+    )
 
 
 def parse_fraction(text: str | float, *, what: str) -> float:

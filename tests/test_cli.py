@@ -332,7 +332,7 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
         (["--gpu", "H100", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--gpu", "L4", "--weights", "40GB"], "leave no KV cache"),
         (["--weights", "1GB"], "give --gpu with it"),
-        (["--context", "0"], "--context must be a positive whole number"),
+        (["--context", "0"], "--context must be positive, got '0'"),
         (["--context", "4q"], "unknown unit 'q'"),
         (["--tp", "0"], "--tp takes a positive whole number"),
         (["--kv-cache-dtype", "fp7"], "unknown KV cache dtype 'fp7'"),
