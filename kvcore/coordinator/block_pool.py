@@ -188,6 +188,33 @@ class FreeBlockQueue:
         assert first is not None
         self._link_after(head, first, blocks)
 
+    def link_after_head(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """:meth:`prepend_n` for blocks known to be in no queue (unchecked)."""
+        head = self._head
+        right = head.next_free
+        assert right is not None
+        prev = head
+        for block in blocks:
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = right
+        right.prev_free = prev
+        self.num_free += len(blocks)
+
+    def link_before_tail(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """:meth:`append_n` for blocks known to be in no queue (unchecked)."""
+        tail = self._tail
+        prev = tail.prev_free
+        assert prev is not None
+        for block in blocks:
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = tail
+        tail.prev_free = prev
+        self.num_free += len(blocks)
+
     def _link_after(
         self, left: KVCacheBlock, right: KVCacheBlock, blocks: Sequence[KVCacheBlock]
     ) -> None:
@@ -276,6 +303,7 @@ class BlockPool:
         "blocks",
         "enable_caching",
         "enable_kv_cache_events",
+        "evictions",
         "free_queue",
         "hash_block_size",
         "null_block",
@@ -319,6 +347,9 @@ class BlockPool:
         #: Undo records of the open transaction (see :meth:`begin`), else None.
         self._journal: list[_Undo] | None = None
         self._events_mark = 0
+        #: Prefix-cache keys dropped so far (evictions and resets): a hit
+        #: looked up when this was ``n`` still holds its keys while it is ``n``.
+        self.evictions = 0
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
 
@@ -399,6 +430,7 @@ class BlockPool:
         key = block.block_hash
         assert key is not None
         block.block_hash = None
+        self.evictions += 1
         cached = self._cached
         entry = cached.get(key)
         if self._journal is not None:
@@ -419,16 +451,22 @@ class BlockPool:
         """
         remove = self.free_queue.remove
         journal = self._journal
+        if journal is None:
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    if block.is_null:
+                        continue
+                    remove(block)
+                block.ref_cnt += 1
+            return
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                if journal is not None:
-                    journal.append(self._relink(block))
+                journal.append(self._relink(block))
                 remove(block)
             block.ref_cnt += 1
-            if journal is not None:
-                journal.append(_unref(block))
+            journal.append(_unref(block))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching 0 become free.
@@ -449,44 +487,32 @@ class BlockPool:
         if self._journal is not None:
             self._free_journaled(blocks)
             return
-        if len(blocks) == 1:
-            block = blocks[0]
-            if block.is_null:
-                return
-            cnt = block.ref_cnt - 1
-            if cnt < 0:
-                raise _double_free(block)
-            block.ref_cnt = cnt
-            if cnt == 0:
-                if self.enable_caching and block.block_hash is None:
-                    self.free_queue.prepend_n(blocks)
-                else:
-                    self.free_queue.append(block)
-            return
-        freed: list[KVCacheBlock] = []
+        # One pass: drop the reference and route a block that reaches 0 to
+        # the front (no key, caching on) or the back.  A block whose count
+        # just reached 0 was in use, so it is in no queue.
+        caching = self.enable_caching
+        front: list[KVCacheBlock] = []
+        back: list[KVCacheBlock] = []
         for i, block in enumerate(blocks):
-            if block.is_null:
-                continue
             cnt = block.ref_cnt - 1
-            if cnt < 0:
+            if cnt > 0:
+                block.ref_cnt = cnt
+            elif cnt == 0:
+                block.ref_cnt = 0
+                if caching and block.block_hash is None:
+                    front.append(block)
+                else:
+                    back.append(block)
+            elif not block.is_null:
                 for done in blocks[:i]:
                     if not done.is_null:
                         done.ref_cnt += 1
                 raise _double_free(block)
-            block.ref_cnt = cnt
-            if cnt == 0:
-                freed.append(block)
-        if not freed:
-            return
-        if self.enable_caching:
-            unhashed = [b for b in freed if b.block_hash is None]
-            if unhashed:
-                if len(unhashed) == len(freed):
-                    self.free_queue.prepend_n(freed)
-                    return
-                self.free_queue.prepend_n(unhashed)
-                freed = [b for b in freed if b.block_hash is not None]
-        self.free_queue.append_n(freed)
+        queue = self.free_queue
+        if front:
+            queue.link_after_head(front)
+        if back:
+            queue.link_before_tail(back)
 
     def _free_journaled(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``free_blocks`` inside a transaction: the same effect, recorded."""
@@ -566,6 +592,15 @@ class BlockPool:
 
     # -- prefix cache ---------------------------------------------------------
 
+    @property
+    def cached_blocks(
+        self,
+    ) -> dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]]:
+        """The prefix cache itself, for hit searches to read (never change
+        it): key -> the block holding it, or ``{block_id: block}`` when
+        several do."""
+        return self._cached
+
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         """The cached block of one group for ``block_hash``, or None (fast path)."""
         entry = self._cached.get((block_hash, group_id))
@@ -622,19 +657,20 @@ class BlockPool:
             return
         cached = self._cached
         events = self.enable_kv_cache_events
+        journal = self._journal
         stored_hashes: list[BlockHash] = []
         stored_ids: list[int] = []
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null or block.block_hash is not None:
+        for block, block_hash in zip(
+            blocks[num_cached_blocks:num_full_blocks],
+            block_hashes[num_cached_blocks:num_full_blocks],
+            strict=True,
+        ):
+            if block.block_hash is not None or block.is_null:
                 continue
-            block_hash = block_hashes[i]
             key = (block_hash, group_id)
             entry = cached.get(key)
-            if self._journal is not None:
-                self._journal.append(
-                    self._restore_key(block, key, entry, had_key=False)
-                )
+            if journal is not None:
+                journal.append(self._restore_key(block, key, entry, had_key=False))
             block.block_hash = key
             if entry is None:
                 cached[key] = block
@@ -667,6 +703,7 @@ class BlockPool:
         if self.num_blocks - self.free_queue.num_free != 1:
             return False
         self._cached.clear()
+        self.evictions += 1
         for block in self.blocks:
             block.block_hash = None
         if self.enable_kv_cache_events:

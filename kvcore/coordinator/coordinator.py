@@ -16,7 +16,7 @@ import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
-from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.manager import SingleTypeManager, runs_vetted
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
 from kvcore.plan import effective_block_size, hit_alignment
@@ -117,6 +117,11 @@ class KVCacheCoordinator:
                 raise BlockSizeError(msg)
             managers.append(manager)
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
+        #: Every manager runs only kvcore's own code (see
+        #: :func:`~kvcore.coordinator.manager.runs_vetted`): once a step is
+        #: validated nothing in it can raise, so it runs without an undo
+        #: record.  Otherwise KVCacheManager runs each step as a transaction.
+        self.vetted = all(runs_vetted(m) for m in managers)
         self._owners = tuple(owners)
         self._plugin_manager = getattr(registry, "_pm", None)
         #: Managers that release blocks a request no longer reads.
@@ -152,6 +157,14 @@ class KVCacheCoordinator:
             else scheduler_block_size
         )
         self.num_groups = len(managers)
+        #: The one spec group when there is exactly one and its search is
+        #: monotone (the lookup needs no fixed point), else None.
+        self._single = (
+            self.attention_groups[0]
+            if len(self.attention_groups) == 1
+            and self.attention_groups[0].manager_type.monotone_hits
+            else None
+        )
         #: Groups whose state depends on the whole prefix but whose manager
         #: caches nothing (a recurrent state that is never checkpointed):
         #: no prefix can be restored for them, so there is no hit at all.
@@ -182,6 +195,8 @@ class KVCacheCoordinator:
             return tuple([] for _ in range(self.num_groups)), 0
         alignment = self.cache_hit_alignment
         limit = max_length - max_length % alignment
+        if self._single is not None and not self.use_eagle:
+            return self._single_hit(block_hashes, limit, alignment)
         if self.use_eagle:
             hits, length = self._fixed_point(block_hashes, limit, alignment)
             if length == 0:
@@ -189,6 +204,35 @@ class KVCacheCoordinator:
             limit = length - alignment
         hits, length = self._fixed_point(block_hashes, limit, alignment)
         return hits, length
+
+    def _single_hit(
+        self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The hit of the one prefix-cacheable spec group when its search is
+        monotone: one search is the fixed point."""
+        group = self.attention_groups[0]
+        block_size = group.block_size
+        hashes = (
+            block_hashes
+            if block_size == self.hash_block_size
+            else hashes_at_block_size(block_hashes, self.hash_block_size, block_size)
+        )
+        found = group.manager_type.find_longest_cache_hit(
+            group.spec,
+            hashes,
+            limit,
+            group.group_ids,
+            self.block_pool,
+            block_size,
+            alignment,
+        )
+        keep = len(found[0])
+        if self.num_groups == 1:
+            return (found[0],), keep * block_size
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        for gid, group_hit in zip(group.group_ids, found, strict=True):
+            out[gid] = group_hit if len(group_hit) == keep else group_hit[:keep]
+        return tuple(out), keep * block_size
 
     def _fixed_point(
         self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
@@ -348,6 +392,10 @@ class KVCacheCoordinator:
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
         total = 0
+        if self.vetted:
+            for manager in self._growing_managers:
+                total += manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
+            return total
         gid = 0
         try:
             for manager in self._growing_managers:
@@ -387,6 +435,11 @@ class KVCacheCoordinator:
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
+        if self.num_groups == 1 and self.vetted:
+            blocks = self.single_type_managers[0].pop_blocks(request_id)
+            if blocks:
+                self.block_pool.free_blocks(blocks[::-1])
+            return
         freed: list[KVCacheBlock] = []
         gid = 0
         try:

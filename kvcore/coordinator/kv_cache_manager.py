@@ -18,10 +18,13 @@ __all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
 class KVCacheBlocks:
     """Blocks of one request step: ``blocks[group]`` is that group's list."""
 
-    __slots__ = ("blocks",)
+    __slots__ = ("_lookup", "blocks")
 
     def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
         self.blocks = blocks
+        #: Set by KVCacheManager.get_computed_blocks on the hit it returns:
+        #: (its pool, the pool's eviction count, the request, ``blocks``).
+        self._lookup: tuple[object, int, object, object] | None = None
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -191,13 +194,18 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         self._check_hashing(request)
         blocks, length = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            request.block_hashes, len(request.all_token_ids) - 1
         )
         stats = self.prefix_cache_stats
         stats.requests += 1
-        stats.queries += request.num_tokens
+        stats.queries += len(request.all_token_ids)
         stats.hits += length
-        return self.create_kv_cache_blocks(blocks), length
+        if not length:
+            return self.empty_kv_cache_blocks, 0
+        out = KVCacheBlocks(blocks)
+        pool = self.block_pool
+        out._lookup = (pool, pool.evictions, request, blocks)
+        return out, length
 
     def _check_hashing(self, request: Request) -> None:
         if request.hash_block_size != self.hash_block_size:
@@ -240,16 +248,13 @@ class KVCacheManager:
                 "tokens; schedule a positive int number of tokens"
             )
             raise InvalidRequestError(msg)
-        for name, value in (
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
+        if (
+            type(num_new_computed_tokens) is not int
+            or num_new_computed_tokens < 0
+            or type(num_lookahead_tokens) is not int
+            or num_lookahead_tokens < 0
         ):
-            if type(value) is not int or value < 0:
-                msg = (
-                    f"allocate_slots for request {rid!r}: {name} must be a "
-                    f"non-negative int, got {value!r}"
-                )
-                raise InvalidRequestError(msg)
+            _check_counts(rid, num_new_computed_tokens, num_lookahead_tokens)
         coordinator = self.coordinator
         computed = (
             new_computed_blocks.blocks if new_computed_blocks is not None else None
@@ -257,29 +262,38 @@ class KVCacheManager:
         if computed is not None and not any(computed):
             computed = None
         if num_new_computed_tokens or computed is not None:
-            self._check_hit(request, computed, num_new_computed_tokens)
+            self._check_hit(
+                request, new_computed_blocks, computed, num_new_computed_tokens
+            )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        if num_computed + num_new_tokens > self.max_model_len:
-            msg = (
-                f"request {rid!r} would hold {num_computed + num_new_tokens} tokens, "
-                f"past max_model_len={self.max_model_len}; stop or truncate it first"
-            )
-            raise InvalidRequestError(msg)
-        if num_lookahead_tokens and coordinator.lookahead_refusers:
-            gid = coordinator.lookahead_refusers[0]
-            msg = (
-                f"request {rid!r}: group {gid} ({self._managers[gid].kv_cache_spec.kind}) "
-                "cannot hold speculative lookahead slots (its state sits at the last "
-                "computed position); schedule without lookahead for this plan"
-            )
-            raise InvalidRequestError(msg)
-        num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
-            num_tokens = self.max_model_len
+            msg = (
+                f"request {rid!r} would hold {num_tokens} tokens, past "
+                f"max_model_len={self.max_model_len}; stop or truncate it first"
+            )
+            raise InvalidRequestError(msg)
+        cache_to = -1
+        if self.enable_caching and not delay_cache_blocks:
+            cache_to = min(num_tokens, len(request.all_token_ids))
+        if num_lookahead_tokens:
+            if coordinator.lookahead_refusers:
+                gid = coordinator.lookahead_refusers[0]
+                kind = self._managers[gid].kv_cache_spec.kind
+                msg = (
+                    f"request {rid!r}: group {gid} ({kind}) cannot hold speculative "
+                    "lookahead slots (its state sits at the last computed "
+                    "position); schedule without lookahead for this plan"
+                )
+                raise InvalidRequestError(msg)
+            num_tokens += num_lookahead_tokens
+            if num_tokens > self.max_model_len:
+                num_tokens = self.max_model_len
         held = self._requests.get(rid)
-        if held is not None and held is not request:
+        if held is not request and held is not None:
             self._check_same_request(held, request)
-        running = computed is None and rid in self._live
+        # A live request (held) with no new hit grows; any other is admitted.
+        running = computed is None and held is not None
         # Every group's table is sized by one rule at num_computed tokens:
         # positions its kind skips are null, the others hold a block.  A
         # running request first releases the blocks it no longer reads; a new
@@ -305,34 +319,66 @@ class KVCacheManager:
             or need > free + coordinator.count_freeable_skipped(rid, num_computed)
         ):
             return None
-        pool = self.block_pool
-        states = coordinator.request_state(rid)
-        pool.begin()
-        try:
-            if skipping:
-                coordinator.remove_skipped_blocks(rid, num_computed)
-            new_blocks: tuple[list[KVCacheBlock], ...] | None
-            if running:
-                new_blocks = coordinator.grow(rid, num_tokens)
-            else:
-                coordinator.add_computed_blocks(rid, attach)
-                new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
-            if self.enable_caching and not delay_cache_blocks:
-                cached = num_computed + num_new_tokens
-                coordinator.cache_blocks(request, min(cached, request.num_tokens))
-        except BaseException:
-            # A manager that raised is reported as a PluginError naming it
-            # (see KVCacheCoordinator.plugin_error); the step is undone first.
-            pool.rollback()
-            coordinator.restore_request_state(rid, states)
-            raise
-        pool.commit()
-        self._live.add(rid)
+        if coordinator.vetted:
+            # Validated, and only kvcore's own managers run: nothing below
+            # can raise, so no undo is recorded.
+            new_blocks = self._step(
+                request, running, skipping, attach, num_computed, num_tokens, cache_to
+            )
+        else:
+            pool = self.block_pool
+            states = coordinator.request_state(rid)
+            pool.begin()
+            try:
+                new_blocks = self._step(
+                    request,
+                    running,
+                    skipping,
+                    attach,
+                    num_computed,
+                    num_tokens,
+                    cache_to,
+                )
+            except BaseException:
+                # A manager that raised is reported as a PluginError naming
+                # it (see KVCacheCoordinator.plugin_error); the step is
+                # undone first.
+                pool.rollback()
+                coordinator.restore_request_state(rid, states)
+                raise
+            pool.commit()
         request.status = RequestStatus.RUNNING
-        self._requests[rid] = request
+        if held is not request:
+            self._live.add(rid)
+            self._requests[rid] = request
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _step(
+        self,
+        request: Request,
+        running: bool,
+        skipping: bool,
+        attach: tuple[list[KVCacheBlock], ...],
+        num_computed: int,
+        num_tokens: int,
+        cache_to: int,
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """The changes of one validated allocate_slots step."""
+        coordinator = self.coordinator
+        rid = request.request_id
+        if skipping:
+            coordinator.remove_skipped_blocks(rid, num_computed)
+        new_blocks: tuple[list[KVCacheBlock], ...] | None
+        if running:
+            new_blocks = coordinator.grow(rid, num_tokens)
+        else:
+            coordinator.add_computed_blocks(rid, attach)
+            new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
+        if cache_to >= 0:
+            coordinator.cache_blocks(request, cache_to)
+        return new_blocks
 
     def _check_same_request(self, held: Request, request: Request) -> None:
         """A live request id belongs to the request that holds its blocks; a
@@ -355,6 +401,7 @@ class KVCacheManager:
     def _check_hit(
         self,
         request: Request,
+        hit: KVCacheBlocks | None,
         computed: tuple[Sequence[KVCacheBlock], ...] | None,
         num_tokens: int,
     ) -> None:
@@ -364,6 +411,29 @@ class KVCacheManager:
         have been evicted since)."""
         rid = request.request_id
         coordinator = self.coordinator
+        lookup = hit._lookup if hit is not None else None
+        if (
+            lookup is not None
+            and computed is not None
+            and coordinator.vetted
+            and lookup[0] is self.block_pool
+            and lookup[1] == self.block_pool.evictions
+            and lookup[2] is request
+            and lookup[3] is computed
+            and rid not in self._live
+            and not num_tokens % coordinator.cache_hit_alignment
+        ):
+            # This manager's own lookup for this request, and the pool has
+            # dropped no key since: every block still holds the request's
+            # prefix, and kvcore's managers answered it.  Only the length
+            # the caller passed is left to check.
+            for manager, blocks in zip(self._managers, computed, strict=True):
+                if len(blocks) * manager.block_size != num_tokens and (
+                    manager.caching or blocks
+                ):
+                    break
+            else:
+                return
         if rid in self._live:
             msg = (
                 f"request {rid!r} already holds blocks; prefix hits attach only "
@@ -447,23 +517,31 @@ class KVCacheManager:
         """Release every block the request holds (tail blocks evicted first)
         and mark the request ``FINISHED``."""
         rid = request if isinstance(request, str) else request.request_id
-        self._require_live(rid)
+        held = self._requests.get(rid)
+        if held is None:
+            self._require_live(rid)
         coordinator = self.coordinator
-        pool = self.block_pool
-        states = coordinator.request_state(rid)
-        pool.begin()
-        try:
+        if coordinator.vetted:
             coordinator.free(rid)
-        except BaseException:
-            # A manager that raised is reported as a PluginError naming it
-            # (see KVCacheCoordinator.plugin_error); the step is undone first.
-            pool.rollback()
-            coordinator.restore_request_state(rid, states)
-            raise
-        pool.commit()
+        else:
+            pool = self.block_pool
+            states = coordinator.request_state(rid)
+            pool.begin()
+            try:
+                coordinator.free(rid)
+            except BaseException:
+                # A manager that raised is reported as a PluginError naming
+                # it (see KVCacheCoordinator.plugin_error); the step is
+                # undone first.
+                pool.rollback()
+                coordinator.restore_request_state(rid, states)
+                raise
+            pool.commit()
         self._live.discard(rid)
-        self._requests.pop(rid).status = RequestStatus.FINISHED
-        if isinstance(request, Request):
+        del self._requests[rid]
+        assert held is not None
+        held.status = RequestStatus.FINISHED
+        if request is not held and isinstance(request, Request):
             request.status = RequestStatus.FINISHED
 
     def _require_live(self, rid: str) -> None:
@@ -555,6 +633,21 @@ def _owned(own: list[KVCacheBlock], block: object) -> bool:
         return False
     bid = block.block_id
     return 0 <= bid < len(own) and own[bid] is block
+
+
+def _check_counts(
+    rid: str, num_new_computed_tokens: object, num_lookahead: object
+) -> None:
+    for name, value in (
+        ("num_new_computed_tokens", num_new_computed_tokens),
+        ("num_lookahead_tokens", num_lookahead),
+    ):
+        if type(value) is not int or value < 0:
+            msg = (
+                f"allocate_slots for request {rid!r}: {name} must be a "
+                f"non-negative int, got {value!r}"
+            )
+            raise InvalidRequestError(msg)
 
 
 def _require_type(

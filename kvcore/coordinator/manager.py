@@ -21,9 +21,62 @@ from typing import Any, ClassVar
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
-from kvcore.spec import cdiv
 
-__all__ = ["FixedBlocksManager", "SingleTypeManager"]
+__all__ = ["FixedBlocksManager", "SingleTypeManager", "runs_vetted"]
+
+#: Modules of the managers shipped with kvcore.  Their step methods raise
+#: nothing once the coordinator has validated a step (counts checked against
+#: the free queue, hits checked against the pool), so a step that runs only
+#: their code needs no undo record.
+_VETTED_MANAGER_MODULES = frozenset(
+    {
+        "kvcore.coordinator.manager",
+        "kvcore_circular_buffer.manager",
+        "kvcore_full_attention.manager",
+        "kvcore_hisparse.manager",
+        "kvcore_mamba.manager",
+        "kvcore_sliding_window.manager",
+    }
+)
+#: Modules of the shipped specs whose release rule (``skipped_tokens``) a
+#: skipping manager consults in the middle of a step.
+_VETTED_SPEC_MODULES = frozenset(
+    {"kvcore.spec", "kvcore_mamba", "kvcore_mla", "kvcore_sliding_window"}
+)
+#: Methods a step may call on a manager.
+_STEP_METHODS = (
+    "add_computed_blocks",
+    "admission_blocks",
+    "allocate_new_blocks",
+    "cache_blocks",
+    "count_freeable_skipped",
+    "free",
+    "get_num_blocks_to_allocate",
+    "num_skipped_blocks",
+    "pop_blocks",
+    "remove_skipped_blocks",
+    "_skip",
+    "_skipped",
+)
+
+
+def runs_vetted(manager: SingleTypeManager) -> bool:
+    """Whether every step method of ``manager`` is kvcore's own code (its
+    class and every base shipped with kvcore, nothing replaced on the
+    instance, and for a skipping manager a shipped release rule).  The
+    coordinator undoes nothing around such a manager; any other manager's
+    steps run inside a transaction (see :meth:`BlockPool.begin`)."""
+    for cls in type(manager).__mro__[:-1]:
+        if cls.__module__ not in _VETTED_MANAGER_MODULES:
+            return False
+    state = getattr(manager, "__dict__", {})
+    if any(name in state for name in _STEP_METHODS):
+        return False
+    if manager.skips_blocks:
+        rule = getattr(type(manager.kv_cache_spec), "skipped_tokens", None)
+        if getattr(rule, "__module__", None) not in _VETTED_SPEC_MODULES:
+            return False
+    return True
 
 
 class SingleTypeManager:
@@ -112,7 +165,7 @@ class SingleTypeManager:
         blocks the step reads or writes."""
         skip = self._skip(num_computed_tokens)
         if skip <= 0:
-            return list(hit)
+            return hit if type(hit) is list else list(hit)
         null = self.null_block
         out = [null if i < skip else block for i, block in enumerate(hit)]
         if len(out) < skip:
@@ -129,9 +182,12 @@ class SingleTypeManager:
         new blocks plus hit blocks that must leave the free queue (null
         blocks stand for skipped positions and take nothing)."""
         held = self.req_to_blocks.get(request_id)
-        need = cdiv(num_tokens, self.block_size) - len(new_computed_blocks)
+        need = -(-num_tokens // self.block_size)
         if held is not None:
             need -= len(held)
+        if not new_computed_blocks:
+            return need if need > 0 else 0
+        need -= len(new_computed_blocks)
         if need < 0:
             need = 0
         for block in new_computed_blocks:
@@ -161,7 +217,7 @@ class SingleTypeManager:
         held = self.req_to_blocks.get(request_id)
         if held is None:
             held = self.req_to_blocks[request_id] = []
-        need = cdiv(num_tokens, self.block_size) - len(held)
+        need = -(-num_tokens // self.block_size) - len(held)
         if need <= 0:
             return []
         new = self.block_pool.get_new_blocks(need)

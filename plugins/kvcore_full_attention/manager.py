@@ -32,12 +32,17 @@ class FullAttentionManager(SingleTypeManager):
         if len(group_ids) == 1:
             gid = group_ids[0]
             out: list[KVCacheBlock] = []
-            lookup = block_pool.lookup
+            append = out.append
+            # The pool's key -> block map, read directly (see
+            # BlockPool.lookup): an entry is a block or {block_id: block}.
+            get = block_pool.cached_blocks.get
             for i in range(limit):
-                block = lookup(block_hashes[i], gid)
-                if block is None:
+                entry = get((block_hashes[i], gid))
+                if entry is None:
                     break
-                out.append(block)
+                if isinstance(entry, dict):
+                    entry = next(iter(entry.values()))
+                append(entry)
             hits = [out]
         else:
             hits = [[] for _ in group_ids]
