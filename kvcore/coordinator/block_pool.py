@@ -399,14 +399,33 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             return blocks
-        blocks = queue.popleft_n(num_blocks)
         if self._journal is not None:
+            blocks = queue.popleft_n(num_blocks)
             taken = list(blocks)
             self._journal.append(lambda: self._unget(taken))
-        for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
-            block.ref_cnt = 1
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._evict(block)
+                block.ref_cnt = 1
+            return blocks
+        # FreeBlockQueue.popleft_n fused with the hand-out: one walk.
+        blocks = []
+        append = blocks.append
+        head = queue._head
+        cur = head.next_free
+        for _ in range(num_blocks):
+            assert cur is not None
+            append(cur)
+            nxt = cur.next_free
+            cur.prev_free = cur.next_free = None
+            cur.ref_cnt = 1
+            if cur.block_hash is not None:
+                self._evict(cur)
+            cur = nxt
+        assert cur is not None
+        head.next_free = cur
+        cur.prev_free = head
+        queue.num_free -= num_blocks
         return blocks
 
     def _unget(self, blocks: list[KVCacheBlock]) -> None:
@@ -452,12 +471,23 @@ class BlockPool:
         remove = self.free_queue.remove
         journal = self._journal
         if journal is None:
+            queue = self.free_queue
             for block in blocks:
-                if block.ref_cnt == 0:
+                cnt = block.ref_cnt
+                if cnt == 0:
                     if block.is_null:
                         continue
-                    remove(block)
-                block.ref_cnt += 1
+                    # Unlink from the free queue (FreeBlockQueue.remove).
+                    prev = block.prev_free
+                    nxt = block.next_free
+                    if prev is None or nxt is None:
+                        remove(block)  # raises: not queued
+                    else:
+                        prev.next_free = nxt
+                        nxt.prev_free = prev
+                        block.prev_free = block.next_free = None
+                        queue.num_free -= 1
+                block.ref_cnt = cnt + 1
             return
         for block in blocks:
             if block.is_null:
@@ -487,32 +517,75 @@ class BlockPool:
         if self._journal is not None:
             self._free_journaled(blocks)
             return
-        # One pass: drop the reference and route a block that reaches 0 to
-        # the front (no key, caching on) or the back.  A block whose count
-        # just reached 0 was in use, so it is in no queue.
+        # One pass: drop the reference and link a block that reaches 0
+        # straight into the free queue: to the front (no key, caching on) or
+        # the back.  A block whose count just reached 0 was in use, so it is
+        # in no queue.
         caching = self.enable_caching
-        front: list[KVCacheBlock] = []
-        back: list[KVCacheBlock] = []
+        queue = self.free_queue
+        tail = queue._tail
+        last = tail.prev_free  # the back chain grows from here
+        assert last is not None
+        back_from = last
+        front: KVCacheBlock | None = None  # first block of the front chain
+        front_end: KVCacheBlock | None = None
+        freed = 0
         for i, block in enumerate(blocks):
             cnt = block.ref_cnt - 1
             if cnt > 0:
                 block.ref_cnt = cnt
             elif cnt == 0:
                 block.ref_cnt = 0
+                freed += 1
                 if caching and block.block_hash is None:
-                    front.append(block)
+                    if front_end is None:
+                        front = block
+                    else:
+                        front_end.next_free = block
+                        block.prev_free = front_end
+                    front_end = block
                 else:
-                    back.append(block)
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
             elif not block.is_null:
-                for done in blocks[:i]:
-                    if not done.is_null:
-                        done.ref_cnt += 1
+                self._undo_free(blocks, i, back_from, front)
                 raise _double_free(block)
-        queue = self.free_queue
-        if front:
-            queue.link_after_head(front)
-        if back:
-            queue.link_before_tail(back)
+        if not freed:
+            return
+        last.next_free = tail
+        tail.prev_free = last
+        if front is not None:
+            assert front_end is not None
+            head = queue._head
+            first = head.next_free
+            assert first is not None
+            head.next_free = front
+            front.prev_free = head
+            front_end.next_free = first
+            first.prev_free = front_end
+        queue.num_free += freed
+
+    def _undo_free(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        failed: int,
+        back_from: KVCacheBlock,
+        front: KVCacheBlock | None,
+    ) -> None:
+        """Undo the first ``failed`` drops of a :meth:`free_blocks` pass that
+        hit a double free: counts back up, the chains it built unlinked."""
+        tail = self.free_queue._tail
+        chains = [back_from.next_free, front]
+        back_from.next_free = tail
+        for block in chains:
+            while block is not None and block is not tail:
+                nxt = block.next_free
+                block.prev_free = block.next_free = None
+                block = nxt
+        for done in blocks[:failed]:
+            if not done.is_null:
+                done.ref_cnt += 1
 
     def _free_journaled(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``free_blocks`` inside a transaction: the same effect, recorded."""
@@ -658,6 +731,7 @@ class BlockPool:
         cached = self._cached
         events = self.enable_kv_cache_events
         journal = self._journal
+        setdefault = cached.setdefault
         stored_hashes: list[BlockHash] = []
         stored_ids: list[int] = []
         for block, block_hash in zip(
@@ -668,16 +742,26 @@ class BlockPool:
             if block.block_hash is not None or block.is_null:
                 continue
             key = (block_hash, group_id)
-            entry = cached.get(key)
-            if journal is not None:
-                journal.append(self._restore_key(block, key, entry, had_key=False))
             block.block_hash = key
-            if entry is None:
+            if journal is None:
+                entry = setdefault(key, block)
+                if entry is not block:
+                    if isinstance(entry, dict):
+                        entry[block.block_id] = block
+                    else:
+                        cached[key] = {entry.block_id: entry, block.block_id: block}
+                if events:
+                    stored_hashes.append(block_hash)
+                    stored_ids.append(block.block_id)
+                continue
+            old = cached.get(key)
+            journal.append(self._restore_key(block, key, old, had_key=False))
+            if old is None:
                 cached[key] = block
-            elif isinstance(entry, dict):
-                entry[block.block_id] = block
+            elif isinstance(old, dict):
+                old[block.block_id] = block
             else:
-                cached[key] = {entry.block_id: entry, block.block_id: block}
+                cached[key] = {old.block_id: old, block.block_id: block}
             if events:
                 stored_hashes.append(block_hash)
                 stored_ids.append(block.block_id)
