@@ -152,7 +152,9 @@ def test_deepseek_v4_style_model_at_4k():
     assert cap.bytes_per_request == 37440 * 118
     assert len(plan.kv_cache_groups) == 10
     assert cap.bytes_per_request < seed_cap.bytes_per_request
-    ideal = 8 * 2 * 37440 + 6 * 16 * 37440 + 6 * 32768
+    # The limit counts each page without its alignment padding: 64 states of
+    # 584 bytes is 37376, not the 37440 it is padded to.
+    ideal = 8 * 2 * 37376 + 6 * 16 * 37376 + 6 * 32768
     assert ideal_bytes_per_request(specs, 4096) == ideal
 
 
@@ -341,6 +343,8 @@ def test_public_models_reach_the_targets(name, context, zoo_registry):
     _, best = _plan(specs, "min_waste", context, memory, zoo_registry)
     assert best.ratio >= seed.ratio
     assert best.concurrency >= seed.concurrency
+    # The physical limit is a bound: no plan holds more.
+    assert best.unreserved_concurrency <= best.ideal_concurrency * (1 + 1e-12)
     # Not below vLLM 0.33: as a share of each one's own physical limit (they
     # count windows differently), or in requests.
     vllm, vllm_ideal = VLLM_033[name][context]
@@ -348,7 +352,10 @@ def test_public_models_reach_the_targets(name, context, zoo_registry):
     if context >= 32768:
         assert best.ratio >= 0.98
     else:
-        assert best.ratio >= BOUNDS.get(name, {}).get(context, 1.0) - 0.005
+        # The stored one-stride bound is a share of the stored limit, which
+        # counts padded pages (kvcore's limit drops the padding).
+        bound = BOUNDS.get(name, {}).get(context, 1.0)
+        assert best.unreserved_concurrency / vllm_ideal >= bound - 0.005
 
 
 def test_a_kinds_planning_answers_are_checked():

@@ -15,7 +15,8 @@ Block 0 is the null block.  So with ``U = num_blocks - 1`` usable blocks,
     concurrency = 0 if p > U else 1 + (U - p) // s
 
 The physical limit keeps every layer's own pages at its model-file block
-size, with no stride, no padding, no reservation and no null block.
+size, each without its alignment padding, with no stride, no padding to a
+common page, no reservation and no null block, so no plan exceeds it.
 """
 
 from __future__ import annotations
@@ -157,9 +158,10 @@ def ideal_bytes_per_request(
 ) -> int:
     """Bytes a request of ``context`` tokens holds when every layer keeps
     exactly its own pages at its own block size (times decode context
-    parallelism where the layer scales with it: each rank holds a slice)."""
+    parallelism where the layer scales with it: each rank holds a slice),
+    each page without its alignment padding, so no plan can beat it."""
     return sum(
-        s.page_size_bytes
+        s.real_page_size_bytes
         * serving_blocks(
             s, context, s.block_size * (dcp if s.scales_with_context_parallel else 1)
         )
