@@ -42,9 +42,10 @@ class KVCacheBlock:
     """Metadata of one physical block (the data lives in the pool's tensors)."""
 
     __slots__ = (
-        "block_hash",
         "block_id",
         "is_null",
+        "key_group",
+        "key_hash",
         "next_free",
         "prev_free",
         "ref_cnt",
@@ -52,7 +53,8 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int
-    block_hash: BlockHashWithGroupId | None
+    key_hash: BlockHash | None
+    key_group: int
     prev_free: KVCacheBlock | None
     next_free: KVCacheBlock | None
     is_null: bool
@@ -60,16 +62,26 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        #: Prefix-cache key while the block is registered, else None.
-        self.block_hash = None
+        #: The prefix-cache key's two parts, stored apart (no tuple per cached
+        #: block): its hash while the block is registered, else None, and its
+        #: group id (meaningful only while ``key_hash`` is not None).
+        self.key_hash = None
+        self.key_group = 0
         #: Free-queue links; both None while the block is not in a queue.
         self.prev_free = None
         self.next_free = None
         #: True only for the pool's placeholder block (id 0).
         self.is_null = False
 
+    @property
+    def block_hash(self) -> BlockHashWithGroupId | None:
+        """Prefix-cache key ``(block hash, group id)`` while registered, else
+        None (built on each read)."""
+        h = self.key_hash
+        return None if h is None else (h, self.key_group)
+
     def __repr__(self) -> str:
-        key = None if self.block_hash is None else self.block_hash[0].hex()[:12]
+        key = None if self.key_hash is None else self.key_hash.hex()[:12]
         null = ", null" if self.is_null else ""
         return (
             f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={key}{null})"
@@ -339,10 +351,9 @@ class BlockPool:
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        # key -> block, or key -> {block_id: block} when several blocks hold it.
-        self._cached: dict[
-            BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]
-        ] = {}
+        # group id -> (block hash -> block, or {block_id: block} when several
+        # blocks hold that key).  Keyed by the raw hash: no key tuple per block.
+        self._cached: dict[int, dict[BlockHash, _Entry]] = {}
         self._events: list[KVCacheEvent] = []
         #: Undo records of the open transaction (see :meth:`begin`), else None.
         self._journal: list[_Undo] | None = None
@@ -395,7 +406,7 @@ class BlockPool:
             blocks = [block]
             if self._journal is not None:
                 self._journal.append(lambda: self._unget(blocks))
-            if block.block_hash is not None:
+            if block.key_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
             return blocks
@@ -404,7 +415,7 @@ class BlockPool:
             taken = list(blocks)
             self._journal.append(lambda: self._unget(taken))
             for block in blocks:
-                if block.block_hash is not None:
+                if block.key_hash is not None:
                     self._evict(block)
                 block.ref_cnt = 1
             return blocks
@@ -419,7 +430,7 @@ class BlockPool:
             nxt = cur.next_free
             cur.prev_free = cur.next_free = None
             cur.ref_cnt = 1
-            if cur.block_hash is not None:
+            if cur.key_hash is not None:
                 self._evict(cur)
             cur = nxt
         assert cur is not None
@@ -446,14 +457,17 @@ class BlockPool:
         return NoFreeBlocksError(msg)
 
     def _evict(self, block: KVCacheBlock) -> None:
-        key = block.block_hash
+        key = block.key_hash
         assert key is not None
-        block.block_hash = None
+        gid = block.key_group
+        block.key_hash = None
         self.evictions += 1
-        cached = self._cached
+        cached = self._cached[gid]
         entry = cached.get(key)
         if self._journal is not None:
-            self._journal.append(self._restore_key(block, key, entry, had_key=True))
+            self._journal.append(
+                self._restore_key(block, key, gid, entry, had_key=True)
+            )
         if entry is block:
             del cached[key]
         elif isinstance(entry, dict):
@@ -461,7 +475,7 @@ class BlockPool:
             if len(entry) == 1:
                 cached[key] = next(iter(entry.values()))
         if self.enable_kv_cache_events:
-            self._events.append(BlockRemoved((key[0],), key[1]))
+            self._events.append(BlockRemoved((key,), gid))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).
@@ -537,7 +551,7 @@ class BlockPool:
             elif cnt == 0:
                 block.ref_cnt = 0
                 freed += 1
-                if caching and block.block_hash is None:
+                if caching and block.key_hash is None:
                     if front_end is None:
                         front = block
                     else:
@@ -615,10 +629,10 @@ class BlockPool:
         if not freed:
             return
         if self.enable_caching:
-            unhashed = [b for b in freed if b.block_hash is None]
+            unhashed = [b for b in freed if b.key_hash is None]
             if unhashed:
                 self.free_queue.prepend_n(unhashed)
-            self.free_queue.append_n([b for b in freed if b.block_hash is not None])
+            self.free_queue.append_n([b for b in freed if b.key_hash is not None])
         else:
             self.free_queue.append_n(freed)
 
@@ -641,19 +655,21 @@ class BlockPool:
     def _restore_key(
         self,
         block: KVCacheBlock,
-        key: BlockHashWithGroupId,
-        entry: KVCacheBlock | dict[int, KVCacheBlock] | None,
+        key: BlockHash,
+        group_id: int,
+        entry: _Entry | None,
         *,
         had_key: bool,
     ) -> _Undo:
-        """An undo that puts ``block``'s key back as it was (``key`` if it
-        ``had_key``, else none) and the prefix-cache entry of ``key`` as
-        ``entry`` was."""
+        """An undo that puts ``block``'s key back as it was (``(key,
+        group_id)`` if it ``had_key``, else none) and the prefix-cache entry
+        of that key as ``entry`` was."""
         saved = dict(entry) if isinstance(entry, dict) else entry
-        cached = self._cached
+        cached = self._cached[group_id]
 
         def undo() -> None:
-            block.block_hash = key if had_key else None
+            block.key_hash = key if had_key else None
+            block.key_group = group_id
             if saved is None:
                 cached.pop(key, None)
             elif isinstance(saved, dict):
@@ -669,14 +685,31 @@ class BlockPool:
     def cached_blocks(
         self,
     ) -> dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]]:
-        """The prefix cache itself, for hit searches to read (never change
-        it): key -> the block holding it, or ``{block_id: block}`` when
-        several do."""
-        return self._cached
+        """A snapshot of the prefix cache (O(n); built on each read): key
+        ``(block hash, group id)`` -> the block holding it, or ``{block_id:
+        block}`` when several do.  Hit searches read the live per-group map
+        of :meth:`cached_blocks_of` instead."""
+        return {
+            (h, gid): dict(e) if isinstance(e, dict) else e
+            for gid, group in self._cached.items()
+            for h, e in group.items()
+        }
+
+    def cached_blocks_of(self, group_id: int) -> dict[BlockHash, _Entry]:
+        """The live prefix cache of one group, for hit searches to read
+        (never change it): block hash -> the block holding it, or
+        ``{block_id: block}`` when several do."""
+        group = self._cached.get(group_id)
+        if group is None:
+            group = self._cached[group_id] = {}
+        return group
 
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         """The cached block of one group for ``block_hash``, or None (fast path)."""
-        entry = self._cached.get((block_hash, group_id))
+        group = self._cached.get(group_id)
+        if group is None:
+            return None
+        entry = group.get(block_hash)
         if isinstance(entry, dict):
             return next(iter(entry.values()))
         return entry
@@ -688,7 +721,8 @@ class BlockPool:
         cached = self._cached
         out = []
         for group_id in group_ids:
-            entry = cached.get((block_hash, group_id))
+            group = cached.get(group_id)
+            entry = None if group is None else group.get(block_hash)
             if entry is None:
                 return None
             if isinstance(entry, dict):
@@ -728,7 +762,7 @@ class BlockPool:
             raise InvalidRequestError(msg)
         if not self.enable_caching or num_cached_blocks == num_full_blocks:
             return
-        cached = self._cached
+        cached = self.cached_blocks_of(group_id)
         events = self.enable_kv_cache_events
         journal = self._journal
         setdefault = cached.setdefault
@@ -739,10 +773,11 @@ class BlockPool:
             block_hashes[num_cached_blocks:num_full_blocks],
             strict=True,
         ):
-            if block.block_hash is not None or block.is_null:
+            if block.key_hash is not None or block.is_null:
                 continue
-            key = (block_hash, group_id)
-            block.block_hash = key
+            key = block_hash
+            block.key_hash = key
+            block.key_group = group_id
             if journal is None:
                 entry = setdefault(key, block)
                 if entry is not block:
@@ -755,7 +790,7 @@ class BlockPool:
                     stored_ids.append(block.block_id)
                 continue
             old = cached.get(key)
-            journal.append(self._restore_key(block, key, old, had_key=False))
+            journal.append(self._restore_key(block, key, group_id, old, had_key=False))
             if old is None:
                 cached[key] = block
             elif isinstance(old, dict):
@@ -775,7 +810,9 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks holding a prefix-cache key, in use or free (O(n))."""
         return sum(
-            1 if not isinstance(e, dict) else len(e) for e in self._cached.values()
+            1 if not isinstance(e, dict) else len(e)
+            for group in self._cached.values()
+            for e in group.values()
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -786,10 +823,11 @@ class BlockPool:
         """
         if self.num_blocks - self.free_queue.num_free != 1:
             return False
-        self._cached.clear()
+        for group in self._cached.values():
+            group.clear()
         self.evictions += 1
         for block in self.blocks:
-            block.block_hash = None
+            block.key_hash = None
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
         return True
@@ -817,6 +855,7 @@ class BlockPool:
 
 
 _Undo: TypeAlias = Callable[[], None]
+_Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
 
 
 def _unref(block: KVCacheBlock) -> _Undo:

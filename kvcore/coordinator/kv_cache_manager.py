@@ -498,7 +498,11 @@ class KVCacheManager:
             for i, block in enumerate(blocks):
                 if block.is_null:
                     continue
-                if i >= len(hashes) or block.block_hash != (hashes[i], gid):
+                if (
+                    i >= len(hashes)
+                    or block.key_hash != hashes[i]
+                    or block.key_group != gid
+                ):
                     msg = (
                         f"request {rid!r}: hit block {block.block_id} of group {gid} "
                         "no longer holds this request's prefix (it was evicted after "

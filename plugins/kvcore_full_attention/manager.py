@@ -33,11 +33,11 @@ class FullAttentionManager(SingleTypeManager):
             gid = group_ids[0]
             out: list[KVCacheBlock] = []
             append = out.append
-            # The pool's key -> block map, read directly (see
+            # The group's hash -> block map, read directly (see
             # BlockPool.lookup): an entry is a block or {block_id: block}.
-            get = block_pool.cached_blocks.get
+            get = block_pool.cached_blocks_of(gid).get
             for i in range(limit):
-                entry = get((block_hashes[i], gid))
+                entry = get(block_hashes[i])
                 if entry is None:
                     break
                 if isinstance(entry, dict):
