@@ -87,7 +87,9 @@ class KindRegistry(Mapping[str, CacheKind]):
         except KeyError:
             msg = (
                 f"no cache kind named {name!r}; known kinds: {self._known()}. Is "
-                "the plugin that provides it installed? (see `kvcore plugins`)"
+                "the plugin that provides it installed? (see `kvcore plugins`; a "
+                "plugin module that is not installed loads with "
+                "KVCORE_PLUGINS=module)"
             )
             raise UnknownKindError(msg, kind=name) from None
 

@@ -278,12 +278,18 @@ class ModelFile:
 
 
 def load_model_file(
-    source: str | Path | Mapping[str, Any], registry: KindRegistry | None = None
+    source: str | Path | Mapping[str, Any],
+    registry: KindRegistry | None = None,
+    *,
+    where: str | None = None,
 ) -> ModelFile:
-    """Read a model file: ``{"name": ..., "layers": {layer: spec, ...}}``."""
+    """Read a model file: ``{"name": ..., "layers": {layer: spec, ...}}``.
+
+    :param where: what errors call a mapping ``source`` (its file's path).
+    """
     if isinstance(source, Mapping):
         data: Any = source
-        where = "model file"
+        where = where or "model file"
     else:
         path = Path(source)
         where = str(path)

@@ -132,9 +132,9 @@ class CapacityRow:
 
     @property
     def ratio(self) -> float:
-        """Requests held over the physical limit's (1.0 is the limit)."""
-        ideal = self.capacity.ideal_concurrency
-        return self.concurrency / ideal if ideal else 0.0
+        """Requests held over the whole requests the physical limit holds
+        (1.0 is the limit)."""
+        return self.concurrency / self.limit if self.limit else 0.0
 
     @property
     def fits(self) -> bool:

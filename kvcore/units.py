@@ -41,6 +41,8 @@ SIZE_UNITS = {
     "gb": 1000**3,
     "t": 1000**4,
     "tb": 1000**4,
+    "p": 1000**5,
+    "pb": 1000**5,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
@@ -88,8 +90,11 @@ def _parse(
     example: str,
     unit_help: str,
     noun: str,
+    maximum: int,
+    allow_zero: bool = False,
 ) -> int:
-    """A positive whole count of ``noun`` written with one of ``units``."""
+    """A positive whole count of ``noun`` written with one of ``units``, at
+    most ``maximum``."""
     value, unit = _split(text, what, example)
     if unit not in units:
         msg = f"{what}: unknown unit {unit!r} in {text!r}; {unit_help}, like {example}"
@@ -98,22 +103,35 @@ def _parse(
     if total != total.to_integral_value():
         msg = f"{what} {text!r} is not a whole number of {noun}"
         raise UnitError(msg)
-    if total <= 0:
+    if total < 0 or (total == 0 and not allow_zero):
         msg = f"{what} must be positive, got {text!r}"
+        raise UnitError(msg)
+    if total > maximum:
+        msg = f"{what} {text!r} is more than {maximum:,} {noun}; check the unit"
         raise UnitError(msg)
     return int(total)
 
 
-def parse_size(text: str | int, *, what: str = "memory") -> int:
+#: The largest size accepted (an exbibyte: beyond any machine).
+MAX_SIZE = 2**60
+#: The largest token count accepted.
+MAX_TOKENS = 2**40
+
+
+def parse_size(
+    text: str | int, *, what: str = "memory", allow_zero: bool = False
+) -> int:
     """``"80GiB"`` -> ``85899345920``; ``"64GB"`` -> ``64000000000``."""
     return _parse(
         text,
         what=what,
         units=SIZE_UNITS,
         example="80GiB, 64GB, 1.5TiB or 85899345920",
-        unit_help="use B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB "
+        unit_help="use B, KiB, MiB, GiB, TiB, PiB (powers of 1024) or KB, MB, GB, TB, PB "
         "(powers of 1000)",
         noun="bytes",
+        maximum=MAX_SIZE,
+        allow_zero=allow_zero,
     )
 
 
@@ -126,6 +144,7 @@ def parse_tokens(text: str | int, *, what: str = "context") -> int:
         example="4096, 4k, 32k or 1m",
         unit_help="token counts take k (1024) or m (1024*1024)",
         noun="tokens",
+        maximum=MAX_TOKENS,
     )
 
 

@@ -195,7 +195,7 @@ def test_gemma_hybrid_on_h100_tp2_fp8_hand_worked() -> None:
     assert row["physical_limit"] == pytest.approx(49809411328 / 780140544)
     assert doc["verdict"] == (
         "Gemma-3-27B on 2x H100 80GB (TP 2), fp8 KV cache: 62 requests of 32k "
-        "tokens (limit 63, 0.97)"
+        "tokens (limit 63, 0.98)"
     )
 
 
@@ -300,6 +300,8 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
             }
         ),
         "json": "{not json",
+        "list": "[1, 2]",
+        "string": json.dumps(str(zoo.path("gemma-3-27b"))),
     }
     out = {}
     for name, body in files.items():
@@ -336,6 +338,20 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
         (["--context", "4q"], "unknown unit 'q'"),
         (["--tp", "0"], "--tp takes a positive whole number"),
         (["--kv-cache-dtype", "fp7"], "unknown KV cache dtype 'fp7'"),
+        (["@list"], "holds a JSON list; a model file is a JSON object"),
+        (["@string"], "holds a JSON str"),
+        (["--tp", "\u00b2"], "--tp takes a positive whole number"),
+        (["--tp", "-inf"], "--tp takes a positive whole number"),
+        (["--tp", "9" * 5000], "--tp takes a positive whole number"),
+        (["--memory", "-.5GiB"], "got '-.5GiB'"),
+        (["--memory", "9" * 400], "check the unit"),
+        (["--context", "1000000000000"], "more than 65,536 prefill steps"),
+        (["--gpu-memory-utilization", "0.5"], "give --gpu with it"),
+        (["--svg", "nodir/x.svg"], "cannot write --svg nodir/x.svg"),
+        (["--svg", "out.png"], "--svg writes SVG; name a .svg file"),
+        (["--png", ""], "--png writes PNG; name a .png file"),
+        (["--policy", "junk"], "invalid choice: 'junk'"),
+        (["--gpu", "H100", "--memory", "8GiB"], "not allowed with argument --gpu"),
     ],
 )
 def test_errors_are_one_line_with_exit_status_2(
@@ -352,7 +368,11 @@ def test_errors_are_one_line_with_exit_status_2(
     if argv[0].startswith("--"):
         argv = ["llama-3-1-8b", *argv]
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", *argv]) == 2
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exc:  # argparse's own errors exit from inside
+        code = int(exc.code or 0)
+    assert code == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -397,11 +417,52 @@ def test_unknown_gpu_lists_the_table() -> None:
         assert name in proc.stderr
 
 
-def test_debug_shows_the_traceback() -> None:
-    proc = run("--debug", "plan", "--memory", "nan")
+@pytest.mark.parametrize(
+    "args",
+    [("--debug", "plan", "--memory", "nan"), ("plan", "--memory", "nan", "--debug")],
+)
+def test_debug_shows_the_traceback(args: tuple[str, ...]) -> None:
+    proc = run(*args)
     assert proc.returncode == 2
     assert "Traceback (most recent call last)" in proc.stderr
     assert "UnitError" in proc.stderr
+
+
+def test_unwritable_output_is_one_line() -> None:
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [*_kvcore(), "plan", "--json"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kvcore: error: cannot write the output: [Errno 28] No space left on device"
+    ]
+
+
+def test_version() -> None:
+    proc = run("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("kvcore ")
+
+
+def test_the_limit_bounds_every_shipped_plan() -> None:
+    # Grown blocks pay page padding once per larger block; the limit counts
+    # pages without padding, so it stays a bound (DeepSeek-V4-Flash at 128k).
+    doc = plan_json("deepseek-v4-flash", "--gpu", "h200", "--context", "64k,128k")
+    for row in doc["capacity"]:
+        assert row["concurrency"] <= row["physical_limit_requests"]
+        assert row["ratio"] <= 1.0
+
+
+def test_a_dtype_no_layer_takes_is_not_claimed() -> None:
+    doc = plan_json("deepseek-v4-flash", "--kv-cache-dtype", "fp8")
+    assert "fp8" not in doc["verdict"]
+    assert any("keep their own dtype" in note for note in doc["notes"])
 
 
 def test_a_closed_pipe_exits_quietly() -> None:

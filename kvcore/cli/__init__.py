@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 import traceback
+from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 from kvcore.cli import info, plan, simulate
 from kvcore.errors import KvcoreError
@@ -26,22 +28,42 @@ __all__ = ["build_parser", "main"]
 COMMANDS = (plan, simulate, info)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as kvcore's one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"kvcore: error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(2)
+
+
+def _version() -> str:
+    try:
+        return version("kvcore")
+    except PackageNotFoundError:  # pragma: no cover - a bare checkout
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``kvcore`` parser (the docs' CLI reference is generated
     from it)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvcore",
         description=(__doc__ or "").split("\n\n")[0],
     )
+    parser.add_argument("--version", action="version", version=f"kvcore {_version()}")
     parser.add_argument(
         "--debug",
         action="store_true",
-        help="show the full traceback of an error instead of one line",
+        help="show the full traceback of an error instead of one line "
+        "(anywhere on the command line)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         module.register(sub)
     return parser
+
+
+_WORDS = {"inf", "infinity", "nan"}
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -56,7 +78,7 @@ def _join_negative_values(argv: list[str]) -> list[str]:
             token.startswith("--")
             and "=" not in token
             and nxt[:1] == "-"
-            and nxt[1:2].isdigit()
+            and (nxt[1:2].isdigit() or nxt[1:2] == "." or nxt[1:].lower() in _WORDS)
         ):
             out.append(f"{token}={nxt}")
             i += 2
@@ -68,10 +90,11 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in words
     args = parser.parse_args(
-        _join_negative_values(list(sys.argv[1:] if argv is None else argv))
+        _join_negative_values([w for w in words if w != "--debug"])
     )
-    debug = bool(getattr(args, "debug", False))
     try:
         code: int = args.func(args)
         sys.stdout.flush()
@@ -84,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"kvcore: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        # Output that cannot be written (a full disk, a closed terminal).
+        if debug:
+            traceback.print_exc()
+        print(f"kvcore: error: cannot write the output: {exc}", file=sys.stderr)
         return 2
     return code
 

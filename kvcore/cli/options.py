@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from kvcore.config import (
     ParallelConfig,
 )
 from kvcore.errors import KvcoreValueError
+from kvcore.layout import KVCacheLayout
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
 from kvcore.registry import KindRegistry
@@ -162,7 +164,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     memory.add_argument(
         "--gpu-memory-utilization",
         metavar="FRACTION",
-        default=str(DEFAULT_GPU_MEMORY_UTILIZATION),
+        default=None,
         help="share of the device the engine takes, with --gpu (default "
         f"{DEFAULT_GPU_MEMORY_UTILIZATION}, as engines default)",
     )
@@ -189,7 +191,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="DTYPE",
         help="cache dtype of every attention layer: auto (the model file's), "
-        f"{', '.join(sorted(CACHE_DTYPE_ALIASES))}",
+        f"{', '.join(sorted(set(CACHE_DTYPE_ALIASES) - {'auto'}))}",
     )
     serving.add_argument(
         "--block-size",
@@ -219,7 +221,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="grouping policy (default min_waste)",
     )
     planning.add_argument(
-        "--layout", default="BLHNC", help="KV cache layout (default BLHNC)"
+        "--layout",
+        default="BLHNC",
+        help="KV cache layout, one of "
+        f"{', '.join(layout.name for layout in KVCacheLayout)} (default BLHNC)",
     )
     planning.add_argument(
         "--max-block-growth",
@@ -284,8 +289,14 @@ def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | No
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         msg = f"{path} is not valid JSON: {exc}"
         raise CliUsageError(msg) from exc
-    model = load_model_file(data, registry)
-    if model.name == "model file":
+    if not isinstance(data, dict):
+        msg = (
+            f"{path} holds a JSON {type(data).__name__}; a model file is a JSON "
+            "object with a 'layers' object (layer name -> spec)"
+        )
+        raise CliUsageError(msg)
+    model = load_model_file(data, registry, where=str(path))
+    if "name" not in data:
         model = attrs.evolve(model, name=path.stem)
     return model, model.weights_bytes
 
@@ -293,7 +304,7 @@ def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | No
 def _positive(text: str, option: str) -> int:
     """A positive whole number (``--tp 2``, ``--block-size 32``)."""
     value = str(text).strip()
-    if not value.isdigit() or int(value) < 1:
+    if not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < 1:
         msg = f"{option} takes a positive whole number such as 2, got {text!r}"
         raise CliUsageError(msg)
     return int(value)
@@ -303,6 +314,12 @@ def _budget(
     args: argparse.Namespace, tp: int, file_weights: int | None
 ) -> MemoryBudget:
     if args.gpu is None:
+        if args.gpu_memory_utilization is not None:
+            msg = (
+                "--gpu-memory-utilization scales a device's memory; give --gpu with "
+                "it (--memory is already the KV cache budget)"
+            )
+            raise CliUsageError(msg)
         if args.weights is not None:
             msg = (
                 "--weights sets weights aside from a device's memory; give --gpu "
@@ -313,10 +330,11 @@ def _budget(
         return MemoryBudget(kv_bytes=parse_size(memory, what="--memory"))
     gpu = find_accelerator(args.gpu)
     utilization = parse_fraction(
-        args.gpu_memory_utilization, what="--gpu-memory-utilization"
+        args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+        what="--gpu-memory-utilization",
     )
     if args.weights is not None:
-        weights = parse_size(args.weights, what="--weights")
+        weights = parse_size(args.weights, what="--weights", allow_zero=True)
     else:
         weights = file_weights or 0
     per_rank = -(-weights // tp)

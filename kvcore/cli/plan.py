@@ -18,13 +18,16 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcore.cli.document import SCHEMA_VERSION, plan_document
-from kvcore.cli.options import Planned, add_model_options, plan_from_args
+from kvcore.cli.options import CliUsageError, Planned, add_model_options, plan_from_args
 from kvcore.config import PACKING_POLICIES
 from kvcore.report import print_summary
 from kvcore.summary import PlanSummary, summarize
 from kvcore.units import format_size, format_tokens
 
 __all__ = ["register", "setting_text", "summary_of"]
+
+#: The ``schema`` member of ``kvcore compare --json``.
+COMPARE_SCHEMA_VERSION = "kvcore-compare/1"
 
 
 def setting_text(planned: Planned, dtype_name: str) -> str:
@@ -39,7 +42,10 @@ def setting_text(planned: Planned, dtype_name: str) -> str:
         text = f" in {format_size(budget.kv_bytes)} of KV cache"
         if tp > 1:
             text += f" per rank, TP {tp}"
-    if planned.choices.kv_cache_dtype is not None:
+    served = planned.served
+    if planned.choices.kv_cache_dtype is not None and len(
+        served.dtype_kept_layers
+    ) < len(served.layers):
         text += f", {dtype_name} KV cache"
     return text
 
@@ -69,6 +75,10 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
 def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
     from kvcore.picture import capacity_curve, save_plan_figure
 
+    target = Path(path)
+    if not path or path.endswith(("/", "\\")) or target.suffix.lower() != f".{fmt}":
+        msg = f"--{fmt} writes {fmt.upper()}; name a .{fmt} file, got {path!r}"
+        raise CliUsageError(msg)
     curve = capacity_curve(
         planned.plan,
         max(min(planned.contexts) // 4, 256),
@@ -76,22 +86,26 @@ def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
         specs=planned.served.layers,
         memory=planned.memory,
     )
-    save_plan_figure(
-        planned.plan,
-        [row.capacity for row in summary.rows],
-        Path(path),
-        title=summary.verdict(),
-        fmt=fmt,
-        curve=curve,
-    )
+    try:
+        save_plan_figure(
+            planned.plan,
+            [row.capacity for row in summary.rows],
+            target,
+            title=summary.verdict(),
+            fmt=fmt,
+            curve=curve,
+        )
+    except OSError as exc:
+        msg = f"cannot write --{fmt} {path}: {exc.strerror or exc}"
+        raise CliUsageError(msg) from exc
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     planned = plan_from_args(args)
     summary = summary_of(planned, args.kv_cache_dtype)
-    if args.svg:
+    if args.svg is not None:
         _draw(planned, summary, args.svg, "svg")
-    if args.png:
+    if args.png is not None:
         _draw(planned, summary, args.png, "png")
     if args.json:
         doc = plan_document(planned, summary, dtype_name=args.kv_cache_dtype)
@@ -116,7 +130,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     baseline = results[-1][2] if results[-1][0] == "seed" else results[0][2]
     if args.json:
         out = {
-            "schema": SCHEMA_VERSION,
+            "schema": COMPARE_SCHEMA_VERSION,
             "model": results[0][1].model.name,
             "policies": [
                 {
@@ -144,7 +158,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     table.add_column("blocks", justify="right")
     for context in results[0][1].contexts:
         table.add_column(
-            f"{format_tokens(context)}: requests (limit ratio)", justify="right"
+            f"{format_tokens(context)}: requests (of limit)", justify="right"
         )
         table.add_column("vs seed", justify="right")
     for policy, _, s in results:

@@ -34,6 +34,9 @@ from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 #: The prefill step the model reserves when neither the call nor the plan
 #: says (the engine default of :class:`~kvcore.config.EngineConfig`).
 DEFAULT_BATCHED_TOKENS = 8192
+#: The most prefill steps the model walks for one request (2**16 steps of
+#: 8192 tokens is half a billion tokens).
+MAX_PREFILL_STEPS = 2**16
 
 __all__ = [
     "Capacity",
@@ -111,7 +114,15 @@ def serving_blocks(spec: KVCacheSpec, context: int, block_size: int) -> int:
 def prefill_steps(context: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
     """The steps that bring a request to ``context`` tokens: its prompt of
     ``context - 1`` tokens in chunks of at most ``max_num_batched_tokens``,
-    then its last token."""
+    then its last token.  Refuses a context that would take more than
+    :data:`MAX_PREFILL_STEPS` steps (no model serves one that long)."""
+    if (context - 1) // max_num_batched_tokens > MAX_PREFILL_STEPS:
+        msg = (
+            f"a request of {context} tokens takes more than {MAX_PREFILL_STEPS:,} "
+            f"prefill steps of {max_num_batched_tokens} tokens; ask about a "
+            "shorter context or a larger max_num_batched_tokens"
+        )
+        raise PlanError(msg)
     steps = []
     start = 0
     while start < context - 1:

@@ -20,7 +20,7 @@ __all__ = ["Distribution", "DistributionError", "parse_distribution"]
 
 KINDS = ("fixed", "uniform", "normal", "lognormal")
 
-_INT = r"\s*([0-9]+[kK]?)\s*"
+_INT = r"\s*([0-9]+[kKmM]?)\s*"
 _NUM = r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*"
 _FIXED = re.compile(rf"^{_INT}$")
 _UNIFORM = re.compile(rf"^{_INT}-{_INT}$")
@@ -70,11 +70,18 @@ class Distribution:
         return f"{self.kind}:{self.a:g},{self.b:g}"
 
 
+#: The longest length a distribution may give (16M tokens).
+MAX_LENGTH = 2**24
+
+
 def _count(text: str) -> int:
-    """``"4k"`` -> 4096 (``k`` is 1024, as for ``--context``)."""
-    if text[-1] in "kK":
-        return int(text[:-1]) * 1024
-    return int(text)
+    """``"4k"`` -> 4096, ``"1m"`` -> 1048576 (as for ``--context``)."""
+    scale = {"k": 1024, "m": 1024**2}.get(text[-1].lower(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if len(digits) > 9 or int(digits) * scale > MAX_LENGTH:
+        msg = f"a length of {text} is more than {MAX_LENGTH:,} tokens"
+        raise DistributionError(msg)
+    return int(digits) * scale
 
 
 def parse_distribution(text: object, *, what: str, minimum: int = 1) -> Distribution:

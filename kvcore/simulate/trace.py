@@ -47,6 +47,9 @@ FIELDS = (
     "output_len",
 )
 
+#: The longest prompt, prefix or output a trace line may ask for.
+MAX_TRACE_TOKENS = 2**24
+
 
 class TraceError(KvcoreValueError):
     """A trace file line is not a valid request."""
@@ -121,6 +124,8 @@ def _parse_line(
         value = data.get(field, default)
         if type(value) is not int or value < low:
             fail(field, f"must be an int >= {low}, got {value!r}")
+        if value > MAX_TRACE_TOKENS:
+            fail(field, f"must be at most {MAX_TRACE_TOKENS:,}, got {value!r}")
         return value
 
     def name(field: str) -> str | None:
