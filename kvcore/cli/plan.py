@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from kvcore.cli.console import make_console
 from kvcore.cli.document import SCHEMA_VERSION, plan_document
 from kvcore.cli.options import CliUsageError, Planned, add_model_options, plan_from_args
 from kvcore.config import PACKING_POLICIES
@@ -116,10 +116,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _console() -> Console:
-    """Rich output at the terminal's width; 120 columns when piped, unless
-    ``COLUMNS`` says otherwise."""
-    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(highlight=False, soft_wrap=False, width=120 if piped else None)
+    return make_console()
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

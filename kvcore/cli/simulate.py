@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from kvcore.cli.console import make_console
 from kvcore.cli.options import CliUsageError, add_model_options, plan_from_args
 from kvcore.simulate import (
     Driver,
@@ -35,7 +36,7 @@ from kvcore.units import format_size
 __all__ = ["register"]
 
 #: JSON schema version of ``kvcore simulate --json``.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = "kvcore-simulate/1"
 
 #: The synthetic options and their defaults (``None`` in the parser, so a
 #: synthetic option next to ``--trace`` can be refused).
@@ -206,9 +207,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _print(
     model: str, memory: int, workload: Workload, result: SimulationResult
 ) -> None:
-    console = Console(
-        highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120
-    )
+    console = make_console()
     usable = result.num_blocks - 1
     table = Table(
         title=f"{model} in {format_size(memory)} of KV cache: {len(workload)} requests, "
@@ -336,6 +335,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     out.add_argument(
         "--json",
         action="store_true",
-        help=f"print the figures as JSON (schema {SCHEMA_VERSION}, see the docs)",
+        help=f"print the figures as JSON (its schema member is {SCHEMA_VERSION!r}; fields in the docs)",
     )
     parser.set_defaults(func=_cmd_simulate)
