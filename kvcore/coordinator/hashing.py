@@ -425,6 +425,33 @@ class BlockHasher:
         mm_ends = self._mm_ends
         mm_offsets = self._mm_offsets
         num_mm = len(mm_ends)
+        if not num_mm and not (salted and done == 0):
+            # No chunk here carries a per-chunk extra key (the common case):
+            # every encoding is length, parent, token count, tokens, then the
+            # constant extra keys.
+            end = (full - done) * width
+            if fn is _sha256 and not const_extra and len(parent) == 32:
+                # sha256 inline; every parent is 32 bytes from here on.
+                sha = _sha256_new
+                head32 = small[32]
+                for off in range(0, end, width):
+                    enc = head32 + parent + ntok + data[off : off + width]
+                    parent = sha(enc).digest()
+                    append(parent)
+                return full - done
+            for off in range(0, end, width):
+                plen = len(parent)
+                enc = (
+                    (small[plen] if plen < 129 else _pack_u32(plen))
+                    + parent
+                    + ntok
+                    + data[off : off + width]
+                )
+                if const_extra:
+                    enc += const_extra
+                parent = fn(enc)
+                append(parent)
+            return full - done
         off = 0
         for i in range(done, full):
             plen = len(parent)
