@@ -66,3 +66,24 @@ def test_the_gpu_table_is_documented_with_its_memory() -> None:
             line.startswith(f"| {acc.name} | {acc.vendor} | {acc.memory_gib} |")
             for line in rows
         ), acc.name
+
+
+def test_the_manager_contract_lists_every_method_with_its_signature() -> None:
+    from kvcore.coordinator.manager import FixedBlocksManager, SingleTypeManager
+
+    text = DOCS.read_text()
+    public = [
+        (SingleTypeManager, name)
+        for name, value in vars(SingleTypeManager).items()
+        if not name.startswith("_") and callable(getattr(SingleTypeManager, name))
+    ] + [(FixedBlocksManager, "blocks_per_request")]
+    for cls, name in public:
+        sig = inspect.signature(getattr(cls, name))
+        params = ", ".join(str(p) for p in sig.parameters.values())
+        ret = (
+            ""
+            if sig.return_annotation is inspect.Signature.empty
+            else f" -> {sig.return_annotation}"
+        )
+        line = f"- `{name}({params}){ret}`:".replace("'", "")
+        assert line in text, name
