@@ -89,13 +89,13 @@ def _groups_lines(summary: PlanSummary) -> Text:
     return text
 
 
+def _table(title: str) -> Table:
+    """A borderless table with its title on the left."""
+    return Table(title=title, title_justify="left", box=None, pad_edge=False)
+
+
 def _groups_table(summary: PlanSummary) -> Table:
-    table = Table(
-        title="cache groups (they overlay each other: a block is one group's)",
-        title_justify="left",
-        box=None,
-        pad_edge=False,
-    )
+    table = _table("cache groups (they overlay each other: a block is one group's)")
     for name, justify in (
         ("group", "right"),
         ("layers", "left"),
@@ -125,12 +125,7 @@ def _groups_table(summary: PlanSummary) -> Table:
 
 
 def _capacity_table(summary: PlanSummary) -> Table:
-    table = Table(
-        title="capacity (limit: every layer's own pages, no padding, no reserve)",
-        title_justify="left",
-        box=None,
-        pad_edge=False,
-    )
+    table = _table("capacity (limit: every layer's own pages, no padding, no reserve)")
     for name in ("context", "requests", "tokens", "limit", "ratio", "per request"):
         table.add_column(name, justify="right")
     for row in summary.rows:

@@ -194,6 +194,29 @@ def _call(name: str, spec: KVCacheSpec, method: str, arg: object, want: type) ->
     return result
 
 
+def _apply_each(layers: dict[str, KVCacheSpec], method: str, value: Any) -> list[str]:
+    """Call ``spec.<method>(value)`` on every layer in place; the layers whose
+    kind answers ``None`` (keeps its own) are returned."""
+    kept: list[str] = []
+    for name, spec in layers.items():
+        new = _call(name, spec, method, value, KVCacheSpec)
+        if new is None:
+            kept.append(name)
+        else:
+            layers[name] = new
+    return kept
+
+
+def _kept_note(
+    what: str, kept: list[str], own: str, layers: Mapping[str, KVCacheSpec]
+) -> str:
+    """``"block size 32 on 4 layers; 28 layers keep their own block: ..."``."""
+    note = f"{what} on {_layers(len(layers) - len(kept))}"
+    if kept:
+        note += f"; {_layers(len(kept))} keep their own {own}: {_by_kind(kept, layers)}"
+    return note
+
+
 def apply_serving_choices(
     specs: Mapping[str, KVCacheSpec], choices: ServingChoices
 ) -> ServedLayers:
@@ -224,37 +247,20 @@ def apply_serving_choices(
     dtype_kept: list[str] = []
     dtype = choices.kv_cache_dtype
     if dtype is not None:
-        for name, spec in layers.items():
-            new = _call(name, spec, "with_cache_dtype", dtype, KVCacheSpec)
-            if new is None:
-                dtype_kept.append(name)
-            else:
-                layers[name] = new
-        note = f"cache dtype {cache_dtype_name(dtype)} on "
-        note += _layers(len(layers) - len(dtype_kept))
-        if dtype_kept:
-            note += (
-                f"; {_layers(len(dtype_kept))} keep their own dtype: "
-                f"{_by_kind(dtype_kept, layers)}"
+        dtype_kept = _apply_each(layers, "with_cache_dtype", dtype)
+        notes.append(
+            _kept_note(
+                f"cache dtype {cache_dtype_name(dtype)}", dtype_kept, "dtype", layers
             )
-        notes.append(note)
+        )
 
     block_kept: list[str] = []
     block_size = choices.block_size
     if block_size is not None:
-        for name, spec in layers.items():
-            new = _call(name, spec, "with_block_size", block_size, KVCacheSpec)
-            if new is None:
-                block_kept.append(name)
-            else:
-                layers[name] = new
-        note = f"block size {block_size} on {_layers(len(layers) - len(block_kept))}"
-        if block_kept:
-            note += (
-                f"; {_layers(len(block_kept))} keep their own block: "
-                f"{_by_kind(block_kept, layers)}"
-            )
-        notes.append(note)
+        block_kept = _apply_each(layers, "with_block_size", block_size)
+        notes.append(
+            _kept_note(f"block size {block_size}", block_kept, "block", layers)
+        )
 
     replicated: list[str] = []
     tp = choices.tensor_parallel_size
