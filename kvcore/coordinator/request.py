@@ -57,6 +57,7 @@ class Request:
         "_hasher",
         "_lora_name",
         "_mm_features",
+        "_next_hash_at",
         "_num_prompt_tokens",
         "_prompt_token_ids",
         "all_token_ids",
@@ -110,6 +111,8 @@ class Request:
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.status = RequestStatus.WAITING
         self.block_hashes = []
+        #: Token count at which the next chunk fills (never, unhashed).
+        self._next_hash_at = _NEVER
         try:
             if cache_salt is not None and type(cache_salt) is not str:
                 msg = (
@@ -159,6 +162,7 @@ class Request:
         except KvcoreError as exc:
             exc.add_note(f"in request {self.request_id!r}")
             raise
+        self._next_hash_at = (len(self.block_hashes) + 1) * hasher.hash_block_size
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -213,22 +217,20 @@ class Request:
         Invalid tokens (not ints in ``[0, 2**32)``) are refused before
         anything is appended.
         """
-        if type(token_ids) is int and 0 <= token_ids < TOKEN_ID_LIMIT:
-            self.all_token_ids.append(token_ids)
-        else:
-            new = (
-                [token_ids] if not isinstance(token_ids, Sequence) else list(token_ids)
-            )
-            _check_tokens(
-                new,
-                f"request {self.request_id!r}: appended tokens",
-                len(self.all_token_ids),
-            )
-            self.all_token_ids.extend(new)
-        hasher = self._hasher
-        if hasher is not None and (
-            len(self.all_token_ids) // hasher.hash_block_size > len(self.block_hashes)
-        ):
+        tokens = self.all_token_ids
+        if type(token_ids) is int and 0 <= token_ids < 4294967296:  # 2**32
+            tokens.append(token_ids)
+            if len(tokens) >= self._next_hash_at:
+                hasher = self._hasher
+                assert hasher is not None  # internal invariant: set when hashed
+                self._hash(hasher)
+            return
+        new = [token_ids] if not isinstance(token_ids, Sequence) else list(token_ids)
+        _check_tokens(new, f"request {self.request_id!r}: appended tokens", len(tokens))
+        tokens.extend(new)
+        if len(tokens) >= self._next_hash_at:
+            hasher = self._hasher
+            assert hasher is not None  # internal invariant: set when hashed
             self._hash(hasher)
 
     def __repr__(self) -> str:
@@ -237,6 +239,10 @@ class Request:
             f"num_computed_tokens={self.num_computed_tokens}, "
             f"status={self.status.name})"
         )
+
+
+_NEVER = 1 << 62
+"""``_next_hash_at`` of a request that is not hashed."""
 
 
 def _splitmix64(state: int) -> tuple[int, int]:
