@@ -198,12 +198,42 @@ class KVCacheCoordinator:
         if self._single is not None and not self.use_eagle:
             return self._single_hit(block_hashes, limit, alignment)
         if self.use_eagle:
-            hits, length = self._fixed_point(block_hashes, limit, alignment)
-            if length == 0:
-                return hits, 0
-            limit = length - alignment
+            bound = self._eagle_bound(block_hashes, max_length)
+            limit = min(limit, bound - bound % alignment)
+            if limit <= 0:
+                return tuple([] for _ in range(self.num_groups)), 0
         hits, length = self._fixed_point(block_hashes, limit, alignment)
         return hits, length
+
+    def _eagle_bound(self, block_hashes: Sequence[BlockHash], max_length: int) -> int:
+        """The longest prefix EAGLE may take from the cache, before alignment.
+
+        Each group's own longest hit (in its own blocks, up to
+        ``max_length``) loses its last block, which the draft model
+        recomputes.  A group whose dropped hit reaches ``n`` tokens shows the
+        prefix was computed past ``n``; the longest such ``n`` bounds the hit,
+        which the fixed point then cuts to what every group serves at the
+        hit alignment.  Only one block of a group's size is dropped, never a
+        whole alignment unit.
+        """
+        pool = self.block_pool
+        bound = 0
+        for group in self.attention_groups:
+            hashes = hashes_at_block_size(
+                block_hashes, self.hash_block_size, group.block_size
+            )
+            blocks = group.manager_type.find_longest_cache_hit(
+                group.spec,
+                hashes,
+                max_length,
+                group.group_ids,
+                pool,
+                group.block_size,
+                group.block_size,
+            )
+            dropped = (len(blocks[0]) - 1) * group.block_size
+            bound = max(bound, dropped)
+        return bound
 
     def _single_hit(
         self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
