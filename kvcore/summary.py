@@ -282,6 +282,19 @@ def summarize(
         if layout is None or layout.is_block_outermost
         else 1
     )
+    notes = list(notes)
+    blockers = [
+        g
+        for g in plan.kv_cache_groups
+        if g.manager_spec.prefix_cacheable and not g.manager_spec.hashes_blocks
+    ]
+    if plan.enable_prefix_caching and blockers:
+        kinds = sorted({g.manager_spec.kind for g in blockers})
+        notes.append(
+            f"no prefix hits for this model: {', '.join(kinds)} needs a request's "
+            "whole prefix but keeps no state of it to restore (kvcore computes "
+            "every prompt in full)"
+        )
     batched = plan.max_num_batched_tokens or 8192
     rows = []
     for context in contexts:

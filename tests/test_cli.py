@@ -549,3 +549,16 @@ def test_a_narrow_terminal_gets_groups_as_lines() -> None:
     assert max(len(line.rstrip()) for line in lines) <= 80
     assert "  6  full_attention x4: 96 tok, 1.5 MiB, 100.0% full, cacheable" in lines
     assert "     model.layers.{4,12,...,28}.self_attn" in lines
+
+
+def test_a_kind_that_blocks_every_hit_is_reported() -> None:
+    # Jamba's Mamba layers (mode none) keep no state of a prefix, so no
+    # request can start from a hit; Llama has no such kind.
+    jamba = plan_json("jamba-1-5-mini", "--memory", "8GiB")
+    assert any(
+        n.startswith("no prefix hits for this model: mamba") for n in jamba["notes"]
+    )
+    llama = plan_json("llama-3-1-8b", "--memory", "8GiB")
+    assert not any(n.startswith("no prefix hits") for n in llama["notes"])
+    off = plan_json("jamba-1-5-mini", "--memory", "8GiB", "--no-prefix-caching")
+    assert not any(n.startswith("no prefix hits") for n in off["notes"])
