@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 
+#: The recurrent-state caching modes an engine runs (``--mamba-cache-mode``).
+STATE_CACHE_MODES = ("none", "align", "all")
+
+
 class ServingError(KvcoreValueError):
     """A serving choice is unknown or cannot apply to one of the layers."""
 
@@ -138,6 +142,8 @@ class ServingChoices:
         across; the result is one rank's layers.
     :param block_size: tokens per block of every paged kind; ``None`` keeps
         the file's block sizes.
+    :param mamba_cache_mode: the recurrent-state caching mode (``none``,
+        ``align``, ``all``) of every state kind; ``None`` keeps the file's.
     """
 
     kv_cache_dtype: torch.dtype | None = attrs.field(
@@ -145,6 +151,16 @@ class ServingChoices:
     )
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive(False))
     block_size: int | None = attrs.field(default=None, validator=_positive(True))
+    mamba_cache_mode: str | None = attrs.field(default=None)
+
+    @mamba_cache_mode.validator
+    def _check_mode(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value not in STATE_CACHE_MODES:
+            msg = (
+                f"mamba_cache_mode must be one of {', '.join(STATE_CACHE_MODES)} "
+                f"(or None to keep the model file's), got {value!r}"
+            )
+            raise ServingError(msg)
 
 
 @attrs.frozen(kw_only=True)
@@ -261,6 +277,14 @@ def apply_serving_choices(
         notes.append(
             _kept_note(f"block size {block_size}", block_kept, "block", layers)
         )
+
+    mode = choices.mamba_cache_mode
+    if mode is not None:
+        kept = _apply_each(layers, "with_state_cache_mode", mode)
+        if len(kept) < len(layers):
+            notes.append(
+                f"state cache mode {mode} on {_layers(len(layers) - len(kept))}"
+            )
 
     replicated: list[str] = []
     tp = choices.tensor_parallel_size

@@ -252,6 +252,12 @@ class KVCacheSpec:
         """
         return None
 
+    def with_state_cache_mode(self, mode: str) -> Self | None:
+        """This spec under the engine's recurrent-state caching ``mode``
+        (``none``, ``align`` or ``all``), or ``None`` if the kind keeps no
+        recurrent state.  Default ``None``."""
+        return None
+
     def sharded(self, tp_size: int) -> Sharded:
         """What one of ``tp_size`` tensor-parallel ranks keeps of this layer.
 

@@ -562,3 +562,20 @@ def test_a_kind_that_blocks_every_hit_is_reported() -> None:
     assert not any(n.startswith("no prefix hits") for n in llama["notes"])
     off = plan_json("jamba-1-5-mini", "--memory", "8GiB", "--no-prefix-caching")
     assert not any(n.startswith("no prefix hits") for n in off["notes"])
+
+
+def test_mamba_cache_mode_turns_hits_back_on() -> None:
+    # Mode align keeps a state at block boundaries, so Jamba's prefix hits
+    # come back and the report stops saying there are none.
+    doc = plan_json("jamba-1-5-mini", "--memory", "8GiB", "--mamba-cache-mode", "align")
+    assert not any(n.startswith("no prefix hits") for n in doc["notes"])
+    assert "state cache mode align on 28 layers" in doc["notes"]
+    specs = [
+        s
+        for g in doc["plan"]["kv_cache_groups"]
+        for s in (
+            g["kv_cache_spec"].get("kv_cache_specs") or {"_": g["kv_cache_spec"]}
+        ).values()
+        if s["kind"] == "mamba"
+    ]
+    assert {s["mamba_cache_mode"] for s in specs} == {"align"}

@@ -627,3 +627,18 @@ def test_mla_keeps_the_whole_latent_at_any_size() -> None:
     spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=E4M3)
     assert spec.sharded(1).replicas == 1
     assert spec.sharded(16).spec is spec
+
+
+def test_mamba_cache_mode_applies_to_state_layers_only(
+    zoo_registry: kvcore.KindRegistry,
+) -> None:
+    layers = _model(zoo_registry, "jamba-1-5-mini")
+    served = apply_serving_choices(layers, ServingChoices(mamba_cache_mode="align"))
+    modes = {getattr(s, "mamba_cache_mode", None) for s in served.layers.values()}
+    assert modes == {"align", None}
+    states = sum(1 for s in served.layers.values() if s.kind == "mamba")
+    assert served.notes == (f"state cache mode align on {states} layers",)
+    # attention layers are the same objects
+    assert all(served.layers[n] is s for n, s in layers.items() if s.kind != "mamba")
+    with pytest.raises(ServingError, match="mamba_cache_mode must be one of"):
+        ServingChoices(mamba_cache_mode="sometimes")

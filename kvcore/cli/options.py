@@ -34,6 +34,7 @@ from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile, load_model_file
 from kvcore.serving import (
     CACHE_DTYPE_ALIASES,
+    STATE_CACHE_MODES,
     ServedLayers,
     ServingChoices,
     apply_serving_choices,
@@ -192,6 +193,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         metavar="DTYPE",
         help="cache dtype of every attention layer: auto (the model file's), "
         f"{', '.join(sorted(set(CACHE_DTYPE_ALIASES) - {'auto'}))}",
+    )
+    serving.add_argument(
+        "--mamba-cache-mode",
+        choices=STATE_CACHE_MODES,
+        help="recurrent-state caching of every Mamba / linear-attention layer: "
+        "none (the live state only: no prefix hits for the model), align (a "
+        "state kept at block boundaries), all (a state every block) "
+        "(default: the model file's)",
     )
     serving.add_argument(
         "--block-size",
@@ -381,6 +390,7 @@ def plan_from_args(
             if args.block_size is None
             else _positive(args.block_size, "--block-size")
         ),
+        mamba_cache_mode=args.mamba_cache_mode,
     )
     served = apply_serving_choices(model.layers, choices)
     budget = _budget(args, tp, file_weights)
@@ -392,6 +402,7 @@ def plan_from_args(
             packing_policy=policy or args.policy,
             target_context=contexts[0],
             max_block_growth=_positive(args.max_block_growth, "--max-block-growth"),
+            mamba_cache_mode=args.mamba_cache_mode,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         max_num_batched_tokens=parse_tokens(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import attrs
 import torch
@@ -190,6 +190,12 @@ class MambaSpec(KVCacheSpec):
     @property
     def tokens_per_state(self) -> int:
         return 1
+
+    def with_state_cache_mode(self, mode: str) -> Self | None:
+        """The engine's Mamba cache mode applies to every Mamba layer."""
+        if mode == self.mamba_cache_mode:
+            return self
+        return attrs.evolve(self, mamba_cache_mode=mode)  # type: ignore[arg-type]
 
     @property
     def hashes_blocks(self) -> bool:
