@@ -27,6 +27,8 @@ from kvcore.coordinator.hashing import (
     hashes_at_block_size,
 )
 from kvcore.coordinator.kv_cache_manager import (
+    EngineStepKeywords,
+    GroupPrefixCacheStats,
     KVCacheBlocks,
     KVCacheManager,
     PrefixCacheStats,
@@ -41,10 +43,12 @@ from kvcore.coordinator.request import (
 
 __all__ = [
     # coordinator
+    "EngineStepKeywords",
     "FixedBlocksManager",
     "KVCacheBlocks",
     "KVCacheCoordinator",
     "KVCacheManager",
+    "GroupPrefixCacheStats",
     "PrefixCacheStats",
     "SingleTypeManager",
     "SpecGroup",

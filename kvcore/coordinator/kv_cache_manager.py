@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, TypedDict, Unpack, cast
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
-from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
 
-__all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
+__all__ = [
+    "EngineStepKeywords",
+    "GroupPrefixCacheStats",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "PrefixCacheStats",
+]
 
 
 class KVCacheBlocks:
@@ -50,6 +57,36 @@ class PrefixCacheStats:
         self.requests = 0
         self.queries = 0
         self.hits = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class EngineStepKeywords(TypedDict, total=False):
+    """The keywords an engine may pass to :meth:`KVCacheManager.allocate_slots`
+    besides its positional parameters (each described there)."""
+
+    num_external_computed_tokens: int
+    num_encoder_tokens: int
+    full_sequence_must_fit: bool
+
+
+_ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
+
+
+class GroupPrefixCacheStats(NamedTuple):
+    """One group's view of the prefix-hit statistics (see
+    :meth:`KVCacheManager.group_prefix_cache_stats`)."""
+
+    group_id: int
+    kind: str
+    block_size: int
+    prefix_cacheable: bool
+    requests: int
+    queries: int
+    hits: int
+    hit_blocks: int
 
     @property
     def hit_rate(self) -> float:
@@ -227,13 +264,36 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        **engine: Unpack[EngineStepKeywords],
     ) -> KVCacheBlocks | None:
         """Give the request slots for ``num_new_tokens`` more tokens.
+
+        The table covers, in order: the tokens already computed, the prefix
+        hit attached now, the tokens a KV connector loads, the new tokens
+        and the lookahead slots.
 
         :param num_new_computed_tokens: tokens of a prefix hit attached now
             (from :meth:`get_computed_blocks`).
         :param new_computed_blocks: the hit's blocks.
         :param num_lookahead_tokens: extra slots for speculative tokens.
+        :param delay_cache_blocks: hash nothing this step (the blocks' KV
+            arrives later, e.g. an asynchronous connector load); call
+            :meth:`cache_blocks` once it has arrived.
+        :param num_external_computed_tokens: tokens after the hit whose KV a
+            KV connector loads.  They get slots (new blocks, or the null block
+            at positions the group's kind skips) but take no cached block, and
+            they count as computed: positions before them that a kind skips
+            are not allocated.  Only when the request is admitted (it holds no
+            blocks); ``num_new_tokens`` may then be 0 (a load that completes
+            in a later step).
+        :param num_encoder_tokens: encoder tokens for cross-attention groups.
+            kvcore has no cross-attention kind, so a nonzero value is refused
+            (reserving nothing would leave the encoder's KV without slots).
+        :param full_sequence_must_fit: admit only when the pool can hold the
+            request's whole current sequence (``request.num_tokens``, capped at
+            ``max_model_len``) as well as this step, so chunked prefill does
+            not admit a request whose later chunks cannot fit (see
+            :meth:`can_fit_full_sequence`).
         :returns: the newly allocated blocks per group, or ``None`` when the
             pool cannot satisfy the step (nothing is changed then, the
             request's status included); on success the request's status is
@@ -242,7 +302,19 @@ class KVCacheManager:
         if not isinstance(request, Request):
             raise _not_a_request(request)
         rid = request.request_id
-        if type(num_new_tokens) is not int or num_new_tokens <= 0:
+        # The engine keywords travel in a dict so a step without them pays
+        # for no keyword-only defaults.
+        num_external_computed_tokens = 0
+        full_sequence_must_fit = False
+        if engine:
+            num_external_computed_tokens, full_sequence_must_fit = (
+                self._check_engine_keywords(request, engine)
+            )
+        if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
+            num_new_tokens == 0
+            and type(num_new_tokens) is int
+            and num_external_computed_tokens
+        ):
             msg = (
                 f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
                 "tokens; schedule a positive int number of tokens"
@@ -266,6 +338,8 @@ class KVCacheManager:
                 request, new_computed_blocks, computed, num_new_computed_tokens
             )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if num_external_computed_tokens:
+            num_computed += num_external_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
             msg = (
@@ -309,6 +383,14 @@ class KVCacheManager:
                 num_computed,
             )
             need = coordinator.get_num_blocks_to_allocate(rid, num_tokens, attach)
+        if (
+            full_sequence_must_fit
+            and self._full_sequence_blocks(
+                request, min(request.num_tokens, self.max_model_len), attach
+            )
+            > self.block_pool.free_queue.num_free
+        ):
+            return None
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
@@ -354,6 +436,158 @@ class KVCacheManager:
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_engine_keywords(
+        self, request: Request, engine: Mapping[str, object]
+    ) -> tuple[int, bool]:
+        """The checked engine keywords: (external tokens, full sequence)."""
+        unknown = sorted(set(engine) - _ENGINE_KEYWORDS)
+        if unknown:
+            msg = (
+                f"allocate_slots got unexpected keyword argument(s) "
+                f"{', '.join(unknown)}; the engine keywords are "
+                f"{', '.join(sorted(_ENGINE_KEYWORDS))}"
+            )
+            raise KvcoreTypeError(msg)
+        num_external = engine.get("num_external_computed_tokens", 0)
+        num_encoder = engine.get("num_encoder_tokens", 0)
+        full_sequence_must_fit = engine.get("full_sequence_must_fit", False)
+        self._check_external(request, num_external, num_encoder, full_sequence_must_fit)
+        return cast(int, num_external), cast(bool, full_sequence_must_fit)
+
+    def _check_external(
+        self,
+        request: Request,
+        num_external: object,
+        num_encoder: object,
+        full_sequence_must_fit: object,
+    ) -> None:
+        rid = request.request_id
+        if type(num_external) is not int or num_external < 0:
+            msg = (
+                f"allocate_slots for request {rid!r}: num_external_computed_tokens "
+                f"must be a non-negative int, got {num_external!r}"
+            )
+            raise InvalidRequestError(msg)
+        if type(num_encoder) is not int or num_encoder < 0:
+            msg = (
+                f"allocate_slots for request {rid!r}: num_encoder_tokens must be a "
+                f"non-negative int, got {num_encoder!r}"
+            )
+            raise InvalidRequestError(msg)
+        if num_encoder:
+            msg = (
+                f"allocate_slots for request {rid!r}: {num_encoder} encoder tokens, "
+                "but kvcore has no cross-attention kind to hold them; pass "
+                "num_encoder_tokens=0 (decoder-only plans)"
+            )
+            raise InvalidRequestError(msg)
+        if type(full_sequence_must_fit) is not bool:
+            msg = (
+                f"allocate_slots for request {rid!r}: full_sequence_must_fit must "
+                f"be a bool, got {full_sequence_must_fit!r}"
+            )
+            raise InvalidRequestError(msg)
+        if num_external and request.request_id in self._requests:
+            msg = (
+                f"allocate_slots for request {rid!r}: {num_external} external "
+                "computed tokens, but the request already holds blocks; a KV "
+                "connector's tokens attach only when the request is admitted"
+            )
+            raise InvalidRequestError(msg)
+
+    def _full_sequence_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        attach: Sequence[Sequence[KVCacheBlock]],
+    ) -> int:
+        """Free blocks the request draws from the pool, at its peak, to cover
+        ``num_tokens`` with ``attach`` (its admission blocks, or nothing for
+        a request that holds blocks).  A group whose kind skips positions
+        holds at most its per-request bound of blocks at once (blocks it
+        holds now count toward that bound); other groups hold every block."""
+        rid = request.request_id
+        total = 0
+        empty: tuple[KVCacheBlock, ...] = ()
+        for gid, manager in enumerate(self._managers):
+            computed = attach[gid] if attach else empty
+            try:
+                need = _count(
+                    manager.get_num_blocks_to_allocate(rid, num_tokens, computed)
+                )
+            except Exception as exc:
+                err = self.coordinator.plugin_error(
+                    gid, "get_num_blocks_to_allocate", exc
+                )
+                raise err from exc
+            spec = manager.kv_cache_spec
+            if manager.skips_blocks and manager.block_size == spec.block_size:
+                held = manager.req_to_blocks.get(rid, empty)
+                live = sum(1 for b in held if not b.is_null)
+                bound = spec.max_num_blocks_per_request(num_tokens) - live
+                need = min(need, bound if bound > 0 else 0)
+            total += need
+        return total
+
+    def can_fit_full_sequence(
+        self,
+        request: Request,
+        num_tokens: int | None = None,
+        *,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> bool:
+        """Whether the free blocks could hold the request's whole sequence now.
+
+        :param num_tokens: the sequence length (default ``request.num_tokens``;
+            an engine passes prompt + max tokens); capped at ``max_model_len``.
+        :param new_computed_blocks: the hit the request would attach (from
+            :meth:`get_computed_blocks`), with ``num_new_computed_tokens``.
+        :param num_external_computed_tokens: tokens a KV connector would load.
+
+        Nothing changes.  The count is the one ``full_sequence_must_fit``
+        applies; it does not include the current step's lookahead slots.
+        """
+        if not isinstance(request, Request):
+            raise _not_a_request(request)
+        rid = request.request_id
+        if num_tokens is None:
+            num_tokens = request.num_tokens
+        if type(num_tokens) is not int or num_tokens <= 0:
+            msg = (
+                f"can_fit_full_sequence for request {rid!r}: num_tokens must be a "
+                f"positive int, got {num_tokens!r}"
+            )
+            raise InvalidRequestError(msg)
+        _check_counts(rid, num_new_computed_tokens, 0)
+        self._check_external(request, num_external_computed_tokens, 0, False)
+        attach: tuple[list[KVCacheBlock], ...] = ()
+        if rid not in self._requests:
+            hit = (
+                new_computed_blocks.blocks
+                if new_computed_blocks is not None and any(new_computed_blocks.blocks)
+                else self.empty_kv_cache_blocks.blocks
+            )
+            if len(hit) != self.num_kv_cache_groups:
+                msg = (
+                    f"can_fit_full_sequence for request {rid!r}: the hit has "
+                    f"{len(hit)} block lists for {self.num_kv_cache_groups} groups"
+                )
+                raise InvalidRequestError(msg)
+            attach = self.coordinator.admission_blocks(
+                hit, num_new_computed_tokens + num_external_computed_tokens
+            )
+        elif new_computed_blocks is not None and any(new_computed_blocks.blocks):
+            msg = (
+                f"can_fit_full_sequence for request {rid!r}: the request already "
+                "holds blocks; a prefix hit attaches only at admission"
+            )
+            raise InvalidRequestError(msg)
+        full = min(num_tokens, self.max_model_len)
+        need = self._full_sequence_blocks(request, full, attach)
+        return need <= self.block_pool.free_queue.num_free
 
     def _step(
         self,
@@ -615,6 +849,41 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of usable blocks in use."""
         return self.block_pool.get_usage()
+
+    def group_usage(self) -> tuple[int, ...]:
+        """Blocks each group's requests hold now (a block shared by several
+        requests counts once; the null block not at all).  Counted on call."""
+        out = []
+        for manager in self._managers:
+            ids = {
+                block.block_id
+                for blocks in manager.req_to_blocks.values()
+                for block in blocks
+                if not block.is_null
+            }
+            out.append(len(ids))
+        return tuple(out)
+
+    def group_prefix_cache_stats(self) -> tuple[GroupPrefixCacheStats, ...]:
+        """Each group's share of the prefix-hit statistics, derived on call
+        from :attr:`prefix_cache_stats`: kvcore's hit is one length every
+        group serves, so every group hit the same tokens, in
+        ``hits // block_size`` of its table positions (positions its kind
+        skips included)."""
+        stats = self.prefix_cache_stats
+        return tuple(
+            GroupPrefixCacheStats(
+                group_id=gid,
+                kind=str(manager.kv_cache_spec.kind),
+                block_size=manager.block_size,
+                prefix_cacheable=manager.caching,
+                requests=stats.requests,
+                queries=stats.queries,
+                hits=stats.hits if manager.caching else 0,
+                hit_blocks=stats.hits // manager.block_size if manager.caching else 0,
+            )
+            for gid, manager in enumerate(self._managers)
+        )
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
