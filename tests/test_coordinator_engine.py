@@ -9,6 +9,7 @@ taken out as the null block; within a step groups allocate in group order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -324,6 +325,15 @@ def test_group_prefix_cache_stats() -> None:
     mgr.free(a)
     assert mgr.reset_prefix_cache() is True
     assert mgr.group_prefix_cache_stats()[0].queries == 0
+
+
+def test_the_documented_scheduler_loop_runs() -> None:
+    page = (
+        Path(__file__).resolve().parent.parent / "docs" / "coordinator.md"
+    ).read_text()
+    section = page.split("## An engine's scheduler loop", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/coordinator.md", "exec"), {})
 
 
 def test_unknown_engine_keyword_refused() -> None:
