@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -421,7 +420,3 @@ def plan_from_args(
         plan=plan,
         contexts=contexts,
     )
-
-
-def context_label(contexts: Sequence[int]) -> str:
-    return ",".join(str(c) for c in contexts)

@@ -124,7 +124,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for policy in PACKING_POLICIES:
         planned = plan_from_args(args, policy=policy)
         results.append((policy, planned, summary_of(planned, args.kv_cache_dtype)))
-    baseline = results[-1][2] if results[-1][0] == "seed" else results[0][2]
+    baseline = next(s for policy, _, s in results if policy == "seed")
     if args.json:
         out = {
             "schema": COMPARE_SCHEMA_VERSION,

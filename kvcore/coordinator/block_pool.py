@@ -200,33 +200,6 @@ class FreeBlockQueue:
         assert first is not None
         self._link_after(head, first, blocks)
 
-    def link_after_head(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """:meth:`prepend_n` for blocks known to be in no queue (unchecked)."""
-        head = self._head
-        right = head.next_free
-        assert right is not None
-        prev = head
-        for block in blocks:
-            prev.next_free = block
-            block.prev_free = prev
-            prev = block
-        prev.next_free = right
-        right.prev_free = prev
-        self.num_free += len(blocks)
-
-    def link_before_tail(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """:meth:`append_n` for blocks known to be in no queue (unchecked)."""
-        tail = self._tail
-        prev = tail.prev_free
-        assert prev is not None
-        for block in blocks:
-            prev.next_free = block
-            block.prev_free = prev
-            prev = block
-        prev.next_free = tail
-        tail.prev_free = prev
-        self.num_free += len(blocks)
-
     def _link_after(
         self, left: KVCacheBlock, right: KVCacheBlock, blocks: Sequence[KVCacheBlock]
     ) -> None:
