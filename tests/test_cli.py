@@ -238,6 +238,8 @@ def test_human_report_shows_groups_stride_and_capacity() -> None:
     proc = run("plan", "jamba-1-5-mini", "--memory", "8GiB", "--context", "4k,32k")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
+    # Jamba's 4 attention layers (8 KV heads x 128, bf16) in one group grown
+    # to 96-token blocks: 4 * 96 * 8 * 128 * 2 * 2 = 1572864 bytes, the widest.
     assert "stride 1.5 MiB (1572864 B): group 6 is the widest" in out
     assert "model.layers.{4,12,...,28}.self_attn" in out
     assert "cacheable" in out
