@@ -8,6 +8,49 @@ that was broken and the fix.
 
 from __future__ import annotations
 
+import reprlib
+
+from kvcore.limits import MAX_ECHO_CHARS, MAX_MESSAGE_CHARS
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = MAX_ECHO_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
+_REPR.maxset = _REPR.maxfrozenset = _REPR.maxdeque = _REPR.maxarray = 8
+_REPR.maxlong = 40
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every unprintable character (ESC, a newline, a bidi
+    override) written as its Python escape, so no name from a file can
+    drive the terminal an error is printed on."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+        for ch in text
+    )
+
+
+def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """A value as an error message quotes it: its repr, abbreviated
+    (long lists show their first items), escaped, and cut to ``limit``
+    characters with ``...``, so a two-million-item field gives a readable
+    line, not megabytes."""
+    text = escape_controls(_REPR.repr(value))
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """An error message as one escaped line of at most ``limit`` characters
+    (what the command line prints)."""
+    text = escape_controls(message)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text
+
 
 class KvcoreError(Exception):
     """Base class of every error kvcore raises."""

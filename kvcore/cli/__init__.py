@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 from kvcore.cli import info, plan, simulate
-from kvcore.errors import KvcoreError
+from kvcore.errors import KvcoreError, one_line
 
 __all__ = ["build_parser", "main"]
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except KvcoreError as exc:
         if debug:
             traceback.print_exc()
-        print(f"kvcore: error: {exc}", file=sys.stderr)
+        print(f"kvcore: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:
         # Output that cannot be written (a full disk, a closed terminal).

@@ -1,0 +1,47 @@
+"""Every limit kvcore puts on what it reads, in one place.
+
+Input comes from files people download and configs that travel between
+machines, so each reader refuses what no real model or plan needs before it
+allocates anything: a file larger than :data:`MAX_JSON_FILE_BYTES`, JSON
+nested deeper than :data:`MAX_JSON_DEPTH`, an integer literal longer than
+:data:`MAX_JSON_INT_DIGITS` digits, a pool of more than
+:data:`MAX_NUM_BLOCKS` blocks.  ``docs/bad-input.md`` lists the refusals.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MAX_ECHO_CHARS",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_FILE_BYTES",
+    "MAX_JSON_INT_DIGITS",
+    "MAX_MESSAGE_CHARS",
+    "MAX_NUM_BLOCKS",
+    "TOKEN_ID_LIMIT",
+]
+
+#: The largest model file or plan kvcore reads (16 MiB; the largest shipped
+#: model file is a few KiB, a plan of a thousand layers a few hundred KiB).
+MAX_JSON_FILE_BYTES = 16 * 2**20
+
+#: The deepest nesting of JSON objects and arrays kvcore reads (a plan
+#: nests about eight levels).
+MAX_JSON_DEPTH = 32
+
+#: The most digits of one JSON integer literal (``2**64`` has 20).
+MAX_JSON_INT_DIGITS = 20
+
+#: The most blocks one pool may have (2**24, about 16.8 million).  Every
+#: block costs the coordinator a Python object of about 100 bytes, so a pool
+#: past this is a page size or memory figure off by orders of magnitude.
+MAX_NUM_BLOCKS = 2**24
+
+#: Token ids and token counts are ints in ``[0, TOKEN_ID_LIMIT)``: ids are
+#: hashed as 4-byte unsigned ints.
+TOKEN_ID_LIMIT = 2**32
+
+#: The most characters of one value echoed in an error message.
+MAX_ECHO_CHARS = 200
+
+#: The most characters of one error line the command line prints.
+MAX_MESSAGE_CHARS = 2000
