@@ -9,6 +9,7 @@ import attrs
 from kvcore.errors import KvcoreValueError, LayoutError
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import is_bool, optional_positive_int, positive_int
+from kvcore.units import check_token_count
 
 __all__ = [
     "DEFAULT_TARGET_CONTEXT",
@@ -26,6 +27,18 @@ PACKING_POLICIES = ("min_waste", "seed")
 #: The context ``min_waste`` plans for when neither ``target_context`` nor
 #: ``max_model_len`` is set.
 DEFAULT_TARGET_CONTEXT = 32768
+
+
+def _tokens(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: a token count follows the token rule (below 2**32)."""
+    if value is not None:
+        check_token_count(value, f"{type(instance).__name__}.{attribute.name}")
+
+
+#: A positive token count, or None.
+_OPTIONAL_TOKENS = [optional_positive_int, _tokens]
+#: A positive token count.
+_TOKENS = [positive_int, _tokens]
 
 
 def _layout(value: Any) -> KVCacheLayout | None:
@@ -79,7 +92,7 @@ class CacheConfig:
         multiples of the larger block.
     """
 
-    block_size: int = attrs.field(default=16, validator=positive_int)
+    block_size: int = attrs.field(default=16, validator=_TOKENS)
     kv_cache_layout: KVCacheLayout | None = attrs.field(
         default=None, converter=_layout, on_setattr=attrs.setters.convert
     )
@@ -88,15 +101,13 @@ class CacheConfig:
     )
     enable_prefix_caching: bool = attrs.field(default=False, validator=is_bool)
     prefix_match_unit: int | None = attrs.field(
-        default=None, validator=optional_positive_int
+        default=None, validator=_OPTIONAL_TOKENS
     )
     mamba_cache_mode: MambaCacheMode | None = attrs.field(
         default=None, validator=_mamba_mode
     )
     packing_policy: str = attrs.field(default="min_waste", validator=_policy)
-    target_context: int | None = attrs.field(
-        default=None, validator=optional_positive_int
-    )
+    target_context: int | None = attrs.field(default=None, validator=_OPTIONAL_TOKENS)
     max_kv_cache_groups: int = attrs.field(default=64, validator=positive_int)
     max_block_growth: int = attrs.field(default=64, validator=positive_int)
 
@@ -144,10 +155,8 @@ class EngineConfig:
 
     cache_config: CacheConfig = attrs.Factory(CacheConfig)
     parallel_config: ParallelConfig = attrs.Factory(ParallelConfig)
-    max_model_len: int | None = attrs.field(
-        default=None, validator=optional_positive_int
-    )
-    max_num_batched_tokens: int = attrs.field(default=8192, validator=positive_int)
+    max_model_len: int | None = attrs.field(default=None, validator=_OPTIONAL_TOKENS)
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=_TOKENS)
     kv_transfer_enabled: bool = attrs.field(default=False, validator=is_bool)
 
     def resolved_target_context(self) -> int:

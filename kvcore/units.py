@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
+from typing import cast
 
-from kvcore.errors import KvcoreValueError
+from kvcore.errors import KvcoreTypeError, KvcoreValueError, echo
+from kvcore.limits import TOKEN_ID_LIMIT
 
 __all__ = [
+    "TOKEN_ID_LIMIT",
     "UnitError",
+    "check_token_count",
+    "check_token_ids",
+    "check_token_sequence",
     "format_size",
     "format_tokens",
     "parse_size",
@@ -114,8 +121,9 @@ def _parse(
 
 #: The largest size accepted (an exbibyte: beyond any machine).
 MAX_SIZE = 2**60
-#: The largest token count accepted.
-MAX_TOKENS = 2**40
+#: The largest token count accepted: token counts follow the token rule,
+#: ints in ``[0, 2**32)`` (see :func:`check_token_count`).
+MAX_TOKENS = TOKEN_ID_LIMIT - 1
 
 
 def parse_size(
@@ -177,3 +185,66 @@ def format_tokens(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return str(n)
+
+
+# -- the token rule ------------------------------------------------------------
+# Token ids and token counts are ints in [0, 2**32), never bools (nor numpy
+# ints, 0-d tensors or floats): ids are hashed as 4-byte unsigned ints, and a
+# count past that is a unit slip.  Every place a token id or count enters
+# (the command line, model files, requests, configs) checks it here.
+
+
+def check_token_count(value: object, what: str, *, minimum: int = 0) -> int:
+    """``value`` if it is an int in ``[minimum, 2**32)``, else a kvcore error
+    naming ``what`` (a :class:`~kvcore.errors.KvcoreTypeError` for a bool
+    or non-int)."""
+    if type(value) is not int:
+        msg = (
+            f"{what} must be an int number of tokens, got {echo(value)} "
+            f"({type(value).__name__})"
+        )
+        raise KvcoreTypeError(msg)
+    if not minimum <= value < TOKEN_ID_LIMIT:
+        msg = f"{what} must be a token count in [{minimum}, 2**32), got {value:,}" + (
+            "; check the unit" if value >= TOKEN_ID_LIMIT else ""
+        )
+        raise KvcoreValueError(msg)
+    return value
+
+
+def check_token_ids(tokens: Sequence[object], what: str, start: int = 0) -> None:
+    """Raise a kvcore error unless every token is an int in ``[0, 2**32)``;
+    positions are reported from ``start``.  A whole list is checked at C
+    speed; only a refused one is walked to name the position."""
+    if all(type(tok) is int for tok in tokens):
+        ints = cast("Sequence[int]", tokens)
+        if not ints or (min(ints) >= 0 and max(ints) < TOKEN_ID_LIMIT):
+            return
+    for pos, tok in enumerate(tokens, start):
+        if type(tok) is not int:
+            msg = (
+                f"{what}: token id at position {pos} is {echo(tok)} "
+                f"({type(tok).__name__}); token ids must be ints"
+            )
+            raise KvcoreTypeError(msg)
+        if not 0 <= tok < TOKEN_ID_LIMIT:
+            msg = (
+                f"{what}: token id at position {pos} is {echo(tok)}; token ids "
+                f"must lie in [0, {TOKEN_ID_LIMIT})"
+            )
+            raise KvcoreValueError(msg)
+
+
+def check_token_sequence(tokens: object, what: str, start: int = 0) -> list[int]:
+    """``tokens`` as a list, if it is a sequence (a list, tuple or range) of
+    valid token ids; a string, bytes, dict or set is not a token sequence."""
+    if not isinstance(tokens, Sequence) or isinstance(
+        tokens, str | bytes | bytearray | memoryview
+    ):
+        msg = (
+            f"{what} must be a list or tuple of token ids, got "
+            f"{type(tokens).__name__} {echo(tokens)}"
+        )
+        raise KvcoreTypeError(msg)
+    check_token_ids(tokens, what, start)
+    return list(tokens)

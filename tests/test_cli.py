@@ -347,7 +347,7 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
         (["--tp", "9" * 5000], "--tp takes a positive whole number"),
         (["--memory", "-.5GiB"], "got '-.5GiB'"),
         (["--memory", "9" * 400], "check the unit"),
-        (["--context", "1000000000000"], "more than 65,536 prefill steps"),
+        (["--context", "4000000000"], "more than 65,536 prefill steps"),
         (["--gpu-memory-utilization", "0.5"], "give --gpu with it"),
         (["--svg", "nodir/x.svg"], "cannot write --svg nodir/x.svg"),
         (["--svg", "out.png"], "--svg writes SVG; name a .svg file"),

@@ -6,7 +6,6 @@ import enum
 from collections.abc import Sequence
 
 from kvcore.coordinator.hashing import (
-    TOKEN_ID_LIMIT,
     BlockHash,
     BlockHasher,
     HashFunction,
@@ -19,6 +18,7 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
 )
+from kvcore.units import check_token_ids, check_token_sequence
 
 __all__ = ["Request", "RequestStatus", "create_requests", "make_requests"]
 
@@ -93,7 +93,9 @@ class Request:
                 f"({request_id!r}); convert it with str()"
             )
             raise KvcoreTypeError(msg)
-        prompt = tuple(prompt_token_ids)
+        prompt = tuple(
+            check_token_sequence(prompt_token_ids, f"request {request_id!r}: prompt")
+        )
         num_prompt = len(prompt)
         if num_prompt == 0:
             msg = (
@@ -145,14 +147,6 @@ class Request:
                     f"{num_prompt} tokens; placeholders must lie inside the prompt"
                 )
                 raise InvalidRequestError(msg)
-        # Full chunks are checked as they are hashed; check the rest now so a
-        # bad token is reported here, not when a later append completes it.
-        hashed = (
-            0
-            if hash_block_size is None or self._hasher is None
-            else num_prompt - num_prompt % hash_block_size
-        )
-        _check_tokens(prompt[hashed:], f"request {request_id!r}: prompt", hashed)
         if self._hasher is not None:
             self._hash(self._hasher)
 
@@ -225,8 +219,10 @@ class Request:
                 assert hasher is not None  # internal invariant: set when hashed
                 self._hash(hasher)
             return
-        new = [token_ids] if not isinstance(token_ids, Sequence) else list(token_ids)
-        _check_tokens(new, f"request {self.request_id!r}: appended tokens", len(tokens))
+        what = f"request {self.request_id!r}: appended tokens"
+        if isinstance(token_ids, int):
+            check_token_ids([token_ids], what, len(tokens))
+        new = check_token_sequence(token_ids, what, len(tokens))
         tokens.extend(new)
         if len(tokens) >= self._next_hash_at:
             hasher = self._hasher
@@ -315,15 +311,3 @@ def make_requests(
 
 create_requests = make_requests
 """Alias of :func:`make_requests` (the name the seed tests use)."""
-
-
-def _check_tokens(tokens: Sequence[object], what: str, start: int = 0) -> None:
-    """Raise a kvcore error unless every token is an int in ``[0, 2**32)``;
-    positions are reported from ``start``."""
-    for pos, tok in enumerate(tokens, start):
-        if type(tok) is not int:
-            msg = f"{what}: token id at position {pos} is {tok!r} ({type(tok).__name__}); token ids must be ints"
-            raise KvcoreTypeError(msg)
-        if not 0 <= tok < TOKEN_ID_LIMIT:
-            msg = f"{what}: token id at position {pos} is {tok}; token ids must lie in [0, {TOKEN_ID_LIMIT})"
-            raise KvcoreValueError(msg)
