@@ -11,7 +11,11 @@ use.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,20 +25,37 @@ import cattrs
 import torch
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
-from kvcore.errors import KvcoreError, SerializationError, UnknownKindError
-from kvcore.layout import KVCacheLayout
+from kvcore.errors import (
+    KvcoreError,
+    KvcoreTypeError,
+    SerializationError,
+    UnknownKindError,
+    echo,
+    escape_controls,
+)
+from kvcore.layout import AXIS_B, AXIS_L, KVCacheLayout
+from kvcore.limits import (
+    MAX_JSON_DEPTH,
+    MAX_JSON_FILE_BYTES,
+    MAX_JSON_INT_DIGITS,
+    MAX_NUM_BLOCKS,
+)
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.serving import CACHE_DTYPE_ALIASES
-from kvcore.spec import KVCacheSpec, UniformTypeKVCacheSpecs
-from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
+from kvcore.spec import CACHE_ELEMENT_DTYPES, KVCacheSpec, UniformTypeKVCacheSpecs
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.units import check_token_count
 
 __all__ = [
     "ModelFile",
     "SpecConverter",
+    "check_config",
     "dump_config",
     "load_config",
     "load_model_file",
     "make_converter",
+    "parse_json",
+    "read_json_file",
 ]
 
 UNIFORM_TAG = "uniform_type"
@@ -42,20 +63,33 @@ UNIFORM_TAG = "uniform_type"
 
 def _dtype_from_name(value: Any, _: Any) -> torch.dtype:
     """A torch dtype name (``"bfloat16"``, ``"torch.uint8"``) or a cache dtype
-    alias engines use (``"fp8"``, ``"bf16"``); ``auto`` names no dtype."""
+    alias engines use (``"fp8"``, ``"bf16"``); ``auto`` names no dtype.
+
+    Names come from fixed tables (:data:`kvcore.spec.CACHE_ELEMENT_DTYPES`
+    and :data:`kvcore.serving.CACHE_DTYPE_ALIASES`), never from attributes
+    of the torch module: ``"_dynamo"`` must not import a compiler."""
     if isinstance(value, torch.dtype):
         return value
+    aliases = ", ".join(k for k, v in CACHE_DTYPE_ALIASES.items() if v is not None)
     if isinstance(value, str):
         alias = CACHE_DTYPE_ALIASES.get(value.strip().lower())
         if alias is not None:
             return alias
-        dtype = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(dtype, torch.dtype):
+        name = value.strip().removeprefix("torch.")
+        dtype = CACHE_ELEMENT_DTYPES.get(name)
+        if dtype is not None:
             return dtype
-    aliases = ", ".join(k for k, v in CACHE_DTYPE_ALIASES.items() if v is not None)
+        if name == "bool" or name.startswith(("complex", "cfloat", "cdouble", "chalf")):
+            msg = (
+                f"{echo(value)} is not a cache element type (bool and complex dtypes "
+                f"are refused); use one of {', '.join(CACHE_ELEMENT_DTYPES)} or a "
+                f"cache dtype alias ({aliases})"
+            )
+            raise ValueError(msg)
     msg = (
-        f"{value!r} is not a torch dtype name (e.g. 'bfloat16', 'uint8') or a "
-        f"cache dtype alias ({aliases})"
+        f"{echo(value)} is not a torch dtype name (e.g. 'bfloat16', 'uint8') or a "
+        f"cache dtype alias ({aliases}); known dtype names: "
+        f"{', '.join(CACHE_ELEMENT_DTYPES)}"
     )
     raise ValueError(msg)
 
@@ -70,7 +104,9 @@ def _strict(kind: type) -> Any:
 
     def hook(value: Any, _: Any) -> Any:
         if type(value) is not kind:
-            msg = f"expected {kind.__name__}, got {value!r} ({type(value).__name__})"
+            msg = (
+                f"expected {kind.__name__}, got {echo(value)} ({type(value).__name__})"
+            )
             raise ValueError(msg)
         return value
 
@@ -147,13 +183,15 @@ class SpecConverter:
         if not isinstance(data, Mapping) or "kind" not in data:
             msg = (
                 f"a cache spec at {where} must be a JSON object with a 'kind' key "
-                f"(one of {', '.join(sorted(self.registry))}), got {data!r}"
+                f"(one of {', '.join(sorted(self.registry))}), got {echo(data)}"
             )
             raise SerializationError(msg)
         fields = dict(data)
         name = fields.pop("kind")
         if not isinstance(name, str):
-            msg = f"the 'kind' of the spec at {where} must be a string, got {name!r}"
+            msg = (
+                f"the 'kind' of the spec at {where} must be a string, got {echo(name)}"
+            )
             raise SerializationError(msg)
         try:
             spec_type = self.registry[name].spec_type
@@ -250,18 +288,360 @@ def dump_config(config: KVCacheConfig, registry: KindRegistry | None = None) -> 
     return json.dumps(make_converter(registry).unstructure(config), indent=1)
 
 
-def load_config(text: str, registry: KindRegistry | None = None) -> KVCacheConfig:
-    """The inverse of :func:`dump_config`."""
+# -- strict JSON ------------------------------------------------------------
+
+
+class _Refused(Exception):
+    """Raised from a json hook; :func:`parse_json` adds where it was."""
+
+
+class _Duplicated(dict[str, Any]):
+    """A JSON object that named ``duplicate`` twice (always refused)."""
+
+    duplicate: str
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    marked = _Duplicated(obj)
+    for key, _ in pairs:
+        if key in seen:
+            marked.duplicate = key
+            break
+        seen.add(key)
+    return marked
+
+
+def _constant(name: str) -> Any:
+    msg = f"{name} is not a JSON number (JSON has no NaN or Infinity); write a finite number"
+    raise _Refused(msg)
+
+
+def _int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INT_DIGITS:
+        msg = (
+            f"an integer literal of {digits} digits ({echo(text, 40)}) is longer than "
+            f"the {MAX_JSON_INT_DIGITS} digits kvcore reads; write the real value"
+        )
+        raise _Refused(msg)
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        msg = f"the number {echo(text, 40)} overflows a float; write a finite number"
+        raise _Refused(msg)
+    return value
+
+
+def _member(path: str, key: object) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    text = str(key)
+    if text.isidentifier():
+        return f"{path}.{text}"
+    return f"{path}[{escape_controls(json.dumps(text))}]"
+
+
+def _check_tree(data: Any, where: str) -> None:
+    """Refuse duplicate keys (naming the key and the JSON path of its object)
+    and nesting deeper than :data:`~kvcore.limits.MAX_JSON_DEPTH`, walking
+    without recursion."""
+    stack: list[tuple[Any, str, int]] = [(data, "$", 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, dict):
+            children: list[tuple[object, Any]] = list(node.items())
+        elif isinstance(node, list):
+            children = list(enumerate(node))
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            msg = (
+                f"{where}: the JSON at {path} is nested deeper than "
+                f"{MAX_JSON_DEPTH} levels (MAX_JSON_DEPTH); kvcore files nest a "
+                "few levels, check the file"
+            )
+            raise SerializationError(msg)
+        if isinstance(node, _Duplicated):
+            msg = (
+                f"{where}: key {echo(node.duplicate)} appears twice in the object "
+                f"at {path}; JSON keys must be unique (kvcore does not pick one), "
+                "remove or rename one"
+            )
+            raise SerializationError(msg)
+        for key, child in reversed(children):
+            if isinstance(child, dict | list):
+                stack.append((child, _member(path, key), depth + 1))
+
+
+def parse_json(text: str, *, where: str) -> Any:
+    """``text`` as strict JSON: duplicate keys, NaN and Infinity, integer
+    literals past :data:`~kvcore.limits.MAX_JSON_INT_DIGITS` digits, numbers
+    that overflow a float and nesting past
+    :data:`~kvcore.limits.MAX_JSON_DEPTH` are refused with a
+    :class:`~kvcore.errors.SerializationError` naming ``where``."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        msg = f"a KV cache config must be JSON: {exc}"
-        raise SerializationError(msg) from exc
+        data = json.loads(
+            text,
+            object_pairs_hook=_object,
+            parse_constant=_constant,
+            parse_int=_int,
+            parse_float=_float,
+        )
+    except _Refused as exc:
+        msg = f"{where} is not valid JSON: {exc}"
+        raise SerializationError(msg) from None
+    except RecursionError:
+        msg = (
+            f"{where}: the JSON is nested deeper than {MAX_JSON_DEPTH} levels "
+            "(MAX_JSON_DEPTH); kvcore files nest a few levels, check the file"
+        )
+        raise SerializationError(msg) from None
+    except (json.JSONDecodeError, ValueError) as exc:
+        msg = f"{where} is not valid JSON: {escape_controls(str(exc))}"
+        raise SerializationError(msg) from None
+    _check_tree(data, where)
+    return data
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_json_file(source: object, *, what: str = "model file") -> Any:
+    """Read a regular file of at most :data:`~kvcore.limits.MAX_JSON_FILE_BYTES`
+    bytes of UTF-8 as strict JSON (see :func:`parse_json`).
+
+    The file is opened without blocking and checked with ``fstat`` before a
+    byte is read, so a FIFO, ``/dev/zero`` or a directory is refused at once
+    rather than hanging or filling memory."""
+    if not isinstance(source, str | os.PathLike):
+        msg = (
+            f"a {what} is read from a path (str or pathlib.Path), got "
+            f"{type(source).__name__} {echo(source)}"
+        )
+        raise KvcoreTypeError(msg)
+    path = os.fspath(source)
+    if not isinstance(path, str):
+        msg = f"a {what} path must be text, got {echo(path)}"
+        raise KvcoreTypeError(msg)
+    shown = escape_controls(path)
+    if "\x00" in path:
+        msg = f"the {what} path {echo(path)} holds a NUL byte; give a file path"
+        raise SerializationError(msg)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        msg = f"cannot read {what} {shown}: {exc.strerror or exc}"
+        raise SerializationError(msg) from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            msg = f"{shown} is a directory; give a {what} inside it (a .json file)"
+            raise SerializationError(msg)
+        if not stat.S_ISREG(info.st_mode):
+            msg = (
+                f"{shown} is not a regular file (a FIFO, device or socket); give a "
+                f"{what} (a .json file)"
+            )
+            raise SerializationError(msg)
+        raw = file.read(MAX_JSON_FILE_BYTES + 1)
+    if len(raw) > MAX_JSON_FILE_BYTES:
+        msg = (
+            f"{shown} is larger than {MAX_JSON_FILE_BYTES // 2**20} MiB "
+            f"(MAX_JSON_FILE_BYTES); a {what} is a few KiB, check the file"
+        )
+        raise SerializationError(msg)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        msg = (
+            f"{shown} is not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}); "
+            f"a {what} is UTF-8 JSON: re-save it as UTF-8"
+        )
+        raise SerializationError(msg) from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        msg = (
+            f"{shown} holds a NUL byte at byte {raw.index(0)} (a binary or UTF-16 "
+            f"file); a {what} is UTF-8 JSON: re-save it as UTF-8"
+        )
+        raise SerializationError(msg)
+    return parse_json(text, where=shown)
+
+
+def load_config(text: str, registry: KindRegistry | None = None) -> KVCacheConfig:
+    """The inverse of :func:`dump_config`: strict JSON, checked as strictly
+    as the planner checks its own plans (see :func:`check_config`) before
+    anything is allocated from it."""
+    raw: object = text
+    if not isinstance(raw, str):
+        msg = f"load_config takes the config's JSON text, got {type(raw).__name__}"
+        raise KvcoreTypeError(msg)
+    data = parse_json(text, where="the KV cache config")
     if not isinstance(data, dict):
         msg = f"a KV cache config must be a JSON object, got {type(data).__name__}"
         raise SerializationError(msg)
     config: KVCacheConfig = make_converter(registry).structure(data, KVCacheConfig)
+    check_config(config)
     return config
+
+
+def _page_extent(tensor: KVCacheTensor, spec: KVCacheSpec) -> int:
+    """Bytes from the first to one past the last byte of one page."""
+    h, n, c = spec.page_grid
+    if tensor.page_strides is None:
+        return h * n * c
+    sh, sn, sc = tensor.page_strides
+    return (h - 1) * sh + (n - 1) * sn + (c - 1) * sc + 1
+
+
+def check_config(config: KVCacheConfig) -> None:
+    """Refuse a config a worker could not bind safely, naming the field:
+    ``bytes_per_block`` not positive, more than
+    :data:`~kvcore.limits.MAX_NUM_BLOCKS` blocks, a group's layer with no
+    tensor or with two, a tensor's layer in no group or in another group's
+    tensor, a tensor reaching past its pool, tensors of one residency of
+    different sizes, and tensors of one group overlapping."""
+    if config.num_blocks > MAX_NUM_BLOCKS:
+        msg = (
+            f"$.num_blocks: {config.num_blocks:,} blocks is more than kvcore's "
+            f"limit of {MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS); plan with larger blocks "
+            "or fewer of them"
+        )
+        raise SerializationError(msg)
+    for field in (
+        "scheduler_block_size",
+        "hash_block_size",
+        "max_model_len",
+        "target_context",
+        "max_num_batched_tokens",
+    ):
+        value = getattr(config, field)
+        if value is not None:
+            check_token_count(value, f"$.{field}", minimum=1)
+    if config.kv_cache_groups and config.bytes_per_block < 1:
+        msg = (
+            f"$.bytes_per_block must be a positive number of bytes, got "
+            f"{echo(config.bytes_per_block)}; re-plan rather than edit the config"
+        )
+        raise SerializationError(msg)
+    group_of = {
+        name: gid
+        for gid, group in enumerate(config.kv_cache_groups)
+        for name in group.layer_names
+    }
+    placed: dict[str, int] = {}
+    sizes: dict[bool, int] = {}
+    for tid, tensor in enumerate(config.kv_cache_tensors):
+        at = f"$.kv_cache_tensors[{tid}]"
+        for name in tensor.layers:
+            if name not in group_of:
+                msg = (
+                    f"{at}.layers: layer {echo(name)} is in no cache group; list it "
+                    "in one group's layer_names or drop the tensor"
+                )
+                raise SerializationError(msg)
+            if name in placed:
+                msg = (
+                    f"{at}.layers: layer {echo(name)} already has a tensor "
+                    f"($.kv_cache_tensors[{placed[name]}]); a layer lives in one tensor"
+                )
+                raise SerializationError(msg)
+            if group_of[name] != group_of[tensor.layers[0]]:
+                msg = (
+                    f"{at}.layers: layers {echo(tensor.layers[0])} and {echo(name)} "
+                    "are in different cache groups; a tensor holds one group's layers"
+                )
+                raise SerializationError(msg)
+            placed[name] = tid
+        size = sizes.setdefault(tensor.host_resident, tensor.size)
+        if size != tensor.size:
+            msg = (
+                f"{at}.size is {tensor.size}, but the other tensors of its residency "
+                f"have size {size}; they share one allocation"
+            )
+            raise SerializationError(msg)
+        group = config.kv_cache_groups[group_of[tensor.layers[0]]]
+        spec = group.layer_spec(tensor.layers[0])
+        end = (
+            tensor.offset
+            + (len(tensor.layers) - 1) * tensor.layer_stride
+            + (config.num_blocks - 1) * tensor.block_stride
+            + _page_extent(tensor, spec)
+        )
+        if end > tensor.size:
+            msg = (
+                f"{at}: the pages of layers {echo(tensor.layers)} reach byte {end:,} "
+                f"of a {tensor.size:,}-byte pool ({config.num_blocks} blocks of "
+                f"stride {tensor.block_stride}); re-plan rather than edit the config"
+            )
+            raise SerializationError(msg)
+    for group in config.kv_cache_groups:
+        for name in group.layer_names:
+            if name not in placed:
+                msg = (
+                    f"$.kv_cache_groups[{group_of[name]}].layer_names: layer "
+                    f"{echo(name)} has no tensor in $.kv_cache_tensors, so a worker "
+                    "could bind no view for it; re-plan rather than edit the config"
+                )
+                raise SerializationError(msg)
+    _check_disjoint(config)
+
+
+def _check_disjoint(config: KVCacheConfig) -> None:
+    """Tensors of one group must not overlap (those of different groups may
+    alias: a block belongs to one group at a time).  Checked from the byte
+    ranges a layout makes contiguous: each layer's page inside a block when
+    blocks are outermost and layers next, each tensor's span when layers
+    are outermost; other layouts interleave and are not checked here."""
+    layout = config.kv_cache_layout
+    if layout is None or len(config.kv_cache_tensors) < 2:
+        return
+    order = layout.value
+    group_of = {
+        name: gid
+        for gid, group in enumerate(config.kv_cache_groups)
+        for name in group.layer_names
+    }
+    spans: dict[tuple[int, bool], list[tuple[int, int, str, int]]] = {}
+    for tid, tensor in enumerate(config.kv_cache_tensors):
+        gid = group_of[tensor.layers[0]]
+        spec = config.kv_cache_groups[gid].layer_spec(tensor.layers[0])
+        page = _page_extent(tensor, spec)
+        key = (gid, tensor.host_resident)
+        if order[:2] == (AXIS_B, AXIS_L):
+            for i, name in enumerate(tensor.layers):
+                start = tensor.offset + i * tensor.layer_stride
+                spans.setdefault(key, []).append((start, start + page, name, tid))
+        elif order[0] == AXIS_L:
+            end = (
+                tensor.offset
+                + (len(tensor.layers) - 1) * tensor.layer_stride
+                + (config.num_blocks - 1) * tensor.block_stride
+                + page
+            )
+            spans.setdefault(key, []).append(
+                (tensor.offset, end, tensor.layers[0], tid)
+            )
+    for (gid, _), ranges in spans.items():
+        ranges.sort()
+        for (_, end, name, tid), (start, _, other, other_tid) in itertools.pairwise(
+            ranges
+        ):
+            if start < end:
+                msg = (
+                    f"$.kv_cache_tensors[{other_tid}]: layer {echo(other)} overlaps "
+                    f"layer {echo(name)} ($.kv_cache_tensors[{tid}]) of the same "
+                    f"cache group {gid} (bytes {start:,} to {end:,}); layers of one "
+                    "group must be disjoint, re-plan rather than edit the config"
+                )
+                raise SerializationError(msg)
 
 
 @attrs.frozen(kw_only=True)
@@ -277,59 +657,93 @@ class ModelFile:
     weights_bytes: int | None = None
 
 
+def _printable_name(value: object, what: str, where: str) -> str:
+    """A non-empty string with no control characters (names reach
+    terminals, tables and file names)."""
+    if type(value) is not str or not value.strip():
+        msg = (
+            f"{where}: {what} must be a non-empty string, got {echo(value)} "
+            f"({type(value).__name__}); write it as a JSON string"
+        )
+        raise SerializationError(msg)
+    if not value.isprintable():
+        msg = (
+            f"{where}: {what} {echo(value)} holds control characters; names "
+            "must be printable text"
+        )
+        raise SerializationError(msg)
+    return value
+
+
 def load_model_file(
-    source: str | Path | Mapping[str, Any],
+    source: str | os.PathLike[str] | Mapping[str, Any],
     registry: KindRegistry | None = None,
     *,
     where: str | None = None,
 ) -> ModelFile:
     """Read a model file: ``{"name": ..., "layers": {layer: spec, ...}}``.
 
+    A path is read with :func:`read_json_file` (strict JSON, size and
+    nesting limits); ``name`` defaults to the file's stem.
+
     :param where: what errors call a mapping ``source`` (its file's path).
     """
     if isinstance(source, Mapping):
         data: Any = source
         where = where or "model file"
+        default_name = where
     else:
-        path = Path(source)
-        where = str(path)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            msg = f"cannot read model file {where}: {exc}"
-            raise SerializationError(msg) from exc
-    if not isinstance(data, Mapping) or not isinstance(data.get("layers"), Mapping):
+        data = read_json_file(source, what="model file")
+        path = os.fspath(source)
+        where = escape_controls(str(path))
+        default_name = Path(path).stem
+    if not isinstance(data, Mapping):
+        msg = (
+            f"{where} holds a JSON {type(data).__name__}; a model file is a JSON "
+            "object with a 'layers' object (layer name -> spec)"
+        )
+        raise SerializationError(msg)
+    if not isinstance(data.get("layers"), Mapping):
         msg = (
             f"{where} must be a JSON object with a 'layers' object (layer name -> spec)"
         )
         raise SerializationError(msg)
     unknown = set(data) - {"name", "notes", "sources", "layers", "weights_bytes"}
     if unknown:
-        msg = f"{where}: unknown top-level key(s) {sorted(unknown)}"
+        msg = f"{where}: unknown top-level key(s) {echo(sorted(unknown))}"
         raise SerializationError(msg)
+    name = (
+        _printable_name(data["name"], "the model 'name'", where)
+        if "name" in data
+        else default_name
+    )
     weights = data.get("weights_bytes")
     if weights is not None and (type(weights) is not int or weights < 0):
         msg = (
             f"{where}: weights_bytes must be a non-negative int of bytes, "
-            f"got {weights!r}"
+            f"got {echo(weights)}"
         )
         raise SerializationError(msg)
+    notes = data.get("notes", "")
+    if type(notes) is not str:
+        msg = f"{where}: 'notes' must be a string, got {echo(notes)}"
+        raise SerializationError(msg)
     sources = data.get("sources", [])
-    if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+    if not isinstance(sources, list) or not all(type(s) is str for s in sources):
         msg = f"{where}: 'sources' must be a list of strings"
         raise SerializationError(msg)
     converter = make_converter(registry)
-    layers = {
-        name: converter.structure_spec(spec, where=f"{where}: layers.{name}")
-        for name, spec in data["layers"].items()
-    }
+    layers = {}
+    for layer, spec in data["layers"].items():
+        _printable_name(layer, "a layer name", f"{where}: layers")
+        layers[layer] = converter.structure_spec(spec, where=f"{where}: layers.{layer}")
     if not layers:
         msg = f"{where} lists no layers"
         raise SerializationError(msg)
     return ModelFile(
-        name=str(data.get("name", where)),
+        name=name,
         layers=layers,
-        notes=str(data.get("notes", "")),
+        notes=notes,
         sources=tuple(sources),
         weights_bytes=weights,
     )

@@ -15,7 +15,8 @@ bytes per state.  ``page_size_bytes`` is ``H * N * C`` unless the spec pads it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar, Self
 
 import attrs
@@ -29,6 +30,7 @@ __all__ = [
     "PackingRole",
     "Sharded",
     "UniformTypeKVCacheSpecs",
+    "CACHE_ELEMENT_DTYPES",
     "cdiv",
     "check_tp_size",
     "dtype_size",
@@ -101,12 +103,52 @@ def is_bool(instance: object, attribute: attrs.Attribute[Any], value: Any) -> No
         raise InvalidSpecError(msg)
 
 
+#: Every torch dtype a cache element may have, by torch name, with torch's
+#: own aliases (``half``, ``float``, ...).  A fixed table, so a name from a
+#: file is never looked up as an attribute of the torch module.  Bool and
+#: complex dtypes are not cache element types.
+CACHE_ELEMENT_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "float64": torch.float64,
+        "double": torch.float64,
+        "float32": torch.float32,
+        "float": torch.float32,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+        "float8_e5m2": torch.float8_e5m2,
+        "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+        "int64": torch.int64,
+        "long": torch.int64,
+        "int32": torch.int32,
+        "int": torch.int32,
+        "int16": torch.int16,
+        "short": torch.int16,
+        "int8": torch.int8,
+        "uint64": torch.uint64,
+        "uint32": torch.uint32,
+        "uint16": torch.uint16,
+        "uint8": torch.uint8,
+    }
+)
+
+
 def is_dtype(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """attrs validator: a ``torch.dtype``."""
+    """attrs validator: a ``torch.dtype`` a cache can hold (not bool or
+    complex: no kernel stores its cache as those)."""
     if not isinstance(value, torch.dtype):
         msg = (
             f"{type(instance).__name__}.{attribute.name} must be a torch.dtype "
             f"(e.g. torch.bfloat16), got {value!r}"
+        )
+        raise InvalidSpecError(msg)
+    if value == torch.bool or value.is_complex:
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} is {value}, which is not a "
+            "cache element type (bool and complex dtypes are refused); use a "
+            "float or integer dtype such as torch.bfloat16 or torch.uint8"
         )
         raise InvalidSpecError(msg)
 

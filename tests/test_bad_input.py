@@ -110,7 +110,9 @@ def test_mamba_shapes_and_dtypes_are_checked(
 
 
 def test_config_json_must_be_a_json_object() -> None:
-    with pytest.raises(kvcore.SerializationError, match="must be JSON"):
+    with pytest.raises(
+        kvcore.SerializationError, match="the KV cache config is not valid JSON"
+    ):
         load_config("[")
     with pytest.raises(
         kvcore.SerializationError, match="must be a JSON object, got list"

@@ -10,7 +10,6 @@ answer the same question the same way.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from kvcore.config import (
     EngineConfig,
     ParallelConfig,
 )
-from kvcore.errors import KvcoreValueError
+from kvcore.errors import KvcoreValueError, escape_controls
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
@@ -249,7 +248,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """A model file path, or the shipped file of that name."""
+    """A model file path, or the shipped file of that name.
+
+    ``name_or_path`` is a path when it names an existing file, ends in
+    ``.json`` or holds a path separator; anything else is the name of a
+    shipped model, found only among :func:`kvcore.zoo.names` (a name never
+    reaches outside the package's model folder)."""
     if "\x00" in name_or_path:
         msg = "the model path holds a NUL byte; give a file path or a shipped name"
         raise CliUsageError(msg)
@@ -258,6 +262,7 @@ def resolve_model(name_or_path: str) -> Path:
         path.suffix == ".json" or "/" in name_or_path or "\\" in name_or_path
     )
     if path.exists() or looks_like_path:
+        name_or_path = escape_controls(name_or_path)
         if path.is_dir():
             msg = (
                 f"{name_or_path} is a directory; give a model file inside it "
@@ -278,34 +283,11 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | None]:
-    """The model file and its optional ``weights_bytes``."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        msg = f"cannot read model file {path}: {exc.strerror or exc}"
-        raise CliUsageError(msg) from exc
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        msg = (
-            f"{path} is not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}); "
-            "a model file is UTF-8 JSON"
-        )
-        raise CliUsageError(msg) from exc
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-        msg = f"{path} is not valid JSON: {exc}"
-        raise CliUsageError(msg) from exc
-    if not isinstance(data, dict):
-        msg = (
-            f"{path} holds a JSON {type(data).__name__}; a model file is a JSON "
-            "object with a 'layers' object (layer name -> spec)"
-        )
-        raise CliUsageError(msg)
-    model = load_model_file(data, registry, where=str(path))
-    if "name" not in data:
-        model = attrs.evolve(model, name=path.stem)
+    """The model file and its optional ``weights_bytes``: read as
+    :func:`~kvcore.serialize.load_model_file` reads every model file (a
+    regular file, strict UTF-8 JSON, within kvcore's size and nesting
+    limits)."""
+    model = load_model_file(path, registry)
     return model, model.weights_bytes
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from kvcore.errors import KvcoreKeyError
+from kvcore.errors import KvcoreKeyError, echo
 
 __all__ = ["names", "path"]
 
@@ -25,9 +25,12 @@ def names() -> list[str]:
 
 
 def path(name: str) -> Path:
-    """The model file named ``name`` (a stem such as ``"gemma-3-27b"``)."""
-    candidate = _dir() / f"{name}.json"
-    if not candidate.is_file():
-        msg = f"no shipped model file {name!r}; known: {', '.join(names())}"
+    """The model file named ``name`` (a stem such as ``"gemma-3-27b"``).
+
+    Only the names :func:`names` lists are found: a name is never joined to
+    the folder as a path, so ``"../../etc/x"`` cannot reach outside it."""
+    known = names()
+    if name not in known:
+        msg = f"no shipped model file {echo(name)}; known: {', '.join(known)}"
         raise KvcoreKeyError(msg)
-    return candidate
+    return _dir() / f"{name}.json"
