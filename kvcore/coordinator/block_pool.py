@@ -22,6 +22,7 @@ from kvcore.errors import (
     KvcoreValueError,
     NoFreeBlocksError,
 )
+from kvcore.limits import MAX_NUM_BLOCKS
 
 __all__ = [
     "AllBlocksCleared",
@@ -310,6 +311,13 @@ class BlockPool:
             msg = (
                 f"num_blocks must be >= 1 (block 0 is the null block), got "
                 f"{num_blocks}; give the pool more memory or smaller blocks"
+            )
+            raise KvcoreValueError(msg)
+        if num_blocks > MAX_NUM_BLOCKS:
+            msg = (
+                f"num_blocks is {num_blocks:,}, more than kvcore's limit of "
+                f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS), checked before one object "
+                "per block is built; plan with larger blocks or fewer of them"
             )
             raise KvcoreValueError(msg)
         if type(hash_block_size) is not int or hash_block_size < 1:

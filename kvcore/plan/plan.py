@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvcore.config import EngineConfig
+from kvcore.config import CacheConfig, EngineConfig
 from kvcore.errors import PlanError
+from kvcore.limits import MAX_NUM_BLOCKS
 from kvcore.plan.block_sizes import resolve_block_sizes
 from kvcore.plan.capacity import min_blocks_for_one_request
 from kvcore.plan.grouping import get_kv_cache_groups
@@ -80,6 +81,7 @@ def get_kv_cache_config_from_groups(
             "block). Give the cache more memory or set num_gpu_blocks_override"
         )
         raise PlanError(msg)
+    _check_block_limit(num_blocks, bytes_per_block, available_memory, cache)
     size = bytes_per_block * num_blocks
     tensors = build_kv_cache_tensors(
         groups,
@@ -98,6 +100,35 @@ def get_kv_cache_config_from_groups(
         hash_block_size=hash_block_size,
         **settings,  # type: ignore[arg-type]
     )
+
+
+def _check_block_limit(
+    num_blocks: int, bytes_per_block: int, available_memory: int, cache: CacheConfig
+) -> None:
+    """A pool of more than :data:`~kvcore.limits.MAX_NUM_BLOCKS` blocks is a
+    page size or memory figure off by orders of magnitude; the coordinator
+    would build one object per block before it failed."""
+    if num_blocks <= MAX_NUM_BLOCKS:
+        return
+    if cache.num_gpu_blocks_override is not None:
+        source = f"num_gpu_blocks_override={num_blocks:,}"
+        fix = f"set num_gpu_blocks_override to at most {MAX_NUM_BLOCKS:,}"
+    else:
+        source = (
+            f"{available_memory:,} bytes of memory in blocks of {bytes_per_block:,} "
+            "bytes"
+        )
+        fix = (
+            f"use larger blocks (--block-size; blocks of at least "
+            f"{-(-available_memory // MAX_NUM_BLOCKS):,} bytes), set "
+            f"num_gpu_blocks_override to at most {MAX_NUM_BLOCKS:,}, or give the "
+            "cache less memory"
+        )
+    msg = (
+        f"{source} make {num_blocks:,} blocks, more than kvcore's limit of "
+        f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS): {fix}"
+    )
+    raise PlanError(msg)
 
 
 def _check_fits_one_request(
