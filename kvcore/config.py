@@ -32,7 +32,9 @@ DEFAULT_TARGET_CONTEXT = 32768
 def _tokens(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """attrs validator: a token count follows the token rule (below 2**32)."""
     if value is not None:
-        check_token_count(value, f"{type(instance).__name__}.{attribute.name}")
+        check_token_count(
+            value, f"{type(instance).__name__}.{attribute.name}", minimum=1
+        )
 
 
 #: A positive token count, or None.

@@ -439,17 +439,18 @@ def read_json_file(source: object, *, what: str = "model file") -> Any:
     except OSError as exc:
         msg = f"cannot read {what} {shown}: {exc.strerror or exc}"
         raise SerializationError(msg) from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
             msg = f"{shown} is a directory; give a {what} inside it (a .json file)"
-            raise SerializationError(msg)
-        if not stat.S_ISREG(info.st_mode):
+        else:
             msg = (
                 f"{shown} is not a regular file (a FIFO, device or socket); give a "
                 f"{what} (a .json file)"
             )
-            raise SerializationError(msg)
+        raise SerializationError(msg)
+    with os.fdopen(fd, "rb") as file:
         raw = file.read(MAX_JSON_FILE_BYTES + 1)
     if len(raw) > MAX_JSON_FILE_BYTES:
         msg = (

@@ -275,9 +275,8 @@ def resolve_model(name_or_path: str) -> Path:
                 f"the shipped models: {', '.join(zoo.names())}"
             )
             raise CliUsageError(msg)
-        if not path.is_file():
-            msg = f"{name_or_path} is not a regular file; give a model file"
-            raise CliUsageError(msg)
+        # A FIFO or device is refused by the reader, which checks the file
+        # it opened (no race between a check here and the read).
         return path
     return zoo.path(name_or_path)
 
