@@ -16,6 +16,7 @@ __all__ = [
     "MAX_JSON_FILE_BYTES",
     "MAX_JSON_INT_DIGITS",
     "MAX_MESSAGE_CHARS",
+    "MAX_NAME_CHARS",
     "MAX_NUM_BLOCKS",
     "TOKEN_ID_LIMIT",
 ]
@@ -30,6 +31,9 @@ MAX_JSON_DEPTH = 32
 
 #: The most digits of one JSON integer literal (``2**64`` has 20).
 MAX_JSON_INT_DIGITS = 20
+
+#: The longest model or layer name (real ones are a few dozen characters).
+MAX_NAME_CHARS = 256
 
 #: The most blocks one pool may have (2**24, about 16.8 million).  Every
 #: block costs the coordinator a Python object of about 100 bytes, so a pool

@@ -38,6 +38,7 @@ from kvcore.limits import (
     MAX_JSON_DEPTH,
     MAX_JSON_FILE_BYTES,
     MAX_JSON_INT_DIGITS,
+    MAX_NAME_CHARS,
     MAX_NUM_BLOCKS,
 )
 from kvcore.registry import KindRegistry, default_registry
@@ -117,7 +118,7 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
     if isinstance(exc, KeyError):
         return f"required field missing ({exc})"
     if isinstance(exc, cattrs.ForbiddenExtraKeysError):
-        return f"unknown field(s) {sorted(exc.extra_fields)}"
+        return f"unknown field(s) {echo(sorted(exc.extra_fields))}"
     if isinstance(exc, ValueError | TypeError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
@@ -193,11 +194,18 @@ class SpecConverter:
                 f"the 'kind' of the spec at {where} must be a string, got {echo(name)}"
             )
             raise SerializationError(msg)
+        if len(name) > MAX_NAME_CHARS or not name.isprintable():
+            msg = (
+                f"no cache kind named {echo(name)} (at {where}); a kind name is "
+                f"printable and at most {MAX_NAME_CHARS} characters, one of "
+                f"{', '.join(sorted(self.registry))}"
+            )
+            raise UnknownKindError(msg, kind=name)
         try:
             spec_type = self.registry[name].spec_type
         except UnknownKindError as exc:
             msg = f"{exc} (at {where})"
-            raise UnknownKindError(msg, kind=str(name)) from None
+            raise UnknownKindError(msg, kind=name) from None
         try:
             return self._c.structure(fields, spec_type)
         except cattrs.BaseValidationError as exc:
@@ -532,11 +540,17 @@ def check_config(config: KVCacheConfig) -> None:
             f"{echo(config.bytes_per_block)}; re-plan rather than edit the config"
         )
         raise SerializationError(msg)
-    group_of = {
-        name: gid
-        for gid, group in enumerate(config.kv_cache_groups)
-        for name in group.layer_names
-    }
+    group_of: dict[str, int] = {}
+    for gid, group in enumerate(config.kv_cache_groups):
+        for name in group.layer_names:
+            _printable_name(name, "a layer name", f"$.kv_cache_groups[{gid}]")
+            if name in group_of:
+                msg = (
+                    f"$.kv_cache_groups[{gid}].layer_names: layer {echo(name)} is "
+                    f"also in group {group_of[name]}; a layer belongs to one group"
+                )
+                raise SerializationError(msg)
+            group_of[name] = gid
     placed: dict[str, int] = {}
     sizes: dict[bool, int] = {}
     for tid, tensor in enumerate(config.kv_cache_tensors):
@@ -661,9 +675,10 @@ class ModelFile:
 def _printable_name(value: object, what: str, where: str) -> str:
     """A non-empty string with no control characters (names reach
     terminals, tables and file names)."""
-    if type(value) is not str or not value.strip():
+    if type(value) is not str or not value.strip() or len(value) > MAX_NAME_CHARS:
         msg = (
-            f"{where}: {what} must be a non-empty string, got {echo(value)} "
+            f"{where}: {what} must be a non-empty string of at most "
+            f"{MAX_NAME_CHARS} characters, got {echo(value)} "
             f"({type(value).__name__}); write it as a JSON string"
         )
         raise SerializationError(msg)

@@ -37,6 +37,7 @@ from kvcore.errors import (
     KvcoreValueError,
     PlanError,
     SerializationError,
+    UnknownKindError,
 )
 from kvcore.limits import MAX_JSON_FILE_BYTES, MAX_NUM_BLOCKS, TOKEN_ID_LIMIT
 from kvcore.serialize import dump_config, load_config, load_model_file
@@ -343,35 +344,35 @@ CASES = [
         '"name": 123',
         model_json({"name": 123, "layers": {"a": LAYER}}),
         SerializationError,
-        "m.json: the model 'name' must be a non-empty string, got 123 (int)",
+        "m.json: the model 'name' must be a non-empty string of at most 256 characters, got 123 (int)",
     ),
     Case(
         "a model name that is null",
         '"name": null',
         model_json({"name": None, "layers": {"a": LAYER}}),
         SerializationError,
-        "the model 'name' must be a non-empty string, got None (NoneType)",
+        "the model 'name' must be a non-empty string of at most 256 characters, got None (NoneType)",
     ),
     Case(
         "a model name that is a list",
         '"name": ["m"]',
         model_json({"name": ["m"], "layers": {"a": LAYER}}),
         SerializationError,
-        "the model 'name' must be a non-empty string, got ['m'] (list)",
+        "the model 'name' must be a non-empty string of at most 256 characters, got ['m'] (list)",
     ),
     Case(
         "a model name that is NaN (a parsed mapping)",
         "name=float('nan')",
         model_mapping({"name": float("nan"), "layers": {"a": LAYER}}),
         SerializationError,
-        "the model 'name' must be a non-empty string, got nan (float)",
+        "the model 'name' must be a non-empty string of at most 256 characters, got nan (float)",
     ),
     Case(
         "an empty layer name",
         '"layers": {"": {...}}',
         model_json({"layers": {"": LAYER}}),
         SerializationError,
-        "m.json: layers: a layer name must be a non-empty string, got ''",
+        "m.json: layers: a layer name must be a non-empty string of at most 256 characters, got ''",
     ),
     Case(
         "a layer name with terminal escapes",
@@ -625,6 +626,45 @@ CASES = [
         SerializationError,
         "expected int, got [0, 0, 0, 0, 0, 0, 0, 0, ...] (list)",
     ),
+    Case(
+        "a 2,000,000-character kind name",
+        '"kind": "xxx...x"',
+        model_mapping({"layers": {"a": {"kind": "x" * 2_000_000}}}),
+        UnknownKindError,
+        "no cache kind named 'xxxxxxxxxx",
+    ),
+    Case(
+        "a 100,000-character unknown field",
+        '"xxx...x": 1',
+        model_mapping({"layers": {"a": {**LAYER, "x" * 100_000: 1}}}),
+        SerializationError,
+        "invalid 'full_attention' spec: unknown field(s) ['xxxxxxxx",
+    ),
+    Case(
+        "a 2,000,000-character layer name",
+        '"layers": {"yyy...y": {...}}',
+        model_mapping({"layers": {"y" * 2_000_000: LAYER}}),
+        SerializationError,
+        "a layer name must be a non-empty string of at most 256 characters, got 'yyyy",
+    ),
+    Case(
+        "a layer in two groups of a worker config",
+        'layer "a" listed in a second group',
+        lambda tmp: load_config(
+            json.dumps(
+                {
+                    **(data := small_plan_json()),
+                    "kv_cache_groups": [
+                        *data["kv_cache_groups"],
+                        {**data["kv_cache_groups"][0], "layer_names": ["a"]},
+                    ],
+                }
+            ),
+            REGISTRY,
+        ),
+        SerializationError,
+        "$.kv_cache_groups[1].layer_names: layer 'a' is also in group 0",
+    ),
 ]
 
 
@@ -664,7 +704,10 @@ CLI_FILES = {
         ("nan.json", "nan.json is not valid JSON: NaN is not a JSON number"),
         ("esc.json", "the model 'name' 'm\\x1b[2J' holds control characters"),
         ("dtype.json", "'_dynamo' is not a torch dtype name"),
-        ("name.json", "the model 'name' must be a non-empty string, got 123"),
+        (
+            "name.json",
+            "the model 'name' must be a non-empty string of at most 256 characters, got 123",
+        ),
         ("/dev/zero", "/dev/zero is not a regular file"),
     ],
 )
@@ -781,6 +824,7 @@ The limits live in `kvcore.limits`:
 | `MAX_JSON_INT_DIGITS` | 20 digits in one integer literal |
 | `MAX_NUM_BLOCKS` | 2**24 blocks in one pool (planner and block pool) |
 | `TOKEN_ID_LIMIT` | token ids and counts are ints in `[0, 2**32)`, never bools |
+| `MAX_NAME_CHARS` | 256 characters in a model, layer or kind name |
 | `MAX_ECHO_CHARS` | 200 characters of a value quoted in a message |
 
 JSON is read strictly (model files and worker configs alike): a key given
