@@ -33,7 +33,13 @@ from kvcore.coordinator.kv_cache_manager import (
     KVCacheManager,
     PrefixCacheStats,
 )
-from kvcore.coordinator.manager import FixedBlocksManager, SingleTypeManager
+from kvcore.coordinator.manager import HitQuery, SingleTypeManager
+from kvcore.coordinator.managers import (
+    CheckpointManager,
+    FixedBlocksManager,
+    PrefixManager,
+    WindowManager,
+)
 from kvcore.coordinator.request import (
     Request,
     RequestStatus,
@@ -43,8 +49,12 @@ from kvcore.coordinator.request import (
 
 __all__ = [
     # coordinator
+    "CheckpointManager",
     "EngineStepKeywords",
     "FixedBlocksManager",
+    "HitQuery",
+    "PrefixManager",
+    "WindowManager",
     "KVCacheBlocks",
     "KVCacheCoordinator",
     "KVCacheManager",

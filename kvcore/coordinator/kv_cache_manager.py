@@ -7,7 +7,6 @@ from typing import NamedTuple, TypedDict, Unpack, cast
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
-from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 from kvcore.registry import KindRegistry, default_registry
@@ -726,17 +725,12 @@ class KVCacheManager:
                     "get_computed_blocks returned, uncut"
                 )
                 raise InvalidRequestError(msg)
-            hashes = hashes_at_block_size(
-                request.block_hashes, self.hash_block_size, manager.block_size
-            )
+            chunks = request.block_hashes
+            key_of = manager.block_hash
             for i, block in enumerate(blocks):
                 if block.is_null:
                     continue
-                if (
-                    i >= len(hashes)
-                    or block.key_hash != hashes[i]
-                    or block.key_group != gid
-                ):
+                if block.key_group != gid or block.key_hash != key_of(chunks, i):
                     msg = (
                         f"request {rid!r}: hit block {block.block_id} of group {gid} "
                         "no longer holds this request's prefix (it was evicted after "

@@ -20,6 +20,7 @@ from kvcore.errors import InvalidSpecError, LayoutError
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import CacheKind, LayerView, view_as_dtype
 from kvcore.spec import (
+    HitPolicy,
     KVCacheSpec,
     PackingRole,
     Sharded,
@@ -198,9 +199,11 @@ class MambaSpec(KVCacheSpec):
         return attrs.evolve(self, mamba_cache_mode=mode)  # type: ignore[arg-type]
 
     @property
-    def hashes_blocks(self) -> bool:
-        # Mode none keeps only the live state: nothing is hashed.
-        return self.mamba_cache_mode != "none"
+    def hit_policy(self) -> HitPolicy:
+        # Mode none keeps only the live state, so no prefix can be restored.
+        if self.mamba_cache_mode == "none":
+            return HitPolicy.BLOCKS_HITS
+        return HitPolicy.CHECKPOINT
 
     @property
     def element_size(self) -> int:
