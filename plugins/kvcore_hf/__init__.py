@@ -1,0 +1,24 @@
+"""kvcore's built-in architecture mappers: Hugging Face ``config.json`` to
+layer specs, one module per architecture family.
+
+Each module documents the ``config.json`` fields it reads and the public
+source of every rule it applies.  Mappers produce one unsharded model;
+kvcore applies the serving choices (cache dtype, block size, tensor
+parallelism) afterwards, the way ``kvcore plan --tp`` does for model files.
+"""
+
+from __future__ import annotations
+
+from kvcore.hookspecs import hookimpl
+from kvcore.mapping import ModelMapper
+from kvcore_hf import llama
+
+__all__ = ["MAPPERS"]
+
+#: Every built-in mapper, in the order they are asked.
+MAPPERS: tuple[ModelMapper, ...] = (*llama.MAPPERS,)
+
+
+@hookimpl
+def kvcore_register_model_mappers() -> list[ModelMapper]:
+    return list(MAPPERS)
