@@ -116,6 +116,7 @@ class MambaManager(SingleTypeManager):
             num_cached_blocks=pos,
             num_full_blocks=pos + 1,
             group_id=self.kv_cache_group_id,
+            token_ids=request.all_token_ids,
         )
         self.num_cached_block[rid] = pos + 1
 
