@@ -107,7 +107,9 @@ class KVCacheManager:
     :param registry: the kinds (default: :func:`kvcore.default_registry`).
     :param dcp: decode context parallelism.
     :param use_eagle: drop the last hit block for a draft model.
-    :param enable_kv_cache_events: record stored / removed / cleared events.
+    :param enable_kv_cache_events: record stored / removed / cleared events
+        for a KV-aware router (:mod:`kvcore.coordinator.events`).
+    :param kv_events_medium: the medium those events name (``"GPU"``).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class KVCacheManager:
         dcp: int = 1,
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_events_medium: str = "GPU",
     ) -> None:
         _require_type(
             "kv_cache_config",
@@ -144,6 +147,15 @@ class KVCacheManager:
             ("enable_kv_cache_events", enable_kv_cache_events),
         ):
             _require_type(name, flag, bool, "a bool (True or False)", exact=True)
+        _require_type(
+            "kv_events_medium", kv_events_medium, str, "a str such as 'GPU'", exact=True
+        )
+        if not kv_events_medium:
+            msg = (
+                "KVCacheManager: kv_events_medium must be a non-empty str such "
+                "as 'GPU' or 'CPU', got ''"
+            )
+            raise InvalidRequestError(msg)
         if registry is not None:
             _require_type(
                 "registry",
@@ -166,6 +178,7 @@ class KVCacheManager:
             dcp=dcp,
             use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events,
+            kv_events_medium=kv_events_medium,
         )
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -187,6 +200,7 @@ class KVCacheManager:
         registry: KindRegistry | None = None,
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_events_medium: str = "GPU",
     ) -> KVCacheManager:
         """The scheduler's manager for a plan, with the block sizes,
         ``max_model_len``, prefix caching and context parallelism the plan
@@ -218,6 +232,7 @@ class KVCacheManager:
             dcp=plan.decode_context_parallel_size,
             use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events,
+            kv_events_medium=kv_events_medium,
         )
 
     # -- lookups ----------------------------------------------------------------
