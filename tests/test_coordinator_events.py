@@ -257,8 +257,10 @@ def test_medium_is_configurable() -> None:
         BlockStored((h(1),), None, (5, 6), 2, 0, "full_attention", None, (1,), "CPU"),
         BlockRemoved((h(1),), 0, "CPU"),
     ]
-    with pytest.raises(KvcoreTypeError, match="kv_events_medium must be"):
+    with pytest.raises(KvcoreValueError, match="kv_events_medium must be"):
         pool(kv_events_medium="")
+    with pytest.raises(KvcoreTypeError, match="kv_events_medium must be"):
+        pool(kv_events_medium=None)  # type: ignore[arg-type]
 
 
 def test_store_without_tokens_or_group_facts_is_refused_and_changes_nothing() -> None:

@@ -313,6 +313,8 @@ class BlockPool:
                 f"kv_events_medium must be a non-empty str such as 'GPU' or "
                 f"'CPU', got {kv_events_medium!r}"
             )
+            if type(kv_events_medium) is str:
+                raise KvcoreValueError(msg)
             raise KvcoreTypeError(msg)
         self.kv_events_medium = kv_events_medium
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
