@@ -66,6 +66,7 @@ class KVCacheCoordinator:
         dcp: int = 1,
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_events_medium: str = "GPU",
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size:
@@ -80,6 +81,18 @@ class KVCacheCoordinator:
             enable_caching=enable_caching,
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
+            # What each group's BlockStored events say about the group.
+            event_groups=[
+                (
+                    effective_block_size(g, dcp),
+                    g.manager_spec.kind,
+                    getattr(g.manager_spec, "sliding_window", None),
+                )
+                for g in groups
+            ]
+            if enable_kv_cache_events
+            else (),
+            kv_events_medium=kv_events_medium,
         )
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size

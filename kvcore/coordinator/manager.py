@@ -322,6 +322,7 @@ class SingleTypeManager:
             num_cached_blocks=cached,
             num_full_blocks=num_full,
             group_id=self.kv_cache_group_id,
+            token_ids=request.all_token_ids,
         )
         self.num_cached_block[rid] = num_full
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
-from kvcore.coordinator.hashing import hashes_at_block_size
+from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.spec import HitPolicy, cdiv
@@ -141,6 +141,7 @@ class WindowManager(SingleTypeManager):
                     num_cached_blocks=first,
                     num_full_blocks=unit_end,
                     group_id=gid,
+                    token_ids=request.all_token_ids,
                 )
         self.num_cached_block[rid] = decided
 
@@ -258,22 +259,21 @@ class CheckpointManager(SingleTypeManager):
             return
         if self.num_cached_block.get(rid, 0) > pos:
             return
-        key = self.block_hash(request.block_hashes, pos)
-        if key is None:
+        chunks = request.block_hashes
+        if self.block_hash(chunks, pos) is None:
             return
-        # One state is keyed; the pool records the prefix before it as the
-        # parent when that prefix has a key of its own.
-        parent = self.block_hash(request.block_hashes, pos - 1) if pos else None
-        if parent is None:
-            keys, held, start = [key], [blocks[pos]], 0
-        else:
-            keys, held, start = [parent, key], [self.null_block, blocks[pos]], 1
+        hashes: Sequence[BlockHash] = (
+            _PositionKeys(self, chunks)
+            if self.block_size % self.hash_block_size
+            else hashes_at_block_size(chunks, self.hash_block_size, self.block_size)
+        )
         self.block_pool.cache_full_blocks(
-            block_hashes=keys,
-            blocks=held,
-            num_cached_blocks=start,
-            num_full_blocks=start + 1,
+            block_hashes=hashes,
+            blocks=blocks,
+            num_cached_blocks=pos,
+            num_full_blocks=pos + 1,
             group_id=self.kv_cache_group_id,
+            token_ids=request.all_token_ids,
         )
         self.num_cached_block[rid] = pos + 1
 
@@ -307,6 +307,31 @@ class CheckpointManager(SingleTypeManager):
                 return [[*pad, block] for block in cached]
             end -= step
         return [[] for _ in query.group_ids]
+
+
+class _PositionKeys(Sequence[BlockHash]):
+    """The keys of a checkpoint table's positions when its block is finer
+    than the hash block: position ``i`` has one only when it ends on a hash
+    boundary (the others read as None and are only ever asked for as the
+    parent of a keyed one)."""
+
+    def __init__(self, manager: SingleTypeManager, chunks: Sequence[BlockHash]) -> None:
+        self._manager = manager
+        self._chunks = chunks
+        self._len = len(chunks) * manager.hash_block_size // manager.block_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._len))]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            msg = f"position {index} out of range for {self._len} positions"
+            raise IndexError(msg)
+        return self._manager.block_hash(self._chunks, index)
 
 
 class FixedBlocksManager(SingleTypeManager):
