@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,7 +23,13 @@ from typing import Any, ClassVar
 import pluggy
 import torch
 
-from kvcore.errors import KvcoreKeyError, KvcoreTypeError, KvcoreValueError, PluginError
+from kvcore.errors import (
+    KvcoreKeyError,
+    KvcoreTypeError,
+    KvcoreValueError,
+    MissingExtraError,
+    PluginError,
+)
 from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile
 from kvcore.serving import CACHE_DTYPE_ALIASES, ServingChoices
@@ -35,8 +42,11 @@ __all__ = [
     "ModelConfigError",
     "ModelMapper",
     "UnknownArchitectureError",
+    "fetch_hub_config",
+    "is_hub_id",
     "load_hf_config",
     "map_model_config",
+    "read_model_config",
 ]
 
 #: Keys under which composite (multimodal, speech, omni) configurations keep
@@ -525,3 +535,73 @@ def _model_file(
         notes="; ".join(notes),
         sources=tuple(mapper.sources),
     )
+
+
+#: ``org/name`` as the Hugging Face hub spells repository ids.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` reads as a hub repository id (``org/name``)."""
+    return bool(_HUB_ID.match(text)) and ".." not in text
+
+
+def fetch_hub_config(repo_id: str, *, revision: str | None = None) -> ModelConfig:
+    """The ``config.json`` of a hub repository, and nothing else: through
+    ``huggingface_hub`` (the optional extra ``kvcore[hf]``), which uses its
+    local cache and honours ``HF_HUB_OFFLINE`` and ``HF_TOKEN``."""
+    if not is_hub_id(repo_id):
+        msg = f"{repo_id!r} is not a hub repository id (org/name)"
+        raise ModelConfigError(msg)
+    try:
+        import huggingface_hub
+        from huggingface_hub import errors as hub_errors
+    except ImportError:
+        msg = (
+            f"reading {repo_id} from the Hugging Face hub needs huggingface_hub: "
+            "pip install 'kvcore[hf]' (or give --hf-config PATH to a config.json)"
+        )
+        raise MissingExtraError(msg) from None
+    try:
+        path = huggingface_hub.hf_hub_download(
+            repo_id, "config.json", revision=revision
+        )
+    except hub_errors.LocalEntryNotFoundError as exc:
+        cache = huggingface_hub.constants.HF_HUB_CACHE
+        msg = (
+            f"{repo_id}: config.json is not in the local hub cache ({cache}) and "
+            "the hub cannot be reached (HF_HUB_OFFLINE is set, or no network); "
+            "fetch it once online, or give --hf-config PATH"
+        )
+        raise ModelConfigError(msg) from exc
+    except hub_errors.GatedRepoError as exc:
+        msg = (
+            f"{repo_id} is gated: accept its terms on the hub and set HF_TOKEN, "
+            "or give --hf-config PATH"
+        )
+        raise ModelConfigError(msg) from exc
+    except hub_errors.RepositoryNotFoundError as exc:
+        msg = (
+            f"{repo_id}: no such repository on the hub (or it is private; set HF_TOKEN)"
+        )
+        raise ModelConfigError(msg) from exc
+    except hub_errors.RevisionNotFoundError as exc:
+        msg = f"{repo_id}: no revision {revision!r}"
+        raise ModelConfigError(msg) from exc
+    except hub_errors.EntryNotFoundError as exc:
+        msg = f"{repo_id} has no config.json; it is not a transformers model"
+        raise ModelConfigError(msg) from exc
+    except (hub_errors.HfHubHTTPError, OSError) as exc:
+        msg = f"{repo_id}: cannot fetch config.json: {exc}"
+        raise ModelConfigError(msg) from exc
+    config = load_hf_config(path)
+    config.where = f"{repo_id} (config.json)"
+    return config
+
+
+def read_model_config(source: str) -> ModelConfig:
+    """A ``config.json`` file, a directory holding one, or a hub id."""
+    path = Path(source)
+    if path.exists() or not is_hub_id(source):
+        return load_hf_config(path)
+    return fetch_hub_config(source)

@@ -251,3 +251,93 @@ class ReturnsGarbage(ModelMapper):
 def test_what_a_mapper_returns_is_checked() -> None:
     with pytest.raises(kvcore.PluginError, match="mapper 'garbage'"):
         map_model_config(LLAMA, mappers=MapperRegistry.from_mappers([ReturnsGarbage()]))
+
+
+# ---------------------------------------------------------------------------
+# kvcore convert, and hub ids through huggingface_hub
+# ---------------------------------------------------------------------------
+
+
+def _convert(*args: str, env: dict[str, str] | None = None) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "kvcore.cli", "convert", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def test_convert_writes_a_model_file_that_plans_like_the_mapping(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "model.json"
+    proc = _convert("--hf-config", str(FIXTURES / "llama-3-1-8b"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stderr
+    assert "32 cache layers" in proc.stderr
+    written = load_model_file(out)
+    mapped = map_model_config(
+        load_hf_config(FIXTURES / "llama-3-1-8b"), mappers=MAPPERS
+    )
+    assert written.layers == mapped.layers
+    assert written.name == "meta-llama/Llama-3.1-8B"
+
+
+def _hub_cache(root: Path, repo: str, config: Path) -> None:
+    """A cache laid out as huggingface_hub lays it out: refs/main names the
+    snapshot that holds config.json."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(config.read_text())
+
+
+def test_a_hub_id_is_read_from_the_local_cache_offline(tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub")
+    _hub_cache(
+        tmp_path, "meta-llama/Llama-3.1-8B", FIXTURES / "llama-3-1-8b" / "config.json"
+    )
+    env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = _convert("meta-llama/Llama-3.1-8B", env=env)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert len(data["layers"]) == 32
+    assert "meta-llama/Llama-3.1-8B (config.json)" in data["notes"]
+
+    missing = _convert("meta-llama/Llama-3.1-70B", env=env)
+    assert missing.returncode == 2
+    last = missing.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "kvcore: error: meta-llama/Llama-3.1-70B: config.json is not in the local hub cache"
+    )
+    assert str(tmp_path) in last
+
+
+def test_without_huggingface_hub_a_hub_id_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from kvcore.errors import MissingExtraError
+    from kvcore.mapping import fetch_hub_config
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'kvcore\[hf\]'"):
+        fetch_hub_config("meta-llama/Llama-3.1-8B")
+
+
+@pytest.mark.parametrize("text", ["llama", "../x/y", "a/b/c", "/abs/path", "org/"])
+def test_only_org_slash_name_reads_as_a_hub_id(text: str) -> None:
+    from kvcore.mapping import is_hub_id
+
+    assert not is_hub_id(text)
+    assert is_hub_id("Qwen/Qwen3-8B")
