@@ -9,15 +9,16 @@ taken out as the null block; within a step groups allocate in group order.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
 import attrs
 import pytest
 import torch
+from coordinator_setup import BUILT_IN, fa, manager_for, sw
 
 import kvcore
-from kvcore import HitPolicy, KindRegistry, KVCacheConfig, KVCacheGroupSpec
+from kvcore import HitPolicy, KindRegistry
 from kvcore.coordinator import (
     CheckpointManager,
     FixedBlocksManager,
@@ -29,56 +30,11 @@ from kvcore.coordinator import (
 )
 from kvcore.errors import KvcoreError, PluginError
 from kvcore.spec import PackingRole, positive_int
-from kvcore_circular_buffer import CircularBuffer
 from kvcore_full_attention import FullAttention, FullAttentionSpec
-from kvcore_hisparse import HiSparseHot
-from kvcore_mamba import Mamba, MambaSpec
-from kvcore_mla import MLA, MLAAttentionSpec
-from kvcore_sliding_window import SlidingWindow, SlidingWindowSpec
+from kvcore_mamba import MambaSpec
+from kvcore_mla import MLAAttentionSpec
 
-BUILT_IN = KindRegistry.from_kinds(
-    [FullAttention(), MLA(), SlidingWindow(), Mamba(), CircularBuffer(), HiSparseHot()]
-)
-
-
-def fa(block_size: int) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float16
-    )
-
-
-def sw(block_size: int, window: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float32,
-        sliding_window=window,
-    )
-
-
-def build(
-    specs: Sequence[Any],
-    num_blocks: int,
-    *,
-    scheduler_block_size: int,
-    hash_block_size: int,
-    registry: KindRegistry = BUILT_IN,
-    max_model_len: int = 8192,
-    **kw: Any,
-) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
-    config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    return KVCacheManager(
-        config,
-        max_model_len,
-        scheduler_block_size=scheduler_block_size,
-        hash_block_size=hash_block_size,
-        registry=registry,
-        **kw,
-    )
+build = manager_for
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
