@@ -123,9 +123,9 @@ def attention_by_type(
             out[layer(index)] = local
         else:
             msg = (
-                f"{config.where}: field {config.prefix}{source}[{index}] is {kind!r}; "
-                f"this mapper knows "
-                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}"
+                f"{config.where}: field {config.prefix}{source}[{index}] is "
+                f"{kind!r}; this mapper knows {FULL_ATTENTION!r} and "
+                f"{SLIDING_ATTENTION!r}"
             )
             raise ModelConfigError(msg)
     return out
