@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from kvcore.hookspecs import hookimpl
 from kvcore.mapping import ModelMapper
-from kvcore_hf import llama
+from kvcore_hf import gemma, glm, gpt_oss, llama, mistral, qwen
 
 __all__ = ["MAPPERS"]
 
 #: Every built-in mapper, in the order they are asked.
-MAPPERS: tuple[ModelMapper, ...] = (*llama.MAPPERS,)
+MAPPERS: tuple[ModelMapper, ...] = (
+    *llama.MAPPERS,
+    *qwen.MAPPERS,
+    *mistral.MAPPERS,
+    *gemma.MAPPERS,
+    *gpt_oss.MAPPERS,
+    *glm.MAPPERS,
+)
 
 
 @hookimpl

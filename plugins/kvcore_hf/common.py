@@ -82,3 +82,50 @@ def attention(
     return FullAttentionSpec(
         block_size=block_size, num_kv_heads=kv, head_size=size, dtype=dtype
     )
+
+
+#: ``layer_types`` entries the attention mappers know (transformers' names).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def attention_by_type(
+    config: ModelConfig,
+    types: list[str],
+    sliding_window: int | None,
+    *,
+    source: str = "layer_types",
+    num_kv_heads: int | None = None,
+    head_size: int | None = None,
+) -> dict[str, KVCacheSpec]:
+    """One attention layer per entry of ``types``, in model order.
+
+    ``sliding_attention`` layers keep ``sliding_window`` tokens, or every
+    token when it is None (transformers' rule when a model's window is
+    switched off); ``full_attention`` layers keep every token.  ``source``
+    is the field ``types`` came from, named in the error for an entry that
+    is neither.
+    """
+    full = attention(config, num_kv_heads=num_kv_heads, head_size=head_size)
+    local = full
+    if sliding_window is not None:
+        local = attention(
+            config,
+            sliding_window=sliding_window,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+        )
+    out: dict[str, KVCacheSpec] = {}
+    for index, kind in enumerate(types):
+        if kind == FULL_ATTENTION:
+            out[layer(index)] = full
+        elif kind == SLIDING_ATTENTION:
+            out[layer(index)] = local
+        else:
+            msg = (
+                f"{config.where}: field {config.prefix}{source}[{index}] is "
+                f"{kind!r}; this mapper knows {FULL_ATTENTION!r} and "
+                f"{SLIDING_ATTENTION!r}"
+            )
+            raise ModelConfigError(msg)
+    return out
