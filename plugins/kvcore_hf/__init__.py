@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from kvcore.hookspecs import hookimpl
 from kvcore.mapping import ModelMapper
-from kvcore_hf import llama
+from kvcore_hf import falcon_h1, jamba, llama, nemotron_h, qwen3_next
 
 __all__ = ["MAPPERS"]
 
 #: Every built-in mapper, in the order they are asked.
-MAPPERS: tuple[ModelMapper, ...] = (*llama.MAPPERS,)
+MAPPERS: tuple[ModelMapper, ...] = (
+    *llama.MAPPERS,
+    *jamba.MAPPERS,
+    *nemotron_h.MAPPERS,
+    *falcon_h1.MAPPERS,
+    *qwen3_next.MAPPERS,
+)
 
 
 @hookimpl
