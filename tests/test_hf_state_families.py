@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import kvcore.zoo
 import kvcore_hf
 from kvcore.errors import InvalidSpecError
 from kvcore.mapping import (
@@ -43,6 +44,14 @@ def _served(config: Any, tp: int) -> dict[str, KVCacheSpec]:
     return apply_serving_choices(
         _layers(config), ServingChoices(tensor_parallel_size=tp)
     ).layers
+
+
+def test_the_state_fixtures_are_named_like_shipped_files() -> None:
+    """test_hf_mapping checks a fixture against the shipped file of its name;
+    a misnamed fixture would be skipped there silently."""
+    for name in ("jamba-1-5-mini", "qwen3-next-80b-a3b"):
+        assert name in kvcore.zoo.names()
+        assert (FIXTURES / name / "config.json").is_file()
 
 
 # -- Jamba ----------------------------------------------------------------

@@ -93,9 +93,8 @@ class NemotronH(ModelMapper):
                 out[layer(i, "mixer")] = attn
         if not out:
             msg = (
-                f"{config.where}: field {config.prefix}hybrid_override_pattern "
-                f"{pattern!r} has no Mamba (M) or attention (*) layer, so the "
-                "model keeps no cache"
+                f"{config.where}: the layer pattern {pattern!r} has no Mamba (M) "
+                "or attention (*) layer, so the model keeps no cache"
             )
             raise ModelConfigError(msg)
         return out
