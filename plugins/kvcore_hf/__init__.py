@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from kvcore.hookspecs import hookimpl
 from kvcore.mapping import ModelMapper
-from kvcore_hf import gemma, glm, gpt_oss, llama, mistral, qwen
+from kvcore_hf import (
+    falcon_h1,
+    gemma,
+    glm,
+    gpt_oss,
+    jamba,
+    llama,
+    mistral,
+    nemotron_h,
+    qwen,
+    qwen3_next,
+)
 
 __all__ = ["MAPPERS"]
 
@@ -23,6 +34,10 @@ MAPPERS: tuple[ModelMapper, ...] = (
     *gemma.MAPPERS,
     *gpt_oss.MAPPERS,
     *glm.MAPPERS,
+    *jamba.MAPPERS,
+    *nemotron_h.MAPPERS,
+    *falcon_h1.MAPPERS,
+    *qwen3_next.MAPPERS,
 )
 
 
