@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from kvcore.hookspecs import hookimpl
 from kvcore.mapping import ModelMapper
-from kvcore_hf import llama
+from kvcore_hf import deepseek, llama
 
 __all__ = ["MAPPERS"]
 
 #: Every built-in mapper, in the order they are asked.
-MAPPERS: tuple[ModelMapper, ...] = (*llama.MAPPERS,)
+MAPPERS: tuple[ModelMapper, ...] = (
+    *llama.MAPPERS,
+    *deepseek.MAPPERS,
+)
 
 
 @hookimpl
