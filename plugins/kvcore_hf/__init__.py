@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvcore.hookspecs import hookimpl
 from kvcore.mapping import ModelMapper
-from kvcore_hf import deepseek, llama
+from kvcore_hf import deepseek, kimi, llama, minimax
 
 __all__ = ["MAPPERS"]
 
@@ -19,6 +19,8 @@ __all__ = ["MAPPERS"]
 MAPPERS: tuple[ModelMapper, ...] = (
     *llama.MAPPERS,
     *deepseek.MAPPERS,
+    *kimi.MAPPERS,
+    *minimax.MAPPERS,
 )
 
 
