@@ -151,19 +151,44 @@ def test_the_indexer_keys_scale_with_index_head_dim() -> None:
         layers({**V32, "index_head_dim": 64})
 
 
-def test_the_indexer_keys_keep_their_byte_format_under_fp8_and_tp() -> None:
-    served = apply_serving_choices(
-        layers(V32), ServingChoices(kv_cache_dtype="fp8", tensor_parallel_size=8)
-    )
+FP8_DS_MLA = MLAAttentionSpec(
+    block_size=64, num_kv_heads=1, head_size=656, dtype=torch.uint8
+)
+
+
+@pytest.mark.parametrize(
+    ("choices", "settings", "latent"),
+    [
+        (ServingChoices(kv_cache_dtype="fp8"), {}, FP8_DS_MLA),
+        (ServingChoices(), {"kv_cache_dtype": "fp8_e4m3"}, FP8_DS_MLA),
+        (ServingChoices(kv_cache_dtype="bf16"), {"kv_cache_dtype": "fp8"}, LATENT),
+        (ServingChoices(), {}, LATENT),
+    ],
+    ids=["engine-fp8", "file-fp8", "engine-overrides-file", "default"],
+)
+def test_an_fp8_cache_stores_the_v32_latent_as_the_656_byte_record(
+    choices: ServingChoices, settings: dict[str, Any], latent: KVCacheSpec
+) -> None:
+    """512 fp8 values, 4 fp32 scales and 64 bf16 RoPE values: 656 B."""
+    model = map_model_config({**V32, **settings}, choices, mappers=MAPPERS)
+    served = apply_serving_choices(model.layers, choices)
+    assert served.layers["model.layers.1.self_attn"] == latent
     assert served.layers["model.layers.1.self_attn.indexer.k_cache"] == INDEX_KEYS
-    assert served.layers["model.layers.1.self_attn"] == MLAAttentionSpec(
-        block_size=64, num_kv_heads=1, head_size=576, dtype=torch.float8_e4m3fn
+
+
+def test_the_v32_caches_are_replicated_whole_under_tp() -> None:
+    model = map_model_config(V32, ServingChoices(kv_cache_dtype="fp8"), mappers=MAPPERS)
+    served = apply_serving_choices(
+        model.layers, ServingChoices(kv_cache_dtype="fp8", tensor_parallel_size=8)
     )
-    assert len(served.replicated_layers) == 4
-    assert served.dtype_kept_layers == (
-        "model.layers.0.self_attn.indexer.k_cache",
-        "model.layers.1.self_attn.indexer.k_cache",
-    )
+    assert served.layers == {
+        "model.layers.0.self_attn": FP8_DS_MLA,
+        "model.layers.0.self_attn.indexer.k_cache": INDEX_KEYS,
+        "model.layers.1.self_attn": FP8_DS_MLA,
+        "model.layers.1.self_attn.indexer.k_cache": INDEX_KEYS,
+    }
+    assert served.replicated_layers == tuple(served.layers)
+    assert served.dtype_kept_layers == tuple(served.layers)
 
 
 # -- DeepSeek V4 ---------------------------------------------------------------

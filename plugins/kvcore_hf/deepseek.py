@@ -20,10 +20,18 @@ indexer's key cache ``<layer>.self_attn.indexer.k_cache``: one
 ``index_head_dim`` fp8 key and one fp32 scale per 128 elements, a
 ``index_head_dim + index_head_dim / 128 * 4`` byte record (132), as uint8
 in 64-token pages.  ``index_n_heads`` and ``index_topk`` size the indexer's
-queries and its selection, not the cache.  Source: vLLM
+queries and its selection, not the cache.  Under an 8-bit float cache
+dtype (the engine's, given to the mapper in its serving choices, else one
+the file fixes) vLLM stores V3.2's latent as FlashMLA's ``fp8_ds_mla``
+record instead: ``kv_lora_rank`` fp8 values, an fp32 scale per 128 of them
+and the RoPE part in bf16 (512 + 16 + 128 = 656 B), which the mapper gives
+as a uint8 cache of that size.  Sources: vLLM
 ``model_executor/models/deepseek_v2.py`` (``Indexer``:
-``DeepseekV32IndexerCache`` of that head size, uint8); DeepSeek's
-``DeepSeek-V3.2-Exp/inference/model.py`` (``ModelArgs`` index fields).
+``DeepseekV32IndexerCache`` of that head size, uint8),
+``model_executor/models/config.py`` (``DeepseekV32ForCausalLM``: an fp8
+cache dtype becomes ``fp8_ds_mla``); FlashMLA's README ("FP8 with scale":
+656 bytes a token); DeepSeek's ``DeepSeek-V3.2-Exp/inference/model.py``
+(``ModelArgs`` index fields).
 
 **V4** (``DeepseekV4ForCausalLM``, ``model_type`` ``deepseek_v4``): layer
 ``i`` runs at ``compress_ratios[i]`` (0 or 1: sliding window only; 4: CSA
@@ -80,8 +88,8 @@ __all__ = ["MAPPERS", "DeepseekMLA", "DeepseekV32", "DeepseekV4", "mla_latent"]
 
 #: Tokens per FlashMLA page, which vLLM's MLA backends require.
 MLA_BLOCK = 64
-#: One fp32 scale (4 bytes) per this many fp8 indexer key values.
-INDEX_QUANT_BLOCK = 128
+#: One fp32 scale (4 bytes) per this many fp8 values (indexer keys, fp8_ds_mla).
+FP8_SCALE_BLOCK = 128
 #: DeepSeek-V4's blocks: the compressed caches' and the SWA window's.
 V4_COMPRESSED_BLOCK = 256
 V4_SWA_BLOCK = 64
@@ -108,14 +116,14 @@ def indexer_key_bytes(config: ModelConfig) -> int:
     """Bytes of one indexer key: ``index_head_dim`` fp8 values and an fp32
     scale per 128 of them."""
     dim = config.positive("index_head_dim")
-    if dim % INDEX_QUANT_BLOCK:
+    if dim % FP8_SCALE_BLOCK:
         msg = (
             f"{config.where}: field {config.prefix}index_head_dim must be a "
-            f"multiple of {INDEX_QUANT_BLOCK} (one fp32 scale per "
-            f"{INDEX_QUANT_BLOCK} fp8 key values), got {dim}"
+            f"multiple of {FP8_SCALE_BLOCK} (one fp32 scale per "
+            f"{FP8_SCALE_BLOCK} fp8 key values), got {dim}"
         )
         raise ModelConfigError(msg)
-    return dim + dim // INDEX_QUANT_BLOCK * 4
+    return dim + dim // FP8_SCALE_BLOCK * 4
 
 
 class DeepseekMLA(ModelMapper):
@@ -151,12 +159,18 @@ class DeepseekV32(ModelMapper):
         "uint8, prefix <attn>.indexer.k_cache)",
         "deepseek-ai/DeepSeek-V3.2-Exp inference/model.py (ModelArgs index_n_heads, "
         "index_head_dim, index_topk)",
+        "vLLM model_executor/models/config.py (DeepseekV32ForCausalLM: fp8 cache "
+        "dtype -> fp8_ds_mla); FlashMLA README (FP8 with scale: 656 B a token)",
     )
 
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
-        latent = mla_latent(config)
+        dtype = choices.kv_cache_dtype or config.kv_cache_dtype()
+        if dtype is not None and dtype.is_floating_point and dtype.itemsize == 1:
+            latent = _fp8_ds_mla(config)
+        else:
+            latent = mla_latent(config)
         keys = MLAAttentionSpec(
             block_size=MLA_BLOCK,
             num_kv_heads=1,
@@ -231,6 +245,25 @@ class DeepseekV4(ModelMapper):
             if ratio == 4:
                 out.update({f"{attn}.{part}": spec for part, spec in indexer.items()})
         return out
+
+
+def _fp8_ds_mla(config: ModelConfig) -> MLAAttentionSpec:
+    """V3.2's fp8 latent: fp8 NoPE values with an fp32 scale per 128 of them,
+    then the RoPE part in bf16, one uint8 record a token."""
+    rank = config.positive("kv_lora_rank")
+    if rank % FP8_SCALE_BLOCK:
+        msg = (
+            f"{config.where}: field {config.prefix}kv_lora_rank must be a multiple "
+            f"of {FP8_SCALE_BLOCK} for the fp8_ds_mla cache (one fp32 scale per "
+            f"{FP8_SCALE_BLOCK} values), got {rank}"
+        )
+        raise ModelConfigError(msg)
+    record = (
+        rank + rank // FP8_SCALE_BLOCK * 4 + 2 * config.positive("qk_rope_head_dim")
+    )
+    return MLAAttentionSpec(
+        block_size=MLA_BLOCK, num_kv_heads=1, head_size=record, dtype=torch.uint8
+    )
 
 
 def _compress_ratios(config: ModelConfig, n: int) -> list[int]:
