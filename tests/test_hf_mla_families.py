@@ -88,6 +88,15 @@ def test_the_latent_follows_kv_lora_rank_and_the_rope_dim() -> None:
     }
 
 
+def test_a_nope_latent_is_the_rank_alone() -> None:
+    mapped = layers({**V2_LITE, "qk_rope_head_dim": 0})
+    assert set(mapped.values()) == {
+        MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=512, dtype=BF16)
+    }
+    with pytest.raises(ModelConfigError, match=r"qk_rope_head_dim must be 0 or more"):
+        layers({**V2_LITE, "qk_rope_head_dim": -64})
+
+
 def test_a_missing_latent_rank_names_the_field_and_the_file(tmp_path: Path) -> None:
     data = json.loads((FIXTURES / "deepseek-v3" / "config.json").read_text())
     del data["kv_lora_rank"]
@@ -379,13 +388,15 @@ def test_kimi_linear_errors_name_the_nested_field() -> None:
         "config.json: field linear_attn_config.num_heads is missing; the mapper "
         "for KimiLinearForCausalLM needs it"
     )
-    overlap = {**config, "num_heads": 32, "full_attn_layers": [*FULL, 1]}
-    with pytest.raises(
-        ModelConfigError, match=r"layers in both: \[1\], in neither: \[\]"
-    ):
-        layers({**KIMI, "linear_attn_config": overlap})
     with pytest.raises(ModelConfigError, match=r"kda_layers must list 1-based"):
-        layers({**KIMI, "linear_attn_config": {**overlap, "kda_layers": [0]}})
+        layers({**KIMI, "linear_attn_config": {**LINEAR_ATTN, "kda_layers": [0]}})
+
+
+def test_kimi_linear_layers_outside_kda_layers_are_mla() -> None:
+    """vLLM reads kda_layers alone; full_attn_layers does not decide."""
+    config = {**LINEAR_ATTN, "kda_layers": [1, 2, 3], "full_attn_layers": []}
+    mapped = layers({**KIMI, "num_hidden_layers": 4, "linear_attn_config": config})
+    assert list(mapped.values()) == [KDA, KDA, KDA, LATENT]
 
 
 # -- MiniMax -------------------------------------------------------------------

@@ -103,11 +103,19 @@ V4_RATIOS = (0, 1, 4, 128)
 
 def mla_latent(config: ModelConfig, *, block_size: int = MLA_BLOCK) -> MLAAttentionSpec:
     """One MLA layer: a ``kv_lora_rank + qk_rope_head_dim`` latent per token,
-    a single KV head, in the model's dtype."""
+    a single KV head, in the model's dtype (a NoPE model may set the RoPE
+    part to 0)."""
+    rope: int = config.field("qk_rope_head_dim", int)
+    if rope < 0:
+        msg = (
+            f"{config.where}: field {config.prefix}qk_rope_head_dim must be 0 or "
+            f"more, got {rope}"
+        )
+        raise ModelConfigError(msg)
     return MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,
-        head_size=config.positive("kv_lora_rank") + config.positive("qk_rope_head_dim"),
+        head_size=config.positive("kv_lora_rank") + rope,
         dtype=config.model_dtype(),
     )
 

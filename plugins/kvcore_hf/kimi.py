@@ -2,12 +2,14 @@
 Kimi Delta Attention (KDA) layers with a recurrent state, and MLA layers.
 
 Layer ``i`` is a KDA layer when ``i + 1`` is in
-``linear_attn_config.kda_layers`` (the lists are 1-based), else an MLA
-layer; ``linear_attn_config.full_attn_layers`` must list exactly the
-others.  Source: vLLM ``transformers_utils/configs/kimi_linear.py``
-(``KimiLinearConfig.is_kda_layer``) and ``model_executor/models/
-kimi_linear.py`` (``KimiDecoderLayer``: ``KimiDeltaAttention`` or
-``KimiMLAAttention`` as ``model.layers.{i}.self_attn``).
+``linear_attn_config.kda_layers`` (1-based), else an MLA layer, as vLLM
+decides; ``full_attn_layers``, which lists the others, is not read (vLLM
+does not read it either).  Source: vLLM
+``transformers_utils/configs/kimi_linear.py``
+(``KimiLinearConfig.is_kda_layer``) and
+``model_executor/models/kimi_linear.py`` (``KimiDecoderLayer``:
+``KimiDeltaAttention`` or ``KimiMLAAttention`` as
+``model.layers.{i}.self_attn``).
 
 A KDA layer's state is, per request, a short-convolution state over q, k
 and v, ``(short_conv_kernel_size - 1, 3 * num_heads * head_dim)`` in the
@@ -114,33 +116,19 @@ class KimiLinear(ModelMapper):
 
 
 def _kda_layers(config: ModelConfig, n: int) -> set[int]:
-    """0-based indices of the KDA layers, checked against ``full_attn_layers``."""
-    found: dict[str, set[int]] = {}
-    for key in ("kda_layers", "full_attn_layers"):
-        section: Mapping[str, Any] = config.field("linear_attn_config", dict)
-        values = section.get(key)
-        path = f"{config.where}: field {config.prefix}linear_attn_config.{key}"
-        if values is None:
-            msg = f"{path} is missing; {_needed(config)}"
-            raise ModelConfigError(msg)
-        if not isinstance(values, list) or not all(
-            type(v) is int and 1 <= v <= n for v in values
-        ):
-            msg = (
-                f"{path} must list 1-based layer numbers from 1 to {n}, got {values!r}"
-            )
-            raise ModelConfigError(msg)
-        found[key] = {v - 1 for v in values}
-    kda, full = found["kda_layers"], found["full_attn_layers"]
-    if kda & full or len(kda | full) != n:
-        msg = (
-            f"{config.where}: fields {config.prefix}linear_attn_config.kda_layers and "
-            "full_attn_layers must split the layers between them, each layer in "
-            f"exactly one; layers in both: {sorted(v + 1 for v in kda & full)}, in "
-            f"neither: {sorted(set(range(1, n + 1)) - {v + 1 for v in kda | full})}"
-        )
+    """0-based indices of the KDA layers: ``kda_layers`` lists them 1-based."""
+    section: Mapping[str, Any] = config.field("linear_attn_config", dict)
+    values = section.get("kda_layers")
+    path = f"{config.where}: field {config.prefix}linear_attn_config.kda_layers"
+    if values is None:
+        msg = f"{path} is missing; {_needed(config)}"
         raise ModelConfigError(msg)
-    return kda
+    if not isinstance(values, list) or not all(
+        type(v) is int and 1 <= v <= n for v in values
+    ):
+        msg = f"{path} must list 1-based layer numbers from 1 to {n}, got {values!r}"
+        raise ModelConfigError(msg)
+    return {v - 1 for v in values}
 
 
 MAPPERS = (KimiLinear(),)
