@@ -63,6 +63,13 @@ max(1, compress_ratios[layer])``; indexer only at ratio 4),
 ``model_executor/layers/deepseek_compressor.py`` (state ``2 * coff *
 head_dim``, ``coff * ratio`` slots); kvcore/zoo/SOURCES.md (DeepSeek-V4).
 
+The compressor states follow kvcore's shipped DeepSeek-V4 file, which keeps
+each as one ring of ``coff * ratio`` rows.  vLLM's ``CompressorStateCache``
+instead pages them as a ``SlidingWindowMLASpec`` (window ``coff * ratio``,
+blocks of 4 rows at ratio 4 and 8 at ratio 128, pages aligned to 576 B, so
+they share one tensor with the compressed caches); the rows a request needs
+are the same, the page sizes are not.
+
 **MTP layers**: ``num_nextn_predict_layers`` counts multi-token-prediction
 layers stored after the ``num_hidden_layers`` decoder layers (V4's
 ``compress_ratios`` lists them at its end).  Engines run them only as a
