@@ -12,12 +12,15 @@ from __future__ import annotations
 from kvcore.hookspecs import hookimpl
 from kvcore.mapping import ModelMapper
 from kvcore_hf import (
+    deepseek,
     falcon_h1,
     gemma,
     glm,
     gpt_oss,
     jamba,
+    kimi,
     llama,
+    minimax,
     mistral,
     nemotron_h,
     qwen,
@@ -38,6 +41,9 @@ MAPPERS: tuple[ModelMapper, ...] = (
     *nemotron_h.MAPPERS,
     *falcon_h1.MAPPERS,
     *qwen3_next.MAPPERS,
+    *deepseek.MAPPERS,
+    *kimi.MAPPERS,
+    *minimax.MAPPERS,
 )
 
 
