@@ -51,6 +51,7 @@ from kvcore.registry import KindRegistry, default_registry
 from kvcore.serving import ServingChoices, apply_serving_choices, parse_cache_dtype
 from kvcore.spec import (
     AttentionSpec,
+    HitPolicy,
     KVCacheSpec,
     PackingRole,
     UniformTypeKVCacheSpecs,
@@ -70,6 +71,7 @@ __all__ = [
     "hookspec",
     # specs and plan
     "AttentionSpec",
+    "HitPolicy",
     "KVCacheSpec",
     "PackingRole",
     "UniformTypeKVCacheSpecs",

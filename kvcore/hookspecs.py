@@ -15,6 +15,7 @@ import pluggy
 if TYPE_CHECKING:
     from kvcore.config import EngineConfig
     from kvcore.kinds import CacheKind
+    from kvcore.mapping import ModelMapper
     from kvcore.spec import KVCacheSpec
     from kvcore.structs import KVCacheGroupSpec
 
@@ -42,6 +43,22 @@ def kvcore_register_kinds() -> Sequence[CacheKind]:
     :returns: kind objects (instances of :class:`kvcore.kinds.CacheKind`).
 
     .. versionadded:: 0.1
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def kvcore_register_model_mappers() -> Sequence[ModelMapper]:
+    """Return the architecture mappers this plugin provides.
+
+    A mapper turns a Hugging Face ``config.json`` into layer specs
+    (:class:`kvcore.mapping.ModelMapper`).  Mappers of plugins registered
+    later are asked first; the first that recognises a configuration and
+    returns layers wins.
+
+    :returns: mapper objects (instances of :class:`kvcore.mapping.ModelMapper`).
+
+    .. versionadded:: 0.2
     """
     raise NotImplementedError
 

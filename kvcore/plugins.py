@@ -50,6 +50,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mamba": "kvcore_mamba",
     "circular_buffer": "kvcore_circular_buffer",
     "hisparse": "kvcore_hisparse",
+    "hf": "kvcore_hf",
 }
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "SpecConverter",
     "check_config",
     "dump_config",
+    "dump_model_file",
     "load_config",
     "load_model_file",
     "make_converter",
@@ -763,3 +764,20 @@ def load_model_file(
         sources=tuple(sources),
         weights_bytes=weights,
     )
+
+
+def dump_model_file(model: ModelFile, registry: KindRegistry | None = None) -> str:
+    """A model file as JSON text, in the form :func:`load_model_file` reads
+    (layers in model order, one spec object each)."""
+    converter = make_converter(registry)
+    data: dict[str, Any] = {"name": model.name}
+    if model.notes:
+        data["notes"] = model.notes
+    if model.sources:
+        data["sources"] = list(model.sources)
+    if model.weights_bytes is not None:
+        data["weights_bytes"] = model.weights_bytes
+    data["layers"] = {
+        name: converter.unstructure_spec(spec) for name, spec in model.layers.items()
+    }
+    return json.dumps(data, indent=1) + "\n"

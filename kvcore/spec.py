@@ -26,6 +26,7 @@ from kvcore.errors import InvalidSpecError, MergeError
 
 __all__ = [
     "AttentionSpec",
+    "HitPolicy",
     "KVCacheSpec",
     "PackingRole",
     "Sharded",
@@ -41,6 +42,43 @@ __all__ = [
     "replicate",
     "round_up",
 ]
+
+
+class HitPolicy(enum.Enum):
+    """How a kind's blocks take part in prefix caching: the one declaration
+    the coordinator reads to decide what is hashed, what serves a hit and
+    what stops every hit (see the table in ``docs/plugins.md``)."""
+
+    #: Never hashed, never hit; other groups' hits stand and the kind
+    #: recomputes ``prefix_replay_tokens`` before a hit (bounded-replay
+    #: windows, compressor rings, hot pages, chunked-local attention).
+    NOT_HASHED = "not_hashed"
+    #: Every block of the prefix is cached and read (full attention, MLA).
+    PREFIX = "prefix"
+    #: Only the window the next token reads must be cached (sliding window).
+    WINDOW = "window"
+    #: A saved state at the hit's end restores the whole prefix (Mamba and
+    #: linear attention states kept at block boundaries).
+    CHECKPOINT = "checkpoint"
+    #: The kind needs the whole prefix but keeps nothing to restore it from:
+    #: no request of the model gets a hit (a state never checkpointed).
+    BLOCKS_HITS = "blocks_hits"
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the kind's state depends on a prefix it can take part in
+        (everything but :attr:`NOT_HASHED`)."""
+        return self is not HitPolicy.NOT_HASHED
+
+    @property
+    def hashes_blocks(self) -> bool:
+        """Whether groups of this policy hash their blocks."""
+        return self in _HASHING_POLICIES
+
+
+_HASHING_POLICIES = frozenset(
+    {HitPolicy.PREFIX, HitPolicy.WINDOW, HitPolicy.CHECKPOINT}
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -338,17 +376,23 @@ class KVCacheSpec:
 
     # -- hashing behaviour ------------------------------------------------
     @property
+    def hit_policy(self) -> HitPolicy:
+        """How this layer takes part in prefix caching; kinds override this
+        one declaration (the two properties below derive from it)."""
+        return HitPolicy.PREFIX
+
+    @property
     def prefix_cacheable(self) -> bool:
-        """Whether blocks of this layer may be shared through prefix caching."""
-        return True
+        """Whether this layer's state depends on the prefix and is shared
+        through prefix caching (derived from :attr:`hit_policy`)."""
+        return self.hit_policy.prefix_cacheable
 
     @property
     def hashes_blocks(self) -> bool:
         """Whether the kind's manager hashes this layer's blocks when prefix
-        caching is on (so its block must be a multiple of the hash block).
-        A prefix-cacheable kind that keeps nothing to restore (a recurrent
-        state that is never checkpointed) says ``False``."""
-        return self.prefix_cacheable
+        caching is on, so its block must be a multiple of the hash block
+        (derived from :attr:`hit_policy`)."""
+        return self.hit_policy.hashes_blocks
 
     @property
     def prefix_replay_tokens(self) -> int:
@@ -633,8 +677,25 @@ class UniformTypeKVCacheSpecs:
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
 
     @property
+    def hit_policy(self) -> HitPolicy:
+        """The members' policy (they share a grouping key, so normally one);
+        a mix is as strict as its most restrictive member."""
+        policies = {s.hit_policy for s in self.kv_cache_specs.values()}
+        if len(policies) == 1:
+            return policies.pop()
+        if HitPolicy.NOT_HASHED in policies:
+            return HitPolicy.NOT_HASHED
+        if HitPolicy.BLOCKS_HITS in policies:
+            return HitPolicy.BLOCKS_HITS
+        return HitPolicy.PREFIX
+
+    @property
     def prefix_cacheable(self) -> bool:
-        return all(s.prefix_cacheable for s in self.kv_cache_specs.values())
+        return self.hit_policy.prefix_cacheable
+
+    @property
+    def hashes_blocks(self) -> bool:
+        return self.hit_policy.hashes_blocks
 
     @property
     def prefix_replay_tokens(self) -> int:

@@ -23,7 +23,7 @@ from kvcore.plan.capacity import (
     plan_capacity,
 )
 from kvcore.plan.declarations import layer_alignment
-from kvcore.spec import KVCacheSpec
+from kvcore.spec import HitPolicy, KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 from kvcore.units import format_size, format_tokens
 
@@ -286,14 +286,14 @@ def summarize(
     blockers = [
         g
         for g in plan.kv_cache_groups
-        if g.manager_spec.prefix_cacheable and not g.manager_spec.hashes_blocks
+        if g.manager_spec.hit_policy is HitPolicy.BLOCKS_HITS
     ]
     if plan.enable_prefix_caching and blockers:
         kinds = sorted({g.manager_spec.kind for g in blockers})
         notes.append(
-            f"no prefix hits for this model: {', '.join(kinds)} needs a request's "
-            "whole prefix but keeps no state of it to restore (kvcore computes "
-            "every prompt in full)"
+            f"no prefix hits for this model: {', '.join(kinds)} declares hit policy "
+            "BLOCKS_HITS (it needs a request's whole prefix but keeps no state of "
+            "it to restore), so kvcore computes every prompt in full"
         )
     batched = plan.max_num_batched_tokens or 8192
     rows = []

@@ -18,6 +18,7 @@ import attrs
 from kvcore.config import CacheConfig, EngineConfig
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.kv_cache_manager import KVCacheManager
+from kvcore.coordinator.manager import HitQuery
 from kvcore.coordinator.request import Request
 from kvcore.errors import InvalidSpecError, KvcoreError
 from kvcore.kinds import CacheKind
@@ -127,13 +128,17 @@ def check_kind(
         )
         if manager.caching:
             hits = type(manager).find_longest_cache_hit(
-                spec,
-                [],
-                4 * spec.block_size,
-                [0],
-                block_pool,
-                spec.block_size,
-                spec.block_size,
+                HitQuery(
+                    spec=spec,
+                    block_hashes=[],
+                    chunk_hashes=[],
+                    hash_block_size=spec.block_size,
+                    max_length=4 * spec.block_size,
+                    group_ids=[0],
+                    block_pool=block_pool,
+                    block_size=spec.block_size,
+                    alignment=spec.block_size,
+                )
             )
             _require(hits == [[]], kind, "a search over no hashes finds no hit")
 
@@ -354,21 +359,23 @@ def _check_hit_cycle(
     manager.free(first)
     second = Request("cycle-2", tokens, hash_block_size=hash_size)
     hit, length = manager.get_computed_blocks(second)
-    if spec.prefix_cacheable and spec.hashes_blocks and manager.enable_caching:
+    policy = spec.hit_policy
+    if policy.hashes_blocks and manager.enable_caching:
         _require(
             length > 0,
             kind,
-            f"the kind is prefix_cacheable, but a request repeating a {prompt}-token "
-            "prompt got no hit; cache the blocks that can end a hit, or declare "
-            "prefix_cacheable = False (which turns off hits for the whole model)",
+            f"the kind declares hit_policy={policy.name}, but a request repeating "
+            f"a {prompt}-token prompt got no hit; cache the blocks that can end a "
+            "hit, or declare the policy the kind serves: HitPolicy.NOT_HASHED if "
+            "it is rebuilt after another group's hit, HitPolicy.BLOCKS_HITS if it "
+            "needs the whole prefix and keeps none of it (no hits for the model)",
         )
     else:
         _require(
             length == 0,
             kind,
-            f"the kind does not hash its blocks (prefix_cacheable="
-            f"{spec.prefix_cacheable}, hashes_blocks={spec.hashes_blocks}), but a "
-            f"repeated prompt got a {length}-token hit",
+            f"the kind declares hit_policy={policy.name}, which hashes nothing, "
+            f"but a repeated prompt got a {length}-token hit",
         )
     if length:
         blocks = manager.allocate_slots(

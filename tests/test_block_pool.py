@@ -45,6 +45,8 @@ def pool(
         enable_caching=caching,
         hash_block_size=16,
         enable_kv_cache_events=events,
+        # Groups 0-5: block size 4 (events carry it), the last a window.
+        event_groups=[(4, "full_attention", None)] * 5 + [(4, "sliding_window", 8)],
     )
 
 
@@ -544,6 +546,7 @@ def test_reset_prefix_cache_only_when_idle() -> None:
         num_cached_blocks=0,
         num_full_blocks=2,
         group_id=0,
+        token_ids=range(8),
     )
     p.take_events()
     assert p.reset_prefix_cache() is False
@@ -563,12 +566,14 @@ def test_reset_prefix_cache_only_when_idle() -> None:
 def test_events_record_store_and_remove() -> None:
     p = pool(4, events=True)
     a = p.get_new_blocks(3)  # 1 2 3
+    tokens = list(range(100, 112))
     p.cache_full_blocks(
         block_hashes=[h(1), h(2)],
         blocks=a,
         num_cached_blocks=0,
         num_full_blocks=2,
         group_id=5,
+        token_ids=tokens[:8],
     )
     p.cache_full_blocks(
         block_hashes=[h(1), h(2), h(3)],
@@ -576,11 +581,25 @@ def test_events_record_store_and_remove() -> None:
         num_cached_blocks=2,
         num_full_blocks=3,
         group_id=5,
+        token_ids=tokens,
     )
+    window = {"block_size": 4, "kind": "sliding_window", "sliding_window": 8}
     assert p.take_events() == [
-        BlockStored(block_hashes=(h(1), h(2)), group_id=5, block_ids=(1, 2)),
         BlockStored(
-            block_hashes=(h(3),), group_id=5, block_ids=(3,), parent_block_hash=h(2)
+            block_hashes=(h(1), h(2)),
+            parent_block_hash=None,
+            token_ids=tuple(range(100, 108)),
+            group_id=5,
+            block_ids=(1, 2),
+            **window,
+        ),
+        BlockStored(
+            block_hashes=(h(3),),
+            parent_block_hash=h(2),
+            token_ids=(108, 109, 110, 111),
+            group_id=5,
+            block_ids=(3,),
+            **window,
         ),
     ]
     assert p.take_events() == []

@@ -7,38 +7,17 @@ taken out as the null block; groups allocate in group order within one step.
 from __future__ import annotations
 
 import pytest
-import torch
+from coordinator_setup import fa, manager_for, sw
 
-from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import KVCacheManager, Request
-from kvcore_full_attention import FullAttentionSpec
-from kvcore_sliding_window import SlidingWindowSpec
-
-
-def fa(block_size: int) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float16
-    )
-
-
-def sw(block_size: int, window: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float32,
-        sliding_window=window,
-    )
 
 
 def make_manager(
     specs: list[object], *, sched: int, hash_bs: int, use_eagle: bool = False
 ) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
-    config = KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=groups)
-    return KVCacheManager(
-        config,
-        8192,
+    return manager_for(
+        specs,
+        100,
         scheduler_block_size=sched,
         hash_block_size=hash_bs,
         use_eagle=use_eagle,

@@ -846,17 +846,23 @@ class TestInvalidUse:
 
 def test_kv_events_eviction_and_reset():
     mgr = make_manager([fa(4)], num_blocks=6, enable_kv_cache_events=True)
+
+    def stored(hashes, ids, parent, tokens):  # group 0: full attention, block 4
+        return BlockStored(
+            tuple(hashes), parent, tuple(tokens), 4, 0, "full_attention", None, ids
+        )
+
     a = req("a", T[:9])
     admit(mgr, a)  # [1, 2, 3]; 9 // 4 = 2 full blocks stored
     h = list(a.block_hashes)
-    assert mgr.take_events() == [BlockStored((h[0], h[1]), 0, (1, 2), None)]
+    assert mgr.take_events() == [stored(h[:2], (1, 2), None, T[:8])]
     assert mgr.take_events() == []
     for t in (1, 2):
         decode(mgr, a, t)  # 10, 11 tokens: nothing new is full
     assert mgr.take_events() == []
     decode(mgr, a, 3)  # 12 tokens: block 3 full, parent = block 2's hash
     h = list(a.block_hashes)
-    assert mgr.take_events() == [BlockStored((h[2],), 0, (3,), h[1])]
+    assert mgr.take_events() == [stored([h[2]], (3,), h[1], [T[8], 1, 2, 3])]
 
     assert mgr.reset_prefix_cache() is False  # a holds blocks
     assert mgr.block_pool.num_cached_blocks == 3
@@ -867,7 +873,7 @@ def test_kv_events_eviction_and_reset():
     hc = list(c.block_hashes)
     assert mgr.take_events() == [
         BlockRemoved((h[2],), 0),
-        BlockStored((hc[0], hc[1], hc[2]), 0, (4, 5, 3), None),
+        stored(hc[:3], (4, 5, 3), None, range(400, 412)),
     ]
     mgr.free(c)
     assert mgr.reset_prefix_cache() is True

@@ -139,6 +139,21 @@ PREFIXES = [[(p * 7919 + i * 104729) % 30011 + 10 for i in range(64)] for p in r
 CHUNKS = st.sampled_from([1, 3, 4, 8, 12, 16, 24, 40, 64])
 
 
+def _window_block_serves(m: SlidingWindowManager, i: int, cached: int) -> bool:
+    """Whether a window group hashes block ``i`` once ``cached`` tokens are
+    computed: hits are multiples of the hit alignment, so a block is kept
+    only if the window before the end of its alignment unit reads it, and
+    only once that unit is complete."""
+    bs = m.block_size
+    per_unit, rest = divmod(m.hit_alignment, bs)
+    if rest or per_unit <= 1:
+        return True
+    unit_end = (i // per_unit + 1) * per_unit
+    if unit_end * bs > cached:
+        return False
+    return m.kv_cache_spec.skipped_tokens(unit_end * bs) // bs <= i
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -212,7 +227,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     assert b.block_hash == (hashes[i], gid)
             assert not hit_blocks[-1].is_null
             if isinstance(m, SlidingWindowManager):
-                need = _cdiv(m.sliding_window - 1, m.block_size)
+                need = _cdiv(m.kv_cache_spec.sliding_window - 1, m.block_size)
                 tail = hit_blocks[-need:]
                 assert not any(b.is_null for b in tail)
             if isinstance(m, MambaManager):
@@ -417,11 +432,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
                         assert b.block_hash == (hashes[i], gid), (rid, gid, i)
                         assert (i + 1) * m.block_size <= cached, (rid, gid, i, cached)
                 if isinstance(m, SlidingWindowManager):
-                    dead = m.num_skipped_tokens(nc0) // m.block_size
+                    spec = m.kv_cache_spec
+                    dead = spec.skipped_tokens(nc0) // m.block_size
                     assert all(b.is_null for b in table[:dead])
-                    # Live full blocks of computed tokens are hashed.
-                    for b in table[dead : cached // m.block_size]:
-                        assert b.is_null or b.block_hash is not None
+                    # Live full blocks of computed tokens are hashed exactly
+                    # when some aligned hit reads them.
+                    for i in range(dead, cached // m.block_size):
+                        b = table[i]
+                        if not b.is_null and m.caching:
+                            want = _window_block_serves(m, i, cached)
+                            assert (b.block_hash is not None) == want, (gid, i)
                 elif isinstance(m, MambaManager):
                     dead = max(nc0 - 1, 0) // m.block_size
                     assert all(b.is_null for b in table[:dead])

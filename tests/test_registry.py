@@ -481,6 +481,34 @@ def test_hook_kvcore_register_kinds(pm: pluggy.PluginManager) -> None:
     assert isinstance(registry.kind_for(spec), _DemoKind)
 
 
+def test_hook_kvcore_register_model_mappers(pm: pluggy.PluginManager) -> None:
+    """The hook collects mappers from every plugin, later plugins first; a
+    ``None`` answer adds none."""
+    from kvcore.mapping import MapperRegistry, ModelMapper
+
+    class DemoMapper(ModelMapper):
+        name = "demo-mapper"
+        architectures = ("DemoForCausalLM",)
+
+    class Demo:
+        @hookimpl
+        def kvcore_register_model_mappers(self) -> list[ModelMapper]:
+            return [DemoMapper()]
+
+    class Nothing:
+        @hookimpl
+        def kvcore_register_model_mappers(self) -> None:
+            return None
+
+    pm.register(Demo(), name="kvcore-demo-mappers")
+    pm.register(Nothing(), name="kvcore-no-mappers")
+    mappers = MapperRegistry.from_plugin_manager(pm)
+    first = next(iter(mappers))
+    assert first.name == "demo-mapper"
+    assert mappers.owner(first) == "kvcore-demo-mappers"
+    assert "llama" in {m.name for m in mappers}
+
+
 def _four_layers() -> dict[str, KVCacheSpec]:
     return {f"l.{i}": _full() for i in range(4)}
 

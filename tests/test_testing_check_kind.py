@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvcore import KVCacheSpec
+from kvcore.coordinator import HitQuery
 from kvcore.kinds import CacheKind
 from kvcore.registry import KindRegistry
 from kvcore.testing import ConformanceError, check_kind
@@ -339,13 +340,11 @@ def test_element_size_must_be_positive() -> None:
 
 class NeverHitsManager(FullAttentionManager):
     """Caches nothing a later request can find, yet its spec keeps the default
-    ``prefix_cacheable = True``: every hit in a model using it would be lost."""
+    ``hit_policy = PREFIX``: every hit in a model using it would be lost."""
 
     @classmethod
-    def find_longest_cache_hit(  # type: ignore[override]
-        cls, spec: Any, block_hashes: Any, max_length: int, group_ids: Any, *args: Any
-    ) -> list[list[Any]]:
-        return [[] for _ in group_ids]
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[Any]]:
+        return [[] for _ in query.group_ids]
 
 
 @attrs.frozen(kw_only=True)
@@ -367,7 +366,8 @@ def test_a_cacheable_kind_that_never_hits_fails() -> None:
     with pytest.raises(ConformanceError, match="'never_hits'") as info:
         check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
     assert "repeating a 192-token prompt got no hit" in str(info.value)
-    assert "prefix_cacheable = False" in str(info.value)
+    assert "hit_policy=PREFIX" in str(info.value)
+    assert "HitPolicy.NOT_HASHED" in str(info.value)
 
 
 @attrs.frozen(kw_only=True)

@@ -53,19 +53,12 @@ class RWKVStateSpec(kvcore.KVCacheSpec):
     def page_grid(self) -> tuple[int, int, int]:
         return (1, 1, self.state_bytes)
 
-    # DOCS: plugins.md lists ``prefix_cacheable`` among the hashing
-    # declarations but not ``hashes_blocks``; only its docstring says a
-    # "prefix-cacheable kind that keeps nothing to restore (a recurrent state
-    # that is never checkpointed) says False".  coordinator.md says such a
-    # group ("needs its whole prefix but keeps none of it") allows no hit at
-    # all.  So: cacheable (the state depends on the whole prefix), not hashed.
+    # plugins.md: a state that needs the whole prefix but is never
+    # checkpointed declares HitPolicy.BLOCKS_HITS (the model then gets no
+    # hits, and `kvcore plan` says so).
     @property
-    def prefix_cacheable(self) -> bool:
-        return True
-
-    @property
-    def hashes_blocks(self) -> bool:
-        return False
+    def hit_policy(self) -> kvcore.HitPolicy:
+        return kvcore.HitPolicy.BLOCKS_HITS
 
     # The block is the state, not a page of tokens: never grow it and keep
     # it under serving choices (the defaults of KVCacheSpec, per plugins.md).

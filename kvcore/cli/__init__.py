@@ -19,13 +19,13 @@ import traceback
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
-from kvcore.cli import info, plan, simulate
+from kvcore.cli import convert, info, plan, simulate
 from kvcore.errors import KvcoreError, one_line
 
 __all__ = ["build_parser", "main"]
 
 #: The command modules, in the order ``kvcore --help`` lists them.
-COMMANDS = (plan, simulate, info)
+COMMANDS = (plan, simulate, convert, info)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -4,16 +4,26 @@ per cache group, and the ``KVCacheManager`` a scheduler calls every step."""
 from __future__ import annotations
 
 from kvcore.coordinator.block_pool import (
-    AllBlocksCleared,
     BlockHashWithGroupId,
     BlockPool,
-    BlockRemoved,
-    BlockStored,
     FreeBlockQueue,
     KVCacheBlock,
-    KVCacheEvent,
 )
 from kvcore.coordinator.coordinator import KVCacheCoordinator, SpecGroup
+from kvcore.coordinator.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventPublisher,
+    GroupEventInfo,
+    KVCacheEvent,
+    NullEventPublisher,
+    ZmqEventPublisher,
+    decode_event_batch,
+    encode_event_batch,
+)
 from kvcore.coordinator.hashing import (
     NONE_HASH,
     BlockHash,
@@ -33,7 +43,13 @@ from kvcore.coordinator.kv_cache_manager import (
     KVCacheManager,
     PrefixCacheStats,
 )
-from kvcore.coordinator.manager import FixedBlocksManager, SingleTypeManager
+from kvcore.coordinator.manager import HitQuery, SingleTypeManager
+from kvcore.coordinator.managers import (
+    CheckpointManager,
+    FixedBlocksManager,
+    PrefixManager,
+    WindowManager,
+)
 from kvcore.coordinator.request import (
     Request,
     RequestStatus,
@@ -43,8 +59,12 @@ from kvcore.coordinator.request import (
 
 __all__ = [
     # coordinator
+    "CheckpointManager",
     "EngineStepKeywords",
     "FixedBlocksManager",
+    "HitQuery",
+    "PrefixManager",
+    "WindowManager",
     "KVCacheBlocks",
     "KVCacheCoordinator",
     "KVCacheManager",
@@ -69,12 +89,21 @@ __all__ = [
     "create_requests",
     "make_requests",
     # block pool
-    "AllBlocksCleared",
     "BlockHashWithGroupId",
     "BlockPool",
-    "BlockRemoved",
-    "BlockStored",
     "FreeBlockQueue",
     "KVCacheBlock",
+    # KV-cache events
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "EventPublisher",
+    "GroupEventInfo",
     "KVCacheEvent",
+    "NullEventPublisher",
+    "ZmqEventPublisher",
+    "decode_event_batch",
+    "encode_event_batch",
 ]

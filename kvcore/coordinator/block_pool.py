@@ -11,9 +11,16 @@ pool hands the block out again (or the cache is reset).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TypeAlias
 
+from kvcore.coordinator.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GroupEventInfo,
+    KVCacheEvent,
+)
 from kvcore.coordinator.hashing import BlockHash
 from kvcore.errors import (
     BlockSizeError,
@@ -236,38 +243,6 @@ def _already_queued(block: KVCacheBlock) -> KvcoreValueError:
 
 
 # ---------------------------------------------------------------------------
-# KV cache events
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Blocks were registered in the prefix cache."""
-
-    block_hashes: tuple[BlockHash, ...]
-    group_id: int
-    block_ids: tuple[int, ...]
-    #: Hash of the block before the first stored one, or None at the start.
-    parent_block_hash: BlockHash | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks were evicted from the prefix cache."""
-
-    block_hashes: tuple[BlockHash, ...]
-    group_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """The whole prefix cache was reset."""
-
-
-KVCacheEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-# ---------------------------------------------------------------------------
 # Block pool
 # ---------------------------------------------------------------------------
 
@@ -279,10 +254,17 @@ class BlockPool:
     keep (e.g. outside a sliding window).  It is taken out at construction,
     never freed, hashed or reference-counted, and does not count as free or
     usable.
+
+    With ``enable_kv_cache_events`` the pool records events for a KV-aware
+    router (see :mod:`kvcore.coordinator.events`); ``event_groups`` gives,
+    per group id, the ``(block size, kind name, sliding window or None)``
+    a :class:`BlockStored` carries, and ``kv_events_medium`` names the medium
+    every event carries.
     """
 
     __slots__ = (
         "_cached",
+        "_event_groups",
         "_events",
         "_events_mark",
         "_journal",
@@ -292,6 +274,7 @@ class BlockPool:
         "evictions",
         "free_queue",
         "hash_block_size",
+        "kv_events_medium",
         "null_block",
         "num_blocks",
     )
@@ -303,6 +286,8 @@ class BlockPool:
         enable_caching: bool,
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
+        event_groups: Sequence[tuple[int, str, int | None]] = (),
+        kv_events_medium: str = MEDIUM_GPU,
     ) -> None:
         if type(num_blocks) is not int:
             msg = f"num_blocks must be an int, not {type(num_blocks).__name__}"
@@ -330,6 +315,16 @@ class BlockPool:
         self.enable_caching = bool(enable_caching)
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self._event_groups = _check_event_groups(event_groups)
+        if type(kv_events_medium) is not str or not kv_events_medium:
+            msg = (
+                f"kv_events_medium must be a non-empty str such as 'GPU' or "
+                f"'CPU', got {kv_events_medium!r}"
+            )
+            if type(kv_events_medium) is str:
+                raise KvcoreValueError(msg)
+            raise KvcoreTypeError(msg)
+        self.kv_events_medium = kv_events_medium
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         # group id -> (block hash -> block, or {block_id: block} when several
@@ -456,7 +451,7 @@ class BlockPool:
             if len(entry) == 1:
                 cached[key] = next(iter(entry.values()))
         if self.enable_kv_cache_events:
-            self._events.append(BlockRemoved((key,), gid))
+            self._events.append(BlockRemoved((key,), gid, self.kv_events_medium))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).
@@ -719,6 +714,7 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         group_id: int,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` in the cache.
 
@@ -726,6 +722,10 @@ class BlockPool:
         :func:`~kvcore.coordinator.hashing.hashes_at_block_size`); block ``i``
         gets key ``(block_hashes[i], group_id)``.  Null blocks and blocks that
         already hold a key are skipped.  Does nothing when caching is off.
+
+        ``token_ids`` are the request's tokens; with events on they are
+        required (a :class:`BlockStored` carries the stored blocks' tokens)
+        and sliced only then, so callers pass them always at no cost.
         """
         if not 0 <= num_cached_blocks <= num_full_blocks <= len(blocks):
             msg = (
@@ -743,13 +743,16 @@ class BlockPool:
             raise InvalidRequestError(msg)
         if not self.enable_caching or num_cached_blocks == num_full_blocks:
             return
-        cached = self.cached_blocks_of(group_id)
         events = self.enable_kv_cache_events
+        if events:
+            self._check_event_inputs(group_id, token_ids, num_full_blocks)
+        cached = self.cached_blocks_of(group_id)
         journal = self._journal
         setdefault = cached.setdefault
-        stored_hashes: list[BlockHash] = []
-        stored_ids: list[int] = []
-        for block, block_hash in zip(
+        #: Table positions stored (only with events on).
+        stored: list[int] = []
+        for pos, block, block_hash in zip(
+            range(num_cached_blocks, num_full_blocks),
             blocks[num_cached_blocks:num_full_blocks],
             block_hashes[num_cached_blocks:num_full_blocks],
             strict=True,
@@ -767,8 +770,7 @@ class BlockPool:
                     else:
                         cached[key] = {entry.block_id: entry, block.block_id: block}
                 if events:
-                    stored_hashes.append(block_hash)
-                    stored_ids.append(block.block_id)
+                    stored.append(pos)
                 continue
             old = cached.get(key)
             journal.append(self._restore_key(block, key, group_id, old, had_key=False))
@@ -779,13 +781,70 @@ class BlockPool:
             else:
                 cached[key] = {old.block_id: old, block.block_id: block}
             if events:
-                stored_hashes.append(block_hash)
-                stored_ids.append(block.block_id)
-        if stored_hashes:
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
-            self._events.append(
-                BlockStored(tuple(stored_hashes), group_id, tuple(stored_ids), parent)
+                stored.append(pos)
+        if stored:
+            assert token_ids is not None  # checked by _check_event_inputs
+            self._record_stored(group_id, block_hashes, blocks, token_ids, stored)
+
+    def _check_event_inputs(
+        self, group_id: int, token_ids: Sequence[int] | None, num_full_blocks: int
+    ) -> None:
+        """Refuse, before anything changes, a store whose event cannot be
+        built."""
+        groups = self._event_groups
+        if not 0 <= group_id < len(groups):
+            msg = (
+                f"cache_full_blocks: KV cache events are on but cache group "
+                f"{group_id} has no event facts ({len(groups)} given); build the "
+                "BlockPool with event_groups=[(block_size, kind, sliding_window), "
+                "...], one per group id (KVCacheCoordinator does)"
             )
+            raise InvalidRequestError(msg)
+        need = num_full_blocks * groups[group_id].block_size
+        if token_ids is None or len(token_ids) < need:
+            got = "none" if token_ids is None else str(len(token_ids))
+            msg = (
+                f"cache_full_blocks for group {group_id}: KV cache events are on, "
+                f"so token_ids must hold the {need} tokens of the "
+                f"{num_full_blocks} full blocks, got {got}; pass "
+                "token_ids=request.all_token_ids"
+            )
+            raise InvalidRequestError(msg)
+
+    def _record_stored(
+        self,
+        group_id: int,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[KVCacheBlock],
+        token_ids: Sequence[int],
+        stored: list[int],
+    ) -> None:
+        """One :class:`BlockStored` per unbroken run of stored positions, so
+        each event's parent hash is the block right before its first."""
+        info = self._event_groups[group_id]
+        size = info.block_size
+        medium = self.kv_events_medium
+        append = self._events.append
+        start = prev = stored[0]
+        for pos in (*stored[1:], -1):
+            if pos == prev + 1:
+                prev = pos
+                continue
+            end = prev + 1
+            append(
+                BlockStored(
+                    tuple(block_hashes[start:end]),
+                    block_hashes[start - 1] if start else None,
+                    tuple(token_ids[start * size : end * size]),
+                    size,
+                    group_id,
+                    info.kind,
+                    info.sliding_window,
+                    tuple(b.block_id for b in blocks[start:end]),
+                    medium,
+                )
+            )
+            start = prev = pos
 
     @property
     def num_cached_blocks(self) -> int:
@@ -810,7 +869,7 @@ class BlockPool:
         for block in self.blocks:
             block.key_hash = None
         if self.enable_kv_cache_events:
-            self._events.append(AllBlocksCleared())
+            self._events.append(AllBlocksCleared(self.kv_events_medium))
         return True
 
     # -- accounting -----------------------------------------------------------
@@ -837,6 +896,31 @@ class BlockPool:
 
 _Undo: TypeAlias = Callable[[], None]
 _Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
+
+
+def _check_event_groups(
+    groups: Sequence[tuple[int, str, int | None]],
+) -> tuple[GroupEventInfo, ...]:
+    out = []
+    for gid, item in enumerate(groups):
+        given: object = item  # checked: callers pass anything
+        ok = isinstance(given, tuple) and len(given) == 3
+        if ok:
+            size, kind, window = item
+            ok = (
+                type(size) is int
+                and size > 0
+                and type(kind) is str
+                and (window is None or (type(window) is int and window > 0))
+            )
+        if not ok:
+            msg = (
+                f"event_groups[{gid}] must be (block_size: positive int, kind: "
+                f"str, sliding_window: positive int or None), got {item!r}"
+            )
+            raise KvcoreTypeError(msg)
+        out.append(GroupEventInfo(size, kind, window))
+    return tuple(out)
 
 
 def _unref(block: KVCacheBlock) -> _Undo:

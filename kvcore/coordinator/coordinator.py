@@ -16,11 +16,12 @@ import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
-from kvcore.coordinator.manager import SingleTypeManager, runs_vetted
+from kvcore.coordinator.manager import HitQuery, SingleTypeManager, runs_vetted
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
 from kvcore.plan import effective_block_size, hit_alignment
 from kvcore.registry import KindRegistry
+from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
 
 __all__ = ["KVCacheCoordinator", "SpecGroup"]
@@ -34,6 +35,9 @@ class SpecGroup:
     group_ids: list[int]
     manager_type: type[SingleTypeManager]
     block_size: int
+    #: A hit under a bound stays a hit under any smaller aligned bound (a
+    #: left-to-right search), so the fixed point trims instead of searching.
+    monotone: bool = False
 
 
 class KVCacheCoordinator:
@@ -62,6 +66,7 @@ class KVCacheCoordinator:
         dcp: int = 1,
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_events_medium: str = "GPU",
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size:
@@ -76,15 +81,35 @@ class KVCacheCoordinator:
             enable_caching=enable_caching,
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
+            # What each group's BlockStored events say about the group.
+            event_groups=[
+                (
+                    effective_block_size(g, dcp),
+                    g.manager_spec.kind,
+                    getattr(g.manager_spec, "sliding_window", None),
+                )
+                for g in groups
+            ]
+            if enable_kv_cache_events
+            else (),
+            kv_events_medium=kv_events_medium,
         )
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.scheduler_block_size = scheduler_block_size
         self.max_model_len = max_model_len
         self.use_eagle = use_eagle
+        #: Hits are multiples of this many tokens.
+        self.cache_hit_alignment = (
+            hit_alignment(groups, scheduler_block_size, hash_block_size, dcp)
+            if enable_caching
+            else scheduler_block_size
+        )
         managers: list[SingleTypeManager] = []
         #: The plugin that registered each group's kind.
         owners: list[str] = []
+        #: Each group's declared hit policy.
+        policies: list[HitPolicy] = []
         for gid, group in enumerate(groups):
             layer_spec = group.manager_spec
             block_size = effective_block_size(group, dcp)
@@ -97,6 +122,8 @@ class KVCacheCoordinator:
                 raise BlockSizeError(msg)
             kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
             owners.append(registry.owner(kind.name))
+            policy = _declared_policy(layer_spec, kind.name, owners[-1])
+            policies.append(policy)
             manager = kind.make_manager(
                 layer_spec,
                 self.block_pool,
@@ -105,10 +132,20 @@ class KVCacheCoordinator:
                 hash_block_size=hash_block_size,
                 enable_caching=enable_caching,
                 max_model_len=max_model_len,
+                # With EAGLE a hit may end on any block of the group.
+                hit_alignment=block_size if use_eagle else self.cache_hit_alignment,
             )
+            _check_manager(manager, policy, kind.name, owners[-1])
             # Only groups whose manager hashes its blocks must align with the
-            # hash block (a recurrent state that is never kept hashes nothing).
-            if manager.caching and block_size % hash_block_size:
+            # hash block (a recurrent state that is never kept hashes nothing);
+            # a manager that keys only hash-boundary blocks accepts finer ones.
+            if (
+                manager.caching
+                and block_size % hash_block_size
+                and not (
+                    manager.accepts_coarse_hashes and hash_block_size % block_size == 0
+                )
+            ):
                 msg = (
                     f"prefix-cacheable cache group {gid} ({layer_spec.kind}) has "
                     f"block size {block_size}, not a multiple of "
@@ -145,33 +182,30 @@ class KVCacheCoordinator:
                 spec_groups[key].group_ids.append(gid)
             else:
                 spec_groups[key] = SpecGroup(
-                    manager.kv_cache_spec, [gid], type(manager), manager.block_size
+                    manager.kv_cache_spec,
+                    [gid],
+                    type(manager),
+                    manager.block_size,
+                    monotone=policies[gid] is HitPolicy.PREFIX,
                 )
         self.attention_groups: list[SpecGroup] = sorted(
-            spec_groups.values(), key=lambda g: not g.manager_type.monotone_hits
-        )
-        #: Hits are multiples of this many tokens.
-        self.cache_hit_alignment = (
-            hit_alignment(groups, scheduler_block_size, hash_block_size, dcp)
-            if enable_caching
-            else scheduler_block_size
+            spec_groups.values(), key=lambda g: not g.monotone
         )
         self.num_groups = len(managers)
         #: The one spec group when there is exactly one and its search is
         #: monotone (the lookup needs no fixed point), else None.
         self._single = (
             self.attention_groups[0]
-            if len(self.attention_groups) == 1
-            and self.attention_groups[0].manager_type.monotone_hits
+            if len(self.attention_groups) == 1 and self.attention_groups[0].monotone
             else None
         )
-        #: Groups whose state depends on the whole prefix but whose manager
-        #: caches nothing (a recurrent state that is never checkpointed):
-        #: no prefix can be restored for them, so there is no hit at all.
+        #: Groups whose kind declares ``HitPolicy.BLOCKS_HITS`` (a state that
+        #: needs the whole prefix but keeps nothing to restore it from): no
+        #: request of the model gets a hit.
         self.hit_blockers = tuple(
             gid
-            for gid, m in enumerate(managers)
-            if enable_caching and m.kv_cache_spec.prefix_cacheable and not m.caching
+            for gid, policy in enumerate(policies)
+            if enable_caching and policy is HitPolicy.BLOCKS_HITS
         )
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
@@ -216,24 +250,53 @@ class KVCacheCoordinator:
         hit alignment.  Only one block of a group's size is dropped, never a
         whole alignment unit.
         """
-        pool = self.block_pool
         bound = 0
         for group in self.attention_groups:
-            hashes = hashes_at_block_size(
-                block_hashes, self.hash_block_size, group.block_size
-            )
             blocks = group.manager_type.find_longest_cache_hit(
-                group.spec,
-                hashes,
-                max_length,
-                group.group_ids,
-                pool,
-                group.block_size,
-                group.block_size,
+                self._query(
+                    group,
+                    block_hashes,
+                    self._hashes_of(group, block_hashes),
+                    max_length,
+                    group.block_size,
+                )
             )
+            if not blocks[0]:
+                continue
             dropped = (len(blocks[0]) - 1) * group.block_size
             bound = max(bound, dropped)
         return bound
+
+    def _hashes_of(
+        self, group: SpecGroup, block_hashes: Sequence[BlockHash]
+    ) -> Sequence[BlockHash]:
+        """The request's hashes at the group's block size (none when the
+        block is finer than the hash block; its manager reads chunk hashes)."""
+        if group.block_size % self.hash_block_size:
+            return ()
+        return hashes_at_block_size(
+            block_hashes, self.hash_block_size, group.block_size
+        )
+
+    def _query(
+        self,
+        group: SpecGroup,
+        chunk_hashes: Sequence[BlockHash],
+        hashes: Sequence[BlockHash],
+        max_length: int,
+        alignment: int,
+    ) -> HitQuery:
+        return HitQuery(
+            spec=group.spec,
+            block_hashes=hashes,
+            chunk_hashes=chunk_hashes,
+            hash_block_size=self.hash_block_size,
+            max_length=max_length,
+            group_ids=group.group_ids,
+            block_pool=self.block_pool,
+            block_size=group.block_size,
+            alignment=alignment,
+        )
 
     def _single_hit(
         self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
@@ -248,13 +311,7 @@ class KVCacheCoordinator:
             else hashes_at_block_size(block_hashes, self.hash_block_size, block_size)
         )
         found = group.manager_type.find_longest_cache_hit(
-            group.spec,
-            hashes,
-            limit,
-            group.group_ids,
-            self.block_pool,
-            block_size,
-            alignment,
+            self._query(group, block_hashes, hashes, limit, alignment)
         )
         keep = len(found[0])
         if self.num_groups == 1:
@@ -267,8 +324,6 @@ class KVCacheCoordinator:
     def _fixed_point(
         self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        pool = self.block_pool
-        hash_bs = self.hash_block_size
         found: dict[int, list[list[KVCacheBlock]]] = {}
         searched_at: dict[int, int] = {}
         views: dict[int, Sequence[BlockHash]] = {}
@@ -278,7 +333,7 @@ class KVCacheCoordinator:
             changed = False
             for index, group in enumerate(self.attention_groups):
                 if index in found:
-                    if group.manager_type.monotone_hits:
+                    if group.monotone:
                         # Trimmed, not searched again, but only to whole
                         # blocks: a finer alignment (partial hits) can leave
                         # the length inside this group's block.
@@ -291,17 +346,9 @@ class KVCacheCoordinator:
                         continue
                 hashes = views.get(index)
                 if hashes is None:
-                    hashes = views[index] = hashes_at_block_size(
-                        block_hashes, hash_bs, group.block_size
-                    )
+                    hashes = views[index] = self._hashes_of(group, block_hashes)
                 blocks = group.manager_type.find_longest_cache_hit(
-                    group.spec,
-                    hashes,
-                    length,
-                    group.group_ids,
-                    pool,
-                    group.block_size,
-                    alignment,
+                    self._query(group, block_hashes, hashes, length, alignment)
                 )
                 found[index] = blocks
                 searched_at[index] = length
@@ -542,3 +589,80 @@ def _count(value: object) -> int:
         msg = f"returned {value!r} blocks; a block count is a non-negative int"
         raise KvcoreValueError(msg)
     return value
+
+
+def _declared_policy(spec: Any, kind: str, plugin: str) -> HitPolicy:
+    """The group's hit policy, checked: a :class:`HitPolicy`, and the two
+    properties derived from it left as the policy says (a spec that
+    overrides ``prefix_cacheable`` or ``hashes_blocks`` instead would have
+    the planner and the coordinator disagree)."""
+    try:
+        policy = spec.hit_policy
+    except Exception as exc:
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): reading spec.hit_policy "
+            f"raised {type(exc).__name__}: {exc}"
+        )
+        raise PluginError(msg, plugin_name=plugin) from exc
+    if not isinstance(policy, HitPolicy):
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): spec.hit_policy is "
+            f"{policy!r}; it must be a kvcore.HitPolicy member "
+            f"({', '.join(p.name for p in HitPolicy)})"
+        )
+        raise PluginError(msg, plugin_name=plugin)
+    if (spec.prefix_cacheable, spec.hashes_blocks) != (
+        policy.prefix_cacheable,
+        policy.hashes_blocks,
+    ):
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): the spec declares "
+            f"hit_policy={policy.name} but overrides prefix_cacheable="
+            f"{spec.prefix_cacheable} / hashes_blocks={spec.hashes_blocks}, "
+            f"which {policy.name} makes {policy.prefix_cacheable} / "
+            f"{policy.hashes_blocks}; override hit_policy alone"
+        )
+        raise PluginError(msg, plugin_name=plugin)
+    return policy
+
+
+def _check_manager(
+    manager: SingleTypeManager, policy: HitPolicy, kind: str, plugin: str
+) -> None:
+    """A kind's manager serves its spec's policy, with the current hit-search
+    signature (one :class:`HitQuery`)."""
+    served: frozenset[HitPolicy] = getattr(manager, "hit_policies", frozenset())
+    if policy not in served:
+        names = ", ".join(sorted(p.name for p in served)) or "none"
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): its spec declares "
+            f"hit_policy={policy.name} but its manager {type(manager).__name__} "
+            f"serves {names}; choose a manager for that policy "
+            "(kvcore.coordinator.managers) or declare the policy it serves"
+        )
+        raise PluginError(msg, plugin_name=plugin)
+    if manager.caching:
+        params = _search_params(type(manager))
+        if params != 1:
+            msg = (
+                f"cache kind {kind!r} (plugin {plugin!r}): "
+                f"{type(manager).__name__}.find_longest_cache_hit takes {params} "
+                "arguments; it takes one kvcore.coordinator.HitQuery "
+                "(find_longest_cache_hit(cls, query))"
+            )
+            raise PluginError(msg, plugin_name=plugin)
+
+
+def _search_params(manager_type: type[SingleTypeManager]) -> int:
+    """Positional parameters of a manager class's bound hit search."""
+    import inspect
+
+    try:
+        signature = inspect.signature(manager_type.find_longest_cache_hit)
+    except (TypeError, ValueError):
+        return 1
+    return sum(
+        1
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TypedDict, Unpack, cast
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypedDict, Unpack, cast
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
-from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 from kvcore.registry import KindRegistry, default_registry
@@ -107,7 +109,12 @@ class KVCacheManager:
     :param registry: the kinds (default: :func:`kvcore.default_registry`).
     :param dcp: decode context parallelism.
     :param use_eagle: drop the last hit block for a draft model.
-    :param enable_kv_cache_events: record stored / removed / cleared events.
+    :param enable_kv_cache_events: record stored / removed / cleared events
+        for a KV-aware router (:mod:`kvcore.coordinator.events`).
+    :param kv_events_medium: the medium those events name (``"GPU"``).
+    :param thread_safe: run every public method under one re-entrant lock
+        (:attr:`lock`), for engines that call the manager from several
+        threads; off, the manager takes no lock at all.
     """
 
     def __init__(
@@ -122,6 +129,8 @@ class KVCacheManager:
         dcp: int = 1,
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_events_medium: str = "GPU",
+        thread_safe: bool = False,
     ) -> None:
         _require_type(
             "kv_cache_config",
@@ -142,8 +151,18 @@ class KVCacheManager:
             ("enable_caching", enable_caching),
             ("use_eagle", use_eagle),
             ("enable_kv_cache_events", enable_kv_cache_events),
+            ("thread_safe", thread_safe),
         ):
             _require_type(name, flag, bool, "a bool (True or False)", exact=True)
+        _require_type(
+            "kv_events_medium", kv_events_medium, str, "a str such as 'GPU'", exact=True
+        )
+        if not kv_events_medium:
+            msg = (
+                "KVCacheManager: kv_events_medium must be a non-empty str such "
+                "as 'GPU' or 'CPU', got ''"
+            )
+            raise InvalidRequestError(msg)
         if registry is not None:
             _require_type(
                 "registry",
@@ -166,6 +185,7 @@ class KVCacheManager:
             dcp=dcp,
             use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events,
+            kv_events_medium=kv_events_medium,
         )
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -178,6 +198,17 @@ class KVCacheManager:
         self._live: set[str] = set()
         # The request object of each live id, so free() by id can mark it.
         self._requests: dict[str, Request] = {}
+        self.thread_safe = thread_safe
+        #: The re-entrant lock every public method holds with
+        #: ``thread_safe=True`` (hold it around a lookup and the allocation
+        #: that uses its hit), else None.
+        self.lock: threading.RLock | None = None
+        if thread_safe:
+            lock = self.lock = threading.RLock()
+            # Instance attributes shadow the methods, so the unlocked manager
+            # pays nothing: no lock, no flag test per call.
+            for name in _public_methods(type(self)):
+                setattr(self, name, _locked(getattr(self, name), lock))
 
     @classmethod
     def from_plan(
@@ -187,6 +218,8 @@ class KVCacheManager:
         registry: KindRegistry | None = None,
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_events_medium: str = "GPU",
+        thread_safe: bool = False,
     ) -> KVCacheManager:
         """The scheduler's manager for a plan, with the block sizes,
         ``max_model_len``, prefix caching and context parallelism the plan
@@ -218,6 +251,8 @@ class KVCacheManager:
             dcp=plan.decode_context_parallel_size,
             use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events,
+            kv_events_medium=kv_events_medium,
+            thread_safe=thread_safe,
         )
 
     # -- lookups ----------------------------------------------------------------
@@ -726,17 +761,12 @@ class KVCacheManager:
                     "get_computed_blocks returned, uncut"
                 )
                 raise InvalidRequestError(msg)
-            hashes = hashes_at_block_size(
-                request.block_hashes, self.hash_block_size, manager.block_size
-            )
+            chunks = request.block_hashes
+            key_of = manager.block_hash
             for i, block in enumerate(blocks):
                 if block.is_null:
                     continue
-                if (
-                    i >= len(hashes)
-                    or block.key_hash != hashes[i]
-                    or block.key_group != gid
-                ):
+                if block.key_group != gid or block.key_hash != key_of(chunks, i):
                     msg = (
                         f"request {rid!r}: hit block {block.block_id} of group {gid} "
                         "no longer holds this request's prefix (it was evicted after "
@@ -898,6 +928,29 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV-cache events (stored / removed / cleared) since the last call."""
         return self.block_pool.take_events()
+
+
+def _public_methods(cls: type) -> list[str]:
+    """Names of ``cls``'s public instance methods (its own and inherited)."""
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        for name, value in vars(klass).items():
+            if not name.startswith("_") and inspect.isfunction(value):
+                names[name] = None
+    return list(names)
+
+
+def _locked(method: Callable[..., Any], lock: threading.RLock) -> Callable[..., Any]:
+    """``method`` run while holding ``lock``."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return method(*args, **kwargs)
+
+    return run
 
 
 def _owned(own: list[KVCacheBlock], block: object) -> bool:

@@ -1,13 +1,11 @@
-"""Single-type managers: the block tables of one cache group.
+"""The manager contract: the block tables of one cache group.
 
 The coordinator runs one manager per cache group.  Each cache kind's plugin
-contributes its manager class (``CacheKind.manager_type``); this module holds
-the base class and two generic strategies kinds build on:
-
-- :class:`SingleTypeManager` (the base): a block per ``block_size`` tokens,
-  indexed by position, hashed left to right, hit search from the left.
-- :class:`FixedBlocksManager`: a fixed number of blocks per request for its
-  whole life (a ring, a recurrent state, hot pages), never hashed, no hits.
+contributes its manager class (``CacheKind.manager_type``), normally one of
+the generic strategies in :mod:`kvcore.coordinator.managers` configured for
+the kind.  This module holds what every manager shares: the base class, the
+:class:`HitQuery` a hit search receives, and the check that a step runs only
+kvcore's own code.
 
 Everything here is on the scheduler's per-step path: no hook calls, no
 per-block allocations beyond the block lists themselves.
@@ -18,11 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import attrs
+
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
+from kvcore.spec import HitPolicy
 
-__all__ = ["FixedBlocksManager", "SingleTypeManager", "runs_vetted"]
+__all__ = ["HitQuery", "SingleTypeManager", "runs_vetted"]
 
 #: Modules of the managers shipped with kvcore.  Their step methods raise
 #: nothing once the coordinator has validated a step (counts checked against
@@ -31,6 +32,7 @@ __all__ = ["FixedBlocksManager", "SingleTypeManager", "runs_vetted"]
 _VETTED_MANAGER_MODULES = frozenset(
     {
         "kvcore.coordinator.manager",
+        "kvcore.coordinator.managers",
         "kvcore_circular_buffer.manager",
         "kvcore_full_attention.manager",
         "kvcore_hisparse.manager",
@@ -60,6 +62,41 @@ _STEP_METHODS = (
 )
 
 
+@attrs.frozen(kw_only=True)
+class HitQuery:
+    """One hit search of one spec group (every field by keyword, so the
+    query can grow without breaking a manager that reads only some).
+
+    :param spec: the groups' merged spec.
+    :param block_hashes: the request's chained hashes at the group's block
+        size (block ``i`` is named by the hash of the prefix ending with it);
+        empty when the block is finer than the hash block, see ``chunk_hashes``.
+    :param chunk_hashes: the request's hashes at ``hash_block_size`` tokens.
+    :param hash_block_size: tokens per hashed chunk.
+    :param max_length: the hit may cover at most this many tokens.
+    :param group_ids: the groups searched together; the result holds one
+        block list per id, in this order.
+    :param block_pool: the pool whose cache is searched.
+    :param block_size: tokens per block of these groups.
+    :param alignment: the hit's length must be a multiple of this.
+    """
+
+    spec: Any
+    block_hashes: Sequence[BlockHash]
+    chunk_hashes: Sequence[BlockHash]
+    hash_block_size: int
+    max_length: int
+    group_ids: Sequence[int]
+    block_pool: BlockPool
+    block_size: int
+    alignment: int
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks the hit may span: bounded by ``max_length`` and the hashes."""
+        return min(self.max_length // self.block_size, len(self.block_hashes))
+
+
 def runs_vetted(manager: SingleTypeManager) -> bool:
     """Whether every step method of ``manager`` is kvcore's own code (its
     class and every base shipped with kvcore, nothing replaced on the
@@ -80,9 +117,16 @@ def runs_vetted(manager: SingleTypeManager) -> bool:
 
 
 class SingleTypeManager:
-    """Block tables of one cache group.
+    """Block tables of one cache group: the base every manager extends.
 
-    :param spec: the group's (representative) layer spec.
+    It keeps a block per ``block_size`` tokens, indexed by position, hashes
+    full blocks left to right when the group caches, and releases the
+    leading positions :meth:`num_skipped_blocks` names when
+    :attr:`skips_blocks` is set.  Subclasses say which hit policies they
+    serve (:attr:`hit_policies`) and implement the search for them
+    (:meth:`find_longest_cache_hit`).
+
+    :param spec: the group's merged spec (``KVCacheGroupSpec.manager_spec``).
     :param block_pool: the pool every group draws from.
     :param group_id: this group's index in the plan.
     :param block_size: tokens per block (the spec's, times context parallelism
@@ -90,12 +134,14 @@ class SingleTypeManager:
     :param hash_block_size: tokens per hashed chunk.
     :param enable_caching: whether prefix caching is on for the engine.
     :param max_model_len: the longest request, in tokens.
+    :param hit_alignment: hits this group takes part in are multiples of this
+        many tokens (the coordinator's hit alignment; the block size when
+        hits may end on any block, as with EAGLE).
     """
 
-    #: A hit found under a bound stays a hit under any smaller aligned bound
-    #: (true for left-to-right search), so the coordinator may trim it instead
-    #: of searching again.
-    monotone_hits: ClassVar[bool] = True
+    #: The hit policies (``spec.hit_policy``) this manager serves; the
+    #: coordinator refuses a kind whose spec declares another.
+    hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.NOT_HASHED})
     #: Whether the manager may free blocks a request no longer reads.
     skips_blocks: ClassVar[bool] = False
     #: Whether block lists are indexed by token position (``len * block_size``
@@ -103,6 +149,11 @@ class SingleTypeManager:
     position_indexed: ClassVar[bool] = True
     #: Whether the table may grow for speculative lookahead tokens.
     supports_lookahead: ClassVar[bool] = True
+    #: Whether the manager caches a group whose block is finer than the hash
+    #: block (it then keys only blocks that end on a hash boundary, through
+    #: :meth:`block_hash`); other managers need a block that is a multiple of
+    #: the hash block.
+    accepts_coarse_hashes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -114,6 +165,7 @@ class SingleTypeManager:
         hash_block_size: int,
         enable_caching: bool,
         max_model_len: int,
+        hit_alignment: int | None = None,
     ) -> None:
         self.kv_cache_spec = spec
         self.block_pool = block_pool
@@ -121,13 +173,17 @@ class SingleTypeManager:
         self.block_size = block_size
         self.hash_block_size = hash_block_size
         self.max_model_len = max_model_len
+        self.hit_alignment = block_size if hit_alignment is None else hit_alignment
         #: Whether this group's blocks are hashed and looked up.
-        self.caching = enable_caching and spec.prefix_cacheable
+        self.caching = bool(enable_caching) and spec.hit_policy.hashes_blocks
         self.null_block = block_pool.null_block
         #: request id -> the request's blocks (null blocks where skipped).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         #: request id -> how many of its blocks are already hashed.
         self.num_cached_block: dict[str, int] = {}
+        #: request id -> table positions below this hold the null block
+        #: (released or never taken); kept only when the manager skips.
+        self.num_released: dict[str, int] = {}
 
     # -- the release rule -----------------------------------------------------
 
@@ -205,10 +261,18 @@ class SingleTypeManager:
         self.block_pool.touch(blocks)
         held = self.req_to_blocks.get(request_id)
         if held is None:
-            self.req_to_blocks[request_id] = list(blocks)
+            held = self.req_to_blocks[request_id] = list(blocks)
+            if self.skips_blocks:
+                # Leading null blocks are positions already skipped.
+                lead = 0
+                for block in held:
+                    if not block.is_null:
+                        break
+                    lead += 1
+                self.num_released[request_id] = lead
         else:
             held.extend(blocks)
-        self.num_cached_block[request_id] = len(self.req_to_blocks[request_id])
+        self.num_cached_block[request_id] = len(held)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
@@ -223,6 +287,18 @@ class SingleTypeManager:
         new = self.block_pool.get_new_blocks(need)
         held.extend(new)
         return new
+
+    def block_hash(
+        self, chunk_hashes: Sequence[BlockHash], index: int
+    ) -> BlockHash | None:
+        """The cache key of table position ``index``: the hash of the prefix
+        ending with that block, or None when that prefix does not end on a
+        hash boundary (or is not hashed yet)."""
+        end = (index + 1) * self.block_size
+        if end % self.hash_block_size:
+            return None
+        chunk = end // self.hash_block_size - 1
+        return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the request's blocks that ``num_tokens`` tokens fill."""
@@ -246,6 +322,7 @@ class SingleTypeManager:
             num_cached_blocks=cached,
             num_full_blocks=num_full,
             group_id=self.kv_cache_group_id,
+            token_ids=request.all_token_ids,
         )
         self.num_cached_block[rid] = num_full
 
@@ -259,6 +336,8 @@ class SingleTypeManager:
         """Forget the request and hand back its table (the caller frees it;
         the list is not changed afterwards)."""
         self.num_cached_block.pop(request_id, None)
+        if self.skips_blocks:
+            self.num_released.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, None)
 
     # -- transactions -----------------------------------------------------------
@@ -266,42 +345,51 @@ class SingleTypeManager:
     def request_state(self, request_id: str) -> Any:
         """What :meth:`restore_request_state` needs to put the request's
         per-request state back as it is now.  A manager that keeps more
-        per-request state than the table and the hashed count extends both."""
+        per-request state than the table, the hashed count and the released
+        count extends both."""
         blocks = self.req_to_blocks.get(request_id)
         table = None if blocks is None else (blocks, list(blocks))
-        return table, self.num_cached_block.get(request_id)
+        return (
+            table,
+            self.num_cached_block.get(request_id),
+            self.num_released.get(request_id),
+        )
 
     def restore_request_state(self, request_id: str, state: Any) -> None:
         """Put back what :meth:`request_state` recorded (the table list is
         the same object, so views of it handed out stay valid)."""
-        table, cached = state
+        table, cached, released = state
         if table is None:
             self.req_to_blocks.pop(request_id, None)
         else:
             blocks, items = table
             blocks[:] = items
             self.req_to_blocks[request_id] = blocks
-        if cached is None:
-            self.num_cached_block.pop(request_id, None)
-        else:
-            self.num_cached_block[request_id] = cached
+        for store, value in (
+            (self.num_cached_block, cached),
+            (self.num_released, released),
+        ):
+            if value is None:
+                store.pop(request_id, None)
+            else:
+                store[request_id] = value
 
     # -- releasing ------------------------------------------------------------
 
     def _skipped(self, request_id: str, num_computed_tokens: int) -> list[int]:
         """Positions of the still-held blocks that skipping would release,
-        newest first."""
+        newest first: every real block below the skip line, down to where
+        the previous release stopped (null blocks in between, a hit's
+        padding or a state kind's unwritten positions, are passed over)."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return []
         last = min(self._skip(num_computed_tokens), len(blocks))
+        start = self.num_released.get(request_id, 0)
+        if last <= start:
+            return []
         null = self.null_block
-        out = []
-        for i in range(last - 1, -1, -1):
-            if blocks[i] is null:
-                break
-            out.append(i)
-        return out
+        return [i for i in range(last - 1, start - 1, -1) if blocks[i] is not null]
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks :meth:`remove_skipped_blocks` would return to the free queue."""
@@ -317,10 +405,15 @@ class SingleTypeManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks the request will never read again and put the null
         block in their place."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
         positions = self._skipped(request_id, num_computed_tokens)
+        last = min(self._skip(num_computed_tokens), len(blocks))
+        if last > self.num_released.get(request_id, 0):
+            self.num_released[request_id] = last
         if not positions:
             return
-        blocks = self.req_to_blocks[request_id]
         removed = [blocks[i] for i in positions]
         for i in positions:
             blocks[i] = self.null_block
@@ -340,83 +433,13 @@ class SingleTypeManager:
     # -- prefix-cache lookup ----------------------------------------------------
 
     @classmethod
-    def find_longest_cache_hit(
-        cls,
-        spec: Any,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        group_ids: Sequence[int],
-        block_pool: BlockPool,
-        block_size: int,
-        alignment: int,
-    ) -> list[list[KVCacheBlock]]:
-        """The longest cached prefix of at most ``max_length`` tokens, as one
-        block list per group id, a multiple of ``alignment`` tokens long.
-
-        Kinds whose groups are prefix-cacheable implement this.
-        """
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+        """The longest cached prefix the query allows: one block list per
+        ``query.group_ids``, all of one length, covering a multiple of
+        ``query.alignment`` tokens (null blocks where the kind reads
+        nothing).  Managers of hashing policies implement it."""
         msg = (
-            f"{cls.__name__} does not implement find_longest_cache_hit; a "
-            "prefix-cacheable kind's manager must"
+            f"{cls.__name__} does not implement find_longest_cache_hit; a manager "
+            "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
-
-
-class FixedBlocksManager(SingleTypeManager):
-    """A fixed number of blocks per request for its whole life.
-
-    The blocks cover no token range: they are never hashed, never hit, and
-    the request keeps them until it is freed.  Subclasses say how many with
-    :meth:`blocks_per_request`.
-    """
-
-    position_indexed: ClassVar[bool] = False
-
-    def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
-        super().__init__(spec, block_pool, **kwargs)
-        self.caching = False
-        self.fixed_blocks = self.blocks_per_request(spec)
-
-    def blocks_per_request(self, spec: Any) -> int:
-        """Blocks each request holds; one by default."""
-        return 1
-
-    def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
-    ) -> int:
-        if request_id in self.req_to_blocks:
-            return 0
-        return self.fixed_blocks
-
-    def add_computed_blocks(
-        self, request_id: str, blocks: Sequence[KVCacheBlock]
-    ) -> None:
-        return
-
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> list[KVCacheBlock]:
-        if request_id in self.req_to_blocks:
-            return []
-        new = self.block_pool.get_new_blocks(self.fixed_blocks)
-        self.req_to_blocks[request_id] = list(new)
-        return new
-
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        return
-
-    @classmethod
-    def find_longest_cache_hit(
-        cls,
-        spec: Any,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        group_ids: Sequence[int],
-        block_pool: BlockPool,
-        block_size: int,
-        alignment: int,
-    ) -> list[list[KVCacheBlock]]:
-        return [[] for _ in group_ids]

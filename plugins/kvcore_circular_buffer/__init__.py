@@ -16,7 +16,7 @@ import torch
 
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
-from kvcore.spec import AttentionSpec, PackingRole
+from kvcore.spec import AttentionSpec, HitPolicy, PackingRole
 from kvcore_circular_buffer.manager import CircularBufferManager
 
 __all__ = ["CircularBufferManager", "CircularBuffer", "CircularBufferSpec"]
@@ -31,8 +31,9 @@ class CircularBufferSpec(AttentionSpec):
     packing_role: ClassVar[PackingRole] = PackingRole.STATE
 
     @property
-    def prefix_cacheable(self) -> bool:
-        return False
+    def hit_policy(self) -> HitPolicy:
+        # The ring is rebuilt from the replayed tokens after a hit.
+        return HitPolicy.NOT_HASHED
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         return 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcore.coordinator.manager import FixedBlocksManager
+from kvcore.coordinator.managers import FixedBlocksManager
 
 __all__ = ["CircularBufferManager"]
 

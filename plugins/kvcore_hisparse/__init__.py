@@ -17,7 +17,14 @@ import attrs
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
-from kvcore.spec import KVCacheSpec, PackingRole, Sharded, positive_int, replicate
+from kvcore.spec import (
+    HitPolicy,
+    KVCacheSpec,
+    PackingRole,
+    Sharded,
+    positive_int,
+    replicate,
+)
 from kvcore.structs import KVCacheGroupSpec, KVCacheTensor
 from kvcore_hisparse.manager import HiSparseHotManager
 
@@ -49,8 +56,9 @@ class HiSparseHotSpec(KVCacheSpec):
         return (1, 1, self.page_size)
 
     @property
-    def prefix_cacheable(self) -> bool:
-        return False
+    def hit_policy(self) -> HitPolicy:
+        # Hot pages are private per request: never shared, never hit.
+        return HitPolicy.NOT_HASHED
 
     def stride_alignment(self) -> int:
         return math.lcm(self.page_size, self.block_stride_alignment or 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore.coordinator.manager import FixedBlocksManager
+from kvcore.coordinator.managers import FixedBlocksManager
 
 __all__ = ["HiSparseHotManager"]
 

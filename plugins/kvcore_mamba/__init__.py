@@ -20,6 +20,7 @@ from kvcore.errors import InvalidSpecError, LayoutError
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import CacheKind, LayerView, view_as_dtype
 from kvcore.spec import (
+    HitPolicy,
     KVCacheSpec,
     PackingRole,
     Sharded,
@@ -82,6 +83,23 @@ def _shard_dims(value: Any) -> tuple[int | None, ...] | None:
     return tuple(value)
 
 
+def _conv_groups(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    ok = (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(type(v) is int and v > 0 for v in value)
+    )
+    if not ok:
+        msg = (
+            "MambaSpec.conv_groups must be null or [n_groups, channels_per_group] "
+            f"(two positive ints), got {value!r}"
+        )
+        raise InvalidSpecError(msg)
+    return (value[0], value[1])
+
+
 @attrs.frozen(kw_only=True)
 class MambaSpec(KVCacheSpec):
     """A recurrent-state layer.
@@ -100,6 +118,13 @@ class MambaSpec(KVCacheSpec):
         two or more shapes (the conv state, ``(kernel - 1, channels)``)
         splits its last dim and every other shape its dim 0 (heads or
         channels).
+    :param conv_groups: ``(n_groups, channels_per_group)`` when the split
+        dim of the first state shape (Mamba-2's conv state) ends with
+        ``n_groups`` groups of ``channels_per_group`` channels (its B and C,
+        ``2 * d_state`` a group).  Ranks split the groups evenly when they
+        divide them; a single group is kept whole on every rank (engines
+        pad the groups up to one a rank); any other count is refused, as
+        the engines refuse it.
     """
 
     kind: ClassVar[str] = "mamba"
@@ -115,6 +140,9 @@ class MambaSpec(KVCacheSpec):
     )
     shard_dims: tuple[int | None, ...] | None = attrs.field(
         default=None, converter=_shard_dims
+    )
+    conv_groups: tuple[int, int] | None = attrs.field(
+        default=None, converter=_conv_groups
     )
 
     def __attrs_post_init__(self) -> None:
@@ -143,6 +171,16 @@ class MambaSpec(KVCacheSpec):
         for shape in self.shapes:
             if not shape or any(d <= 0 for d in shape):
                 msg = f"{name}.shapes must hold non-empty positive shapes, got {shape}"
+                raise InvalidSpecError(msg)
+        if self.conv_groups is not None:
+            groups, width = self.conv_groups
+            dim = self.shard_dim(0)
+            if dim is None or groups * width >= self.shapes[0][dim]:
+                msg = (
+                    f"{name}.conv_groups {groups} x {width} channels must lie "
+                    f"inside the split dim of state shape 0 {self.shapes[0]}"
+                    + (" (which shard_dims keeps whole)" if dim is None else "")
+                )
                 raise InvalidSpecError(msg)
         if self.mamba_cache_mode not in _MODES:
             msg = (
@@ -198,9 +236,11 @@ class MambaSpec(KVCacheSpec):
         return attrs.evolve(self, mamba_cache_mode=mode)  # type: ignore[arg-type]
 
     @property
-    def hashes_blocks(self) -> bool:
-        # Mode none keeps only the live state: nothing is hashed.
-        return self.mamba_cache_mode != "none"
+    def hit_policy(self) -> HitPolicy:
+        # Mode none keeps only the live state, so no prefix can be restored.
+        if self.mamba_cache_mode == "none":
+            return HitPolicy.BLOCKS_HITS
+        return HitPolicy.CHECKPOINT
 
     @property
     def element_size(self) -> int:
@@ -251,9 +291,10 @@ class MambaSpec(KVCacheSpec):
         ``tp_replicated`` state is kept whole on every rank.
 
         The shapes are whole-model shapes, so this holds where the engine
-        divides each state dim evenly.  Where it instead replicates parts
-        before dividing (Mamba-2 with fewer groups than ranks adds groups to
-        the conv state), give per-rank shapes at size 1 instead.
+        divides each state dim evenly.  Mamba-2's conv state, whose single
+        B/C group every rank keeps, says so through ``conv_groups``; where an
+        engine replicates other parts before dividing, give per-rank shapes
+        at size 1 instead.
         """
         tp = check_tp_size(tp_size)
         if self.tp_replicated:
@@ -265,6 +306,10 @@ class MambaSpec(KVCacheSpec):
             dim = self.shard_dim(index)
             if dim is None:
                 shapes.append(shape)
+                continue
+            if index == 0 and self.conv_groups is not None:
+                size = _conv_channels(shape[dim], tp, *self.conv_groups)
+                shapes.append((*shape[:dim], size, *shape[dim + 1 :]))
                 continue
             if shape[dim] % tp:
                 msg = (
@@ -283,7 +328,12 @@ class MambaSpec(KVCacheSpec):
                 "the per-rank padded size, or drop the padding"
             )
             raise InvalidSpecError(msg)
-        return Sharded(spec=attrs.evolve(self, shapes=tuple(shapes)))
+        groups = self.conv_groups
+        if groups is not None:  # one rank's groups: its share, or the one
+            groups = (max(groups[0] // tp, 1), groups[1])
+        return Sharded(
+            spec=attrs.evolve(self, shapes=tuple(shapes), conv_groups=groups)
+        )
 
     def group_key(self) -> Hashable:
         return (
@@ -294,6 +344,30 @@ class MambaSpec(KVCacheSpec):
             self.num_speculative_blocks,
             self.mamba_cache_mode,
         )
+
+
+def _conv_channels(channels: int, tp: int, groups: int, width: int) -> int:
+    """One rank's conv channels: the heads' channels divided, the groups
+    divided too, or a single group whole on every rank (vLLM's
+    ``extra_groups_for_head_shards`` pads one group up to ``tp``)."""
+    rest = channels - groups * width
+    if groups % tp and groups != 1:
+        msg = (
+            f"the conv state's {groups} B/C groups cannot follow {tp} "
+            f"tensor-parallel ranks: engines split the groups evenly or "
+            f"keep a single group on every rank; use a tensor-parallel size "
+            f"that divides {groups}"
+        )
+        raise InvalidSpecError(msg)
+    if rest % tp:
+        msg = (
+            f"the conv state's {rest} head channels do not divide across "
+            f"{tp} tensor-parallel ranks"
+        )
+        raise InvalidSpecError(msg)
+    if groups % tp == 0:
+        return channels // tp
+    return rest // tp + width
 
 
 class Mamba(CacheKind):

@@ -11,10 +11,11 @@ from typing import ClassVar
 
 import attrs
 
+from kvcore.coordinator.managers import PrefixManager
 from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import Sharded, non_negative_int, replicate
-from kvcore_full_attention import FullAttentionManager, FullAttentionSpec
+from kvcore_full_attention import FullAttentionSpec
 
 __all__ = ["MLA", "MLAAttentionSpec"]
 
@@ -43,7 +44,7 @@ class MLA(AttentionKind):
     name: ClassVar[str] = "mla"
     spec_type = MLAAttentionSpec
     # An MLA layer keeps every state of the request, like full attention.
-    manager_type = FullAttentionManager
+    manager_type = PrefixManager
 
 
 @hookimpl

@@ -15,6 +15,7 @@ from kvcore.hookspecs import hookimpl
 from kvcore.kinds import AttentionKind, CacheKind
 from kvcore.spec import (
     AttentionSpec,
+    HitPolicy,
     PackingRole,
     Sharded,
     cdiv,
@@ -53,8 +54,9 @@ class SlidingWindowSpec(AttentionSpec):
     bounded_replay: bool = attrs.field(default=False, validator=is_bool)
 
     @property
-    def prefix_cacheable(self) -> bool:
-        return not self.bounded_replay
+    def hit_policy(self) -> HitPolicy:
+        # A bounded-replay window is rebuilt by replaying the window.
+        return HitPolicy.NOT_HASHED if self.bounded_replay else HitPolicy.WINDOW
 
     @property
     def prefix_replay_tokens(self) -> int:

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import attrs
 
-from kvcore import AttentionKind, AttentionSpec, CacheKind, hookimpl
-from kvcore.coordinator import SingleTypeManager
+from kvcore import AttentionKind, AttentionSpec, CacheKind, HitPolicy, hookimpl
+from kvcore.coordinator.managers import WindowManager
 from kvcore.errors import InvalidSpecError
 from kvcore.spec import PackingRole, cdiv, positive_int
 
@@ -34,8 +34,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     attention_chunk_size: int = attrs.field(validator=positive_int)
 
     @property
-    def prefix_cacheable(self) -> bool:
-        return False
+    def hit_policy(self) -> HitPolicy:
+        # Rebuilt after a hit by replaying the hit's last chunk.
+        return HitPolicy.NOT_HASHED
 
     @property
     def prefix_replay_tokens(self) -> int:
@@ -76,13 +77,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         return (self.kind, self.block_size, self.attention_chunk_size)
 
 
-class ChunkedLocalManager(SingleTypeManager):
-    """Frees the blocks of completed chunks; never hashed."""
-
-    skips_blocks: ClassVar[bool] = True
-
-    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        return self.kv_cache_spec.skipped_tokens(num_computed_tokens) // self.block_size
+class ChunkedLocalManager(WindowManager):
+    """Frees the blocks of completed chunks (the spec's ``skipped_tokens``);
+    never hashed, since the spec declares ``HitPolicy.NOT_HASHED``."""
 
 
 class ChunkedLocalAttention(AttentionKind):

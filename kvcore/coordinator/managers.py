@@ -1,0 +1,390 @@
+"""Generic managers: the strategies a cache kind configures rather than copies.
+
+Each serves some hit policies (``spec.hit_policy``, see
+:class:`~kvcore.spec.HitPolicy`); a kind's plugin picks one as its
+``manager_type`` (or subclasses it to set a parameter):
+
+- :class:`PrefixManager`: every block kept, hits grow from the left
+  (full attention, MLA).
+- :class:`WindowManager`: blocks the kind's release rule skips go back to
+  the pool; a hit needs only the blocks the next token reads (sliding
+  window, and unhashed skipping kinds such as chunked-local attention).
+- :class:`CheckpointManager`: a recurrent state kept at block boundaries; a
+  hit is one saved state (Mamba and linear-attention states).
+- :class:`FixedBlocksManager`: a fixed number of blocks per request for its
+  whole life, never hashed (rings, hot pages, a state kept only live).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.manager import HitQuery, SingleTypeManager
+from kvcore.coordinator.request import Request
+from kvcore.spec import HitPolicy, cdiv
+
+__all__ = [
+    "CheckpointManager",
+    "FixedBlocksManager",
+    "PrefixManager",
+    "WindowManager",
+]
+
+
+class PrefixManager(SingleTypeManager):
+    """Keeps every block of a request; the hit is the run of cached blocks
+    from the first block up to the first miss (hashes chain, so a miss ends
+    the prefix)."""
+
+    hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.PREFIX})
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+        limit = query.max_blocks
+        hashes = query.block_hashes
+        pool = query.block_pool
+        group_ids = query.group_ids
+        if len(group_ids) == 1:
+            out: list[KVCacheBlock] = []
+            append = out.append
+            # The group's hash -> block map, read directly (see
+            # BlockPool.lookup): an entry is a block or {block_id: block}.
+            get = pool.cached_blocks_of(group_ids[0]).get
+            for i in range(limit):
+                entry = get(hashes[i])
+                if entry is None:
+                    break
+                if isinstance(entry, dict):
+                    entry = next(iter(entry.values()))
+                append(entry)
+            hits = [out]
+        else:
+            hits = [[] for _ in group_ids]
+            for i in range(limit):
+                cached = pool.get_cached_block(hashes[i], group_ids)
+                if cached is None:
+                    break
+                for blocks, block in zip(hits, cached, strict=True):
+                    blocks.append(block)
+        block_size = query.block_size
+        alignment = query.alignment
+        if alignment > block_size:
+            keep = (len(hits[0]) * block_size // alignment) * alignment // block_size
+            if keep != len(hits[0]):
+                hits = [h[:keep] for h in hits]
+        return hits
+
+
+class WindowManager(SingleTypeManager):
+    """Releases the leading blocks the spec's ``skipped_tokens`` names (the
+    release rule must not decrease as tokens grow); a hit of ``n`` tokens
+    needs cached blocks only from ``skipped_tokens(n)`` on, and earlier
+    positions are the null block.
+
+    With prefix caching on, only blocks that can serve a hit are hashed:
+    hits are multiples of the hit alignment, so a block is kept in the cache
+    only if the window before some aligned end reads it.  The others stay
+    unhashed and are reused first once freed.
+    """
+
+    hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset(
+        {HitPolicy.WINDOW, HitPolicy.NOT_HASHED}
+    )
+    skips_blocks: ClassVar[bool] = True
+
+    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+        # The next token reads the blocks from the release line on.
+        skipped = self.kv_cache_spec.skipped_tokens(len(blocks) * self.block_size)
+        return not any(block.is_null for block in blocks[skipped // self.block_size :])
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        block_size = self.block_size
+        per_unit, rest = divmod(self.hit_alignment, block_size)
+        if rest or per_unit <= 1:
+            super().cache_blocks(request, num_tokens)
+            return
+        if not self.caching:
+            return
+        rid = request.request_id
+        cached = self.num_cached_block.get(rid, 0)
+        blocks = self.req_to_blocks[rid]
+        hashes = hashes_at_block_size(
+            request.block_hashes, self.hash_block_size, block_size
+        )
+        num_full = min(num_tokens // block_size, len(hashes), len(blocks))
+        # Only whole alignment units can be judged: a block's first possible
+        # hit ends at the end of its unit.
+        decided = num_full - num_full % per_unit
+        if decided <= cached:
+            return
+        skipped = self.kv_cache_spec.skipped_tokens
+        cache = self.block_pool.cache_full_blocks
+        gid = self.kv_cache_group_id
+        for unit_end in range(
+            cached - cached % per_unit + per_unit, decided + 1, per_unit
+        ):
+            # The window before this unit's end reads blocks from `first` on;
+            # a later end reads no earlier block (the rule never decreases).
+            first = max(
+                skipped(unit_end * block_size) // block_size,
+                unit_end - per_unit,
+                cached,
+            )
+            if first < unit_end:
+                cache(
+                    block_hashes=hashes,
+                    blocks=blocks,
+                    num_cached_blocks=first,
+                    num_full_blocks=unit_end,
+                    group_id=gid,
+                    token_ids=request.all_token_ids,
+                )
+        self.num_cached_block[rid] = decided
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+        """The longest aligned hit whose read blocks are all cached.
+
+        Ends are tried from the right.  A miss at block ``j`` rules out every
+        end above it (their windows start at or below ``j``, since the
+        release rule never decreases), so the next end tried is ``j``.
+        """
+        block_size = query.block_size
+        alignment = query.alignment
+        skipped = query.spec.skipped_tokens
+        pool = query.block_pool
+        group_ids = query.group_ids
+        hashes = query.block_hashes
+        seen: dict[int, list[KVCacheBlock] | None] = {}
+        end = query.max_blocks
+        while end > 0:
+            if (end * block_size) % alignment:
+                end -= 1
+                continue
+            first = skipped(end * block_size) // block_size
+            j = end - 1
+            while j >= first:
+                if j not in seen:
+                    seen[j] = pool.get_cached_block(hashes[j], group_ids)
+                if seen[j] is None:
+                    break
+                j -= 1
+            if j < first:
+                null = pool.null_block
+                hits = [[null] * end for _ in group_ids]
+                for i in range(first, end):
+                    found = seen[i]
+                    assert found is not None  # every block in range was cached
+                    for out, block in zip(hits, found, strict=True):
+                        out[i] = block
+                return hits
+            end = j
+        return [[] for _ in group_ids]
+
+
+class CheckpointManager(SingleTypeManager):
+    """A recurrent state kept at block boundaries.
+
+    The table is indexed by position, but only the newest state is a real
+    block (earlier positions are the null block) unless
+    :meth:`keeps_every_state` says to keep them all.  The state a step
+    leaves at a block boundary is hashed, so a later request with the same
+    prefix resumes from it.  A block finer than the hash block is fine: only
+    states that end on a hash boundary are keyed.
+    """
+
+    hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.CHECKPOINT})
+    skips_blocks: ClassVar[bool] = True
+    # The state is written at the last computed position; slots past it for
+    # speculative tokens would move it.
+    supports_lookahead: ClassVar[bool] = False
+    accepts_coarse_hashes: ClassVar[bool] = True
+
+    def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
+        super().__init__(spec, block_pool, **kwargs)
+        self.keep_all = self.keeps_every_state(spec)
+
+    def keeps_every_state(self, spec: Any) -> bool:
+        """Whether every block-boundary state stays for the request's life
+        (more blocks held, more resume points); only the newest by default."""
+        return False
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+    ) -> int:
+        held = self.req_to_blocks.get(request_id)
+        have = len(new_computed_blocks) + (len(held) if held is not None else 0)
+        target = cdiv(num_tokens, self.block_size)
+        # Every missing position gets a state block, or only the newest.
+        need = max(target - have, 0) if self.keep_all else int(target > have)
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                need += 1
+        return need
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> list[KVCacheBlock]:
+        held = self.req_to_blocks.get(request_id)
+        if held is None:
+            held = self.req_to_blocks[request_id] = []
+        missing = cdiv(num_tokens, self.block_size) - len(held)
+        if missing <= 0:
+            return []
+        if self.keep_all:
+            new = self.block_pool.get_new_blocks(missing)
+            held.extend(new)
+            return new
+        # Only the step's last position gets a real block: the step's final
+        # state is written there.
+        held.extend([self.null_block] * (missing - 1))
+        new = self.block_pool.get_new_blocks(1)
+        held.extend(new)
+        return new
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.caching or num_tokens % self.block_size:
+            return
+        rid = request.request_id
+        pos = num_tokens // self.block_size - 1
+        blocks = self.req_to_blocks.get(rid)
+        if pos < 0 or blocks is None or pos >= len(blocks):
+            return
+        if self.num_cached_block.get(rid, 0) > pos:
+            return
+        chunks = request.block_hashes
+        if self.block_hash(chunks, pos) is None:
+            return
+        hashes: Sequence[BlockHash] = (
+            _PositionKeys(self, chunks)
+            if self.block_size % self.hash_block_size
+            else hashes_at_block_size(chunks, self.hash_block_size, self.block_size)
+        )
+        self.block_pool.cache_full_blocks(
+            block_hashes=hashes,
+            blocks=blocks,
+            num_cached_blocks=pos,
+            num_full_blocks=pos + 1,
+            group_id=self.kv_cache_group_id,
+            token_ids=request.all_token_ids,
+        )
+        self.num_cached_block[rid] = pos + 1
+
+    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+        # The next token reads the state at the hit's last position.
+        return not blocks or not blocks[-1].is_null
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        # Only the state after the last computed token is read again.
+        if self.keep_all or num_computed_tokens <= 0:
+            return 0
+        return (num_computed_tokens - 1) // self.block_size
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+        """The latest cached state at an aligned block end that is also a
+        hash boundary."""
+        block_size = query.block_size
+        hash_size = query.hash_block_size
+        chunks = query.chunk_hashes
+        step = math.lcm(block_size, query.alignment, hash_size)
+        end = min(query.max_length, len(chunks) * hash_size)
+        end -= end % step
+        pool = query.block_pool
+        while end > 0:
+            cached = pool.get_cached_block(
+                chunks[end // hash_size - 1], query.group_ids
+            )
+            if cached is not None:
+                pad = [pool.null_block] * (end // block_size - 1)
+                return [[*pad, block] for block in cached]
+            end -= step
+        return [[] for _ in query.group_ids]
+
+
+class _PositionKeys(Sequence[BlockHash]):
+    """The keys of a checkpoint table's positions when its block is finer
+    than the hash block: position ``i`` has one only when it ends on a hash
+    boundary (the others read as None and are only ever asked for as the
+    parent of a keyed one)."""
+
+    def __init__(self, manager: SingleTypeManager, chunks: Sequence[BlockHash]) -> None:
+        self._manager = manager
+        self._chunks = chunks
+        self._len = len(chunks) * manager.hash_block_size // manager.block_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._len))]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            msg = f"position {index} out of range for {self._len} positions"
+            raise IndexError(msg)
+        return self._manager.block_hash(self._chunks, index)
+
+
+class FixedBlocksManager(SingleTypeManager):
+    """A fixed number of blocks per request for its whole life.
+
+    The blocks cover no token range: they are never hashed, never hit, and
+    the request keeps them until it is freed.  Subclasses say how many with
+    :meth:`blocks_per_request`.  A kind that needs the whole prefix but
+    keeps only this live state declares ``HitPolicy.BLOCKS_HITS``; one that
+    is rebuilt after another group's hit declares ``NOT_HASHED``.
+    """
+
+    hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset(
+        {HitPolicy.NOT_HASHED, HitPolicy.BLOCKS_HITS}
+    )
+    position_indexed: ClassVar[bool] = False
+
+    def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
+        super().__init__(spec, block_pool, **kwargs)
+        self.caching = False
+        self.fixed_blocks = self.blocks_per_request(spec)
+
+    def blocks_per_request(self, spec: Any) -> int:
+        """Blocks each request holds; one by default."""
+        return 1
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+    ) -> int:
+        if request_id in self.req_to_blocks:
+            return 0
+        return self.fixed_blocks
+
+    def add_computed_blocks(
+        self, request_id: str, blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        return
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> list[KVCacheBlock]:
+        if request_id in self.req_to_blocks:
+            return []
+        new = self.block_pool.get_new_blocks(self.fixed_blocks)
+        self.req_to_blocks[request_id] = list(new)
+        return new
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        return
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+        return [[] for _ in query.group_ids]

@@ -1,0 +1,131 @@
+"""What the attention mappers share: head counts, head sizes, layer names.
+
+Fields read (the transformers ``PretrainedConfig`` names, which every
+architecture below follows): ``num_hidden_layers``, ``num_attention_heads``,
+``num_key_value_heads`` (defaults to ``num_attention_heads``: multi-head
+attention), ``head_dim`` (defaults to ``hidden_size // num_attention_heads``),
+``hidden_size``, ``torch_dtype`` / ``dtype``.
+"""
+
+from __future__ import annotations
+
+from kvcore.mapping import ModelConfig, ModelConfigError
+from kvcore.spec import KVCacheSpec
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_sliding_window import SlidingWindowSpec
+
+__all__ = [
+    "ATTENTION_BLOCK",
+    "attention",
+    "head_dim",
+    "kv_heads",
+    "layer",
+    "num_layers",
+]
+
+#: Tokens per block of a paged attention layer: the engines' default.
+ATTENTION_BLOCK = 16
+
+
+def num_layers(config: ModelConfig) -> int:
+    return config.positive("num_hidden_layers")
+
+
+def kv_heads(config: ModelConfig) -> int:
+    """KV heads of the whole model (grouped-query attention shares them)."""
+    if config.has("num_key_value_heads"):
+        return config.positive("num_key_value_heads")
+    return config.positive("num_attention_heads")
+
+
+def head_dim(config: ModelConfig) -> int:
+    """``head_dim``, else ``hidden_size / num_attention_heads``."""
+    if config.has("head_dim"):
+        return config.positive("head_dim")
+    hidden = config.positive("hidden_size")
+    heads = config.positive("num_attention_heads")
+    if hidden % heads:
+        msg = (
+            f"{config.where}: hidden_size {hidden} is not a multiple of "
+            f"num_attention_heads {heads} and no head_dim is given"
+        )
+        raise ModelConfigError(msg)
+    return hidden // heads
+
+
+def layer(index: int, part: str = "self_attn") -> str:
+    """The layer's module name, as the checkpoints name it."""
+    return f"model.layers.{index}.{part}"
+
+
+def attention(
+    config: ModelConfig,
+    *,
+    sliding_window: int | None = None,
+    num_kv_heads: int | None = None,
+    head_size: int | None = None,
+    block_size: int = ATTENTION_BLOCK,
+) -> KVCacheSpec:
+    """A full-attention layer, or a sliding-window one when ``sliding_window``
+    is given, in the model's dtype."""
+    kv = num_kv_heads if num_kv_heads is not None else kv_heads(config)
+    size = head_size if head_size is not None else head_dim(config)
+    dtype = config.model_dtype()
+    if sliding_window is not None:
+        return SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=kv,
+            head_size=size,
+            dtype=dtype,
+            sliding_window=sliding_window,
+        )
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=kv, head_size=size, dtype=dtype
+    )
+
+
+#: ``layer_types`` entries the attention mappers know (transformers' names).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def attention_by_type(
+    config: ModelConfig,
+    types: list[str],
+    sliding_window: int | None,
+    *,
+    source: str = "layer_types",
+    num_kv_heads: int | None = None,
+    head_size: int | None = None,
+) -> dict[str, KVCacheSpec]:
+    """One attention layer per entry of ``types``, in model order.
+
+    ``sliding_attention`` layers keep ``sliding_window`` tokens, or every
+    token when it is None (transformers' rule when a model's window is
+    switched off); ``full_attention`` layers keep every token.  ``source``
+    is the field ``types`` came from, named in the error for an entry that
+    is neither.
+    """
+    full = attention(config, num_kv_heads=num_kv_heads, head_size=head_size)
+    local = full
+    if sliding_window is not None:
+        local = attention(
+            config,
+            sliding_window=sliding_window,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+        )
+    out: dict[str, KVCacheSpec] = {}
+    for index, kind in enumerate(types):
+        if kind == FULL_ATTENTION:
+            out[layer(index)] = full
+        elif kind == SLIDING_ATTENTION:
+            out[layer(index)] = local
+        else:
+            msg = (
+                f"{config.where}: field {config.prefix}{source}[{index}] is "
+                f"{kind!r}; this mapper knows {FULL_ATTENTION!r} and "
+                f"{SLIDING_ATTENTION!r}"
+            )
+            raise ModelConfigError(msg)
+    return out

@@ -1,0 +1,112 @@
+"""Llama 3 and Llama 4.
+
+Llama 3 (``LlamaForCausalLM``, ``model_type`` ``llama``): every layer is
+full attention with ``num_key_value_heads`` KV heads of ``head_dim``.
+Source: transformers ``models/llama/modeling_llama.py`` (``LlamaAttention``).
+
+Llama 4 (``Llama4ForConditionalGeneration`` / ``Llama4ForCausalLM``,
+``model_type`` ``llama4`` / ``llama4_text``; the language model sits under
+``text_config``): layer ``i`` uses RoPE when ``no_rope_layers[i]`` is 1
+(when the list is empty, every ``no_rope_layer_interval``-th layer, default
+4, is a NoPE layer: layers 3, 7, ...); RoPE layers attend within chunks of
+``attention_chunk_size`` tokens, NoPE layers attend globally.  Source:
+transformers ``models/llama4/configuration_llama4.py`` (``no_rope_layers``
+default) and ``modeling_llama4.py`` (``use_chunked_attention`` on RoPE
+layers); the iRoPE design in Meta's Llama 4 model card.  Chunked local
+attention is a kind of the example plugin ``kvcore-chunked-local``
+(``examples/third_party_plugin``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
+from kvcore.serving import ServingChoices
+from kvcore.spec import KVCacheSpec
+from kvcore_hf.common import (
+    ATTENTION_BLOCK,
+    attention,
+    head_dim,
+    kv_heads,
+    layer,
+    num_layers,
+)
+
+__all__ = ["MAPPERS", "Llama", "Llama4"]
+
+
+class Llama(ModelMapper):
+    name: ClassVar[str] = "llama"
+    architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
+    model_types: ClassVar[tuple[str, ...]] = ("llama",)
+    sources: ClassVar[tuple[str, ...]] = (
+        "transformers models/llama/modeling_llama.py (LlamaAttention: "
+        "num_key_value_heads x head_dim per layer)",
+    )
+
+    def layer_specs(
+        self, config: ModelConfig, choices: ServingChoices
+    ) -> dict[str, KVCacheSpec]:
+        spec = attention(config)
+        return {layer(i): spec for i in range(num_layers(config))}
+
+
+class Llama4(ModelMapper):
+    name: ClassVar[str] = "llama4"
+    architectures: ClassVar[tuple[str, ...]] = (
+        "Llama4ForConditionalGeneration",
+        "Llama4ForCausalLM",
+    )
+    model_types: ClassVar[tuple[str, ...]] = ("llama4", "llama4_text")
+    sources: ClassVar[tuple[str, ...]] = (
+        "transformers models/llama4/configuration_llama4.py (no_rope_layers "
+        "default from no_rope_layer_interval)",
+        "transformers models/llama4/modeling_llama4.py (chunked attention on "
+        "RoPE layers when attention_chunk_size is set)",
+    )
+
+    def layer_specs(
+        self, config: ModelConfig, choices: ServingChoices
+    ) -> dict[str, KVCacheSpec]:
+        n = num_layers(config)
+        rope = config.optional("no_rope_layers", list) or []
+        if not rope:
+            interval = config.positive("no_rope_layer_interval", default=4)
+            rope = [int((i + 1) % interval != 0) for i in range(n)]
+        if len(rope) != n or any(v not in (0, 1) for v in rope):
+            msg = (
+                f"{config.where}: field {config.prefix}no_rope_layers must list {n} "
+                "zeros and ones (one per layer)"
+            )
+            raise ModelConfigError(msg)
+        chunk = config.optional("attention_chunk_size")
+        full = attention(config)
+        local = _chunked(config, chunk) if chunk else full
+        return {layer(i): local if rope[i] else full for i in range(n)}
+
+
+def _chunked(config: ModelConfig, chunk: int) -> KVCacheSpec:
+    try:
+        from kvcore_chunked_local import (  # type: ignore[import-not-found]
+            ChunkedLocalAttentionSpec,
+        )
+    except ImportError:
+        msg = (
+            f"{config.where}: Llama 4's RoPE layers use chunked local attention "
+            f"({chunk}-token chunks), a cache kind of the kvcore-chunked-local "
+            "plugin; install it (pip install examples/third_party_plugin in a kvcore "
+            "checkout) or load it with KVCORE_PLUGINS=kvcore_chunked_local"
+        )
+        raise ModelConfigError(msg) from None
+    spec: KVCacheSpec = ChunkedLocalAttentionSpec(
+        block_size=ATTENTION_BLOCK,
+        num_kv_heads=kv_heads(config),
+        head_size=head_dim(config),
+        dtype=config.model_dtype(),
+        attention_chunk_size=chunk,
+    )
+    return spec
+
+
+MAPPERS = (Llama(), Llama4())

@@ -1,0 +1,155 @@
+"""Qwen2, Qwen2-MoE, Qwen3 and Qwen3-MoE: grouped-query attention, with
+sliding windows only where the configuration switches them on.
+
+Every layer is attention with ``num_key_value_heads`` KV heads (required:
+the families' configuration classes default it differently).  Head size:
+``head_dim``, else ``hidden_size / num_attention_heads`` for Qwen2 and
+Qwen2-MoE (their attention's fallback); Qwen3 and Qwen3-MoE need
+``head_dim``, since their heads are not ``hidden_size / num_attention_heads``
+(Qwen3-30B-A3B: 2048 / 32 = 64, heads of 128).
+
+Fields read: ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``
+(``hidden_size``, ``num_attention_heads``), ``use_sliding_window`` (default
+false), ``sliding_window``, ``max_window_layers``, ``layer_types``,
+``torch_dtype`` / ``dtype``.
+
+Windows, per transformers' configuration and modeling files:
+
+- Qwen2 and Qwen3 (``configuration_qwen2.py``, ``configuration_qwen3.py``):
+  the window is ``sliding_window`` when ``use_sliding_window`` is true,
+  else none; a layer is windowed when its ``layer_types`` entry is
+  ``sliding_attention`` and a window is set.  Without ``layer_types``,
+  layers ``i >= max_window_layers`` are sliding.
+- Qwen2-MoE (``configuration_qwen2_moe.py``, ``modular_qwen2_moe.py``): the
+  same, but the default ``layer_types`` makes layer ``i`` sliding when it is
+  even and ``i < max_window_layers``.
+- Qwen3-MoE (``modular_qwen3_moe.py``: the attention takes
+  ``config.sliding_window`` on every layer, the configuration has no
+  ``layer_types``): every layer is windowed when ``use_sliding_window`` is
+  true.
+
+``max_window_layers`` is required when windows are on and no
+``layer_types`` is given: the classes' default (28) is a size of one
+checkpoint, not a rule.  Every released Qwen2, Qwen2.5 and Qwen3 checkpoint
+sets ``use_sliding_window`` false, so all their layers are full attention;
+engines have disagreed on partial windows (vLLM's ``qwen2.py`` once took
+``i < max_window_layers``, later refused partial windows outright), which
+only matters for edited configurations.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvcore.mapping import ModelConfig, ModelMapper
+from kvcore.serving import ServingChoices
+from kvcore.spec import KVCacheSpec
+from kvcore_hf.common import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    attention_by_type,
+    head_dim,
+    num_layers,
+)
+
+__all__ = ["MAPPERS", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe"]
+
+_TRANSFORMERS = "transformers src/transformers/models"
+
+
+class _Qwen(ModelMapper):
+    """What the four families share; subclasses say where windows fall."""
+
+    #: Whether ``head_dim`` must be given (no hidden / heads fallback).
+    needs_head_dim: ClassVar[bool] = False
+
+    def layer_specs(
+        self, config: ModelConfig, choices: ServingChoices
+    ) -> dict[str, KVCacheSpec]:
+        n = num_layers(config)
+        window = None
+        if config.field("use_sliding_window", bool, default=False):
+            window = config.optional("sliding_window")
+            if window is not None:
+                window = config.positive("sliding_window")
+        types = self._types(config, n) if window is not None else [FULL_ATTENTION] * n
+        size = config.positive("head_dim") if self.needs_head_dim else head_dim(config)
+        return attention_by_type(
+            config,
+            types,
+            window,
+            num_kv_heads=config.positive("num_key_value_heads"),
+            head_size=size,
+        )
+
+    def _types(self, config: ModelConfig, n: int) -> list[str]:
+        """Each layer's type when the window is on."""
+        if config.has("layer_types"):
+            return config.layer_types("layer_types", n)
+        first = config.field("max_window_layers", int)
+        return [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)]
+
+
+class Qwen2(_Qwen):
+    name: ClassVar[str] = "qwen2"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM",)
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2",)
+    sources: ClassVar[tuple[str, ...]] = (
+        f"{_TRANSFORMERS}/qwen2/configuration_qwen2.py (window only when "
+        "use_sliding_window; default layer_types sliding from max_window_layers on)",
+        f"{_TRANSFORMERS}/qwen2/modeling_qwen2.py (per-layer window from layer_types; "
+        "head_dim falls back to hidden_size / num_attention_heads)",
+    )
+
+
+class Qwen3(_Qwen):
+    name: ClassVar[str] = "qwen3"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3",)
+    needs_head_dim: ClassVar[bool] = True
+    sources: ClassVar[tuple[str, ...]] = (
+        f"{_TRANSFORMERS}/qwen3/configuration_qwen3.py (window only when "
+        "use_sliding_window; default layer_types sliding from max_window_layers on; "
+        "explicit head_dim)",
+        f"{_TRANSFORMERS}/qwen3/modeling_qwen3.py (per-layer window from layer_types)",
+    )
+
+
+class Qwen2Moe(_Qwen):
+    name: ClassVar[str] = "qwen2_moe"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen2MoeForCausalLM",)
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_moe",)
+    sources: ClassVar[tuple[str, ...]] = (
+        f"{_TRANSFORMERS}/qwen2_moe/configuration_qwen2_moe.py (default layer_types: "
+        "sliding on even layers below max_window_layers when use_sliding_window)",
+        f"{_TRANSFORMERS}/qwen2_moe/modular_qwen2_moe.py (Qwen2MoeAttention: window "
+        "on sliding_attention layers)",
+    )
+
+    def _types(self, config: ModelConfig, n: int) -> list[str]:
+        if config.has("layer_types"):
+            return config.layer_types("layer_types", n)
+        below = config.field("max_window_layers", int)
+        return [
+            SLIDING_ATTENTION if i % 2 == 0 and i < below else FULL_ATTENTION
+            for i in range(n)
+        ]
+
+
+class Qwen3Moe(_Qwen):
+    name: ClassVar[str] = "qwen3_moe"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
+    needs_head_dim: ClassVar[bool] = True
+    sources: ClassVar[tuple[str, ...]] = (
+        f"{_TRANSFORMERS}/qwen3_moe/configuration_qwen3_moe.py (window only when "
+        "use_sliding_window; no layer_types)",
+        f"{_TRANSFORMERS}/qwen3_moe/modular_qwen3_moe.py (Qwen3MoeAttention: "
+        "config.sliding_window on every layer)",
+    )
+
+    def _types(self, config: ModelConfig, n: int) -> list[str]:
+        return [SLIDING_ATTENTION] * n
+
+
+MAPPERS = (Qwen2(), Qwen2Moe(), Qwen3(), Qwen3Moe())

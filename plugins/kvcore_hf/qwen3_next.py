@@ -1,0 +1,96 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``, ``model_type`` ``qwen3_next``).
+
+Layer ``i`` is ``layer_types[i]``: ``linear_attention`` (a gated DeltaNet)
+or ``full_attention`` (gated full attention).  Without ``layer_types``,
+layer ``i`` is full attention when ``(i + 1) % full_attention_interval == 0``
+(the interval defaults to 4).
+Source: transformers ``models/qwen3_next/configuration_qwen3_next.py``
+(the ``layer_types`` default) and vLLM
+``vllm/model_executor/models/qwen3_next.py`` (``config.layer_types[i]``
+picks ``linear_attn`` or ``self_attn``).
+
+Full attention: ``num_key_value_heads`` KV heads of ``head_dim``; the
+output gate doubles the query projection, not the keys and values.  Source:
+transformers ``modeling_qwen3_next.py`` (``Qwen3NextAttention``).
+
+Gated DeltaNet state: conv ``(linear_conv_kernel_dim - 1,
+2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads *
+linear_value_head_dim)`` and recurrent ``(linear_num_value_heads,
+linear_value_head_dim, linear_key_head_dim)``, both in the model dtype.
+Source: vLLM ``qwen3_next.py`` ``get_mamba_state_shape_from_config``
+(``gated_delta_net_state_shape``) and ``get_mamba_state_dtype_from_config``
+(``gated_delta_net_state_dtype``, no override), with ``mamba_utils.py`` at
+commit 02d7108.
+
+Fields read: ``num_hidden_layers``, ``layer_types`` or
+``full_attention_interval``, ``num_attention_heads``,
+``num_key_value_heads``, ``head_dim`` (else ``hidden_size /
+num_attention_heads``), ``linear_num_key_heads``, ``linear_num_value_heads``,
+``linear_key_head_dim``, ``linear_value_head_dim``,
+``linear_conv_kernel_dim``, ``torch_dtype`` / ``dtype``.  The multi-token
+prediction layers are not cache layers of the model and are not read.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
+from kvcore.serving import ServingChoices
+from kvcore.spec import KVCacheSpec
+from kvcore_hf.common import attention, layer, num_layers
+from kvcore_hf.state import conv_kernel, gated_delta_net
+
+__all__ = ["MAPPERS", "Qwen3Next"]
+
+_TYPES = ("linear_attention", "full_attention")
+
+
+class Qwen3Next(ModelMapper):
+    name: ClassVar[str] = "qwen3_next"
+    architectures: ClassVar[tuple[str, ...]] = ("Qwen3NextForCausalLM",)
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3_next",)
+    sources: ClassVar[tuple[str, ...]] = (
+        "transformers models/qwen3_next/configuration_qwen3_next.py (layer_types; "
+        "default full attention iff (i + 1) % full_attention_interval == 0)",
+        "vLLM vllm/model_executor/models/qwen3_next.py (get_mamba_state_shape_"
+        "from_config: gated_delta_net_state_shape; gated_delta_net_state_dtype)",
+        "vLLM vllm/model_executor/layers/mamba/mamba_utils.py at 02d7108 "
+        "(MambaStateShapeCalculator.gated_delta_net_state_shape)",
+    )
+
+    def layer_specs(
+        self, config: ModelConfig, choices: ServingChoices
+    ) -> dict[str, KVCacheSpec]:
+        n = num_layers(config)
+        if config.has("layer_types"):
+            types = config.layer_types("layer_types", n)
+            for i, kind in enumerate(types):
+                if kind not in _TYPES:
+                    msg = (
+                        f"{config.where}: field {config.prefix}layer_types[{i}] is "
+                        f"{kind!r}; Qwen3-Next layers are {' or '.join(_TYPES)}"
+                    )
+                    raise ModelConfigError(msg)
+        else:
+            interval = config.positive("full_attention_interval", default=4)
+            types = [_TYPES[(i + 1) % interval == 0] for i in range(n)]
+        state = gated_delta_net(
+            config,
+            num_k_heads=config.positive("linear_num_key_heads"),
+            num_v_heads=config.positive("linear_num_value_heads"),
+            head_k_dim=config.positive("linear_key_head_dim"),
+            head_v_dim=config.positive("linear_value_head_dim"),
+            conv_kernel=conv_kernel(config, "linear_conv_kernel_dim"),
+        )
+        attn = attention(config)
+        out: dict[str, KVCacheSpec] = {}
+        for i, kind in enumerate(types):
+            if kind == "full_attention":
+                out[layer(i)] = attn
+            else:
+                out[layer(i, "linear_attn")] = state
+        return out
+
+
+MAPPERS = (Qwen3Next(),)

@@ -1,0 +1,66 @@
+"""What the coordinator tests share: small specs and a manager over a plan
+of one layer per group, built on an explicit registry of the built-in kinds
+(nothing else installed counts)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
+from kvcore.coordinator import KVCacheManager
+from kvcore_circular_buffer import CircularBuffer
+from kvcore_full_attention import FullAttention, FullAttentionSpec
+from kvcore_hisparse import HiSparseHot
+from kvcore_mamba import Mamba
+from kvcore_mla import MLA
+from kvcore_sliding_window import SlidingWindow, SlidingWindowSpec
+
+BUILT_IN = KindRegistry.from_kinds(
+    [FullAttention(), MLA(), SlidingWindow(), Mamba(), CircularBuffer(), HiSparseHot()]
+)
+
+
+def fa(block_size: int) -> FullAttentionSpec:
+    """A one-head full-attention layer (page contents do not matter here)."""
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float16
+    )
+
+
+def sw(block_size: int, window: int) -> SlidingWindowSpec:
+    """A one-head sliding-window layer."""
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
+        sliding_window=window,
+    )
+
+
+def manager_for(
+    specs: Sequence[Any],
+    num_blocks: int,
+    *,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    registry: KindRegistry = BUILT_IN,
+    max_model_len: int = 8192,
+    **kw: Any,
+) -> KVCacheManager:
+    """A manager over one group per spec (layer ``layer.i`` in group ``i``)."""
+    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
+    config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    return KVCacheManager(
+        config,
+        max_model_len,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        registry=registry,
+        **kw,
+    )

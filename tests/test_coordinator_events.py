@@ -1,0 +1,552 @@
+"""KV-cache events: what they carry, their wire form, the ZeroMQ publisher."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kvcore import KVCacheConfig, KVCacheGroupSpec
+from kvcore.coordinator import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+    KVCacheManager,
+    NullEventPublisher,
+    Request,
+    ZmqEventPublisher,
+    decode_event_batch,
+    encode_event_batch,
+    events,
+)
+from kvcore.errors import (
+    InvalidRequestError,
+    KvcoreError,
+    KvcoreTypeError,
+    KvcoreValueError,
+    MissingExtraError,
+)
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_sliding_window import SlidingWindowSpec
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+STORED = BlockStored(
+    block_hashes=(h(1), h(2)),
+    parent_block_hash=h(9),
+    token_ids=tuple(range(10, 18)),
+    block_size=4,
+    group_id=1,
+    kind="sliding_window",
+    sliding_window=8,
+    block_ids=(4, 5),
+    medium="CPU",
+)
+ALL_KINDS: list[KVCacheEvent] = [
+    STORED,
+    BlockStored((h(3),), None, (7, 8), 2, 0, "full_attention", None, (1,)),
+    BlockRemoved((h(1), h(2)), 1, "CPU"),
+    BlockRemoved((h(3),), 0),
+    AllBlocksCleared(),
+    AllBlocksCleared("STORAGE"),
+]
+
+
+# -- the event types ---------------------------------------------------------------
+
+
+def test_old_import_paths_still_work() -> None:
+    from kvcore.coordinator import block_pool
+
+    assert block_pool.BlockStored is events.BlockStored is BlockStored
+    assert block_pool.BlockRemoved is BlockRemoved
+    assert block_pool.AllBlocksCleared is AllBlocksCleared
+    assert block_pool.KVCacheEvent is events.KVCacheEvent
+
+
+def test_medium_defaults_to_gpu() -> None:
+    assert BlockRemoved((h(1),), 0).medium == "GPU"
+    assert AllBlocksCleared().medium == "GPU"
+    assert BlockStored((), None, (), 4, 0, "mla", None, ()).medium == "GPU"
+
+
+# -- wire form ---------------------------------------------------------------------
+
+
+def test_round_trip_of_every_event_type_with_all_fields() -> None:
+    data = encode_event_batch(ALL_KINDS, timestamp=1234.5)
+    assert decode_event_batch(data) == EventBatch(1234.5, tuple(ALL_KINDS))
+
+
+def test_wire_form_is_the_documented_msgpack_layout() -> None:
+    # docs/coordinator.md: a batch is [timestamp, [event, ...]]; each event is
+    # [tag, fields in declaration order].
+    data = encode_event_batch(ALL_KINDS[:5], timestamp=2.0)
+    assert msgspec.msgpack.decode(data) == [
+        2.0,
+        [
+            [
+                "BlockStored",
+                [h(1), h(2)],
+                h(9),
+                list(range(10, 18)),
+                4,
+                1,
+                "sliding_window",
+                8,
+                [4, 5],
+                "CPU",
+            ],
+            [
+                "BlockStored",
+                [h(3)],
+                None,
+                [7, 8],
+                2,
+                0,
+                "full_attention",
+                None,
+                [1],
+                "GPU",
+            ],
+            ["BlockRemoved", [h(1), h(2)], 1, "CPU"],
+            ["BlockRemoved", [h(3)], 0, "GPU"],
+            ["AllBlocksCleared", "GPU"],
+        ],
+    ]
+    # The timestamp is a msgpack float 64 (0xcb) right after the 2-array.
+    assert data[:2] == b"\x92\xcb"
+
+
+def test_timestamp_defaults_to_now() -> None:
+    before = time.time()
+    batch = decode_event_batch(encode_event_batch([]))
+    assert before <= batch.timestamp <= time.time()
+    assert batch.events == ()
+
+
+def test_encode_refuses_what_is_not_an_event() -> None:
+    with pytest.raises(KvcoreTypeError, match=r"event 1 is a str") as info:
+        encode_event_batch([AllBlocksCleared(), "cleared"])  # type: ignore[list-item]
+    assert isinstance(info.value, TypeError)
+    with pytest.raises(KvcoreTypeError, match="timestamp must be"):
+        encode_event_batch([], timestamp="now")  # type: ignore[arg-type]
+
+
+def test_decode_refuses_a_foreign_payload() -> None:
+    bad = msgspec.msgpack.encode([1.0, [["BlockEvicted", [h(1)], 0, "GPU"]]])
+    with pytest.raises(KvcoreValueError, match="not a kvcore KV-cache event batch"):
+        decode_event_batch(bad)
+    with pytest.raises(KvcoreValueError, match="not a kvcore KV-cache event batch"):
+        decode_event_batch(b"\xc1")
+
+
+def test_missing_msgspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "msgspec", None)
+    monkeypatch.setattr(events, "_wire", None)
+    for call in (
+        lambda: encode_event_batch([AllBlocksCleared()]),
+        lambda: decode_event_batch(b"\x92\xcb"),
+        lambda: ZmqEventPublisher("inproc://kvcore-no-msgspec"),
+    ):
+        with pytest.raises(
+            MissingExtraError, match=re.escape("pip install 'kvcore[events]'")
+        ) as info:
+            call()
+        assert isinstance(info.value, ImportError)
+        assert isinstance(info.value, KvcoreError)
+        assert info.value.name == "msgspec"
+
+
+def test_missing_pyzmq_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)
+    with pytest.raises(
+        MissingExtraError, match=re.escape("pip install 'kvcore[events]'")
+    ) as info:
+        ZmqEventPublisher("inproc://kvcore-no-zmq")
+    assert info.value.name == "zmq"
+
+
+def test_importing_kvcore_needs_neither_msgspec_nor_pyzmq() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['msgspec'] = None\n"
+        "sys.modules['zmq'] = None\n"
+        "import kvcore, kvcore.coordinator\n"
+        "from kvcore.coordinator import BlockStored, ZmqEventPublisher\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, "ok\n", "")
+
+
+# -- the pool records them -----------------------------------------------------------
+
+
+def pool(num_blocks: int = 8, *, kv_events_medium: str = "GPU") -> BlockPool:
+    return BlockPool(
+        num_blocks,
+        enable_caching=True,
+        hash_block_size=2,
+        enable_kv_cache_events=True,
+        event_groups=[(2, "full_attention", None), (2, "sliding_window", 4)],
+        kv_events_medium=kv_events_medium,
+    )
+
+
+def test_a_gap_in_stored_blocks_splits_the_event() -> None:
+    p = pool()
+    a = p.get_new_blocks(3)  # 1 2 3
+    table = [a[0], p.null_block, a[1], a[2]]
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2), h(3), h(4)],
+        blocks=table,
+        num_cached_blocks=0,
+        num_full_blocks=4,
+        group_id=1,
+        token_ids=range(100, 109),
+    )
+    # Position 1 is null (outside the window): two runs, the second
+    # chained to position 1's hash.
+    assert p.take_events() == [
+        BlockStored((h(1),), None, (100, 101), 2, 1, "sliding_window", 4, (1,)),
+        BlockStored(
+            (h(3), h(4)),
+            h(2),
+            (104, 105, 106, 107),
+            2,
+            1,
+            "sliding_window",
+            4,
+            (2, 3),
+        ),
+    ]
+
+
+def test_medium_is_configurable() -> None:
+    p = pool(kv_events_medium="CPU")
+    a = p.get_new_blocks(1)
+    p.cache_full_blocks(
+        block_hashes=[h(1)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=1,
+        group_id=0,
+        token_ids=[5, 6],
+    )
+    p.free_blocks(a)
+    p.get_new_blocks(7)  # every free block: block 1 is evicted
+    assert p.reset_prefix_cache() is False
+    assert p.take_events() == [
+        BlockStored((h(1),), None, (5, 6), 2, 0, "full_attention", None, (1,), "CPU"),
+        BlockRemoved((h(1),), 0, "CPU"),
+    ]
+    with pytest.raises(KvcoreValueError, match="kv_events_medium must be"):
+        pool(kv_events_medium="")
+    with pytest.raises(KvcoreTypeError, match="kv_events_medium must be"):
+        pool(kv_events_medium=None)  # type: ignore[arg-type]
+
+
+def test_store_without_tokens_or_group_facts_is_refused_and_changes_nothing() -> None:
+    p = pool()
+    a = p.get_new_blocks(2)
+
+    def store(group_id: int, token_ids: Sequence[int] | None) -> None:
+        p.cache_full_blocks(
+            block_hashes=[h(1), h(2)],
+            blocks=a,
+            num_cached_blocks=0,
+            num_full_blocks=2,
+            group_id=group_id,
+            token_ids=token_ids,
+        )
+
+    with pytest.raises(
+        InvalidRequestError, match=r"token_ids must hold the 4 tokens .* got none"
+    ):
+        store(0, None)
+    with pytest.raises(InvalidRequestError, match=r"hold the 4 tokens .* got 3"):
+        store(0, [1, 2, 3])
+    with pytest.raises(InvalidRequestError, match=r"cache group 2 has no event facts"):
+        store(2, range(4))
+    assert p.num_cached_blocks == 0
+    assert p.take_events() == []
+    with pytest.raises(KvcoreTypeError, match=r"event_groups\[1\] must be"):
+        BlockPool(
+            4,
+            enable_caching=True,
+            hash_block_size=2,
+            event_groups=[(2, "x", None), (0, "y", None)],
+        )
+
+
+def test_events_off_needs_no_tokens() -> None:
+    p = BlockPool(4, enable_caching=True, hash_block_size=2)
+    a = p.get_new_blocks(1)
+    p.cache_full_blocks(
+        block_hashes=[h(1)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=1,
+        group_id=0,
+    )
+    assert a[0].block_hash == (h(1), 0)
+    assert p.take_events() == []
+
+
+def test_rollback_drops_the_transactions_events() -> None:
+    p = pool(4)  # 3 usable blocks
+    a = p.get_new_blocks(1)  # 1
+    p.cache_full_blocks(
+        block_hashes=[h(1)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=1,
+        group_id=0,
+        token_ids=[1, 2],
+    )
+    p.free_blocks(a)  # queue: 2 3 1
+    before = BlockStored((h(1),), None, (1, 2), 2, 0, "full_attention", None, (1,))
+    p.begin()
+    b = p.get_new_blocks(3)  # 2 3 1: block 1's key is evicted
+    p.cache_full_blocks(
+        block_hashes=[h(5), h(6)],
+        blocks=b,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=1,
+        token_ids=range(4),
+    )
+    assert len(p._events) == 3
+    p.rollback()
+    assert p.take_events() == [before]
+    assert p.lookup(h(1), 0) is a[0]
+    # A committed transaction keeps its events.
+    p.begin()
+    p.get_new_blocks(3)
+    p.commit()
+    assert p.take_events() == [BlockRemoved((h(1),), 0)]
+
+
+# -- a real KVCacheManager run ----------------------------------------------------------
+
+
+def hybrid_manager(kv_events_medium: object = "GPU") -> KVCacheManager:
+    fa = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    sw = SlidingWindowSpec(
+        block_size=4,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+        sliding_window=8,
+    )
+    config = KVCacheConfig(
+        num_blocks=13,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["layer.0"], fa),
+            KVCacheGroupSpec(["layer.1"], sw),
+        ],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=256,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        enable_kv_cache_events=True,
+        kv_events_medium=kv_events_medium,  # type: ignore[arg-type]
+    )
+
+
+def fa_stored(
+    hashes: list[bytes],
+    parent: bytes | None,
+    tokens: Iterable[int],
+    ids: tuple[int, ...],
+) -> BlockStored:
+    return BlockStored(
+        tuple(hashes), parent, tuple(tokens), 4, 0, "full_attention", None, ids
+    )
+
+
+def sw_stored(
+    hashes: list[bytes],
+    parent: bytes | None,
+    tokens: Iterable[int],
+    ids: tuple[int, ...],
+) -> BlockStored:
+    return BlockStored(
+        tuple(hashes), parent, tuple(tokens), 4, 1, "sliding_window", 8, ids
+    )
+
+
+def test_hybrid_run_cached_evicted_and_reset() -> None:
+    mgr = hybrid_manager()  # 12 usable blocks
+    prompt = list(range(500, 516))  # 4 blocks of 4
+    a = Request("a", prompt, hash_block_size=4)
+    ha = list(a.block_hashes)
+    # Step 1: 12 tokens, cached later (delay_cache_blocks).  Full attention
+    # takes 1 2 3, the window 4 5 6.
+    assert mgr.allocate_slots(a, 12, delay_cache_blocks=True) is not None
+    a.num_computed_tokens = 12
+    assert mgr.take_events() == []
+    # Step 2: the last 4 tokens.  The window's first block left the window
+    # (12 - 8 + 1 = 5 tokens skipped: 1 block): block 4 is released unhashed
+    # to the front of the queue, so full attention takes it and the window
+    # takes 7.  The window's position 0 is null: its stored run starts at
+    # position 1, with position 0's hash as parent.
+    assert mgr.allocate_slots(a, 4) is not None
+    a.num_computed_tokens = 16
+    assert mgr.get_block_ids("a") == ([1, 2, 3, 4], [0, 5, 6, 7])
+    assert mgr.take_events() == [
+        fa_stored(ha, None, prompt, (1, 2, 3, 4)),
+        sw_stored(ha[1:], ha[0], prompt[4:], (5, 6, 7)),
+    ]
+    mgr.free(a)  # tail first: full attention's 4 3 2 1, then the window's 7 6 5
+    assert mgr.get_num_free_blocks() == 12
+
+    # 24 new tokens take 6 full-attention and 6 window blocks: all 12 free
+    # ones in queue order 8 9 10 11 12 4 | 3 2 1 7 6 5, so every one of a's 7
+    # cached blocks is evicted as it is handed out, before b's are stored.
+    other = list(range(900, 924))
+    b = Request("b", other, hash_block_size=4)
+    hb = list(b.block_hashes)
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 0
+    assert mgr.allocate_slots(b, 24, num_hit, hit) is not None
+    assert mgr.get_block_ids("b") == ([8, 9, 10, 11, 12, 4], [3, 2, 1, 7, 6, 5])
+    got = mgr.take_events()
+    assert got == [
+        BlockRemoved((ha[3],), 0),  # block 4
+        BlockRemoved((ha[2],), 0),  # blocks 3 2 1, taken by the window
+        BlockRemoved((ha[1],), 0),
+        BlockRemoved((ha[0],), 0),
+        BlockRemoved((ha[3],), 1),  # blocks 7 6 5
+        BlockRemoved((ha[2],), 1),
+        BlockRemoved((ha[1],), 1),
+        fa_stored(hb, None, other, (8, 9, 10, 11, 12, 4)),
+        sw_stored(hb, None, other, (3, 2, 1, 7, 6, 5)),
+    ]
+    mgr.free(b)
+    assert mgr.reset_prefix_cache() is True
+    assert mgr.take_events() == [AllBlocksCleared()]
+
+    # The whole run survives the wire.
+    assert decode_event_batch(encode_event_batch(got, timestamp=0.0)).events == tuple(
+        got
+    )
+
+
+def test_manager_medium_and_validation() -> None:
+    mgr = hybrid_manager(kv_events_medium="CPU")
+    r = Request("r", list(range(4)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 4) is not None
+    assert [e.medium for e in mgr.take_events()] == ["CPU", "CPU"]
+    with pytest.raises(KvcoreTypeError, match="kv_events_medium must be a str"):
+        hybrid_manager(kv_events_medium=b"GPU")
+    with pytest.raises(
+        InvalidRequestError, match="kv_events_medium must be a non-empty"
+    ):
+        hybrid_manager(kv_events_medium="")
+
+
+# -- publishers ---------------------------------------------------------------------
+
+
+def _recv(sub: zmq.Socket[bytes], timeout_ms: int) -> list[bytes] | None:
+    if sub.poll(timeout_ms):
+        return sub.recv_multipart()
+    return None
+
+
+def _subscribed(pub: ZmqEventPublisher, sub: zmq.Socket[bytes]) -> int:
+    """Publish probes until the subscription has reached the publisher (a PUB
+    socket drops messages sent before); returns the last probe's number."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        seq = pub.publish([AllBlocksCleared("probe")])
+        assert seq is not None
+        while (msg := _recv(sub, 20)) is not None:
+            if int.from_bytes(msg[1], "big") == seq:
+                return seq
+    pytest.fail("the subscriber never received a batch")
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["inproc://kvcore-events-test", "tcp://127.0.0.1:*"]
+)
+def test_pub_sub_round_trip_with_sequence_numbers(endpoint: str) -> None:
+    ctx = zmq.Context()
+    try:
+        with ZmqEventPublisher(endpoint, topic="kv@engine0", context=ctx) as pub:
+            assert pub.next_seq == 0
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv@engine0")
+            sub.connect(pub.endpoint)
+            try:
+                last = _subscribed(pub, sub)
+                assert pub.next_seq == last + 1
+                assert pub.publish([]) is None  # nothing sent, no number taken
+                assert pub.next_seq == last + 1
+                assert pub.publish(ALL_KINDS[:3], timestamp=7.0) == last + 1
+                assert pub.publish(ALL_KINDS[3:], timestamp=8.0) == last + 2
+                first = _recv(sub, 5000)
+                second = _recv(sub, 5000)
+                assert first is not None
+                assert second is not None
+                assert first[:2] == [b"kv@engine0", (last + 1).to_bytes(8, "big")]
+                assert second[:2] == [b"kv@engine0", (last + 2).to_bytes(8, "big")]
+                assert decode_event_batch(first[2]) == EventBatch(
+                    7.0, tuple(ALL_KINDS[:3])
+                )
+                assert decode_event_batch(second[2]) == EventBatch(
+                    8.0, tuple(ALL_KINDS[3:])
+                )
+            finally:
+                sub.close()
+        with pytest.raises(KvcoreValueError, match="publish after close"):
+            pub.publish([AllBlocksCleared()])
+        pub.close()  # idempotent
+    finally:
+        ctx.term()
+
+
+def test_publisher_refuses_a_bad_endpoint() -> None:
+    with pytest.raises(KvcoreValueError, match="cannot bind to 'bogus://x'"):
+        ZmqEventPublisher("bogus://x")
+    with pytest.raises(KvcoreTypeError, match="endpoint must be a ZeroMQ address"):
+        ZmqEventPublisher("")
+
+
+def test_null_publisher_sends_nothing() -> None:
+    with NullEventPublisher() as pub:
+        assert pub.publish(ALL_KINDS) is None
+        assert pub.publish([]) is None
+
+
+def test_the_documented_engine_side_runs() -> None:
+    page = (
+        Path(__file__).resolve().parent.parent / "docs" / "coordinator.md"
+    ).read_text()
+    section = page.split("### Publishing", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/coordinator.md", "exec"), {})
