@@ -235,8 +235,9 @@ def test_a_hit_search_with_the_old_positional_signature_is_refused() -> None:
         build(
             [spec], 32, scheduler_block_size=16, hash_block_size=16, registry=registry
         )
-    assert "PositionalSearch.find_longest_cache_hit takes 7 arguments" in str(
-        info.value
+    assert (
+        "PositionalSearch.find_longest_cache_hit cannot be called with one query"
+        in str(info.value)
     )
     assert "HitQuery" in str(info.value)
 
@@ -433,3 +434,97 @@ def test_the_kimi_shape_builds_in_every_mode(mode: str) -> None:
         )
     except KvcoreError as exc:  # pragma: no cover - the failure under test
         pytest.fail(f"mode {mode}: {exc}")
+
+
+class NoSearch(kvcore.coordinator.SingleTypeManager):
+    """Declares a hashing policy but keeps the base class's search."""
+
+    hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.PREFIX})
+
+
+def _search_kind(manager: type) -> KindRegistry:
+    kind = type("SearchKind", (FullAttention,), {"manager_type": manager})()
+    return KindRegistry.from_kinds([kind])
+
+
+def test_a_hashing_manager_without_a_search_is_refused_when_built() -> None:
+    with pytest.raises(PluginError, match="find_longest_cache_hit is not implemented"):
+        build(
+            [fa(16)],
+            32,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            registry=_search_kind(NoSearch),
+        )
+
+
+def _undecorated(f: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
+class Decorated(PrefixManager):
+    @classmethod
+    @_undecorated
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[Any]]:
+        return PrefixManager.find_longest_cache_hit.__func__(cls, query)  # type: ignore[attr-defined,no-any-return]
+
+
+class OptionalArgument(PrefixManager):
+    @classmethod
+    def find_longest_cache_hit(  # type: ignore[override]
+        cls, query: HitQuery, trace: bool = False
+    ) -> list[list[Any]]:
+        return PrefixManager.find_longest_cache_hit.__func__(cls, query)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.parametrize("manager", [Decorated, OptionalArgument])
+def test_searches_callable_with_one_query_are_accepted(manager: type) -> None:
+    mgr = build(
+        [fa(16)],
+        32,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=_search_kind(manager),
+    )
+    first = Request("a", tokens(40), hash_block_size=16)
+    assert mgr.allocate_slots(first, 40) is not None
+    first.num_computed_tokens = 40
+    mgr.free(first)
+    assert (
+        mgr.get_computed_blocks(Request("b", tokens(40), hash_block_size=16))[1] == 32
+    )
+
+
+def test_events_of_a_state_group_finer_than_the_hash_block_describe_chunks() -> None:
+    """16-token Mamba blocks beside 64-token MLA blocks, hash 64: a stored
+    state is keyed by its hash chunk, so its event names that chunk's
+    tokens, the chunk's size and the previous chunk as parent."""
+    from kvcore.coordinator.events import BlockStored
+
+    mgr = build(
+        kimi_shape("all"),
+        64,
+        scheduler_block_size=64,
+        hash_block_size=64,
+        enable_kv_cache_events=True,
+    )
+    r = Request("r", tokens(200), hash_block_size=64)
+    for _ in range(2):
+        assert mgr.allocate_slots(r, 64) is not None
+        r.num_computed_tokens += 64
+    chunks = list(r.block_hashes)
+    states = [
+        e for e in mgr.take_events() if isinstance(e, BlockStored) and e.group_id == 0
+    ]
+    assert [(e.block_hashes, e.parent_block_hash) for e in states] == [
+        ((chunks[0],), None),
+        ((chunks[1],), chunks[0]),
+    ]
+    assert [e.token_ids for e in states] == [
+        tuple(r.all_token_ids[:64]),
+        tuple(r.all_token_ids[64:128]),
+    ]
+    assert {e.block_size for e in states} == {64}

@@ -82,9 +82,11 @@ class KVCacheCoordinator:
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
             # What each group's BlockStored events say about the group.
+            # A group finer than the hash block keys one block per hash chunk,
+            # so its events describe chunks (see CheckpointManager).
             event_groups=[
                 (
-                    effective_block_size(g, dcp),
+                    max(effective_block_size(g, dcp), hash_block_size),
                     g.manager_spec.kind,
                     getattr(g.manager_spec, "sliding_window", None),
                 )
@@ -642,27 +644,35 @@ def _check_manager(
         )
         raise PluginError(msg, plugin_name=plugin)
     if manager.caching:
-        params = _search_params(type(manager))
-        if params != 1:
+        problem = _search_problem(type(manager))
+        if problem:
             msg = (
                 f"cache kind {kind!r} (plugin {plugin!r}): "
-                f"{type(manager).__name__}.find_longest_cache_hit takes {params} "
-                "arguments; it takes one kvcore.coordinator.HitQuery "
-                "(find_longest_cache_hit(cls, query))"
+                f"{type(manager).__name__}.find_longest_cache_hit {problem}; a "
+                f"manager serving {policy.name} implements it as a classmethod "
+                "taking one kvcore.coordinator.HitQuery (find_longest_cache_hit(cls, "
+                "query)), or subclasses a generic manager that does"
             )
             raise PluginError(msg, plugin_name=plugin)
 
 
-def _search_params(manager_type: type[SingleTypeManager]) -> int:
-    """Positional parameters of a manager class's bound hit search."""
+def _search_problem(manager_type: type[SingleTypeManager]) -> str | None:
+    """What is wrong with a manager class's hit search, or None: it must be
+    its own (not the base's, which only raises) and callable with one
+    query argument."""
     import inspect
 
+    search = inspect.getattr_static(manager_type, "find_longest_cache_hit", None)
+    if search is inspect.getattr_static(SingleTypeManager, "find_longest_cache_hit"):
+        return "is not implemented (only the base class's, which raises)"
     try:
         signature = inspect.signature(manager_type.find_longest_cache_hit)
     except (TypeError, ValueError):
-        return 1
-    return sum(
-        1
-        for p in signature.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    )
+        return None  # not introspectable (a C callable): trust it
+    try:
+        signature.bind(object())
+    except TypeError:
+        return (
+            f"cannot be called with one query argument (its signature is {signature})"
+        )
+    return None

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
-from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.spec import HitPolicy, cdiv
@@ -262,19 +262,32 @@ class CheckpointManager(SingleTypeManager):
         chunks = request.block_hashes
         if self.block_hash(chunks, pos) is None:
             return
-        hashes: Sequence[BlockHash] = (
-            _PositionKeys(self, chunks)
-            if self.block_size % self.hash_block_size
-            else hashes_at_block_size(chunks, self.hash_block_size, self.block_size)
-        )
-        self.block_pool.cache_full_blocks(
-            block_hashes=hashes,
-            blocks=blocks,
-            num_cached_blocks=pos,
-            num_full_blocks=pos + 1,
-            group_id=self.kv_cache_group_id,
-            token_ids=request.all_token_ids,
-        )
+        if self.block_size % self.hash_block_size:
+            # Finer than the hash block: the table is seen one position per
+            # hash chunk (the state at each chunk's end), so the key, its
+            # parent and the event's tokens all describe whole chunks.
+            ratio = self.hash_block_size // self.block_size
+            view: Sequence[KVCacheBlock] = _ChunkEnds(blocks, ratio)
+            index = (pos + 1) // ratio - 1
+            self.block_pool.cache_full_blocks(
+                block_hashes=chunks,
+                blocks=view,
+                num_cached_blocks=index,
+                num_full_blocks=index + 1,
+                group_id=self.kv_cache_group_id,
+                token_ids=request.all_token_ids,
+            )
+        else:
+            self.block_pool.cache_full_blocks(
+                block_hashes=hashes_at_block_size(
+                    chunks, self.hash_block_size, self.block_size
+                ),
+                blocks=blocks,
+                num_cached_blocks=pos,
+                num_full_blocks=pos + 1,
+                group_id=self.kv_cache_group_id,
+                token_ids=request.all_token_ids,
+            )
         self.num_cached_block[rid] = pos + 1
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
@@ -309,16 +322,14 @@ class CheckpointManager(SingleTypeManager):
         return [[] for _ in query.group_ids]
 
 
-class _PositionKeys(Sequence[BlockHash]):
-    """The keys of a checkpoint table's positions when its block is finer
-    than the hash block: position ``i`` has one only when it ends on a hash
-    boundary (the others read as None and are only ever asked for as the
-    parent of a keyed one)."""
+class _ChunkEnds(Sequence[KVCacheBlock]):
+    """A checkpoint table finer than the hash block, one entry per hash
+    chunk: the block holding the state at the chunk's end."""
 
-    def __init__(self, manager: SingleTypeManager, chunks: Sequence[BlockHash]) -> None:
-        self._manager = manager
-        self._chunks = chunks
-        self._len = len(chunks) * manager.hash_block_size // manager.block_size
+    def __init__(self, blocks: Sequence[KVCacheBlock], ratio: int) -> None:
+        self._blocks = blocks
+        self._ratio = ratio
+        self._len = len(blocks) // ratio
 
     def __len__(self) -> int:
         return self._len
@@ -329,9 +340,9 @@ class _PositionKeys(Sequence[BlockHash]):
         if index < 0:
             index += self._len
         if not 0 <= index < self._len:
-            msg = f"position {index} out of range for {self._len} positions"
+            msg = f"chunk {index} out of range for {self._len} chunks"
             raise IndexError(msg)
-        return self._manager.block_hash(self._chunks, index)
+        return self._blocks[(index + 1) * self._ratio - 1]
 
 
 class FixedBlocksManager(SingleTypeManager):
