@@ -99,7 +99,8 @@ class Planned:
     """One model planned with the command line's settings."""
 
     model: ModelFile
-    source: Path
+    #: The model file, or the config.json (or hub id) it was mapped from.
+    source: Path | str
     registry: KindRegistry
     choices: ServingChoices
     served: ServedLayers
@@ -141,8 +142,15 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=DEFAULT_MODEL,
         metavar="MODEL",
-        help="a model file, or the name of a shipped one: "
-        f"{', '.join(zoo.names())} (default {DEFAULT_MODEL})",
+        help="a model file, the name of a shipped one "
+        f"({', '.join(zoo.names())}; default {DEFAULT_MODEL}), or a Hugging Face "
+        "hub id ORG/NAME (its config.json is mapped; needs kvcore[hf])",
+    )
+    parser.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="plan from a Hugging Face config.json (a file, or a directory "
+        "holding one) instead of a model file",
     )
     memory = parser.add_argument_group(
         "memory", "the KV cache budget of one rank (one device)"
@@ -281,6 +289,36 @@ def resolve_model(name_or_path: str) -> Path:
     return zoo.path(name_or_path)
 
 
+def _model_source(
+    args: argparse.Namespace, registry: KindRegistry, choices: ServingChoices
+) -> tuple[Path | str, ModelFile, int | None]:
+    """Where the model comes from and its layers: ``--hf-config``, a hub id
+    (``ORG/NAME`` that names no file), or a model file / shipped name."""
+    from kvcore.mapping import (
+        MapperRegistry,
+        is_hub_id,
+        load_hf_config,
+        map_model_config,
+        read_model_config,
+    )
+
+    hf_config = getattr(args, "hf_config", None)
+    if hf_config is not None and args.model != DEFAULT_MODEL:
+        msg = "give a MODEL or --hf-config, not both"
+        raise CliUsageError(msg)
+    if hf_config is not None:
+        config = load_hf_config(hf_config)
+    elif is_hub_id(args.model) and not Path(args.model).exists():
+        config = read_model_config(args.model)
+    else:
+        source = resolve_model(args.model)
+        model, weights = _read_model(source, registry)
+        return source, model, weights
+    mappers = MapperRegistry.from_plugin_manager(get_plugin_manager())
+    model = map_model_config(config, choices, mappers=mappers, registry=registry)
+    return config.where, model, None
+
+
 def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | None]:
     """The model file and its optional ``weights_bytes``: read as
     :func:`~kvcore.serialize.load_model_file` reads every model file (a
@@ -359,8 +397,6 @@ def plan_from_args(
     """Plan ``args.model`` as the options say (``policy`` overrides
     ``--policy``)."""
     registry = registry or registry_for_cli()
-    source = resolve_model(args.model)
-    model, file_weights = _read_model(source, registry)
     tp = _positive(args.tp, "--tp")
     choices = ServingChoices(
         kv_cache_dtype=parse_cache_dtype(args.kv_cache_dtype),
@@ -372,6 +408,7 @@ def plan_from_args(
         ),
         mamba_cache_mode=args.mamba_cache_mode,
     )
+    source, model, file_weights = _model_source(args, registry, choices)
     served = apply_serving_choices(model.layers, choices)
     budget = _budget(args, tp, file_weights)
     contexts = _tokens_list(args.context)
