@@ -19,7 +19,7 @@ from kvcore.config import CacheConfig, EngineConfig
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.kv_cache_manager import KVCacheManager
 from kvcore.coordinator.request import Request
-from kvcore.errors import InvalidSpecError, KvcoreError
+from kvcore.errors import InvalidSpecError, KvcoreError, PluginError
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import get_kv_cache_config_from_groups
@@ -100,7 +100,11 @@ def check_kind(
     plan = get_kv_cache_config_from_groups(
         config, [group], 3 * 2 * spec.page_size_bytes * 8
     )
-    pool = KVCachePool(plan, "cpu", registry=registry)
+    try:
+        pool = KVCachePool(plan, "cpu", registry=registry)
+    except PluginError as exc:
+        msg = f"cache kind {kind.name!r}: binding its views failed: {exc}"
+        raise ConformanceError(msg) from exc
     storage = pool.buffer.untyped_storage().data_ptr()
     for name in group.layer_names:
         view = pool.views[name]

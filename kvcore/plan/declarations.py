@@ -44,30 +44,29 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                 "positive int number of bytes (a bool or float is not one)",
             )
         key: object = call_plugin(spec, "group_key()", spec.group_key)
-        _check_hashable(spec, "group_key() returned", key)
-        _check_hashable(spec, "the spec itself is", spec)
+        _check_hashable(spec, f"what group_key() returned ({_short(key)})", key)
+        _check_hashable(spec, "the spec itself", spec)
 
 
 def _page_size(spec: KVCacheSpec) -> object:
     return spec.page_size_bytes
 
 
-def _check_hashable(spec: KVCacheSpec, what: str, value: object) -> object:
+def _check_hashable(spec: KVCacheSpec, subject: str, value: object) -> None:
     try:
         hash(value)
     except TypeError as exc:
         raise spec_plugin_error(
             spec,
-            f"{what} unhashable ({exc}); grouping keys and specs are dict keys, "
-            "so build them from tuples, ints, strings and other frozen values",
+            f"{subject} is unhashable ({exc}); grouping keys and specs are dict "
+            "keys, so build them from tuples, ints, strings and other frozen values",
         ) from exc
     except Exception as exc:
         raise spec_plugin_error(
             spec,
-            f"hashing what {what} raised {type(exc).__name__}: {exc}",
+            f"hashing {subject} raised {type(exc).__name__}: {exc}",
             error=PluginError,
         ) from exc
-    return value
 
 
 def checked_merge(cls: type[KVCacheSpec], specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
