@@ -7,6 +7,7 @@ grouping keys, merges and bound views.  Each broken kind of
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -456,3 +457,89 @@ def test_check_kind_refuses_an_escaping_binder() -> None:
 
     with pytest.raises(ConformanceError, match="reaches bytes outside"):
         check_kind(BinderKind("wide"), sample(BinderSpec))
+
+
+# ---------------------------------------------------------------------------
+# kvcore plugins: every plugin listed, broken ones with their error
+# ---------------------------------------------------------------------------
+
+BROKEN_IMPORT = "raise RuntimeError('half installed')\n"
+DUPLICATE_KIND = """
+from kvcore import hookimpl
+from kvcore_full_attention import FullAttention
+
+
+@hookimpl
+def kvcore_register_kinds():
+    return [FullAttention()]
+"""
+
+
+@pytest.fixture
+def broken_plugins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> Iterator[None]:
+    """Two plugin modules loaded through ``KVCORE_PLUGINS``: one that fails to
+    import, one that registers a kind a built-in already has."""
+    (tmp_path / "kvcore_half_installed.py").write_text(BROKEN_IMPORT)
+    (tmp_path / "kvcore_dup_full.py").write_text(textwrap.dedent(DUPLICATE_KIND))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "kvcore_half_installed,kvcore_dup_full")
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    importlib.invalidate_caches()
+    yield
+    for module in ("kvcore_half_installed", "kvcore_dup_full"):
+        sys.modules.pop(module, None)
+
+
+def test_plugins_lists_every_plugin_and_the_broken_ones(
+    broken_plugins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {
+        "circular_buffer",
+        "full_attention",
+        "hisparse",
+        "mamba",
+        "mla",
+        "sliding_window",
+        "kvcore_half_installed",
+        "kvcore_dup_full",
+    }
+    assert rows["mamba"]["errors"] == []
+    assert rows["mamba"]["kinds"] == ["mamba"]
+    assert rows["kvcore_half_installed"]["errors"] == [
+        "kvcore plugin 'kvcore_half_installed' failed to import: RuntimeError: "
+        "half installed; fix or uninstall it, or block it with "
+        "KVCORE_DISABLE_PLUGINS=kvcore_half_installed"
+    ]
+    assert rows["kvcore_dup_full"]["kinds"] == []
+    [dup] = rows["kvcore_dup_full"]["errors"]
+    assert dup.startswith("cache kind 'full_attention' is registered twice: by ")
+    assert rows["full_attention"]["kinds"] == ["full_attention"]
+
+
+def test_plugins_check_exits_non_zero_only_when_asked(
+    broken_plugins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "kvcore_half_installed" in out
+    assert "    error: kvcore plugin 'kvcore_half_installed' failed to import" in out
+    assert main(["plugins", "--check"]) == 1
+    assert capsys.readouterr().err == "kvcore: error: 2 plugin(s) broken\n"
+
+
+def test_plugins_check_passes_with_only_builtins(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert main(["plugins", "--check"]) == 0
+    assert "BROKEN" not in capsys.readouterr().out
