@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -543,3 +544,19 @@ def test_plugins_check_passes_with_only_builtins(
     monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert main(["plugins", "--check"]) == 0
     assert "BROKEN" not in capsys.readouterr().out
+
+
+def test_the_suite_sees_only_builtin_kinds(builtin_registry: KindRegistry) -> None:
+    """conftest keeps installed third-party plugins out of the default
+    registry, so results do not depend on what is pip-installed."""
+    assert os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD") == "1"
+    assert set(kvcore.default_registry()) == set(builtin_registry)
+    assert set(builtin_registry) == {
+        "circular_buffer",
+        "full_attention",
+        "hisparse_hot",
+        "mamba",
+        "mla",
+        "sliding_window",
+        "sliding_window_mla",
+    }

@@ -55,6 +55,8 @@ BUILTIN_KINDS = {
 ENV_VARS = (
     "KVCORE_DISABLE_PLUGINS",
     "KVCORE_DISABLE_PLUGIN_AUTOLOAD",
+    "KVCORE_OVERRIDE_KINDS",
+    "KVCORE_PLUGINS",
     "KVCORE_TRACE_PLUGINS",
 )
 
@@ -150,6 +152,18 @@ def fake_dist(
         modules.append(module)
         monkeypatch.syspath_prepend(str(tmp_path))
         importlib.invalidate_caches()
+        # Only kvcore's own entry points and this one: whatever else is
+        # installed (the example plugin, say) is not under test.
+        everything = kvcore.plugins._entry_points
+        monkeypatch.setattr(
+            kvcore.plugins,
+            "_entry_points",
+            lambda: [
+                ep
+                for ep in everything()
+                if ep.dist is not None and ep.dist.name in {"kvcore", DIST}
+            ],
+        )
 
     yield install
     for module in modules:
