@@ -231,3 +231,61 @@ BINDERS = (
     "raises",
     "interrupt",
 )
+
+
+# -- caught by the conformance suite (the core cannot see these) -------------
+
+
+class HalfPageKind(AttentionKind):
+    """Addresses only the first half of each page's states."""
+
+    name: ClassVar[str] = "binder"
+    spec_type = BinderSpec
+
+    def bind_view(self, spec: BinderSpec, raw: torch.Tensor) -> LayerView:
+        typed = raw.view(spec.dtype)
+        return typed[:, :, : typed.shape[2] // 2]
+
+
+@attrs.frozen(kw_only=True)
+class SeededKeySpec(AttentionSpec):
+    """Its grouping key lists a set, whose order follows the hash seed."""
+
+    kind: ClassVar[str] = "seeded_key"
+
+    def group_key(self) -> Hashable:
+        return tuple({f"part-{i}" for i in range(32)})
+
+
+class SeededKeyKind(AttentionKind):
+    name: ClassVar[str] = "seeded_key"
+    spec_type = SeededKeySpec
+
+
+@attrs.frozen(kw_only=True)
+class LenientMergeSpec(AttentionSpec):
+    """Merges anything into its first spec."""
+
+    kind: ClassVar[str] = "lenient_merge"
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> Self:
+        return specs[0]  # type: ignore[return-value]
+
+
+class LenientMergeKind(AttentionKind):
+    name: ClassVar[str] = "lenient_merge"
+    spec_type = LenientMergeSpec
+
+
+@attrs.frozen(kw_only=True)
+class UncheckedSpec(AttentionSpec):
+    """Redeclares block_size without its validator."""
+
+    kind: ClassVar[str] = "unchecked"
+    block_size: int = attrs.field()
+
+
+class UncheckedKind(AttentionKind):
+    name: ClassVar[str] = "unchecked"
+    spec_type = UncheckedSpec

@@ -7,13 +7,29 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import pytest
 import torch
+from broken_kinds import (
+    BinderKind,
+    BinderSpec,
+    HalfPageKind,
+    LenientMergeKind,
+    LenientMergeSpec,
+    SeededKeyKind,
+    SeededKeySpec,
+    UncheckedKind,
+    UncheckedSpec,
+    plugin_with,
+    registry_with,
+    sample,
+)
 
 import kvcore
 from kvcore import KindRegistry
-from kvcore.testing.conformance import KindConformance
+from kvcore.errors import PluginBindError
+from kvcore.testing.conformance import ConformanceCase, KindConformance
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
@@ -116,3 +132,76 @@ def test_every_registered_kind_is_under_test() -> None:
     assert {c.name for c in cases} == set(REGISTRY)
     assert all(c.spec is not None for c in cases)
     assert len(cases) == 10
+
+
+# ---------------------------------------------------------------------------
+# The suite catches broken kinds, each with its message
+# ---------------------------------------------------------------------------
+
+
+def _suite_for(kind: Any, spec: Any) -> tuple[KindConformance, ConformanceCase]:
+    registry = registry_with(plugin_with(kind), "broken")
+
+    class Suite(KindConformance):
+        pass
+
+    Suite.registry = registry
+    Suite.samples = {kind.name: spec}
+    Suite.kinds = [kind.name]
+    [case] = Suite.conformance_cases()
+    return Suite(), case
+
+
+def test_suite_catches_a_binder_that_addresses_half_its_page() -> None:
+    suite, case = _suite_for(HalfPageKind(), sample(BinderSpec))
+    with pytest.raises(AssertionError) as info:
+        suite.test_page_size_is_what_the_binder_addresses(case)
+    assert str(info.value) == (
+        "writing one block through the views changes 256 bytes, but the page is "
+        "512 bytes (page_grid (1, 16, 32)); page_size_bytes must be what the "
+        "binder addresses"
+    )
+
+
+def test_suite_catches_a_grouping_key_that_follows_the_hash_seed() -> None:
+    suite, case = _suite_for(SeededKeyKind(), sample(SeededKeySpec))
+    with pytest.raises(AssertionError, match=r"in a process with PYTHONHASHSEED="):
+        suite.test_group_key_stable_across_processes(case)
+
+
+def test_suite_catches_a_merge_of_unequal_specs() -> None:
+    suite, case = _suite_for(LenientMergeKind(), sample(LenientMergeSpec))
+    with pytest.raises(AssertionError) as info:
+        suite.test_merging_unequal_specs_raises(case)
+    assert str(info.value).startswith("merge() of two unequal specs returned ")
+    assert str(info.value).endswith("; it must raise kvcore.MergeError")
+
+
+def test_suite_catches_evolve_without_validation() -> None:
+    suite, case = _suite_for(UncheckedKind(), sample(UncheckedSpec))
+    with pytest.raises(AssertionError) as info:
+        suite.test_evolve_revalidates(case)
+    assert str(info.value) == (
+        "attrs.evolve(spec, block_size=0) must raise InvalidSpecError"
+    )
+
+
+def test_suite_catches_an_escaping_binder() -> None:
+    suite, case = _suite_for(BinderKind("wide"), sample(BinderSpec))
+    with pytest.raises(PluginBindError, match="reaches bytes outside"):
+        suite.test_views_inside_region_sharing_storage(case)
+
+
+def test_suite_reports_a_kind_without_a_sample() -> None:
+    class Suite(KindConformance):
+        registry = REGISTRY
+        samples: ClassVar = {}
+        kinds: ClassVar = ["mamba"]
+
+    [case] = Suite.conformance_cases()
+    with pytest.raises(AssertionError) as info:
+        Suite().test_json_round_trip(case)
+    assert str(info.value) == (
+        "kind 'mamba' is in the registry under test but the suite has no sample "
+        "spec for it; add one to samples"
+    )
