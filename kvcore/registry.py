@@ -263,6 +263,16 @@ class KindRegistry(Mapping[str, CacheKind]):
         self[name]
         return self._owners[name]
 
+    def override_notes(self, kinds: Iterable[str] | None = None) -> list[str]:
+        """One line per overridden kind (of ``kinds``, default all), for a
+        plan's report: the plan then says which plugin's kind it used."""
+        wanted = None if kinds is None else set(kinds)
+        return [
+            f"kind {name!r} is overridden: {by} replaces {replaced} ({OVERRIDE_ENV})"
+            for name, (replaced, by) in sorted(self.overridden.items())
+            if wanted is None or name in wanted
+        ]
+
     def distribution(self, name: str) -> str | None:
         """``"dist version"`` of the plugin that registered kind ``name``
         (``None`` when it has none)."""

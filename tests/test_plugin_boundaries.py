@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from broken_kinds import (
     BadPageKind,
     BadPageSpec,
@@ -560,3 +561,29 @@ def test_the_suite_sees_only_builtin_kinds(builtin_registry: KindRegistry) -> No
         "sliding_window",
         "sliding_window_mla",
     }
+
+
+def test_a_plan_with_an_overridden_kind_says_so(
+    impostor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcore.summary import summarize
+
+    monkeypatch.setenv("KVCORE_OVERRIDE_KINDS", "mamba")
+    registry = KindRegistry.from_plugin_manager(
+        kvcore.get_plugin_manager(load_entrypoints=True)
+    )
+    spec = registry["mamba"].spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    plan = kvcore.plan_kv_cache(CONFIG, {"ssm.0": spec}, 1 << 20, registry=registry)
+    replaced, by = registry.overridden["mamba"]
+    note = (
+        f"kind 'mamba' is overridden: {by} replaces {replaced} (KVCORE_OVERRIDE_KINDS)"
+    )
+    summary = summarize(plan, [1024], model_name="m", registry=registry)
+    assert note in summary.notes
+    # a registry without overrides adds no note
+    plain = KindRegistry.from_plugin_manager(
+        kvcore.get_plugin_manager(load_entrypoints=False), override=()
+    )
+    assert plain.override_notes() == []
