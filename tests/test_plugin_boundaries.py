@@ -587,3 +587,30 @@ def test_a_plan_with_an_overridden_kind_says_so(
         kvcore.get_plugin_manager(load_entrypoints=False), override=()
     )
     assert plain.override_notes() == []
+
+
+def test_plugins_lists_a_plugin_with_an_unknown_hook(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    clean_env: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvcore.cli import main
+
+    (tmp_path / "kvcore_odd_hook.py").write_text(
+        "from kvcore import hookimpl\n\n\n@hookimpl\ndef kvcore_not_a_hook():\n"
+        "    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "kvcore_odd_hook")
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    try:
+        assert main(["plugins", "--json", "--check"]) == 1
+    finally:
+        sys.modules.pop("kvcore_odd_hook", None)
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    [error] = rows["kvcore_odd_hook"]["errors"]
+    assert error.startswith(
+        "kvcore plugin 'kvcore_odd_hook' implements a hook kvcore does not define"
+    )
+    assert rows["mamba"]["errors"] == []
