@@ -126,7 +126,7 @@ def get_plugin_manager(
             if name in taken:
                 if taken[name] == (dist, ep.value):
                     continue  # one distribution seen twice on the path
-                name = f"{ep.name}@{dist}"
+                name = f"{ep.name}@{dist or ep.value}"
             if pm.is_blocked(ep.name) or pm.is_blocked(name) or name in taken:
                 continue
             taken[name] = (dist, ep.value)

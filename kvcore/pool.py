@@ -303,11 +303,12 @@ def checked_view(
     what = f"bind_view for layer {layer!r}"
     tensors = view if isinstance(view, tuple) and view else (view,)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
-        got = (
-            type(view).__name__
-            if not isinstance(view, tuple)
-            else "a tuple of " + (", ".join(type(t).__name__ for t in tensors))
-        )
+        if not isinstance(view, tuple):
+            got = type(view).__name__
+        elif not view:
+            got = "an empty tuple"
+        else:
+            got = "a tuple of " + ", ".join(type(t).__name__ for t in view)
         raise spec_plugin_error(
             spec,
             f"{what} returned {got}; it must return a tensor (or a tuple of "

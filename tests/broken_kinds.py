@@ -202,6 +202,10 @@ class BinderKind(AttentionKind):
             return torch.zeros(typed.shape, dtype=spec.dtype)
         if self.how == "clone":
             return typed.clone()
+        if self.how == "empty":
+            return ()
+        if self.how == "half_tuple":
+            return (typed, None)  # type: ignore[return-value]
         if self.how == "none":
             return None  # type: ignore[return-value]
         if self.how == "string":
@@ -225,6 +229,8 @@ BINDERS = (
     "fresh",
     "clone",
     "none",
+    "empty",
+    "half_tuple",
     "string",
     "bytes",
     "next_layer",

@@ -414,6 +414,17 @@ def _outside(shape: str, offset: int) -> str:
             "(or a tuple of tensors) viewing the raw region it was given",
         ),
         (
+            "empty",
+            "bind_view for layer 'a' returned an empty tuple; it must return a "
+            "tensor (or a tuple of tensors) viewing the raw region it was given",
+        ),
+        (
+            "half_tuple",
+            "bind_view for layer 'a' returned a tuple of Tensor, NoneType; it must "
+            "return a tensor (or a tuple of tensors) viewing the raw region it was "
+            "given",
+        ),
+        (
             "string",
             "bind_view for layer 'a' returned str; it must return a tensor (or a "
             "tuple of tensors) viewing the raw region it was given",
@@ -452,6 +463,13 @@ def test_a_good_binder_passes_and_its_views_are_disjoint() -> None:
     views = _plan(BinderKind("ok"), sample(BinderSpec))
     views["a"].fill_(7)
     assert not (views["b"] == 7).any()
+
+
+def test_check_kind_refuses_a_mistagged_kind() -> None:
+    from kvcore.testing import ConformanceError, check_kind
+
+    with pytest.raises(ConformanceError, match="whose kind tag is 'something_else'"):
+        check_kind(MistaggedKind(), sample(BinderSpec))
 
 
 def test_check_kind_refuses_an_escaping_binder() -> None:

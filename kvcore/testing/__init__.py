@@ -57,7 +57,12 @@ def check_kind(
     where the kind declares one, preemption, re-admission, free) within
     ``max_num_blocks_per_request`` and returning every block.
     """
-    registry = registry if registry is not None else KindRegistry.from_kinds([kind])
+    if registry is None:
+        try:
+            registry = KindRegistry.from_kinds([kind])
+        except PluginError as exc:
+            msg = f"cache kind {getattr(kind, 'name', kind)!r}: {exc}"
+            raise ConformanceError(msg) from exc
     _require(
         type(spec) is kind.spec_type, kind, "the sample spec must be its spec_type"
     )
