@@ -632,3 +632,69 @@ def test_plugins_lists_a_plugin_with_an_unknown_hook(
         "kvcore plugin 'kvcore_odd_hook' implements a hook kvcore does not define"
     )
     assert rows["mamba"]["errors"] == []
+
+
+def test_kvcore_plan_refuses_the_impostor(
+    impostor: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    kvcore.default_registry.cache_clear()
+    try:
+        assert main(["plan", "jamba-1-5-mini", "--memory", "1GiB"]) == 2
+    finally:
+        kvcore.default_registry.cache_clear()
+    err = capsys.readouterr().err
+    assert "cache kind 'mamba' is registered twice" in err
+    assert "'kvcore-impostor 0.1'" in err
+
+
+# ---------------------------------------------------------------------------
+# The region arithmetic itself
+# ---------------------------------------------------------------------------
+
+
+def _raw(padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool of 4 blocks of two 2x4x8-byte pages (plus ``padding`` bytes a
+    block), and the first layer's raw region ``[4, 2, 4, 8]``."""
+    page = 2 * 4 * 8
+    block = 2 * page + padding
+    buffer = torch.zeros(4 * block, dtype=torch.uint8)
+    raw = torch.as_strided(buffer, (4, 2, 4, 8), (block, 32, 8, 1), 0)
+    return buffer, raw
+
+
+@pytest.mark.parametrize("padding", [0, 16])
+def test_region_holds_the_views_a_binder_may_make(padding: int) -> None:
+    from kvcore.pool import ByteRegion
+
+    _, raw = _raw(padding)
+    region = ByteRegion(raw)
+    typed = raw.view(torch.float16)
+    for view in (
+        raw,
+        typed,
+        typed.permute(0, 2, 1, 3),
+        typed.reshape(4, 2, 16),
+        typed[:, :, 1:3],
+        typed[1:],
+        typed[:, 0].view(torch.int32),
+        typed.flatten(1)[:, 5:20],
+    ):
+        assert region.contains(view)
+
+
+@pytest.mark.parametrize("padding", [0, 16])
+def test_region_refuses_views_that_leave_it(padding: int) -> None:
+    from kvcore.pool import ByteRegion
+
+    buffer, raw = _raw(padding)
+    region = ByteRegion(raw)
+    block = raw.stride(0)
+    for shape, strides, offset in (
+        ((4, 2, 8, 8), (block, 32, 8, 1), 0),  # twice the states
+        ((4, 2, 4, 8), (block, 32, 8, 1), 64),  # shifted into the next layer
+        ((4, 2, 4, 9), (block, 32, 8, 1), 0),  # one byte too wide a state
+        ((4, 64), (block, 1), 1),  # one byte late
+    ):
+        assert not region.contains(torch.as_strided(buffer, shape, strides, offset))
