@@ -12,7 +12,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -23,10 +23,12 @@ from kvcore.plan.capacity import (
     plan_capacity,
 )
 from kvcore.plan.declarations import layer_alignment
-from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 from kvcore.units import format_size, format_tokens
+
+if TYPE_CHECKING:
+    from kvcore.registry import KindRegistry
 
 __all__ = [
     "CapacityRow",
@@ -288,6 +290,8 @@ def summarize(
         else 1
     )
     notes = list(notes)
+    from kvcore.registry import default_registry
+
     if registry is None and default_registry.cache_info().currsize:
         registry = default_registry()
     if registry is not None:
