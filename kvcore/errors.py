@@ -139,3 +139,13 @@ class UnknownRequestError(KvcoreKeyError):
 
 class MissingExtraError(KvcoreError, ImportError):
     """An optional dependency is not installed; the message names the extra."""
+
+
+class PluginResultError(PluginError, TypeError):
+    """A plugin's hook or kind returned something of the wrong type or out of
+    range; the message names the plugin, its distribution and the rule."""
+
+
+class PluginBindError(PluginError, LayoutError):
+    """A kind's view binder returned a view that does not lie inside its
+    layer's region of the pool, or is not in the spec's dtype."""

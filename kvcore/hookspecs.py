@@ -37,10 +37,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def kvcore_register_kinds() -> Sequence[CacheKind]:
     """Return the cache kinds this plugin provides.
 
-    Collects every plugin's list; a kind name registered by two plugins is
-    an error that names both.
+    Collects every plugin's list (kvcore's built-ins first); a kind name
+    registered by two plugins is an error that names both, unless the user
+    lets the later one replace it (``KVCORE_OVERRIDE_KINDS``).  kvcore checks
+    the answer and each kind's classes as it registers them.
 
-    :returns: kind objects (instances of :class:`kvcore.kinds.CacheKind`).
+    :returns: a list (or tuple) of kind objects (instances of
+        :class:`kvcore.kinds.CacheKind`); ``[]`` for none, never ``None`` or
+        a single kind.
 
     .. versionadded:: 0.1
     """

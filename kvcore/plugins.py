@@ -14,6 +14,9 @@ Environment variables, read when the manager is built:
     to try a kind without installing its distribution.
 ``KVCORE_TRACE_PLUGINS=1``
     print every hook call and result to stderr.
+``KVCORE_OVERRIDE_KINDS=mamba``
+    let a later plugin replace these kinds of an earlier one (built-ins
+    register first); without it a kind name registered twice is an error.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import pluggy
 
 from kvcore import hookspecs
-from kvcore.errors import PluginError
+from kvcore.errors import KvcoreError, PluginError
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -67,13 +70,24 @@ def get_plugin_manager(
     load_entrypoints: bool | None = None,
     block: Iterable[str] = (),
     builtins: bool = True,
+    errors: list[KvcoreError] | None = None,
 ) -> pluggy.PluginManager:
     """Build a fresh plugin manager with kvcore's hookspecs and plugins.
+
+    kvcore's own entry points register first, then third-party ones.  A
+    third-party entry point whose name another distribution already uses
+    (``mamba``, say) is registered as ``name@distribution``, so it neither
+    replaces the earlier plugin nor vanishes: if it registers a kind name
+    already taken, building the registry raises
+    :class:`~kvcore.errors.DuplicateKindError` naming both distributions
+    (``KVCORE_OVERRIDE_KINDS`` is the explicit opt-in to let it replace it).
 
     :param load_entrypoints: load third-party ``kvcore`` entry points; the
         default follows ``KVCORE_DISABLE_PLUGIN_AUTOLOAD``.
     :param block: plugin names to block, on top of ``KVCORE_DISABLE_PLUGINS``.
     :param builtins: register kvcore's built-in kinds.
+    :param errors: collect each plugin that fails to load here and go on
+        without it, rather than raising the first (``kvcore plugins``).
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
@@ -82,52 +96,82 @@ def get_plugin_manager(
     if load_entrypoints is None:
         load_entrypoints = not _truthy(os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD"))
 
-    own_loaded: set[str] = set()
-    for ep in _entry_points():
-        dist = ep.dist.name if ep.dist is not None else None
-        own = dist is not None and _normalise(dist) == _OWN_DISTRIBUTION
-        if (own and not builtins) or (not own and not load_entrypoints):
-            continue
-        if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
-            continue
-        _register(pm, ep.name, lambda ep=ep: ep.load(), dist)
-        if own:
-            own_loaded.add(ep.name)
+    def register(name: str, load: Any, distribution: str | None) -> None:
+        try:
+            _register(pm, name, load, distribution)
+        except PluginError as exc:
+            if errors is None:
+                raise
+            errors.append(exc)
+
+    entry_points = _entry_points()
+    own = [ep for ep in entry_points if _is_own(ep)]
+    others = [ep for ep in entry_points if not _is_own(ep)]
+    # name -> (distribution, entry-point value) of what took the name
+    taken: dict[str, tuple[str | None, str]] = {}
     if builtins:
-        for name, module in BUILTIN_PLUGINS.items():
-            if name in own_loaded or pm.is_blocked(name) or pm.get_plugin(name):
+        for ep in own:
+            if pm.is_blocked(ep.name) or ep.name in taken:
                 continue
-            _register(
-                pm, name, lambda module=module: importlib.import_module(module), None
-            )
+            taken[ep.name] = (_dist_name(ep), ep.value)
+            register(ep.name, lambda ep=ep: ep.load(), _dist_name(ep))
+        for name, module in BUILTIN_PLUGINS.items():
+            if name in taken or pm.is_blocked(name):
+                continue
+            taken[name] = (_OWN_DISTRIBUTION, module)
+            register(name, lambda module=module: importlib.import_module(module), None)
+    if load_entrypoints:
+        for ep in others:
+            dist = _dist_name(ep)
+            name = ep.name
+            if name in taken:
+                if taken[name] == (dist, ep.value):
+                    continue  # one distribution seen twice on the path
+                name = f"{ep.name}@{dist or ep.value}"
+            if pm.is_blocked(ep.name) or pm.is_blocked(name) or name in taken:
+                continue
+            taken[name] = (dist, ep.value)
+            register(name, lambda ep=ep: ep.load(), dist)
 
     for module in _split(os.environ.get("KVCORE_PLUGINS")):
         if pm.is_blocked(module) or pm.get_plugin(module) is not None:
             continue
-        _register(
-            pm, module, lambda module=module: importlib.import_module(module), None
-        )
+        register(module, lambda module=module: importlib.import_module(module), None)
 
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        plugin_name = pm.get_name(exc.plugin) or repr(exc.plugin)
-        shown = plugin_distribution(pm, plugin_name)
-        distribution = shown.rsplit(" ", 1)[0] if shown else None
-        where = f" (distribution {distribution!r})" if distribution else ""
-        msg = (
-            f"kvcore plugin {plugin_name!r}{where} implements a hook kvcore does not "
-            f"define: {exc}; hooks are listed in kvcore.hookspecs (all start with "
-            f"'kvcore_'). Fix the plugin, or block it with "
-            f"KVCORE_DISABLE_PLUGINS={plugin_name}"
-        )
-        raise PluginError(
-            msg, plugin_name=plugin_name, distribution=distribution
-        ) from exc
+    while True:
+        try:
+            pm.check_pending()
+            break
+        except pluggy.PluginValidationError as exc:
+            plugin_name = pm.get_name(exc.plugin) or repr(exc.plugin)
+            shown = plugin_distribution(pm, plugin_name)
+            distribution = shown.rsplit(" ", 1)[0] if shown else None
+            where = f" (distribution {distribution!r})" if distribution else ""
+            msg = (
+                f"kvcore plugin {plugin_name!r}{where} implements a hook kvcore does "
+                f"not define: {exc}; hooks are listed in kvcore.hookspecs (all start "
+                f"with 'kvcore_'). Fix the plugin, or block it with "
+                f"KVCORE_DISABLE_PLUGINS={plugin_name}"
+            )
+            error = PluginError(msg, plugin_name=plugin_name, distribution=distribution)
+            if errors is None:
+                raise error from exc
+            error.__cause__ = exc
+            errors.append(error)
+            pm.unregister(exc.plugin)
     if _truthy(os.environ.get("KVCORE_TRACE_PLUGINS")):
         pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
         pm.enable_tracing()
     return pm
+
+
+def _dist_name(ep: metadata.EntryPoint) -> str | None:
+    return ep.dist.name if ep.dist is not None else None
+
+
+def _is_own(ep: metadata.EntryPoint) -> bool:
+    dist = _dist_name(ep)
+    return dist is not None and _normalise(dist) == _OWN_DISTRIBUTION
 
 
 def _normalise(name: str) -> str:
@@ -170,7 +214,10 @@ def plugin_distribution(pm: pluggy.PluginManager, name: str) -> str | None:
     for registered, dist in pm.list_plugin_distinfo():
         if registered is plugin:
             return f"{dist.metadata['name']} {dist.version}"
+    base, _, qualifier = name.partition("@")
     for ep in _entry_points():
-        if ep.name == name and ep.dist is not None:
+        if ep.name == base and ep.dist is not None:
+            if qualifier and ep.dist.name != qualifier:
+                continue
             return f"{ep.dist.name} {ep.dist.version}"
     return None

@@ -3,19 +3,25 @@ host-resident tensors) and a zero-copy typed view per layer."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
-from kvcore.errors import LayoutError, PlanError
+from kvcore.errors import LayoutError, PlanError, PluginBindError
 from kvcore.kinds import LayerView
 from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
 from kvcore.plan import tensor_strides
-from kvcore.registry import KindRegistry, default_registry
+from kvcore.registry import (
+    KindRegistry,
+    call_plugin,
+    default_registry,
+    spec_plugin_error,
+)
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheTensor
 
-__all__ = ["KVCachePool", "allocate_kv_cache"]
+__all__ = ["ByteRegion", "KVCachePool", "allocate_kv_cache", "checked_view"]
 
 
 class KVCachePool:
@@ -112,7 +118,12 @@ class KVCachePool:
             buffer = host if host is not None else self.buffer
             raws = self._raw_views(buffer, tensor, spec, config.num_blocks, kernel)
             for name, raw in zip(tensor.layers, raws, strict=True):
-                self.views[name] = kind.bind_view(spec, raw)
+                view = call_plugin(
+                    spec,
+                    f"bind_view (layer {name!r})",
+                    functools.partial(kind.bind_view, spec, raw),
+                )
+                self.views[name] = checked_view(spec, name, raw, view, buffer)
 
     def _raw_views(
         self,
@@ -184,6 +195,161 @@ class KVCachePool:
         )
         del strides[AXIS_L]
         return [full[i] for i in range(len(tensor.layers))]
+
+
+class ByteRegion:
+    """The bytes of a storage a strided tensor touches, in closed form: from
+    byte ``start``, every ``sum(i_k * stride_k)`` for ``0 <= i_k < size_k``
+    over :attr:`dims`, plus a contiguous run of :attr:`run` bytes.
+
+    Built from storage offset, shape and strides (never by enumerating
+    elements), with contiguous and nested dims coalesced, so a dense region
+    is one long run.
+    """
+
+    __slots__ = ("dims", "run", "start")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        item = tensor.element_size()
+        self.start = int(tensor.storage_offset()) * item
+        dims = sorted(
+            (
+                (d, st * item)
+                for d, st in zip(tensor.shape, tensor.stride(), strict=True)
+            )
+            if tensor.numel()
+            else (),
+            key=lambda dim: dim[1],
+        )
+        run = item
+        outer: list[tuple[int, int]] = []
+        for size, stride in dims:
+            if size == 1:
+                continue
+            if not outer and stride == run:
+                run *= size  # extends the contiguous run
+            elif outer and stride == outer[-1][0] * outer[-1][1]:
+                outer[-1] = (outer[-1][0] * size, outer[-1][1])
+            else:
+                outer.append((size, stride))
+        #: ``(size, byte stride)`` from the widest stride down.
+        self.dims = outer[::-1]
+        #: bytes of the innermost contiguous run
+        self.run = run
+
+    def contains(self, other: torch.Tensor) -> bool:
+        """Whether every byte ``other`` touches lies in this region (same
+        storage assumed).  Each of ``other``'s strides is written in this
+        region's digits; it lies inside if no digit can leave its range.
+        Exact for the nested regions a plan makes; never too lenient."""
+        if other.numel() == 0:
+            return True
+        item = other.element_size()
+        rel = int(other.storage_offset()) * item - self.start
+        if rel < 0:
+            return False
+        start = self._digits(rel)
+        reach = [0] * (len(self.dims) + 1)
+        for size, stride in zip(other.shape, other.stride(), strict=True):
+            if size > 1:
+                for k, digit in enumerate(self._digits(stride * item)):
+                    reach[k] += (size - 1) * digit
+        last = len(self.dims)
+        for k, (size, _) in enumerate(self.dims):
+            if start[k] + reach[k] > size - 1:
+                return False
+        return start[last] + reach[last] + item <= self.run
+
+    def _digits(self, offset: int) -> list[int]:
+        digits = []
+        for _, stride in self.dims:
+            q, offset = divmod(offset, stride)
+            digits.append(q)
+        digits.append(offset)
+        return digits
+
+    def describe(self) -> str:
+        dims = ", ".join(f"{d} x {s} B" for d, s in self.dims)
+        return f"from byte {self.start}: [{dims}] runs of {self.run} B"
+
+
+def _declared_dtypes(spec: KVCacheSpec, count: int) -> list[torch.dtype] | None:
+    """The dtype of each of a view's ``count`` tensors, if the spec declares
+    them (``dtype``, or ``dtypes`` one per tensor)."""
+    dtypes = getattr(spec, "dtypes", None)
+    if (
+        isinstance(dtypes, tuple)
+        and len(dtypes) == count
+        and all(isinstance(d, torch.dtype) for d in dtypes)
+    ):
+        return list(dtypes)
+    dtype = getattr(spec, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return [dtype] * count
+    return None
+
+
+def checked_view(
+    spec: KVCacheSpec,
+    layer: str,
+    raw: torch.Tensor,
+    view: object,
+    buffer: torch.Tensor,
+) -> LayerView:
+    """A binder's answer for ``layer``, checked once as the pool is built:
+    a tensor or non-empty tuple of tensors, each a view of the pool's
+    storage, in the spec's dtype, touching only bytes of ``raw`` (the layer's
+    pages in every block)."""
+    what = f"bind_view for layer {layer!r}"
+    tensors = view if isinstance(view, tuple) and view else (view,)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        if not isinstance(view, tuple):
+            got = type(view).__name__
+        elif not view:
+            got = "an empty tuple"
+        else:
+            got = "a tuple of " + ", ".join(type(t).__name__ for t in view)
+        raise spec_plugin_error(
+            spec,
+            f"{what} returned {got}; it must return a tensor (or a tuple of "
+            "tensors) viewing the raw region it was given",
+            error=PluginBindError,
+        )
+    storage = buffer.untyped_storage().data_ptr()
+    region = ByteRegion(raw)
+    dtypes = _declared_dtypes(spec, len(tensors))
+    for i, tensor in enumerate(tensors):
+        name = f"tensor {i} of " if len(tensors) > 1 else ""
+        if (
+            tensor.device != buffer.device
+            or tensor.untyped_storage().data_ptr() != storage
+        ):
+            raise spec_plugin_error(
+                spec,
+                f"{name}{what} does not share the pool's storage (a new tensor or "
+                "a copy); views must be made from `raw` without copying (view, "
+                "reshape, slice, .view(dtype)), or the cache is written nowhere",
+                error=PluginBindError,
+            )
+        if dtypes is not None and tensor.dtype != dtypes[i]:
+            raise spec_plugin_error(
+                spec,
+                f"{name}{what} is {tensor.dtype}, but the spec's dtype is "
+                f"{dtypes[i]}; view the raw bytes as {dtypes[i]}",
+                error=PluginBindError,
+            )
+        if not region.contains(tensor):
+            raise spec_plugin_error(
+                spec,
+                f"{name}{what} (shape {tuple(tensor.shape)}, strides "
+                f"{tuple(tensor.stride())}, {tensor.dtype}, storage offset "
+                f"{tensor.storage_offset()}) reaches bytes outside the layer's "
+                f"region of the pool ({region.describe()}), so writes through it "
+                "would overwrite other layers or blocks; derive the view from "
+                "`raw` without widening it",
+                error=PluginBindError,
+            )
+    return view  # type: ignore[return-value]
 
 
 def _shared_size(tensors: Sequence[KVCacheTensor], residency: str) -> int:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvcore.errors import DuplicateKindError, PluginError, UnknownKindError
+from kvcore.errors import (
+    DuplicateKindError,
+    KvcoreError,
+    KvcoreTypeError,
+    PluginError,
+    PluginResultError,
+    UnknownKindError,
+)
 from kvcore.kinds import CacheKind
 from kvcore.spec import KVCacheSpec
 
@@ -16,7 +25,76 @@ if TYPE_CHECKING:
     from kvcore.config import EngineConfig
     from kvcore.structs import KVCacheGroupSpec
 
-__all__ = ["KindRegistry", "default_registry"]
+__all__ = [
+    "OVERRIDE_ENV",
+    "KindRegistry",
+    "call_plugin",
+    "default_registry",
+    "describe_plugin",
+    "owner_of",
+    "spec_plugin_error",
+]
+
+_T = TypeVar("_T")
+
+
+#: Kind names a user lets a later plugin replace (comma separated), read when
+#: a registry is built from a plugin manager without an explicit ``override``.
+OVERRIDE_ENV = "KVCORE_OVERRIDE_KINDS"
+
+# Spec class -> (plugin, distribution) of the kind that owns it, filled as
+# registries are built, so a check deep in the planner can name the plugin.
+_OWNERS: weakref.WeakKeyDictionary[type, tuple[str, str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def describe_plugin(plugin: str, distribution: str | None) -> str:
+    """``plugin 'x' (distribution 'd 1.0')``, the way every message names one."""
+    if distribution:
+        return f"plugin {plugin!r} (distribution {distribution!r})"
+    return f"plugin {plugin!r} (no distribution: registered by hand or from source)"
+
+
+def owner_of(spec_type: type) -> tuple[str, str | None]:
+    """``(plugin, distribution)`` of the kind owning ``spec_type``; the kind
+    name and ``None`` for a class no registry has seen."""
+    found = _OWNERS.get(spec_type)
+    if found is not None:
+        return found
+    return (getattr(spec_type, "kind", "") or spec_type.__name__, None)
+
+
+def spec_plugin_error(
+    spec: object,
+    rule: str,
+    *,
+    error: type[PluginError] = PluginResultError,
+) -> PluginError:
+    """The error for a spec's own code breaking ``rule``: names the kind, its
+    plugin and distribution, and how to block the plugin."""
+    plugin, distribution = owner_of(type(spec))
+    kind = getattr(type(spec), "kind", "")
+    msg = (
+        f"cache kind {kind!r} ({type(spec).__name__}) of "
+        f"{describe_plugin(plugin, distribution)}: {rule}. Fix the plugin, or "
+        f"block it with KVCORE_DISABLE_PLUGINS={plugin}"
+    )
+    return error(msg, plugin_name=plugin, distribution=distribution)
+
+
+def call_plugin(spec: object, what: str, fn: Callable[[], _T]) -> _T:
+    """Run plugin code ``what`` of ``spec``'s kind; an exception that is not a
+    kvcore error (which plugins raise on purpose) is wrapped in a
+    :class:`PluginError` naming the plugin, the original chained."""
+    try:
+        return fn()
+    except KvcoreError:
+        raise
+    except Exception as exc:
+        raise spec_plugin_error(
+            spec, f"{what} raised {type(exc).__name__}: {exc}", error=PluginError
+        ) from exc
 
 
 class KindRegistry(Mapping[str, CacheKind]):
@@ -24,6 +102,15 @@ class KindRegistry(Mapping[str, CacheKind]):
 
     Build it with :meth:`from_plugin_manager` after plugins load (or
     :meth:`from_kinds` in tests).  Lookups are plain dict reads.
+
+    :param kinds: ``(kind, plugin name)`` pairs in registration order.
+    :param override: kind names a later plugin may take over from an earlier
+        one (the user's explicit opt-in; without it a name registered twice
+        is a :class:`DuplicateKindError`).  Each override that happened is in
+        :attr:`overridden`.
+    :param distributions: plugin name to its distribution (for messages).
+    :param errors: collect each broken plugin's error here and skip its
+        kinds, rather than raising the first (``kvcore plugins``).
     """
 
     def __init__(
@@ -31,54 +118,119 @@ class KindRegistry(Mapping[str, CacheKind]):
         kinds: Iterable[tuple[CacheKind, str]],
         *,
         plugin_manager: pluggy.PluginManager | None = None,
+        override: Iterable[str] = (),
+        distributions: Mapping[str, str | None] | None = None,
+        errors: list[KvcoreError] | None = None,
     ) -> None:
+        dists = dict(distributions or {})
+        allowed = set(_names(override, "override"))
         by_name: dict[str, CacheKind] = {}
         owners: dict[str, str] = {}
+        #: kind name -> ``(replaced plugin, replacing plugin)``, each as
+        #: :func:`describe_plugin` words it.
+        self.overridden: dict[str, tuple[str, str]] = {}
         for kind, owner in kinds:
-            _check_kind(kind, owner)
+            try:
+                _check_kind(kind, owner, dists.get(owner))
+            except PluginError as exc:
+                if errors is None:
+                    raise
+                errors.append(exc)
+                continue
             if kind.name in by_name:
                 first = owners[kind.name]
-                msg = (
-                    f"cache kind {kind.name!r} is registered twice: by plugin "
-                    f"{first!r} and by plugin {owner!r}; block one with "
-                    f"KVCORE_DISABLE_PLUGINS={owner}"
-                )
-                raise DuplicateKindError(msg, kind=kind.name, first=first, second=owner)
+                first_who = describe_plugin(first, dists.get(first))
+                second_who = describe_plugin(owner, dists.get(owner))
+                if kind.name in allowed:
+                    self.overridden[kind.name] = (first_who, second_who)
+                else:
+                    msg = (
+                        f"cache kind {kind.name!r} is registered twice: by "
+                        f"{first_who} and by {second_who}; a plugin cannot replace "
+                        f"another's kind silently. Uninstall or block one "
+                        f"(KVCORE_DISABLE_PLUGINS={owner}), or let the later one "
+                        f"replace the earlier with {OVERRIDE_ENV}={kind.name}"
+                    )
+                    duplicate = DuplicateKindError(
+                        msg, kind=kind.name, first=first, second=owner
+                    )
+                    if errors is None:
+                        raise duplicate
+                    errors.append(duplicate)
+                    continue
             by_name[kind.name] = kind
             owners[kind.name] = owner
+        unknown = sorted(allowed - set(by_name))
+        if unknown:
+            msg = (
+                f"{OVERRIDE_ENV} (or override=) names kind(s) {unknown} that no "
+                f"plugin registers; known kinds: {', '.join(sorted(by_name))}. "
+                "Check the spelling"
+            )
+            raise UnknownKindError(msg, kind=unknown[0])
         self._kinds = by_name
         self._owners = owners
+        self._distributions = dists
         self._by_type: dict[type, CacheKind] = {
             kind.spec_type: kind for kind in by_name.values()
         }
+        for name, kind in by_name.items():
+            _OWNERS[kind.spec_type] = (owners[name], dists.get(owners[name]))
         self._pm = plugin_manager
 
     @classmethod
-    def from_plugin_manager(cls, pm: pluggy.PluginManager) -> KindRegistry:
-        """Collect every plugin's kinds, in plugin registration order."""
+    def from_plugin_manager(
+        cls,
+        pm: pluggy.PluginManager,
+        *,
+        override: Iterable[str] | None = None,
+        errors: list[KvcoreError] | None = None,
+    ) -> KindRegistry:
+        """Collect every plugin's kinds, in plugin registration order.
+
+        :param override: kind names a later plugin may take over (default:
+            ``KVCORE_OVERRIDE_KINDS``).
+        :param errors: collect broken plugins' errors here instead of raising.
+        """
+        from kvcore.plugins import plugin_distribution
+
+        if override is None:
+            override = _split(os.environ.get(OVERRIDE_ENV))
         collected: list[tuple[CacheKind, str]] = []
+        dists: dict[str, str | None] = {}
         for impl in pm.hook.kvcore_register_kinds.get_hookimpls():
+            name = impl.plugin_name
             try:
-                kinds: Any = impl.function()
-            except Exception as exc:
-                msg = (
-                    f"kvcore plugin {impl.plugin_name!r} raised in "
-                    f"kvcore_register_kinds: {type(exc).__name__}: {exc}; block it "
-                    f"with KVCORE_DISABLE_PLUGINS={impl.plugin_name}"
-                )
-                raise PluginError(msg, plugin_name=impl.plugin_name) from exc
-            if kinds is None:
+                shown = plugin_distribution(pm, name)
+            except Exception:  # metadata only decorates messages
+                shown = None
+            dists[name] = shown
+            try:
+                kinds = _registered_kinds(impl.function, name, shown)
+            except PluginError as exc:
+                if errors is None:
+                    raise
+                errors.append(exc)
                 continue
-            for kind in kinds:
-                collected.append((kind, impl.plugin_name))
-        return cls(collected, plugin_manager=pm)
+            collected.extend((kind, name) for kind in kinds)
+        return cls(
+            collected,
+            plugin_manager=pm,
+            override=override,
+            distributions=dists,
+            errors=errors,
+        )
 
     @classmethod
     def from_kinds(
-        cls, kinds: Iterable[CacheKind], owner: str = "<manual>"
+        cls,
+        kinds: Iterable[CacheKind],
+        owner: str = "<manual>",
+        *,
+        override: Iterable[str] = (),
     ) -> KindRegistry:
         """A registry of the given kinds, with no plugin manager behind it."""
-        return cls((kind, owner) for kind in kinds)
+        return cls(((kind, owner) for kind in kinds), override=override)
 
     # -- Mapping ----------------------------------------------------------
     def __getitem__(self, name: str) -> CacheKind:
@@ -110,6 +262,21 @@ class KindRegistry(Mapping[str, CacheKind]):
         """The plugin that registered kind ``name``."""
         self[name]
         return self._owners[name]
+
+    def override_notes(self, kinds: Iterable[str] | None = None) -> list[str]:
+        """One line per overridden kind (of ``kinds``, default all), for a
+        plan's report: the plan then says which plugin's kind it used."""
+        wanted = None if kinds is None else set(kinds)
+        return [
+            f"kind {name!r} is overridden: {by} replaces {replaced} ({OVERRIDE_ENV})"
+            for name, (replaced, by) in sorted(self.overridden.items())
+            if wanted is None or name in wanted
+        ]
+
+    def distribution(self, name: str) -> str | None:
+        """``"dist version"`` of the plugin that registered kind ``name``
+        (``None`` when it has none)."""
+        return self._distributions.get(self.owner(name))
 
     @property
     def spec_types(self) -> tuple[type[KVCacheSpec], ...]:
@@ -166,31 +333,100 @@ class KindRegistry(Mapping[str, CacheKind]):
         return result
 
 
-def _check_kind(kind: Any, owner: str) -> None:
-    if not isinstance(kind, CacheKind):
+def _names(values: Iterable[str], what: str) -> list[str]:
+    names: list[object] = [values] if isinstance(values, str) else list(values)
+    for name in names:
+        if not isinstance(name, str):
+            msg = f"{what} takes kind names (str), got {name!r}"
+            raise KvcoreTypeError(msg)
+    return [str(name) for name in names]
+
+
+def _split(value: str | None) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+def _registered_kinds(
+    function: Callable[[], object], owner: str, distribution: str | None
+) -> list[Any]:
+    """Call one plugin's ``kvcore_register_kinds``; its answer must be a list
+    or tuple (of kinds, checked next)."""
+    who = describe_plugin(owner, distribution)
+    try:
+        kinds = function()
+    except Exception as exc:
         msg = (
-            f"kvcore plugin {owner!r} registered {kind!r}, which is not a "
-            "kvcore.kinds.CacheKind instance; return kind objects from "
-            "kvcore_register_kinds"
+            f"kvcore {who} raised in kvcore_register_kinds: "
+            f"{type(exc).__name__}: {exc}; block it with "
+            f"KVCORE_DISABLE_PLUGINS={owner}"
         )
-        raise PluginError(msg, plugin_name=owner)
+        raise PluginError(msg, plugin_name=owner, distribution=distribution) from exc
+    if not isinstance(kinds, list | tuple):
+        msg = (
+            f"kvcore {who}: kvcore_register_kinds returned {_short(kinds)} "
+            f"({type(kinds).__name__}); it must return a list of kind objects "
+            "(kvcore.kinds.CacheKind instances), e.g. [MyKind()], or [] for none"
+        )
+        raise PluginResultError(msg, plugin_name=owner, distribution=distribution)
+    return list(kinds)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_kind(kind: Any, owner: str, distribution: str | None = None) -> None:
+    """A kind object and its classes, checked once as it is registered."""
+    problem = _kind_problem(kind)
+    if problem is not None:
+        who = describe_plugin(owner, distribution)
+        msg = f"kvcore {who}: {problem}; block it with KVCORE_DISABLE_PLUGINS={owner}"
+        raise PluginResultError(msg, plugin_name=owner, distribution=distribution)
+
+
+def _kind_problem(kind: Any) -> str | None:
+    """The first rule ``kind`` breaks, or ``None``."""
+    if not isinstance(kind, CacheKind):
+        return (
+            f"registered {_short(kind)}, which is not a kvcore.kinds.CacheKind "
+            "instance; return kind objects from kvcore_register_kinds"
+        )
     spec_type = getattr(kind, "spec_type", None)
     name = getattr(kind, "name", None)
     if not isinstance(name, str) or not name:
-        msg = f"kvcore plugin {owner!r} registered a kind with no name: {kind!r}"
-        raise PluginError(msg, plugin_name=owner)
+        return f"registered a kind with no name: {_short(kind)}; set its name"
     if not (isinstance(spec_type, type) and issubclass(spec_type, KVCacheSpec)):
-        msg = (
-            f"kind {name!r} of plugin {owner!r} has spec_type={spec_type!r}; it "
-            "must be a KVCacheSpec subclass"
+        return (
+            f"kind {name!r} has spec_type={spec_type!r}; it must be a "
+            "KVCacheSpec subclass"
         )
-        raise PluginError(msg, plugin_name=owner)
     if spec_type.kind != name:
-        msg = (
-            f"kind {name!r} of plugin {owner!r} owns {spec_type.__name__}, whose "
-            f"kind tag is {spec_type.kind!r}; set {spec_type.__name__}.kind = {name!r}"
+        return (
+            f"kind {name!r} owns {spec_type.__name__}, whose kind tag is "
+            f"{spec_type.kind!r}; set {spec_type.__name__}.kind = {name!r}"
         )
-        raise PluginError(msg, plugin_name=owner)
+    if "__attrs_attrs__" not in spec_type.__dict__:
+        return (
+            f"kind {name!r} owns {spec_type.__name__}, which is not an attrs "
+            "class of its own; decorate it with @attrs.frozen(kw_only=True)"
+        )
+    if spec_type.__setattr__ is not KVCacheSpec.__setattr__:
+        return (
+            f"kind {name!r} owns {spec_type.__name__}, which is not frozen (it "
+            "sets its own __setattr__); specs are shared and hashed, so they "
+            "must be immutable: decorate it with @attrs.frozen(kw_only=True)"
+        )
+    manager = getattr(kind, "manager_type", None)
+    if manager is not None:
+        from kvcore.coordinator.manager import SingleTypeManager
+
+        if not (isinstance(manager, type) and issubclass(manager, SingleTypeManager)):
+            return (
+                f"kind {name!r} has manager_type={_short(manager)}; it must be a "
+                "kvcore.coordinator.SingleTypeManager subclass (or None)"
+            )
+    return None
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -26,6 +26,9 @@ from kvcore.plan.declarations import layer_alignment
 from kvcore.spec import HitPolicy, KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 from kvcore.units import format_size, format_tokens
+
+if TYPE_CHECKING:
+    from kvcore.registry import KindRegistry
 
 __all__ = [
     "CapacityRow",
@@ -256,6 +259,7 @@ def summarize(
     memory: int | None = None,
     setting: str = "",
     notes: Sequence[str] = (),
+    registry: KindRegistry | None = None,
 ) -> PlanSummary:
     """The summary of ``plan`` at each of ``contexts``.
 
@@ -265,6 +269,9 @@ def summarize(
         plan's).
     :param setting: text after the model name in the verdict, such as
         ``" on 2x H100 80GB (TP 2)"``.
+    :param registry: the registry the plan was made with, whose overridden
+        kinds become notes (default: the process's default registry, if it
+        has been built).
     """
     if memory is None:
         memory = plan.available_memory or plan.num_blocks * plan.bytes_per_block
@@ -283,6 +290,13 @@ def summarize(
         else 1
     )
     notes = list(notes)
+    from kvcore.registry import default_registry
+
+    if registry is None and default_registry.cache_info().currsize:
+        registry = default_registry()
+    if registry is not None:
+        used = {s.kind for g in plan.kv_cache_groups for s in g.layer_specs()}
+        notes.extend(registry.override_notes(used))
     blockers = [
         g
         for g in plan.kv_cache_groups

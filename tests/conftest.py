@@ -1,9 +1,17 @@
 """Shared test setup: the examples directory is importable (its model builders
-are reused by tests), and a registry of the kinds the shipped model files use."""
+are reused by tests), a registry of the built-in kinds, and a registry of the
+kinds the shipped model files use.
+
+The suite does not depend on what else is installed: while it runs,
+``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1`` keeps third-party entry points (the
+example plugin, if pip-installed) out of ``kvcore.default_registry()`` and of
+every CLI run; tests of discovery ask for entry points explicitly.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +24,34 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 THIRD_PARTY = EXAMPLES / "third_party_plugin"
+
+_AUTOLOAD = "KVCORE_DISABLE_PLUGIN_AUTOLOAD"
+_saved_autoload: list[str | None] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before collection (some modules build a registry at import): only the
+    built-in kinds in the default registry."""
+    _saved_autoload.append(os.environ.get(_AUTOLOAD))
+    os.environ[_AUTOLOAD] = "1"
+    kvcore.default_registry.cache_clear()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    saved = _saved_autoload.pop() if _saved_autoload else None
+    if saved is None:
+        os.environ.pop(_AUTOLOAD, None)
+    else:
+        os.environ[_AUTOLOAD] = saved
+    kvcore.default_registry.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def builtin_registry() -> kvcore.KindRegistry:
+    """kvcore's built-in kinds only, whatever is installed: for tests that do
+    not mean to test discovery."""
+    pm = kvcore.get_plugin_manager(load_entrypoints=False)
+    return kvcore.KindRegistry.from_plugin_manager(pm, override=())
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,8 @@ BUILTIN_KINDS = {
 ENV_VARS = (
     "KVCORE_DISABLE_PLUGINS",
     "KVCORE_DISABLE_PLUGIN_AUTOLOAD",
+    "KVCORE_OVERRIDE_KINDS",
+    "KVCORE_PLUGINS",
     "KVCORE_TRACE_PLUGINS",
 )
 
@@ -150,6 +152,18 @@ def fake_dist(
         modules.append(module)
         monkeypatch.syspath_prepend(str(tmp_path))
         importlib.invalidate_caches()
+        # Only kvcore's own entry points and this one: whatever else is
+        # installed (the example plugin, say) is not under test.
+        everything = kvcore.plugins._entry_points
+        monkeypatch.setattr(
+            kvcore.plugins,
+            "_entry_points",
+            lambda: [
+                ep
+                for ep in everything()
+                if ep.dist is not None and ep.dist.name in {"kvcore", DIST}
+            ],
+        )
 
     yield install
     for module in modules:
@@ -219,7 +233,7 @@ def test_duplicate_kind_names_both_plugins_builtin_first(
     pm.register(P(), name="kvcore-dup-test")
     with pytest.raises(
         DuplicateKindError,
-        match="by plugin 'full_attention' and by plugin 'kvcore-dup-test'",
+        match=r"by plugin 'full_attention' \(.*\) and by plugin 'kvcore-dup-test'",
     ) as info:
         KindRegistry.from_plugin_manager(pm)
     err = info.value
@@ -460,7 +474,7 @@ class _DemoKind(AttentionKind):
 
 
 def test_hook_kvcore_register_kinds(pm: pluggy.PluginManager) -> None:
-    """The hook collects kinds from every plugin; a ``None`` answer adds none."""
+    """The hook collects kinds from every plugin; an empty list adds none."""
 
     class Demo:
         @hookimpl
@@ -469,8 +483,8 @@ def test_hook_kvcore_register_kinds(pm: pluggy.PluginManager) -> None:
 
     class Nothing:
         @hookimpl
-        def kvcore_register_kinds(self) -> None:
-            return None
+        def kvcore_register_kinds(self) -> list[CacheKind]:
+            return []
 
     pm.register(Demo(), name="kvcore-demo-test")
     pm.register(Nothing(), name="kvcore-nothing-test")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from typing import Any
 
+from kvcore.errors import KvcoreError
 from kvcore.plugins import get_plugin_manager, plugin_distribution
 from kvcore.registry import KindRegistry
 
@@ -31,28 +34,63 @@ def _cmd_kinds(args: argparse.Namespace) -> int:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    registry, pm = _registry()
-    rows = []
-    for name, plugin in sorted(pm.list_name_plugin()):  # type: ignore[attr-defined]
+    """Every plugin, loaded or broken: one that fails to import, register or
+    check is listed with its error instead of hiding the others."""
+    errors: list[KvcoreError] = []
+    pm = get_plugin_manager(errors=errors)
+    registry = KindRegistry.from_plugin_manager(pm, errors=errors)
+    broken: dict[str, list[str]] = {}
+    for error in errors:
+        name = getattr(error, "plugin_name", None) or getattr(error, "second", "?")
+        broken.setdefault(str(name), []).append(str(error))
+    rows: list[dict[str, Any]] = []
+    for name, plugin in sorted(pm.list_name_plugin()):
         if plugin is None:
             continue
         kinds = [k for k in registry if registry.owner(k) == name]
-        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())  # type: ignore[attr-defined]
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())
         rows.append(
             {
                 "name": name,
-                "distribution": plugin_distribution(pm, name),  # type: ignore[arg-type]
+                "distribution": plugin_distribution(pm, name),
                 "hooks": hooks,
                 "kinds": kinds,
+                "errors": broken.pop(name, []),
+            }
+        )
+    for name, messages in sorted(broken.items()):  # failed before registering
+        shown = next(
+            (
+                getattr(e, "distribution", None)
+                for e in errors
+                if getattr(e, "plugin_name", None) == name
+            ),
+            None,
+        )
+        rows.append(
+            {
+                "name": name,
+                "distribution": shown,
+                "hooks": [],
+                "kinds": [],
+                "errors": messages,
             }
         )
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         for row in rows:
+            status = "BROKEN" if row["errors"] else "ok"
             print(
-                f"{row['name']:<20} {row['distribution'] or '-':<22} kinds: {', '.join(row['kinds'])}"
+                f"{row['name']:<20} {row['distribution'] or '-':<22} {status:<7} "
+                f"kinds: {', '.join(row['kinds']) or '-'}"
             )
+            for message in row["errors"]:
+                print(f"    error: {message}")
+    if args.check and any(row["errors"] for row in rows):
+        count = sum(1 for row in rows if row["errors"])
+        print(f"kvcore: error: {count} plugin(s) broken", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -62,4 +100,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kinds.set_defaults(func=_cmd_kinds)
     plugins = sub.add_parser("plugins", help="list the loaded plugins")
     plugins.add_argument("--json", action="store_true", help="print JSON")
+    plugins.add_argument(
+        "--check",
+        action="store_true",
+        help="exit with status 1 if any plugin is broken (they are listed either way)",
+    )
     plugins.set_defaults(func=_cmd_plugins)

@@ -8,17 +8,87 @@ error naming the kind.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterable, Sequence
 
 from kvcore.errors import PluginError
+from kvcore.registry import call_plugin, spec_plugin_error
 from kvcore.spec import KVCacheSpec
 
 __all__ = [
+    "check_spec_answers",
     "checked_blocks_held",
     "checked_grown",
+    "checked_merge",
     "checked_positive",
     "layer_alignment",
 ]
+
+
+def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
+    """The page size and grouping key of each distinct spec, checked once as
+    a plan starts: a positive int page, and a key (and spec) that hash."""
+    seen: set[int] = set()
+    for spec in specs:
+        if id(spec) in seen:
+            continue
+        seen.add(id(spec))
+        page: object = call_plugin(
+            spec, "page_size_bytes", functools.partial(_page_size, spec)
+        )
+        if type(page) is not int or page <= 0:
+            raise spec_plugin_error(
+                spec,
+                f"page_size_bytes is {page!r} ({type(page).__name__}); it must be a "
+                "positive int number of bytes (a bool or float is not one)",
+            )
+        key: object = call_plugin(spec, "group_key()", spec.group_key)
+        _check_hashable(spec, f"what group_key() returned ({_short(key)})", key)
+        _check_hashable(spec, "the spec itself", spec)
+
+
+def _page_size(spec: KVCacheSpec) -> object:
+    return spec.page_size_bytes
+
+
+def _check_hashable(spec: KVCacheSpec, subject: str, value: object) -> None:
+    try:
+        hash(value)
+    except TypeError as exc:
+        raise spec_plugin_error(
+            spec,
+            f"{subject} is unhashable ({exc}); grouping keys and specs are dict "
+            "keys, so build them from tuples, ints, strings and other frozen values",
+        ) from exc
+    except Exception as exc:
+        raise spec_plugin_error(
+            spec,
+            f"hashing {subject} raised {type(exc).__name__}: {exc}",
+            error=PluginError,
+        ) from exc
+
+
+def checked_merge(cls: type[KVCacheSpec], specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    """``cls.merge(specs)``, which must return a ``cls`` (a spec of the same
+    kind) or raise :class:`~kvcore.errors.MergeError`."""
+    merged: object = call_plugin(
+        specs[0], f"{cls.__name__}.merge()", lambda: cls.merge(specs)
+    )
+    if type(merged) is not cls:
+        raise spec_plugin_error(
+            specs[0],
+            f"{cls.__name__}.merge() of {len(specs)} spec(s) returned "
+            f"{_short(merged)}; merge must return an instance of {cls.__name__} "
+            "(the group's spec, of the same kind) or raise kvcore.MergeError "
+            "when the specs do not merge",
+        )
+    return merged
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from kvcore.config import EngineConfig
 from kvcore.errors import KvcoreTypeError, PlanError
+from kvcore.plan.declarations import check_spec_answers
 from kvcore.plan.groups import check_chosen, group_spec
 from kvcore.plan.policies import POLICIES
 from kvcore.registry import KindRegistry, default_registry
@@ -39,6 +40,7 @@ def get_kv_cache_groups(
         raise KvcoreTypeError(msg)
     for name, spec in specs.items():
         registry.kind_for(spec, layer=name)
+    check_spec_answers(specs.values())
     _check_engine_modes(config, specs)
     if not specs:
         return []

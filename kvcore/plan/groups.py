@@ -7,6 +7,7 @@ from typing import Any
 
 from kvcore.errors import MergeError, PlanError
 from kvcore.plan.buckets import Bucket
+from kvcore.plan.declarations import checked_merge
 from kvcore.spec import GroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 from kvcore.structs import KVCacheGroupSpec
 
@@ -20,7 +21,7 @@ def group_spec(members: dict[str, KVCacheSpec]) -> GroupSpec | None:
     first_type = type(values[0])
     if all(type(s) is first_type for s in values):
         try:
-            return first_type.merge(values)
+            return checked_merge(first_type, values)
         except MergeError:
             pass
     return UniformTypeKVCacheSpecs.from_specs(members)

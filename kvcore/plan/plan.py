@@ -17,6 +17,7 @@ from kvcore.errors import PlanError
 from kvcore.limits import MAX_NUM_BLOCKS
 from kvcore.plan.block_sizes import resolve_block_sizes
 from kvcore.plan.capacity import min_blocks_for_one_request
+from kvcore.plan.declarations import check_spec_answers
 from kvcore.plan.grouping import get_kv_cache_groups
 from kvcore.plan.placement import (
     build_kv_cache_tensors,
@@ -24,7 +25,7 @@ from kvcore.plan.placement import (
     validate_kv_cache_layout,
 )
 from kvcore.registry import KindRegistry
-from kvcore.spec import KVCacheSpec
+from kvcore.spec import KVCacheSpec, iter_layer_specs
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
 __all__ = ["get_kv_cache_config_from_groups", "plan_kv_cache"]
@@ -68,6 +69,7 @@ def get_kv_cache_config_from_groups(
             hash_block_size=hash_block_size,
             **settings,  # type: ignore[arg-type]
         )
+    check_spec_answers(s for g in groups for s in iter_layer_specs(g.kv_cache_spec))
     layout = cache.resolved_layout()
     validate_kv_cache_layout(layout, groups)
     bytes_per_block = kv_cache_bytes_per_block(groups, layout)

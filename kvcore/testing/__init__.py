@@ -20,7 +20,7 @@ from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.kv_cache_manager import KVCacheManager
 from kvcore.coordinator.manager import HitQuery
 from kvcore.coordinator.request import Request
-from kvcore.errors import InvalidSpecError, KvcoreError
+from kvcore.errors import InvalidSpecError, KvcoreError, PluginError
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import get_kv_cache_config_from_groups
@@ -58,7 +58,12 @@ def check_kind(
     where the kind declares one, preemption, re-admission, free) within
     ``max_num_blocks_per_request`` and returning every block.
     """
-    registry = registry if registry is not None else KindRegistry.from_kinds([kind])
+    if registry is None:
+        try:
+            registry = KindRegistry.from_kinds([kind])
+        except PluginError as exc:
+            msg = f"cache kind {getattr(kind, 'name', kind)!r}: {exc}"
+            raise ConformanceError(msg) from exc
     _require(
         type(spec) is kind.spec_type, kind, "the sample spec must be its spec_type"
     )
@@ -101,7 +106,11 @@ def check_kind(
     plan = get_kv_cache_config_from_groups(
         config, [group], 3 * 2 * spec.page_size_bytes * 8
     )
-    pool = KVCachePool(plan, "cpu", registry=registry)
+    try:
+        pool = KVCachePool(plan, "cpu", registry=registry)
+    except PluginError as exc:
+        msg = f"cache kind {kind.name!r}: binding its views failed: {exc}"
+        raise ConformanceError(msg) from exc
     storage = pool.buffer.untyped_storage().data_ptr()
     for name in group.layer_names:
         view = pool.views[name]

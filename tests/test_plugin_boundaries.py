@@ -1,0 +1,694 @@
+"""Every result crossing from plugin code into the core is checked where it
+crosses: a kind name taken from another distribution, what
+``kvcore_register_kinds`` returns, spec and manager classes, page sizes,
+grouping keys, merges and bound views.  Each broken kind of
+``tests/broken_kinds.py`` is refused with an error naming its plugin."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from broken_kinds import (
+    BadPageKind,
+    BadPageSpec,
+    BinderKind,
+    BinderSpec,
+    ListKeyKind,
+    ListKeySpec,
+    MistaggedKind,
+    MutableKind,
+    NotAManagerKind,
+    NotAttrsKind,
+    OkKind,
+    OtherKindMergeKind,
+    OtherKindMergeSpec,
+    Raising,
+    RaisingKeyKind,
+    RaisingKeySpec,
+    RaisingMergeKind,
+    RaisingMergeSpec,
+    plugin_with,
+    registry_with,
+    sample,
+)
+
+import kvcore
+from kvcore import DuplicateKindError, KindRegistry, PluginError, UnknownKindError
+from kvcore.errors import PluginBindError, PluginResultError
+from kvcore.spec import KVCacheSpec
+from kvcore_mamba import Mamba
+
+HAND = "plugin 'broken' (no distribution: registered by hand or from source)"
+BLOCK = "block it with KVCORE_DISABLE_PLUGINS=broken"
+CONFIG = kvcore.EngineConfig(cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC"))
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "KVCORE_DISABLE_PLUGIN_AUTOLOAD",
+        "KVCORE_DISABLE_PLUGINS",
+        "KVCORE_PLUGINS",
+        "KVCORE_OVERRIDE_KINDS",
+        "KVCORE_TRACE_PLUGINS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+# ---------------------------------------------------------------------------
+# A third party cannot take a built-in kind's name
+# ---------------------------------------------------------------------------
+
+IMPOSTOR = """
+from typing import ClassVar
+
+import attrs
+import torch
+
+from kvcore import AttentionKind, hookimpl
+from kvcore.spec import AttentionSpec
+
+
+@attrs.frozen(kw_only=True)
+class ImpostorSpec(AttentionSpec):
+    kind: ClassVar[str] = "mamba"
+
+
+class Impostor(AttentionKind):
+    name: ClassVar[str] = "mamba"
+    spec_type = ImpostorSpec
+
+
+@hookimpl
+def kvcore_register_kinds():
+    return [Impostor()]
+"""
+
+
+@pytest.fixture
+def impostor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> Iterator[str]:
+    """A fake distribution ``kvcore-impostor 0.1`` whose ``[kvcore]`` entry
+    point is named ``mamba`` and registers its own ``mamba`` kind."""
+    info = tmp_path / "kvcore_impostor-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kvcore-impostor\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text("[kvcore]\nmamba = kvcore_impostor\n")
+    (tmp_path / "kvcore_impostor.py").write_text(textwrap.dedent(IMPOSTOR))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield "kvcore_impostor"
+    sys.modules.pop("kvcore_impostor", None)
+    importlib.invalidate_caches()
+
+
+def _own_distribution() -> str | None:
+    pm = kvcore.get_plugin_manager(load_entrypoints=False)
+    return kvcore.plugins.plugin_distribution(pm, "mamba")
+
+
+def test_entry_point_named_like_a_builtin_does_not_replace_it(
+    impostor: str,
+) -> None:
+    pm = kvcore.get_plugin_manager(load_entrypoints=True)
+    # both are loaded: the built-in under its name, the impostor qualified
+    assert pm.get_plugin("mamba") is importlib.import_module("kvcore_mamba")
+    assert pm.get_plugin("mamba@kvcore-impostor") is sys.modules[impostor]
+    own = _own_distribution()
+    first = (
+        f"plugin 'mamba' (distribution {own!r})"
+        if own
+        else "plugin 'mamba' (no distribution: registered by hand or from source)"
+    )
+    with pytest.raises(DuplicateKindError) as info:
+        KindRegistry.from_plugin_manager(pm)
+    assert str(info.value) == (
+        f"cache kind 'mamba' is registered twice: by {first} and by plugin "
+        "'mamba@kvcore-impostor' (distribution 'kvcore-impostor 0.1'); a plugin "
+        "cannot replace another's kind silently. Uninstall or block one "
+        "(KVCORE_DISABLE_PLUGINS=mamba@kvcore-impostor), or let the later one "
+        "replace the earlier with KVCORE_OVERRIDE_KINDS=mamba"
+    )
+    assert (info.value.first, info.value.second) == (
+        "mamba",
+        "mamba@kvcore-impostor",
+    )
+    assert isinstance(info.value, ValueError)
+
+
+def test_blocking_the_impostor_by_its_qualified_name_keeps_the_builtin(
+    impostor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGINS", "mamba@kvcore-impostor")
+    registry = KindRegistry.from_plugin_manager(
+        kvcore.get_plugin_manager(load_entrypoints=True)
+    )
+    assert isinstance(registry["mamba"], Mamba)
+    assert registry.overridden == {}
+
+
+def test_override_is_explicit_and_recorded(
+    impostor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCORE_OVERRIDE_KINDS", "mamba")
+    registry = KindRegistry.from_plugin_manager(
+        kvcore.get_plugin_manager(load_entrypoints=True)
+    )
+    assert type(registry["mamba"]).__name__ == "Impostor"
+    assert registry.owner("mamba") == "mamba@kvcore-impostor"
+    assert registry.distribution("mamba") == "kvcore-impostor 0.1"
+    replaced, by = registry.overridden["mamba"]
+    assert replaced.startswith("plugin 'mamba' (")
+    assert by == "plugin 'mamba@kvcore-impostor' (distribution 'kvcore-impostor 0.1')"
+
+
+def test_override_argument_wins_over_the_environment(
+    impostor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCORE_OVERRIDE_KINDS", "mamba")
+    pm = kvcore.get_plugin_manager(load_entrypoints=True)
+    with pytest.raises(DuplicateKindError):
+        KindRegistry.from_plugin_manager(pm, override=())
+
+
+def test_override_of_a_kind_nobody_registers_is_refused(clean_env: None) -> None:
+    pm = kvcore.get_plugin_manager(load_entrypoints=False)
+    with pytest.raises(UnknownKindError) as info:
+        KindRegistry.from_plugin_manager(pm, override=["mambaa"])
+    assert str(info.value) == (
+        "KVCORE_OVERRIDE_KINDS (or override=) names kind(s) ['mambaa'] that no "
+        "plugin registers; known kinds: circular_buffer, full_attention, "
+        "hisparse_hot, mamba, mla, sliding_window, sliding_window_mla. Check the "
+        "spelling"
+    )
+
+
+# ---------------------------------------------------------------------------
+# What kvcore_register_kinds returns, and the classes of each kind
+# ---------------------------------------------------------------------------
+
+
+def _list_rule() -> str:
+    return (
+        "it must return a list of kind objects (kvcore.kinds.CacheKind "
+        "instances), e.g. [MyKind()], or [] for none"
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "shown"),
+    [
+        (OkKind(), "<cache kind 'ok_kind' (OkSpec)> (OkKind)"),
+        ("ok_kind", "'ok_kind' (str)"),
+        (7, "7 (int)"),
+    ],
+)
+def test_register_kinds_must_return_a_list(answer: object, shown: str) -> None:
+    with pytest.raises(PluginResultError) as info:
+        registry_with(plugin_with(answer=answer), "broken")
+    assert str(info.value) == (
+        f"kvcore {HAND}: kvcore_register_kinds returned {shown}; {_list_rule()}"
+    )
+    assert isinstance(info.value, TypeError)
+    assert info.value.plugin_name == "broken"
+
+
+def test_register_kinds_returning_none_is_refused() -> None:
+    class Nothing:
+        @kvcore.hookimpl
+        def kvcore_register_kinds(self) -> None:
+            return None
+
+    with pytest.raises(PluginResultError) as info:
+        registry_with(Nothing(), "broken")
+    assert str(info.value) == (
+        f"kvcore {HAND}: kvcore_register_kinds returned None (NoneType); {_list_rule()}"
+    )
+
+
+def test_register_kinds_raising_is_wrapped_and_chained() -> None:
+    with pytest.raises(PluginError) as info:
+        registry_with(Raising(), "broken")
+    assert str(info.value) == (
+        f"kvcore {HAND} raised in kvcore_register_kinds: RuntimeError: no kinds "
+        f"today; {BLOCK}"
+    )
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    ("kind", "rule"),
+    [
+        (
+            MistaggedKind(),
+            "kind 'mistagged' owns MistaggedSpec, whose kind tag is "
+            "'something_else'; set MistaggedSpec.kind = 'mistagged'",
+        ),
+        (
+            NotAttrsKind(),
+            "kind 'not_attrs' owns NotAttrsSpec, which is not an attrs class of "
+            "its own; decorate it with @attrs.frozen(kw_only=True)",
+        ),
+        (
+            MutableKind(),
+            "kind 'mutable' owns MutableSpec, which is not frozen (it sets its "
+            "own __setattr__); specs are shared and hashed, so they must be "
+            "immutable: decorate it with @attrs.frozen(kw_only=True)",
+        ),
+        (
+            NotAManagerKind(),
+            "kind 'ok_kind' has manager_type=<class 'dict'>; it must be a "
+            "kvcore.coordinator.SingleTypeManager subclass (or None)",
+        ),
+    ],
+    ids=["mistagged", "not-attrs", "not-frozen", "not-a-manager"],
+)
+def test_kind_classes_checked_at_registration(kind: object, rule: str) -> None:
+    with pytest.raises(PluginResultError) as info:
+        registry_with(plugin_with(kind), "broken")
+    assert str(info.value) == f"kvcore {HAND}: {rule}; {BLOCK}"
+
+
+def test_a_kind_object_that_is_not_a_kind() -> None:
+    with pytest.raises(PluginResultError, match=r"registered <object object at "):
+        registry_with(plugin_with(object()), "broken")
+
+
+# ---------------------------------------------------------------------------
+# Spec answers, checked once as planning starts
+# ---------------------------------------------------------------------------
+
+
+def _plan(kind: object, spec: KVCacheSpec) -> dict[str, Any]:
+    registry = registry_with(plugin_with(kind), "broken")
+    groups = kvcore.get_kv_cache_groups(
+        CONFIG, {"a": spec, "b": spec}, registry=registry
+    )
+    plan = kvcore.get_kv_cache_config_from_groups(CONFIG, groups, 8 * 1024)
+    return dict(kvcore.KVCachePool(plan, "cpu", registry=registry).views)
+
+
+def _spec_error(kind: str, spec_type: str, rule: str) -> str:
+    return (
+        f"cache kind {kind!r} ({spec_type}) of {HAND}: {rule}. Fix the plugin, "
+        "or block it with KVCORE_DISABLE_PLUGINS=broken"
+    )
+
+
+@pytest.mark.parametrize(
+    ("page", "shown"),
+    [(0, "0 (int)"), (-64, "-64 (int)"), (3.5, "3.5 (float)"), (True, "True (bool)")],
+)
+def test_page_size_must_be_a_positive_int(page: object, shown: str) -> None:
+    with pytest.raises(PluginResultError) as info:
+        _plan(BadPageKind(), sample(BadPageSpec, bad_page=page))
+    assert str(info.value) == _spec_error(
+        "bad_page",
+        "BadPageSpec",
+        f"page_size_bytes is {shown}; it must be a positive int number of bytes "
+        "(a bool or float is not one)",
+    )
+
+
+def test_page_size_checked_for_hand_built_groups() -> None:
+    registry_with(plugin_with(BadPageKind()), "broken")  # names the plugin
+    spec = sample(BadPageSpec, bad_page=-64)
+    group = kvcore.KVCacheGroupSpec(["a"], spec)
+    with pytest.raises(PluginResultError, match=r"page_size_bytes is -64 \(int\)"):
+        kvcore.get_kv_cache_config_from_groups(CONFIG, [group], 8 * 1024)
+
+
+def test_unhashable_group_key() -> None:
+    with pytest.raises(PluginResultError) as info:
+        _plan(ListKeyKind(), sample(ListKeySpec))
+    assert str(info.value) == _spec_error(
+        "list_key",
+        "ListKeySpec",
+        "what group_key() returned (['list_key', 16]) is unhashable (unhashable "
+        "type: 'list'); grouping keys and specs are dict keys, so build them from "
+        "tuples, ints, strings and other frozen values",
+    )
+    assert isinstance(info.value, TypeError)
+
+
+def test_raising_group_key_is_wrapped() -> None:
+    with pytest.raises(PluginError) as info:
+        _plan(RaisingKeyKind(), sample(RaisingKeySpec))
+    assert str(info.value) == _spec_error(
+        "raising_key", "RaisingKeySpec", "group_key() raised RuntimeError: no key"
+    )
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_merge_returning_another_kind_is_refused() -> None:
+    with pytest.raises(PluginResultError) as info:
+        _plan(OtherKindMergeKind(), sample(OtherKindMergeSpec))
+    message = str(info.value)
+    assert message.startswith(
+        f"cache kind 'other_merge' (OtherKindMergeSpec) of {HAND}: "
+        "OtherKindMergeSpec.merge() of 2 spec(s) returned FullAttentionSpec("
+    )
+    assert message.endswith(
+        "; merge must return an instance of OtherKindMergeSpec (the group's spec, "
+        "of the same kind) or raise kvcore.MergeError when the specs do not merge. "
+        f"Fix the plugin, or {BLOCK}"
+    )
+
+
+def test_merge_raising_is_wrapped() -> None:
+    with pytest.raises(PluginError) as info:
+        _plan(RaisingMergeKind(), sample(RaisingMergeSpec))
+    assert str(info.value) == _spec_error(
+        "raising_merge",
+        "RaisingMergeSpec",
+        "RaisingMergeSpec.merge() raised TypeError: unsupported operand type(s) "
+        "for //: 'RaisingMergeSpec' and 'int'",
+    )
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+# ---------------------------------------------------------------------------
+# Bound views, checked as the pool is built
+# ---------------------------------------------------------------------------
+
+NOT_SHARED = (
+    "bind_view for layer 'a' does not share the pool's storage (a new tensor or a "
+    "copy); views must be made from `raw` without copying (view, reshape, slice, "
+    ".view(dtype)), or the cache is written nowhere"
+)
+REGION = "(from byte 0: [8 x 1024 B] runs of 512 B)"
+
+
+def _outside(shape: str, offset: int) -> str:
+    return (
+        f"bind_view for layer 'a' (shape {shape}, strides (512, 256, 16, 1), "
+        f"torch.float16, storage offset {offset}) reaches bytes outside the "
+        f"layer's region of the pool {REGION}, so writes through it would "
+        "overwrite other layers or blocks; derive the view from `raw` without "
+        "widening it"
+    )
+
+
+@pytest.mark.parametrize(
+    ("how", "rule"),
+    [
+        ("wide", _outside("(8, 1, 32, 16)", 0)),
+        ("next_layer", _outside("(8, 1, 16, 16)", 256)),
+        ("fresh", NOT_SHARED),
+        ("clone", NOT_SHARED),
+        (
+            "none",
+            "bind_view for layer 'a' returned NoneType; it must return a tensor "
+            "(or a tuple of tensors) viewing the raw region it was given",
+        ),
+        (
+            "empty",
+            "bind_view for layer 'a' returned an empty tuple; it must return a "
+            "tensor (or a tuple of tensors) viewing the raw region it was given",
+        ),
+        (
+            "half_tuple",
+            "bind_view for layer 'a' returned a tuple of Tensor, NoneType; it must "
+            "return a tensor (or a tuple of tensors) viewing the raw region it was "
+            "given",
+        ),
+        (
+            "string",
+            "bind_view for layer 'a' returned str; it must return a tensor (or a "
+            "tuple of tensors) viewing the raw region it was given",
+        ),
+        (
+            "bytes",
+            "bind_view for layer 'a' is torch.uint8, but the spec's dtype is "
+            "torch.float16; view the raw bytes as torch.float16",
+        ),
+    ],
+)
+def test_bound_view_checked(how: str, rule: str) -> None:
+    with pytest.raises(PluginBindError) as info:
+        _plan(BinderKind(how), sample(BinderSpec))
+    assert str(info.value) == _spec_error("binder", "BinderSpec", rule)
+    assert isinstance(info.value, ValueError)
+
+
+def test_binder_raising_is_wrapped_and_chained() -> None:
+    with pytest.raises(PluginError) as info:
+        _plan(BinderKind("raises"), sample(BinderSpec))
+    assert str(info.value) == _spec_error(
+        "binder",
+        "BinderSpec",
+        "bind_view (layer 'a') raised RuntimeError: cannot bind",
+    )
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_keyboard_interrupt_is_not_wrapped() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        _plan(BinderKind("interrupt"), sample(BinderSpec))
+
+
+def test_a_good_binder_passes_and_its_views_are_disjoint() -> None:
+    views = _plan(BinderKind("ok"), sample(BinderSpec))
+    views["a"].fill_(7)
+    assert not (views["b"] == 7).any()
+
+
+def test_check_kind_refuses_a_mistagged_kind() -> None:
+    from kvcore.testing import ConformanceError, check_kind
+
+    with pytest.raises(ConformanceError, match="whose kind tag is 'something_else'"):
+        check_kind(MistaggedKind(), sample(BinderSpec))
+
+
+def test_check_kind_refuses_an_escaping_binder() -> None:
+    from kvcore.testing import ConformanceError, check_kind
+
+    with pytest.raises(ConformanceError, match="reaches bytes outside"):
+        check_kind(BinderKind("wide"), sample(BinderSpec))
+
+
+# ---------------------------------------------------------------------------
+# kvcore plugins: every plugin listed, broken ones with their error
+# ---------------------------------------------------------------------------
+
+BROKEN_IMPORT = "raise RuntimeError('half installed')\n"
+DUPLICATE_KIND = """
+from kvcore import hookimpl
+from kvcore_full_attention import FullAttention
+
+
+@hookimpl
+def kvcore_register_kinds():
+    return [FullAttention()]
+"""
+
+
+@pytest.fixture
+def broken_plugins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_env: None
+) -> Iterator[None]:
+    """Two plugin modules loaded through ``KVCORE_PLUGINS``: one that fails to
+    import, one that registers a kind a built-in already has."""
+    (tmp_path / "kvcore_half_installed.py").write_text(BROKEN_IMPORT)
+    (tmp_path / "kvcore_dup_full.py").write_text(textwrap.dedent(DUPLICATE_KIND))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "kvcore_half_installed,kvcore_dup_full")
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    importlib.invalidate_caches()
+    yield
+    for module in ("kvcore_half_installed", "kvcore_dup_full"):
+        sys.modules.pop(module, None)
+
+
+def test_plugins_lists_every_plugin_and_the_broken_ones(
+    broken_plugins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(kvcore.plugins.BUILTIN_PLUGINS) | {
+        "kvcore_half_installed",
+        "kvcore_dup_full",
+    }
+    assert rows["mamba"]["errors"] == []
+    assert rows["mamba"]["kinds"] == ["mamba"]
+    assert rows["kvcore_half_installed"]["errors"] == [
+        "kvcore plugin 'kvcore_half_installed' failed to import: RuntimeError: "
+        "half installed; fix or uninstall it, or block it with "
+        "KVCORE_DISABLE_PLUGINS=kvcore_half_installed"
+    ]
+    assert rows["kvcore_dup_full"]["kinds"] == []
+    [dup] = rows["kvcore_dup_full"]["errors"]
+    assert dup.startswith("cache kind 'full_attention' is registered twice: by ")
+    assert rows["full_attention"]["kinds"] == ["full_attention"]
+
+
+def test_plugins_check_exits_non_zero_only_when_asked(
+    broken_plugins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "kvcore_half_installed" in out
+    assert "    error: kvcore plugin 'kvcore_half_installed' failed to import" in out
+    assert main(["plugins", "--check"]) == 1
+    assert capsys.readouterr().err == "kvcore: error: 2 plugin(s) broken\n"
+
+
+def test_plugins_check_passes_with_only_builtins(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert main(["plugins", "--check"]) == 0
+    assert "BROKEN" not in capsys.readouterr().out
+
+
+def test_the_suite_sees_only_builtin_kinds(builtin_registry: KindRegistry) -> None:
+    """conftest keeps installed third-party plugins out of the default
+    registry, so results do not depend on what is pip-installed."""
+    assert os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD") == "1"
+    assert set(kvcore.default_registry()) == set(builtin_registry)
+    assert set(builtin_registry) == {
+        "circular_buffer",
+        "full_attention",
+        "hisparse_hot",
+        "mamba",
+        "mla",
+        "sliding_window",
+        "sliding_window_mla",
+    }
+
+
+def test_a_plan_with_an_overridden_kind_says_so(
+    impostor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcore.summary import summarize
+
+    monkeypatch.setenv("KVCORE_OVERRIDE_KINDS", "mamba")
+    registry = KindRegistry.from_plugin_manager(
+        kvcore.get_plugin_manager(load_entrypoints=True)
+    )
+    spec = registry["mamba"].spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    plan = kvcore.plan_kv_cache(CONFIG, {"ssm.0": spec}, 1 << 20, registry=registry)
+    replaced, by = registry.overridden["mamba"]
+    note = (
+        f"kind 'mamba' is overridden: {by} replaces {replaced} (KVCORE_OVERRIDE_KINDS)"
+    )
+    summary = summarize(plan, [1024], model_name="m", registry=registry)
+    assert note in summary.notes
+    # a registry without overrides adds no note
+    plain = KindRegistry.from_plugin_manager(
+        kvcore.get_plugin_manager(load_entrypoints=False), override=()
+    )
+    assert plain.override_notes() == []
+
+
+def test_plugins_lists_a_plugin_with_an_unknown_hook(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    clean_env: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvcore.cli import main
+
+    (tmp_path / "kvcore_odd_hook.py").write_text(
+        "from kvcore import hookimpl\n\n\n@hookimpl\ndef kvcore_not_a_hook():\n"
+        "    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "kvcore_odd_hook")
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    try:
+        assert main(["plugins", "--json", "--check"]) == 1
+    finally:
+        sys.modules.pop("kvcore_odd_hook", None)
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    [error] = rows["kvcore_odd_hook"]["errors"]
+    assert error.startswith(
+        "kvcore plugin 'kvcore_odd_hook' implements a hook kvcore does not define"
+    )
+    assert rows["mamba"]["errors"] == []
+
+
+def test_kvcore_plan_refuses_the_impostor(
+    impostor: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcore.cli import main
+
+    kvcore.default_registry.cache_clear()
+    try:
+        assert main(["plan", "jamba-1-5-mini", "--memory", "1GiB"]) == 2
+    finally:
+        kvcore.default_registry.cache_clear()
+    err = capsys.readouterr().err
+    assert "cache kind 'mamba' is registered twice" in err
+    assert "'kvcore-impostor 0.1'" in err
+
+
+# ---------------------------------------------------------------------------
+# The region arithmetic itself
+# ---------------------------------------------------------------------------
+
+
+def _raw(padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool of 4 blocks of two 2x4x8-byte pages (plus ``padding`` bytes a
+    block), and the first layer's raw region ``[4, 2, 4, 8]``."""
+    page = 2 * 4 * 8
+    block = 2 * page + padding
+    buffer = torch.zeros(4 * block, dtype=torch.uint8)
+    raw = torch.as_strided(buffer, (4, 2, 4, 8), (block, 32, 8, 1), 0)
+    return buffer, raw
+
+
+@pytest.mark.parametrize("padding", [0, 16])
+def test_region_holds_the_views_a_binder_may_make(padding: int) -> None:
+    from kvcore.pool import ByteRegion
+
+    _, raw = _raw(padding)
+    region = ByteRegion(raw)
+    typed = raw.view(torch.float16)
+    for view in (
+        raw,
+        typed,
+        typed.permute(0, 2, 1, 3),
+        typed.reshape(4, 2, 16),
+        typed[:, :, 1:3],
+        typed[1:],
+        typed[:, 0].view(torch.int32),
+        typed.flatten(1)[:, 5:20],
+    ):
+        assert region.contains(view)
+
+
+@pytest.mark.parametrize("padding", [0, 16])
+def test_region_refuses_views_that_leave_it(padding: int) -> None:
+    from kvcore.pool import ByteRegion
+
+    buffer, raw = _raw(padding)
+    region = ByteRegion(raw)
+    block = raw.stride(0)
+    for shape, strides, offset in (
+        ((4, 2, 8, 8), (block, 32, 8, 1), 0),  # twice the states
+        ((4, 2, 4, 8), (block, 32, 8, 1), 64),  # shifted into the next layer
+        ((4, 2, 4, 9), (block, 32, 8, 1), 0),  # one byte too wide a state
+        ((4, 64), (block, 1), 1),  # one byte late
+    ):
+        assert not region.contains(torch.as_strided(buffer, shape, strides, offset))
