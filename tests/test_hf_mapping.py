@@ -341,3 +341,51 @@ def test_only_org_slash_name_reads_as_a_hub_id(text: str) -> None:
 
     assert not is_hub_id(text)
     assert is_hub_id("Qwen/Qwen3-8B")
+
+
+def test_the_docs_list_every_built_in_mapper() -> None:
+    text = (Path(__file__).parent.parent / "docs" / "hf-config.md").read_text()
+    for mapper in kvcore_hf.MAPPERS:
+        module = type(mapper).__module__
+        row = f"| `{mapper.name}` | `{module}` | " + ", ".join(
+            f"`{a}`" for a in mapper.architectures
+        )
+        assert row in text, mapper.name
+
+
+def test_plan_from_a_config_json_matches_the_shipped_file(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The CLI planned from Gemma-3-27B's config.json gives the shipped
+    file's answer (62 requests of 32k on two H100s at fp8, hand-worked in
+    test_cli.py)."""
+    from kvcore.cli import main
+
+    args = [
+        "--gpu",
+        "H100",
+        "--tp",
+        "2",
+        "--kv-cache-dtype",
+        "fp8",
+        "--weights",
+        "55GB",
+        "--context",
+        "32k",
+    ]
+    assert main(["plan", "--hf-config", str(FIXTURES / "gemma-3-27b"), *args]) == 0
+    mapped = capsys.readouterr().out.splitlines()[0]
+    assert main(["plan", "gemma-3-27b", *args]) == 0
+    shipped = capsys.readouterr().out.splitlines()[0]
+    assert mapped.endswith(": 62 requests of 32k tokens (limit 63, 0.98)")
+    assert mapped.split(" on ", 1)[1] == shipped.split(" on ", 1)[1]
+
+
+def test_plan_refuses_a_model_and_a_config_together(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvcore.cli import main
+
+    code = main(["plan", "llama-3-1-8b", "--hf-config", str(FIXTURES / "llama-3-1-8b")])
+    assert code == 2
+    assert "give a MODEL or --hf-config, not both" in capsys.readouterr().err
