@@ -233,7 +233,10 @@ class PipelinePlan:
 
     @property
     def stage_layers(self) -> list[list[str]]:
-        """The cache layers each stage holds, in stage order."""
+        """The cache layers each stage holds, in stage and model order."""
+        recorded = self.stages[0].pipeline_stages
+        if recorded is not None:
+            return [list(names) for names in recorded]
         return [
             [n for g in plan.kv_cache_groups for n in g.layer_names]
             for plan in self.stages
