@@ -58,6 +58,7 @@ __all__ = [
     "broadcast_text",
     "check_plan_matches_specs",
     "dump_pipeline_plan",
+    "fingerprint_parts",
     "load_pipeline_plan",
     "plan_fingerprint",
     "plan_local",
@@ -479,8 +480,8 @@ def check_plan_matches_specs(
             field, ours, theirs = "kind", own.kind, spec.kind
         else:
             mine, shipped = _spec_fields(own), _spec_fields(spec)
-            field = next(k for k in mine if mine[k] != shipped[k])
-            ours, theirs = mine[field], shipped[field]
+            field = next((k for k in mine if mine[k] != shipped[k]), "spec")
+            ours, theirs = mine.get(field, own), shipped.get(field, spec)
         msg = (
             f"layer {name!r}: the shipped plan has {field}={theirs!r} but this "
             f"worker's spec has {field}={ours!r}; the scheduler planned another "

@@ -39,6 +39,7 @@ from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 __all__ = [
     "PipelinePlan",
     "combine_stage_plans",
+    "line_up_problem",
     "model_layer_index",
     "plan_pipeline_stages",
     "split_pipeline_stages",
