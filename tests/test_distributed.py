@@ -286,7 +286,9 @@ def _error(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _scenario_agree(rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
+def _scenario_agree(
+    rank: int, timeout: datetime.timedelta, out_file: str
+) -> dict[str, Any]:
     """Two ranks: equal plans, a rank with less memory, shipping, a mismatch."""
     registry = kvcore.default_registry()
     specs = _served("llama-3-1-8b", 2)
@@ -309,10 +311,20 @@ def _scenario_agree(rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
         agree_plan(mine, timeout=timeout, registry=registry)
     except PlanMismatchError as exc:
         out["mismatch"] = _error(exc)
+    # Last, rank 1 is slower than rank 0's timeout: rank 0 raises.
+    if rank == 1:
+        time.sleep(3)
+        return out
+    try:
+        agree_plan(equal, timeout=datetime.timedelta(seconds=1), registry=registry)
+    except CollectiveError as exc:
+        out["slow"] = _error(exc)
     return out
 
 
-def _scenario_pipeline(rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
+def _scenario_pipeline(
+    rank: int, timeout: datetime.timedelta, out_file: str
+) -> dict[str, Any]:
     """Four ranks, TP 2 x PP 2 of Jamba: ranks 0, 1 run stage 0."""
     registry = kvcore.default_registry()
     specs = _served("jamba-1-5-mini", 2)
@@ -339,28 +351,18 @@ def _scenario_pipeline(rank: int, timeout: datetime.timedelta) -> dict[str, Any]
         agree_plan(mine, timeout=timeout, registry=registry)
     except PlanMismatchError as exc:
         out["mismatch"] = _error(exc)
-    return out
-
-
-def _scenario_dead(rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
-    """Rank 1 dies before the first collective."""
-    if rank == 1:
-        os._exit(0)  # a clean exit: the spawner leaves rank 0 running
-    registry = kvcore.default_registry()
-    specs = _served("llama-3-1-8b", 2)
-    local = plan_local(_short(2), specs, 64 * MIB, registry=registry)
+    # Last, rank 3 dies before the next collective; the others must raise.
+    if rank == 3:
+        Path(out_file).write_text(json.dumps(out))
+        os._exit(0)  # a clean exit: the spawner leaves the others running
     try:
         agree_plan(local, timeout=timeout, registry=registry)
     except CollectiveError as exc:
-        return {"error": _error(exc)}
-    return {}
+        out["dead"] = _error(exc)
+    return out
 
 
-SCENARIOS = {
-    "agree": _scenario_agree,
-    "pipeline": _scenario_pipeline,
-    "dead": _scenario_dead,
-}
+SCENARIOS = {"agree": _scenario_agree, "pipeline": _scenario_pipeline}
 
 
 def _child(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
@@ -376,7 +378,7 @@ def _child(rank: int, world: int, port: int, scenario: str, out_dir: str) -> Non
             world_size=world,
             timeout=timeout,
         )
-        result = SCENARIOS[scenario](rank, timeout)
+        result = SCENARIOS[scenario](rank, timeout, str(Path(out_dir, f"{rank}.json")))
     except BaseException as exc:  # the parent reports it
         result = {"crash": _error(exc), "traceback": traceback.format_exc()}
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
@@ -434,12 +436,21 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     assert "rank 1 planned stage 0 differently from rank 0" in error["message"]
     assert (
         "page_sizes of layer 'model.layers.0.self_attn': 32768 vs 16384"
-        in (error["message"])
+        in error["message"]
     )
+    slow = r0["slow"]
+    assert slow["type"] == "CollectiveError"
+    assert "did not complete within 1 s" in slow["message"]
 
 
-def test_four_ranks_tp2_pp2(tmp_path: Path) -> None:
-    results = _run("pipeline", 4, tmp_path)
+@pytest.fixture(scope="module")
+def pipeline_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One run of four ranks (TP 2 x PP 2), read by the tests below."""
+    return _run("pipeline", 4, tmp_path_factory.mktemp("ranks"))
+
+
+def test_four_ranks_tp2_pp2(pipeline_ranks: list[dict[str, Any]]) -> None:
+    results = pipeline_ranks
     # Rank r has (64 - r) MiB; a stage of 16 Jamba layers at TP 2 is 7 pairs
     # of Mamba states (2 x 155648 B) and its attention pair grown to 80-token
     # blocks (2 x 5 x 32768 B), the widest: 327680 B a block, so rank 3's
@@ -466,12 +477,18 @@ def test_four_ranks_tp2_pp2(tmp_path: Path) -> None:
     assert "rank 3 planned stage 1 differently from rank 2" in errors[0]["message"]
 
 
-def test_a_dead_rank_gives_an_error_not_a_hang(tmp_path: Path) -> None:
-    r0, _ = _run("dead", 2, tmp_path)
-    error = r0["error"]
-    assert error["type"] == "CollectiveError"
-    assert error["kvcore"]
-    assert "rank 0: the all-reduce of num_blocks over 2 ranks" in error["message"]
+def test_a_dead_rank_gives_an_error_not_a_hang(
+    pipeline_ranks: list[dict[str, Any]],
+) -> None:
+    # Rank 3 exited before the last agreement; each of the others raised
+    # (its own peer's connection closed, or the timeout passed).
+    for rank in range(3):
+        error = pipeline_ranks[rank]["dead"]
+        assert error["type"] == "CollectiveError"
+        assert error["kvcore"]
+        assert f"rank {rank}: the " in error["message"]
+        assert "over 4 ranks did not complete within 10 s" in error["message"]
+    assert "dead" not in pipeline_ranks[3]
 
 
 def test_engine_integration_example_under_torchrun() -> None:
