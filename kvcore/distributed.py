@@ -56,6 +56,7 @@ __all__ = [
     "agree_plan",
     "bind_worker_cache",
     "broadcast_text",
+    "check_agreement",
     "check_plan_matches_specs",
     "dump_pipeline_plan",
     "fingerprint_parts",
@@ -288,9 +289,11 @@ def _first_difference(field: str, ours: Any, theirs: Any) -> str:
     return f"{field}: {_canonical(ours)[:160]} vs {_canonical(theirs)[:160]}"
 
 
-def _check_agreement(gathered: list[dict[str, Any]]) -> None:
+def check_agreement(gathered: Sequence[Mapping[str, Any]]) -> None:
     """Raise the same :class:`PlanMismatchError` on every rank unless each
-    stage's ranks planned alike; ``gathered`` is every rank's record."""
+    stage's ranks planned alike; ``gathered`` is every rank's record
+    (``stage``, ``fingerprint`` and ``parts``, in group-rank order).  Within a stage the plan most ranks hold is the
+    reference (ties: the lowest rank's), and the others are named."""
     by_stage: dict[int, list[int]] = {}
     for rank, record in enumerate(gathered):
         by_stage.setdefault(record["stage"], []).append(rank)
@@ -298,9 +301,12 @@ def _check_agreement(gathered: list[dict[str, Any]]) -> None:
     ranks: set[int] = set()
     fields: set[str] = set()
     for stage, members in sorted(by_stage.items()):
-        ref = members[0]
+        held: dict[str, list[int]] = {}
+        for rank in members:
+            held.setdefault(gathered[rank]["fingerprint"], []).append(rank)
+        ref = max(held.values(), key=lambda rs: (len(rs), -rs[0]))[0]
         ref_parts = gathered[ref]["parts"]
-        for rank in members[1:]:
+        for rank in members:
             if gathered[rank]["fingerprint"] == gathered[ref]["fingerprint"]:
                 continue
             parts = gathered[rank]["parts"]
@@ -358,7 +364,7 @@ def agree_plan(
         _canonical(record).encode(), group, timeout, "all-gather of plan fingerprints"
     )
     gathered = [json.loads(r) for r in raw]
-    _check_agreement(gathered)
+    check_agreement(gathered)
     stage_count = len(plan.pipeline_stages) if plan.pipeline_stages is not None else 1
     first_rank: dict[int, int] = {}
     for rank, rec in enumerate(gathered):

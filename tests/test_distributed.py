@@ -33,18 +33,22 @@ from kvcore.distributed import (
     agree_plan,
     bind_worker_cache,
     broadcast_text,
+    check_agreement,
     check_plan_matches_specs,
     dump_pipeline_plan,
+    fingerprint_parts,
     load_pipeline_plan,
     plan_fingerprint,
     plan_local,
 )
-from kvcore.errors import KvcoreError, PlanError
+from kvcore.errors import KvcoreError, PlanError, SerializationError
 from kvcore.plan.stages import (
     PipelinePlan,
+    combine_stage_plans,
     plan_pipeline_stages,
     split_pipeline_stages,
     stage_sizes_for,
+    with_num_blocks,
 )
 from kvcore.serialize import load_model_file
 from kvcore.serving import ServingChoices, apply_serving_choices
@@ -264,6 +268,73 @@ def test_worker_binds_from_json_and_refuses_other_specs() -> None:
     fewer = dict(list(specs.items())[:31])
     with pytest.raises(WorkerSpecMismatchError, match="not on this worker"):
         check_plan_matches_specs(plan, fewer)
+
+
+# -- fingerprints and the shipped JSON ---------------------------------------------
+
+
+def test_fingerprint_ignores_memory_and_names_what_differs() -> None:
+    registry = kvcore.default_registry()
+    specs = _served("llama-3-1-8b", 2)
+    a = plan_local(_short(2), specs, 64 * MIB, registry=registry)
+    b = plan_local(_short(2), specs, 40 * MIB, registry=registry)
+    # Block counts and memory are reconciled, not compared.
+    assert plan_fingerprint(a, registry) == plan_fingerprint(b, registry)
+    assert len(plan_fingerprint(a, registry)) == 64
+    fp8 = plan_local(
+        _short(2),
+        _served("llama-3-1-8b", 2, kv_cache_dtype="fp8"),
+        64 * MIB,
+        registry=registry,
+    )
+    assert plan_fingerprint(fp8, registry) != plan_fingerprint(a, registry)
+    parts, other = fingerprint_parts(a, registry), fingerprint_parts(fp8, registry)
+    assert [k for k in parts if parts[k] != other[k]] == [
+        "groups",
+        "page_sizes",
+        "bytes_per_block",
+    ]
+
+
+def test_the_odd_rank_out_is_named() -> None:
+    def record(fingerprint: str, page: int) -> dict[str, Any]:
+        parts = {"page_sizes": {"l.0": page}, "max_model_len": 256}
+        return {"stage": 0, "fingerprint": fingerprint, "parts": parts}
+
+    # Ranks 0, 2 and 3 agree; rank 1 is named, against rank 0.
+    gathered = [record("a", 8), record("b", 4), record("a", 8), record("a", 8)]
+    with pytest.raises(PlanMismatchError) as info:
+        check_agreement(gathered)
+    assert info.value.ranks == (1,)
+    assert info.value.fields == ("page_sizes",)
+    assert "rank 1 planned stage 0 differently from rank 0" in str(info.value)
+    assert "page_sizes of layer 'l.0': 8 vs 4" in str(info.value)
+    # Rank 0 is the odd one out of three: it is the one named.
+    with pytest.raises(PlanMismatchError) as info:
+        check_agreement([record("b", 4), record("a", 8), record("a", 8)])
+    assert info.value.ranks == (0,)
+
+
+def test_shipped_json_is_checked() -> None:
+    registry = kvcore.default_registry()
+    with pytest.raises(SerializationError, match="must be JSON"):
+        load_pipeline_plan("{", registry)
+    with pytest.raises(SerializationError, match="non-empty 'stages' list"):
+        load_pipeline_plan(json.dumps({"format": "x", "stages": []}), registry)
+    plans = plan_pipeline_stages(
+        _config(pp=2), _model("jamba-1-5-mini"), 64 * MIB, registry=registry
+    )
+    data = json.loads(dump_pipeline_plan(plans, registry))
+    assert load_pipeline_plan(json.dumps(data), registry) == plans
+    data["num_blocks"] = 7
+    with pytest.raises(SerializationError, match="it says num_blocks=7"):
+        load_pipeline_plan(json.dumps(data), registry)
+    # Stages of different block counts cannot share one scheduler.
+    shrunk = (plans.stages[0], with_num_blocks(plans.stages[1], 100))
+    with pytest.raises(PlanError, match="stage 1 has 100 blocks but stage 0 has"):
+        combine_stage_plans(shrunk)
+    with pytest.raises(PlanError, match="can only shrink to between 2 and"):
+        with_num_blocks(plans.stages[0], plans.num_blocks + 1)
 
 
 # -- real process groups -----------------------------------------------------------
