@@ -364,42 +364,48 @@ def agree_plan(
         _canonical(record).encode(), group, timeout, "all-gather of plan fingerprints"
     )
     gathered = [json.loads(r) for r in raw]
+    # From here on every rank reads only the gathered records, so every rank
+    # reaches the same answer, or the same error.
     check_agreement(gathered)
-    stage_count = len(plan.pipeline_stages) if plan.pipeline_stages is not None else 1
     first_rank: dict[int, int] = {}
     for rank, rec in enumerate(gathered):
         first_rank.setdefault(rec["stage"], rank)
+    leaders = sorted(first_rank.values())
+    settings = [
+        name
+        for name in (*_AGREED, "pipeline_stages")
+        if len({_canonical(gathered[r]["parts"][name]) for r in leaders}) > 1
+    ]
+    if settings:
+        msg = (
+            f"the pipeline stages' plans (ranks {leaders}) do not fit one "
+            f"scheduler: they differ in {', '.join(settings)}; every stage must "
+            "split and plan the same model with the same settings"
+        )
+        raise PlanMismatchError(msg, ranks=leaders, fields=settings)
+    stage_count = len(gathered[0]["parts"]["pipeline_stages"] or [[]])
     missing = [s for s in range(stage_count) if s not in first_rank]
     if missing:
         msg = (
             f"no rank planned pipeline stage(s) {missing} of {stage_count}; run "
-            "one rank per stage at least, each planning its own stage"
+            "at least one rank per stage, each planning its own stage"
         )
         raise PlanMismatchError(msg, ranks=[], fields=["pipeline_stage"])
-    stages = []
-    for s in range(stage_count):
-        stage_plan = converter.structure(
-            gathered[first_rank[s]]["config"], KVCacheConfig
+    stages = [
+        with_num_blocks(
+            converter.structure(gathered[first_rank[s]]["config"], KVCacheConfig),
+            num_blocks,
         )
-        stages.append(with_num_blocks(stage_plan, num_blocks))
-    problem = line_up_problem([p.kv_cache_groups for p in stages])
-    settings = [
-        name
-        for name in _AGREED
-        if len({_canonical(gathered[r]["parts"][name]) for r in first_rank.values()})
-        > 1
+        for s in range(stage_count)
     ]
-    if problem is not None or settings:
-        ranks = sorted(first_rank.values())
+    problem = line_up_problem([p.kv_cache_groups for p in stages])
+    if problem is not None:
         msg = (
-            f"the pipeline stages' plans (ranks {ranks}) do not fit one scheduler: "
-            + (problem or f"they differ in {', '.join(settings)}")
-            + "; every stage must split and plan the same model with the same "
-            "settings"
+            f"the pipeline stages' plans (ranks {leaders}) do not fit one "
+            f"scheduler: {problem}; every stage must split and plan the same "
+            "model with the same settings"
         )
-        raise PlanMismatchError(
-            msg, ranks=ranks, fields=settings or ["kv_cache_groups"]
-        )
+        raise PlanMismatchError(msg, ranks=leaders, fields=["kv_cache_groups"])
     return PipelinePlan(stages=tuple(stages))
 
 

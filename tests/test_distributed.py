@@ -422,6 +422,15 @@ def _scenario_pipeline(
         agree_plan(mine, timeout=timeout, registry=registry)
     except PlanMismatchError as exc:
         out["mismatch"] = _error(exc)
+    # Stage 1 (ranks 2 and 3) serves another max_model_len than stage 0.
+    config = _config(
+        tp=2, pp=2, max_model_len=1024 if stage else 2048, target_context=2048
+    )
+    mine = plan_local(config, specs, 64 * MIB, stage=stage, registry=registry)
+    try:
+        agree_plan(mine, timeout=timeout, registry=registry)
+    except PlanMismatchError as exc:
+        out["stages_differ"] = _error(exc)
     # Last, rank 3 dies before the next collective; the others must raise.
     if rank == 3:
         Path(out_file).write_text(json.dumps(out))
@@ -546,6 +555,12 @@ def test_four_ranks_tp2_pp2(pipeline_ranks: list[dict[str, Any]]) -> None:
     assert errors[0]["ranks"] == [3]
     assert "max_model_len" in errors[0]["fields"]
     assert "rank 3 planned stage 1 differently from rank 2" in errors[0]["message"]
+    # A whole stage serving other settings: every rank names the stages' leaders.
+    errors = [r["stages_differ"] for r in results]
+    assert all(e == errors[0] for e in errors)
+    assert errors[0]["ranks"] == [0, 2]
+    assert errors[0]["fields"] == ["max_model_len"]
+    assert "they differ in max_model_len" in errors[0]["message"]
 
 
 def test_a_dead_rank_gives_an_error_not_a_hang(
