@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 
-import torch
 import torch.distributed as dist
 
 import kvcore
@@ -63,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     # 2. kvcore and its plugins, found through the ``kvcore`` entry points.
     registry = kvcore.default_registry()
     model = load_model_file(zoo.path(args.model), registry)
+    if rank == 0:
+        print(f"kinds from plugins: {', '.join(sorted(registry))}", flush=True)
 
     # 3. This rank's specs: its tensor-parallel share of every layer.
     served = apply_serving_choices(
@@ -105,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         registry=registry,
     )
-    first = own[0]
-    view = pool.views[first]
-    if isinstance(view, torch.Tensor):
-        view[1].fill_(rank + 1)  # block 1 of this worker's first layer
+    view = pool.views[own[0]]  # a tensor, or a tuple of state tensors
+    first = view[0] if isinstance(view, tuple) else view
+    first[1].fill_(rank + 1)  # block 1 of this worker's first layer, in place
+    if int(pool.buffer.count_nonzero()) == 0:
+        raise SystemExit("a view is not a view of the pool")
     print(
         f"rank {rank}: bound {len(pool.views)} layers in one "
         f"{pool.buffer.numel()}-byte pool",
