@@ -143,6 +143,10 @@ class KVCacheConfig:
     :param max_num_batched_tokens: tokens one scheduler step may prefill
         (the capacity model reserves one such step).
     :param available_memory: the bytes the plan was sized for.
+    :param pipeline_stage: the pipeline stage whose layers this plan places
+        (``None``: the whole model, or the scheduler's view of every stage).
+    :param pipeline_stages: the cache layers each pipeline stage holds, in
+        stage order (``None``: one stage).
     """
 
     num_blocks: int
@@ -161,6 +165,8 @@ class KVCacheConfig:
     pipeline_parallel_size: int = 1
     max_num_batched_tokens: int | None = None
     available_memory: int | None = None
+    pipeline_stage: int | None = None
+    pipeline_stages: list[list[str]] | None = None
 
     def __attrs_post_init__(self) -> None:
         if type(self.num_blocks) is not int or self.num_blocks < 1:
@@ -184,6 +190,7 @@ class KVCacheConfig:
         ):
             _check_int(name, getattr(self, name), optional=True)
         _check_int("available_memory", self.available_memory, optional=True, minimum=0)
+        _check_stages(self.pipeline_stage, self.pipeline_stages)
         caching: object = self.enable_prefix_caching
         if type(caching) is not bool:
             msg = (
@@ -218,6 +225,29 @@ class KVCacheConfig:
 
         msg = f"layer {layer!r} is in no cache group of this config"
         raise KvcoreKeyError(msg)
+
+
+def _check_stages(stage: object, stages: object) -> None:
+    """A stage index needs the stages it indexes."""
+    if stages is not None and (
+        not isinstance(stages, list)
+        or not all(isinstance(s, list) and s for s in stages)
+        or not all(isinstance(n, str) for s in stages for n in s)
+    ):
+        msg = (
+            "KVCacheConfig.pipeline_stages must be a list of non-empty lists of "
+            f"layer names, one per stage, got {stages!r}"
+        )
+        raise PlanError(msg)
+    if stage is None:
+        return
+    count = len(stages) if isinstance(stages, list) else 0
+    if type(stage) is not int or not 0 <= stage < count:
+        msg = (
+            f"KVCacheConfig.pipeline_stage={stage!r} must index one of the "
+            f"{count} pipeline_stages; record the stages with the stage"
+        )
+        raise PlanError(msg)
 
 
 def _check_int(name: str, value: object, *, optional: bool, minimum: int = 1) -> None:
