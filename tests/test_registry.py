@@ -629,3 +629,56 @@ def test_every_hook_has_a_test() -> None:
 def test_every_hookspec_is_on_the_manager(pm: pluggy.PluginManager) -> None:
     on_pm = sorted(n for n in dir(pm.hook) if n.startswith("kvcore_"))
     assert on_pm == _hook_names()
+
+
+def test_a_third_party_mapper_arrives_through_an_entry_point(
+    fake_dist: Callable[[str, str, str], None],
+) -> None:
+    """An installed distribution's mapper is found by kvcore's default
+    mapper lookup and maps an architecture kvcore does not know."""
+    from kvcore.mapping import default_mappers, map_model_config
+
+    fake_dist(
+        "my_lm",
+        "fake_kvcore_mapper",
+        """
+        import torch
+        from kvcore import hookimpl
+        from kvcore.mapping import ModelMapper
+        from kvcore_full_attention import FullAttentionSpec
+
+        class MyLM(ModelMapper):
+            name = "my-lm"
+            architectures = ("MyLMForCausalLM",)
+
+            def layer_specs(self, config, choices):
+                spec = FullAttentionSpec(
+                    block_size=16,
+                    num_kv_heads=config.positive("num_key_value_heads"),
+                    head_size=config.positive("head_dim"),
+                    dtype=config.model_dtype(),
+                )
+                n = config.positive("num_hidden_layers")
+                return {f"model.layers.{i}.attn": spec for i in range(n)}
+
+        @hookimpl
+        def kvcore_register_model_mappers():
+            return [MyLM()]
+        """,
+    )
+    mappers = default_mappers()
+    mapper = next(iter(mappers))
+    assert mapper.name == "my-lm"
+    assert mappers.owner(mapper) == "my_lm"
+    model = map_model_config(
+        {
+            "architectures": ["MyLMForCausalLM"],
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "num_hidden_layers": 3,
+            "torch_dtype": "float16",
+        },
+        mappers=mappers,
+    )
+    assert list(model.layers) == [f"model.layers.{i}.attn" for i in range(3)]
+    assert model.layers["model.layers.0.attn"].page_size_bytes == 2 * 16 * 4 * 64 * 2
