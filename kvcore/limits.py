@@ -18,7 +18,9 @@ __all__ = [
     "MAX_MESSAGE_CHARS",
     "MAX_NAME_CHARS",
     "MAX_NUM_BLOCKS",
+    "BLOCK_STATE_BYTES",
     "TOKEN_ID_LIMIT",
+    "available_memory_bytes",
 ]
 
 #: The largest model file or plan kvcore reads (16 MiB; the largest shipped
@@ -40,6 +42,13 @@ MAX_NAME_CHARS = 256
 #: past this is a page size or memory figure off by orders of magnitude.
 MAX_NUM_BLOCKS = 2**24
 
+#: What one block's coordinator state costs in host memory, rounded up (the
+#: block object, its free-queue links and its slot in the pool's list;
+#: ``benchmarks/coordinator.py`` measures it at 10**6 blocks).  A pool is
+#: refused before it is built when ``num_blocks * BLOCK_STATE_BYTES`` is
+#: more than the memory the machine has available.
+BLOCK_STATE_BYTES = 160
+
 #: Token ids and token counts are ints in ``[0, TOKEN_ID_LIMIT)``: ids are
 #: hashed as 4-byte unsigned ints.
 TOKEN_ID_LIMIT = 2**32
@@ -49,3 +58,18 @@ MAX_ECHO_CHARS = 200
 
 #: The most characters of one error line the command line prints.
 MAX_MESSAGE_CHARS = 2000
+
+
+def available_memory_bytes() -> int | None:
+    """The host memory available now (``SC_AVPHYS_PAGES``), or None where
+    the system does not say."""
+    import os
+
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES")
+        size = os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    if pages <= 0 or size <= 0:
+        return None
+    return int(pages) * int(size)
