@@ -522,10 +522,11 @@ class BlockPool:
         One pass drops each reference and links a block that reaches 0
         straight into a chain for the back of the free queue or one for the
         front (a block whose count just reached 0 was in use, so it is in no
-        queue); the chains are spliced in at the end.  Reference count 1 is
-        tested first: it is the common case, and a freed block needs no
-        other count.  Blocks that stay in use are counted instead of freed
-        ones, so the freeing path carries no counter.
+        queue); the chains are spliced in at the end.  Reference count 1 and
+        a key (a request's full blocks) are tested first: the common case,
+        and a freed block needs no other count.  Blocks that stay in use are
+        counted instead of freed ones, so the freeing path carries no
+        counter.
         """
         queue = self.free_queue
         tail = queue._tail
@@ -538,21 +539,21 @@ class BlockPool:
         order = reversed(blocks) if reverse else iter(blocks)
         if self.enable_caching:
             for block in order:
-                cnt = block.ref_cnt
-                if cnt == 1:
+                if block.ref_cnt == 1:
                     block.ref_cnt = 0
-                    if block.key_hash is None:
-                        if front_end is None:
-                            front = block
-                        else:
-                            front_end.next_free = block
-                            block.prev_free = front_end
-                        front_end = block
-                    else:
+                    if block.key_hash is not None:
                         last.next_free = block
                         block.prev_free = last
                         last = block
-                elif cnt > 1:
+                    elif front_end is None:
+                        front = front_end = block
+                    else:
+                        front_end.next_free = block
+                        block.prev_free = front_end
+                        front_end = block
+                    continue
+                cnt = block.ref_cnt
+                if cnt > 1:
                     block.ref_cnt = cnt - 1
                     kept += 1
                 elif block.is_null:
@@ -563,13 +564,14 @@ class BlockPool:
         else:
             # Without caching every freed block goes to the back.
             for block in order:
-                cnt = block.ref_cnt
-                if cnt == 1:
+                if block.ref_cnt == 1:
                     block.ref_cnt = 0
                     last.next_free = block
                     block.prev_free = last
                     last = block
-                elif cnt > 1:
+                    continue
+                cnt = block.ref_cnt
+                if cnt > 1:
                     block.ref_cnt = cnt - 1
                     kept += 1
                 elif block.is_null:
