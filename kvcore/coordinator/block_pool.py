@@ -10,7 +10,7 @@ pool hands the block out again (or the cache is reset).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -598,7 +598,7 @@ class BlockPool:
     def _undo_free(
         self,
         blocks: Sequence[KVCacheBlock],
-        order: Iterator[KVCacheBlock],
+        order: Iterable[KVCacheBlock],
         reverse: bool,
         back_from: KVCacheBlock,
         front: KVCacheBlock | None,
