@@ -368,6 +368,143 @@ def test_null_block_is_never_freed_or_counted() -> None:
     assert p.null_block.ref_cnt == 0
 
 
+def test_free_table_frees_tail_first_and_leaves_the_list_alone() -> None:
+    p = pool(8)
+    a = p.get_new_blocks(4)  # 1 2 3 4; queue 5 6 7
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+    )
+    p.touch([a[1]])  # block 2 is shared: it stays in use
+    table = [a[0], p.null_block, *a[1:]]
+    snapshot = list(table)
+    p.free_table(table)
+    assert table == snapshot
+    assert free_ids(p) == [4, 3, 5, 6, 7, 1]
+    assert [b.ref_cnt for b in a] == [0, 1, 0, 0]
+    assert p.get_num_free_blocks() == 6
+
+
+def test_free_table_double_free_restores_what_it_dropped() -> None:
+    p = pool(8)
+    bad, shared, fresh = p.get_new_blocks(3)  # 1 2 3
+    p.touch([shared])
+    p.free_blocks([bad])
+    before = free_ids(p)
+    # Tail first: 3 is freed and 2 dropped to 1 before 1 fails.
+    with pytest.raises(InvalidRequestError, match="block 1 freed more often"):
+        p.free_table([bad, shared, fresh])
+    assert [b.ref_cnt for b in (bad, shared, fresh)] == [0, 2, 1]
+    assert free_ids(p) == before
+    assert p.get_num_free_blocks() == len(before)
+    forward = p.free_queue.get_all_free_blocks()
+    assert fresh.prev_free is None
+    assert fresh.next_free is None
+    for x, y in pairwise(forward):
+        assert y.prev_free is x
+
+
+def _free_model(
+    refs: dict[int, int],
+    keyed: set[int],
+    queue: list[int],
+    order: list[int],
+    *,
+    caching: bool,
+) -> tuple[dict[int, int], list[int]] | None:
+    """What freeing ``order`` (block ids, 0 the null block) should do: the
+    new counts and queue, or None for a double free (nothing changes)."""
+    refs = dict(refs)
+    front: list[int] = []
+    back: list[int] = []
+    for i in order:
+        if i == 0:
+            continue
+        if refs[i] == 0:
+            return None
+        refs[i] -= 1
+        if refs[i] == 0:
+            (front if caching and i not in keyed else back).append(i)
+    return refs, front + queue + back
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    refs=st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=8),
+    keyed=st.sets(st.integers(min_value=1, max_value=8)),
+    table=st.lists(st.integers(min_value=0, max_value=8), max_size=12),
+    caching=st.booleans(),
+    call=st.sampled_from(["free_table", "free_blocks"]),
+    transaction=st.sampled_from(["none", "commit", "rollback"]),
+)
+def test_free_matches_a_model(
+    refs: list[int],
+    keyed: set[int],
+    table: list[int],
+    caching: bool,
+    call: str,
+    transaction: str,
+) -> None:
+    n = len(refs)
+    p = pool(n + 4, caching=caching)
+    blocks = p.get_new_blocks(n)  # ids 1..n
+    for b in blocks:
+        if b.block_id in keyed:
+            p.cache_full_blocks(
+                block_hashes=[h(b.block_id)],
+                blocks=[b],
+                num_cached_blocks=0,
+                num_full_blocks=1,
+                group_id=0,
+            )
+    for b, r in zip(blocks, refs, strict=True):
+        p.touch([b] * r)
+        p.free_blocks([b])
+    table = [i for i in table if i <= n]
+    by_id = {0: p.null_block, **{b.block_id: b for b in blocks}}
+    given_list = [by_id[i] for i in table]
+    snapshot = list(given_list)
+    order = table[::-1] if call == "free_table" else table
+    before_refs = {b.block_id: b.ref_cnt for b in blocks}
+    before_queue = free_ids(p)
+    expect = _free_model(
+        before_refs,
+        {b.block_id for b in blocks if b.key_hash is not None},
+        before_queue,
+        order,
+        caching=caching,
+    )
+    if transaction != "none":
+        p.begin()
+    if expect is None:
+        with pytest.raises(InvalidRequestError, match="freed more often"):
+            getattr(p, call)(given_list)
+        expect = before_refs, before_queue
+    else:
+        getattr(p, call)(given_list)
+    if transaction == "rollback":
+        p.rollback()
+        expect = before_refs, before_queue
+    elif transaction == "commit":
+        p.commit()
+    assert given_list == snapshot
+    assert {b.block_id: b.ref_cnt for b in blocks} == expect[0]
+    assert free_ids(p) == expect[1]
+    assert p.get_num_free_blocks() == len(expect[1])
+    assert p.null_block.ref_cnt == 0
+    forward = p.free_queue.get_all_free_blocks()
+    for x, y in pairwise([p.free_queue._head, *forward, p.free_queue._tail]):
+        assert x.next_free is y
+        assert y.prev_free is x
+    for b in blocks:
+        if b.ref_cnt:
+            assert b.prev_free is None
+            assert b.next_free is None
+
+
 # -- touch and the prefix cache -----------------------------------------------------
 
 

@@ -491,13 +491,13 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching 0 become free.
 
-        Pass a request's blocks tail first, so its tail is evicted first.
-        Freed blocks with a prefix-cache key go to the back of the free queue
-        (least recently used order, kept as given); with caching on, blocks
-        without one go to the front, so they are reused before any cached
-        block.  The null block is skipped.  Dropping a reference a block does
-        not hold (a double free) raises :class:`InvalidRequestError` and
-        changes nothing.
+        Pass a request's blocks tail first, so its tail is evicted first (or
+        its table as allocated to :meth:`free_table`).  Freed blocks with a
+        prefix-cache key go to the back of the free queue (least recently used
+        order, kept as given); with caching on, blocks without one go to the
+        front, so they are reused before any cached block.  The null block is
+        skipped.  Dropping a reference a block does not hold (a double free)
+        raises :class:`InvalidRequestError` and changes nothing.
         """
         blocks: Sequence[KVCacheBlock] = (
             ordered_blocks
@@ -506,12 +506,31 @@ class BlockPool:
         )
         if self._journal is not None:
             self._free_journaled(blocks)
-            return
-        # One pass: drop the reference and link a block that reaches 0
-        # straight into the free queue: to the front (no key, caching on) or
-        # the back.  A block whose count just reached 0 was in use, so it is
-        # in no queue.
-        caching = self.enable_caching
+        else:
+            self._release(blocks, reverse=False)
+
+    def free_table(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """:meth:`free_blocks` of ``blocks[::-1]``: a request's table, given
+        in allocation order, freed tail first, without copying it reversed
+        (``blocks`` itself is never changed)."""
+        if self._journal is not None:
+            self._free_journaled(blocks[::-1])
+        else:
+            self._release(blocks, reverse=True)
+
+    def _release(self, blocks: Sequence[KVCacheBlock], *, reverse: bool) -> None:
+        """``free_blocks`` outside a transaction, over ``blocks`` in the
+        given or reversed order.
+
+        One pass drops each reference and links a block that reaches 0
+        straight into a chain for the back of the free queue or one for the
+        front (a block whose count just reached 0 was in use, so it is in no
+        queue); the chains are spliced in at the end.  Reference count 1 and
+        a key (a request's full blocks) are tested first: the common case,
+        and a freed block needs no other count.  Blocks that stay in use are
+        counted instead of freed ones, so the freeing path carries no
+        counter.
+        """
         queue = self.free_queue
         tail = queue._tail
         last = tail.prev_free  # the back chain grows from here
@@ -519,28 +538,51 @@ class BlockPool:
         back_from = last
         front: KVCacheBlock | None = None  # first block of the front chain
         front_end: KVCacheBlock | None = None
-        freed = 0
-        for i, block in enumerate(blocks):
-            cnt = block.ref_cnt - 1
-            if cnt > 0:
-                block.ref_cnt = cnt
-            elif cnt == 0:
-                block.ref_cnt = 0
-                freed += 1
-                if caching and block.key_hash is None:
-                    if front_end is None:
-                        front = block
+        kept = 0
+        order = reversed(blocks) if reverse else iter(blocks)
+        if self.enable_caching:
+            for block in order:
+                if block.ref_cnt == 1:
+                    block.ref_cnt = 0
+                    if block.key_hash is not None:
+                        last.next_free = block
+                        block.prev_free = last
+                        last = block
+                    elif front_end is None:
+                        front = front_end = block
                     else:
                         front_end.next_free = block
                         block.prev_free = front_end
-                    front_end = block
+                        front_end = block
+                    continue
+                cnt = block.ref_cnt
+                if cnt > 1:
+                    block.ref_cnt = cnt - 1
+                    kept += 1
+                elif block.is_null:
+                    kept += 1
                 else:
+                    self._undo_free(blocks, order, reverse, back_from, front)
+                    raise _double_free(block)
+        else:
+            # Without caching every freed block goes to the back.
+            for block in order:
+                if block.ref_cnt == 1:
+                    block.ref_cnt = 0
                     last.next_free = block
                     block.prev_free = last
                     last = block
-            elif not block.is_null:
-                self._undo_free(blocks, i, back_from, front)
-                raise _double_free(block)
+                    continue
+                cnt = block.ref_cnt
+                if cnt > 1:
+                    block.ref_cnt = cnt - 1
+                    kept += 1
+                elif block.is_null:
+                    kept += 1
+                else:
+                    self._undo_free(blocks, order, reverse, back_from, front)
+                    raise _double_free(block)
+        freed = len(blocks) - kept
         if not freed:
             return
         last.next_free = tail
@@ -559,12 +601,15 @@ class BlockPool:
     def _undo_free(
         self,
         blocks: Sequence[KVCacheBlock],
-        failed: int,
+        order: Iterable[KVCacheBlock],
+        reverse: bool,
         back_from: KVCacheBlock,
         front: KVCacheBlock | None,
     ) -> None:
-        """Undo the first ``failed`` drops of a :meth:`free_blocks` pass that
-        hit a double free: counts back up, the chains it built unlinked."""
+        """Undo a :meth:`_release` pass that hit a double free: the counts it
+        dropped back up, the chains it built unlinked.  ``order`` is the
+        pass's iterator, just past the bad block: what it has left tells how
+        many blocks were dropped before it."""
         tail = self.free_queue._tail
         chains = [back_from.next_free, front]
         back_from.next_free = tail
@@ -573,9 +618,11 @@ class BlockPool:
                 nxt = block.next_free
                 block.prev_free = block.next_free = None
                 block = nxt
-        for done in blocks[:failed]:
-            if not done.is_null:
-                done.ref_cnt += 1
+        done = len(blocks) - len(list(order)) - 1
+        dropped = blocks[len(blocks) - done :] if reverse else blocks[:done]
+        for block in dropped:
+            if not block.is_null:
+                block.ref_cnt += 1
 
     def _free_journaled(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``free_blocks`` inside a transaction: the same effect, recorded."""

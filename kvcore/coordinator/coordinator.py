@@ -517,7 +517,7 @@ class KVCacheCoordinator:
         if self.num_groups == 1 and self.vetted:
             blocks = self.single_type_managers[0].pop_blocks(request_id)
             if blocks:
-                self.block_pool.free_blocks(blocks[::-1])
+                self.block_pool.free_table(blocks)
             return
         freed: list[KVCacheBlock] = []
         gid = 0
