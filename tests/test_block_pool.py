@@ -768,3 +768,28 @@ def test_events_are_frozen() -> None:
     event = BlockRemoved(block_hashes=(h(1),), group_id=0)
     with pytest.raises(AttributeError):
         event.group_id = 1  # type: ignore[misc]
+
+
+def test_a_pool_whose_block_state_would_not_fit_in_host_memory_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checked before one block object is built: 2**20 blocks at
+    BLOCK_STATE_BYTES each against 64 MiB available."""
+    import kvcore.coordinator.block_pool as block_pool
+    from kvcore.errors import KvcoreValueError
+    from kvcore.limits import BLOCK_STATE_BYTES
+
+    monkeypatch.setattr(block_pool, "available_memory_bytes", lambda: 64 * 2**20)
+    with pytest.raises(KvcoreValueError) as info:
+        block_pool.BlockPool(2**20, enable_caching=True, hash_block_size=16)
+    assert str(info.value).startswith(
+        f"num_blocks is 1,048,576: their coordinator state takes about "
+        f"{2**20 * BLOCK_STATE_BYTES / 2**30:.1f} GiB of host memory"
+    )
+    assert "0.1 GiB is available" in str(info.value)
+    # The same count fits when the memory is there.
+    monkeypatch.setattr(block_pool, "available_memory_bytes", lambda: 2**40)
+    assert (
+        block_pool.BlockPool(1000, enable_caching=True, hash_block_size=16).num_blocks
+        == 1000
+    )

@@ -29,7 +29,7 @@ from kvcore.errors import (
     KvcoreValueError,
     NoFreeBlocksError,
 )
-from kvcore.limits import MAX_NUM_BLOCKS
+from kvcore.limits import BLOCK_STATE_BYTES, MAX_NUM_BLOCKS, available_memory_bytes
 
 __all__ = [
     "AllBlocksCleared",
@@ -303,6 +303,16 @@ class BlockPool:
                 f"num_blocks is {num_blocks:,}, more than kvcore's limit of "
                 f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS), checked before one object "
                 "per block is built; plan with larger blocks or fewer of them"
+            )
+            raise KvcoreValueError(msg)
+        available = available_memory_bytes()
+        if available is not None and num_blocks * BLOCK_STATE_BYTES > available:
+            msg = (
+                f"num_blocks is {num_blocks:,}: their coordinator state takes "
+                f"about {num_blocks * BLOCK_STATE_BYTES / 2**30:.1f} GiB of host "
+                f"memory ({BLOCK_STATE_BYTES} B a block) and "
+                f"{available / 2**30:.1f} GiB is available; plan with larger "
+                "blocks or fewer of them"
             )
             raise KvcoreValueError(msg)
         if type(hash_block_size) is not int or hash_block_size < 1:

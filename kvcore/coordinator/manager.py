@@ -330,7 +330,7 @@ class SingleTypeManager:
         """Release all of a request's blocks, tail first (evicted first)."""
         blocks = self.pop_blocks(request_id)
         if blocks:
-            self.block_pool.free_blocks(blocks[::-1])
+            self.block_pool.free_table(blocks)
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         """Forget the request and hand back its table (the caller frees it;
