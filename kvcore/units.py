@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import array
 import math
+import operator
 import re
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from typing import cast
+
+import numpy as np
 
 from kvcore.errors import KvcoreTypeError, KvcoreValueError, echo
 from kvcore.limits import TOKEN_ID_LIMIT
@@ -30,6 +33,7 @@ __all__ = [
     "check_token_count",
     "check_token_ids",
     "check_token_sequence",
+    "token_ids",
     "format_size",
     "format_tokens",
     "parse_size",
@@ -219,33 +223,51 @@ def check_token_count(value: object, what: str, *, minimum: int = 0) -> int:
 
 
 def check_token_ids(tokens: Sequence[object], what: str, start: int = 0) -> None:
-    """Raise a kvcore error unless every token is an int in ``[0, 2**32)``;
-    positions are reported from ``start``.  A whole list is checked at C
-    speed; only a refused one is walked to name the position."""
-    if set(map(type, tokens)) <= {int}:
-        ints = cast("Sequence[int]", tokens)
-        if _U32 is not None:
-            try:
-                array.array(_U32, ints)  # refuses ids outside [0, 2**32)
-            except OverflowError:
-                pass
-            else:
-                return
-        elif not ints or (min(ints) >= 0 and max(ints) < TOKEN_ID_LIMIT):
-            return
+    """Raise a kvcore error unless every token is an integer in
+    ``[0, 2**32)`` and not a bool (see :func:`token_ids`)."""
+    token_ids(tokens, what, start)
+
+
+def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
+    """``tokens`` as a list of Python ints, if every one is an integer in
+    ``[0, 2**32)`` and not a bool; integer objects (a numpy integer, a 0-d
+    integer tensor) are taken by value.  Positions in messages count from
+    ``start``.
+
+    A whole list is checked at C speed: packing it as 4-byte unsigned ints
+    refuses non-integers and values out of range, and since a bool packs as
+    0 or 1 the per-token type check runs only when a 0 or 1 is present.
+    Only a refused list is walked to name the position."""
+    if _U32 is not None:
+        try:
+            packed = array.array(_U32, cast("Sequence[int]", tokens))
+        except (TypeError, OverflowError, ValueError):
+            pass
+        else:
+            if not (np.frombuffer(packed, dtype=np.uint32) <= 1).any():
+                return packed.tolist()
+            if bool not in set(map(type, tokens)):
+                return packed.tolist()
+    out: list[int] = []
     for pos, tok in enumerate(tokens, start):
-        if type(tok) is not int:
+        try:
+            if type(tok) is bool:
+                raise TypeError
+            value = operator.index(cast("int", tok))
+        except TypeError:
             msg = (
                 f"{what}: token id at position {pos} is {echo(tok)} "
                 f"({type(tok).__name__}); token ids must be ints"
             )
-            raise KvcoreTypeError(msg)
-        if not 0 <= tok < TOKEN_ID_LIMIT:
+            raise KvcoreTypeError(msg) from None
+        if not 0 <= value < TOKEN_ID_LIMIT:
             msg = (
                 f"{what}: token id at position {pos} is {echo(tok)}; token ids "
                 f"must lie in [0, {TOKEN_ID_LIMIT})"
             )
             raise KvcoreValueError(msg)
+        out.append(value)
+    return out
 
 
 def check_token_sequence(tokens: object, what: str, start: int = 0) -> list[int]:
@@ -259,5 +281,4 @@ def check_token_sequence(tokens: object, what: str, start: int = 0) -> list[int]
             f"{type(tokens).__name__} {echo(tokens)}"
         )
         raise KvcoreTypeError(msg)
-    check_token_ids(tokens, what, start)
-    return list(tokens)
+    return token_ids(tokens, what, start)

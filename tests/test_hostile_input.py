@@ -535,11 +535,11 @@ CASES = [
         "must be ints",
     ),
     Case(
-        "a 0-d tensor token id",
-        "Request(prompt=[torch.tensor(5), 1, 1, 1])",
-        request([torch.tensor(5), 1, 1, 1]),
+        "a 0-d float tensor token id",
+        "Request(prompt=[torch.tensor(5.0), 1, 1, 1])",
+        request([torch.tensor(5.0), 1, 1, 1]),
         KvcoreTypeError,
-        "token id at position 0 is tensor(5) (Tensor)",
+        "token id at position 0 is tensor(5.) (Tensor)",
     ),
     Case(
         "a token id of 2**32",
