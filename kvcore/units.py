@@ -229,10 +229,9 @@ def check_token_ids(tokens: Sequence[object], what: str, start: int = 0) -> None
 
 
 def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
-    """``tokens`` as a list of Python ints, if every one is an integer in
-    ``[0, 2**32)`` and not a bool; integer objects (a numpy integer, a 0-d
-    integer tensor) are taken by value.  Positions in messages count from
-    ``start``.
+    """``tokens`` as a list, if every one is an integer in ``[0, 2**32)``
+    and not a bool; integer objects (a numpy integer, a 0-d integer tensor)
+    are hashed by value.  Positions in messages count from ``start``.
 
     A whole list is checked at C speed: packing it as 4-byte unsigned ints
     refuses non-integers and values out of range, and since a bool packs as
@@ -245,9 +244,9 @@ def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
             pass
         else:
             if not (np.frombuffer(packed, dtype=np.uint32) <= 1).any():
-                return packed.tolist()
+                return list(cast("Sequence[int]", tokens))
             if bool not in set(map(type, tokens)):
-                return packed.tolist()
+                return list(cast("Sequence[int]", tokens))
     out: list[int] = []
     for pos, tok in enumerate(tokens, start):
         try:
@@ -266,7 +265,7 @@ def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
                 f"must lie in [0, {TOKEN_ID_LIMIT})"
             )
             raise KvcoreValueError(msg)
-        out.append(value)
+        out.append(tok)  # type: ignore[arg-type]
     return out
 
 
