@@ -237,6 +237,8 @@ def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
     refuses non-integers and values out of range, and since a bool packs as
     0 or 1 the per-token type check runs only when a 0 or 1 is present.
     Only a refused list is walked to name the position."""
+    if not tokens:
+        return []
     if _U32 is not None:
         try:
             packed = array.array(_U32, cast("Sequence[int]", tokens))
@@ -269,9 +271,13 @@ def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
     return out
 
 
-def check_token_sequence(tokens: object, what: str, start: int = 0) -> list[int]:
+def check_token_sequence(
+    tokens: object, what: str, start: int = 0, *, checked: int = 0
+) -> list[int]:
     """``tokens`` as a list, if it is a sequence (a list, tuple or range) of
-    valid token ids; a string, bytes, dict or set is not a token sequence."""
+    valid token ids; a string, bytes, dict or set is not a token sequence.
+    The first ``checked`` tokens are left to the caller (a request's full
+    chunks are checked as they are hashed)."""
     if not isinstance(tokens, Sequence) or isinstance(
         tokens, str | bytes | bytearray | memoryview
     ):
@@ -280,4 +286,9 @@ def check_token_sequence(tokens: object, what: str, start: int = 0) -> list[int]
             f"{type(tokens).__name__} {echo(tokens)}"
         )
         raise KvcoreTypeError(msg)
-    return token_ids(tokens, what, start)
+    if checked <= 0:
+        return token_ids(tokens, what, start)
+    items = list(cast("Sequence[int]", tokens))
+    if checked < len(items):
+        token_ids(items[checked:], what, start + checked)
+    return items

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import pairwise
 from typing import TypeAlias, overload
 
+import numpy as np
+
 from kvcore.errors import (
     BlockSizeError,
     KvcoreKeyError,
@@ -216,23 +218,37 @@ def _token_struct(n: int) -> struct.Struct:
 
 
 def _pack_tokens(token_ids: Sequence[int], what: str) -> bytes:
+    """Tokens as little-endian 4-byte unsigned ints; struct refuses
+    non-integers and values out of range, and since a bool packs as 0 or 1
+    the per-token type check runs only when a 0 or 1 is present."""
     try:
-        return _token_struct(len(token_ids)).pack(*token_ids)
-    except struct.error:
+        data = _token_struct(len(token_ids)).pack(*token_ids)
+    except (struct.error, TypeError, ValueError):
         raise _bad_token_error(token_ids, what) from None
+    if (
+        data
+        and (np.frombuffer(data, dtype="<u4") <= 1).any()
+        and bool in set(map(type, token_ids))
+    ):
+        raise _bad_token_error(token_ids, what)
+    return data
 
 
 def _bad_token_error(token_ids: Sequence[object], what: str) -> Exception:
     # Slow path, only taken after struct refused the tokens.
     for pos, tok in enumerate(token_ids):
         index = getattr(tok, "__index__", None)
-        if index is None:
+        try:
+            value = None if index is None or type(tok) is bool else index()
+        except (TypeError, ValueError):
+            value = None
+        if value is None:
             msg = (
                 f"{what}: token id at position {pos} is {tok!r} "
                 f"({type(tok).__name__}); token ids must be ints"
             )
             return KvcoreTypeError(msg)
-        if not 0 <= index() < TOKEN_ID_LIMIT:
+        if not 0 <= value < TOKEN_ID_LIMIT:
             msg = (
                 f"{what}: token id at position {pos} is {tok}; token ids must lie "
                 f"in [0, {TOKEN_ID_LIMIT}) to be hashed"

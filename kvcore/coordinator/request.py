@@ -93,9 +93,15 @@ class Request:
                 f"({request_id!r}); convert it with str()"
             )
             raise KvcoreTypeError(msg)
-        prompt = tuple(
-            check_token_sequence(prompt_token_ids, f"request {request_id!r}: prompt")
-        )
+        # Full chunks are checked as they are hashed (at C speed); the rest,
+        # and every token of an unhashed request, here.
+        what = f"request {request_id!r}: prompt"
+        hashed = 0
+        if type(hash_block_size) is int and hash_block_size > 0:
+            given: object = prompt_token_ids  # checked: callers pass anything
+            count = len(given) if isinstance(given, Sequence) else 0
+            hashed = count - count % hash_block_size
+        prompt = tuple(check_token_sequence(prompt_token_ids, what, checked=hashed))
         num_prompt = len(prompt)
         if num_prompt == 0:
             msg = (
@@ -148,7 +154,12 @@ class Request:
                 )
                 raise InvalidRequestError(msg)
         if self._hasher is not None:
-            self._hash(self._hasher)
+            try:
+                self._hash(self._hasher)
+            except KvcoreError:
+                # Name the bad token as the prompt's, not the hasher's.
+                check_token_sequence(prompt, what)
+                raise
 
     def _hash(self, hasher: BlockHasher) -> None:
         try:
