@@ -9,6 +9,7 @@ every group's manager.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ import attrs
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager, runs_vetted
+from kvcore.coordinator.managers import PrefixManager, prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
 from kvcore.plan import effective_block_size, hit_alignment
@@ -201,6 +203,12 @@ class KVCacheCoordinator:
             if len(self.attention_groups) == 1 and self.attention_groups[0].monotone
             else None
         )
+        #: The one spec group keeps PrefixManager's search, which is then
+        #: called without building a query.
+        self._single_is_prefix = self._single is not None and (
+            inspect.getattr_static(self._single.manager_type, "find_longest_cache_hit")
+            is inspect.getattr_static(PrefixManager, "find_longest_cache_hit")
+        )
         #: Groups whose kind declares ``HitPolicy.BLOCKS_HITS`` (a state that
         #: needs the whole prefix but keeps nothing to restore it from): no
         #: request of the model gets a hit.
@@ -312,9 +320,19 @@ class KVCacheCoordinator:
             if block_size == self.hash_block_size
             else hashes_at_block_size(block_hashes, self.hash_block_size, block_size)
         )
-        found = group.manager_type.find_longest_cache_hit(
-            self._query(group, block_hashes, hashes, limit, alignment)
-        )
+        if self._single_is_prefix:
+            found = prefix_hit(
+                hashes,
+                min(limit // block_size, len(hashes)),
+                group.group_ids,
+                self.block_pool,
+                block_size,
+                alignment,
+            )
+        else:
+            found = group.manager_type.find_longest_cache_hit(
+                self._query(group, block_hashes, hashes, limit, alignment)
+            )
         keep = len(found[0])
         if self.num_groups == 1:
             return (found[0],), keep * block_size
@@ -660,8 +678,6 @@ def _search_problem(manager_type: type[SingleTypeManager]) -> str | None:
     """What is wrong with a manager class's hit search, or None: it must be
     its own (not the base's, which only raises) and callable with one
     query argument."""
-    import inspect
-
     search = inspect.getattr_static(manager_type, "find_longest_cache_hit", None)
     if search is inspect.getattr_static(SingleTypeManager, "find_longest_cache_hit"):
         return "is not implemented (only the base class's, which raises)"

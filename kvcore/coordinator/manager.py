@@ -62,10 +62,11 @@ _STEP_METHODS = (
 )
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class HitQuery:
     """One hit search of one spec group (every field by keyword, so the
-    query can grow without breaking a manager that reads only some).
+    query can grow without breaking a manager that reads only some).  A
+    fresh query is built for every search; read it, do not keep it.
 
     :param spec: the groups' merged spec.
     :param block_hashes: the request's chained hashes at the group's block

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
-from kvcore.coordinator.hashing import hashes_at_block_size
+from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.spec import HitPolicy, cdiv
@@ -32,6 +32,7 @@ __all__ = [
     "FixedBlocksManager",
     "PrefixManager",
     "WindowManager",
+    "prefix_hit",
 ]
 
 
@@ -44,39 +45,54 @@ class PrefixManager(SingleTypeManager):
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
-        limit = query.max_blocks
-        hashes = query.block_hashes
-        pool = query.block_pool
-        group_ids = query.group_ids
-        if len(group_ids) == 1:
-            out: list[KVCacheBlock] = []
-            append = out.append
-            # The group's hash -> block map, read directly (see
-            # BlockPool.lookup): an entry is a block or {block_id: block}.
-            get = pool.cached_blocks_of(group_ids[0]).get
-            for i in range(limit):
-                entry = get(hashes[i])
-                if entry is None:
-                    break
-                if isinstance(entry, dict):
-                    entry = next(iter(entry.values()))
-                append(entry)
-            hits = [out]
-        else:
-            hits = [[] for _ in group_ids]
-            for i in range(limit):
-                cached = pool.get_cached_block(hashes[i], group_ids)
-                if cached is None:
-                    break
-                for blocks, block in zip(hits, cached, strict=True):
-                    blocks.append(block)
-        block_size = query.block_size
-        alignment = query.alignment
-        if alignment > block_size:
-            keep = (len(hits[0]) * block_size // alignment) * alignment // block_size
-            if keep != len(hits[0]):
-                hits = [h[:keep] for h in hits]
-        return hits
+        return prefix_hit(
+            query.block_hashes,
+            query.max_blocks,
+            query.group_ids,
+            query.block_pool,
+            query.block_size,
+            query.alignment,
+        )
+
+
+def prefix_hit(
+    hashes: Sequence[BlockHash],
+    limit: int,
+    group_ids: Sequence[int],
+    pool: BlockPool,
+    block_size: int,
+    alignment: int,
+) -> list[list[KVCacheBlock]]:
+    """:class:`PrefixManager`'s search over at most ``limit`` blocks; the
+    coordinator calls it directly for a group whose manager keeps that search
+    (one lookup a step, so no query object is built)."""
+    if len(group_ids) == 1:
+        out: list[KVCacheBlock] = []
+        append = out.append
+        # The group's hash -> block map, read directly (see
+        # BlockPool.lookup): an entry is a block or {block_id: block}.
+        get = pool.cached_blocks_of(group_ids[0]).get
+        for i in range(limit):
+            entry = get(hashes[i])
+            if entry is None:
+                break
+            if isinstance(entry, dict):
+                entry = next(iter(entry.values()))
+            append(entry)
+        hits = [out]
+    else:
+        hits = [[] for _ in group_ids]
+        for i in range(limit):
+            cached = pool.get_cached_block(hashes[i], group_ids)
+            if cached is None:
+                break
+            for blocks, block in zip(hits, cached, strict=True):
+                blocks.append(block)
+    if alignment > block_size:
+        keep = (len(hits[0]) * block_size // alignment) * alignment // block_size
+        if keep != len(hits[0]):
+            hits = [h[:keep] for h in hits]
+    return hits
 
 
 class WindowManager(SingleTypeManager):
