@@ -227,11 +227,19 @@ def _pack_tokens(token_ids: Sequence[int], what: str) -> bytes:
         raise _bad_token_error(token_ids, what) from None
     if (
         data
-        and (np.frombuffer(data, dtype="<u4") <= 1).any()
+        and _holds_zero_or_one(token_ids, data)
         and bool in set(map(type, token_ids))
     ):
         raise _bad_token_error(token_ids, what)
     return data
+
+
+def _holds_zero_or_one(token_ids: Sequence[int], data: bytes) -> bool:
+    """Whether a packed token is 0 or 1 (what a bool packs as): ``min`` for
+    a few tokens (an appended chunk), numpy over a prompt's bytes."""
+    if len(token_ids) <= 64:
+        return min(token_ids) <= 1
+    return bool((np.frombuffer(data, dtype="<u4") <= 1).any())
 
 
 def _bad_token_error(token_ids: Sequence[object], what: str) -> Exception:
