@@ -97,6 +97,8 @@ KINDS = [*ATTENTION_KINDS, "mamba", "hisparse_hot"]
 DTYPES = ["bfloat16", "float16", "float32", "uint8", "float8_e4m3fn", "int8"]
 RARE_DTYPES = ["float64", "int32", "int16", "fp8", "bf16"]
 STATE_DTYPES = ["float32", "bfloat16", "float16"]
+#: Values no field takes: wrong types, out of range, huge, empty.
+HOSTILE: list[Any] = [0, -1, True, 2.5, "16", None, [], {}, 2**70, float("nan")]
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -257,6 +259,12 @@ def model_files(
             templates.append(sibling)
         else:
             templates.append(draw(layer_spec(kind, pad)))
+    if _one_in(draw, 20):
+        # A hostile value in one field: kvcore must refuse it with its own
+        # error (the count of refusals shows how often).
+        victim = templates[0]
+        field = draw(st.sampled_from(sorted(set(victim) - {"kind"})))
+        victim[field] = draw(st.sampled_from(HOSTILE))
     pattern = draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=24))
     layers = {
         f"model.layers.{i}.{templates[t]['kind']}": dict(templates[t])
@@ -620,6 +628,9 @@ def run_case(stats: Stats, case: dict[str, Any]) -> None:
         stats.refused[type(refusal).__name__] += 1
         return
     stats.planned += 1
+    groups = kvcore.get_kv_cache_groups(config, model.layers, registry=REGISTRY)
+    stepwise = kvcore.get_kv_cache_config_from_groups(config, groups, case["memory"])
+    stats.check("plan_kv_cache is its two steps", stepwise == plan)
     check_plan(stats, case, model, config, plan)
     check_json(stats, plan)
     small_blocks = 2 + stats.examples % 3
