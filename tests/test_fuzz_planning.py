@@ -227,21 +227,45 @@ def layer_spec(kind: str, pad: bool) -> st.SearchStrategy[dict[str, Any]]:
     return attention_spec(kind, pad)
 
 
+def same_page_kinds(draw: st.DrawFn, count: int, pad: bool) -> list[dict[str, Any]]:
+    """``count`` attention-model layers of different kinds sharing one page
+    (heads, head size, dtype and block), so they land in different groups
+    of one page size: what layouts that cannot pack mixed pages can hold."""
+    base = draw(attention_spec("full_attention", pad))
+    base["head_size_v"] = 0  # the MLA-style kinds store no values
+    page = {k: v for k, v in base.items() if k != "kind"}
+    out = []
+    for kind in draw(
+        st.lists(st.sampled_from(ATTENTION_KINDS), min_size=count, max_size=count)
+    ):
+        own = draw(attention_spec(kind, pad))
+        extras = ("sliding_window", "extra_retained_tokens", "bounded_replay")
+        spec = {"kind": kind, **page}
+        spec.update({k: own[k] for k in extras if k in own})
+        if kind == "chunked_local_attention":
+            spec["attention_chunk_size"] = page["block_size"] * 4
+        out.append(spec)
+    return out
+
+
 @st.composite
 def model_files(
     draw: st.DrawFn, *, uniform: bool = False, pad: bool = True
 ) -> dict[str, Any]:
     """A model file: a few layer templates repeated in a random pattern,
-    as real hybrids repeat theirs.  ``uniform``: one template, so one page
-    size (what layouts that cannot pack mixed pages can hold); ``pad``:
-    layers may pad pages and align block strides (what layouts that split a
-    page across outer axes mostly cannot)."""
-    count = 1 if uniform else draw(st.integers(1, 4))
-    # Hot pages need a block-outer layout: rarely offered to the others.
-    pool = KINDS[:-1] if uniform and not _one_in(draw, 10) else KINDS
-    kinds = draw(st.lists(st.sampled_from(pool), min_size=count, max_size=count))
+    as real hybrids repeat theirs.  ``uniform``: one page size (what layouts
+    that cannot pack mixed pages can hold); ``pad``: layers may pad pages and
+    align block strides (what layouts that split a page across outer axes
+    mostly cannot)."""
+    count = draw(st.sampled_from([1, 2, 2, 3, 3, 4, 4]))
     templates: list[dict[str, Any]] = []
-    for kind in kinds:
+    if uniform and not _one_in(draw, 10):
+        templates = same_page_kinds(draw, count, pad)
+    else:
+        kinds = draw(st.lists(st.sampled_from(KINDS), min_size=count, max_size=count))
+        if uniform:  # rarely: one template of any kind (hot pages refused)
+            kinds = kinds[:1]
+    for kind in [] if templates else kinds:
         if templates and kinds[0] != "mamba" and _one_in(draw, 3):
             # A sibling of the first template: the same grouping key (kind,
             # block, window) with another page, so one group packs several
@@ -265,7 +289,9 @@ def model_files(
         victim = templates[0]
         field = draw(st.sampled_from(sorted(set(victim) - {"kind"})))
         victim[field] = draw(st.sampled_from(HOSTILE))
-    pattern = draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=24))
+    # Every template at least once, then a random repeat pattern.
+    extra = draw(st.lists(st.integers(0, len(templates) - 1), max_size=20))
+    pattern = draw(st.permutations([*range(len(templates)), *extra]))
     layers = {
         f"model.layers.{i}.{templates[t]['kind']}": dict(templates[t])
         for i, t in enumerate(pattern)
@@ -276,8 +302,9 @@ def model_files(
 @st.composite
 def cases(draw: st.DrawFn, policy: str) -> dict[str, Any]:
     """One planning case: a model file and everything the planner reads."""
-    layout = draw(st.sampled_from(LAYOUTS))
-    # Layouts that cannot overlay mixed page sizes mostly get one template.
+    # Half the cases in the layouts that pack mixed pages, where hybrids plan.
+    layout = draw(st.sampled_from(PACKING_LAYOUTS if draw(st.booleans()) else LAYOUTS))
+    # Layouts that cannot overlay mixed page sizes mostly get one page size.
     uniform = layout not in PACKING_LAYOUTS and not _one_in(draw, 6)
     pad = layout.is_block_compact or _one_in(draw, 6)
     model = draw(model_files(uniform=uniform, pad=pad))
