@@ -102,12 +102,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _strict(kind: type) -> Any:
     """A structure hook that takes values of exactly ``kind`` (cattrs would
-    otherwise turn ``"false"`` into ``True`` and ``2.5`` into ``2``)."""
+    otherwise turn ``"false"`` into ``True`` and ``2.5`` into ``2``).  An int
+    obeys the JSON reader's digit limit, so a spec read from a mapping can
+    only hold what its plan's JSON can be read back with."""
 
     def hook(value: Any, _: Any) -> Any:
         if type(value) is not kind:
             msg = (
                 f"expected {kind.__name__}, got {echo(value)} ({type(value).__name__})"
+            )
+            raise ValueError(msg)
+        if isinstance(value, int) and abs(value) >= 10**MAX_JSON_INT_DIGITS:
+            msg = (
+                f"an integer of more than {MAX_JSON_INT_DIGITS} digits is longer "
+                "than kvcore reads; write the real value"
             )
             raise ValueError(msg)
         return value

@@ -512,3 +512,28 @@ def test_mixed_pages_layout_table(
             continue
         accepted.add(name)
     assert accepted == allowed
+
+
+def test_lhbnc_refuses_a_block_stride_alignment_it_cannot_keep() -> None:
+    # Found by tests/test_fuzz_planning.py: LHBNC puts a layer's consecutive
+    # blocks one head's slice apart (here 4 bytes) and cannot pad that
+    # slice, so a block_stride_alignment of 16 was silently dropped.
+    spec = FullAttentionSpec(
+        block_size=1,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.bfloat16,
+        block_stride_alignment=16,
+    )
+
+    def plan(name: str) -> KVCacheConfig:
+        config = EngineConfig(cache_config=CacheConfig(kv_cache_layout=name))
+        return get_kv_cache_config_from_groups(
+            config, [KVCacheGroupSpec(["attn"], spec)], 2**20
+        )
+
+    with pytest.raises(LayoutError, match=r"multiple of 16 bytes.*LHBNC"):
+        plan("LHBNC")
+    # The block-compact layouts round the page up to the alignment instead.
+    for name in ("LBHNC", "LBNHC", "BLHNC", "BLNHC"):
+        assert plan(name).kv_cache_tensors[0].block_stride % 16 == 0

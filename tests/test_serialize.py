@@ -203,3 +203,32 @@ def test_model_file_rejects_unknown_top_level_keys() -> None:
         load_model_file({"name": "x", "layers": {}, "layer": {}})
     with pytest.raises(kvcore.SerializationError, match="lists no layers"):
         load_model_file({"name": "x", "layers": {}})
+
+
+def test_model_mapping_ints_obey_the_json_digit_limit(
+    builtin_registry: kvcore.KindRegistry,
+) -> None:
+    # Found by tests/test_fuzz_planning.py: a model given as a mapping took
+    # sliding_window=2**70 (the JSON reader refuses integer literals over 20
+    # digits), planned it, and dumped a config load_config then refused.
+    def model(window: int) -> dict[str, object]:
+        spec = {
+            "kind": "sliding_window",
+            "block_size": 16,
+            "num_kv_heads": 1,
+            "head_size": 64,
+            "dtype": "bfloat16",
+            "sliding_window": window,
+        }
+        return {"layers": {"swa": spec}}
+
+    with pytest.raises(kvcore.SerializationError, match="more than 20 digits"):
+        load_model_file(model(2**70), builtin_registry)
+    # The largest value the JSON reader takes still plans and round-trips.
+    specs = load_model_file(model(10**20 - 1), builtin_registry).layers
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC")
+    )
+    plan = kvcore.plan_kv_cache(config, specs, 2**20, registry=builtin_registry)
+    text = dump_config(plan, builtin_registry)
+    assert load_config(text, builtin_registry) == plan

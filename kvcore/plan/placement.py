@@ -164,6 +164,25 @@ def _check_element_alignment(
         raise LayoutError(msg)
 
 
+def _check_stride_alignment(
+    layers: list[str], spec: KVCacheSpec, layout: KVCacheLayout, block_stride: int
+) -> None:
+    """The distance between a layer's consecutive blocks must honour its
+    stride alignment.  Block-compact and block-outer layouts round it up; a
+    layout with heads outside blocks (LHBNC) puts blocks one head's slice
+    apart and cannot pad that slice, so it must refuse."""
+    alignment = layer_alignment(spec)
+    if block_stride % alignment:
+        msg = (
+            f"layer {layers[0]!r} ({spec.kind}) needs a block stride that is a "
+            f"multiple of {alignment} bytes, but KV cache layout {layout.name} "
+            f"puts its consecutive blocks {block_stride} bytes apart (one head's "
+            "slice of a page, which this layout cannot pad); use a block-compact "
+            "layout (LBHNC, LBNHC, BLHNC or BLNHC)"
+        )
+        raise LayoutError(msg)
+
+
 def build_kv_cache_tensors(
     groups: Sequence[KVCacheGroupSpec],
     *,
@@ -186,6 +205,7 @@ def build_kv_cache_tensors(
                 bytes_per_block=bytes_per_block,
             )
             _check_element_alignment(layers, spec, offset, list(strides))
+            _check_stride_alignment(layers, spec, layout, strides[AXIS_B])
             tensors.append(
                 KVCacheTensor(
                     size=size,
