@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import coordinator_setup as setup
 import pytest
-import torch
 
-from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import (
     GroupPrefixCacheStats,
     KVCacheManager,
@@ -28,33 +27,22 @@ from kvcore_sliding_window import SlidingWindowSpec
 
 
 def fa(block_size: int = 4) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16
-    )
+    return setup.fa(block_size)
 
 
 def sw(block_size: int = 4, window: int = 8) -> SlidingWindowSpec:
-    return SlidingWindowSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=8,
-        dtype=torch.float16,
-        sliding_window=window,
-    )
+    return setup.sw(block_size, window)
 
 
 def manager(
     specs: Sequence[object], num_blocks: int, *, max_model_len: int = 64, **kw: Any
 ) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]  # type: ignore[arg-type]
-    config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=max_model_len,
+    return setup.manager_for(
+        specs,
+        num_blocks,
         scheduler_block_size=4,
         hash_block_size=4,
+        max_model_len=max_model_len,
         **kw,
     )
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import attrs
+import coordinator_setup as setup
 import pytest
 import torch
 
@@ -31,9 +32,7 @@ from kvcore_sliding_window import SlidingWindowSpec
 
 
 def fa(block_size: int = 4) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16
-    )
+    return setup.fa(block_size)
 
 
 def replay_window(block_size: int = 16, window: int = 32) -> SlidingWindowSpec:
@@ -55,15 +54,12 @@ def manager(
     max_model_len: int = 64,
     **kw: Any,
 ) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]  # type: ignore[arg-type]
-    config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=max_model_len,
+    return setup.manager_for(
+        specs,
+        num_blocks,
         scheduler_block_size=block_size,
         hash_block_size=block_size,
+        max_model_len=max_model_len,
         **kw,
     )
 
