@@ -249,7 +249,6 @@ def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
                 return list(cast("Sequence[int]", tokens))
             if bool not in set(map(type, tokens)):
                 return list(cast("Sequence[int]", tokens))
-    out: list[int] = []
     for pos, tok in enumerate(tokens, start):
         try:
             if type(tok) is bool:
@@ -267,8 +266,7 @@ def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
                 f"must lie in [0, {TOKEN_ID_LIMIT})"
             )
             raise KvcoreValueError(msg)
-        out.append(tok)  # type: ignore[arg-type]
-    return out
+    return list(cast("Sequence[int]", tokens))
 
 
 def check_token_sequence(

@@ -35,6 +35,7 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
 )
+from kvcore.units import check_token_ids
 
 __all__ = [
     "NONE_HASH",
@@ -243,25 +244,12 @@ def _holds_zero_or_one(token_ids: Sequence[int], data: bytes) -> bool:
 
 
 def _bad_token_error(token_ids: Sequence[object], what: str) -> Exception:
-    # Slow path, only taken after struct refused the tokens.
-    for pos, tok in enumerate(token_ids):
-        index = getattr(tok, "__index__", None)
-        try:
-            value = None if index is None or type(tok) is bool else index()
-        except (TypeError, ValueError):
-            value = None
-        if value is None:
-            msg = (
-                f"{what}: token id at position {pos} is {tok!r} "
-                f"({type(tok).__name__}); token ids must be ints"
-            )
-            return KvcoreTypeError(msg)
-        if not 0 <= value < TOKEN_ID_LIMIT:
-            msg = (
-                f"{what}: token id at position {pos} is {tok}; token ids must lie "
-                f"in [0, {TOKEN_ID_LIMIT}) to be hashed"
-            )
-            return KvcoreValueError(msg)
+    """The error naming the first bad token, by the one token rule
+    (:func:`kvcore.units.check_token_ids`); only taken once packing refused."""
+    try:
+        check_token_ids(token_ids, what)
+    except (KvcoreTypeError, KvcoreValueError) as exc:
+        return exc
     msg = f"{what}: token ids could not be encoded; they must be ints in [0, 2**32)"
     return KvcoreValueError(msg)
 
