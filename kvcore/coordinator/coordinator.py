@@ -40,6 +40,8 @@ class SpecGroup:
     #: A hit under a bound stays a hit under any smaller aligned bound (a
     #: left-to-right search), so the fixed point trims instead of searching.
     monotone: bool = False
+    #: Recurrent-state groups (``HitPolicy.CHECKPOINT``), searched last.
+    states: bool = False
 
 
 class KVCacheCoordinator:
@@ -191,10 +193,25 @@ class KVCacheCoordinator:
                     type(manager),
                     manager.block_size,
                     monotone=policies[gid] is HitPolicy.PREFIX,
+                    states=policies[gid] is HitPolicy.CHECKPOINT,
                 )
+        # Left-to-right searches first (they bound the others), states last:
+        # the length before them is the prefix the token-indexed groups share
+        # (see last_shared_prefix).
         self.attention_groups: list[SpecGroup] = sorted(
-            spec_groups.values(), key=lambda g: not g.monotone
+            spec_groups.values(), key=lambda g: (not g.monotone, g.states)
         )
+        #: After a lookup: tokens the groups before the state groups served
+        #: (an upper bound when several window groups iterate), where a
+        #: state group keeps a branch-point checkpoint.
+        self.last_shared_prefix = 0
+        #: Managers that choose checkpoint positions at admission.
+        self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
+        #: Managers whose freed blocks go to the back of the eviction order.
+        self._free_order = tuple(m for m in managers if not m.evicts_last) + tuple(
+            m for m in managers if m.evicts_last
+        )
+        self._evicting_last = tuple(m for m in managers if m.evicts_last)
         self.num_groups = len(managers)
         #: The one spec group when there is exactly one and its search is
         #: monotone (the lookup needs no fixed point), else None.
@@ -349,9 +366,14 @@ class KVCacheCoordinator:
         views: dict[int, Sequence[BlockHash]] = {}
         length = limit
         changed = True
+        first_pass = True
+        self.last_shared_prefix = 0
         while changed:
             changed = False
             for index, group in enumerate(self.attention_groups):
+                if first_pass and group.states:
+                    first_pass = False
+                    self.last_shared_prefix = length
                 if index in found:
                     if group.monotone:
                         # Trimmed, not searched again, but only to whole
@@ -376,6 +398,7 @@ class KVCacheCoordinator:
                 if hit < length:
                     length = hit
                     changed = True
+            first_pass = False
             if length == 0:
                 break
         out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
@@ -536,11 +559,13 @@ class KVCacheCoordinator:
             blocks = self.single_type_managers[0].pop_blocks(request_id)
             if blocks:
                 self.block_pool.free_table(blocks)
+            if self._evicting_last:
+                self._refresh_checkpoints(request_id)
             return
         freed: list[KVCacheBlock] = []
         gid = 0
         try:
-            for manager in self.single_type_managers:
+            for manager in self._free_order:
                 gid = manager.kv_cache_group_id
                 blocks = manager.pop_blocks(request_id)
                 if blocks:
@@ -549,6 +574,42 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "pop_blocks", exc) from exc
         if freed:
             self.block_pool.free_blocks(freed)
+        if self._evicting_last:
+            self._refresh_checkpoints(request_id)
+
+    def _refresh_checkpoints(self, request_id: str) -> None:
+        """Move the states a freed request kept, released earlier, to the
+        back of the eviction order with its other blocks."""
+        gid = 0
+        try:
+            for manager in self._evicting_last:
+                gid = manager.kv_cache_group_id
+                blocks = manager.take_released_checkpoints(request_id)
+                if blocks:
+                    self.block_pool.requeue_at_back(blocks)
+        except Exception as exc:
+            raise self.plugin_error(gid, "take_released_checkpoints", exc) from exc
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """Let every state group choose where to keep checkpoints for a
+        request being admitted."""
+        gid = 0
+        try:
+            for manager in self.planning:
+                gid = manager.kv_cache_group_id
+                manager.plan_checkpoints(request, num_computed_tokens)
+        except Exception as exc:
+            raise self.plugin_error(gid, "plan_checkpoints", exc) from exc
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        """Undo :meth:`plan_checkpoints` after a refused admission."""
+        gid = 0
+        try:
+            for manager in self.planning:
+                gid = manager.kv_cache_group_id
+                manager.forget_checkpoints(request_id)
+        except Exception as exc:
+            raise self.plugin_error(gid, "forget_checkpoints", exc) from exc
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(

@@ -55,8 +55,11 @@ _STEP_METHODS = (
     "free",
     "get_num_blocks_to_allocate",
     "num_skipped_blocks",
+    "forget_checkpoints",
+    "plan_checkpoints",
     "pop_blocks",
     "remove_skipped_blocks",
+    "take_released_checkpoints",
     "_skip",
     "_skipped",
 )
@@ -155,6 +158,13 @@ class SingleTypeManager:
     #: :meth:`block_hash`); other managers need a block that is a multiple of
     #: the hash block.
     accepts_coarse_hashes: ClassVar[bool] = False
+    #: Whether the coordinator calls :meth:`plan_checkpoints` when a request
+    #: is admitted (state kinds that keep chosen positions).
+    plans_checkpoints: ClassVar[bool] = False
+    #: Whether a freed request's blocks of this group go to the back of the
+    #: eviction order, after the other groups' (a state a hit cannot do
+    #: without, worth more than any one block of a token-indexed group).
+    evicts_last: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -207,6 +217,23 @@ class SingleTypeManager:
         if not self.skips_blocks or num_computed_tokens <= 0:
             return 0
         return self.num_skipped_blocks(num_computed_tokens)
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """At admission (with :attr:`plans_checkpoints` set): choose the
+        positions of the request's coming steps to keep; nothing by
+        default."""
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        """Undo :meth:`plan_checkpoints` for a request whose admission was
+        refused; nothing by default."""
+
+    def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+        """After the request is freed: blocks it kept for later requests
+        that were released earlier and sit free; the coordinator moves them
+        to the back of the eviction order.  None by default."""
+        return []
 
     # -- allocation -----------------------------------------------------------
 
