@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from kvcore.coordinator import KVCacheBlocks, KVCacheManager, Request
+from kvcore.coordinator import KVCacheBlock, KVCacheBlocks, KVCacheManager, Request
 from kvcore.errors import KvcoreValueError
 from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
 from kvcore.plan.capacity import DEFAULT_BATCHED_TOKENS
@@ -433,13 +433,17 @@ class _Run:
         if step % self.driver.cache_sample_every == 0:
             self._measure_cached()
         manager = self.manager
-        groups: list[set[int]] = [set() for _ in self.peak]
+        # Blocks hash by identity (one object per block id): the sets fill at
+        # C speed, and the null block is taken out once per group.
+        null = manager.block_pool.null_block
+        groups: list[set[KVCacheBlock]] = [set() for _ in self.peak]
         for live in (*self.running, *self.held):
             for ids, blocks in zip(
                 groups, manager.get_blocks(live.spec.id).blocks, strict=True
             ):
-                ids.update(b.block_id for b in blocks if not b.is_null)
+                ids.update(blocks)
         for g, ids in enumerate(groups):
+            ids.discard(null)
             count = len(ids)
             self.total[g] += count
             if count > self.peak[g]:
