@@ -44,7 +44,6 @@ from typing import Any
 import kvcore
 import kvcore.zoo
 from kvcore.cli.options import Planned, add_model_options, plan_from_args
-from kvcore.coordinator import CheckpointManager
 from kvcore.errors import PlanError
 from kvcore.registry import KindRegistry
 from kvcore.simulate import Driver, SimulationResult, Workload, named_workload
@@ -147,15 +146,8 @@ def blocks_for_everything(driver: Driver, workload: Workload) -> int:
 
 
 def _row(
-    model: str, workload: str, pool: str, driver: Driver, result: SimulationResult
+    model: str, workload: str, pool: str, result: SimulationResult
 ) -> dict[str, Any]:
-    assert driver.manager is not None
-    managers = driver.manager.coordinator.single_type_managers
-    states = [
-        g
-        for g, m in zip(result.groups, managers, strict=True)
-        if isinstance(m, CheckpointManager)
-    ]
     return {
         "model": model,
         "workload": workload,
@@ -167,8 +159,8 @@ def _row(
         "prefix_hit_tokens": result.prefix_hit_tokens,
         "token_bound_tokens": result.token_bound_tokens,
         "prompt_tokens_looked_up": result.prompt_tokens_looked_up,
-        "peak_cached_blocks": sum(g.peak_cached_blocks for g in result.groups),
-        "peak_cached_state_blocks": sum(g.peak_cached_blocks for g in states),
+        "peak_cached_blocks": result.peak_cached_blocks,
+        "peak_cached_state_blocks": result.peak_cached_state_blocks,
         "preemptions": result.preemptions,
         "evictions": result.evictions,
         "invalid_hits": result.invalid_hits,
@@ -193,7 +185,7 @@ def model_rows(
     workload = named_workload(workload_name, seed=seed)
     probe = plan_model(model, registry, 2**30, options)
 
-    def run(planned: Planned) -> tuple[Driver, SimulationResult]:
+    def run(planned: Planned) -> SimulationResult:
         driver = Driver(
             planned.plan,
             registry=registry,
@@ -201,21 +193,21 @@ def model_rows(
             validate=True,
             cache_sample_every=CACHE_SAMPLE_EVERY,
         )
-        return driver, driver.run(workload)
+        return driver.run(workload)
 
     probe_driver = Driver(probe.plan, registry=registry)
     ample = plan_with_blocks(
         model, registry, blocks_for_everything(probe_driver, workload), options
     )
-    driver, result = run(ample)
+    result = run(ample)
     rows = []
     if "ample" in pools:
-        rows.append(_row(model, workload_name, "ample", driver, result))
+        rows.append(_row(model, workload_name, "ample", result))
     if "tight" in pools:
         tight_blocks = math.ceil(TIGHT_FACTOR * result.peak_blocks_in_use) + 1
         tight = plan_with_blocks(model, registry, tight_blocks, options)
-        driver, result = run(tight)
-        rows.append(_row(model, workload_name, "tight", driver, result))
+        result = run(tight)
+        rows.append(_row(model, workload_name, "tight", result))
     return rows
 
 
@@ -264,9 +256,11 @@ coordinator is wrong.
 - **hit rate**, **token bound**: hit and bound tokens over the tokens looked
   up at every admission (re-admissions after preemption included, counted
   the same way in both).
-- **cached blocks (peak)**: the sum over groups of each group's peak number
-  of cached (hashed) blocks, in use or free; **cached states** is that sum
-  over the recurrent-state groups alone: what keeping states costs.
+- **cached blocks (peak)**: the most blocks holding a prefix-cache key at
+  once (cached prefixes and states, in use or free), all groups together,
+  counted every 16 steps; **cached states** is the same over the
+  recurrent-state groups alone: what keeping states costs.  A hybrid whose
+  states block every hit still caches its attention blocks.
 - **evictions**: prefix-cache keys dropped to reuse a block.
 
 """

@@ -4,6 +4,7 @@ counts, the content oracle, the named workloads and benchmarks/hit_rate.py."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -154,6 +155,7 @@ def test_the_bound_and_the_hits_of_a_hand_worked_trace() -> None:
     assert result.bound_rate == 120 / 178
     [group] = result.groups
     assert group.peak_cached_blocks == 4
+    assert (result.peak_cached_blocks, result.peak_cached_state_blocks) == (4, 0)
     assert group.mean_cached_blocks == (5 * 2 + 4 * 3 + 2 * 4) / 11
     assert result.validated
     assert (result.checked_hits, result.invalid_hits) == (3, 0)
@@ -319,6 +321,7 @@ def test_checkpointed_states_are_validated(
     assert result.invalid_hits == 0, result.invalid_hit_reports
     assert result.token_bound_tokens >= result.prefix_hit_tokens
     assert any(g.peak_cached_blocks for g in result.groups if "mamba" in g.kinds)
+    assert 0 < result.peak_cached_state_blocks < result.peak_cached_blocks
 
 
 # -- named workloads -----------------------------------------------------------------
@@ -396,3 +399,50 @@ def test_simulate_refuses_a_bad_workload(
 ) -> None:
     assert main(["simulate", *SMALL, *extra]) == 2
     assert match in capsys.readouterr().err
+
+
+# -- benchmarks/hit_rate.py and its docs page ---------------------------------------
+
+
+def _benchmark() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "hit_rate_benchmark", REPO / "benchmarks" / "hit_rate.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_hit_rate_page_is_the_benchmarks_table(
+    zoo_registry: kvcore.KindRegistry,
+) -> None:
+    # One model and workload run afresh gives the page's rows exactly; the
+    # page lists every shipped model, named workload and pool, in order, and
+    # no invalid hit.
+    from kvcore import zoo
+
+    bench = _benchmark()
+    rows = bench.model_rows("llama-3-1-8b", "shared-prefix", zoo_registry)
+    assert [r["pool"] for r in rows] == ["ample", "tight"]
+    ample, tight = rows
+    assert ample["evictions"] == 0
+    assert tight["num_blocks"] < ample["num_blocks"]
+    for row in rows:
+        assert row["invalid_hits"] == 0
+        assert row["token_bound_tokens"] >= row["prefix_hit_tokens"] > 0
+        assert row["completed"] == row["requests"]
+    page = (REPO / "docs" / "hit-rate.md").read_text()
+    assert page.startswith(bench.PAGE_HEAD)
+    table = page[len(bench.PAGE_HEAD) :].splitlines()
+    assert table[:2] == bench.markdown([]).splitlines()
+    for line in bench.markdown(rows).splitlines()[2:]:
+        assert line in table
+    cells = [line.strip("|").split("|") for line in table[2:]]
+    keys = [tuple(c.strip() for c in cell[:3]) for cell in cells]
+    assert keys == [
+        (m, w, p) for m in zoo.names() for w in workload_names() for p in bench.POOLS
+    ]
+    invalid = [cell[-1].strip() for cell in cells]
+    assert set(invalid) == {"0"}

@@ -270,6 +270,12 @@ def _print(
         ("preemptions", f"{result.preemptions:,}"),
         ("admissions refused (waited)", f"{result.admission_refusals:,}"),
     ]
+    rows.append(
+        (
+            "peak cached blocks (of them states)",
+            f"{result.peak_cached_blocks:,} ({result.peak_cached_state_blocks:,})",
+        )
+    )
     rows.append(("prefix-cache evictions", f"{result.evictions:,}"))
     if result.validated:
         rows.append(

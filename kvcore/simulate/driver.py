@@ -38,7 +38,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from kvcore.coordinator import KVCacheBlock, KVCacheBlocks, KVCacheManager, Request
+from kvcore.coordinator import (
+    CheckpointManager,
+    KVCacheBlock,
+    KVCacheBlocks,
+    KVCacheManager,
+    Request,
+)
 from kvcore.errors import KvcoreValueError
 from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
 from kvcore.plan.capacity import DEFAULT_BATCHED_TOKENS
@@ -234,6 +240,15 @@ class _Run:
         self.cached_peak = [0] * num_groups
         self.cached_total = [0] * num_groups
         self.cached_samples = 0
+        #: Peaks over the samples of all groups' cached blocks together, and
+        #: of the recurrent-state (checkpoint) groups' alone.
+        self.cached_all_peak = 0
+        self.cached_states_peak = 0
+        self.state_groups = frozenset(
+            g
+            for g, m in enumerate(manager.coordinator.single_type_managers)
+            if isinstance(m, CheckpointManager)
+        )
         self.computed_prefixes = ComputedPrefixes()
         #: Requests whose computed tokens the bound has not recorded yet.
         self.dirty: dict[str, _Live] = {}
@@ -419,6 +434,7 @@ class _Run:
     def _measure_cached(self) -> None:
         pool = self.manager.block_pool
         self.cached_samples += 1
+        everything = states = 0
         for g in range(len(self.cached_peak)):
             entries = pool.cached_blocks_of(g)
             count = len(entries)
@@ -428,6 +444,11 @@ class _Run:
             self.cached_total[g] += count
             if count > self.cached_peak[g]:
                 self.cached_peak[g] = count
+            everything += count
+            if g in self.state_groups:
+                states += count
+        self.cached_all_peak = max(self.cached_all_peak, everything)
+        self.cached_states_peak = max(self.cached_states_peak, states)
 
     def _measure(self, step: int) -> None:
         if step % self.driver.cache_sample_every == 0:
@@ -550,6 +571,8 @@ class _Run:
             unserved=tuple(self.unserved),
             unfinished=tuple(unfinished),
             evictions=manager.block_pool.evictions,
+            peak_cached_blocks=self.cached_all_peak,
+            peak_cached_state_blocks=self.cached_states_peak,
             validated=oracle is not None,
             checked_hits=0 if oracle is None else oracle.checked_hits,
             invalid_hits=0 if oracle is None else oracle.invalid_hits,

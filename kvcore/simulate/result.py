@@ -77,6 +77,10 @@ class SimulationResult:
     :param unfinished: requests still queued or running when ``max_steps``
         ran out.
     :param evictions: prefix-cache keys the pool dropped to reuse a block.
+    :param peak_cached_blocks: the most blocks holding a prefix-cache key at
+        once, all groups together (sampled as ``GroupUsage``'s counts).
+    :param peak_cached_state_blocks: the same over the recurrent-state
+        (checkpoint) groups alone: what keeping states costs.
     :param validated: whether the content oracle checked the hits.
     :param checked_hits: admissions with a hit the oracle checked.
     :param invalid_hits: of those, hits whose blocks did not hold the
@@ -104,6 +108,8 @@ class SimulationResult:
     unfinished: tuple[str, ...] = ()
     token_bound_tokens: int = 0
     evictions: int = 0
+    peak_cached_blocks: int = 0
+    peak_cached_state_blocks: int = 0
     validated: bool = False
     checked_hits: int = 0
     invalid_hits: int = 0
@@ -160,6 +166,8 @@ class SimulationResult:
             "unserved": [u.to_dict() for u in self.unserved],
             "unfinished": list(self.unfinished),
             "evictions": self.evictions,
+            "peak_cached_blocks": self.peak_cached_blocks,
+            "peak_cached_state_blocks": self.peak_cached_state_blocks,
             "validated": self.validated,
             "checked_hits": self.checked_hits,
             "invalid_hits": self.invalid_hits,
