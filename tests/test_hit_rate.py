@@ -385,6 +385,12 @@ def test_simulate_a_named_workload(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "token-level bound" in text
     assert "cached peak" in text
+    # --shared-prefixes 0 turns the preset's prefixes off, its length too.
+    args = ["simulate", *SMALL, "--workload", "shared-prefix", "--requests", "3"]
+    assert main([*args, "--shared-prefixes", "0", "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["workload"]["synthetic"]
+    assert (options["shared_prefixes"], options["prefix_len"]) == (0, 0)
+    assert options["output_len"] == "50-300"
 
 
 @pytest.mark.parametrize(
