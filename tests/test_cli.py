@@ -557,7 +557,9 @@ def test_a_kind_that_blocks_every_hit_is_reported() -> None:
     # Jamba's Mamba layers in mode none keep no state of a prefix, so no
     # request can start from a hit; Llama has no such kind.  By default
     # (auto) they are checkpointed and the plan says so.
-    jamba = plan_json("jamba-1-5-mini", "--memory", "8GiB", "--mamba-cache-mode", "none")
+    jamba = plan_json(
+        "jamba-1-5-mini", "--memory", "8GiB", "--mamba-cache-mode", "none"
+    )
     assert any(
         n.startswith("no prefix hits for this model: mamba") for n in jamba["notes"]
     )

@@ -171,7 +171,9 @@ class Shadow:
         start, end = -(-num_computed // bs), -(-num_tokens // bs)
         if end <= start:
             return 0
-        return sum(1 for t in self.targets.get(key, ()) if start <= t // bs - 1 < end - 1)
+        return sum(
+            1 for t in self.targets.get(key, ()) if start <= t // bs - 1 < end - 1
+        )
 
     def check_pool(self) -> None:
         held = set(self.holders())
