@@ -27,6 +27,11 @@ tokens; always 0 unless the coordinator is wrong).
     python benchmarks/hit_rate.py
     python benchmarks/hit_rate.py --model llama-3-1-8b --workload chat
     python benchmarks/hit_rate.py --write   # regenerate docs/hit-rate.md
+    python benchmarks/hit_rate.py --policies   # every checkpoint policy
+
+``--policies`` runs the models whose default plan checkpoints recurrent
+states once per checkpoint policy (``kvcore.CHECKPOINT_POLICIES``): what
+each policy costs in cached state blocks and gains in hits.
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ from typing import Any
 
 import kvcore
 import kvcore.zoo
+from kvcore.checkpoints import CHECKPOINT_POLICIES
 from kvcore.cli.options import Planned, add_model_options, plan_from_args
 from kvcore.errors import PlanError
 from kvcore.registry import KindRegistry
 from kvcore.simulate import Driver, SimulationResult, Workload, named_workload
 from kvcore.simulate import workload_names as _workload_names
+from kvcore.spec import HitPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "hit-rate.md"
@@ -211,12 +218,15 @@ def model_rows(
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    head = "| " + " | ".join(h for h, _, _ in COLUMNS) + " |"
-    rule = "|" + "|".join(" --- " for _ in COLUMNS) + "|"
+def markdown(rows: list[dict[str, Any]], *, policy: bool = False) -> str:
+    columns = COLUMNS
+    if policy:
+        columns = [*COLUMNS[:1], ("checkpoint policy", "policy", "{}"), *COLUMNS[1:]]
+    head = "| " + " | ".join(h for h, _, _ in columns) + " |"
+    rule = "|" + "|".join(" --- " for _ in columns) + "|"
     lines = [head, rule]
     for row in rows:
-        cells = [fmt.format(row[key]) for _, key, fmt in COLUMNS]
+        cells = [fmt.format(row[key]) for _, key, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -266,8 +276,36 @@ coordinator is wrong.
 """
 
 
-def page(rows: list[dict[str, Any]]) -> str:
-    return PAGE_HEAD + markdown(rows)
+POLICY_HEAD = """
+## Checkpoint policies
+
+The models above whose default plan checkpoints recurrent states, once per
+checkpoint policy (`--checkpoint-policy`; `turns` is the default): what the
+states each policy keeps cost (*cached states*) and what they gain (*hit
+rate*).
+
+"""
+
+
+def page(rows: list[dict[str, Any]], policy_rows: list[dict[str, Any]]) -> str:
+    text = PAGE_HEAD + markdown(rows)
+    if policy_rows:
+        text += POLICY_HEAD + markdown(policy_rows, policy=True)
+    return text
+
+
+def checkpointing_models(models: Sequence[str], registry: KindRegistry) -> list[str]:
+    """The models whose default plan has a recurrent-state group that keeps
+    checkpoints (``HitPolicy.CHECKPOINT``)."""
+    out = []
+    for model in models:
+        plan = plan_model(model, registry, 2**30).plan
+        if any(
+            g.manager_spec.hit_policy is HitPolicy.CHECKPOINT
+            for g in plan.kv_cache_groups
+        ):
+            out.append(model)
+    return out
 
 
 # -- command line ---------------------------------------------------------------
@@ -311,6 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument(
+        "--policies",
+        action="store_true",
+        help="also run every checkpoint policy on the models that checkpoint states",
+    )
+    parser.add_argument(
         "--write",
         action="store_true",
         help=f"regenerate {DOC.relative_to(REPO)} (every model, workload and pool)",
@@ -326,16 +369,51 @@ def run_rows(
     seed: int = 0,
     registry: KindRegistry | None = None,
     progress: Callable[[str], None] | None = None,
+    policy: str | None = None,
 ) -> list[dict[str, Any]]:
     registry = registry or benchmark_registry()
+    options = () if policy is None else ("--checkpoint-policy", policy)
     rows = []
     for model in models:
         for workload in workloads:
             start = time.monotonic()
-            got = model_rows(model, workload, registry, seed=seed, pools=pools)
+            got = model_rows(
+                model, workload, registry, seed=seed, pools=pools, options=options
+            )
+            for row in got:
+                row["policy"] = policy or "default"
             rows.extend(got)
             if progress is not None:
-                progress(f"{model} {workload}: {time.monotonic() - start:.1f} s")
+                shown = f" ({policy})" if policy else ""
+                progress(f"{model} {workload}{shown}: {time.monotonic() - start:.1f} s")
+    return rows
+
+
+def policy_rows(
+    models: Sequence[str],
+    workloads: Sequence[str],
+    pools: Sequence[str],
+    *,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Rows of every checkpoint policy on the models that checkpoint states."""
+    registry = benchmark_registry()
+    chosen = checkpointing_models(models, registry)
+    rows = []
+    for model in chosen:
+        for name in CHECKPOINT_POLICIES:
+            rows.extend(
+                run_rows(
+                    [model],
+                    workloads,
+                    pools,
+                    seed=seed,
+                    registry=registry,
+                    progress=progress,
+                    policy=name,
+                )
+            )
     return rows
 
 
@@ -357,9 +435,25 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    print(json.dumps(rows, indent=1) if args.json else markdown(rows), end="")
+    extra: list[dict[str, Any]] = []
+    if args.policies or args.write:
+        extra = policy_rows(
+            args.model,
+            args.workload,
+            args.pool,
+            seed=args.seed,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    if args.json:
+        print(json.dumps(rows + extra, indent=1))
+    else:
+        print(markdown(rows), end="")
+        if extra:
+            print()
+            print(markdown(extra, policy=True), end="")
+    rows = rows + extra
     if args.write:
-        DOC.write_text(page(rows))
+        DOC.write_text(page(rows[: len(rows) - len(extra)], extra))
         print(f"wrote {DOC.relative_to(REPO)}", file=sys.stderr)
     print(f"{time.monotonic() - start:.0f} s in all", file=sys.stderr)
     bad = sum(row["invalid_hits"] for row in rows)
