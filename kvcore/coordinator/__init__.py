@@ -50,6 +50,7 @@ from kvcore.coordinator.managers import (
     PrefixManager,
     WindowManager,
 )
+from kvcore.coordinator.partial import BlockCopy
 from kvcore.coordinator.request import (
     Request,
     RequestStatus,
@@ -59,6 +60,7 @@ from kvcore.coordinator.request import (
 
 __all__ = [
     # coordinator
+    "BlockCopy",
     "CheckpointManager",
     "EngineStepKeywords",
     "FixedBlocksManager",

@@ -155,6 +155,11 @@ class SingleTypeManager:
     #: :meth:`block_hash`); other managers need a block that is a multiple of
     #: the hash block.
     accepts_coarse_hashes: ClassVar[bool] = False
+    #: Whether the manager's tables take copy-on-write partial hits (see
+    #: :mod:`kvcore.coordinator.partial`): position-indexed, every block kept,
+    #: a hit block at each position read from the left.  A group serves them
+    #: only when its spec also declares ``copies_partial_block_hits``.
+    partial_copy_hits: ClassVar[bool] = False
 
     def __init__(
         self,
