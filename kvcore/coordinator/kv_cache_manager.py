@@ -434,7 +434,8 @@ class KVCacheManager:
         # running request first releases the blocks it no longer reads; a new
         # one never takes them (see SingleTypeManager.num_skipped_blocks).
         attach: tuple[list[KVCacheBlock], ...] = ()
-        sources: list[tuple[int, KVCacheBlock, int]] = []
+        # Copy-on-write sources of a partial hit (None: none, the usual case).
+        sources: list[tuple[int, KVCacheBlock, int]] | None = None
         held_sources = 0
         if running:
             need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
@@ -444,11 +445,13 @@ class KVCacheManager:
             if computed is not None and coordinator.partial_groups:
                 # A hit that ends inside a block of a partial-hit group: its
                 # last block is copied into a fresh one, not attached.
-                computed, sources = split_copy_sources(
+                computed, found = split_copy_sources(
                     computed,
                     coordinator.partial_groups,
                     request.num_computed_tokens + num_new_computed_tokens,
                 )
+                if found:
+                    sources = found
             attach = coordinator.admission_blocks(
                 computed if computed is not None else self.empty_kv_cache_blocks.blocks,
                 num_computed,
@@ -477,7 +480,11 @@ class KVCacheManager:
             or need > free + coordinator.count_freeable_skipped(rid, num_computed)
         ):
             return None
-        step = functools.partial(self._copy_step, sources) if sources else self._step
+        step = (
+            self._step
+            if sources is None
+            else functools.partial(self._copy_step, sources)
+        )
         if coordinator.vetted:
             # Validated, and only kvcore's own managers run: nothing below
             # can raise, so no undo is recorded.
@@ -510,7 +517,7 @@ class KVCacheManager:
         if held is not request:
             self._live.add(rid)
             self._requests[rid] = request
-        if sources:
+        if sources is not None:
             copies = self._copies(rid, sources, num_new_computed_tokens)
             return KVCacheBlocks(
                 new_blocks
