@@ -192,16 +192,23 @@ _AGREED = (
 )
 
 
-def plan_hit_granularity(plan: KVCacheConfig) -> int | None:
+def plan_hit_granularity(
+    plan: KVCacheConfig, *, partial_hits: bool = True
+) -> int | None:
     """Tokens a plan's prefix hits are multiples of (``None`` for a plan
-    without resolved block sizes)."""
+    without resolved block sizes), with copy-on-write partial-block hits
+    (``KVCacheManager``'s default, ``enable_partial_hits=True``) or without."""
     scheduler, hashing = plan.scheduler_block_size, plan.hash_block_size
     if scheduler is None or hashing is None:
         return None
     if not plan.enable_prefix_caching:
         return scheduler
     return hit_alignment(
-        plan.kv_cache_groups, scheduler, hashing, plan.decode_context_parallel_size
+        plan.kv_cache_groups,
+        scheduler,
+        hashing,
+        plan.decode_context_parallel_size,
+        partial_hits=partial_hits,
     )
 
 
