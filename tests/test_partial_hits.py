@@ -293,3 +293,35 @@ class TestPartialKeys:
         assert block.partial_keys is None
         pool.rollback()
         assert pool.lookup_partial(b"x" * 32, [0]) == [block]
+
+
+class TestCapacity:
+    @pytest.mark.parametrize(("taken", "fits"), [(31, True), (32, False)])
+    def test_a_free_copy_source_counts_as_taken_for_the_step(
+        self, taken: int, fits: bool
+    ):
+        """b (203 tokens) hits 128.  It needs: a fresh block per MLA group (2)
+        and their free copy sources held for the step (2), SW-MLA's free hit
+        block and one new block (2), one block per ring (2): 8 of the 39 free
+        blocks.  Taking 31 from the front of the queue leaves exactly 8 (the
+        cached blocks sit at the back)."""
+        mgr = dsv4(num_blocks=40)
+        shared = prompt(200)
+        run_and_free(mgr, "a", shared, [200])
+        b = Request("b", [*shared, 5, 6, 7], hash_block_size=128)
+        blocks, hit = mgr.get_computed_blocks(b)
+        assert hit == 128
+        pool = mgr.block_pool
+        pool.get_new_blocks(taken)
+        assert pool.get_num_free_blocks() == 39 - taken
+        assert (
+            mgr.can_fit_full_sequence(
+                b, 203, new_computed_blocks=blocks, num_new_computed_tokens=hit
+            )
+            is fits
+        )
+        out = mgr.allocate_slots(b, 203 - hit, hit, blocks, full_sequence_must_fit=True)
+        assert (out is not None) is fits
+        if fits:
+            assert len(out.copies) == 2
+            assert pool.get_num_free_blocks() == 2  # the sources, back in the pool

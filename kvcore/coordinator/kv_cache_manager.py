@@ -707,6 +707,14 @@ class KVCacheManager:
                     f"{len(hit)} block lists for {self.num_kv_cache_groups} groups"
                 )
                 raise InvalidRequestError(msg)
+            held = 0
+            if self.coordinator.partial_groups and num_new_computed_tokens:
+                # A copy-on-write source is not attached (a fresh block takes
+                # its place) but is held while the step runs.
+                hit, sources = split_copy_sources(
+                    hit, self.coordinator.partial_groups, num_new_computed_tokens
+                )
+                held = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
             attach = self.coordinator.admission_blocks(
                 hit, num_new_computed_tokens + num_external_computed_tokens
             )
@@ -716,8 +724,10 @@ class KVCacheManager:
                 "holds blocks; a prefix hit attaches only at admission"
             )
             raise InvalidRequestError(msg)
+        else:
+            held = 0
         full = min(num_tokens, self.max_model_len)
-        need = self._full_sequence_blocks(request, full, attach)
+        need = self._full_sequence_blocks(request, full, attach) + held
         return need <= self.block_pool.free_queue.num_free
 
     def _step(
