@@ -325,3 +325,22 @@ class TestCapacity:
         if fits:
             assert len(out.copies) == 2
             assert pool.get_num_free_blocks() == 2  # the sources, back in the pool
+
+
+def test_partial_keys_raise_no_events():
+    """BlockStored / BlockRemoved are about full blocks: the MLA blocks of a
+    200-token prompt hold only partial keys and appear in no event, stored
+    or evicted."""
+    from kvcore.coordinator import BlockRemoved, BlockStored
+
+    mgr = dsv4(num_blocks=12, enable_kv_cache_events=True)
+    run_and_free(mgr, "a", prompt(200), [200])
+    pool = mgr.block_pool
+    assert pool.num_partial_keys == 2
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    assert stored
+    assert {e.group_id for e in stored} == {2}  # the SW-MLA block 0..127
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    assert pool.num_partial_keys == 0
+    removed = [e for e in mgr.take_events() if isinstance(e, BlockRemoved)]
+    assert {e.group_id for e in removed} == {2}

@@ -529,7 +529,7 @@ class BlockPool:
 
         Pass a request's blocks tail first, so its tail is evicted first (or
         its table as allocated to :meth:`free_table`).  Freed blocks with a
-        prefix-cache key go to the back of the free queue (least recently used
+        prefix-cache key (full or partial) go to the back of the free queue (least recently used
         order, kept as given); with caching on, blocks without one go to the
         front, so they are reused before any cached block.  The null block is
         skipped.  Dropping a reference a block does not hold (a double free)
@@ -1042,7 +1042,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks holding a prefix-cache key, in use or free (O(n))."""
+        """Blocks holding a full prefix-cache key, in use or free (O(n));
+        partial keys are counted by :attr:`num_partial_keys`."""
         return sum(
             1 if not isinstance(e, dict) else len(e)
             for group in self._cached.values()
