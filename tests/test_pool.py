@@ -648,3 +648,19 @@ def test_copy_blocks_refuses_a_bad_copy() -> None:
         pool.copy_blocks([BlockCopy(9, 1, 2, 4)])
     with pytest.raises(KvcoreValueError, match="dst_block_id"):
         pool.copy_blocks([BlockCopy(0, 1, 0, 4)])
+
+
+@cuda
+@needs_cuda
+def test_cuda_copy_blocks_match_cpu() -> None:
+    """The same writes and copies give byte-identical pools on CPU and CUDA."""
+    from kvcore.coordinator import BlockCopy
+
+    pools = [KVCachePool(_plan(), device) for device in ("cpu", "cuda")]
+    for pool in pools:
+        for seed, name in enumerate(LAYOUT):
+            for i, part in enumerate(_parts(pool.views[name])):
+                pattern = _pattern(tuple(part.shape[1:]), part.dtype, seed=seed + i)
+                part[1].copy_(pattern.to(part.device))
+        pool.copy_blocks([BlockCopy(0, 1, 3, 5), BlockCopy(4, 1, 2, 16)])
+    assert torch.equal(pools[0].buffer, pools[1].buffer.cpu())

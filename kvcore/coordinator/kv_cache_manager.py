@@ -518,7 +518,9 @@ class KVCacheManager:
             self._live.add(rid)
             self._requests[rid] = request
         if sources is not None:
-            copies = self._copies(rid, sources, num_new_computed_tokens)
+            copies = self._copies(
+                rid, sources, request.num_computed_tokens + num_new_computed_tokens
+            )
             return KVCacheBlocks(
                 new_blocks
                 if new_blocks is not None
