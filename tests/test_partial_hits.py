@@ -344,3 +344,42 @@ def test_partial_keys_raise_no_events():
     assert pool.num_partial_keys == 0
     removed = [e for e in mgr.take_events() if isinstance(e, BlockRemoved)]
     assert {e.group_id for e in removed} == {2}
+
+
+def test_a_step_that_rolls_back_records_no_copy_and_changes_nothing():
+    """A manager that raises in the middle of an admission with copy
+    sources: the step is undone (the held sources, the fresh blocks, the
+    partial keys), the caller gets the plugin's error and no copy, and the
+    same hit then admits with its copies."""
+    from kvcore.errors import PluginError
+
+    mgr = dsv4()
+    shared = prompt(300)
+    run_and_free(mgr, "a", shared, [300])
+    pool = mgr.block_pool
+    b = Request("b", [*shared, 1, 2], hash_block_size=128)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 256
+
+    def state() -> object:
+        return (
+            [(blk.ref_cnt, blk.block_hash, blk.partial_keys) for blk in pool.blocks],
+            [blk.block_id for blk in pool.free_queue.get_all_free_blocks()],
+            pool.num_partial_keys,
+        )
+
+    before = state()
+    ring = mgr.coordinator.single_type_managers[3]
+
+    def broken(request_id: str, num_tokens: int) -> list[object]:
+        raise RuntimeError("ring allocation failed")
+
+    ring.allocate_new_blocks = broken  # type: ignore[method-assign]
+    mgr.coordinator.vetted = False  # as for any manager not shipped with kvcore
+    with pytest.raises(PluginError, match="ring allocation failed"):
+        mgr.allocate_slots(b, 302 - hit, hit, blocks)
+    assert state() == before
+    del ring.allocate_new_blocks
+    out = mgr.allocate_slots(b, 302 - hit, hit, blocks)
+    assert out is not None
+    assert [c.num_tokens for c in out.copies] == [256, 256]
