@@ -19,6 +19,11 @@ positions later requests are likely to resume from.
 - **every step**: every state a step leaves on a hit boundary, all kept
   (the most resume points, the most blocks).
 
+With ``hold_shared``, a running request keeps holding the state its hit
+resumed from and the branch point it kept, as running requests hold the
+attention blocks of a prefix they share: under pressure the pool evicts
+states no running request shares first.
+
 States at positions no hit can end at (not a multiple of the hit unit) are
 never kept.
 """
@@ -74,6 +79,8 @@ class CheckpointPolicy:
     :param interval: also keep one every ``interval`` tokens (rounded up to
         the hit unit) inside a prefill; 0 for none.
     :param every_step: keep every state a step leaves on a hit boundary.
+    :param hold_shared: a running request holds its hit's state and its
+        branch point until it is freed (one or two blocks more per group).
     """
 
     prompt_end: bool = attrs.field(default=True, validator=_flag)
@@ -81,6 +88,17 @@ class CheckpointPolicy:
     branch_points: bool = attrs.field(default=True, validator=_flag)
     interval: int = attrs.field(default=0, validator=_interval)
     every_step: bool = attrs.field(default=False, validator=_flag)
+    hold_shared: bool = attrs.field(default=True, validator=_flag)
+
+    @property
+    def blocks_beyond_live(self) -> int:
+        """Blocks a request may hold besides the state it reads and the one
+        it writes: checkpoints inside one step (two prompt ends, a branch
+        point) and the states it holds (its hit's, its branch point)."""
+        inner = 2 * int(self.prompt_end) + int(self.branch_points)
+        inner += int(self.interval > 0)
+        held = (1 + int(self.branch_points)) if self.hold_shared else 0
+        return inner + held
 
     @property
     def places_targets(self) -> bool:
@@ -100,7 +118,11 @@ CHECKPOINT_POLICIES: dict[str, CheckpointPolicy] = {
     "turns": CheckpointPolicy(),
     # Only the states steps leave on hit boundaries, every one kept.
     "steps": CheckpointPolicy(
-        prompt_end=False, output_end=False, branch_points=False, every_step=True
+        prompt_end=False,
+        output_end=False,
+        branch_points=False,
+        every_step=True,
+        hold_shared=False,
     ),
     # Prompt ends and branch points: no state kept for a request's output.
     "prompts": CheckpointPolicy(output_end=False),

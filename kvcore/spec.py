@@ -448,10 +448,11 @@ class KVCacheSpec:
 
     @property
     def checkpoint_blocks_per_step(self) -> int:
-        """Blocks a step may hold on top of :meth:`num_blocks_held`: states
-        a state kind keeps inside the step for later requests (see
-        :mod:`kvcore.checkpoints`); they are released after the step, kept
-        in the prefix cache.  Default 0."""
+        """Blocks a request may hold on top of :meth:`num_blocks_held`:
+        states a state kind keeps for later requests (see
+        :mod:`kvcore.checkpoints`), inside a step (released after it, kept
+        in the prefix cache) or while the request runs (the state its hit
+        resumed from, its branch point).  Default 0."""
         return 0
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:

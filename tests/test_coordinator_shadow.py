@@ -81,6 +81,10 @@ class Shadow:
         #: (request id, group) -> token positions an align-mode state group
         #: still keeps a checkpoint at, from the policy's own rules.
         self.targets: dict[tuple[str, int], list[int]] = {}
+        #: (request id, group) -> its branch-point target, and the positions
+        #: it holds below its read position (see states_held).
+        self.branch_at: dict[tuple[str, int], int] = {}
+        self.holding: dict[tuple[str, int], set[int]] = {}
         alignment = mgr.coordinator.cache_hit_alignment
         self.state_units = [
             math.lcm(m.block_size, alignment, mgr.hash_block_size)
@@ -134,8 +138,11 @@ class Shadow:
                     self.hit_gap[r.request_id, g] = gap
                 after -= self.hit_gap.get((r.request_id, g), 0)
             unit = self.state_units[g]
+            held_below: set[int] = set()
             if unit:
                 after += self.checkpoints_inside(r, g, unit, num_computed, num_tokens)
+                held_below = self.states_held(r, g, hit, num_computed)
+                after += len(held_below)
             expected.append(after)
             if not self.positioned[g]:
                 if not live:
@@ -144,8 +151,12 @@ class Shadow:
             below = released_below(spec, num_computed, bs)
             if live:
                 table = self.tables(r.request_id)[g]
-                kept = sum(1 for bid in table[below:] if bid)
-                give += sum(1 for bid in table[:below] if bid and holders[bid] == 1)
+                kept = sum(1 for bid in table[below:] if bid) + len(held_below)
+                give += sum(
+                    1
+                    for i, bid in enumerate(table[:below])
+                    if bid and holders[bid] == 1 and i not in held_below
+                )
             else:
                 blocks = hit[g] if hit is not None else []
                 if (
@@ -162,6 +173,34 @@ class Shadow:
             take += after - kept
         return expected, take, give, held
 
+    def states_held(
+        self,
+        r: Request,
+        g: int,
+        hit: tuple[list[int], ...] | None,
+        num_computed: int,
+    ) -> set[int]:
+        """Positions below the read position an align-mode state group still
+        holds under a policy with ``hold_shared``: the state the request's
+        hit resumed from, and its branch point once a step reached it."""
+        key = (r.request_id, g)
+        policy = checkpoint_policy(self.specs[g].checkpoint_policy)
+        if not policy.hold_shared:
+            return set()
+        bs = self.block_sizes[g]
+        if r not in self.running:
+            self.holding[key] = (
+                {len(hit[g]) - 1}
+                if hit is not None and hit[g] and hit[g][-1]
+                else set()
+            )
+        held = self.holding.setdefault(key, set())
+        branch = self.branch_at.get(key, -1)
+        if 0 < branch <= num_computed:
+            held.add(branch // bs - 1)
+        read = (num_computed - 1) // bs if num_computed > 0 else 0
+        return {p for p in held if p < read}
+
     def checkpoints_inside(
         self, r: Request, g: int, unit: int, num_computed: int, num_tokens: int
     ) -> int:
@@ -177,10 +216,13 @@ class Shadow:
             marks: set[int] = set()
             if policy.prompt_end:
                 marks |= {prompt - prompt % unit, prompt - 1 - (prompt - 1) % unit}
+            branch = -1
             if policy.branch_points:
                 shared = min(r.shared_prefix_tokens, prompt)
-                marks.add(shared - shared % unit)
+                branch = shared - shared % unit
+                marks.add(branch)
             self.targets[key] = sorted(t for t in marks if t > num_computed)
+            self.branch_at[key] = branch if branch > num_computed else -1
         bs = self.block_sizes[g]
         start, end = -(-num_computed // bs), -(-num_tokens // bs)
         if end <= start:

@@ -345,11 +345,12 @@ def test_prefix_cacheable_and_replay(
         ),
         # mode align: the state read and the one written, the three
         # checkpoints the default policy may keep inside one step (two prompt
-        # ends, a branch point), and 2 speculative = 7
+        # ends, a branch point), the two states a running request keeps
+        # holding (its hit's, its branch point), and 2 speculative = 9
         pytest.param(
             mamba(num_speculative_blocks=2, mamba_cache_mode="align"),
             100,
-            7,
+            9,
             id="mamba-align",
         ),
         # mode all: cdiv(100, 16) + 2 = 7 + 2 = 9

@@ -254,6 +254,7 @@ class CheckpointManager(SingleTypeManager):
         self._targets_on = self.caching and not self.keep_all and policy.places_targets
         self._step_ends = self.caching and (self.keep_all or policy.keeps_step_ends)
         self._replaces = not (self.keep_all or policy.every_step)
+        self._holds = self.caching and not self.keep_all and policy.hold_shared
         #: request id -> token positions still to checkpoint, ascending.
         self.targets: dict[str, list[int]] = {}
         #: request id -> (position, block) of its newest step-end state,
@@ -265,6 +266,13 @@ class CheckpointManager(SingleTypeManager):
         #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
         #: hands the coordinator once.
         self._released_kept: dict[str, list[KVCacheBlock]] = {}
+        #: request id -> table positions below its read position it keeps
+        #: holding while it runs: the state its hit resumed from and the
+        #: branch point it kept, so a prefix running requests share keeps
+        #: its state as it keeps its attention blocks.
+        self.pinned: dict[str, list[int]] = {}
+        #: request id -> the branch-point target planned at admission.
+        self.branch: dict[str, int] = {}
 
     def keeps_every_state(self, spec: Any) -> bool:
         """Whether every block-boundary state stays for the request's life
@@ -296,9 +304,11 @@ class CheckpointManager(SingleTypeManager):
             # before its final token, which is always recomputed.
             marks.add(prompt - prompt % unit)
             marks.add((prompt - 1) - (prompt - 1) % unit)
+        branch = -1
         if policy.branch_points:
             shared = min(request.shared_prefix_tokens, prompt)
-            marks.add(shared - shared % unit)
+            branch = shared - shared % unit
+            marks.add(branch)
         if policy.interval:
             every = cdiv(policy.interval, unit) * unit
             marks.update(range(every, prompt + 1, every))
@@ -307,12 +317,17 @@ class CheckpointManager(SingleTypeManager):
             self.targets[rid] = targets
         else:
             self.targets.pop(rid, None)
+        if branch > num_computed_tokens:
+            self.branch[rid] = branch
+        else:
+            self.branch.pop(rid, None)
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Drop what :meth:`plan_checkpoints` planned for a request that was
         not admitted after all (it holds no blocks)."""
         if request_id not in self.req_to_blocks:
             self.targets.pop(request_id, None)
+            self.branch.pop(request_id, None)
 
     def _inner_targets(self, request_id: str, start: int, end: int) -> list[int]:
         """Table positions in ``[start, end - 1)`` that a target state
@@ -397,7 +412,13 @@ class CheckpointManager(SingleTypeManager):
         if targets:
             while targets and targets[0] <= num_tokens:
                 reached = targets.pop(0)
-                self._keep(request, blocks, reached // block_size - 1, kept=True)
+                pos = reached // block_size - 1
+                if (
+                    self._keep(request, blocks, pos, kept=True) is not None
+                    and self._holds
+                    and self.branch.get(rid) == reached
+                ):
+                    self.pinned.setdefault(rid, []).append(pos)
             if not targets:
                 del self.targets[rid]
         if not self._step_ends:
@@ -489,8 +510,25 @@ class CheckpointManager(SingleTypeManager):
 
     # -- freeing ----------------------------------------------------------------
 
+    def add_computed_blocks(
+        self, request_id: str, blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        super().add_computed_blocks(request_id, blocks)
+        if self._holds and blocks and not blocks[-1].is_null:
+            # The hit's state stays held while the request runs.
+            self.pinned[request_id] = [len(blocks) - 1]
+
+    def _skipped(self, request_id: str, num_computed_tokens: int) -> list[int]:
+        positions = super()._skipped(request_id, num_computed_tokens)
+        pinned = self.pinned.get(request_id)
+        if pinned and positions:
+            return [i for i in positions if i not in pinned]
+        return positions
+
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         self.targets.pop(request_id, None)
+        self.pinned.pop(request_id, None)
+        self.branch.pop(request_id, None)
         step_end = self.step_end.pop(request_id, None)
         kept = self.kept.pop(request_id, None)
         blocks = super().pop_blocks(request_id)
@@ -513,21 +551,27 @@ class CheckpointManager(SingleTypeManager):
     def request_state(self, request_id: str) -> Any:
         targets = self.targets.get(request_id)
         kept = self.kept.get(request_id)
+        pinned = self.pinned.get(request_id)
         return (
             super().request_state(request_id),
             None if targets is None else list(targets),
             self.step_end.get(request_id),
             None if kept is None else list(kept),
+            None if pinned is None else list(pinned),
+            self.branch.get(request_id),
         )
 
     def restore_request_state(self, request_id: str, state: Any) -> None:
-        base, targets, step_end, kept = state
+        base, targets, step_end, kept, pinned, branch = state
         super().restore_request_state(request_id, base)
-        for store, value in (
+        stores: tuple[tuple[dict[str, Any], Any], ...] = (
             (self.targets, targets),
             (self.step_end, step_end),
             (self.kept, kept),
-        ):
+            (self.pinned, pinned),
+            (self.branch, branch),
+        )
+        for store, value in stores:
             if value is None:
                 store.pop(request_id, None)
             else:

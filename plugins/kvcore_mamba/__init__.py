@@ -301,10 +301,10 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def _inner_checkpoints(self) -> int:
-        """Checkpoints the policy may keep inside one step: two prompt ends
-        (when the prompt ends on a boundary) and a branch point."""
-        policy = checkpoint_policy(self.checkpoint_policy)
-        return 2 * int(policy.prompt_end) + int(policy.branch_points)
+        """Checkpoints the policy may keep inside one step (two prompt ends
+        when the prompt ends on a boundary, a branch point), and the states
+        a running request keeps holding (its hit's and its branch point)."""
+        return checkpoint_policy(self.checkpoint_policy).blocks_beyond_live
 
     @property
     def allows_sub_block_hashing(self) -> bool:
