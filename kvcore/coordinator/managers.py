@@ -425,7 +425,14 @@ class CheckpointManager(SingleTypeManager):
         # leaves the cache unless another request holds it.
         old_pos, old = previous
         in_table = old_pos < len(blocks) and blocks[old_pos] is old
-        if old.ref_cnt == (1 if in_table else 0):
+        if (
+            old.ref_cnt == (1 if in_table else 0)
+            # Still this request's state there: a block evicted since may
+            # hold another request's content now.
+            and old.key_hash is not None
+            and old.key_group == self.kv_cache_group_id
+            and old.key_hash == self.block_hash(request.block_hashes, old_pos)
+        ):
             self.block_pool.drop_from_cache(old)
 
     def _keep(
