@@ -21,6 +21,7 @@ from kvcore.coordinator import (
 )
 from kvcore.errors import PluginError
 from kvcore.registry import KindRegistry
+from kvcore.serving import ServingChoices, ServingError
 from kvcore_full_attention import FullAttention
 from kvcore_mamba import Mamba, MambaManager, MambaSpec
 
@@ -211,3 +212,9 @@ def test_the_same_prompt_again_hits_with_eagle() -> None:
     # Without EAGLE this hits 96; with it, the hit would be 80.
     _, hit = mgr.get_computed_blocks(Request("b", prompt, hash_block_size=BS))
     assert hit > 0
+
+
+@pytest.mark.parametrize("value", [["turns"], {"turns": 1}, 3, "often"])
+def test_a_bad_serving_checkpoint_policy_is_a_serving_error(value: Any) -> None:
+    with pytest.raises(ServingError, match="checkpoint_policy must be one of"):
+        ServingChoices(checkpoint_policy=value)
