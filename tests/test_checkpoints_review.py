@@ -218,3 +218,44 @@ def test_the_same_prompt_again_hits_with_eagle() -> None:
 def test_a_bad_serving_checkpoint_policy_is_a_serving_error(value: Any) -> None:
     with pytest.raises(ServingError, match="checkpoint_policy must be one of"):
         ServingChoices(checkpoint_policy=value)
+
+
+def test_a_freed_request_does_not_requeue_a_block_another_request_reused() -> None:
+    mgr = manager_for(
+        [fa(BS), mamba()],
+        20,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+    a = Request("a", list(range(100)), hash_block_size=BS)
+    assert mgr.allocate_slots(a, 100) is not None
+    a.num_computed_tokens = 100
+    # a keeps its prompt's state at 96 (an inner block of its prefill),
+    # released once a's decode passes it.
+    x = mgr.get_blocks("a").blocks[1][5]
+    assert x.key_hash is not None
+    decode(mgr, a, 102)
+    assert x.ref_cnt == 0
+    # b takes every free block, x included, caches its prefix and finishes.
+    free = mgr.get_num_free_blocks()
+    b = Request("b", list(range(5000, 5000 + BS * (free - 2))), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, b.num_tokens, hit, blocks) is not None
+    assert any(blk is x for group in mgr.get_blocks("b").blocks for blk in group)
+    b.num_computed_tokens = b.num_tokens
+    mgr.free(b)
+    queue = mgr.block_pool.free_queue
+    before = [blk.block_id for blk in queue.get_all_free_blocks()]
+    cached = [
+        blk
+        for group in mgr.get_blocks("a").blocks
+        for blk in group
+        if blk.key_hash is not None
+    ]
+    mgr.free(a)
+    after = [blk.block_id for blk in queue.get_all_free_blocks()]
+    # b's blocks, x among them, keep their order; a's cached blocks go
+    # behind them.
+    assert [i for i in after if i in before] == before
+    assert all(after.index(x.block_id) < after.index(blk.block_id) for blk in cached)
