@@ -160,7 +160,9 @@ class ServingChoices:
 
     @checkpoint_policy.validator
     def _check_policy(self, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value not in CHECKPOINT_POLICIES:
+        if value is not None and (
+            type(value) is not str or value not in CHECKPOINT_POLICIES
+        ):
             msg = (
                 f"checkpoint_policy must be one of {', '.join(CHECKPOINT_POLICIES)} "
                 f"(or None to keep the model file's), got {value!r}"

@@ -552,7 +552,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     below = [i for i, b in enumerate(table[:dead]) if not b.is_null]
                     assert len(below) <= 2, (rid, gid, below)
                     assert set(below) <= set(m.pinned.get(rid, ())), (rid, gid)
-                    assert all(table[i].block_hash is not None for i in below)
+                    for i in below:
+                        assert table[i].block_hash is not None, (rid, gid, i)
                     # The state read, the one written, and the checkpoints
                     # the policy keeps inside the step, each hashed once its
                     # tokens are computed.
@@ -560,8 +561,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     real = [i for i, b in enumerate(table) if not b.is_null]
                     assert len(real) <= 2 + extra, (rid, gid, table)
                     assert not table[-1].is_null
-                    for i in real[1:-1]:
-                        if (i + 1) * m.block_size <= cached:
+                    # (Between the read state and the last position.)
+                    for i in real:
+                        if (
+                            dead < i < len(table) - 1
+                            and (i + 1) * m.block_size <= cached
+                        ):
                             assert table[i].block_hash is not None, (rid, gid, i)
                     if cached and cached % m.unit == 0:
                         assert table[cached // m.block_size - 1].block_hash is not None

@@ -165,8 +165,14 @@ class KVCacheCoordinator:
                 hash_block_size=hash_block_size,
                 enable_caching=enable_caching,
                 max_model_len=max_model_len,
-                # With EAGLE a hit may end on any block of the group.
-                hit_alignment=block_size if use_eagle else self.cache_hit_alignment,
+                # With EAGLE a hit may end on any block of the group; a
+                # state serves only a hit that ends on it, and hits end on
+                # the hit alignment.
+                hit_alignment=(
+                    block_size
+                    if use_eagle and policy is not HitPolicy.CHECKPOINT
+                    else self.cache_hit_alignment
+                ),
             )
             _check_manager(manager, policy, kind.name, owners[-1])
             # Only groups whose manager hashes its blocks must align with the
@@ -426,7 +432,9 @@ class KVCacheCoordinator:
             for index, group in enumerate(self.attention_groups):
                 if first_pass and group.states:
                     first_pass = False
-                    self.last_shared_prefix = length
+                    # Only token-indexed groups searched before show a
+                    # shared prefix.
+                    self.last_shared_prefix = length if index else 0
                 if index in found:
                     if group.partial_unit:
                         # Serves every aligned length up to its hit: the

@@ -520,6 +520,9 @@ class KVCacheManager:
                 # undone first.
                 pool.rollback()
                 coordinator.restore_request_state(rid, states)
+                if not running and coordinator.planning:
+                    # The states were recorded after plan_checkpoints.
+                    coordinator.forget_checkpoints(rid)
                 raise
             pool.commit()
         request.status = RequestStatus.RUNNING

@@ -254,18 +254,20 @@ class CheckpointManager(SingleTypeManager):
         self._targets_on = self.caching and not self.keep_all and policy.places_targets
         self._step_ends = self.caching and (self.keep_all or policy.keeps_step_ends)
         self._replaces = not (self.keep_all or policy.every_step)
-        self._holds = self.caching and not self.keep_all and policy.hold_shared
+        self._holds_shared = self.caching and not self.keep_all and policy.hold_shared
         #: request id -> token positions still to checkpoint, ascending.
         self.targets: dict[str, list[int]] = {}
-        #: request id -> (position, block) of its newest step-end state,
-        #: which the next one replaces.
-        self.step_end: dict[str, tuple[int, KVCacheBlock]] = {}
+        #: request id -> (position, block, key) of its newest step-end
+        #: state, which the next one replaces.
+        self.step_end: dict[str, tuple[int, KVCacheBlock, Any]] = {}
         #: request id -> checkpoint blocks it kept (refreshed in the
         #: eviction order when the request is freed).
-        self.kept: dict[str, list[KVCacheBlock]] = {}
+        #: Each with the key it was cached under: a block evicted since may
+        #: hold another request's content.
+        self.kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
         #: hands the coordinator once.
-        self._released_kept: dict[str, list[KVCacheBlock]] = {}
+        self._released_kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: request id -> table positions below its read position it keeps
         #: holding while it runs: the state its hit resumed from and the
         #: branch point it kept, so a prefix running requests share keeps
@@ -415,7 +417,7 @@ class CheckpointManager(SingleTypeManager):
                 pos = reached // block_size - 1
                 if (
                     self._keep(request, blocks, pos, kept=True) is not None
-                    and self._holds
+                    and self._holds_shared
                     and self.branch.get(rid) == reached
                 ):
                     self.pinned.setdefault(rid, []).append(pos)
@@ -440,14 +442,14 @@ class CheckpointManager(SingleTypeManager):
         if block is None or not self._replaces:
             return
         previous = self.step_end.get(rid)
-        self.step_end[rid] = (pos, block)
+        self.step_end[rid] = (pos, block, block.key_hash)
         if previous is None or previous[1] is block:
             return
         # The newer state replaces the older one for the next turn; it
         # leaves the cache unless another request holds it.
-        old_pos, old = previous
+        old_pos, old, key = previous
         in_table = old_pos < len(blocks) and blocks[old_pos] is old
-        if old.ref_cnt == (1 if in_table else 0):
+        if old.ref_cnt == (1 if in_table else 0) and self._holds(old, key):
             self.block_pool.drop_from_cache(old)
 
     def _keep(
@@ -495,7 +497,7 @@ class CheckpointManager(SingleTypeManager):
         if self.num_cached_block.get(rid, 0) <= pos:
             self.num_cached_block[rid] = pos + 1
         if kept and newly and not self.keep_all:
-            self.kept.setdefault(rid, []).append(block)
+            self.kept.setdefault(rid, []).append((block, block.key_hash))
         return block
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
@@ -514,7 +516,7 @@ class CheckpointManager(SingleTypeManager):
         self, request_id: str, blocks: Sequence[KVCacheBlock]
     ) -> None:
         super().add_computed_blocks(request_id, blocks)
-        if self._holds and blocks and not blocks[-1].is_null:
+        if self._holds_shared and blocks and not blocks[-1].is_null:
             # The hit's state stays held while the request runs.
             self.pinned[request_id] = [len(blocks) - 1]
 
@@ -533,7 +535,7 @@ class CheckpointManager(SingleTypeManager):
         kept = self.kept.pop(request_id, None)
         blocks = super().pop_blocks(request_id)
         if step_end is not None:
-            kept = [*(kept or ()), step_end[1]]
+            kept = [*(kept or ()), step_end[1:]]
         if kept:
             self._released_kept[request_id] = kept
         return blocks
@@ -546,7 +548,16 @@ class CheckpointManager(SingleTypeManager):
         kept = self._released_kept.pop(request_id, None)
         if not kept:
             return []
-        return [b for b in kept if b.ref_cnt == 0 and b.key_hash is not None]
+        return [b for b, key in kept if b.ref_cnt == 0 and self._holds(b, key)]
+
+    def _holds(self, block: KVCacheBlock, key: Any) -> bool:
+        """Whether ``block`` is still cached as the state this group kept
+        under ``key`` (not evicted and reused since)."""
+        return (
+            key is not None
+            and block.key_hash == key
+            and block.key_group == self.kv_cache_group_id
+        )
 
     def request_state(self, request_id: str) -> Any:
         targets = self.targets.get(request_id)

@@ -1,0 +1,264 @@
+"""Adversarial checks of state checkpoints: transactions, superseded
+step-end states, branch points without token-indexed groups, and EAGLE.
+
+Hybrids of full attention and Mamba at 16-token hashes, driven by hand as an
+engine does (compute, cache, sample, free).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from coordinator_setup import fa, manager_for
+
+from kvcore.coordinator import (
+    CheckpointManager,
+    CheckpointPolicy,
+    KVCacheManager,
+    Request,
+)
+from kvcore.errors import PluginError
+from kvcore.registry import KindRegistry
+from kvcore.serving import ServingChoices, ServingError
+from kvcore_full_attention import FullAttention
+from kvcore_mamba import Mamba, MambaManager, MambaSpec
+
+BS = 16
+
+
+def mamba(block_size: int = BS, policy: str = "turns") -> MambaSpec:
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((4, 8),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode="align",
+        checkpoint_policy=policy,
+    )
+
+
+def state(mgr: KVCacheManager, gid: int = 1) -> CheckpointManager:
+    m = mgr.coordinator.single_type_managers[gid]
+    assert isinstance(m, CheckpointManager)
+    return m
+
+
+def decode(mgr: KVCacheManager, req: Request, until: int, token: int = 1000) -> None:
+    """Sample and compute one token at a time until ``until`` are computed."""
+    while req.num_computed_tokens < until:
+        req.append_output_token_ids(token + req.num_computed_tokens)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+
+
+class Raising(MambaManager):
+    """Not one of kvcore's modules: its steps run inside a transaction."""
+
+    armed = False
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> Any:
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        if self.armed:
+            msg = "allocation failed"
+            raise RuntimeError(msg)
+        return new
+
+
+class RaisingMamba(Mamba):
+    def make_manager(self, spec: MambaSpec, block_pool: Any, **kwargs: Any) -> Any:
+        return Raising(spec, block_pool, **kwargs)
+
+
+def test_a_rolled_back_admission_leaves_no_planned_checkpoints() -> None:
+    registry = KindRegistry.from_kinds([FullAttention(), RaisingMamba()])
+    mgr = manager_for(
+        [fa(BS), mamba()],
+        100,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        registry=registry,
+        enable_caching=True,
+    )
+    assert not mgr.coordinator.vetted
+    manager = state(mgr)
+    assert isinstance(manager, Raising)
+    manager.armed = True
+    req = Request("a", list(range(100)), hash_block_size=BS)
+    free = mgr.get_num_free_blocks()
+    with pytest.raises(PluginError):
+        mgr.allocate_slots(req, 100)
+    assert mgr.get_num_free_blocks() == free
+    assert manager.req_to_blocks == {}
+    # The admission was undone: nothing planned for it stays behind.
+    assert manager.targets == {}
+
+
+def test_a_superseded_state_does_not_drop_a_block_another_request_cached() -> None:
+    mgr = manager_for(
+        [fa(BS), mamba()],
+        20,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+    manager = state(mgr)
+    a = Request("a", list(range(100)), hash_block_size=BS)
+    assert mgr.allocate_slots(a, 100) is not None
+    a.num_computed_tokens = 100
+    # a's decode reaches 112 (its step-end state is kept), then passes it:
+    # the block holding it is released into the free queue.
+    decode(mgr, a, 114)
+    x = manager.step_end["a"][1]
+    assert x.ref_cnt == 0
+    assert x.key_hash is not None
+    # b takes every free block, x included, and caches its own prefix in it.
+    free = mgr.get_num_free_blocks()
+    b = Request("b", list(range(5000, 5000 + BS * (free - 2))), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, b.num_tokens, hit, blocks) is not None
+    assert any(blk is x for group in mgr.get_blocks("b").blocks for blk in group)
+    b.num_computed_tokens = b.num_tokens
+    mgr.free(b)
+    key = x.key_hash
+    assert key is not None
+    assert x.ref_cnt == 0
+    # a's next step end (128) supersedes its state at 112, which left the
+    # cache long ago; the block now holds b's content and stays cached.
+    decode(mgr, a, 128)
+    assert x.key_hash == key
+
+
+class BranchOnly(MambaManager):
+    def checkpoint_policy(self, spec: Any) -> CheckpointPolicy:
+        return CheckpointPolicy(prompt_end=False, output_end=False)
+
+
+class BranchOnlyMamba(Mamba):
+    def make_manager(self, spec: MambaSpec, block_pool: Any, **kwargs: Any) -> Any:
+        return BranchOnly(spec, block_pool, **kwargs)
+
+
+def test_a_model_of_states_alone_finds_no_shared_prefix_in_a_fresh_request() -> None:
+    registry = KindRegistry.from_kinds([BranchOnlyMamba()])
+    mgr = manager_for(
+        [mamba()],
+        100,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        registry=registry,
+        enable_caching=True,
+    )
+    req = Request("a", list(range(100)), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert hit == 0
+    # No other group holds any of its tokens: nothing is shared.
+    assert req.shared_prefix_tokens == 0
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(req, 100, hit, blocks) is not None
+    assert free - mgr.get_num_free_blocks() == 1
+
+
+@pytest.mark.parametrize("use_eagle", [False, True])
+def test_states_are_kept_only_where_hits_end_with_eagle(use_eagle: bool) -> None:
+    # Hits are multiples of 32 (the attention block); Mamba's block is 16.
+    mgr = manager_for(
+        [fa(32), mamba(16)],
+        200,
+        scheduler_block_size=32,
+        hash_block_size=BS,
+        enable_caching=True,
+        use_eagle=use_eagle,
+        # Whole-block hits: with copy-on-write partial hits they would be
+        # multiples of the 16-token hash block.
+        enable_partial_hits=False,
+    )
+    assert mgr.coordinator.cache_hit_alignment == 32
+    assert state(mgr).unit == 32
+    a = Request("a", list(range(90)), hash_block_size=BS)
+    assert mgr.allocate_slots(a, 90) is not None
+    a.num_computed_tokens = 90
+    mgr.cache_blocks(a, 90)
+    decode(mgr, a, 120)
+    mgr.free(a)
+    pool = mgr.block_pool
+    cached = [
+        (i + 1) * BS
+        for i, h in enumerate(a.block_hashes)
+        if pool.lookup(h, 1) is not None
+    ]
+    # The prompt's state at 64, the last boundary a hit can end at, and the
+    # output's at 96; none at 80 or 112, where no hit ends.
+    assert cached == [64, 96]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with EAGLE a hit drops a block, and no policy keeps the state "
+    "a block before the prompt end",
+)
+def test_the_same_prompt_again_hits_with_eagle() -> None:
+    mgr = manager_for(
+        [fa(BS), mamba()],
+        200,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+        use_eagle=True,
+    )
+    prompt = list(range(100))
+    a = Request("a", prompt, hash_block_size=BS)
+    assert mgr.allocate_slots(a, 100) is not None
+    a.num_computed_tokens = 100
+    mgr.cache_blocks(a, 100)
+    mgr.free(a)
+    # Without EAGLE this hits 96; with it, the hit would be 80.
+    _, hit = mgr.get_computed_blocks(Request("b", prompt, hash_block_size=BS))
+    assert hit > 0
+
+
+@pytest.mark.parametrize("value", [["turns"], {"turns": 1}, 3, "often"])
+def test_a_bad_serving_checkpoint_policy_is_a_serving_error(value: Any) -> None:
+    with pytest.raises(ServingError, match="checkpoint_policy must be one of"):
+        ServingChoices(checkpoint_policy=value)
+
+
+def test_a_freed_request_does_not_requeue_a_block_another_request_reused() -> None:
+    mgr = manager_for(
+        [fa(BS), mamba()],
+        20,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+    a = Request("a", list(range(100)), hash_block_size=BS)
+    assert mgr.allocate_slots(a, 100) is not None
+    a.num_computed_tokens = 100
+    # a keeps its prompt's state at 96 (an inner block of its prefill),
+    # released once a's decode passes it.
+    x = mgr.get_blocks("a").blocks[1][5]
+    assert x.key_hash is not None
+    decode(mgr, a, 102)
+    assert x.ref_cnt == 0
+    # b takes every free block, x included, caches its prefix and finishes.
+    free = mgr.get_num_free_blocks()
+    b = Request("b", list(range(5000, 5000 + BS * (free - 2))), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, b.num_tokens, hit, blocks) is not None
+    assert any(blk is x for group in mgr.get_blocks("b").blocks for blk in group)
+    b.num_computed_tokens = b.num_tokens
+    mgr.free(b)
+    queue = mgr.block_pool.free_queue
+    before = [blk.block_id for blk in queue.get_all_free_blocks()]
+    cached = [
+        blk
+        for group in mgr.get_blocks("a").blocks
+        for blk in group
+        if blk.key_hash is not None
+    ]
+    mgr.free(a)
+    after = [blk.block_id for blk in queue.get_all_free_blocks()]
+    # b's blocks, x among them, keep their order; a's cached blocks go
+    # behind them.
+    assert [i for i in after if i in before] == before
+    assert all(after.index(x.block_id) < after.index(blk.block_id) for blk in cached)
