@@ -220,6 +220,122 @@ class KVCacheCoordinator:
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
+        self._init_twins(managers, enable_kv_cache_events)
+
+    def _init_twins(self, managers: Sequence[SingleTypeManager], events: bool) -> None:
+        """Find twin groups and what their steps share.
+
+        Twins are groups whose managers are vetted and of one class, with
+        equal merged specs and block sizes.  The coordinator calls every
+        twin with the same arguments in every step, and a request's hit
+        gives twins equal-length block lists with the null block at the same
+        positions (they are one spec group, searched by one search that
+        builds every group's list alike; admission nulls the same skipped
+        positions).  So twins' tables have the same length and the same null
+        positions at all times, and so do their hashed and released counts:
+        what a step decides from those (blocks to grow, positions to
+        release, whether anything gets hashed) is decided once, on the
+        first twin, for all of them.  A hit attached by hand that breaks the
+        pattern (see :meth:`note_admission`) sends its request down the
+        per-group path for its life.
+        """
+        classes: dict[Any, list[SingleTypeManager]] = {}
+        ordered: list[list[SingleTypeManager]] = []
+        for manager in managers:
+            key: Any = None
+            if runs_vetted(manager):
+                key = (
+                    type(manager),
+                    manager.kv_cache_spec,
+                    manager.block_size,
+                    manager.caching,
+                    manager.hit_alignment,
+                )
+                try:
+                    hash(key)
+                except TypeError:
+                    key = None
+            members = classes.get(key) if key is not None else None
+            if members is None:
+                members = [manager]
+                ordered.append(members)
+                if key is not None:
+                    classes[key] = members
+            else:
+                members.append(manager)
+        #: Whether steps share the work of twin groups (see
+        #: :meth:`_init_twins`); set it to False to run every group's
+        #: manager on its own (the per-group path, which gives the same
+        #: tables, counts, hits and events).
+        self.share_twin_work = self.vetted and any(len(c) > 1 for c in ordered)
+        #: Requests whose admission broke the twin pattern.
+        self._untwinned: set[str] = set()
+        index_of = {m.kv_cache_group_id: i for i, c in enumerate(ordered) for m in c}
+        growing = [c for c in ordered if c[0].position_indexed]
+        #: (first twin, number of twins) of each growing class.
+        self._grow_classes = tuple((c[0], len(c)) for c in growing)
+        grow_index = {id(c[0]): i for i, c in enumerate(growing)}
+        #: Each growing group's class (in ``_grow_classes``), and whether its
+        #: manager keeps the base class's table growth (then the
+        #: coordinator takes and places its new blocks itself).
+        self._grow_plan = tuple(
+            (
+                gid,
+                manager,
+                grow_index[id(ordered[index_of[gid]][0])],
+                _keeps_base(type(manager), "allocate_new_blocks")
+                and _keeps_base(type(manager), "get_num_blocks_to_allocate"),
+            )
+            for gid, manager in self._growing
+        )
+        #: Skipping classes, when every one keeps the base class's release
+        #: (then decided on the first twin); else None (group by group).
+        skipping = [tuple(c) for c in ordered if c[0].skips_blocks]
+        self._skip_classes: tuple[tuple[SingleTypeManager, ...], ...] | None = (
+            tuple(skipping)
+            if all(
+                _keeps_base(type(c[0]), name)
+                for c in skipping
+                for name in (
+                    "remove_skipped_blocks",
+                    "count_freeable_skipped",
+                    "_skipped",
+                    "_skip",
+                )
+            )
+            else None
+        )
+        #: Caching classes; with events on, caching runs group by group so
+        #: events come in group order.
+        self._cache_classes = (
+            tuple(tuple(c) for c in ordered if c[0].caching)
+            if self.share_twin_work and not events
+            else ()
+        )
+        #: Classes of two or more twins, for :meth:`note_admission`.
+        self._twin_classes = tuple(
+            tuple(m.kv_cache_group_id for m in c) for c in ordered if len(c) > 1
+        )
+
+    def note_admission(
+        self, request_id: str, attach: Sequence[Sequence[KVCacheBlock]]
+    ) -> None:
+        """Check a new request's admission blocks (a hit that did not come
+        from this coordinator's own lookup): twins whose lists differ in
+        length or null positions leave the request on the per-group path."""
+        if not self.share_twin_work:
+            return
+        for gids in self._twin_classes:
+            first = attach[gids[0]]
+            nulls = [i for i, b in enumerate(first) if b.is_null]
+            for gid in gids[1:]:
+                other = attach[gid]
+                if (
+                    len(other) != len(first)
+                    or [i for i, b in enumerate(other) if b.is_null] != nulls
+                ):
+                    self._untwinned.add(request_id)
+                    return
 
     # -- lookup -----------------------------------------------------------------
 
@@ -376,6 +492,10 @@ class KVCacheCoordinator:
                 if hit < length:
                     length = hit
                     changed = True
+                    if not hit:
+                        # No group can extend an empty hit: the later
+                        # groups are not searched.
+                        break
             if length == 0:
                 break
         out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
@@ -394,7 +514,36 @@ class KVCacheCoordinator:
     # group, so a manager that raises is reported as its plugin's failure
     # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
+    def _releases(
+        self, request_id: str, num_computed_tokens: int
+    ) -> dict[int, tuple[int, list[int]]] | None:
+        """Twin path: for each skipping class whose first twin would release
+        anything (move its release line), the new line and the positions
+        it frees, by the index of the class; None when no class would."""
+        out: dict[int, tuple[int, list[int]]] | None = None
+        classes = self._skip_classes
+        assert classes is not None
+        for index, members in enumerate(classes):
+            first = members[0]
+            blocks = first.req_to_blocks.get(request_id)
+            if not blocks:
+                continue
+            last = min(first._skip(num_computed_tokens), len(blocks))
+            if last <= first.num_released.get(request_id, 0):
+                continue
+            if out is None:
+                out = {}
+            out[index] = (last, first._skipped(request_id, num_computed_tokens))
+        return out
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        if (
+            self.share_twin_work
+            and self._skip_classes is not None
+            and request_id not in self._untwinned
+        ):
+            self._remove_skipped_twins(request_id, num_computed_tokens)
+            return
         gid = -1
         try:
             for manager in self.skipping:
@@ -403,8 +552,53 @@ class KVCacheCoordinator:
         except Exception as exc:
             raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
 
+    def _remove_skipped_twins(self, request_id: str, num_computed_tokens: int) -> None:
+        """:meth:`remove_skipped_blocks` with each class's release decided
+        once; blocks are freed group by group in group order, as the
+        per-group path frees them."""
+        releases = self._releases(request_id, num_computed_tokens)
+        if releases is None:
+            return
+        free = self.block_pool.free_blocks
+        null = self.block_pool.null_block
+        # Group order across classes (their frees interleave in the queue).
+        for index, members in self._skip_order(releases):
+            last, positions = releases[index]
+            for manager in members:
+                manager.num_released[request_id] = last
+                if positions:
+                    blocks = manager.req_to_blocks[request_id]
+                    removed = [blocks[i] for i in positions]
+                    for i in positions:
+                        blocks[i] = null
+                    free(removed)
+
+    def _skip_order(
+        self, releases: dict[int, tuple[int, list[int]]]
+    ) -> list[tuple[int, Sequence[SingleTypeManager]]]:
+        """The releasing groups in group order, as (class index, [manager])
+        runs; one run per class when only one class releases."""
+        classes = self._skip_classes
+        assert classes is not None
+        if len(releases) == 1:
+            (index,) = releases
+            return [(index, classes[index])]
+        runs = [
+            (m.kv_cache_group_id, index, m)
+            for index in releases
+            for m in classes[index]
+        ]
+        runs.sort(key=lambda run: run[0])
+        return [(index, (m,)) for _, index, m in runs]
+
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
+        if (
+            self.share_twin_work
+            and self._skip_classes is not None
+            and request_id not in self._untwinned
+        ):
+            return self._count_freeable_twins(request_id, num_computed_tokens)
         total = 0
         gid = -1
         try:
@@ -413,6 +607,22 @@ class KVCacheCoordinator:
                 total += manager.count_freeable_skipped(request_id, num_computed_tokens)
         except Exception as exc:
             raise self.plugin_error(gid, "count_freeable_skipped", exc) from exc
+        return total
+
+    def _count_freeable_twins(self, request_id: str, num_computed_tokens: int) -> int:
+        total = 0
+        releases = self._releases(request_id, num_computed_tokens)
+        classes = self._skip_classes
+        if releases is None or classes is None:
+            return total
+        for index, (_, positions) in releases.items():
+            if not positions:
+                continue
+            for manager in classes[index]:
+                blocks = manager.req_to_blocks[request_id]
+                for i in positions:
+                    if blocks[i].ref_cnt == 1:
+                        total += 1
         return total
 
     def admission_blocks(
@@ -489,6 +699,12 @@ class KVCacheCoordinator:
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
         total = 0
+        if self.share_twin_work and request_id not in self._untwinned:
+            for first, count in self._grow_classes:
+                total += count * first.get_num_blocks_to_allocate(
+                    request_id, num_tokens, ()
+                )
+            return total
         if self.vetted:
             for manager in self._growing_managers:
                 total += manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
@@ -508,6 +724,8 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables; ``None`` if no block was added."""
+        if self.share_twin_work and request_id not in self._untwinned:
+            return self._grow_twins(request_id, num_tokens)
         out: list[list[KVCacheBlock]] | None = None
         gid = 0
         try:
@@ -521,7 +739,41 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out) if out is not None else None
 
+    def _grow_twins(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """:meth:`grow` with each class's count taken once: nothing runs
+        when no class grows, and a growing group that keeps the base
+        table growth gets its blocks without a call into its manager (in
+        group order, so each takes the blocks the per-group path gives it)."""
+        counts = [
+            first.get_num_blocks_to_allocate(request_id, num_tokens, ())
+            for first, _ in self._grow_classes
+        ]
+        if not any(counts):
+            return None
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        get_new_blocks = self.block_pool.get_new_blocks
+        for gid, manager, index, plain in self._grow_plan:
+            need = counts[index]
+            if not need:
+                continue
+            if plain:
+                new = get_new_blocks(need)
+                manager.req_to_blocks[request_id].extend(new)
+            else:
+                new = manager.allocate_new_blocks(request_id, num_tokens)
+            out[gid] = new
+        return tuple(out)
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        if (
+            self.share_twin_work
+            and self._cache_classes
+            and request.request_id not in self._untwinned
+        ):
+            self._cache_twins(request, num_tokens)
+            return
         gid = -1
         try:
             for manager in self._caching:
@@ -530,8 +782,25 @@ class KVCacheCoordinator:
         except Exception as exc:
             raise self.plugin_error(gid, "cache_blocks", exc) from exc
 
+    def _cache_twins(self, request: Request, num_tokens: int) -> None:
+        """:meth:`cache_blocks` with each class's decision taken on its
+        first twin: a vetted manager's caching that leaves the request's
+        hashed count as it was hashed nothing, and every twin would have
+        decided alike (equal tables, equal counts)."""
+        rid = request.request_id
+        for members in self._cache_classes:
+            first = members[0]
+            before = first.num_cached_block.get(rid)
+            first.cache_blocks(request, num_tokens)
+            if len(members) == 1 or first.num_cached_block.get(rid) == before:
+                continue
+            for manager in members[1:]:
+                manager.cache_blocks(request, num_tokens)
+
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
+        if self.share_twin_work:
+            self._untwinned.discard(request_id)
         if self.num_groups == 1 and self.vetted:
             blocks = self.single_type_managers[0].pop_blocks(request_id)
             if blocks:
@@ -601,6 +870,13 @@ class KVCacheCoordinator:
             f"the plugin with KVCORE_DISABLE_PLUGINS={plugin}"
         )
         return PluginError(msg, plugin_name=plugin, distribution=distribution)
+
+
+def _keeps_base(manager_type: type[SingleTypeManager], name: str) -> bool:
+    """Whether ``manager_type`` runs the base class's ``name``."""
+    return inspect.getattr_static(manager_type, name) is inspect.getattr_static(
+        SingleTypeManager, name
+    )
 
 
 def _count(value: object) -> int:
