@@ -312,6 +312,23 @@ class KVCacheCoordinator:
             if self.share_twin_work and not events
             else ()
         )
+        #: Every class as (its group ids, its first twin), in group order
+        #: of first twins.
+        self._classes = tuple(
+            (tuple(m.kv_cache_group_id for m in c), c[0]) for c in ordered
+        )
+        #: Every group's manager with its class's index and whether it keeps
+        #: the base table growth (see ``_grow_plan``).
+        self._alloc_plan = tuple(
+            (
+                manager,
+                index_of[gid],
+                manager.position_indexed
+                and _keeps_base(type(manager), "allocate_new_blocks")
+                and _keeps_base(type(manager), "get_num_blocks_to_allocate"),
+            )
+            for gid, manager in enumerate(managers)
+        )
         #: Classes of two or more twins, for :meth:`note_admission`.
         self._twin_classes = tuple(
             tuple(m.kv_cache_group_id for m in c) for c in ordered if len(c) > 1
@@ -633,6 +650,8 @@ class KVCacheCoordinator:
         """Every group's admission blocks for a new request with
         ``num_computed_tokens`` computed (see
         :meth:`SingleTypeManager.admission_blocks`)."""
+        if self.share_twin_work:
+            return self._admission_twins(new_computed_blocks, num_computed_tokens)
         out: list[list[KVCacheBlock]] = []
         gid = 0
         try:
@@ -645,6 +664,27 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "admission_blocks", exc) from exc
         return tuple(out)
 
+    def _admission_twins(
+        self, hits: Sequence[Sequence[KVCacheBlock]], num_computed_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """:meth:`admission_blocks` with twins that have no hit blocks
+        sharing their first twin's list (null blocks only, the same for
+        all; nothing changes an admission list, tables copy it)."""
+        if len(hits) != self.num_groups:
+            msg = f"{len(hits)} hit lists for {self.num_groups} groups"
+            raise KvcoreValueError(msg)
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        managers = self.single_type_managers
+        for gids, first in self._classes:
+            if len(gids) > 1 and not any(map(hits.__getitem__, gids)):
+                shared = first.admission_blocks(hits[gids[0]], num_computed_tokens)
+                for g in gids:
+                    out[g] = shared
+                continue
+            for g in gids:
+                out[g] = managers[g].admission_blocks(hits[g], num_computed_tokens)
+        return tuple(out)
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -653,6 +693,8 @@ class KVCacheCoordinator:
     ) -> int:
         """Blocks a new request needs to cover ``num_tokens`` with
         ``new_computed_blocks`` (its admission blocks) attached."""
+        if self.share_twin_work and request_id not in self._untwinned:
+            return self._count_twins(request_id, num_tokens, new_computed_blocks)
         total = 0
         gid = 0
         try:
@@ -665,6 +707,33 @@ class KVCacheCoordinator:
                 )
         except Exception as exc:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
+        return total
+
+    def _count_twins(
+        self,
+        request_id: str,
+        num_tokens: int,
+        attach: Sequence[Sequence[KVCacheBlock]],
+    ) -> int:
+        """:meth:`get_num_blocks_to_allocate` counting once for twins that
+        attach one shared list (see :meth:`_admission_twins`): equal
+        tables, equal admission blocks, equal counts."""
+        if len(attach) != self.num_groups:
+            msg = f"{len(attach)} block lists for {self.num_groups} groups"
+            raise KvcoreValueError(msg)
+        total = 0
+        managers = self.single_type_managers
+        for gids, first in self._classes:
+            blocks = attach[gids[0]]
+            if len(gids) > 1 and all(attach[g] is blocks for g in gids):
+                total += len(gids) * first.get_num_blocks_to_allocate(
+                    request_id, num_tokens, blocks
+                )
+                continue
+            for g in gids:
+                total += managers[g].get_num_blocks_to_allocate(
+                    request_id, num_tokens, attach[g]
+                )
         return total
 
     def add_computed_blocks(
@@ -686,6 +755,8 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens``."""
+        if self.share_twin_work and request_id not in self._untwinned:
+            return self._allocate_twins(request_id, num_tokens)
         out: list[list[KVCacheBlock]] = []
         gid = 0
         try:
@@ -694,6 +765,36 @@ class KVCacheCoordinator:
                 out.append(manager.allocate_new_blocks(request_id, num_tokens))
         except Exception as exc:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
+        return tuple(out)
+
+    def _allocate_twins(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """:meth:`allocate_new_blocks` with each class's count taken once
+        for the groups that keep the base table growth, which get their
+        blocks without a call into their manager (group order, so each
+        takes the blocks the per-group path gives it)."""
+        out: list[list[KVCacheBlock]] = []
+        needs: dict[int, int] = {}
+        get_new_blocks = self.block_pool.get_new_blocks
+        for manager, index, plain in self._alloc_plan:
+            if not plain:
+                out.append(manager.allocate_new_blocks(request_id, num_tokens))
+                continue
+            need = needs.get(index)
+            if need is None:
+                need = needs[index] = manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, ()
+                )
+            held = manager.req_to_blocks.get(request_id)
+            if held is None:
+                held = manager.req_to_blocks[request_id] = []
+            if need:
+                new = get_new_blocks(need)
+                held.extend(new)
+                out.append(new)
+            else:
+                out.append([])
         return tuple(out)
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:

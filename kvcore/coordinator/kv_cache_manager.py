@@ -440,6 +440,10 @@ class KVCacheManager:
             or need > free + coordinator.count_freeable_skipped(rid, num_computed)
         ):
             return None
+        if not own_hit and attach:
+            # A hit from elsewhere may break the twin pattern
+            # (KVCacheCoordinator.note_admission).
+            coordinator.note_admission(rid, attach)
         if coordinator.vetted:
             # Validated, and only kvcore's own managers run: nothing below
             # can raise, so no undo is recorded.
@@ -468,10 +472,6 @@ class KVCacheManager:
                 coordinator.restore_request_state(rid, states)
                 raise
             pool.commit()
-        if not own_hit and attach:
-            # A hit from elsewhere may break the twin pattern
-            # (KVCacheCoordinator.note_admission).
-            coordinator.note_admission(rid, attach)
         request.status = RequestStatus.RUNNING
         if held is not request:
             self._live.add(rid)
