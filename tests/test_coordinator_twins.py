@@ -297,6 +297,11 @@ def test_twins_are_one_class_of_equal_groups() -> None:
     assert coordinator.share_twin_work
     assert coordinator._twin_classes == ((0, 2), (1, 3))
     assert [n for _, n in coordinator._grow_classes] == [2, 2, 1, 1]
+    # The shared steps shadow the per-group ones, and go with the switch.
+    assert "grow" in vars(coordinator)
+    coordinator.share_twin_work = False
+    assert "grow" not in vars(coordinator)
+    assert not coordinator.share_twin_work
 
 
 def test_a_lone_group_per_class_shares_nothing() -> None:
@@ -304,6 +309,7 @@ def test_a_lone_group_per_class_shares_nothing() -> None:
         [fa(4), mamba(4), sw(4, 8)], 100, scheduler_block_size=4, hash_block_size=4
     )
     assert not mgr.coordinator.share_twin_work
+    assert not set(vars(mgr.coordinator)) & {"grow", "free", "cache_blocks"}
 
 
 def test_a_hit_that_breaks_the_pattern_runs_its_request_group_by_group() -> None:

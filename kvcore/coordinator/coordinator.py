@@ -263,11 +263,8 @@ class KVCacheCoordinator:
                     classes[key] = members
             else:
                 members.append(manager)
-        #: Whether steps share the work of twin groups (see
-        #: :meth:`_init_twins`); set it to False to run every group's
-        #: manager on its own (the per-group path, which gives the same
-        #: tables, counts, hits and events).
-        self.share_twin_work = self.vetted and any(len(c) > 1 for c in ordered)
+        share = self.vetted and any(len(c) > 1 for c in ordered)
+        self._share = False
         #: Requests whose admission broke the twin pattern.
         self._untwinned: set[str] = set()
         index_of = {m.kv_cache_group_id: i for i, c in enumerate(ordered) for m in c}
@@ -309,7 +306,7 @@ class KVCacheCoordinator:
         #: events come in group order.
         self._cache_classes = (
             tuple(tuple(c) for c in ordered if c[0].caching)
-            if self.share_twin_work and not events
+            if share and not events
             else ()
         )
         #: Every class as (its group ids, its first twin), in group order
@@ -333,6 +330,33 @@ class KVCacheCoordinator:
         self._twin_classes = tuple(
             tuple(m.kv_cache_group_id for m in c) for c in ordered if len(c) > 1
         )
+        self.share_twin_work = share
+
+    @property
+    def share_twin_work(self) -> bool:
+        """Whether steps share the work of twin groups (see
+        :meth:`_init_twins`); on where a vetted plan has twins.  Set it to
+        False to run every group's manager on its own (the per-group path,
+        which gives the same tables, counts, hits and events)."""
+        return self._share
+
+    @share_twin_work.setter
+    def share_twin_work(self, on: bool) -> None:
+        # The twin steps shadow the per-group ones as instance attributes,
+        # so a plan without twins pays nothing for them.
+        names = list(_TWIN_STEPS)
+        if self._skip_classes is None:
+            names.remove("remove_skipped_blocks")
+            names.remove("count_freeable_skipped")
+        if not self._cache_classes:
+            names.remove("cache_blocks")
+        state = self.__dict__
+        for name in _TWIN_STEPS:
+            state.pop(name, None)
+        self._share = bool(on) and bool(self._twin_classes) and self.vetted
+        if self._share:
+            for name in names:
+                state[name] = getattr(self, f"_twin_{name}")
 
     def note_admission(
         self, request_id: str, attach: Sequence[Sequence[KVCacheBlock]]
@@ -340,7 +364,7 @@ class KVCacheCoordinator:
         """Check a new request's admission blocks (a hit that did not come
         from this coordinator's own lookup): twins whose lists differ in
         length or null positions leave the request on the per-group path."""
-        if not self.share_twin_work:
+        if not self._share:
             return
         for gids in self._twin_classes:
             first = attach[gids[0]]
@@ -554,13 +578,6 @@ class KVCacheCoordinator:
         return out
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        if (
-            self.share_twin_work
-            and self._skip_classes is not None
-            and request_id not in self._untwinned
-        ):
-            self._remove_skipped_twins(request_id, num_computed_tokens)
-            return
         gid = -1
         try:
             for manager in self.skipping:
@@ -569,10 +586,17 @@ class KVCacheCoordinator:
         except Exception as exc:
             raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
 
-    def _remove_skipped_twins(self, request_id: str, num_computed_tokens: int) -> None:
+    def _twin_remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int
+    ) -> None:
         """:meth:`remove_skipped_blocks` with each class's release decided
         once; blocks are freed group by group in group order, as the
         per-group path frees them."""
+        if request_id in self._untwinned:
+            KVCacheCoordinator.remove_skipped_blocks(
+                self, request_id, num_computed_tokens
+            )
+            return
         releases = self._releases(request_id, num_computed_tokens)
         if releases is None:
             return
@@ -610,12 +634,6 @@ class KVCacheCoordinator:
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
-        if (
-            self.share_twin_work
-            and self._skip_classes is not None
-            and request_id not in self._untwinned
-        ):
-            return self._count_freeable_twins(request_id, num_computed_tokens)
         total = 0
         gid = -1
         try:
@@ -626,7 +644,13 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "count_freeable_skipped", exc) from exc
         return total
 
-    def _count_freeable_twins(self, request_id: str, num_computed_tokens: int) -> int:
+    def _twin_count_freeable_skipped(
+        self, request_id: str, num_computed_tokens: int
+    ) -> int:
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.count_freeable_skipped(
+                self, request_id, num_computed_tokens
+            )
         total = 0
         releases = self._releases(request_id, num_computed_tokens)
         classes = self._skip_classes
@@ -650,8 +674,6 @@ class KVCacheCoordinator:
         """Every group's admission blocks for a new request with
         ``num_computed_tokens`` computed (see
         :meth:`SingleTypeManager.admission_blocks`)."""
-        if self.share_twin_work:
-            return self._admission_twins(new_computed_blocks, num_computed_tokens)
         out: list[list[KVCacheBlock]] = []
         gid = 0
         try:
@@ -664,7 +686,7 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "admission_blocks", exc) from exc
         return tuple(out)
 
-    def _admission_twins(
+    def _twin_admission_blocks(
         self, hits: Sequence[Sequence[KVCacheBlock]], num_computed_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         """:meth:`admission_blocks` with twins that have no hit blocks
@@ -693,8 +715,6 @@ class KVCacheCoordinator:
     ) -> int:
         """Blocks a new request needs to cover ``num_tokens`` with
         ``new_computed_blocks`` (its admission blocks) attached."""
-        if self.share_twin_work and request_id not in self._untwinned:
-            return self._count_twins(request_id, num_tokens, new_computed_blocks)
         total = 0
         gid = 0
         try:
@@ -709,15 +729,19 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
 
-    def _count_twins(
+    def _twin_get_num_blocks_to_allocate(
         self,
         request_id: str,
         num_tokens: int,
         attach: Sequence[Sequence[KVCacheBlock]],
     ) -> int:
         """:meth:`get_num_blocks_to_allocate` counting once for twins that
-        attach one shared list (see :meth:`_admission_twins`): equal
+        attach one shared list (see :meth:`_twin_admission_blocks`): equal
         tables, equal admission blocks, equal counts."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.get_num_blocks_to_allocate(
+                self, request_id, num_tokens, attach
+            )
         if len(attach) != self.num_groups:
             msg = f"{len(attach)} block lists for {self.num_groups} groups"
             raise KvcoreValueError(msg)
@@ -755,8 +779,6 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens``."""
-        if self.share_twin_work and request_id not in self._untwinned:
-            return self._allocate_twins(request_id, num_tokens)
         out: list[list[KVCacheBlock]] = []
         gid = 0
         try:
@@ -767,13 +789,15 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out)
 
-    def _allocate_twins(
+    def _twin_allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         """:meth:`allocate_new_blocks` with each class's count taken once
         for the groups that keep the base table growth, which get their
         blocks without a call into their manager (group order, so each
         takes the blocks the per-group path gives it)."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.allocate_new_blocks(self, request_id, num_tokens)
         out: list[list[KVCacheBlock]] = []
         needs: dict[int, int] = {}
         get_new_blocks = self.block_pool.get_new_blocks
@@ -800,12 +824,6 @@ class KVCacheCoordinator:
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
         total = 0
-        if self.share_twin_work and request_id not in self._untwinned:
-            for first, count in self._grow_classes:
-                total += count * first.get_num_blocks_to_allocate(
-                    request_id, num_tokens, ()
-                )
-            return total
         if self.vetted:
             for manager in self._growing_managers:
                 total += manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
@@ -825,8 +843,6 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables; ``None`` if no block was added."""
-        if self.share_twin_work and request_id not in self._untwinned:
-            return self._grow_twins(request_id, num_tokens)
         out: list[list[KVCacheBlock]] | None = None
         gid = 0
         try:
@@ -840,13 +856,28 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out) if out is not None else None
 
-    def _grow_twins(
+    def _twin_get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """:meth:`get_num_blocks_to_grow` counting once per class."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.get_num_blocks_to_grow(
+                self, request_id, num_tokens
+            )
+        total = 0
+        for first, count in self._grow_classes:
+            total += count * first.get_num_blocks_to_allocate(
+                request_id, num_tokens, ()
+            )
+        return total
+
+    def _twin_grow(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """:meth:`grow` with each class's count taken once: nothing runs
         when no class grows, and a growing group that keeps the base
         table growth gets its blocks without a call into its manager (in
         group order, so each takes the blocks the per-group path gives it)."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.grow(self, request_id, num_tokens)
         counts = [
             first.get_num_blocks_to_allocate(request_id, num_tokens, ())
             for first, _ in self._grow_classes
@@ -868,13 +899,6 @@ class KVCacheCoordinator:
         return tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        if (
-            self.share_twin_work
-            and self._cache_classes
-            and request.request_id not in self._untwinned
-        ):
-            self._cache_twins(request, num_tokens)
-            return
         gid = -1
         try:
             for manager in self._caching:
@@ -883,12 +907,15 @@ class KVCacheCoordinator:
         except Exception as exc:
             raise self.plugin_error(gid, "cache_blocks", exc) from exc
 
-    def _cache_twins(self, request: Request, num_tokens: int) -> None:
+    def _twin_cache_blocks(self, request: Request, num_tokens: int) -> None:
         """:meth:`cache_blocks` with each class's decision taken on its
         first twin: a vetted manager's caching that leaves the request's
         hashed count as it was hashed nothing, and every twin would have
         decided alike (equal tables, equal counts)."""
         rid = request.request_id
+        if rid in self._untwinned:
+            KVCacheCoordinator.cache_blocks(self, request, num_tokens)
+            return
         for members in self._cache_classes:
             first = members[0]
             before = first.num_cached_block.get(rid)
@@ -898,10 +925,12 @@ class KVCacheCoordinator:
             for manager in members[1:]:
                 manager.cache_blocks(request, num_tokens)
 
+    def _twin_free(self, request_id: str) -> None:
+        self._untwinned.discard(request_id)
+        KVCacheCoordinator.free(self, request_id)
+
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
-        if self.share_twin_work:
-            self._untwinned.discard(request_id)
         if self.num_groups == 1 and self.vetted:
             blocks = self.single_type_managers[0].pop_blocks(request_id)
             if blocks:
@@ -971,6 +1000,21 @@ class KVCacheCoordinator:
             f"the plugin with KVCORE_DISABLE_PLUGINS={plugin}"
         )
         return PluginError(msg, plugin_name=plugin, distribution=distribution)
+
+
+#: The steps twin groups share (see KVCacheCoordinator._init_twins); each
+#: has a ``_twin_`` version.
+_TWIN_STEPS = (
+    "admission_blocks",
+    "allocate_new_blocks",
+    "cache_blocks",
+    "count_freeable_skipped",
+    "free",
+    "get_num_blocks_to_allocate",
+    "get_num_blocks_to_grow",
+    "grow",
+    "remove_skipped_blocks",
+)
 
 
 def _keeps_base(manager_type: type[SingleTypeManager], name: str) -> bool:
