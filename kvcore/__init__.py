@@ -10,6 +10,7 @@ call), ask :func:`plan_capacity` how many requests fit, and bind views with
 
 from __future__ import annotations
 
+from kvcore.checkpoints import CHECKPOINT_POLICIES, CheckpointPolicy
 from kvcore.config import CacheConfig, EngineConfig, ParallelConfig
 from kvcore.errors import (
     BlockSizeError,
@@ -71,6 +72,8 @@ __all__ = [
     "hookspec",
     # specs and plan
     "AttentionSpec",
+    "CHECKPOINT_POLICIES",
+    "CheckpointPolicy",
     "HitPolicy",
     "KVCacheSpec",
     "PackingRole",

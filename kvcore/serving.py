@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvcore.checkpoints import CHECKPOINT_POLICIES
 from kvcore.errors import InvalidSpecError, KvcoreTypeError, KvcoreValueError
 from kvcore.spec import KVCacheSpec, Sharded
 
@@ -144,6 +145,9 @@ class ServingChoices:
         the file's block sizes.
     :param mamba_cache_mode: the recurrent-state caching mode (``none``,
         ``align``, ``all``) of every state kind; ``None`` keeps the file's.
+    :param checkpoint_policy: which states every state kind keeps for later
+        requests (a name of ``kvcore.coordinator.CHECKPOINT_POLICIES``);
+        ``None`` keeps the file's.
     """
 
     kv_cache_dtype: torch.dtype | None = attrs.field(
@@ -152,6 +156,16 @@ class ServingChoices:
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive(False))
     block_size: int | None = attrs.field(default=None, validator=_positive(True))
     mamba_cache_mode: str | None = attrs.field(default=None)
+    checkpoint_policy: str | None = attrs.field(default=None)
+
+    @checkpoint_policy.validator
+    def _check_policy(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value not in CHECKPOINT_POLICIES:
+            msg = (
+                f"checkpoint_policy must be one of {', '.join(CHECKPOINT_POLICIES)} "
+                f"(or None to keep the model file's), got {value!r}"
+            )
+            raise ServingError(msg)
 
     @mamba_cache_mode.validator
     def _check_mode(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -284,6 +298,14 @@ def apply_serving_choices(
         if len(kept) < len(layers):
             notes.append(
                 f"state cache mode {mode} on {_layers(len(layers) - len(kept))}"
+            )
+
+    policy = choices.checkpoint_policy
+    if policy is not None:
+        kept = _apply_each(layers, "with_checkpoint_policy", policy)
+        if len(kept) < len(layers):
+            notes.append(
+                f"checkpoint policy {policy} on {_layers(len(layers) - len(kept))}"
             )
 
     replicated: list[str] = []

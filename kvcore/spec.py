@@ -332,6 +332,25 @@ class KVCacheSpec:
         """
         return None
 
+    def resolve_defaults(
+        self, *, prefix_caching: bool, state_cache_mode: str | None
+    ) -> Self | None:
+        """This spec as an engine with these settings runs it, or ``None``
+        when they change nothing (the default).
+
+        Planning applies it to every layer before anything else, so a
+        kind's default that follows the engine (a state kind whose ``auto``
+        caching mode keeps checkpoints only with prefix caching on) is
+        settled once and every later stage sees one concrete spec.
+        """
+        return None
+
+    def with_checkpoint_policy(self, name: str) -> Self | None:
+        """This spec keeping the states the named checkpoint policy says
+        (see :mod:`kvcore.checkpoints`), or ``None`` if the kind keeps no
+        recurrent state.  Default ``None``."""
+        return None
+
     def with_state_cache_mode(self, mode: str) -> Self | None:
         """This spec under the engine's recurrent-state caching ``mode``
         (``none``, ``align`` or ``all``), or ``None`` if the kind keeps no
@@ -413,6 +432,14 @@ class KVCacheSpec:
     def caches_partial_block_hits(self) -> bool:
         """Whether this layer can serve a hit that ends inside its block."""
         return False
+
+    @property
+    def checkpoint_blocks_per_step(self) -> int:
+        """Blocks a step may hold on top of :meth:`num_blocks_held`: states
+        a state kind keeps inside the step for later requests (see
+        :mod:`kvcore.checkpoints`); they are released after the step, kept
+        in the prefix cache.  Default 0."""
+        return 0
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         """Blocks one request may hold at most."""

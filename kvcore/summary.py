@@ -309,6 +309,22 @@ def summarize(
             "BLOCKS_HITS (it needs a request's whole prefix but keeps no state of "
             "it to restore), so kvcore computes every prompt in full"
         )
+    states = [
+        g
+        for g in plan.kv_cache_groups
+        if g.manager_spec.hit_policy is HitPolicy.CHECKPOINT
+    ]
+    if plan.enable_prefix_caching and states and not blockers:
+        kinds = sorted({g.manager_spec.kind for g in states})
+        policies = sorted(
+            {str(getattr(g.manager_spec, "checkpoint_policy", "turns")) for g in states}
+        )
+        notes.append(
+            f"{', '.join(kinds)} states are checkpointed for prefix hits (policy "
+            f"{', '.join(policies)}) in {len(states)} groups: each kept state is one "
+            "evictable block per group; a request holds at most its live state, "
+            "the one it writes, and the checkpoints inside its step"
+        )
     batched = plan.max_num_batched_tokens or 8192
     rows = []
     for context in contexts:

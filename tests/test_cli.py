@@ -554,11 +554,20 @@ def test_a_narrow_terminal_gets_groups_as_lines() -> None:
 
 
 def test_a_kind_that_blocks_every_hit_is_reported() -> None:
-    # Jamba's Mamba layers (mode none) keep no state of a prefix, so no
-    # request can start from a hit; Llama has no such kind.
-    jamba = plan_json("jamba-1-5-mini", "--memory", "8GiB")
+    # Jamba's Mamba layers in mode none keep no state of a prefix, so no
+    # request can start from a hit; Llama has no such kind.  By default
+    # (auto) they are checkpointed and the plan says so.
+    jamba = plan_json(
+        "jamba-1-5-mini", "--memory", "8GiB", "--mamba-cache-mode", "none"
+    )
     assert any(
         n.startswith("no prefix hits for this model: mamba") for n in jamba["notes"]
+    )
+    default = plan_json("jamba-1-5-mini", "--memory", "8GiB")
+    assert not any(n.startswith("no prefix hits") for n in default["notes"])
+    assert any(
+        n.startswith("mamba states are checkpointed for prefix hits (policy turns)")
+        for n in default["notes"]
     )
     llama = plan_json("llama-3-1-8b", "--memory", "8GiB")
     assert not any(n.startswith("no prefix hits") for n in llama["notes"])

@@ -49,12 +49,16 @@ def sw(block_size: int = 4, window: int = 8, **kw: object) -> SlidingWindowSpec:
     )
 
 
-def mamba(block_size: int = 4, mode: str = "align") -> MambaSpec:
+def mamba(block_size: int = 4, mode: str = "align", policy: str = "steps") -> MambaSpec:
+    """A Mamba layer; align mode keeps the state every step leaves on a hit
+    boundary (policy ``steps``), the rule these scenarios pin block by block
+    (the default policy's checkpoints are tests/test_checkpoints.py's)."""
     return MambaSpec(
         block_size=block_size,
         shapes=((2, 4),),
         dtypes=(torch.float32,),
         mamba_cache_mode=mode,
+        checkpoint_policy=policy,
     )
 
 

@@ -16,6 +16,7 @@ decode and preemption (``free`` with the request sent back to waiting).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 import kvcore
 import kvcore.zoo
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
+from kvcore.checkpoints import checkpoint_policy
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.serialize import load_model_file
 from kvcore_circular_buffer import CircularBufferSpec
@@ -74,6 +76,18 @@ class Shadow:
         #: the states before it are never held (num_blocks_held counts a
         #: state per block, the whole prefix included).
         self.hit_gap: dict[tuple[str, int], int] = {}
+        #: (request id, group) -> token positions an align-mode state group
+        #: still keeps a checkpoint at, from the policy's own rules.
+        self.targets: dict[tuple[str, int], list[int]] = {}
+        alignment = mgr.coordinator.cache_hit_alignment
+        self.state_units = [
+            math.lcm(m.block_size, alignment, mgr.hash_block_size)
+            if isinstance(m.kv_cache_spec, MambaSpec)
+            and m.kv_cache_spec.mamba_cache_mode == "align"
+            and m.caching
+            else 0
+            for m in managers
+        ]
 
     # -- the model ------------------------------------------------------------
 
@@ -112,6 +126,9 @@ class Shadow:
                     gap = len(hit[g]) - 1 if hit is not None and hit[g] else 0
                     self.hit_gap[r.request_id, g] = gap
                 after -= self.hit_gap.get((r.request_id, g), 0)
+            unit = self.state_units[g]
+            if unit:
+                after += self.checkpoints_inside(r, g, unit, num_computed, num_tokens)
             expected.append(after)
             if not self.positioned[g]:
                 if not live:
@@ -130,6 +147,33 @@ class Shadow:
                 )
             take += after - kept
         return expected, take, give
+
+    def checkpoints_inside(
+        self, r: Request, g: int, unit: int, num_computed: int, num_tokens: int
+    ) -> int:
+        """Checkpoint blocks an align-mode state group takes inside this step
+        besides its last position, by the policy's rules: at admission the
+        prompt's last boundaries (for a longer prompt, and for the same one
+        again) and the branch point its lookup found; each is taken by the
+        step whose positions reach it."""
+        key = (r.request_id, g)
+        policy = checkpoint_policy(self.specs[g].checkpoint_policy)
+        if r not in self.running:
+            prompt = r.num_prompt_tokens
+            marks: set[int] = set()
+            if policy.prompt_end:
+                marks |= {prompt - prompt % unit, prompt - 1 - (prompt - 1) % unit}
+            if policy.branch_points:
+                shared = min(r.shared_prefix_tokens, prompt)
+                marks.add(shared - shared % unit)
+            self.targets[key] = sorted(t for t in marks if t > num_computed)
+        bs = self.block_sizes[g]
+        start, end = -(-num_computed // bs), -(-num_tokens // bs)
+        if end <= start:
+            return 0
+        return sum(
+            1 for t in self.targets.get(key, ()) if start <= t // bs - 1 < end - 1
+        )
 
     def check_pool(self) -> None:
         held = set(self.holders())

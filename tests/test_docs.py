@@ -86,6 +86,7 @@ def test_the_manager_contract_lists_every_method_with_its_signature() -> None:
     ] + [
         (FixedBlocksManager, "blocks_per_request"),
         (CheckpointManager, "keeps_every_state"),
+        (CheckpointManager, "checkpoint_policy"),
     ]
     for cls, name in public:
         sig = inspect.signature(getattr(cls, name))

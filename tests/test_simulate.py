@@ -94,9 +94,12 @@ def test_a_hand_worked_trace() -> None:
     # step 6: A decodes -> 17 (5th block) and finishes; C hits 4, takes 2
     #         new blocks, computes 5 tokens and finishes.                 8
     # Lookups: A 12 + B 13 + C 9 + C 9 = 43 tokens, hits 8 + 4 = 12.
+    # The token-level bound: B shares 8 tokens with A's 12 computed ones; C
+    # shares none at first, and at its re-admission its own 6 tokens
+    # computed at step 3: 0 + 8 + 0 + 6 = 14.
     # Blocks: peak 8, mean (2+3+6+8+6+6+8)/7 = 39/7.
     plan = _tiny_plan()
-    driver = Driver(plan)
+    driver = Driver(plan, validate=True)
     result = driver.run(parse_trace(HAND_TRACE))
     assert result.steps == 7
     assert result.completed == 3
@@ -104,6 +107,8 @@ def test_a_hand_worked_trace() -> None:
     assert result.computed_tokens == 17 + 8 + 11
     assert (result.prompt_tokens_looked_up, result.prefix_hit_tokens) == (43, 12)
     assert result.prefix_hit_rate == 12 / 43
+    assert result.token_bound_tokens == 14
+    assert (result.checked_hits, result.invalid_hits) == (2, 0)
     assert (result.refused_steps, result.preemptions) == (1, 1)
     assert result.admission_refusals == 2
     assert result.peak_running == 3
@@ -146,8 +151,11 @@ def test_a_turn_hits_its_parents_prompt_and_output() -> None:
     parent, turn = workload.requests
     assert turn.prompt == parent.prompt + parent.output + turn.prompt[13:]
     assert len(turn.prompt) == 18
-    result = Driver(_tiny_plan()).run(workload)
+    result = Driver(_tiny_plan(), validate=True).run(workload)
     assert (result.prompt_tokens_looked_up, result.prefix_hit_tokens) == (28, 12)
+    # The bound: the parent's 12 computed tokens; the hit reaches it.
+    assert result.token_bound_tokens == 12
+    assert result.invalid_hits == 0
     assert result.steps == 6
     assert result.computed_tokens == 12 + 6 + 1
 
@@ -272,9 +280,13 @@ def test_groups_add_up_to_the_pool_and_preemption_leaks_nothing(
         turns=2,
         seed=3,
     )
-    driver = Driver(plan, registry=zoo_registry)
+    driver = Driver(plan, registry=zoo_registry, validate=True)
     result = driver.run(workload)
     assert result.completed == 12
+    # Every hit serves the request its own tokens, and none beats the
+    # token-level bound.
+    assert result.invalid_hits == 0, result.invalid_hit_reports
+    assert result.token_bound_tokens >= result.prefix_hit_tokens
     # Every refused step preempted a request (none was dropped).
     assert result.refused_steps == result.preemptions
     assert result.tokens_generated == workload.output_tokens

@@ -18,6 +18,7 @@ import attrs
 
 from kvcore import zoo
 from kvcore.accelerators import Accelerator, find_accelerator
+from kvcore.checkpoints import CHECKPOINT_POLICIES
 from kvcore.config import (
     PACKING_POLICIES,
     CacheConfig,
@@ -207,6 +208,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "none (the live state only: no prefix hits for the model), align (a "
         "state kept at block boundaries), all (a state every block) "
         "(default: the model file's)",
+    )
+    serving.add_argument(
+        "--checkpoint-policy",
+        choices=tuple(CHECKPOINT_POLICIES),
+        help="which states every Mamba / linear-attention layer keeps for later "
+        "requests with prefix caching on: turns (prompt ends, output ends, "
+        "branch points), prompts (no output ends), steps (every step end on a "
+        "hit boundary) (default: the model file's, else turns)",
     )
     serving.add_argument(
         "--block-size",
@@ -407,6 +416,7 @@ def plan_from_args(
             else _positive(args.block_size, "--block-size")
         ),
         mamba_cache_mode=args.mamba_cache_mode,
+        checkpoint_policy=args.checkpoint_policy,
     )
     source, model, file_weights = _model_source(args, registry, choices)
     served = apply_serving_choices(model.layers, choices)

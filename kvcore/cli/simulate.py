@@ -24,6 +24,7 @@ from rich.table import Table
 from kvcore.cli.console import make_console
 from kvcore.cli.options import CliUsageError, add_model_options, plan_from_args
 from kvcore.simulate import (
+    NAMED_WORKLOADS,
     Driver,
     SimulationResult,
     Workload,
@@ -72,6 +73,22 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
         for name in SYNTHETIC_DEFAULTS
         if getattr(args, name) is not None
     ]
+    preset: dict[str, str] = {}
+    if args.workload is not None:
+        if args.trace is not None:
+            msg = (
+                "--workload names a synthetic workload; a --trace file already "
+                "gives every request, so give one of them"
+            )
+            raise CliUsageError(msg)
+        found = NAMED_WORKLOADS.get(args.workload)
+        if found is None:
+            msg = (
+                f"--workload takes one of {', '.join(NAMED_WORKLOADS)}, got "
+                f"{args.workload!r}"
+            )
+            raise CliUsageError(msg)
+        preset = found
     if args.trace is not None:
         if given:
             msg = (
@@ -80,18 +97,25 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
             )
             raise CliUsageError(msg)
         return load_trace(args.trace), {"trace": args.trace}
-    values: dict[str, str] = {
-        name: str(getattr(args, name) if getattr(args, name) is not None else default)
-        for name, default in SYNTHETIC_DEFAULTS.items()
-    }
+    # An explicit option wins over the named workload's, which wins over the
+    # default.
+    values: dict[str, str] = {}
+    for name, default in SYNTHETIC_DEFAULTS.items():
+        value = getattr(args, name)
+        if value is None:
+            value = preset.get(name, default)
+        if value is not None:
+            values[name] = str(value)
     shared = _int(values["shared_prefixes"], "--shared-prefixes", 0)
-    if args.prefix_len is None:
+    if "prefix_len" not in values:
         if shared:
             msg = "--shared-prefixes needs --prefix-len, the tokens of each prefix"
             raise CliUsageError(msg)
         prefix_len = 0
     else:
         prefix_len = _int(values["prefix_len"], "--prefix-len", 1)
+    if prefix_len and not shared and args.prefix_len is None:
+        prefix_len = 0  # the named workload's prefixes, turned off
     if prefix_len and not shared:
         msg = (
             "--prefix-len sets the length of shared prefixes; give --shared-prefixes K"
@@ -114,6 +138,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
         seed=seed,
     )
     options = {
+        **({"workload": args.workload} if args.workload is not None else {}),
         "requests": requests,
         "prompt_len": str(prompt_len),
         "output_len": str(output_len),
@@ -169,6 +194,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=planned.max_num_batched_tokens,
         keep_finished=args.keep_finished,
         max_steps=max_steps,
+        validate=args.validate,
     )
     bar = _ProgressBar(len(workload)) if sys.stderr.isatty() else None
     try:
@@ -196,6 +222,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 "output_tokens": workload.output_tokens,
             },
             "keep_finished": args.keep_finished,
+            "validate": args.validate,
             "result": result.to_dict(),
         }
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
@@ -230,6 +257,10 @@ def _print(
             f"tokens ({result.prefix_hit_rate:.1%})",
         ),
         (
+            "token-level bound",
+            f"{result.token_bound_tokens:,} tokens ({result.bound_rate:.1%})",
+        ),
+        (
             "peak blocks in use",
             f"{result.peak_blocks_in_use:,} of {usable:,} ({result.peak_usage:.1%})",
         ),
@@ -239,6 +270,20 @@ def _print(
         ("preemptions", f"{result.preemptions:,}"),
         ("admissions refused (waited)", f"{result.admission_refusals:,}"),
     ]
+    rows.append(
+        (
+            "peak cached blocks (of them states)",
+            f"{result.peak_cached_blocks:,} ({result.peak_cached_state_blocks:,})",
+        )
+    )
+    rows.append(("prefix-cache evictions", f"{result.evictions:,}"))
+    if result.validated:
+        rows.append(
+            (
+                "invalid hits (content oracle)",
+                f"{result.invalid_hits:,} of {result.checked_hits:,} checked",
+            )
+        )
     if result.unserved:
         rows.append(("unserved requests", f"{len(result.unserved):,}"))
     if result.unfinished:
@@ -249,7 +294,7 @@ def _print(
     groups = Table(
         title="blocks per cache group", title_justify="left", box=None, pad_edge=False
     )
-    for name in ("group", "kinds", "block", "peak", "mean"):
+    for name in ("group", "kinds", "block", "peak", "mean", "cached peak", "mean"):
         groups.add_column(name, justify="left" if name == "kinds" else "right")
     for g in result.groups:
         groups.add_row(
@@ -258,9 +303,13 @@ def _print(
             str(g.block_size),
             f"{g.peak_blocks:,}",
             f"{g.mean_blocks:,.1f}",
+            f"{g.peak_cached_blocks:,}",
+            f"{g.mean_cached_blocks:,.1f}",
         )
     console.print()
     console.print(groups)
+    for report in result.invalid_hit_reports:
+        console.print(f"invalid hit: {report}")
     for u in result.unserved[:5]:
         console.print(f"unserved {u.id}: {u.reason}")
     if len(result.unserved) > 5:
@@ -286,6 +335,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="FILE",
         help="JSON lines, one request a line (arrival step, prompt or prompt_len, "
         "prefix_id/prefix_len, parent, output_len)",
+    )
+    work.add_argument(
+        "--workload",
+        metavar="NAME",
+        help=f"a named synthetic workload ({', '.join(NAMED_WORKLOADS)}): presets "
+        "for the options below, which still override it",
     )
     work.add_argument("--requests", metavar="N", help="requests to draw (default 64)")
     work.add_argument(
@@ -330,6 +385,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="finished requests keep their blocks until the run ends (measures "
         "how many fit together, as the capacity model counts)",
+    )
+    run.add_argument(
+        "--validate",
+        action="store_true",
+        help="check every prefix hit against a model of what each block holds "
+        "(reported as invalid hits; slower)",
     )
     out = parser.add_argument_group("output")
     out.add_argument(

@@ -3,6 +3,13 @@ per cache group, and the ``KVCacheManager`` a scheduler calls every step."""
 
 from __future__ import annotations
 
+from kvcore.checkpoints import (
+    CHECKPOINT_POLICIES,
+    DEFAULT_CHECKPOINT_POLICY,
+    CheckpointPolicy,
+    CheckpointPolicyError,
+    checkpoint_policy,
+)
 from kvcore.coordinator.block_pool import (
     BlockHashWithGroupId,
     BlockPool,
@@ -59,7 +66,12 @@ from kvcore.coordinator.request import (
 
 __all__ = [
     # coordinator
+    "CHECKPOINT_POLICIES",
+    "DEFAULT_CHECKPOINT_POLICY",
     "CheckpointManager",
+    "CheckpointPolicy",
+    "CheckpointPolicyError",
+    "checkpoint_policy",
     "EngineStepKeywords",
     "FixedBlocksManager",
     "HitQuery",

@@ -10,6 +10,7 @@ pool hands the block out again (or the cache is reset).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeAlias
 
@@ -462,6 +463,44 @@ class BlockPool:
                 cached[key] = next(iter(entry.values()))
         if self.enable_kv_cache_events:
             self._events.append(BlockRemoved((key,), gid, self.kv_events_medium))
+
+    def drop_from_cache(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s prefix-cache key: content no later request is
+        expected to read (a state a newer one replaced).  A free block then
+        moves to the front of the free queue, so it is reused first; one in
+        use stays with its holders.  Does nothing for the null block or a
+        block without a key."""
+        if block.is_null or block.key_hash is None:
+            return
+        self._evict(block)
+        if block.ref_cnt:
+            return
+        queue = self.free_queue
+        journal = self._journal
+        if journal is not None:
+            journal.append(self._relink(block))
+        queue.remove(block)
+        queue.prepend_n([block])
+        if journal is not None:
+            journal.append(lambda: queue.remove(block))
+
+    def requeue_at_back(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Move free blocks to the back of the free queue (evicted last), in
+        the given order, as if just freed; blocks in use, the null block and
+        blocks without a key are left where they are."""
+        queue = self.free_queue
+        journal = self._journal
+        for block in blocks:
+            if block.ref_cnt or block.is_null or block.key_hash is None:
+                continue
+            if block.prev_free is None or block.next_free is None:
+                continue  # not queued: nothing to move
+            if journal is not None:
+                journal.append(self._relink(block))
+            queue.remove(block)
+            queue.append(block)
+            if journal is not None:
+                journal.append(functools.partial(queue.remove, block))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).

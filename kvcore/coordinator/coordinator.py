@@ -40,6 +40,8 @@ class SpecGroup:
     #: A hit under a bound stays a hit under any smaller aligned bound (a
     #: left-to-right search), so the fixed point trims instead of searching.
     monotone: bool = False
+    #: Recurrent-state groups (``HitPolicy.CHECKPOINT``), searched last.
+    states: bool = False
 
 
 class KVCacheCoordinator:
@@ -191,10 +193,25 @@ class KVCacheCoordinator:
                     type(manager),
                     manager.block_size,
                     monotone=policies[gid] is HitPolicy.PREFIX,
+                    states=policies[gid] is HitPolicy.CHECKPOINT,
                 )
+        # Left-to-right searches first (they bound the others), states last:
+        # the length before them is the prefix the token-indexed groups share
+        # (see last_shared_prefix).
         self.attention_groups: list[SpecGroup] = sorted(
-            spec_groups.values(), key=lambda g: not g.monotone
+            spec_groups.values(), key=lambda g: (not g.monotone, g.states)
         )
+        #: After a lookup: tokens the groups before the state groups served
+        #: (an upper bound when several window groups iterate), where a
+        #: state group keeps a branch-point checkpoint.
+        self.last_shared_prefix = 0
+        #: Managers that choose checkpoint positions at admission.
+        self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
+        #: Managers whose freed blocks go to the back of the eviction order.
+        self._free_order = tuple(m for m in managers if not m.evicts_last) + tuple(
+            m for m in managers if m.evicts_last
+        )
+        self._evicting_last = tuple(m for m in managers if m.evicts_last)
         self.num_groups = len(managers)
         #: The one spec group when there is exactly one and its search is
         #: monotone (the lookup needs no fixed point), else None.
@@ -220,9 +237,9 @@ class KVCacheCoordinator:
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
-        self._init_twins(managers, enable_kv_cache_events)
+        self._init_twins(managers)
 
-    def _init_twins(self, managers: Sequence[SingleTypeManager], events: bool) -> None:
+    def _init_twins(self, managers: Sequence[SingleTypeManager]) -> None:
         """Find twin groups and what their steps share.
 
         Twins are groups whose managers are vetted and of one class, with
@@ -302,11 +319,19 @@ class KVCacheCoordinator:
             )
             else None
         )
-        #: Caching classes; with events on, caching runs group by group so
-        #: events come in group order.
+        #: Caching classes, each with its first twin's caching test when its
+        #: class keeps that test in step with its caching (else None: the
+        #: class's twins all cache every step).
         self._cache_classes = (
-            tuple(tuple(c) for c in ordered if c[0].caching)
-            if share and not events
+            tuple(
+                (
+                    tuple(m.kv_cache_group_id for m in c),
+                    c[0]._caches_now if _tests_caching(type(c[0])) else None,
+                )
+                for c in ordered
+                if c[0].caching
+            )
+            if share
             else ()
         )
         #: Every class as (its group ids, its first twin), in group order
@@ -506,9 +531,14 @@ class KVCacheCoordinator:
         views: dict[int, Sequence[BlockHash]] = {}
         length = limit
         changed = True
+        first_pass = True
+        self.last_shared_prefix = 0
         while changed:
             changed = False
             for index, group in enumerate(self.attention_groups):
+                if first_pass and group.states:
+                    first_pass = False
+                    self.last_shared_prefix = length
                 if index in found:
                     if group.monotone:
                         # Trimmed, not searched again, but only to whole
@@ -537,6 +567,7 @@ class KVCacheCoordinator:
                         # No group can extend an empty hit: the later
                         # groups are not searched.
                         break
+            first_pass = False
             if length == 0:
                 break
         out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
@@ -908,22 +939,31 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "cache_blocks", exc) from exc
 
     def _twin_cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """:meth:`cache_blocks` with each class's decision taken on its
-        first twin: a vetted manager's caching that leaves the request's
-        hashed count as it was hashed nothing, and every twin would have
-        decided alike (equal tables, equal counts)."""
+        """:meth:`cache_blocks` with each class's test (whether caching
+        would change anything) taken on its first twin: twins hold equal
+        tables and equal per-request state, so they decide alike.  The
+        groups that cache run in group order, as on the per-group path
+        (their pool changes and events come in that order)."""
         rid = request.request_id
         if rid in self._untwinned:
             KVCacheCoordinator.cache_blocks(self, request, num_tokens)
             return
-        for members in self._cache_classes:
-            first = members[0]
-            before = first.num_cached_block.get(rid)
-            first.cache_blocks(request, num_tokens)
-            if len(members) == 1 or first.num_cached_block.get(rid) == before:
-                continue
-            for manager in members[1:]:
-                manager.cache_blocks(request, num_tokens)
+        due: list[tuple[int, ...]] | None = None
+        for gids, test in self._cache_classes:
+            if test is None or test(rid, num_tokens):
+                if due is None:
+                    due = [gids]
+                else:
+                    due.append(gids)
+        if due is None:
+            return
+        managers = self.single_type_managers
+        if len(due) == 1:
+            for gid in due[0]:
+                managers[gid].cache_blocks(request, num_tokens)
+            return
+        for gid in sorted(g for gids in due for g in gids):
+            managers[gid].cache_blocks(request, num_tokens)
 
     def _twin_free(self, request_id: str) -> None:
         self._untwinned.discard(request_id)
@@ -935,11 +975,13 @@ class KVCacheCoordinator:
             blocks = self.single_type_managers[0].pop_blocks(request_id)
             if blocks:
                 self.block_pool.free_table(blocks)
+            if self._evicting_last:
+                self._refresh_checkpoints(request_id)
             return
         freed: list[KVCacheBlock] = []
         gid = 0
         try:
-            for manager in self.single_type_managers:
+            for manager in self._free_order:
                 gid = manager.kv_cache_group_id
                 blocks = manager.pop_blocks(request_id)
                 if blocks:
@@ -948,6 +990,42 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "pop_blocks", exc) from exc
         if freed:
             self.block_pool.free_blocks(freed)
+        if self._evicting_last:
+            self._refresh_checkpoints(request_id)
+
+    def _refresh_checkpoints(self, request_id: str) -> None:
+        """Move the states a freed request kept, released earlier, to the
+        back of the eviction order with its other blocks."""
+        gid = 0
+        try:
+            for manager in self._evicting_last:
+                gid = manager.kv_cache_group_id
+                blocks = manager.take_released_checkpoints(request_id)
+                if blocks:
+                    self.block_pool.requeue_at_back(blocks)
+        except Exception as exc:
+            raise self.plugin_error(gid, "take_released_checkpoints", exc) from exc
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """Let every state group choose where to keep checkpoints for a
+        request being admitted."""
+        gid = 0
+        try:
+            for manager in self.planning:
+                gid = manager.kv_cache_group_id
+                manager.plan_checkpoints(request, num_computed_tokens)
+        except Exception as exc:
+            raise self.plugin_error(gid, "plan_checkpoints", exc) from exc
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        """Undo :meth:`plan_checkpoints` after a refused admission."""
+        gid = 0
+        try:
+            for manager in self.planning:
+                gid = manager.kv_cache_group_id
+                manager.forget_checkpoints(request_id)
+        except Exception as exc:
+            raise self.plugin_error(gid, "forget_checkpoints", exc) from exc
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
@@ -1015,6 +1093,15 @@ _TWIN_STEPS = (
     "grow",
     "remove_skipped_blocks",
 )
+
+
+def _tests_caching(manager_type: type[SingleTypeManager]) -> bool:
+    """Whether ``manager_type``'s caching test (``_caches_now``) is defined
+    with its ``cache_blocks`` or below it (kept in step with it)."""
+    mro = manager_type.__mro__
+    caches = next(c for c in mro if "cache_blocks" in vars(c))
+    tests = next((c for c in mro if "_caches_now" in vars(c)), None)
+    return tests is not None and issubclass(tests, caches)
 
 
 def _keeps_base(manager_type: type[SingleTypeManager], name: str) -> bool:

@@ -267,9 +267,12 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         self._check_hashing(request)
-        blocks, length = self.coordinator.find_longest_cache_hit(
+        coordinator = self.coordinator
+        blocks, length = coordinator.find_longest_cache_hit(
             request.block_hashes, len(request.all_token_ids) - 1
         )
+        if coordinator.planning:
+            request.shared_prefix_tokens = max(coordinator.last_shared_prefix, length)
         stats = self.prefix_cache_stats
         stats.requests += 1
         stats.queries += len(request.all_token_ids)
@@ -421,6 +424,8 @@ class KVCacheManager:
                 computed if computed is not None else self.empty_kv_cache_blocks.blocks,
                 num_computed,
             )
+            if coordinator.planning:
+                coordinator.plan_checkpoints(request, num_computed)
             need = coordinator.get_num_blocks_to_allocate(rid, num_tokens, attach)
         if (
             full_sequence_must_fit
@@ -429,6 +434,8 @@ class KVCacheManager:
             )
             > self.block_pool.free_queue.num_free
         ):
+            if not running and coordinator.planning:
+                coordinator.forget_checkpoints(rid)
             return None
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
@@ -439,6 +446,8 @@ class KVCacheManager:
             not skipping
             or need > free + coordinator.count_freeable_skipped(rid, num_computed)
         ):
+            if not running and coordinator.planning:
+                coordinator.forget_checkpoints(rid)
             return None
         if not own_hit and attach:
             # A hit from elsewhere may break the twin pattern

@@ -55,8 +55,12 @@ _STEP_METHODS = (
     "free",
     "get_num_blocks_to_allocate",
     "num_skipped_blocks",
+    "_caches_now",
+    "forget_checkpoints",
+    "plan_checkpoints",
     "pop_blocks",
     "remove_skipped_blocks",
+    "take_released_checkpoints",
     "_skip",
     "_skipped",
 )
@@ -155,6 +159,13 @@ class SingleTypeManager:
     #: :meth:`block_hash`); other managers need a block that is a multiple of
     #: the hash block.
     accepts_coarse_hashes: ClassVar[bool] = False
+    #: Whether the coordinator calls :meth:`plan_checkpoints` when a request
+    #: is admitted (state kinds that keep chosen positions).
+    plans_checkpoints: ClassVar[bool] = False
+    #: Whether a freed request's blocks of this group go to the back of the
+    #: eviction order, after the other groups' (a state a hit cannot do
+    #: without, worth more than any one block of a token-indexed group).
+    evicts_last: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -207,6 +218,23 @@ class SingleTypeManager:
         if not self.skips_blocks or num_computed_tokens <= 0:
             return 0
         return self.num_skipped_blocks(num_computed_tokens)
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """At admission (with :attr:`plans_checkpoints` set): choose the
+        positions of the request's coming steps to keep; nothing by
+        default."""
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        """Undo :meth:`plan_checkpoints` for a request whose admission was
+        refused; nothing by default."""
+
+    def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+        """After the request is freed: blocks it kept for later requests
+        that were released earlier and sit free; the coordinator moves them
+        to the back of the eviction order.  None by default."""
+        return []
 
     # -- allocation -----------------------------------------------------------
 
@@ -300,6 +328,17 @@ class SingleTypeManager:
             return None
         chunk = end // self.hash_block_size - 1
         return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
+
+    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
+        """False only when :meth:`cache_blocks` at ``num_tokens`` would
+        change nothing (this class's rule: no block newly filled).  The
+        coordinator asks one twin group for all (see
+        KVCacheCoordinator._init_twins); a class that changes
+        :meth:`cache_blocks` keeps this in step with it."""
+        return (
+            self.caching
+            and num_tokens // self.block_size > self.num_cached_block.get(request_id, 0)
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the request's blocks that ``num_tokens`` tokens fill."""

@@ -24,6 +24,12 @@ from itertools import islice, takewhile
 from operator import is_not
 from typing import Any, ClassVar
 
+from kvcore.checkpoints import (
+    CHECKPOINT_POLICIES,
+    DEFAULT_CHECKPOINT_POLICY,
+    CheckpointPolicy,
+    CheckpointPolicyError,
+)
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
@@ -184,6 +190,10 @@ class WindowManager(SingleTypeManager):
                 )
         self.num_cached_block[rid] = decided
 
+    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
+        # cache_blocks above hashes only blocks newly filled: the base test.
+        return super()._caches_now(request_id, num_tokens)
+
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
         """The longest aligned hit whose read blocks are all cached.
@@ -226,14 +236,22 @@ class WindowManager(SingleTypeManager):
 
 
 class CheckpointManager(SingleTypeManager):
-    """A recurrent state kept at block boundaries.
+    """A recurrent state, kept where later requests are likely to resume.
 
-    The table is indexed by position, but only the newest state is a real
-    block (earlier positions are the null block) unless
-    :meth:`keeps_every_state` says to keep them all.  The state a step
-    leaves at a block boundary is hashed, so a later request with the same
-    prefix resumes from it.  A block finer than the hash block is fine: only
-    states that end on a hash boundary are keyed.
+    The table is indexed by position: the block at position ``i`` holds the
+    state after the tokens up to the end of block ``i`` (or up to the step's
+    last token, for the step's last position).  A step writes its final
+    state into its last position and, at every other position of the step
+    that holds a real block, the state at that block's end; every other
+    position is the null block.  Only the newest state is read again, so
+    older positions are released after each step, unless
+    :meth:`keeps_every_state` says to keep them all.
+
+    With prefix caching on, the group's :meth:`checkpoint_policy` chooses
+    which states are hashed for later requests (see
+    :mod:`kvcore.checkpoints`): only states on a multiple of the
+    hit unit (:attr:`unit`), since a hit ends only there.  A block finer
+    than the hash block is fine: the unit is a multiple of the hash block.
     """
 
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.CHECKPOINT})
@@ -242,15 +260,103 @@ class CheckpointManager(SingleTypeManager):
     # speculative tokens would move it.
     supports_lookahead: ClassVar[bool] = False
     accepts_coarse_hashes: ClassVar[bool] = True
+    plans_checkpoints: ClassVar[bool] = True
+    evicts_last: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
         self.keep_all = self.keeps_every_state(spec)
+        policy: object = self.checkpoint_policy(spec)
+        if not isinstance(policy, CheckpointPolicy):
+            msg = (
+                f"{type(self).__name__}.checkpoint_policy returned {policy!r}; it "
+                "must return a kvcore.coordinator.CheckpointPolicy"
+            )
+            raise CheckpointPolicyError(msg)
+        self.policy = policy
+        #: Hits end on multiples of this many tokens, so only states there
+        #: are worth keeping.
+        self.unit = math.lcm(self.block_size, self.hit_alignment, self.hash_block_size)
+        self._targets_on = self.caching and not self.keep_all and policy.places_targets
+        self._step_ends = self.caching and (self.keep_all or policy.keeps_step_ends)
+        self._replaces = not (self.keep_all or policy.every_step)
+        #: request id -> token positions still to checkpoint, ascending.
+        self.targets: dict[str, list[int]] = {}
+        #: request id -> (position, block) of its newest step-end state,
+        #: which the next one replaces.
+        self.step_end: dict[str, tuple[int, KVCacheBlock]] = {}
+        #: request id -> checkpoint blocks it kept (refreshed in the
+        #: eviction order when the request is freed).
+        self.kept: dict[str, list[KVCacheBlock]] = {}
+        #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
+        #: hands the coordinator once.
+        self._released_kept: dict[str, list[KVCacheBlock]] = {}
 
     def keeps_every_state(self, spec: Any) -> bool:
         """Whether every block-boundary state stays for the request's life
         (more blocks held, more resume points); only the newest by default."""
         return False
+
+    def checkpoint_policy(self, spec: Any) -> CheckpointPolicy:
+        """Which states are kept for later requests; the default policy
+        (``turns``: prompt end, output end, branch points) unless a kind's
+        manager chooses another, for example from a field of its spec."""
+        return CHECKPOINT_POLICIES[DEFAULT_CHECKPOINT_POLICY]
+
+    # -- where the checkpoints go -----------------------------------------------
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """At admission: the positions inside the request's coming steps
+        whose states the policy keeps (after ``num_computed_tokens``, the
+        hit included)."""
+        rid = request.request_id
+        if not self._targets_on:
+            return
+        policy = self.policy
+        unit = self.unit
+        prompt = request.num_prompt_tokens
+        marks: set[int] = set()
+        if policy.prompt_end:
+            # The prompt extended (a longer prompt, the next turn) resumes at
+            # its last boundary; the same prompt again at the last boundary
+            # before its final token, which is always recomputed.
+            marks.add(prompt - prompt % unit)
+            marks.add((prompt - 1) - (prompt - 1) % unit)
+        if policy.branch_points:
+            shared = min(request.shared_prefix_tokens, prompt)
+            marks.add(shared - shared % unit)
+        if policy.interval:
+            every = cdiv(policy.interval, unit) * unit
+            marks.update(range(every, prompt + 1, every))
+        targets = sorted(t for t in marks if t > num_computed_tokens)
+        if targets:
+            self.targets[rid] = targets
+        else:
+            self.targets.pop(rid, None)
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        """Drop what :meth:`plan_checkpoints` planned for a request that was
+        not admitted after all (it holds no blocks)."""
+        if request_id not in self.req_to_blocks:
+            self.targets.pop(request_id, None)
+
+    def _inner_targets(self, request_id: str, start: int, end: int) -> list[int]:
+        """Table positions in ``[start, end - 1)`` that a target state
+        ends: they take a block besides the step's last position."""
+        targets = self.targets.get(request_id)
+        if not targets:
+            return []
+        block_size = self.block_size
+        out = []
+        for t in targets:
+            pos = t // block_size - 1
+            if pos >= end - 1:
+                break
+            if pos >= start:
+                out.append(pos)
+        return out
+
+    # -- allocation -------------------------------------------------------------
 
     def get_num_blocks_to_allocate(
         self,
@@ -261,8 +367,16 @@ class CheckpointManager(SingleTypeManager):
         held = self.req_to_blocks.get(request_id)
         have = len(new_computed_blocks) + (len(held) if held is not None else 0)
         target = cdiv(num_tokens, self.block_size)
-        # Every missing position gets a state block, or only the newest.
-        need = max(target - have, 0) if self.keep_all else int(target > have)
+        # Every missing position gets a state block, or only the newest and
+        # the checkpoints inside the step.
+        if self.keep_all:
+            need = max(target - have, 0)
+        elif target > have:
+            need = 1
+            if self.targets:
+                need += len(self._inner_targets(request_id, have, target))
+        else:
+            need = 0
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 need += 1
@@ -274,60 +388,130 @@ class CheckpointManager(SingleTypeManager):
         held = self.req_to_blocks.get(request_id)
         if held is None:
             held = self.req_to_blocks[request_id] = []
-        missing = cdiv(num_tokens, self.block_size) - len(held)
+        start = len(held)
+        end = cdiv(num_tokens, self.block_size)
+        missing = end - start
         if missing <= 0:
             return []
         if self.keep_all:
             new = self.block_pool.get_new_blocks(missing)
             held.extend(new)
             return new
-        # Only the step's last position gets a real block: the step's final
-        # state is written there.
-        held.extend([self.null_block] * (missing - 1))
-        new = self.block_pool.get_new_blocks(1)
-        held.extend(new)
+        inner = self._inner_targets(request_id, start, end) if self.targets else []
+        new = self.block_pool.get_new_blocks(1 + len(inner))
+        extension = [self.null_block] * missing
+        for pos, block in zip(inner, new, strict=False):
+            extension[pos - start] = block
+        # The step's final state is written at its last position.
+        extension[-1] = new[-1]
+        held.extend(extension)
         return new
 
+    # -- caching ----------------------------------------------------------------
+
+    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
+        # False only where cache_blocks returns before changing anything: no
+        # target reached, and no step-end state to keep at this length.
+        if not self.caching or not self.req_to_blocks.get(request_id):
+            return False
+        targets = self.targets.get(request_id)
+        if targets and targets[0] <= num_tokens:
+            return True
+        return self._step_ends and (self.keep_all or num_tokens % self.unit == 0)
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        if not self.caching or num_tokens % self.block_size:
+        if not self.caching:
             return
         rid = request.request_id
-        pos = num_tokens // self.block_size - 1
         blocks = self.req_to_blocks.get(rid)
-        if pos < 0 or blocks is None or pos >= len(blocks):
+        if not blocks:
             return
-        if self.num_cached_block.get(rid, 0) > pos:
+        block_size = self.block_size
+        unit = self.unit
+        targets = self.targets.get(rid)
+        reached = -1
+        if targets:
+            while targets and targets[0] <= num_tokens:
+                reached = targets.pop(0)
+                self._keep(request, blocks, reached // block_size - 1, kept=True)
+            if not targets:
+                del self.targets[rid]
+        if not self._step_ends:
             return
+        if self.keep_all:
+            # Every state is held: key each one on a hit boundary.
+            first = self.num_cached_block.get(rid, 0)
+            per_unit = unit // block_size
+            pos = cdiv(first + 1, per_unit) * per_unit - 1
+            last = num_tokens // block_size - 1
+            while pos <= last:
+                self._keep(request, blocks, pos, kept=False)
+                pos += per_unit
+            return
+        if num_tokens % unit or num_tokens == reached:
+            return
+        pos = num_tokens // block_size - 1
+        block = self._keep(request, blocks, pos, kept=not self._replaces)
+        if block is None or not self._replaces:
+            return
+        previous = self.step_end.get(rid)
+        self.step_end[rid] = (pos, block)
+        if previous is None or previous[1] is block:
+            return
+        # The newer state replaces the older one for the next turn; it
+        # leaves the cache unless another request holds it.
+        old_pos, old = previous
+        in_table = old_pos < len(blocks) and blocks[old_pos] is old
+        if old.ref_cnt == (1 if in_table else 0):
+            self.block_pool.drop_from_cache(old)
+
+    def _keep(
+        self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool
+    ) -> KVCacheBlock | None:
+        """Hash the state at table position ``pos``; the block, or None when
+        there is no real block there or its prefix is not hashed yet."""
+        if pos < 0 or pos >= len(blocks):
+            return None
+        block = blocks[pos]
+        if block.is_null:
+            return None
+        rid = request.request_id
         chunks = request.block_hashes
         if self.block_hash(chunks, pos) is None:
-            return
-        if self.block_size % self.hash_block_size:
-            # Finer than the hash block: the table is seen one position per
-            # hash chunk (the state at each chunk's end), so the key, its
-            # parent and the event's tokens all describe whole chunks.
-            ratio = self.hash_block_size // self.block_size
-            view: Sequence[KVCacheBlock] = _ChunkEnds(blocks, ratio)
-            index = (pos + 1) // ratio - 1
-            self.block_pool.cache_full_blocks(
-                block_hashes=chunks,
-                blocks=view,
-                num_cached_blocks=index,
-                num_full_blocks=index + 1,
-                group_id=self.kv_cache_group_id,
-                token_ids=request.all_token_ids,
-            )
-        else:
-            self.block_pool.cache_full_blocks(
-                block_hashes=hashes_at_block_size(
-                    chunks, self.hash_block_size, self.block_size
-                ),
-                blocks=blocks,
-                num_cached_blocks=pos,
-                num_full_blocks=pos + 1,
-                group_id=self.kv_cache_group_id,
-                token_ids=request.all_token_ids,
-            )
-        self.num_cached_block[rid] = pos + 1
+            return None
+        newly = block.key_hash is None
+        if newly:
+            if self.block_size % self.hash_block_size:
+                # Finer than the hash block: the table is seen one position
+                # per hash chunk (the state at each chunk's end), so the key,
+                # its parent and the event's tokens all describe whole chunks.
+                ratio = self.hash_block_size // self.block_size
+                view: Sequence[KVCacheBlock] = _ChunkEnds(blocks, ratio)
+                index = (pos + 1) // ratio - 1
+                self.block_pool.cache_full_blocks(
+                    block_hashes=chunks,
+                    blocks=view,
+                    num_cached_blocks=index,
+                    num_full_blocks=index + 1,
+                    group_id=self.kv_cache_group_id,
+                    token_ids=request.all_token_ids,
+                )
+            else:
+                self.block_pool.cache_full_blocks(
+                    block_hashes=hashes_at_block_size(
+                        chunks, self.hash_block_size, self.block_size
+                    ),
+                    blocks=blocks,
+                    num_cached_blocks=pos,
+                    num_full_blocks=pos + 1,
+                    group_id=self.kv_cache_group_id,
+                    token_ids=request.all_token_ids,
+                )
+        if self.num_cached_block.get(rid, 0) <= pos:
+            self.num_cached_block[rid] = pos + 1
+        if kept and newly and not self.keep_all:
+            self.kept.setdefault(rid, []).append(block)
+        return block
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         # The next token reads the state at the hit's last position.
@@ -338,6 +522,53 @@ class CheckpointManager(SingleTypeManager):
         if self.keep_all or num_computed_tokens <= 0:
             return 0
         return (num_computed_tokens - 1) // self.block_size
+
+    # -- freeing ----------------------------------------------------------------
+
+    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        self.targets.pop(request_id, None)
+        step_end = self.step_end.pop(request_id, None)
+        kept = self.kept.pop(request_id, None)
+        blocks = super().pop_blocks(request_id)
+        if step_end is not None:
+            kept = [*(kept or ()), step_end[1]]
+        if kept:
+            self._released_kept[request_id] = kept
+        return blocks
+
+    def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+        """The states the freed request kept for later requests that sit
+        free in the pool already (released after their step): the
+        coordinator moves them to the back of the eviction order with the
+        request's other blocks, since a hit needs its state."""
+        kept = self._released_kept.pop(request_id, None)
+        if not kept:
+            return []
+        return [b for b in kept if b.ref_cnt == 0 and b.key_hash is not None]
+
+    def request_state(self, request_id: str) -> Any:
+        targets = self.targets.get(request_id)
+        kept = self.kept.get(request_id)
+        return (
+            super().request_state(request_id),
+            None if targets is None else list(targets),
+            self.step_end.get(request_id),
+            None if kept is None else list(kept),
+        )
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        base, targets, step_end, kept = state
+        super().restore_request_state(request_id, base)
+        for store, value in (
+            (self.targets, targets),
+            (self.step_end, step_end),
+            (self.kept, kept),
+        ):
+            if value is None:
+                store.pop(request_id, None)
+            else:
+                store[request_id] = value
+        self._released_kept.pop(request_id, None)
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:

@@ -64,6 +64,7 @@ class Request:
         "block_hashes",
         "num_computed_tokens",
         "request_id",
+        "shared_prefix_tokens",
         "skip_reading_prefix_cache",
         "status",
     )
@@ -72,6 +73,10 @@ class Request:
     all_token_ids: list[int]
     block_hashes: list[BlockHash]
     num_computed_tokens: int
+    #: Tokens of its prompt that the last prefix-cache lookup found other
+    #: requests had computed (what the token-indexed groups hold), even
+    #: where a hit could not use them; state groups keep a checkpoint there.
+    shared_prefix_tokens: int
     skip_reading_prefix_cache: bool
     status: RequestStatus
 
@@ -114,6 +119,7 @@ class Request:
         self._num_prompt_tokens = num_prompt
         self.all_token_ids = list(prompt)
         self.num_computed_tokens = 0
+        self.shared_prefix_tokens = 0
         self._cache_salt = cache_salt
         self._lora_name = lora_name
         self.skip_reading_prefix_cache = skip_reading_prefix_cache

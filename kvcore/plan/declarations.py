@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvcore.errors import PluginError
 from kvcore.registry import call_plugin, spec_plugin_error
@@ -18,6 +18,7 @@ from kvcore.spec import KVCacheSpec
 
 __all__ = [
     "check_spec_answers",
+    "resolved_defaults",
     "checked_blocks_held",
     "checked_grown",
     "checked_merge",
@@ -46,6 +47,44 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
         key: object = call_plugin(spec, "group_key()", spec.group_key)
         _check_hashable(spec, f"what group_key() returned ({_short(key)})", key)
         _check_hashable(spec, "the spec itself", spec)
+
+
+def resolved_defaults(
+    specs: Mapping[str, KVCacheSpec],
+    *,
+    prefix_caching: bool,
+    state_cache_mode: str | None,
+) -> dict[str, KVCacheSpec]:
+    """Every layer's spec with its engine-dependent defaults settled (see
+    :meth:`KVCacheSpec.resolve_defaults`), checked: the same kind's spec,
+    or ``None`` for no change."""
+    out: dict[str, KVCacheSpec] = {}
+    memo: dict[int, KVCacheSpec] = {}
+    for name, spec in specs.items():
+        done = memo.get(id(spec))
+        if done is None:
+            answer: object = call_plugin(
+                spec,
+                "resolve_defaults()",
+                functools.partial(
+                    spec.resolve_defaults,
+                    prefix_caching=prefix_caching,
+                    state_cache_mode=state_cache_mode,
+                ),
+            )
+            if answer is None:
+                done = spec
+            elif type(answer) is type(spec):
+                done = answer
+            else:
+                raise spec_plugin_error(
+                    spec,
+                    f"resolve_defaults() returned {_short(answer)}; it must return "
+                    f"a {type(spec).__name__} or None",
+                )
+            memo[id(spec)] = done
+        out[name] = done
+    return out
 
 
 def _page_size(spec: KVCacheSpec) -> object:

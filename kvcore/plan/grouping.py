@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from kvcore.config import EngineConfig
 from kvcore.errors import KvcoreTypeError, PlanError
-from kvcore.plan.declarations import check_spec_answers
+from kvcore.plan.declarations import check_spec_answers, resolved_defaults
 from kvcore.plan.groups import check_chosen, group_spec
 from kvcore.plan.policies import POLICIES
 from kvcore.registry import KindRegistry, default_registry
@@ -40,6 +40,12 @@ def get_kv_cache_groups(
         raise KvcoreTypeError(msg)
     for name, spec in specs.items():
         registry.kind_for(spec, layer=name)
+    cache = config.cache_config
+    specs = resolved_defaults(
+        specs,
+        prefix_caching=cache.enable_prefix_caching,
+        state_cache_mode=cache.mamba_cache_mode,
+    )
     check_spec_answers(specs.values())
     _check_engine_modes(config, specs)
     if not specs:

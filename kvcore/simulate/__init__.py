@@ -9,19 +9,27 @@ scheduler over :class:`~kvcore.coordinator.KVCacheManager`) into a
 
 from __future__ import annotations
 
+from kvcore.simulate.bound import ComputedPrefixes
 from kvcore.simulate.driver import Driver, ProgressCallback, SimulationError, simulate
 from kvcore.simulate.lengths import Distribution, DistributionError, parse_distribution
+from kvcore.simulate.oracle import ContentOracle
 from kvcore.simulate.result import GroupUsage, SimulationResult, Unserved
 from kvcore.simulate.trace import TraceError, load_trace, parse_trace
 from kvcore.simulate.workload import (
+    NAMED_WORKLOADS,
     Workload,
     WorkloadError,
     WorkloadRequest,
+    named_workload,
     synthetic_workload,
     token_stream,
+    workload_names,
 )
 
 __all__ = [
+    "NAMED_WORKLOADS",
+    "ComputedPrefixes",
+    "ContentOracle",
     "Distribution",
     "DistributionError",
     "Driver",
@@ -35,9 +43,11 @@ __all__ = [
     "WorkloadError",
     "WorkloadRequest",
     "load_trace",
+    "named_workload",
     "parse_distribution",
     "parse_trace",
     "simulate",
     "synthetic_workload",
     "token_stream",
+    "workload_names",
 ]

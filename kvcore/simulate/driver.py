@@ -22,6 +22,15 @@ A request the pool refuses while no other request runs (nothing left to
 preempt) can never fit: it is reported in ``unserved`` and dropped, so no
 run loops forever.  The oldest running request progresses every step, so a
 run always ends.
+
+Every admission is also measured against the token-level bound
+(:mod:`kvcore.simulate.bound`): the longest common token prefix between
+the tokens it looks up and the tokens computed before it by any request
+(running, finished or preempted), capped at one less than the tokens looked
+up.  A re-admission after preemption counts like any admission, in the hits
+and in the bound alike, and its own tokens computed before it was preempted
+count towards its bound.  With ``validate=True`` a content oracle
+(:mod:`kvcore.simulate.oracle`) checks every hit.
 """
 
 from __future__ import annotations
@@ -29,16 +38,27 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from kvcore.coordinator import KVCacheManager, Request
+from kvcore.coordinator import (
+    CheckpointManager,
+    KVCacheBlock,
+    KVCacheBlocks,
+    KVCacheManager,
+    Request,
+)
 from kvcore.errors import KvcoreValueError
 from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
 from kvcore.plan.capacity import DEFAULT_BATCHED_TOKENS
 from kvcore.registry import KindRegistry, default_registry
+from kvcore.simulate.bound import ComputedPrefixes
+from kvcore.simulate.oracle import ContentOracle
 from kvcore.simulate.result import GroupUsage, SimulationResult, Unserved
 from kvcore.simulate.workload import Workload, WorkloadRequest
 from kvcore.structs import KVCacheConfig
 
 __all__ = ["Driver", "ProgressCallback", "SimulationError", "simulate"]
+
+#: Steps between two counts of each group's cached blocks (see ``Driver``).
+CACHE_SAMPLE_EVERY = 8
 
 #: ``progress(step, resolved, total)``: called once per step that did work.
 ProgressCallback = Callable[[int, int, int], None]
@@ -84,6 +104,13 @@ class Driver:
         :func:`kvcore.plan_capacity` counts, so a run measures how many fit.
     :param max_steps: stop after this many steps; requests left are
         reported in ``unfinished``.
+    :param validate: check every prefix hit against a model of what each
+        block holds (:class:`~kvcore.simulate.oracle.ContentOracle`);
+        violations are counted in ``invalid_hits``.  It costs a pass over
+        every computed token.
+    :param cache_sample_every: count the cached (hashed) blocks of each
+        group every this many steps (a pass over the prefix cache; 1 counts
+        every step).
     """
 
     def __init__(
@@ -97,6 +124,8 @@ class Driver:
         keep_finished: bool = False,
         max_steps: int | None = None,
         hash_function: str = "sha256",
+        validate: bool = False,
+        cache_sample_every: int = CACHE_SAMPLE_EVERY,
     ) -> None:
         scheduler_block_size = plan.scheduler_block_size
         if scheduler_block_size is None or plan.hash_block_size is None:
@@ -128,6 +157,8 @@ class Driver:
             None if max_steps is None else _positive("max_steps", max_steps)
         )
         self.hash_function = hash_function
+        self.validate = bool(validate)
+        self.cache_sample_every = _positive("cache_sample_every", cache_sample_every)
         #: The manager of the last run (all its blocks are free after it).
         self.manager: KVCacheManager | None = None
 
@@ -164,6 +195,7 @@ def simulate(
     keep_finished: bool = False,
     max_steps: int | None = None,
     progress: ProgressCallback | None = None,
+    validate: bool = False,
 ) -> SimulationResult:
     """Run ``workload`` through ``plan``'s coordinator (see :class:`Driver`)."""
     driver = Driver(
@@ -172,6 +204,7 @@ def simulate(
         max_num_batched_tokens=max_num_batched_tokens,
         keep_finished=keep_finished,
         max_steps=max_steps,
+        validate=validate,
     )
     return driver.run(workload, progress=progress)
 
@@ -204,6 +237,23 @@ class _Run:
         self.peak_in_use = 0
         self.total_in_use = 0
         self.peak_running = 0
+        self.cached_peak = [0] * num_groups
+        self.cached_total = [0] * num_groups
+        self.cached_samples = 0
+        #: Peaks over the samples of all groups' cached blocks together, and
+        #: of the recurrent-state (checkpoint) groups' alone.
+        self.cached_all_peak = 0
+        self.cached_states_peak = 0
+        self.state_groups = frozenset(
+            g
+            for g, m in enumerate(manager.coordinator.single_type_managers)
+            if isinstance(m, CheckpointManager)
+        )
+        self.computed_prefixes = ComputedPrefixes()
+        #: Requests whose computed tokens the bound has not recorded yet.
+        self.dirty: dict[str, _Live] = {}
+        self.bound = 0
+        self.oracle = ContentOracle(manager) if driver.validate else None
         self.completed = 0
         self.generated = 0
         self.computed = 0
@@ -252,7 +302,23 @@ class _Run:
             f"refused it with no other request to preempt{held}",
         )
 
+    def _record_computed(self) -> None:
+        """Give the bound every token computed so far."""
+        extend = self.computed_prefixes.extend
+        for rid, live in self.dirty.items():
+            request = live.request
+            extend(rid, request.all_token_ids, request.num_computed_tokens)
+        self.dirty.clear()
+
+    def _copies(self, blocks: KVCacheBlocks | None) -> None:
+        """Apply the block copies a step asks for to the oracle's model."""
+        if self.oracle is not None and blocks is not None:
+            copies = getattr(blocks, "copies", ())
+            if copies:
+                self.oracle.apply_copies(copies)
+
     def _preempt(self, live: _Live) -> None:
+        self._record_computed()
         self.running.remove(live)
         self.manager.free(live.request)
         live.request.num_computed_tokens = 0
@@ -270,9 +336,11 @@ class _Run:
             live = running[i]
             n = min(live.remaining, budget)
             fits = True
-            while (
-                manager.allocate_slots(live.request, n, delay_cache_blocks=True) is None
-            ):
+            while True:
+                new = manager.allocate_slots(live.request, n, delay_cache_blocks=True)
+                if new is not None:
+                    self._copies(new)
+                    break
                 self.refused += 1
                 victim = running[-1]
                 if victim is live and len(running) == 1:
@@ -296,15 +364,17 @@ class _Run:
         waiting = self.waiting
         prefilling = sum(1 for live in self.running if live.remaining > 1)
         limit = self.driver.max_partial_prefills
+        if waiting and budget and prefilling < limit:
+            self._record_computed()
         while waiting and budget and prefilling < limit:
             live = waiting[0]
             request = live.request
             blocks, hit = manager.get_computed_blocks(request)
             n = min(request.num_tokens - hit, budget)
-            if (
-                manager.allocate_slots(request, n, hit, blocks, delay_cache_blocks=True)
-                is None
-            ):
+            new = manager.allocate_slots(
+                request, n, hit, blocks, delay_cache_blocks=True
+            )
+            if new is None:
                 if self.running:
                     # Running requests will free blocks: wait for them.
                     self.admission_refusals += 1
@@ -313,8 +383,15 @@ class _Run:
                 self._never_fits(live)
                 continue
             waiting.popleft()
+            tokens = request.all_token_ids
             self.looked_up += request.num_tokens
             self.hits += hit
+            self.bound += self.computed_prefixes.longest_prefix(
+                tokens, request.num_tokens - 1
+            )
+            if self.oracle is not None:
+                self.oracle.check_hit(live.spec.id, tokens, blocks.blocks, hit)
+                self._copies(new)
             request.num_computed_tokens = hit
             self.running.append(live)
             scheduled.append((live, n))
@@ -326,9 +403,21 @@ class _Run:
         manager = self.manager
         caching = manager.enable_caching
         finished = []
+        oracle = self.oracle
+        dirty = self.dirty
         for live, n in scheduled:
             request = live.request
+            if oracle is not None:
+                start = request.num_computed_tokens
+                oracle.write(
+                    live.spec.id,
+                    request.all_token_ids,
+                    start,
+                    start + n,
+                    manager.get_blocks(live.spec.id).blocks,
+                )
             request.num_computed_tokens += n
+            dirty[live.spec.id] = live
             self.computed += n
             if caching:
                 manager.cache_blocks(request, request.num_computed_tokens)
@@ -342,15 +431,40 @@ class _Run:
                     request.append_output_token_ids(token)
         return finished
 
-    def _measure(self) -> None:
+    def _measure_cached(self) -> None:
+        pool = self.manager.block_pool
+        self.cached_samples += 1
+        everything = states = 0
+        for g in range(len(self.cached_peak)):
+            entries = pool.cached_blocks_of(g)
+            count = len(entries)
+            for entry in entries.values():
+                if type(entry) is dict:
+                    count += len(entry) - 1
+            self.cached_total[g] += count
+            if count > self.cached_peak[g]:
+                self.cached_peak[g] = count
+            everything += count
+            if g in self.state_groups:
+                states += count
+        self.cached_all_peak = max(self.cached_all_peak, everything)
+        self.cached_states_peak = max(self.cached_states_peak, states)
+
+    def _measure(self, step: int) -> None:
+        if step % self.driver.cache_sample_every == 0:
+            self._measure_cached()
         manager = self.manager
-        groups: list[set[int]] = [set() for _ in self.peak]
+        # Blocks hash by identity (one object per block id): the sets fill at
+        # C speed, and the null block is taken out once per group.
+        null = manager.block_pool.null_block
+        groups: list[set[KVCacheBlock]] = [set() for _ in self.peak]
         for live in (*self.running, *self.held):
             for ids, blocks in zip(
                 groups, manager.get_blocks(live.spec.id).blocks, strict=True
             ):
-                ids.update(b.block_id for b in blocks if not b.is_null)
+                ids.update(blocks)
         for g, ids in enumerate(groups):
+            ids.discard(null)
             count = len(ids)
             self.total[g] += count
             if count > self.peak[g]:
@@ -368,6 +482,8 @@ class _Run:
             else:
                 self.manager.free(live.request)
             self.completed += 1
+            if self.oracle is not None:
+                self.oracle.forget(live.spec.id)
             self._resolve(live.spec.id)
 
     # -- the run ----------------------------------------------------------------
@@ -397,7 +513,7 @@ class _Run:
             scheduled, budget = self._schedule_running(driver.max_num_batched_tokens)
             self._admit(budget, scheduled)
             finished = self._compute(scheduled)
-            self._measure()
+            self._measure(step)
             self._finish(finished)
             step += 1
             steps = step
@@ -416,6 +532,7 @@ class _Run:
         unfinished += [s.id for specs in self.blocked.values() for s in specs]
         unfinished += [s.id for s in self.pending]
         plan = self.driver.plan
+        oracle = self.oracle
         managers = manager.coordinator.single_type_managers
         groups = tuple(
             GroupUsage(
@@ -424,6 +541,12 @@ class _Run:
                 block_size=managers[g].block_size,
                 peak_blocks=self.peak[g],
                 mean_blocks=self.total[g] / steps if steps else 0.0,
+                peak_cached_blocks=self.cached_peak[g],
+                mean_cached_blocks=(
+                    self.cached_total[g] / self.cached_samples
+                    if self.cached_samples
+                    else 0.0
+                ),
             )
             for g, group in enumerate(plan.kv_cache_groups)
         )
@@ -435,6 +558,7 @@ class _Run:
             computed_tokens=self.computed,
             prompt_tokens_looked_up=self.looked_up,
             prefix_hit_tokens=self.hits,
+            token_bound_tokens=self.bound,
             refused_steps=self.refused,
             preemptions=self.preemptions,
             admission_refusals=self.admission_refusals,
@@ -446,4 +570,11 @@ class _Run:
             groups=groups,
             unserved=tuple(self.unserved),
             unfinished=tuple(unfinished),
+            evictions=manager.block_pool.evictions,
+            peak_cached_blocks=self.cached_all_peak,
+            peak_cached_state_blocks=self.cached_states_peak,
+            validated=oracle is not None,
+            checked_hits=0 if oracle is None else oracle.checked_hits,
+            invalid_hits=0 if oracle is None else oracle.invalid_hits,
+            invalid_hit_reports=() if oracle is None else tuple(oracle.reports),
         )

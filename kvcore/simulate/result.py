@@ -13,13 +13,21 @@ __all__ = ["GroupUsage", "SimulationResult", "Unserved"]
 class GroupUsage:
     """One cache group's blocks over the run: distinct blocks its requests'
     tables hold (blocks shared by a prefix hit count once; the null block
-    never), sampled at every step after allocation."""
+    never), sampled at every step after allocation.
+
+    ``peak_cached_blocks`` and ``mean_cached_blocks`` count the group's
+    blocks that hold a prefix-cache key (cached: in a table or free and
+    evictable), what the cached states and prefixes cost; they are sampled
+    every ``Driver.cache_sample_every`` steps (the first step included).
+    """
 
     group: int
     kinds: tuple[str, ...]
     block_size: int
     peak_blocks: int
     mean_blocks: float
+    peak_cached_blocks: int = 0
+    mean_cached_blocks: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -28,6 +36,8 @@ class GroupUsage:
             "block_size": self.block_size,
             "peak_blocks": self.peak_blocks,
             "mean_blocks": self.mean_blocks,
+            "peak_cached_blocks": self.peak_cached_blocks,
+            "mean_cached_blocks": self.mean_cached_blocks,
         }
 
 
@@ -51,6 +61,10 @@ class SimulationResult:
     :param prompt_tokens_looked_up: tokens of every admitted request at its
         admission (re-admissions after preemption included).
     :param prefix_hit_tokens: of those, tokens the prefix cache served.
+    :param token_bound_tokens: of those, tokens a perfect token-level cache
+        would serve: at each admission, the longest common token prefix with
+        the tokens any request computed before it, capped at the tokens
+        looked up less one (the last is always recomputed).
     :param refused_steps: running requests' steps the pool refused (each one
         preempted a request).
     :param admission_refusals: steps whose first waiting request the pool
@@ -62,6 +76,16 @@ class SimulationResult:
         preempt, or are longer than ``max_model_len``.
     :param unfinished: requests still queued or running when ``max_steps``
         ran out.
+    :param evictions: prefix-cache keys the pool dropped to reuse a block.
+    :param peak_cached_blocks: the most blocks holding a prefix-cache key at
+        once, all groups together (sampled as ``GroupUsage``'s counts).
+    :param peak_cached_state_blocks: the same over the recurrent-state
+        (checkpoint) groups alone: what keeping states costs.
+    :param validated: whether the content oracle checked the hits.
+    :param checked_hits: admissions with a hit the oracle checked.
+    :param invalid_hits: of those, hits whose blocks did not hold the
+        request's own tokens (0 when not validated).
+    :param invalid_hit_reports: the first few of those, described.
     """
 
     requests: int
@@ -82,6 +106,14 @@ class SimulationResult:
     groups: tuple[GroupUsage, ...]
     unserved: tuple[Unserved, ...] = ()
     unfinished: tuple[str, ...] = ()
+    token_bound_tokens: int = 0
+    evictions: int = 0
+    peak_cached_blocks: int = 0
+    peak_cached_state_blocks: int = 0
+    validated: bool = False
+    checked_hits: int = 0
+    invalid_hits: int = 0
+    invalid_hit_reports: tuple[str, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -89,6 +121,19 @@ class SimulationResult:
         if not self.prompt_tokens_looked_up:
             return 0.0
         return self.prefix_hit_tokens / self.prompt_tokens_looked_up
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over looked-up tokens (the same as ``prefix_hit_rate``)."""
+        return self.prefix_hit_rate
+
+    @property
+    def bound_rate(self) -> float:
+        """Token-bound tokens over looked-up tokens (0 when nothing was
+        looked up): the hit rate a perfect token-level cache would reach."""
+        if not self.prompt_tokens_looked_up:
+            return 0.0
+        return self.token_bound_tokens / self.prompt_tokens_looked_up
 
     @property
     def peak_usage(self) -> float:
@@ -106,6 +151,8 @@ class SimulationResult:
             "prompt_tokens_looked_up": self.prompt_tokens_looked_up,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_rate,
+            "token_bound_tokens": self.token_bound_tokens,
+            "bound_rate": self.bound_rate,
             "refused_steps": self.refused_steps,
             "preemptions": self.preemptions,
             "admission_refusals": self.admission_refusals,
@@ -118,4 +165,11 @@ class SimulationResult:
             "groups": [g.to_dict() for g in self.groups],
             "unserved": [u.to_dict() for u in self.unserved],
             "unfinished": list(self.unfinished),
+            "evictions": self.evictions,
+            "peak_cached_blocks": self.peak_cached_blocks,
+            "peak_cached_state_blocks": self.peak_cached_state_blocks,
+            "validated": self.validated,
+            "checked_hits": self.checked_hits,
+            "invalid_hits": self.invalid_hits,
+            "invalid_hit_reports": list(self.invalid_hit_reports),
         }

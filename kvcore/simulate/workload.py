@@ -20,12 +20,15 @@ from kvcore.errors import KvcoreValueError
 from kvcore.simulate.lengths import Distribution, parse_distribution
 
 __all__ = [
+    "NAMED_WORKLOADS",
     "VOCAB_SIZE",
     "Workload",
     "WorkloadError",
     "WorkloadRequest",
+    "named_workload",
     "synthetic_workload",
     "token_stream",
+    "workload_names",
 ]
 
 #: Token ids are drawn from ``[0, VOCAB_SIZE)``.
@@ -223,3 +226,68 @@ def _dist(value: Distribution | str, what: str, minimum: int) -> Distribution:
     if isinstance(value, Distribution):
         return value
     return parse_distribution(value, what=what, minimum=minimum)
+
+
+#: Named synthetic workloads: the :func:`synthetic_workload` options each
+#: sets (the same names and text as ``kvcore simulate``'s options; the seed
+#: is given apart).
+NAMED_WORKLOADS: dict[str, dict[str, str]] = {
+    # 16 conversations over one shared system prompt, 7 turns each: every
+    # turn's prompt is the last prompt and output plus a new user message.
+    "chat": {
+        "requests": "112",
+        "prompt_len": "300-2000",
+        "output_len": "100-400",
+        "shared_prefixes": "1",
+        "prefix_len": "1024",
+        "turns": "7",
+        "arrival_gap": "0-8",
+    },
+    # Many single-turn requests over 4 shared system prompts of 1536 tokens.
+    "shared-prefix": {
+        "requests": "128",
+        "prompt_len": "50-500",
+        "output_len": "50-300",
+        "shared_prefixes": "4",
+        "prefix_len": "1536",
+        "turns": "1",
+        "arrival_gap": "0-2",
+    },
+    # Agents over 2 long tool preambles of 6144 tokens: many short turns,
+    # small new messages and short outputs.
+    "agentic": {
+        "requests": "96",
+        "prompt_len": "20-200",
+        "output_len": "10-80",
+        "shared_prefixes": "2",
+        "prefix_len": "6144",
+        "turns": "12",
+        "arrival_gap": "0-16",
+    },
+}
+
+
+def workload_names() -> list[str]:
+    """The names of :data:`NAMED_WORKLOADS`."""
+    return list(NAMED_WORKLOADS)
+
+
+def named_workload(name: str, *, seed: int = 0) -> Workload:
+    """The named workload ``name`` (see :data:`NAMED_WORKLOADS`), drawn from
+    ``seed``."""
+    options = NAMED_WORKLOADS.get(name) if type(name) is str else None
+    if options is None:
+        msg = f"no workload named {name!r}; the named workloads are " + ", ".join(
+            NAMED_WORKLOADS
+        )
+        raise WorkloadError(msg)
+    return synthetic_workload(
+        int(options["requests"]),
+        prompt_len=options["prompt_len"],
+        output_len=options["output_len"],
+        shared_prefixes=int(options["shared_prefixes"]),
+        prefix_len=int(options["prefix_len"]),
+        turns=int(options["turns"]),
+        arrival_gap=options["arrival_gap"],
+        seed=seed,
+    )

@@ -335,12 +335,14 @@ def _check_hit_cycle(
                 f"with {pool.free_queue.num_free} of {usable} blocks free",
             )
             need = spec.num_blocks_held(computed, computed + size, bs)
+            extra = spec.checkpoint_blocks_per_step
             _require(
-                held(request.request_id) <= need,
+                held(request.request_id) <= need + extra,
                 kind,
                 f"{what}: prefilling tokens {computed}..{computed + size} the "
                 f"request holds {held(request.request_id)} blocks, more than "
-                f"spec.num_blocks_held says ({need})",
+                f"spec.num_blocks_held says ({need}) plus "
+                f"spec.checkpoint_blocks_per_step ({extra})",
             )
             computed += size
             request.num_computed_tokens = computed

@@ -15,6 +15,10 @@ from typing import Any, ClassVar, Literal, Self
 import attrs
 import torch
 
+from kvcore.checkpoints import (
+    DEFAULT_CHECKPOINT_POLICY,
+    checkpoint_policy,
+)
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.errors import InvalidSpecError, LayoutError
 from kvcore.hookspecs import hookimpl
@@ -36,7 +40,7 @@ from kvcore_mamba.manager import MambaManager, MambaStateManager
 
 __all__ = ["Mamba", "MambaManager", "MambaSpec", "MambaStateManager"]
 
-_MODES = ("none", "align", "all")
+_MODES = ("auto", "none", "align", "all")
 
 
 def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
@@ -109,8 +113,16 @@ class MambaSpec(KVCacheSpec):
     :param tp_replicated: every tensor-parallel rank holds the whole state
         (it is not sharded); such a state never shares a group with sharded
         ones.
-    :param mamba_cache_mode: ``none`` (no prefix caching of states),
-        ``align`` (states cached at block boundaries) or ``all``.
+    :param mamba_cache_mode: ``auto`` (the default: ``align`` when the
+        engine runs prefix caching, else ``none``; planning settles it),
+        ``none`` (only the live state: no prefix hits for the model),
+        ``align`` (states kept where ``checkpoint_policy`` says) or ``all``
+        (a state every block, all kept).
+    :param checkpoint_policy: which states ``align`` keeps for later
+        requests, a name from ``kvcore.coordinator.CHECKPOINT_POLICIES``:
+        ``turns`` (prompt ends, output ends, branch points), ``prompts``
+        (no output ends) or ``steps`` (every step that ends on a hit
+        boundary).
     :param num_speculative_blocks: extra state blocks for speculative decoding.
     :param page_size_padded: pad the page to this many bytes.
     :param shard_dims: per state shape, the dim tensor-parallel ranks split
@@ -133,7 +145,8 @@ class MambaSpec(KVCacheSpec):
     shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
     dtypes: tuple[torch.dtype, ...] = attrs.field(converter=_dtypes)
     tp_replicated: bool = attrs.field(default=False, validator=is_bool)
-    mamba_cache_mode: Literal["none", "align", "all"] = "none"
+    mamba_cache_mode: Literal["auto", "none", "align", "all"] = "auto"
+    checkpoint_policy: str = DEFAULT_CHECKPOINT_POLICY
     num_speculative_blocks: int = attrs.field(default=0, validator=non_negative_int)
     page_size_padded: int | None = attrs.field(
         default=None, validator=optional_positive_int
@@ -188,6 +201,7 @@ class MambaSpec(KVCacheSpec):
                 f"{self.mamba_cache_mode!r}"
             )
             raise InvalidSpecError(msg)
+        checkpoint_policy(self.checkpoint_policy, what=f"{name}.checkpoint_policy")
         offset = 0
         for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
             if offset % dtype.itemsize:
@@ -229,6 +243,22 @@ class MambaSpec(KVCacheSpec):
     def tokens_per_state(self) -> int:
         return 1
 
+    def resolve_defaults(
+        self, *, prefix_caching: bool, state_cache_mode: str | None
+    ) -> Self | None:
+        """``auto`` becomes the engine's mode, else ``align`` with prefix
+        caching on (checkpoints serve hits) and ``none`` without (one state
+        block a request)."""
+        if self.mamba_cache_mode != "auto":
+            return None
+        mode = state_cache_mode or ("align" if prefix_caching else "none")
+        return attrs.evolve(self, mamba_cache_mode=mode)  # type: ignore[arg-type]
+
+    def with_checkpoint_policy(self, name: str) -> Self | None:
+        if name == self.checkpoint_policy:
+            return self
+        return attrs.evolve(self, checkpoint_policy=name)
+
     def with_state_cache_mode(self, mode: str) -> Self | None:
         """The engine's Mamba cache mode applies to every Mamba layer."""
         if mode == self.mamba_cache_mode:
@@ -251,10 +281,11 @@ class MambaSpec(KVCacheSpec):
     ) -> int:
         """``none``: one state (plus speculative ones).  ``all``: a state per
         block.  ``align``: the state the step reads and, when the step
-        reaches a new block, the one it writes."""
+        reaches a new block, the one it writes (checkpoints kept inside the
+        step come on top: :attr:`checkpoint_blocks_per_step`)."""
         if self.mamba_cache_mode == "all":
             return cdiv(num_tokens, block_size)
-        if self.mamba_cache_mode == "align":
+        if self.mamba_cache_mode in ("align", "auto"):
             reads = 1 if num_computed_tokens > 0 else 0
             writes = cdiv(num_tokens, block_size) > cdiv(
                 num_computed_tokens, block_size
@@ -263,18 +294,33 @@ class MambaSpec(KVCacheSpec):
         return 1 + self.num_speculative_blocks
 
     @property
+    def checkpoint_blocks_per_step(self) -> int:
+        if self.mamba_cache_mode in ("align", "auto"):
+            return self._inner_checkpoints
+        return 0
+
+    @property
+    def _inner_checkpoints(self) -> int:
+        """Checkpoints the policy may keep inside one step: two prompt ends
+        (when the prompt ends on a boundary) and a branch point."""
+        policy = checkpoint_policy(self.checkpoint_policy)
+        return 2 * int(policy.prompt_end) + int(policy.branch_points)
+
+    @property
     def allows_sub_block_hashing(self) -> bool:
-        return self.mamba_cache_mode == "align"
+        return self.mamba_cache_mode in ("align", "auto")
 
     @property
     def caches_partial_block_hits(self) -> bool:
-        return self.mamba_cache_mode == "align"
+        return self.mamba_cache_mode in ("align", "auto")
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         if self.mamba_cache_mode == "all":
             return cdiv(max_model_len, self.block_size) + self.num_speculative_blocks
-        if self.mamba_cache_mode == "align":
-            return 2 + self.num_speculative_blocks
+        if self.mamba_cache_mode in ("align", "auto"):
+            # The state read, the one written and the checkpoints inside
+            # one step.
+            return 2 + self._inner_checkpoints + self.num_speculative_blocks
         return 1 + self.num_speculative_blocks
 
     def shard_dim(self, index: int) -> int | None:

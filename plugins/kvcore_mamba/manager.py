@@ -3,10 +3,11 @@
 ``mamba_cache_mode="none"``: each request holds one state block (plus its
 speculative blocks) for its life; nothing is cached.
 
-``"align"``: the table is indexed by block position like attention, but only
-the newest state is a real block; earlier positions are the null block.  The
-state a step leaves in its last block is hashed when the step ends exactly on
-a block boundary, so a later request with the same prefix can resume from it.
+``"align"`` (what ``"auto"`` becomes with prefix caching on): the table is
+indexed by block position like attention, but only the newest state is a
+real block; earlier positions are the null block.  The spec's
+``checkpoint_policy`` chooses which states on hit boundaries are kept for
+later requests (see :mod:`kvcore.checkpoints`).
 
 ``"all"``: like ``"align"``, but every state block is kept for the request's
 life.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore.checkpoints import CheckpointPolicy, checkpoint_policy
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.managers import CheckpointManager, FixedBlocksManager
 from kvcore.errors import InvalidSpecError
@@ -47,3 +49,6 @@ class MambaManager(CheckpointManager):
 
     def keeps_every_state(self, spec: Any) -> bool:
         return bool(spec.mamba_cache_mode == "all")
+
+    def checkpoint_policy(self, spec: Any) -> CheckpointPolicy:
+        return checkpoint_policy(spec.checkpoint_policy)

@@ -1,0 +1,205 @@
+"""State checkpoints placed where later requests resume.
+
+Hand-worked traces on a hybrid of one full-attention group and one Mamba
+group, both of 16-token blocks and 16-token hashes (hits are multiples of
+16).  A scheduler loop here computes each step, caches its blocks, samples
+output tokens and frees finished requests, as an engine does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from coordinator_setup import fa, manager_for
+
+import kvcore
+from kvcore.coordinator import (
+    CHECKPOINT_POLICIES,
+    CheckpointManager,
+    CheckpointPolicy,
+    CheckpointPolicyError,
+    KVCacheManager,
+    Request,
+)
+from kvcore_mamba import MambaSpec
+
+BS = 16
+
+
+def mamba(mode: str = "align", policy: str = "turns") -> MambaSpec:
+    return MambaSpec(
+        block_size=BS,
+        shapes=((4, 8),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode=mode,  # type: ignore[arg-type]
+        checkpoint_policy=policy,
+    )
+
+
+def hybrid(num_blocks: int = 200, **kw: Any) -> KVCacheManager:
+    return manager_for(
+        [fa(BS), mamba(**kw)],
+        num_blocks,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+
+
+def tokens(n: int, offset: int = 0) -> list[int]:
+    return [offset + i for i in range(n)]
+
+
+def state(mgr: KVCacheManager) -> CheckpointManager:
+    m = mgr.coordinator.single_type_managers[1]
+    assert isinstance(m, CheckpointManager)
+    return m
+
+
+def cached_state_ends(mgr: KVCacheManager, req: Request) -> list[int]:
+    """Token positions (multiples of 16) whose state is in the cache for
+    ``req``'s own prefix."""
+    pool = mgr.block_pool
+    return [
+        (i + 1) * BS
+        for i, h in enumerate(req.block_hashes)
+        if pool.lookup(h, 1) is not None
+    ]
+
+
+def run(mgr: KVCacheManager, req: Request, output: list[int], chunk: int = 8192) -> int:
+    """Admit ``req``, prefill in chunks of ``chunk`` tokens, decode
+    ``output`` (each sampled token is computed by the next step, the last is
+    not) and free it; the prefix hit it got."""
+    blocks, hit = mgr.get_computed_blocks(req)
+    n = min(req.num_tokens - hit, chunk)
+    assert mgr.allocate_slots(req, n, hit, blocks) is not None
+    req.num_computed_tokens = hit + n
+    sampled = 0
+    while True:
+        if req.num_computed_tokens == req.num_tokens:
+            if sampled == len(output):
+                break
+            req.append_output_token_ids(output[sampled])
+            sampled += 1
+            if sampled == len(output):
+                break
+        n = min(req.num_tokens - req.num_computed_tokens, chunk)
+        assert mgr.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+    mgr.free(req)
+    return hit
+
+
+def test_a_chats_second_turn_hits_the_whole_first_turn() -> None:
+    mgr = hybrid()
+    prompt, output = tokens(100), tokens(40, 1000)
+    first = Request("t1", prompt, hash_block_size=BS)
+    assert run(mgr, first, output) == 0
+    # Turn 1 computed its prompt and 39 sampled tokens: 139 tokens.  The
+    # state at the last hit boundary below (128) is kept; so is the prompt's
+    # (96); the decode boundary it passed (112) left the cache.
+    assert cached_state_ends(mgr, first) == [96, 128]
+    second = Request("t2", prompt + output + tokens(30, 2000), hash_block_size=BS)
+    assert run(mgr, second, tokens(5, 3000)) == 128
+    assert mgr.get_num_free_blocks() == 199
+
+
+def test_the_same_prompt_again_resumes_from_the_prompt_end() -> None:
+    mgr = hybrid()
+    prompt = tokens(100)
+    run(mgr, Request("a", prompt, hash_block_size=BS), tokens(40, 1000))
+    again = Request("b", prompt, hash_block_size=BS)
+    assert run(mgr, again, [7]) == 96
+
+
+def test_a_shared_prefix_is_kept_where_the_second_request_branches() -> None:
+    mgr = hybrid()
+    shared = tokens(50)
+    a = Request("a", shared + tokens(60, 1000), hash_block_size=BS)
+    assert run(mgr, a, [1]) == 0
+    # Only a's own prompt end (96) is kept: nobody knew 50 tokens are shared.
+    b = Request("b", shared + tokens(70, 2000), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 0
+    assert b.shared_prefix_tokens == 48  # full-attention blocks 0..2 match a
+    # b's one prefill step of 120 tokens takes the state blocks at 48 (the
+    # branch point) and 112 (its prompt end) besides its last position.
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(b, 120, hit, blocks) is not None
+    assert free - mgr.get_num_free_blocks() == 8 + 3
+    table = mgr.get_blocks("b").blocks[1]
+    assert [i for i, blk in enumerate(table) if not blk.is_null] == [2, 6, 7]
+    b.num_computed_tokens = 120
+    mgr.cache_blocks(b, 120)
+    mgr.free(b)
+    c = Request("c", shared + tokens(80, 3000), hash_block_size=BS)
+    assert run(mgr, c, [1]) == 48
+
+
+def test_policy_steps_keeps_every_step_end_on_a_boundary() -> None:
+    mgr = hybrid(policy="steps")
+    req = Request("a", tokens(100), hash_block_size=BS)
+    run(mgr, req, tokens(40, 1000))
+    # Prefill ended at 100 (no boundary); decode ended on 112 and 128.
+    assert cached_state_ends(mgr, req) == [112, 128]
+
+
+def test_mode_all_keys_every_state_on_a_hit_boundary() -> None:
+    mgr = hybrid(mode="all")
+    req = Request("a", tokens(100), hash_block_size=BS)
+    run(mgr, req, tokens(40, 1000))
+    assert cached_state_ends(mgr, req) == [16 * i for i in range(1, 9)]
+
+
+def test_a_finished_requests_states_are_evicted_after_its_attention_blocks() -> None:
+    mgr = hybrid()
+    req = Request("a", tokens(100), hash_block_size=BS)
+    run(mgr, req, tokens(40, 1000))
+    queue = mgr.block_pool.free_queue.get_all_free_blocks()
+    where = {b.block_id: i for i, b in enumerate(queue)}
+    pool = mgr.block_pool
+    states = [pool.lookup(req.block_hashes[i], 1) for i in (5, 7)]  # 96, 128
+    attention = [pool.lookup(h, 0) for h in req.block_hashes[:8]]
+    assert all(b is not None for b in states + attention)
+    last_attention = max(where[b.block_id] for b in attention if b is not None)
+    assert all(where[b.block_id] > last_attention for b in states if b is not None)
+
+
+def test_a_refused_admission_forgets_its_checkpoints() -> None:
+    mgr = hybrid(num_blocks=6)
+    req = Request("a", tokens(100), hash_block_size=BS)
+    assert mgr.allocate_slots(req, 100) is None
+    assert state(mgr).targets == {}
+
+
+def test_hybrid_model_files_get_hits_by_default() -> None:
+    """A Mamba spec left at its default (``auto``) plans in align mode with
+    prefix caching on, and in ``none`` with it off."""
+    spec = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float16,))
+    assert spec.mamba_cache_mode == "auto"
+    specs = {"attn": fa(BS), "ssm": spec}
+    for caching, mode in ((True, "align"), (False, "none")):
+        config = kvcore.EngineConfig(
+            cache_config=kvcore.CacheConfig(enable_prefix_caching=caching),
+        )
+        groups = kvcore.get_kv_cache_groups(config, specs)
+        modes = {
+            g.layer_spec(n).mamba_cache_mode  # type: ignore[attr-defined]
+            for g in groups
+            for n in g.layer_names
+            if n == "ssm"
+        }
+        assert modes == {mode}
+
+
+def test_policies_are_checked() -> None:
+    with pytest.raises(CheckpointPolicyError, match="checkpoint_policy must be one of"):
+        mamba(policy="often")
+    with pytest.raises(CheckpointPolicyError, match="interval must be an int"):
+        CheckpointPolicy(interval=-1)
+    with pytest.raises(CheckpointPolicyError, match="must be a bool"):
+        CheckpointPolicy(prompt_end=1)  # type: ignore[arg-type]
+    assert set(CHECKPOINT_POLICIES) == {"turns", "steps", "prompts"}

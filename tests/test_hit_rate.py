@@ -1,0 +1,458 @@
+"""The measurement side of prefix hits: the token-level bound, cached-block
+counts, the content oracle, the named workloads and benchmarks/hit_rate.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import kvcore
+from kvcore.cli import main
+from kvcore.coordinator import KVCacheCoordinator, KVCacheManager
+from kvcore.simulate import (
+    NAMED_WORKLOADS,
+    ComputedPrefixes,
+    ContentOracle,
+    Driver,
+    Workload,
+    WorkloadError,
+    WorkloadRequest,
+    named_workload,
+    workload_names,
+)
+from kvcore_full_attention import FullAttentionSpec
+
+REPO = Path(__file__).resolve().parent.parent
+
+# -- the bound's trie --------------------------------------------------------------
+
+
+def _brute_force(seqs: dict[str, list[int]], tokens: list[int], limit: int) -> int:
+    best = 0
+    for seq in seqs.values():
+        n = 0
+        for a, b in zip(seq, tokens[:limit], strict=False):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    return best
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 32])
+def test_the_trie_agrees_with_a_brute_force_search(chunk: int) -> None:
+    # Sequences over a 3-token vocabulary that share prefixes of every
+    # length, grown a random number of tokens at a time and queried between.
+    rng = random.Random(chunk)
+    trie = ComputedPrefixes(chunk)
+    full: dict[str, list[int]] = {}
+    computed: dict[str, list[int]] = {}
+    for i in range(60):
+        if full and rng.random() < 0.6:
+            base = rng.choice(list(full.values()))
+            seq = base[: rng.randrange(len(base) + 1)]
+        else:
+            seq = []
+        seq += [rng.randrange(3) for _ in range(rng.randrange(1, 90))]
+        full[f"s{i}"] = seq
+        computed[f"s{i}"] = []
+    for _ in range(400):
+        key = rng.choice(list(full))
+        seq = full[key]
+        length = min(len(seq), len(computed[key]) + rng.randrange(0, 40))
+        trie.extend(key, seq, length)
+        computed[key] = seq[:length]
+        probe = rng.choice(list(full.values()))
+        probe = [*probe[: rng.randrange(len(probe) + 1)], rng.randrange(3)]
+        limit = rng.randrange(len(probe) + 1)
+        assert trie.longest_prefix(probe, limit) == _brute_force(computed, probe, limit)
+        assert trie.longest_prefix(probe) == _brute_force(computed, probe, len(probe))
+
+
+def test_the_trie_refuses_a_bad_chunk() -> None:
+    with pytest.raises(ValueError, match="chunk must be a positive int"):
+        ComputedPrefixes(0)
+
+
+# -- a hand-worked trace at 16 tokens a block ---------------------------------------
+
+
+def _plan16(num_blocks: int = 64) -> kvcore.KVCacheConfig:
+    """One full-attention layer (Llama-like) at 16-token blocks, 256 tokens
+    a step, max_model_len 128."""
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
+    )
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True
+        ),
+        max_model_len=128,
+        max_num_batched_tokens=256,
+    )
+    plan = kvcore.plan_kv_cache(
+        config,
+        {"a": spec},
+        num_blocks * spec.page_size_bytes,
+        registry=kvcore.default_registry(),
+    )
+    assert (plan.num_blocks, plan.scheduler_block_size) == (num_blocks, 16)
+    assert plan.hash_block_size == 16
+    return plan
+
+
+X = list(range(1000, 1040))  # A's 40 prompt tokens
+OA = (1, 2, 3, 4, 5)  # A's output
+Y = [2000 + i for i in range(6)]
+Z = [3000 + i for i in range(10)]
+
+
+def _hand_workload() -> Workload:
+    return Workload.of(
+        [
+            WorkloadRequest("A", 0, tuple(X), OA),
+            WorkloadRequest("C", 0, (*X, *OA, *Y), (6, 7, 8), parent="A"),
+            WorkloadRequest("B", 10, (*X[:37], *Z), (9, 10)),
+            WorkloadRequest("D", 20, tuple(X), (11,)),
+        ]
+    )
+
+
+def test_the_bound_and_the_hits_of_a_hand_worked_trace() -> None:
+    # A (40 prompt tokens, 5 out) prefills at step 0 and decodes at steps
+    # 1-4: it computes 44 tokens (its prompt and o1..o4; o5 is sampled, never
+    # computed), 2 full blocks.
+    # C, A's next turn (X + A's 5 outputs + 6 new = 51 tokens, 3 out), waits
+    # for A and is admitted at step 5: A computed 44 of its tokens, so the
+    # bound is 44; A's 2 full blocks hit 32.  C computes 53 tokens by step 7.
+    # B (X[:37] + 10 new = 47 tokens) arrives at step 10: it shares 37
+    # tokens with A and with C (bound 37), and hits their first 2 blocks
+    # (32): block 2 differs at token 37.
+    # D (X again, 40 tokens) at step 20: A computed all of X, but the last
+    # token is always recomputed: bound 39; hit 32 (block 2 is not full).
+    # Looked up 40 + 51 + 47 + 40 = 178; hits 0 + 32 + 32 + 32 = 96; bound
+    # 0 + 44 + 37 + 39 = 120.
+    # Cached blocks, counted at every step that did work: 2 at steps 0-4
+    # (A's full blocks), 3 at steps 5-7 (C's block 2, tokens 32-47, is
+    # full) and at step 10 (B's 47 tokens leave its block 2 one short), 4 at
+    # step 11 (B's decode fills it) and at step 20.
+    driver = Driver(_plan16(), validate=True, cache_sample_every=1)
+    result = driver.run(_hand_workload())
+    assert result.completed == 4
+    assert result.steps == 21
+    assert result.prompt_tokens_looked_up == 178
+    assert result.prefix_hit_tokens == 96
+    assert result.token_bound_tokens == 120
+    assert result.hit_rate == result.prefix_hit_rate == 96 / 178
+    assert result.bound_rate == 120 / 178
+    [group] = result.groups
+    assert group.peak_cached_blocks == 4
+    assert (result.peak_cached_blocks, result.peak_cached_state_blocks) == (4, 0)
+    assert group.mean_cached_blocks == (5 * 2 + 4 * 3 + 2 * 4) / 11
+    assert result.validated
+    assert (result.checked_hits, result.invalid_hits) == (3, 0)
+    assert result.invalid_hit_reports == ()
+    assert result.evictions == 0
+    doc = result.to_dict()
+    assert doc["token_bound_tokens"] == 120
+    assert doc["bound_rate"] == 120 / 178
+    assert doc["groups"][0]["peak_cached_blocks"] == 4
+    assert doc["invalid_hits"] == 0
+
+
+def test_a_readmission_counts_in_the_hits_and_the_bound_alike() -> None:
+    # Two 30-token prompts that grow to 49 computed tokens (4 blocks each)
+    # in a pool of 6 usable 16-token blocks, 16 tokens a step: both run
+    # until the pool is short and the newer one is preempted.  Its
+    # re-admission looks up its prompt and generated tokens again, and its
+    # own computation before the preemption counts towards its bound.
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
+    )
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True
+        ),
+        max_model_len=64,
+        max_num_batched_tokens=16,
+    )
+    plan = kvcore.plan_kv_cache(
+        config,
+        {"a": spec},
+        7 * spec.page_size_bytes,
+        registry=kvcore.default_registry(),
+    )
+    workload = Workload.of(
+        [
+            WorkloadRequest("p", 0, tuple(range(100, 130)), tuple(range(20))),
+            WorkloadRequest("q", 0, tuple(range(200, 230)), tuple(range(20))),
+        ]
+    )
+    result = Driver(plan, max_partial_prefills=2, validate=True).run(workload)
+    assert result.completed == 2
+    assert result.preemptions >= 1
+    # Every admission is looked up: 2 first admissions and the re-admissions.
+    assert result.prompt_tokens_looked_up > 60
+    assert result.token_bound_tokens >= result.prefix_hit_tokens > 0
+    assert result.invalid_hits == 0
+
+
+def _corrupt_hits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each non-empty hit's last block of group 0 swapped for another cached
+    block (another request's), when there is one."""
+    original = KVCacheCoordinator.find_longest_cache_hit
+
+    def corrupted(self: KVCacheCoordinator, *args: Any) -> Any:
+        hits, length = original(self, *args)
+        if length:
+            blocks = list(hits[0])
+            others = [
+                b
+                for b in self.block_pool.blocks
+                if b.key_hash is not None and b not in blocks
+            ]
+            if others:
+                blocks[-1] = others[0]
+                hits = (blocks, *hits[1:])
+        return hits, length
+
+    monkeypatch.setattr(KVCacheCoordinator, "find_longest_cache_hit", corrupted)
+
+
+def test_the_oracle_catches_a_hit_on_another_requests_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # C's hit (step 5) finds only A's two blocks cached: nothing to swap in.
+    # B's and D's hits get another request's block at position 1.
+    _corrupt_hits(monkeypatch)
+    result = Driver(_plan16(), validate=True).run(_hand_workload())
+    assert result.completed == 4
+    assert (result.checked_hits, result.invalid_hits) == (3, 2)
+    assert len(result.invalid_hit_reports) == 2
+    first = result.invalid_hit_reports[0]
+    assert first.startswith("request 'B', hit of 32 tokens: group 0's block")
+    assert "at position 1 does not hold its tokens [16, 32)" in first
+    # Without validation nothing is checked or counted.
+    plain = Driver(_plan16()).run(_hand_workload())
+    assert (plain.validated, plain.checked_hits, plain.invalid_hits) == (False, 0, 0)
+
+
+def test_the_oracle_applies_the_copies_a_step_asks_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A copy that blanks A's block 1 (from B's new, not yet written block)
+    # when B is admitted: B's own hit was checked before it, D's hit on
+    # that block is caught.
+    original = KVCacheManager.allocate_slots
+
+    def with_copies(self: KVCacheManager, request: Any, *args: Any, **kw: Any) -> Any:
+        new = original(self, request, *args, **kw)
+        if new is None or request.request_id != "B" or len(args) < 3:
+            return new
+        hit = args[2].blocks[0]
+        copy = SimpleNamespace(
+            group_id=0,
+            src_block_id=new.blocks[0][0].block_id,
+            dst_block_id=hit[1].block_id,
+            num_tokens=16,
+        )
+        return SimpleNamespace(blocks=new.blocks, copies=[copy])
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", with_copies)
+    result = Driver(_plan16(), validate=True).run(_hand_workload())
+    assert (result.checked_hits, result.invalid_hits) == (3, 1)
+    assert result.invalid_hit_reports[0].startswith("request 'D'")
+
+
+def test_partial_block_content_and_copies_in_the_model() -> None:
+    driver = Driver(_plan16())
+    manager, _ = driver._manager(_hand_workload())
+    oracle = ContentOracle(manager)
+    b1, b2, b3 = manager.block_pool.blocks[1:4]
+    tokens = list(range(500, 540))
+    oracle.write("r", tokens, 0, 20, [[b1, b2]])
+    assert oracle.check_hit("s", tokens, [[b1]], 16)
+    # A hit of 20 tokens: block 1 holds tokens 16-19 in its first 4 slots.
+    assert oracle.check_hit("s", tokens, [[b1, b2]], 20)
+    assert not oracle.check_hit("s", tokens, [[b1, b2]], 24)
+    assert not oracle.check_hit("s", tokens, [[b1]], 20)  # too few blocks
+    assert not oracle.check_hit("s", [0, *tokens[1:]], [[b1]], 16)
+    oracle.apply_copies(
+        [SimpleNamespace(group_id=0, src_block_id=2, dst_block_id=3, num_tokens=4)]
+    )
+    assert oracle.check_hit("s", tokens, [[b1, b3]], 20)
+    assert oracle.invalid_hits == 3
+    assert oracle.checked_hits == 6
+    assert "fewer than 20 tokens" in oracle.reports[1]
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_checkpointed_states_are_validated(
+    zoo_registry: kvcore.KindRegistry, mode: str
+) -> None:
+    # Jamba with its Mamba states kept at block boundaries: every hit ends
+    # on a state the oracle saw written after exactly those tokens.
+    from kvcore.cli.options import add_model_options, plan_from_args
+    from kvcore.coordinator import CheckpointManager
+
+    parser = argparse.ArgumentParser()
+    add_model_options(parser)
+    args = parser.parse_args(
+        ["jamba-1-5-mini", "--memory", "4GiB", "--mamba-cache-mode", mode]
+    )
+    plan = plan_from_args(args, registry=zoo_registry).plan
+    workload = named_workload("agentic")
+    workload = Workload.of(workload.requests[:24])
+    driver = Driver(plan, registry=zoo_registry, validate=True)
+    result = driver.run(workload)
+    assert driver.manager is not None
+    managers = driver.manager.coordinator.single_type_managers
+    assert any(isinstance(m, CheckpointManager) for m in managers)
+    assert result.prefix_hit_tokens > 0
+    assert result.checked_hits > 0
+    assert result.invalid_hits == 0, result.invalid_hit_reports
+    assert result.token_bound_tokens >= result.prefix_hit_tokens
+    assert any(g.peak_cached_blocks for g in result.groups if "mamba" in g.kinds)
+    assert 0 < result.peak_cached_state_blocks < result.peak_cached_blocks
+
+
+# -- named workloads -----------------------------------------------------------------
+
+
+def test_named_workloads_are_deterministic_and_well_formed() -> None:
+    assert workload_names() == ["chat", "shared-prefix", "agentic"]
+    for name in workload_names():
+        a = named_workload(name)
+        assert a == named_workload(name)
+        assert a != named_workload(name, seed=1)
+        assert len(a) == int(NAMED_WORKLOADS[name]["requests"])
+    chat = named_workload("chat")
+    roots = [r for r in chat.requests if r.parent is None]
+    assert len(roots) == 16
+    assert {r.prefix_id for r in roots} == {"p0"}
+    assert all(r.prompt[:1024] == roots[0].prompt[:1024] for r in chat.requests)
+    by_id = {r.id: r for r in chat.requests}
+    for r in chat.requests:
+        assert 100 <= r.output_len <= 400
+        if r.parent is not None:
+            parent = by_id[r.parent]
+            grown = len(r.prompt) - len(parent.prompt) - parent.output_len
+            assert 300 <= grown <= 2000
+    assert max(r.id.count(".t") and int(r.id.split(".t")[1]) for r in roots) == 0
+    assert {r.id.split(".")[1] for r in chat.requests} == {f"t{t}" for t in range(7)}
+    shared = named_workload("shared-prefix")
+    assert all(r.parent is None for r in shared.requests)
+    assert {r.prefix_id for r in shared.requests} == {"p0", "p1", "p2", "p3"}
+    agentic = named_workload("agentic")
+    assert all(len(r.prompt) > 6144 for r in agentic.requests)
+    assert all(r.output_len <= 80 for r in agentic.requests)
+    with pytest.raises(WorkloadError, match="no workload named 'chats'"):
+        named_workload("chats")
+
+
+# -- the command -----------------------------------------------------------------------
+
+SMALL = ["llama-3-1-8b", "--memory", "4GiB"]
+
+
+def test_simulate_a_named_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    # The preset's options, with --requests overriding its number: one chat.
+    args = ["simulate", *SMALL, "--workload", "chat", "--requests", "7"]
+    assert main([*args, "--validate", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    options = doc["workload"]["synthetic"]
+    assert options["workload"] == "chat"
+    assert (options["requests"], options["turns"]) == (7, 7)
+    assert (options["prompt_len"], options["prefix_len"]) == ("300-2000", 1024)
+    assert doc["workload"]["requests"] == 7
+    assert doc["validate"] is True
+    result = doc["result"]
+    assert result["completed"] == 7
+    assert result["validated"]
+    assert result["invalid_hits"] == 0
+    # Every later turn hits its parent's prompt and output (less the last
+    # partial block): most of what is looked up.
+    assert 0.5 < result["prefix_hit_rate"] <= result["bound_rate"] < 1
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "token-level bound" in text
+    assert "cached peak" in text
+    # --shared-prefixes 0 turns the preset's prefixes off, its length too.
+    args = ["simulate", *SMALL, "--workload", "shared-prefix", "--requests", "3"]
+    assert main([*args, "--shared-prefixes", "0", "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["workload"]["synthetic"]
+    assert (options["shared_prefixes"], options["prefix_len"]) == (0, 0)
+    assert options["output_len"] == "50-300"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--workload", "nope"], "--workload takes one of chat, shared-prefix"),
+        (["--workload", "chat", "--trace", "x.jsonl"], "give one of them"),
+    ],
+)
+def test_simulate_refuses_a_bad_workload(
+    extra: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", *SMALL, *extra]) == 2
+    assert match in capsys.readouterr().err
+
+
+# -- benchmarks/hit_rate.py and its docs page ---------------------------------------
+
+
+def _benchmark() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "hit_rate_benchmark", REPO / "benchmarks" / "hit_rate.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_hit_rate_page_is_the_benchmarks_table(
+    zoo_registry: kvcore.KindRegistry,
+) -> None:
+    # One model and workload run afresh gives the page's rows exactly; the
+    # page lists every shipped model, named workload and pool, in order, and
+    # no invalid hit.
+    from kvcore import zoo
+
+    bench = _benchmark()
+    rows = bench.model_rows("llama-3-1-8b", "shared-prefix", zoo_registry)
+    assert [r["pool"] for r in rows] == ["ample", "tight"]
+    ample, tight = rows
+    assert ample["evictions"] == 0
+    assert tight["num_blocks"] < ample["num_blocks"]
+    for row in rows:
+        assert row["invalid_hits"] == 0
+        assert row["token_bound_tokens"] >= row["prefix_hit_tokens"] > 0
+        assert row["completed"] == row["requests"]
+    page = (REPO / "docs" / "hit-rate.md").read_text()
+    assert page.startswith(bench.PAGE_HEAD)
+    main_table, _, policies = page[len(bench.PAGE_HEAD) :].partition(bench.POLICY_HEAD)
+    table = main_table.splitlines()
+    # Every checkpoint policy's rows are valid too.
+    policy_cells = [line.strip("|").split("|") for line in policies.splitlines()[2:]]
+    assert {c[-1].strip() for c in policy_cells} <= {"0"}
+    assert table[:2] == bench.markdown([]).splitlines()
+    for line in bench.markdown(rows).splitlines()[2:]:
+        assert line in table
+    cells = [line.strip("|").split("|") for line in table[2:]]
+    keys = [tuple(c.strip() for c in cell[:3]) for cell in cells]
+    assert keys == [
+        (m, w, p) for m in zoo.names() for w in workload_names() for p in bench.POOLS
+    ]
+    invalid = [cell[-1].strip() for cell in cells]
+    assert set(invalid) == {"0"}
