@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvcore.errors import LayoutError, PlanError, PluginBindError
+from kvcore.errors import KvcoreValueError, LayoutError, PlanError, PluginBindError
 from kvcore.kinds import LayerView
 from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
 from kvcore.plan import tensor_strides
@@ -20,6 +21,9 @@ from kvcore.registry import (
 )
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheTensor
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.partial import BlockCopy
 
 __all__ = ["ByteRegion", "KVCachePool", "allocate_kv_cache", "checked_view"]
 
@@ -105,6 +109,9 @@ class KVCachePool:
             for name in g.layer_names
         }
         self.views: dict[str, LayerView] = {}
+        #: layer -> (its raw uint8 region ``[blocks, H, N, C]``, kernel
+        #: blocks per block), for :meth:`copy_blocks`.
+        self._raws: dict[str, tuple[torch.Tensor, int]] = {}
         for tensor in config.kv_cache_tensors:
             gid = group_of.get(tensor.layers[0])
             if gid is None:
@@ -117,13 +124,56 @@ class KVCachePool:
             host = self.host_buffer if tensor.host_resident else None
             buffer = host if host is not None else self.buffer
             raws = self._raw_views(buffer, tensor, spec, config.num_blocks, kernel)
+            ratio = raws[0].shape[0] // config.num_blocks if raws else 1
             for name, raw in zip(tensor.layers, raws, strict=True):
+                self._raws[name] = (raw, ratio)
                 view = call_plugin(
                     spec,
                     f"bind_view (layer {name!r})",
                     functools.partial(kind.bind_view, spec, raw),
                 )
                 self.views[name] = checked_view(spec, name, raw, view, buffer)
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Run copy-on-write block copies (``KVCacheBlocks.copies``), in
+        order: for every layer of the copy's group, the whole page of block
+        ``src_block_id`` into block ``dst_block_id`` (the slots past
+        ``num_tokens`` are overwritten by the request later).  Works on the
+        raw page of each layer, so every layout, packing, kernel-block split
+        and host-resident tensor is copied alike.  Run them before the
+        step's forward pass."""
+        groups = self.config.kv_cache_groups
+        num_blocks = self.config.num_blocks
+        for i, copy in enumerate(copies):
+            gid = getattr(copy, "group_id", None)
+            src = getattr(copy, "src_block_id", None)
+            dst = getattr(copy, "dst_block_id", None)
+            if type(gid) is not int or not 0 <= gid < len(groups):
+                msg = (
+                    f"copies[{i}].group_id is {gid!r}; it must name one of the "
+                    f"plan's {len(groups)} cache groups (pass the copies "
+                    "allocate_slots returned)"
+                )
+                raise KvcoreValueError(msg)
+            for field, block in (("src_block_id", src), ("dst_block_id", dst)):
+                if type(block) is not int or not 0 < block < num_blocks:
+                    msg = (
+                        f"copies[{i}].{field} is {block!r}; it must be a block id "
+                        f"in 1..{num_blocks - 1} (block 0 is the null block)"
+                    )
+                    raise KvcoreValueError(msg)
+            assert type(src) is int
+            assert type(dst) is int
+            if src == dst:
+                continue
+            for name in groups[gid].layer_names:
+                found = self._raws.get(name)
+                if found is None:
+                    continue  # a layer with no tensor in this plan
+                raw, ratio = found
+                raw[dst * ratio : (dst + 1) * ratio].copy_(
+                    raw[src * ratio : (src + 1) * ratio]
+                )
 
     def _raw_views(
         self,

@@ -174,9 +174,16 @@ def render_summary(summary: PlanSummary, *, width: int | None = None) -> Rendera
     ]
     hits = summary.hit_granularity
     if hits is not None:
+        whole = plan_hit_granularity(plan, partial_hits=False)
+        copied = (
+            f"; {whole} without partial-block copies"
+            if whole is not None and whole != hits
+            else ""
+        )
         lines.append(
             f"prefix hits are multiples of {hits} tokens (hash block "
-            f"{plan.hash_block_size}, scheduler block {plan.scheduler_block_size})"
+            f"{plan.hash_block_size}, scheduler block {plan.scheduler_block_size}"
+            f"{copied})"
         )
     parts.append(Text("\n".join(lines)))
     parts.append(Text(""))

@@ -430,7 +430,20 @@ class KVCacheSpec:
 
     @property
     def caches_partial_block_hits(self) -> bool:
-        """Whether this layer can serve a hit that ends inside its block."""
+        """Whether this layer's own hit search serves a hit that ends inside
+        its block, at a hash boundary (an align-mode recurrent state keyed at
+        every hash chunk); hits then align to the hash block."""
+        return False
+
+    @property
+    def copies_partial_block_hits(self) -> bool:
+        """Whether a hit may end inside this layer's block by copy-on-write:
+        the new request gets a fresh block at that position and the engine
+        copies the cached block into it (see :class:`kvcore.coordinator.BlockCopy`).
+        Only for append-only, position-indexed caches whose content for
+        positions below ``P`` does not depend on later tokens, and only at
+        multiples of :attr:`tokens_per_state` (never a recurrent state or
+        fixed blocks).  Default False."""
         return False
 
     @property

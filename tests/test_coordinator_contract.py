@@ -318,7 +318,13 @@ def test_a_window_block_no_aligned_hit_reads_is_not_hashed_and_is_reused_first()
     blocks: hits are multiples of 32, and the hit of 96 tokens reads window
     blocks 4 and 5.  Block 6 (tokens 96..111 of a 112-token prompt) could only
     serve a hit of 128, which this prompt never reaches."""
-    mgr = build([fa(32), sw(16, 32)], 100, scheduler_block_size=32, hash_block_size=16)
+    mgr = build(
+        [fa(32), sw(16, 32)],
+        100,
+        scheduler_block_size=32,
+        hash_block_size=16,
+        enable_partial_hits=False,  # whole-block hits: multiples of 32
+    )
     r = Request("r", tokens(112), hash_block_size=16)
     assert mgr.allocate_slots(r, 112) is not None
     window = mgr.get_blocks("r").blocks[1]
@@ -341,7 +347,13 @@ def test_a_short_window_hashes_one_block_per_alignment_unit() -> None:
     """A 16-token window in 16-token blocks beside 64-token full-attention
     blocks: a hit of ``64 k`` tokens reads only window block ``4 k - 1``, so
     those are the only window blocks hashed, and the hit still finds them."""
-    mgr = build([fa(64), sw(16, 16)], 100, scheduler_block_size=64, hash_block_size=16)
+    mgr = build(
+        [fa(64), sw(16, 16)],
+        100,
+        scheduler_block_size=64,
+        hash_block_size=16,
+        enable_partial_hits=False,  # whole-block hits: multiples of 64
+    )
     r = Request("r", tokens(130), hash_block_size=16)
     assert mgr.allocate_slots(r, 130) is not None
     window = mgr.get_blocks("r").blocks[1]

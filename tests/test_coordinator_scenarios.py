@@ -659,8 +659,15 @@ class TestMultiGroupHits:
 
     def test_two_block_sizes_and_sliding_window(self):
         # FA block 4 (g0), FA block 8 (g1), SW block 4 window 8 (g2).  hash 4,
-        # scheduler 8: no partial hits, so hits are multiples of 8.
-        mgr = make_manager([fa(4), fa(8), sw(4, 8)], num_blocks=32, sched=8, hash_bs=4)
+        # scheduler 8: no partial hits (copy-on-write hits off), so hits are
+        # multiples of 8.
+        mgr = make_manager(
+            [fa(4), fa(8), sw(4, 8)],
+            num_blocks=32,
+            sched=8,
+            hash_bs=4,
+            enable_partial_hits=False,
+        )
         assert mgr.coordinator.cache_hit_alignment == 8
         assert [g.group_ids for g in mgr.coordinator.attention_groups] == [
             [0],
@@ -707,9 +714,14 @@ class TestMultiGroupHits:
         """Regression: with Mamba align hits (alignment = hash block 4 < the
         16-token full-attention block) the fixed point trimmed full attention
         to whole blocks *after* settling the length, so it reported a 24-token
-        hit whose full-attention blocks covered only 16 tokens."""
+        hit whose full-attention blocks covered only 16 tokens.  (Without
+        copy-on-write hits: full attention serves whole blocks only.)"""
         mgr = make_manager(
-            [fa(16), sw(4, 8), mamba(8, "align")], num_blocks=200, sched=16, hash_bs=4
+            [fa(16), sw(4, 8), mamba(8, "align")],
+            num_blocks=200,
+            sched=16,
+            hash_bs=4,
+            enable_partial_hits=False,
         )
         assert mgr.coordinator.cache_hit_alignment == 4
         a = req("a", T[:40])
@@ -728,6 +740,35 @@ class TestMultiGroupHits:
         assert m_ids[0] == 0
         assert m_ids[1] != 0
         assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
+
+    def test_partial_alignment_hit_with_copy_on_write(self):
+        """The same trace with copy-on-write hits: full attention serves 24
+        tokens as block 0 and a copy of block 1's first 8 slots (partial keys
+        of a's tokens computed before each step: 4..36 but not 16 or 32)."""
+        mgr = make_manager(
+            [fa(16), sw(4, 8), mamba(8, "align")], num_blocks=200, sched=16, hash_bs=4
+        )
+        assert mgr.coordinator.cache_hit_alignment == 4
+        a = req("a", T[:40])
+        for n in (8, 8, 8, 12, 4):
+            step(mgr, a, n)
+        fa_a = ids(mgr, "a")[0]
+        b = req("b", [*T[:36], 5, 6, 7, 8, 9])
+        blocks, hit = mgr.get_computed_blocks(b)
+        # bound 40.  FA -> 2 full blocks = 32; SW -> 32; Mamba at 32: none ->
+        # 24.  FA serves 24 (block 1 holds the partial key of chunk 24); SW
+        # at 24 -> 24; Mamba at 24: the state after 24.
+        assert hit == 24
+        fa_ids, sw_ids, m_ids = blocks.get_block_ids()
+        assert fa_ids == fa_a[:2]
+        assert len(sw_ids) * 4 == 24
+        assert len(m_ids) * 8 == 24
+        out = mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks)
+        assert out is not None
+        table = ids(mgr, "b")[0]
+        assert table[0] == fa_a[0]
+        assert table[1] != fa_a[1]
+        assert out.copies == (kvcore.coordinator.BlockCopy(0, fa_a[1], table[1], 8),)
 
 
 # ---------------------------------------------------------------------------

@@ -71,6 +71,8 @@ class Shadow:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.count = 0
+        #: Copy-on-write copies applied so far.
+        self.copies = 0
         #: (request id, group) -> leading positions a prefix hit left null in
         #: a Mamba "all" table: a hit restores only the state at its end, so
         #: the states before it are never held (num_blocks_held counts a
@@ -110,14 +112,19 @@ class Shadow:
         num_computed: int,
         num_tokens: int,
         hit: tuple[list[int], ...] | None,
-    ) -> tuple[list[int], int, int]:
+    ) -> tuple[list[int], int, int, int]:
         """(blocks each group must hold after the step, blocks the step takes
-        from the free queue, blocks it returns to it)."""
+        from the free queue, blocks it returns to it, free copy sources it
+        holds during the step).  A hit that ends inside a block of a
+        copy-on-write group does not attach that block: the request gets a
+        fresh one and the engine copies the source into it; the source is
+        held only for the step."""
         pool = self.mgr.block_pool
+        partial_units = self.mgr.coordinator.partial_units
         live = r in self.running
         holders = self.holders() if live else {}
         expected: list[int] = []
-        take = give = 0
+        take = give = held = 0
         for g, spec in enumerate(self.specs):
             bs = self.block_sizes[g]
             after = int(spec.num_blocks_held(num_computed, num_tokens, bs))
@@ -141,12 +148,19 @@ class Shadow:
                 give += sum(1 for bid in table[:below] if bid and holders[bid] == 1)
             else:
                 blocks = hit[g] if hit is not None else []
+                if (
+                    g in partial_units
+                    and num_computed % bs
+                    and len(blocks) == -(-num_computed // bs)
+                ):
+                    held += pool.blocks[blocks[-1]].ref_cnt == 0
+                    blocks = blocks[:-1]
                 kept = sum(1 for bid in blocks[below:] if bid)
                 take += sum(
                     1 for bid in blocks[below:] if bid and pool.blocks[bid].ref_cnt == 0
                 )
             take += after - kept
-        return expected, take, give
+        return expected, take, give, held
 
     def checkpoints_inside(
         self, r: Request, g: int, unit: int, num_computed: int, num_tokens: int
@@ -187,7 +201,11 @@ class Shadow:
     def new_request(self) -> Request:
         rng = self.rng
         self.count += 1
-        prefix = rng.choice(self.prefixes)[: rng.randrange(0, 4) * self.unit]
+        # Shared prefixes cut at multiples of the hit alignment, so hits end
+        # inside blocks where copy-on-write hits allow it.
+        hit_unit = self.mgr.coordinator.cache_hit_alignment
+        cut = rng.randrange(0, 3 * self.unit // hit_unit + 1) * hit_unit
+        prefix = rng.choice(self.prefixes)[:cut]
         tail = [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 3 * self.unit))]
         return Request(
             f"r{self.count}", prefix + tail, hash_block_size=self.mgr.hash_block_size
@@ -204,13 +222,15 @@ class Shadow:
         num_computed = r.num_computed_tokens + hit
         num_new = min(num_new, r.num_tokens - num_computed)
         num_tokens = num_computed + num_new
-        expected, take, give = self.plan_step(r, num_computed, num_tokens, hit_ids)
+        expected, take, give, held = self.plan_step(
+            r, num_computed, num_tokens, hit_ids
+        )
         free = mgr.get_num_free_blocks()
         out = mgr.allocate_slots(r, num_new, hit, hit_blocks if hit else None)
         if out is None:
-            assert take > free + give, (
+            assert take + held > free + give, (
                 f"{r.request_id}: refused with {free} free + {give} released "
-                f"but the step needs {take}"
+                f"but the step needs {take} (+{held} copy sources held)"
             )
             assert mgr.get_num_free_blocks() == free
             self.check_pool()
@@ -220,6 +240,7 @@ class Shadow:
             self.waiting.remove(r)
             self.running.append(r)
         tables = self.tables(r.request_id)
+        self.check_copies(r, out.copies, hit, hit_ids, tables)
         for g, table in enumerate(tables):
             assert sum(1 for bid in table if bid) == expected[g], (
                 f"{r.request_id} group {g} ({self.specs[g].kind}) holds "
@@ -232,6 +253,32 @@ class Shadow:
             r.append_output_token_ids(self.rng.randrange(1, 30000))
         self.check_pool()
         return True
+
+    def check_copies(
+        self,
+        r: Request,
+        copies: Any,
+        hit: int,
+        hit_ids: tuple[list[int], ...] | None,
+        tables: tuple[list[int], ...],
+    ) -> None:
+        """Apply the copies as the engine would: one per copy-on-write group
+        whose hit ends inside a block, from the hit's last block into the
+        fresh block at that position (and none otherwise)."""
+        want = []
+        for g in sorted(self.mgr.coordinator.partial_units):
+            bs = self.block_sizes[g]
+            if hit_ids is not None and hit % bs:
+                src = hit_ids[g][-1]
+                dst = tables[g][hit // bs]
+                assert dst != src
+                assert self.mgr.block_pool.blocks[dst].ref_cnt == 1
+                want.append((g, src, dst, hit % bs))
+        got = [
+            (c.group_id, c.src_block_id, c.dst_block_id, c.num_tokens) for c in copies
+        ]
+        assert got == want, (r.request_id, got, want)
+        self.copies += len(got)
 
     def free(self, r: Request, *, preempt: bool) -> None:
         self.mgr.free(r)
@@ -317,6 +364,12 @@ def hybrid(name: str, registry: KindRegistry) -> list[Any]:
             attn(SlidingWindowSpec, sliding_window=8, bounded_replay=True),
         ],
         "window": [fa, attn(SlidingWindowSpec, sliding_window=6)],
+        # Full attention in 8-token blocks over a 4-token hash: hits end
+        # inside its blocks (copy-on-write).
+        "wide_full": [
+            attn(FullAttentionSpec, block_size=8),
+            attn(SlidingWindowSpec, sliding_window=6),
+        ],
         "chunked_local": [fa, attn(chunked, attention_chunk_size=8)],
         "mamba_align": [fa, mamba("align")],
         "mamba_all": [fa, mamba("all")],
@@ -335,27 +388,34 @@ def hybrid(name: str, registry: KindRegistry) -> list[Any]:
 
 
 @pytest.mark.parametrize(
-    ("name", "hash_bs"),
+    ("name", "hash_bs", "dcp", "partial"),
     [
-        ("replay_window", 4),
-        ("window", 4),
-        ("chunked_local", 4),
-        ("mamba_align", 4),
-        ("mamba_align", 2),  # partial hits inside a Mamba block
-        ("mamba_all", 4),
-        ("mamba_none", 4),
-        ("three_kinds", 4),
-        ("fixed_blocks", 4),
+        ("replay_window", 4, 1, True),
+        ("window", 4, 1, True),
+        ("chunked_local", 4, 1, True),
+        ("mamba_align", 4, 1, True),
+        ("mamba_align", 2, 1, True),  # partial hits inside a Mamba block
+        ("mamba_all", 4, 1, True),
+        ("mamba_none", 4, 1, True),
+        ("three_kinds", 4, 1, True),
+        ("fixed_blocks", 4, 1, True),
+        ("wide_full", 4, 1, True),
+        ("wide_full", 4, 1, False),
+        # Decode context parallelism: attention blocks of 4 cover 8 tokens,
+        # so copy-on-write hits end inside them.
+        ("window", 4, 2, True),
+        ("mamba_align", 4, 2, True),
+        ("three_kinds", 4, 2, True),
     ],
 )
 def test_shadow_model_over_hand_made_hybrids(
-    name: str, hash_bs: int, zoo_registry: KindRegistry
+    name: str, hash_bs: int, dcp: int, partial: bool, zoo_registry: KindRegistry
 ) -> None:
     specs = hybrid(name, zoo_registry)
     groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
     sched = 8
     for seed in range(EXAMPLES):
-        rng = random.Random(f"{name}-{hash_bs}-{seed}")
+        rng = random.Random(f"{name}-{hash_bs}-{dcp}-{partial}-{seed}")
         config = KVCacheConfig(
             num_blocks=rng.choice([12, 24, 48]),
             kv_cache_tensors=[],
@@ -367,5 +427,10 @@ def test_shadow_model_over_hand_made_hybrids(
             scheduler_block_size=sched,
             hash_block_size=hash_bs,
             registry=zoo_registry,
+            dcp=dcp,
+            enable_partial_hits=partial,
+        )
+        assert bool(mgr.coordinator.partial_units) == (
+            partial and (name == "wide_full" or dcp > 1 or hash_bs < 4)
         )
         Shadow(mgr, rng).run(STEPS)

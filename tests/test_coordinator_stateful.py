@@ -57,9 +57,13 @@ def _fa(bs: int) -> FullAttentionSpec:
     )
 
 
-def _mla(bs: int) -> MLAAttentionSpec:
+def _mla(bs: int, tps: int = 1) -> MLAAttentionSpec:
     return MLAAttentionSpec(
-        block_size=bs, num_kv_heads=1, head_size=16, dtype=torch.float16
+        block_size=bs,
+        num_kv_heads=1,
+        head_size=16,
+        dtype=torch.float16,
+        tokens_per_state=tps,
     )
 
 
@@ -129,6 +133,15 @@ PLANS: dict[str, tuple[list[Any], int, int, int]] = {
         8,
         4,
     ),
+    # Copy-on-write hits in a DeepSeek-V4 shape: MLA blocks of 16 tokens
+    # (one group compressed 4 to a state), an SW-MLA window of 4-token
+    # blocks, a ring; hash 4 -> hits on multiples of 4 inside MLA blocks.
+    "mla16_tps4_swmla_ring": (
+        [_mla(16), _mla(16, tps=4), _sw_mla(4, 4), _ring(4)],
+        72,
+        16,
+        4,
+    ),
 }
 
 # Three shared prefixes of 64 tokens; tails come from a tiny vocabulary so
@@ -160,6 +173,7 @@ def _cdiv(a: int, b: int) -> int:
 
 class CoordinatorMachine(RuleBasedStateMachine):
     PLAN: ClassVar[str] = "full"
+    USE_EAGLE: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,6 +188,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             scheduler_block_size=sched,
             hash_block_size=hash_bs,
             enable_caching=True,
+            use_eagle=self.USE_EAGLE,
         )
         self.num_blocks = num_blocks
         self.hash_bs = hash_bs
@@ -190,6 +205,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         #: token lists of every request so far (follow-ups reuse them).
         self.history: list[list[int]] = []
         self.counter = 0
+        #: The reference content of every block of a position-indexed group
+        #: that keeps its tokens (not a recurrent state): block id -> slot
+        #: -> the token whose KV the slot holds.  A block handed out fresh
+        #: holds nothing; a copy copies the source's slots; a step writes the
+        #: tokens it computes.
+        self.content: dict[int, dict[int, int]] = {}
+        self.copies_seen = 0
 
     # -- helpers --------------------------------------------------------------
 
@@ -202,6 +224,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             {rid: self.mgr.get_block_ids(rid) for rid in self.running},
             [dict(m.num_cached_block) for m in self.managers],
             pool.num_cached_blocks,
+            pool.num_partial_keys,
         )
 
     def _check_hit(self, r: Request, blocks: KVCacheBlocks, hit: int) -> None:
@@ -215,16 +238,36 @@ class CoordinatorMachine(RuleBasedStateMachine):
             if not m.caching:
                 assert len(hit_blocks) == 0, f"group {gid} is not cacheable"
                 continue
-            # Every cacheable group serves exactly the common hit.
-            assert len(hit_blocks) * m.block_size == hit, (gid, len(hit_blocks), hit)
+            # Every cacheable group serves exactly the common hit; a group
+            # with copy-on-write hits may end inside its last block.
+            partial = gid in coordinator.partial_units and hit % m.block_size
+            want = _cdiv(hit, m.block_size) if partial else hit // m.block_size
+            assert len(hit_blocks) == want, (gid, len(hit_blocks), hit)
             if not hit:
                 continue
             hashes = hashes_at_block_size(r.block_hashes, self.hash_bs, m.block_size)
+            pool = self.mgr.block_pool
             for i, b in enumerate(hit_blocks):
                 if b.is_null:
                     assert m.skips_blocks, f"null block in group {gid}'s hit"
+                elif partial and i == want - 1:
+                    chunk = r.block_hashes[hit // self.hash_bs - 1]
+                    assert b.block_hash == (
+                        hashes[i] if i < len(hashes) else None,
+                        gid,
+                    ) or pool.has_partial_key(b, chunk, gid), (gid, i)
                 else:
                     assert b.block_hash == (hashes[i], gid)
+                # No hit serves a slot whose content is not this request's.
+                if self._tracks(m) and not b.is_null:
+                    slots = self.content.get(b.block_id, {})
+                    for slot in range(min(m.block_size, hit - i * m.block_size)):
+                        pos = i * m.block_size + slot
+                        assert slots.get(slot) == r.all_token_ids[pos], (
+                            gid,
+                            b.block_id,
+                            pos,
+                        )
             assert not hit_blocks[-1].is_null
             if isinstance(m, SlidingWindowManager):
                 need = _cdiv(m.kv_cache_spec.sliding_window - 1, m.block_size)
@@ -251,11 +294,57 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert r.num_computed_tokens == nc0
             return False
         assert isinstance(out, KVCacheBlocks)
+        self._model_step(r, out, nc0 + hit, nc0 + hit + n, hit)
         self.nc_at_alloc[r.request_id] = nc0
         self.allocated[r.request_id] = nc0 + hit + n
         self.cached[r.request_id] = min(nc0 + hit + n, r.num_tokens)
         r.num_computed_tokens = nc0 + hit + n
         return True
+
+    def _tracks(self, m: Any) -> bool:
+        return (
+            m.position_indexed
+            and not isinstance(m, MambaManager)
+            and not isinstance(m, FixedBlocksManager)
+        )
+
+    def _model_step(
+        self, r: Request, out: KVCacheBlocks, start: int, end: int, hit: int
+    ) -> None:
+        """The engine's side of a step: fresh blocks hold nothing, the copies
+        run (each source's slots below its count into its destination, at the
+        position the hit ends in), then the step's tokens are written."""
+        for group in out.blocks:
+            for b in group:
+                self.content[b.block_id] = {}
+        tables = self.mgr.get_blocks(r.request_id).blocks
+        for copy in out.copies:
+            m = self.managers[copy.group_id]
+            assert hit
+            assert hit % m.block_size == copy.num_tokens
+            # The destination is the fresh block at the hit's last position.
+            assert tables[copy.group_id][hit // m.block_size].block_id == (
+                copy.dst_block_id
+            )
+            src = self.content.get(copy.src_block_id, {})
+            self.content[copy.dst_block_id] = {
+                slot: tok for slot, tok in src.items() if slot < copy.num_tokens
+            }
+            self.copies_seen += 1
+        if not out.copies:
+            for gid in self.mgr.coordinator.partial_units:
+                m = self.managers[gid]
+                assert not (hit % m.block_size), "a partial hit recorded no copy"
+        for m, table in zip(self.managers, tables, strict=True):
+            if not self._tracks(m):
+                continue
+            bs = m.block_size
+            for pos in range(start, min(end, r.num_tokens)):
+                b = table[pos // bs]
+                if not b.is_null:
+                    self.content.setdefault(b.block_id, {})[pos % bs] = r.all_token_ids[
+                        pos
+                    ]
 
     def _admit(self, r: Request, chunk: int) -> None:
         blocks, hit = self.mgr.get_computed_blocks(r)
@@ -407,6 +496,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert pool.num_cached_blocks == len(hashed)
         for b in hashed:
             assert pool.lookup(b.block_hash[0], b.block_hash[1]) is not None
+        keyed = [b for b in pool.blocks if b.partial_keys is not None]
+        assert pool.num_partial_keys == sum(len(b.partial_keys) for b in keyed)
+        for b in keyed:
+            assert b.partial_group in self.mgr.coordinator.partial_units
+            for key in b.partial_keys:
+                assert pool.has_partial_key(b, key, b.partial_group)
+                assert pool.lookup_partial(key, [b.partial_group]) is not None
 
     @invariant()
     def tables_match_the_model(self) -> None:
@@ -426,6 +522,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     r.block_hashes, self.hash_bs, m.block_size
                 )
                 for i, b in enumerate(table):
+                    if self._tracks(m) and not b.is_null:
+                        # Every computed slot holds this request's token.
+                        slots = self.content.get(b.block_id, {})
+                        for slot in range(m.block_size):
+                            pos = i * m.block_size + slot
+                            if pos < r.num_computed_tokens and pos < r.num_tokens:
+                                assert slots.get(slot) == r.all_token_ids[pos]
                     if b.block_hash is not None:
                         # Hashed under this request's own chained hash, and
                         # only once its tokens are computed.
@@ -496,7 +599,21 @@ TestFullSWMambaRing = _machine("full_sw_mamba_ring").TestCase
 TestMLASWMLARingHot = _machine("mla_swmla_ring_hot").TestCase
 TestPartialHits = _machine("partial_fa16_sw_mamba8").TestCase
 TestTwoFASizesSWMambaNone = _machine("two_fa_sizes_sw_mamba_none").TestCase
+TestMLACopyOnWrite = _machine("mla16_tps4_swmla_ring").TestCase
+TestMLACopyOnWriteEagle = type(
+    "Machine_mla_eagle",
+    (CoordinatorMachine,),
+    {"PLAN": "mla16_tps4_swmla_ring", "USE_EAGLE": True},
+).TestCase
+TestPartialHitsEagle = type(
+    "Machine_partial_eagle",
+    (CoordinatorMachine,),
+    {"PLAN": "partial_fa16_sw_mamba8", "USE_EAGLE": True},
+).TestCase
 for _case in (
+    TestMLACopyOnWrite,
+    TestMLACopyOnWriteEagle,
+    TestPartialHitsEagle,
     TestFull,
     TestFullSW,
     TestFullSWMambaRing,

@@ -572,3 +572,95 @@ def test_cuda_allocate_kv_cache() -> None:
 
 def test_layout_of_the_plan_is_recorded() -> None:
     assert _plan().kv_cache_layout is KVCacheLayout.BLHNC
+
+
+# ---------------------------------------------------------------------------
+# Copy-on-write block copies
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC"])
+def test_copy_blocks_copies_every_layer_of_the_group(layout: str) -> None:
+    """Data written into block 2 of group 0's layers reaches block 4 of the
+    same layers; other groups' layers (aliasing the same block ids) and
+    other blocks are untouched."""
+    from kvcore.coordinator import BlockCopy
+
+    config = get_kv_cache_config_from_groups(_engine(layout), _groups(), MEMORY)
+    pool = KVCachePool(config)
+    members = [n for n, (g, *_) in LAYOUT.items() if g == 0]
+    written = {}
+    for seed, name in enumerate(members):
+        (part,) = _parts(pool.views[name])
+        pattern = _pattern(tuple(part.shape[1:]), part.dtype, seed=seed + 1)
+        part[2].copy_(pattern)
+        written[name] = pattern
+    before = {n: [p.clone() for p in _parts(v)] for n, v in pool.views.items()}
+    pool.copy_blocks([BlockCopy(0, 2, 4, 5)])
+    for name in members:
+        (part,) = _parts(pool.views[name])
+        assert torch.equal(part[4], written[name]), name
+        assert torch.equal(part[2], written[name]), name
+    # Every other block is as it was (block 4 of other groups aliases group
+    # 0's block 4, which was written).
+    for name, parts in before.items():
+        for old, new in zip(parts, _parts(pool.views[name]), strict=True):
+            for b in range(config.num_blocks):
+                if b != 4:
+                    assert torch.equal(old[b], new[b]), (name, b)
+
+
+@pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])
+def test_copy_blocks_in_every_layout(layout: str) -> None:
+    from kvcore.coordinator import BlockCopy
+
+    pool = KVCachePool(_full_plan(layout))
+    for name, seed in (("a", 1), ("b", 2)):
+        view = _parts(pool.views[name])[0]
+        view[1].copy_(_pattern(tuple(view.shape[1:]), view.dtype, seed))
+    others = [_parts(pool.views[n])[0][b].clone() for n in "ab" for b in (0, 2)]
+    pool.copy_blocks([BlockCopy(0, 1, 3, 7)])
+    for name in "ab":
+        view = _parts(pool.views[name])[0]
+        assert torch.equal(view[3], view[1]), name
+    after = [_parts(pool.views[n])[0][b] for n in "ab" for b in (0, 2)]
+    assert all(torch.equal(x, y) for x, y in zip(others, after, strict=True))
+
+
+def test_copy_blocks_with_kernel_blocks() -> None:
+    from kvcore.coordinator import BlockCopy
+
+    pool = KVCachePool(_full_plan("LBNHC"), kernel_block_sizes=[8])
+    view = _parts(pool.views["a"])[0]
+    view[2].view(torch.uint8).fill_(0x11)
+    view[3].view(torch.uint8).fill_(0x22)
+    pool.copy_blocks([BlockCopy(0, 1, 2, 12)])
+    assert bool((view[4].view(torch.uint8) == 0x11).all())
+    assert bool((view[5].view(torch.uint8) == 0x22).all())
+
+
+def test_copy_blocks_refuses_a_bad_copy() -> None:
+    from kvcore import KvcoreValueError
+    from kvcore.coordinator import BlockCopy
+
+    pool = KVCachePool(_plan())
+    with pytest.raises(KvcoreValueError, match="group_id"):
+        pool.copy_blocks([BlockCopy(9, 1, 2, 4)])
+    with pytest.raises(KvcoreValueError, match="dst_block_id"):
+        pool.copy_blocks([BlockCopy(0, 1, 0, 4)])
+
+
+@cuda
+@needs_cuda
+def test_cuda_copy_blocks_match_cpu() -> None:
+    """The same writes and copies give byte-identical pools on CPU and CUDA."""
+    from kvcore.coordinator import BlockCopy
+
+    pools = [KVCachePool(_plan(), device) for device in ("cpu", "cuda")]
+    for pool in pools:
+        for seed, name in enumerate(LAYOUT):
+            for i, part in enumerate(_parts(pool.views[name])):
+                pattern = _pattern(tuple(part.shape[1:]), part.dtype, seed=seed + i)
+                part[1].copy_(pattern.to(part.device))
+        pool.copy_blocks([BlockCopy(0, 1, 3, 5), BlockCopy(4, 1, 2, 16)])
+    assert torch.equal(pools[0].buffer, pools[1].buffer.cpu())

@@ -57,6 +57,7 @@ from kvcore.coordinator.managers import (
     PrefixManager,
     WindowManager,
 )
+from kvcore.coordinator.partial import BlockCopy
 from kvcore.coordinator.request import (
     Request,
     RequestStatus,
@@ -68,6 +69,7 @@ __all__ = [
     # coordinator
     "CHECKPOINT_POLICIES",
     "DEFAULT_CHECKPOINT_POLICY",
+    "BlockCopy",
     "CheckpointManager",
     "CheckpointPolicy",
     "CheckpointPolicyError",

@@ -6,6 +6,12 @@ blocks wait in a :class:`FreeBlockQueue` in eviction order.  A full block can
 be registered in the prefix cache under ``(block hash, group id)``; it keeps
 that key while free, so a later request can hit it, and loses it only when the
 pool hands the block out again (or the cache is reset).
+
+A block of a group that serves copy-on-write partial hits may also carry
+*partial keys*: the chunk hashes of prefixes that end inside it (see
+:meth:`BlockPool.add_partial_key`).  They live in a map of their own, are
+dropped with the block's full key, and raise no events (``BlockStored`` and
+``BlockRemoved`` are about full blocks only).
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class KVCacheBlock:
         "key_group",
         "key_hash",
         "next_free",
+        "partial_group",
+        "partial_keys",
         "prev_free",
         "ref_cnt",
     )
@@ -67,6 +75,8 @@ class KVCacheBlock:
     prev_free: KVCacheBlock | None
     next_free: KVCacheBlock | None
     is_null: bool
+    partial_keys: list[BlockHash] | None
+    partial_group: int
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -81,6 +91,11 @@ class KVCacheBlock:
         self.next_free = None
         #: True only for the pool's placeholder block (id 0).
         self.is_null = False
+        #: Partial keys: the chunk hashes of the prefixes that end inside
+        #: this block (a copy-on-write hit source, see
+        #: :meth:`BlockPool.add_partial_key`), else None; and their group.
+        self.partial_keys = None
+        self.partial_group = 0
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
@@ -269,6 +284,7 @@ class BlockPool:
         "_events",
         "_events_mark",
         "_journal",
+        "_partial",
         "blocks",
         "enable_caching",
         "enable_kv_cache_events",
@@ -341,6 +357,9 @@ class BlockPool:
         # group id -> (block hash -> block, or {block_id: block} when several
         # blocks hold that key).  Keyed by the raw hash: no key tuple per block.
         self._cached: dict[int, dict[BlockHash, _Entry]] = {}
+        #: group id -> (chunk hash -> block, or {block_id: block}): the
+        #: partial keys (prefixes ending inside a block).
+        self._partial: dict[int, dict[BlockHash, _Entry]] = {}
         self._events: list[KVCacheEvent] = []
         #: Undo records of the open transaction (see :meth:`begin`), else None.
         self._journal: list[_Undo] | None = None
@@ -393,8 +412,8 @@ class BlockPool:
             blocks = [block]
             if self._journal is not None:
                 self._journal.append(lambda: self._unget(blocks))
-            if block.key_hash is not None:
-                self._evict(block)
+            if block.key_hash is not None or block.partial_keys is not None:
+                self._drop_keys(block)
             block.ref_cnt = 1
             return blocks
         if self._journal is not None:
@@ -402,8 +421,8 @@ class BlockPool:
             taken = list(blocks)
             self._journal.append(lambda: self._unget(taken))
             for block in blocks:
-                if block.key_hash is not None:
-                    self._evict(block)
+                if block.key_hash is not None or block.partial_keys is not None:
+                    self._drop_keys(block)
                 block.ref_cnt = 1
             return blocks
         # FreeBlockQueue.popleft_n fused with the hand-out: one walk.
@@ -417,8 +436,8 @@ class BlockPool:
             nxt = cur.next_free
             cur.prev_free = cur.next_free = None
             cur.ref_cnt = 1
-            if cur.key_hash is not None:
-                self._evict(cur)
+            if cur.key_hash is not None or cur.partial_keys is not None:
+                self._drop_keys(cur)
             cur = nxt
         assert cur is not None
         head.next_free = cur
@@ -442,6 +461,13 @@ class BlockPool:
             "give the cache more blocks"
         )
         return NoFreeBlocksError(msg)
+
+    def _drop_keys(self, block: KVCacheBlock) -> None:
+        """Evict every key ``block`` holds: its full key and its partial keys."""
+        if block.key_hash is not None:
+            self._evict(block)
+        if block.partial_keys is not None:
+            self._drop_partial(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
         key = block.key_hash
@@ -542,7 +568,7 @@ class BlockPool:
 
         Pass a request's blocks tail first, so its tail is evicted first (or
         its table as allocated to :meth:`free_table`).  Freed blocks with a
-        prefix-cache key go to the back of the free queue (least recently used
+        prefix-cache key (full or partial) go to the back of the free queue (least recently used
         order, kept as given); with caching on, blocks without one go to the
         front, so they are reused before any cached block.  The null block is
         skipped.  Dropping a reference a block does not hold (a double free)
@@ -593,7 +619,7 @@ class BlockPool:
             for block in order:
                 if block.ref_cnt == 1:
                     block.ref_cnt = 0
-                    if block.key_hash is not None:
+                    if block.key_hash is not None or block.partial_keys is not None:
                         last.next_free = block
                         block.prev_free = last
                         last = block
@@ -701,10 +727,18 @@ class BlockPool:
         if not freed:
             return
         if self.enable_caching:
-            unhashed = [b for b in freed if b.key_hash is None]
+            unhashed = [
+                b for b in freed if b.key_hash is None and b.partial_keys is None
+            ]
             if unhashed:
                 self.free_queue.prepend_n(unhashed)
-            self.free_queue.append_n([b for b in freed if b.key_hash is not None])
+            self.free_queue.append_n(
+                [
+                    b
+                    for b in freed
+                    if b.key_hash is not None or b.partial_keys is not None
+                ]
+            )
         else:
             self.free_queue.append_n(freed)
 
@@ -942,9 +976,113 @@ class BlockPool:
             )
             start = prev = pos
 
+    # -- partial keys (copy-on-write hit sources) --------------------------------
+
+    def add_partial_key(
+        self, block: KVCacheBlock, block_hash: BlockHash, group_id: int
+    ) -> None:
+        """Register ``block`` of group ``group_id`` under ``block_hash``, the
+        chunk hash of a prefix that ends inside the block: a later request
+        with that prefix may copy the block's first slots (a copy-on-write
+        partial hit).  A block may carry several partial keys and its full
+        key; they are dropped together when the pool hands the block out
+        again or the cache is reset.  Does nothing when caching is off, for
+        the null block, or when the block already holds the key.  Raises no
+        event."""
+        if not self.enable_caching or block.is_null:
+            return
+        keys = block.partial_keys
+        if keys is None:
+            keys = block.partial_keys = []
+            block.partial_group = group_id
+        elif block.partial_group != group_id:
+            msg = (
+                f"add_partial_key: block {block.block_id} holds partial keys of "
+                f"group {block.partial_group}, not {group_id}; a block belongs to "
+                "one group's table at a time"
+            )
+            raise InvalidRequestError(msg)
+        elif block_hash in keys:
+            return
+        keys.append(block_hash)
+        group = self._partial.get(group_id)
+        if group is None:
+            group = self._partial[group_id] = {}
+        _insert(group, block_hash, block)
+        journal = self._journal
+        if journal is not None:
+
+            def undo() -> None:
+                _remove(group, block_hash, block)
+                assert block.partial_keys is not None
+                block.partial_keys.remove(block_hash)
+                if not block.partial_keys:
+                    block.partial_keys = None
+
+            journal.append(undo)
+
+    def _drop_partial(self, block: KVCacheBlock) -> None:
+        keys = block.partial_keys
+        assert keys is not None
+        block.partial_keys = None
+        self.evictions += 1
+        group = self._partial[block.partial_group]
+        for key in keys:
+            _remove(group, key, block)
+        if self._journal is not None:
+
+            def undo() -> None:
+                block.partial_keys = keys
+                for key in keys:
+                    _insert(group, key, block)
+
+            self._journal.append(undo)
+
+    def lookup_partial(
+        self, block_hash: BlockHash, group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One block per group holding the partial key ``block_hash``, or
+        None if any group has none."""
+        out = []
+        for group_id in group_ids:
+            group = self._partial.get(group_id)
+            entry = None if group is None else group.get(block_hash)
+            if entry is None:
+                return None
+            if isinstance(entry, dict):
+                entry = next(iter(entry.values()))
+            out.append(entry)
+        return out
+
+    def has_partial_key(
+        self, block: KVCacheBlock, block_hash: BlockHash, group_id: int
+    ) -> bool:
+        """Whether ``block`` holds the partial key ``block_hash`` of group
+        ``group_id``."""
+        keys = block.partial_keys
+        return (
+            keys is not None and block.partial_group == group_id and block_hash in keys
+        )
+
+    @property
+    def num_partial_keys(self) -> int:
+        """Partial keys held, over all blocks (O(n))."""
+        return sum(
+            1 if not isinstance(e, dict) else len(e)
+            for group in self._partial.values()
+            for e in group.values()
+        )
+
+    def record_undo(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` if the open transaction rolls back (nothing outside
+        a transaction): for state kept beside the pool that a step changes."""
+        if self._journal is not None:
+            self._journal.append(undo)
+
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks holding a prefix-cache key, in use or free (O(n))."""
+        """Blocks holding a full prefix-cache key, in use or free (O(n));
+        partial keys are counted by :attr:`num_partial_keys`."""
         return sum(
             1 if not isinstance(e, dict) else len(e)
             for group in self._cached.values()
@@ -961,9 +1099,12 @@ class BlockPool:
             return False
         for group in self._cached.values():
             group.clear()
+        for group in self._partial.values():
+            group.clear()
         self.evictions += 1
         for block in self.blocks:
             block.key_hash = None
+            block.partial_keys = None
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared(self.kv_events_medium))
         return True
@@ -1017,6 +1158,32 @@ def _check_event_groups(
             raise KvcoreTypeError(msg)
         out.append(GroupEventInfo(size, kind, window))
     return tuple(out)
+
+
+def _insert(
+    group: dict[BlockHash, _Entry], key: BlockHash, block: KVCacheBlock
+) -> None:
+    entry = group.get(key)
+    if entry is None:
+        group[key] = block
+    elif isinstance(entry, dict):
+        entry[block.block_id] = block
+    elif entry is not block:
+        group[key] = {entry.block_id: entry, block.block_id: block}
+
+
+def _remove(
+    group: dict[BlockHash, _Entry], key: BlockHash, block: KVCacheBlock
+) -> None:
+    entry = group.get(key)
+    if entry is block:
+        del group[key]
+    elif isinstance(entry, dict):
+        entry.pop(block.block_id, None)
+        if len(entry) == 1:
+            group[key] = next(iter(entry.values()))
+        elif not entry:
+            del group[key]
 
 
 def _unref(block: KVCacheBlock) -> _Undo:

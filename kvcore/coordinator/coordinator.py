@@ -10,6 +10,7 @@ every group's manager.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +20,11 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager, runs_vetted
 from kvcore.coordinator.managers import PrefixManager, prefix_hit
+from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
 from kvcore.plan import effective_block_size, hit_alignment
+from kvcore.plan.block_sizes import group_hit_unit
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
@@ -42,6 +45,9 @@ class SpecGroup:
     monotone: bool = False
     #: Recurrent-state groups (``HitPolicy.CHECKPOINT``), searched last.
     states: bool = False
+    #: The copy-on-write hit unit in tokens when these groups serve hits
+    #: that end inside a block (see :mod:`kvcore.coordinator.partial`), else 0.
+    partial_unit: int = 0
 
 
 class KVCacheCoordinator:
@@ -56,6 +62,10 @@ class KVCacheCoordinator:
     :param dcp: decode context parallelism (scales attention block sizes).
     :param use_eagle: drop the last block of every hit, so a draft model
         recomputes it.
+    :param enable_partial_hits: let groups whose kind allows it serve hits
+        that end inside a block, by copy-on-write (see
+        :mod:`kvcore.coordinator.partial`); off, hits are whole blocks of
+        every group.
     """
 
     def __init__(
@@ -71,6 +81,7 @@ class KVCacheCoordinator:
         use_eagle: bool = False,
         enable_kv_cache_events: bool = False,
         kv_events_medium: str = "GPU",
+        enable_partial_hits: bool = True,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size:
@@ -105,12 +116,28 @@ class KVCacheCoordinator:
         self.scheduler_block_size = scheduler_block_size
         self.max_model_len = max_model_len
         self.use_eagle = use_eagle
-        #: Hits are multiples of this many tokens.
+        #: Hits are multiples of this many tokens (whole blocks of every
+        #: group here; copy-on-write partial hits refine it below).
         self.cache_hit_alignment = (
-            hit_alignment(groups, scheduler_block_size, hash_block_size, dcp)
+            hit_alignment(
+                groups, scheduler_block_size, hash_block_size, dcp, partial_hits=False
+            )
             if enable_caching
             else scheduler_block_size
         )
+        partial_units = (
+            _partial_units(groups, registry, hash_block_size, dcp)
+            if enable_caching and enable_partial_hits
+            else {}
+        )
+        if partial_units:
+            self.cache_hit_alignment = _partial_alignment(
+                self.cache_hit_alignment,
+                groups,
+                partial_units,
+                hash_block_size,
+                dcp,
+            )
         managers: list[SingleTypeManager] = []
         #: The plugin that registered each group's kind.
         owners: list[str] = []
@@ -194,6 +221,9 @@ class KVCacheCoordinator:
                     manager.block_size,
                     monotone=policies[gid] is HitPolicy.PREFIX,
                     states=policies[gid] is HitPolicy.CHECKPOINT,
+                    partial_unit=partial_units.get(gid, 0)
+                    if _takes_partial(type(manager))
+                    else 0,
                 )
         # Left-to-right searches first (they bound the others), states last:
         # the length before them is the prefix the token-indexed groups share
@@ -217,7 +247,30 @@ class KVCacheCoordinator:
         #: monotone (the lookup needs no fixed point), else None.
         self._single = (
             self.attention_groups[0]
-            if len(self.attention_groups) == 1 and self.attention_groups[0].monotone
+            if len(self.attention_groups) == 1
+            and self.attention_groups[0].monotone
+            and not self.attention_groups[0].partial_unit
+            else None
+        )
+        #: Group id -> copy-on-write hit unit, for groups that serve partial
+        #: hits (empty when none does).
+        self.partial_units: dict[int, int] = {
+            gid: g.partial_unit
+            for g in self.attention_groups
+            if g.partial_unit
+            for gid in g.group_ids
+        }
+        #: ``(group id, block size)`` of those groups.
+        self.partial_groups: tuple[tuple[int, int], ...] = tuple(
+            (gid, managers[gid].block_size) for gid in sorted(self.partial_units)
+        )
+        #: Their partial-key bookkeeping, or None when no group serves them.
+        self.partial: PartialKeys | None = (
+            PartialKeys(
+                self.block_pool,
+                [(managers[gid], unit) for gid, unit in self.partial_units.items()],
+            )
+            if self.partial_units
             else None
         )
         #: The one spec group keeps PrefixManager's search, which is then
@@ -540,6 +593,10 @@ class KVCacheCoordinator:
                     first_pass = False
                     self.last_shared_prefix = length
                 if index in found:
+                    if group.partial_unit:
+                        # Serves every aligned length up to its hit: the
+                        # block at the cut is a copy source.
+                        continue
                     if group.monotone:
                         # Trimmed, not searched again, but only to whole
                         # blocks: a finer alignment (partial hits) can leave
@@ -554,12 +611,14 @@ class KVCacheCoordinator:
                 hashes = views.get(index)
                 if hashes is None:
                     hashes = views[index] = self._hashes_of(group, block_hashes)
-                blocks = group.manager_type.find_longest_cache_hit(
-                    self._query(group, block_hashes, hashes, length, alignment)
-                )
+                query = self._query(group, block_hashes, hashes, length, alignment)
+                if group.partial_unit:
+                    blocks, hit = partial_prefix_hit(query, group.partial_unit)
+                else:
+                    blocks = group.manager_type.find_longest_cache_hit(query)
+                    hit = len(blocks[0]) * group.block_size
                 found[index] = blocks
                 searched_at[index] = length
-                hit = len(blocks[0]) * group.block_size
                 if hit < length:
                     length = hit
                     changed = True
@@ -575,7 +634,11 @@ class KVCacheCoordinator:
             blocks_per_group = found.get(index)
             if blocks_per_group is None:
                 continue
-            keep = length // group.block_size
+            keep = (
+                -(-length // group.block_size)
+                if group.partial_unit
+                else length // group.block_size
+            )
             for gid, group_hit in zip(group.group_ids, blocks_per_group, strict=True):
                 out[gid] = group_hit if len(group_hit) == keep else group_hit[:keep]
         return tuple(out), length
@@ -937,6 +1000,8 @@ class KVCacheCoordinator:
                 manager.cache_blocks(request, num_tokens)
         except Exception as exc:
             raise self.plugin_error(gid, "cache_blocks", exc) from exc
+        if self.partial is not None:
+            self.partial.register(request, num_tokens)
 
     def _twin_cache_blocks(self, request: Request, num_tokens: int) -> None:
         """:meth:`cache_blocks` with each class's test (whether caching
@@ -948,6 +1013,13 @@ class KVCacheCoordinator:
         if rid in self._untwinned:
             KVCacheCoordinator.cache_blocks(self, request, num_tokens)
             return
+        self._cache_twin_groups(request, num_tokens)
+        # What follows the groups' caching on the per-group path.
+        if self.partial is not None:
+            self.partial.register(request, num_tokens)
+
+    def _cache_twin_groups(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
         due: list[tuple[int, ...]] | None = None
         for gids, test in self._cache_classes:
             if test is None or test(rid, num_tokens):
@@ -1109,6 +1181,56 @@ def _keeps_base(manager_type: type[SingleTypeManager], name: str) -> bool:
     return inspect.getattr_static(manager_type, name) is inspect.getattr_static(
         SingleTypeManager, name
     )
+
+
+def _partial_units(
+    groups: Sequence[Any], registry: KindRegistry, hash_block_size: int, dcp: int
+) -> dict[int, int]:
+    """Group id -> copy-on-write hit unit, for the prefix-cacheable groups
+    whose layers all declare ``copies_partial_block_hits`` and whose kind's
+    manager takes such hits with PrefixManager's own search."""
+    out: dict[int, int] = {}
+    for gid, group in enumerate(groups):
+        spec = group.manager_spec
+        if not spec.hashes_blocks or spec.hit_policy is not HitPolicy.PREFIX:
+            continue
+        kind = registry.kind_for(spec, layer=group.layer_names[0])
+        if kind.manager_type is None or not _takes_partial(kind.manager_type):
+            continue
+        unit = group_hit_unit(group, effective_block_size(group, dcp), hash_block_size)
+        if unit is not None:
+            out[gid] = unit
+    return out
+
+
+def _takes_partial(manager_type: type[SingleTypeManager]) -> bool:
+    """Whether a manager class takes copy-on-write hits: it says so and
+    keeps PrefixManager's search (the partial search extends that one)."""
+    return bool(getattr(manager_type, "partial_copy_hits", False)) and (
+        inspect.getattr_static(manager_type, "find_longest_cache_hit", None)
+        is inspect.getattr_static(PrefixManager, "find_longest_cache_hit")
+    )
+
+
+def _partial_alignment(
+    whole: int,
+    groups: Sequence[Any],
+    partial_units: dict[int, int],
+    hash_block_size: int,
+    dcp: int,
+) -> int:
+    """The hit alignment with copy-on-write hits: the lcm of every cacheable
+    group's unit (its copy-on-write unit, else its block), never coarser than
+    the whole-block alignment ``whole``."""
+    units = []
+    for gid, group in enumerate(groups):
+        if not group.kv_cache_spec.prefix_cacheable:
+            continue
+        unit = partial_units.get(gid)
+        if unit is None:
+            unit = math.lcm(effective_block_size(group, dcp), hash_block_size)
+        units.append(unit)
+    return math.gcd(whole, math.lcm(*units))
 
 
 def _count(value: object) -> int:

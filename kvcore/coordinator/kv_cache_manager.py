@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, TypedDict, Unpack, cast
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
+from kvcore.coordinator.partial import BlockCopy, copy_source_valid, split_copy_sources
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 from kvcore.registry import KindRegistry, default_registry
@@ -25,12 +26,24 @@ __all__ = [
 
 
 class KVCacheBlocks:
-    """Blocks of one request step: ``blocks[group]`` is that group's list."""
+    """Blocks of one request step: ``blocks[group]`` is that group's list.
 
-    __slots__ = ("_lookup", "blocks")
+    ``copies`` are the block copies the engine runs before the step's
+    forward pass, in order (copy-on-write partial hits, see
+    :class:`~kvcore.coordinator.BlockCopy`); empty unless
+    :meth:`KVCacheManager.allocate_slots` admitted a request whose hit ends
+    inside a block.
+    """
 
-    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+    __slots__ = ("_lookup", "blocks", "copies")
+
+    def __init__(
+        self,
+        blocks: tuple[Sequence[KVCacheBlock], ...],
+        copies: tuple[BlockCopy, ...] = (),
+    ) -> None:
         self.blocks = blocks
+        self.copies = copies
         #: Set by KVCacheManager.get_computed_blocks on the hit it returns:
         #: (its pool, the pool's eviction count, the request, ``blocks``).
         self._lookup: tuple[object, int, object, object] | None = None
@@ -40,7 +53,8 @@ class KVCacheBlocks:
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(
-            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True))
+            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)),
+            self.copies + other.copies,
         )
 
     def __len__(self) -> int:
@@ -117,6 +131,10 @@ class KVCacheManager:
     :param thread_safe: run every public method under one re-entrant lock
         (:attr:`lock`), for engines that call the manager from several
         threads; off, the manager takes no lock at all.
+    :param enable_partial_hits: let a hit end inside the block of a group
+        whose kind allows it (copy-on-write: the engine runs
+        :attr:`KVCacheBlocks.copies` before the forward pass); off, hits are
+        whole blocks of every group, as before.
     """
 
     def __init__(
@@ -133,6 +151,7 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         kv_events_medium: str = "GPU",
         thread_safe: bool = False,
+        enable_partial_hits: bool = True,
     ) -> None:
         _require_type(
             "kv_cache_config",
@@ -154,6 +173,7 @@ class KVCacheManager:
             ("use_eagle", use_eagle),
             ("enable_kv_cache_events", enable_kv_cache_events),
             ("thread_safe", thread_safe),
+            ("enable_partial_hits", enable_partial_hits),
         ):
             _require_type(name, flag, bool, "a bool (True or False)", exact=True)
         _require_type(
@@ -188,7 +208,9 @@ class KVCacheManager:
             use_eagle=use_eagle,
             enable_kv_cache_events=enable_kv_cache_events,
             kv_events_medium=kv_events_medium,
+            enable_partial_hits=enable_partial_hits,
         )
+        self.enable_partial_hits = enable_partial_hits
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
@@ -222,6 +244,7 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         kv_events_medium: str = "GPU",
         thread_safe: bool = False,
+        enable_partial_hits: bool = True,
     ) -> KVCacheManager:
         """The scheduler's manager for a plan, with the block sizes,
         ``max_model_len``, prefix caching and context parallelism the plan
@@ -255,6 +278,7 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             kv_events_medium=kv_events_medium,
             thread_safe=thread_safe,
+            enable_partial_hits=enable_partial_hits,
         )
 
     # -- lookups ----------------------------------------------------------------
@@ -415,11 +439,24 @@ class KVCacheManager:
         # running request first releases the blocks it no longer reads; a new
         # one never takes them (see SingleTypeManager.num_skipped_blocks).
         attach: tuple[list[KVCacheBlock], ...] = ()
+        # Copy-on-write sources of a partial hit (None: none, the usual case).
+        sources: list[tuple[int, KVCacheBlock, int]] | None = None
+        held_sources = 0
         if running:
             need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
         else:
             if self.enable_caching:
                 self._check_hashing(request)
+            if computed is not None and coordinator.partial_groups:
+                # A hit that ends inside a block of a partial-hit group: its
+                # last block is copied into a fresh one, not attached.
+                computed, found = split_copy_sources(
+                    computed,
+                    coordinator.partial_groups,
+                    request.num_computed_tokens + num_new_computed_tokens,
+                )
+                if found:
+                    sources = found
             attach = coordinator.admission_blocks(
                 computed if computed is not None else self.empty_kv_cache_blocks.blocks,
                 num_computed,
@@ -427,11 +464,16 @@ class KVCacheManager:
             if coordinator.planning:
                 coordinator.plan_checkpoints(request, num_computed)
             need = coordinator.get_num_blocks_to_allocate(rid, num_tokens, attach)
+            if sources:
+                # A free source leaves the free queue for the step.
+                held_sources = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
+                need += held_sources
         if (
             full_sequence_must_fit
             and self._full_sequence_blocks(
                 request, min(request.num_tokens, self.max_model_len), attach
             )
+            + held_sources
             > self.block_pool.free_queue.num_free
         ):
             if not running and coordinator.planning:
@@ -453,10 +495,15 @@ class KVCacheManager:
             # A hit from elsewhere may break the twin pattern
             # (KVCacheCoordinator.note_admission).
             coordinator.note_admission(rid, attach)
+        step = (
+            self._step
+            if sources is None
+            else functools.partial(self._copy_step, sources)
+        )
         if coordinator.vetted:
             # Validated, and only kvcore's own managers run: nothing below
             # can raise, so no undo is recorded.
-            new_blocks = self._step(
+            new_blocks = step(
                 request, running, skipping, attach, num_computed, num_tokens, cache_to
             )
         else:
@@ -464,7 +511,7 @@ class KVCacheManager:
             states = coordinator.request_state(rid)
             pool.begin()
             try:
-                new_blocks = self._step(
+                new_blocks = step(
                     request,
                     running,
                     skipping,
@@ -485,9 +532,58 @@ class KVCacheManager:
         if held is not request:
             self._live.add(rid)
             self._requests[rid] = request
+        if sources is not None:
+            copies = self._copies(
+                rid, sources, request.num_computed_tokens + num_new_computed_tokens
+            )
+            return KVCacheBlocks(
+                new_blocks
+                if new_blocks is not None
+                else self.empty_kv_cache_blocks.blocks,
+                copies,
+            )
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _copy_step(
+        self,
+        sources: list[tuple[int, KVCacheBlock, int]],
+        request: Request,
+        running: bool,
+        skipping: bool,
+        attach: tuple[list[KVCacheBlock], ...],
+        num_computed: int,
+        num_tokens: int,
+        cache_to: int,
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """:meth:`_step` for an admission with copy-on-write sources: each
+        source is held for the step (so this step's allocation cannot evict
+        it) and released after; its content stays until the copy runs,
+        since no block is written before the forward pass."""
+        pool = self.block_pool
+        held = [src for _, src, _ in sources]
+        pool.touch(held)
+        new_blocks = self._step(
+            request, running, skipping, attach, num_computed, num_tokens, cache_to
+        )
+        pool.free_blocks(held)
+        return new_blocks
+
+    def _copies(
+        self,
+        rid: str,
+        sources: list[tuple[int, KVCacheBlock, int]],
+        num_hit_tokens: int,
+    ) -> tuple[BlockCopy, ...]:
+        """The copies of an admission: each source into the fresh block at
+        its position."""
+        out = []
+        for gid, src, num_tokens in sources:
+            manager = self._managers[gid]
+            dst = manager.req_to_blocks[rid][num_hit_tokens // manager.block_size]
+            out.append(BlockCopy(gid, src.block_id, dst.block_id, num_tokens))
+        return tuple(out)
 
     def _check_engine_keywords(
         self, request: Request, engine: Mapping[str, object]
@@ -628,6 +724,14 @@ class KVCacheManager:
                     f"{len(hit)} block lists for {self.num_kv_cache_groups} groups"
                 )
                 raise InvalidRequestError(msg)
+            held = 0
+            if self.coordinator.partial_groups and num_new_computed_tokens:
+                # A copy-on-write source is not attached (a fresh block takes
+                # its place) but is held while the step runs.
+                hit, sources = split_copy_sources(
+                    hit, self.coordinator.partial_groups, num_new_computed_tokens
+                )
+                held = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
             attach = self.coordinator.admission_blocks(
                 hit, num_new_computed_tokens + num_external_computed_tokens
             )
@@ -637,8 +741,10 @@ class KVCacheManager:
                 "holds blocks; a prefix hit attaches only at admission"
             )
             raise InvalidRequestError(msg)
+        else:
+            held = 0
         full = min(num_tokens, self.max_model_len)
-        need = self._full_sequence_blocks(request, full, attach)
+        need = self._full_sequence_blocks(request, full, attach) + held
         return need <= self.block_pool.free_queue.num_free
 
     def _step(
@@ -715,8 +821,13 @@ class KVCacheManager:
             # prefix, and kvcore's managers answered it.  Only the length
             # the caller passed is left to check.
             for manager, blocks in zip(self._managers, computed, strict=True):
-                if len(blocks) * manager.block_size != num_tokens and (
-                    manager.caching or blocks
+                if (
+                    len(blocks) * manager.block_size != num_tokens
+                    and (manager.caching or blocks)
+                    and not (
+                        manager.kv_cache_group_id in coordinator.partial_units
+                        and len(blocks) == -(-num_tokens // manager.block_size)
+                    )
                 ):
                     break
             else:
@@ -765,7 +876,15 @@ class KVCacheManager:
                     )
                     raise InvalidRequestError(msg)
                 continue
-            if len(blocks) * manager.block_size != num_tokens:
+            # A partial-hit group's hit may end inside its last block, a
+            # copy source.
+            partial = gid in coordinator.partial_units and bool(
+                num_tokens % manager.block_size
+            )
+            expected = -(-num_tokens // manager.block_size)
+            if len(blocks) * manager.block_size != num_tokens and not (
+                partial and len(blocks) == expected
+            ):
                 msg = (
                     f"request {rid!r}: the hit covers {num_tokens} tokens but group "
                     f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
@@ -784,6 +903,20 @@ class KVCacheManager:
             for i, block in enumerate(blocks):
                 if block.is_null:
                     continue
+                if partial and i == expected - 1:
+                    end = num_tokens // self.hash_block_size - 1
+                    chunk = chunks[end] if 0 <= end < len(chunks) else None
+                    if copy_source_valid(
+                        self.block_pool, block, gid, key_of(chunks, i), chunk
+                    ):
+                        continue
+                    msg = (
+                        f"request {rid!r}: the copy source block {block.block_id} "
+                        f"of group {gid} no longer holds this request's prefix (it "
+                        "was evicted after the lookup); call get_computed_blocks "
+                        "again right before allocate_slots"
+                    )
+                    raise InvalidRequestError(msg)
                 if block.key_group != gid or block.key_hash != key_of(chunks, i):
                     msg = (
                         f"request {rid!r}: hit block {block.block_id} of group {gid} "
@@ -825,6 +958,8 @@ class KVCacheManager:
                 coordinator.restore_request_state(rid, states)
                 raise
             pool.commit()
+        if coordinator.partial is not None:
+            coordinator.partial.forget(rid)
         self._live.discard(rid)
         del requests[rid]
         assert held is not None
@@ -868,6 +1003,18 @@ class KVCacheManager:
                     )
                     raise InvalidRequestError(msg)
                 out.append([])
+                continue
+            unit = self.coordinator.partial_units.get(gid)
+            if unit is not None and not num_computed_tokens % unit:
+                # A partial-hit group: the block at the cut is a copy source.
+                keep = -(-num_computed_tokens // manager.block_size)
+                if keep > len(group_blocks):
+                    msg = (
+                        f"cannot truncate group {gid}'s hit of {len(group_blocks)} "
+                        f"blocks to {num_computed_tokens} tokens: it is shorter"
+                    )
+                    raise InvalidRequestError(msg)
+                out.append(list(group_blocks[:keep]))
                 continue
             if manager.position_indexed:
                 if num_computed_tokens % manager.block_size:

@@ -166,6 +166,11 @@ class SingleTypeManager:
     #: eviction order, after the other groups' (a state a hit cannot do
     #: without, worth more than any one block of a token-indexed group).
     evicts_last: ClassVar[bool] = False
+    #: Whether the manager's tables take copy-on-write partial hits (see
+    #: :mod:`kvcore.coordinator.partial`): position-indexed, every block kept,
+    #: a hit block at each position read from the left.  A group serves them
+    #: only when its spec also declares ``copies_partial_block_hits``.
+    partial_copy_hits: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -51,6 +51,7 @@ class PrefixManager(SingleTypeManager):
     the prefix)."""
 
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.PREFIX})
+    partial_copy_hits: ClassVar[bool] = True
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:

@@ -96,7 +96,10 @@ def resolve_block_sizes(
             if s.prefix_cacheable and s.tokens_per_state > 1
         }
     )
-    hits = hit_alignment(groups, scheduler, unit, dcp)
+    # Checked at the whole-block alignment: the hash boundaries a recurrent
+    # state is restored at must not cut a compressed state (copy-on-write
+    # hits land on multiples of tokens_per_state by construction).
+    hits = _whole_block_alignment(groups, scheduler, unit, dcp)
     broken = [a for a in alignments if hits % a]
     if broken:
         msg = (
@@ -114,9 +117,58 @@ def hit_alignment(
     scheduler_block_size: int,
     hash_block_size: int,
     dcp: int,
+    *,
+    partial_hits: bool = True,
 ) -> int:
-    """Prefix hits are multiples of this many tokens: the hash block when a
-    cacheable group serves hits inside its block, else the scheduler block."""
+    """Prefix hits are multiples of this many tokens.
+
+    Without copy-on-write partial hits (``partial_hits=False``, or no group
+    whose layers all :attr:`~kvcore.KVCacheSpec.copies_partial_block_hits`):
+    the hash block when a cacheable group serves hits inside its block (see
+    :func:`serves_partial_hits`), else the scheduler block.  With them, each
+    cacheable group has a hit unit (:func:`group_hit_unit`) and hits are
+    multiples of the lcm of the units (never coarser than without).
+    """
+    legacy = _whole_block_alignment(groups, scheduler_block_size, hash_block_size, dcp)
+    if not partial_hits:
+        return legacy
+    units = []
+    copying = False
+    for g in groups:
+        if not g.kv_cache_spec.prefix_cacheable:
+            continue
+        block = effective_block_size(g, dcp)
+        unit = group_hit_unit(g, block, hash_block_size)
+        copying = copying or unit is not None
+        units.append(unit if unit is not None else math.lcm(block, hash_block_size))
+    if not copying:
+        return legacy
+    return math.gcd(legacy, math.lcm(*units))
+
+
+def group_hit_unit(
+    group: KVCacheGroupSpec, block_size: int, hash_block_size: int
+) -> int | None:
+    """A group's copy-on-write hit unit: ``lcm(hash block, each layer's
+    tokens_per_state)`` when every layer of the group
+    :attr:`~kvcore.KVCacheSpec.copies_partial_block_hits` and that unit is
+    finer than its ``block_size``; else None (its hits are whole blocks)."""
+    specs = group.layer_specs()
+    if not specs or not all(s.copies_partial_block_hits for s in specs):
+        return None
+    unit = math.lcm(hash_block_size, *(s.tokens_per_state for s in specs))
+    if unit >= block_size or block_size % unit:
+        return None
+    return unit
+
+
+def _whole_block_alignment(
+    groups: Sequence[KVCacheGroupSpec],
+    scheduler_block_size: int,
+    hash_block_size: int,
+    dcp: int,
+) -> int:
+    """The hit alignment without copy-on-write partial hits."""
     partial = any(
         g.kv_cache_spec.prefix_cacheable
         and serves_partial_hits(g, effective_block_size(g, dcp), hash_block_size, dcp)
@@ -140,16 +192,23 @@ _AGREED = (
 )
 
 
-def plan_hit_granularity(plan: KVCacheConfig) -> int | None:
+def plan_hit_granularity(
+    plan: KVCacheConfig, *, partial_hits: bool = True
+) -> int | None:
     """Tokens a plan's prefix hits are multiples of (``None`` for a plan
-    without resolved block sizes)."""
+    without resolved block sizes), with copy-on-write partial-block hits
+    (``KVCacheManager``'s default, ``enable_partial_hits=True``) or without."""
     scheduler, hashing = plan.scheduler_block_size, plan.hash_block_size
     if scheduler is None or hashing is None:
         return None
     if not plan.enable_prefix_caching:
         return scheduler
     return hit_alignment(
-        plan.kv_cache_groups, scheduler, hashing, plan.decode_context_parallel_size
+        plan.kv_cache_groups,
+        scheduler,
+        hashing,
+        plan.decode_context_parallel_size,
+        partial_hits=partial_hits,
     )
 
 
@@ -199,4 +258,4 @@ def generate_scheduler_kv_cache_config(
     return scheduler
 
 
-__all__ += ["hit_alignment", "plan_hit_granularity"]
+__all__ += ["group_hit_unit", "hit_alignment", "plan_hit_granularity"]

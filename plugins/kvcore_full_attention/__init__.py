@@ -34,6 +34,12 @@ class FullAttentionSpec(AttentionSpec):
     def group_key(self) -> Hashable:
         return (ATTENTION_FAMILY, self.block_size)
 
+    @property
+    def copies_partial_block_hits(self) -> bool:
+        # Append-only, one slot per token (or per tokens_per_state tokens):
+        # the slots of positions below P hold the prefix whatever follows.
+        return True
+
 
 class FullAttention(AttentionKind):
     name: ClassVar[str] = "full_attention"

@@ -1,0 +1,216 @@
+"""Copy-on-write partial-block hits.
+
+A group whose kind allows it (every layer's spec declares
+:attr:`~kvcore.KVCacheSpec.copies_partial_block_hits` and the manager class
+sets :attr:`~kvcore.coordinator.manager.SingleTypeManager.partial_copy_hits`)
+may serve a prefix hit that ends inside one of its blocks, at a multiple of
+its *hit unit* ``lcm(hash block, each layer's tokens_per_state)``.  That last
+block is not shared: the new request gets a fresh block at its position and
+the engine copies the cached block into it before the step's forward pass
+(a :class:`BlockCopy`).  The copied slots are the prefix; the request
+overwrites the rest as it computes.
+
+How the pieces fit:
+
+- **keys**: once a request's tokens up to a chunk end ``c`` (a multiple of
+  the unit, not a block end) are computed, the block holding ``c`` is
+  registered under that chunk's hash as a *partial key* of its group
+  (:func:`register_partial_keys`, :meth:`BlockPool.add_partial_key`).  Only
+  computed tokens are keyed (``request.num_computed_tokens``), never the
+  slots a step is about to write, because a copy runs before the forward.
+- **search**: the run of full-block hits is extended by at most one block
+  found by partial key at the deepest unit boundary below the next block end
+  (:func:`partial_prefix_hit`); a group's hit list then holds
+  ``ceil(P / block)`` entries, the last being the copy source.
+- **admission**: :func:`split_copy_sources` takes the source out of the
+  blocks attached; a fresh block takes its position and a copy is recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.manager import HitQuery
+from kvcore.coordinator.managers import prefix_hit
+from kvcore.coordinator.request import Request
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.manager import SingleTypeManager
+
+__all__ = [
+    "BlockCopy",
+    "PartialKeys",
+    "partial_prefix_hit",
+    "split_copy_sources",
+]
+
+
+@attrs.frozen
+class BlockCopy:
+    """One block copy the engine runs before the step's forward pass: the
+    first ``num_tokens`` slots of block ``src_block_id`` of cache group
+    ``group_id`` into block ``dst_block_id`` (copying the whole block is as
+    good: the request overwrites the slots past ``num_tokens``).  Every layer
+    of the group is copied (:meth:`kvcore.KVCachePool.copy_blocks`)."""
+
+    group_id: int
+    src_block_id: int
+    dst_block_id: int
+    num_tokens: int
+
+
+def partial_prefix_hit(
+    query: HitQuery, unit: int
+) -> tuple[list[list[KVCacheBlock]], int]:
+    """A prefix search that may end inside a block: the run of cached full
+    blocks, then at most one block holding a partial key at the deepest
+    boundary below the next block end that is a multiple of ``unit`` and of
+    ``query.alignment``, within ``query.max_length`` and the hashed chunks.
+    Returns the block lists (one per group id) and the hit in tokens."""
+    block_size = query.block_size
+    hash_size = query.hash_block_size
+    pool = query.block_pool
+    group_ids = query.group_ids
+    hits = prefix_hit(
+        query.block_hashes,
+        query.max_blocks,
+        group_ids,
+        pool,
+        block_size,
+        block_size,
+    )
+    full = len(hits[0]) * block_size
+    step = math.lcm(unit, query.alignment, hash_size)
+    chunks = query.chunk_hashes
+    end = min(query.max_length, full + block_size - 1, len(chunks) * hash_size)
+    end -= end % step
+    while end > full:
+        found = pool.lookup_partial(chunks[end // hash_size - 1], group_ids)
+        if found is not None:
+            for blocks, block in zip(hits, found, strict=True):
+                blocks.append(block)
+            return hits, end
+        end -= step
+    return hits, full
+
+
+def copy_source_valid(
+    pool: BlockPool,
+    block: KVCacheBlock,
+    group_id: int,
+    full_key: object,
+    chunk_key: object,
+) -> bool:
+    """Whether ``block`` still holds a prefix a copy may read: its full key
+    (the whole block is the prefix) or the partial key of the hit's end."""
+    if (
+        block.key_hash is not None
+        and block.key_group == group_id
+        and block.key_hash == full_key
+    ):
+        return True
+    return chunk_key is not None and pool.has_partial_key(
+        block,
+        chunk_key,  # type: ignore[arg-type]
+        group_id,
+    )
+
+
+class PartialKeys:
+    """The coordinator's partial-key bookkeeping: for each group that serves
+    copy-on-write hits, how far each live request's partial keys are
+    registered (so a step keys only its new chunk ends)."""
+
+    __slots__ = ("groups", "marks", "pool")
+
+    def __init__(
+        self, pool: BlockPool, groups: Sequence[tuple[SingleTypeManager, int]]
+    ):
+        self.pool = pool
+        #: ``(manager, unit)`` of every partial-hit group.
+        self.groups = tuple(groups)
+        #: request id -> tokens up to which its partial keys are registered.
+        self.marks: dict[str, int] = {}
+
+    def register(self, request: Request, num_tokens: int) -> None:
+        """Register the partial keys of ``request``'s computed chunk ends
+        below ``num_tokens`` (see :func:`register_partial_keys`)."""
+        rid = request.request_id
+        hash_size = self.pool.hash_block_size
+        top = min(
+            num_tokens,
+            request.num_computed_tokens,
+            len(request.block_hashes) * hash_size,
+        )
+        marks = self.marks
+        mark = marks.get(rid, 0)
+        if top <= mark:
+            return
+        for manager, unit in self.groups:
+            register_partial_keys(manager, unit, request, mark, top)
+        marks[rid] = top
+        if self.pool._journal is not None:
+            self.pool.record_undo(lambda: _restore(marks, rid, mark))
+
+    def forget(self, request_id: str) -> None:
+        self.marks.pop(request_id, None)
+
+
+def _restore(marks: dict[str, int], rid: str, mark: int) -> None:
+    if mark:
+        marks[rid] = mark
+    else:
+        marks.pop(rid, None)
+
+
+def register_partial_keys(
+    manager: SingleTypeManager, unit: int, request: Request, low: int, top: int
+) -> None:
+    """Key the blocks of ``request`` in ``manager``'s group at every chunk
+    end in ``(low, top]`` that is a multiple of ``unit`` but not a block end."""
+    blocks = manager.req_to_blocks.get(request.request_id)
+    if not blocks:
+        return
+    block_size = manager.block_size
+    hash_size = manager.hash_block_size
+    step = math.lcm(unit, hash_size)
+    chunks = request.block_hashes
+    gid = manager.kv_cache_group_id
+    add = manager.block_pool.add_partial_key
+    top = min(top, len(blocks) * block_size)
+    end = low - low % step + step
+    while end <= top:
+        if end % block_size:
+            block = blocks[end // block_size]
+            if not block.is_null:
+                add(block, chunks[end // hash_size - 1], gid)
+        end += step
+
+
+def split_copy_sources(
+    computed: tuple[Sequence[KVCacheBlock], ...],
+    partial_groups: Sequence[tuple[int, int]],
+    hit_end: int,
+) -> tuple[tuple[Sequence[KVCacheBlock], ...], list[tuple[int, KVCacheBlock, int]]]:
+    """The hit without its copy sources, and the sources ``(group id, block,
+    tokens to copy)``: for each partial-hit group ``(group id, block size)``
+    whose hit ends inside a block, the hit's last block."""
+    sources: list[tuple[int, KVCacheBlock, int]] = []
+    out: list[Sequence[KVCacheBlock]] | None = None
+    for gid, block_size in partial_groups:
+        rest = hit_end % block_size
+        blocks = computed[gid]
+        if not rest or len(blocks) != -(-hit_end // block_size):
+            continue
+        if out is None:
+            out = list(computed)
+        sources.append((gid, blocks[-1], rest))
+        out[gid] = list(blocks[:-1])
+    if out is None:
+        return computed, sources
+    return tuple(out), sources
