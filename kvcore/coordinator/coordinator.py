@@ -296,6 +296,171 @@ class KVCacheCoordinator:
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
+        self._init_twins(managers)
+
+    def _init_twins(self, managers: Sequence[SingleTypeManager]) -> None:
+        """Find twin groups and what their steps share.
+
+        Twins are groups whose managers are vetted and of one class, with
+        equal merged specs and block sizes.  The coordinator calls every
+        twin with the same arguments in every step, and a request's hit
+        gives twins equal-length block lists with the null block at the same
+        positions (they are one spec group, searched by one search that
+        builds every group's list alike; admission nulls the same skipped
+        positions).  So twins' tables have the same length and the same null
+        positions at all times, and so do their hashed and released counts:
+        what a step decides from those (blocks to grow, positions to
+        release, whether anything gets hashed) is decided once, on the
+        first twin, for all of them.  A hit attached by hand that breaks the
+        pattern (see :meth:`note_admission`) sends its request down the
+        per-group path for its life.
+        """
+        classes: dict[Any, list[SingleTypeManager]] = {}
+        ordered: list[list[SingleTypeManager]] = []
+        for manager in managers:
+            key: Any = None
+            if runs_vetted(manager):
+                key = (
+                    type(manager),
+                    manager.kv_cache_spec,
+                    manager.block_size,
+                    manager.caching,
+                    manager.hit_alignment,
+                )
+                try:
+                    hash(key)
+                except TypeError:
+                    key = None
+            members = classes.get(key) if key is not None else None
+            if members is None:
+                members = [manager]
+                ordered.append(members)
+                if key is not None:
+                    classes[key] = members
+            else:
+                members.append(manager)
+        share = self.vetted and any(len(c) > 1 for c in ordered)
+        self._share = False
+        #: Requests whose admission broke the twin pattern.
+        self._untwinned: set[str] = set()
+        index_of = {m.kv_cache_group_id: i for i, c in enumerate(ordered) for m in c}
+        growing = [c for c in ordered if c[0].position_indexed]
+        #: (first twin, number of twins) of each growing class.
+        self._grow_classes = tuple((c[0], len(c)) for c in growing)
+        grow_index = {id(c[0]): i for i, c in enumerate(growing)}
+        #: Each growing group's class (in ``_grow_classes``), and whether its
+        #: manager keeps the base class's table growth (then the
+        #: coordinator takes and places its new blocks itself).
+        self._grow_plan = tuple(
+            (
+                gid,
+                manager,
+                grow_index[id(ordered[index_of[gid]][0])],
+                _keeps_base(type(manager), "allocate_new_blocks")
+                and _keeps_base(type(manager), "get_num_blocks_to_allocate"),
+            )
+            for gid, manager in self._growing
+        )
+        #: Skipping classes, when every one keeps the base class's release
+        #: (then decided on the first twin); else None (group by group).
+        skipping = [tuple(c) for c in ordered if c[0].skips_blocks]
+        self._skip_classes: tuple[tuple[SingleTypeManager, ...], ...] | None = (
+            tuple(skipping)
+            if all(
+                _keeps_base(type(c[0]), name)
+                for c in skipping
+                for name in (
+                    "remove_skipped_blocks",
+                    "count_freeable_skipped",
+                    "_skipped",
+                    "_skip",
+                )
+            )
+            else None
+        )
+        #: Caching classes, each with its first twin's caching test when its
+        #: class keeps that test in step with its caching (else None: the
+        #: class's twins all cache every step).
+        self._cache_classes = (
+            tuple(
+                (
+                    tuple(m.kv_cache_group_id for m in c),
+                    c[0]._caches_now if _tests_caching(type(c[0])) else None,
+                )
+                for c in ordered
+                if c[0].caching
+            )
+            if share
+            else ()
+        )
+        #: Every class as (its group ids, its first twin), in group order
+        #: of first twins.
+        self._classes = tuple(
+            (tuple(m.kv_cache_group_id for m in c), c[0]) for c in ordered
+        )
+        #: Every group's manager with its class's index and whether it keeps
+        #: the base table growth (see ``_grow_plan``).
+        self._alloc_plan = tuple(
+            (
+                manager,
+                index_of[gid],
+                manager.position_indexed
+                and _keeps_base(type(manager), "allocate_new_blocks")
+                and _keeps_base(type(manager), "get_num_blocks_to_allocate"),
+            )
+            for gid, manager in enumerate(managers)
+        )
+        #: Classes of two or more twins, for :meth:`note_admission`.
+        self._twin_classes = tuple(
+            tuple(m.kv_cache_group_id for m in c) for c in ordered if len(c) > 1
+        )
+        self.share_twin_work = share
+
+    @property
+    def share_twin_work(self) -> bool:
+        """Whether steps share the work of twin groups (see
+        :meth:`_init_twins`); on where a vetted plan has twins.  Set it to
+        False to run every group's manager on its own (the per-group path,
+        which gives the same tables, counts, hits and events)."""
+        return self._share
+
+    @share_twin_work.setter
+    def share_twin_work(self, on: bool) -> None:
+        # The twin steps shadow the per-group ones as instance attributes,
+        # so a plan without twins pays nothing for them.
+        names = list(_TWIN_STEPS)
+        if self._skip_classes is None:
+            names.remove("remove_skipped_blocks")
+            names.remove("count_freeable_skipped")
+        if not self._cache_classes:
+            names.remove("cache_blocks")
+        state = self.__dict__
+        for name in _TWIN_STEPS:
+            state.pop(name, None)
+        self._share = bool(on) and bool(self._twin_classes) and self.vetted
+        if self._share:
+            for name in names:
+                state[name] = getattr(self, f"_twin_{name}")
+
+    def note_admission(
+        self, request_id: str, attach: Sequence[Sequence[KVCacheBlock]]
+    ) -> None:
+        """Check a new request's admission blocks (a hit that did not come
+        from this coordinator's own lookup): twins whose lists differ in
+        length or null positions leave the request on the per-group path."""
+        if not self._share:
+            return
+        for gids in self._twin_classes:
+            first = attach[gids[0]]
+            nulls = [i for i, b in enumerate(first) if b.is_null]
+            for gid in gids[1:]:
+                other = attach[gid]
+                if (
+                    len(other) != len(first)
+                    or [i for i, b in enumerate(other) if b.is_null] != nulls
+                ):
+                    self._untwinned.add(request_id)
+                    return
 
     # -- lookup -----------------------------------------------------------------
 
@@ -465,6 +630,10 @@ class KVCacheCoordinator:
                 if hit < length:
                     length = hit
                     changed = True
+                    if not hit:
+                        # No group can extend an empty hit: the later
+                        # groups are not searched.
+                        break
             first_pass = False
             if length == 0:
                 break
@@ -488,6 +657,28 @@ class KVCacheCoordinator:
     # group, so a manager that raises is reported as its plugin's failure
     # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
+    def _releases(
+        self, request_id: str, num_computed_tokens: int
+    ) -> dict[int, tuple[int, list[int]]] | None:
+        """Twin path: for each skipping class whose first twin would release
+        anything (move its release line), the new line and the positions
+        it frees, by the index of the class; None when no class would."""
+        out: dict[int, tuple[int, list[int]]] | None = None
+        classes = self._skip_classes
+        assert classes is not None
+        for index, members in enumerate(classes):
+            first = members[0]
+            blocks = first.req_to_blocks.get(request_id)
+            if not blocks:
+                continue
+            last = min(first._skip(num_computed_tokens), len(blocks))
+            if last <= first.num_released.get(request_id, 0):
+                continue
+            if out is None:
+                out = {}
+            out[index] = (last, first._skipped(request_id, num_computed_tokens))
+        return out
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         gid = -1
         try:
@@ -496,6 +687,52 @@ class KVCacheCoordinator:
                 manager.remove_skipped_blocks(request_id, num_computed_tokens)
         except Exception as exc:
             raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
+
+    def _twin_remove_skipped_blocks(
+        self, request_id: str, num_computed_tokens: int
+    ) -> None:
+        """:meth:`remove_skipped_blocks` with each class's release decided
+        once; blocks are freed group by group in group order, as the
+        per-group path frees them."""
+        if request_id in self._untwinned:
+            KVCacheCoordinator.remove_skipped_blocks(
+                self, request_id, num_computed_tokens
+            )
+            return
+        releases = self._releases(request_id, num_computed_tokens)
+        if releases is None:
+            return
+        free = self.block_pool.free_blocks
+        null = self.block_pool.null_block
+        # Group order across classes (their frees interleave in the queue).
+        for index, members in self._skip_order(releases):
+            last, positions = releases[index]
+            for manager in members:
+                manager.num_released[request_id] = last
+                if positions:
+                    blocks = manager.req_to_blocks[request_id]
+                    removed = [blocks[i] for i in positions]
+                    for i in positions:
+                        blocks[i] = null
+                    free(removed)
+
+    def _skip_order(
+        self, releases: dict[int, tuple[int, list[int]]]
+    ) -> list[tuple[int, Sequence[SingleTypeManager]]]:
+        """The releasing groups in group order, as (class index, [manager])
+        runs; one run per class when only one class releases."""
+        classes = self._skip_classes
+        assert classes is not None
+        if len(releases) == 1:
+            (index,) = releases
+            return [(index, classes[index])]
+        runs = [
+            (m.kv_cache_group_id, index, m)
+            for index in releases
+            for m in classes[index]
+        ]
+        runs.sort(key=lambda run: run[0])
+        return [(index, (m,)) for _, index, m in runs]
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
@@ -507,6 +744,28 @@ class KVCacheCoordinator:
                 total += manager.count_freeable_skipped(request_id, num_computed_tokens)
         except Exception as exc:
             raise self.plugin_error(gid, "count_freeable_skipped", exc) from exc
+        return total
+
+    def _twin_count_freeable_skipped(
+        self, request_id: str, num_computed_tokens: int
+    ) -> int:
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.count_freeable_skipped(
+                self, request_id, num_computed_tokens
+            )
+        total = 0
+        releases = self._releases(request_id, num_computed_tokens)
+        classes = self._skip_classes
+        if releases is None or classes is None:
+            return total
+        for index, (_, positions) in releases.items():
+            if not positions:
+                continue
+            for manager in classes[index]:
+                blocks = manager.req_to_blocks[request_id]
+                for i in positions:
+                    if blocks[i].ref_cnt == 1:
+                        total += 1
         return total
 
     def admission_blocks(
@@ -529,6 +788,27 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "admission_blocks", exc) from exc
         return tuple(out)
 
+    def _twin_admission_blocks(
+        self, hits: Sequence[Sequence[KVCacheBlock]], num_computed_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """:meth:`admission_blocks` with twins that have no hit blocks
+        sharing their first twin's list (null blocks only, the same for
+        all; nothing changes an admission list, tables copy it)."""
+        if len(hits) != self.num_groups:
+            msg = f"{len(hits)} hit lists for {self.num_groups} groups"
+            raise KvcoreValueError(msg)
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        managers = self.single_type_managers
+        for gids, first in self._classes:
+            if len(gids) > 1 and not any(map(hits.__getitem__, gids)):
+                shared = first.admission_blocks(hits[gids[0]], num_computed_tokens)
+                for g in gids:
+                    out[g] = shared
+                continue
+            for g in gids:
+                out[g] = managers[g].admission_blocks(hits[g], num_computed_tokens)
+        return tuple(out)
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -549,6 +829,37 @@ class KVCacheCoordinator:
                 )
         except Exception as exc:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
+        return total
+
+    def _twin_get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        attach: Sequence[Sequence[KVCacheBlock]],
+    ) -> int:
+        """:meth:`get_num_blocks_to_allocate` counting once for twins that
+        attach one shared list (see :meth:`_twin_admission_blocks`): equal
+        tables, equal admission blocks, equal counts."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.get_num_blocks_to_allocate(
+                self, request_id, num_tokens, attach
+            )
+        if len(attach) != self.num_groups:
+            msg = f"{len(attach)} block lists for {self.num_groups} groups"
+            raise KvcoreValueError(msg)
+        total = 0
+        managers = self.single_type_managers
+        for gids, first in self._classes:
+            blocks = attach[gids[0]]
+            if len(gids) > 1 and all(attach[g] is blocks for g in gids):
+                total += len(gids) * first.get_num_blocks_to_allocate(
+                    request_id, num_tokens, blocks
+                )
+                continue
+            for g in gids:
+                total += managers[g].get_num_blocks_to_allocate(
+                    request_id, num_tokens, attach[g]
+                )
         return total
 
     def add_computed_blocks(
@@ -578,6 +889,38 @@ class KVCacheCoordinator:
                 out.append(manager.allocate_new_blocks(request_id, num_tokens))
         except Exception as exc:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
+        return tuple(out)
+
+    def _twin_allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """:meth:`allocate_new_blocks` with each class's count taken once
+        for the groups that keep the base table growth, which get their
+        blocks without a call into their manager (group order, so each
+        takes the blocks the per-group path gives it)."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.allocate_new_blocks(self, request_id, num_tokens)
+        out: list[list[KVCacheBlock]] = []
+        needs: dict[int, int] = {}
+        get_new_blocks = self.block_pool.get_new_blocks
+        for manager, index, plain in self._alloc_plan:
+            if not plain:
+                out.append(manager.allocate_new_blocks(request_id, num_tokens))
+                continue
+            need = needs.get(index)
+            if need is None:
+                need = needs[index] = manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, ()
+                )
+            held = manager.req_to_blocks.get(request_id)
+            if held is None:
+                held = manager.req_to_blocks[request_id] = []
+            if need:
+                new = get_new_blocks(need)
+                held.extend(new)
+                out.append(new)
+            else:
+                out.append([])
         return tuple(out)
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
@@ -615,6 +958,48 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out) if out is not None else None
 
+    def _twin_get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """:meth:`get_num_blocks_to_grow` counting once per class."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.get_num_blocks_to_grow(
+                self, request_id, num_tokens
+            )
+        total = 0
+        for first, count in self._grow_classes:
+            total += count * first.get_num_blocks_to_allocate(
+                request_id, num_tokens, ()
+            )
+        return total
+
+    def _twin_grow(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """:meth:`grow` with each class's count taken once: nothing runs
+        when no class grows, and a growing group that keeps the base
+        table growth gets its blocks without a call into its manager (in
+        group order, so each takes the blocks the per-group path gives it)."""
+        if request_id in self._untwinned:
+            return KVCacheCoordinator.grow(self, request_id, num_tokens)
+        counts = [
+            first.get_num_blocks_to_allocate(request_id, num_tokens, ())
+            for first, _ in self._grow_classes
+        ]
+        if not any(counts):
+            return None
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        get_new_blocks = self.block_pool.get_new_blocks
+        for gid, manager, index, plain in self._grow_plan:
+            need = counts[index]
+            if not need:
+                continue
+            if plain:
+                new = get_new_blocks(need)
+                manager.req_to_blocks[request_id].extend(new)
+            else:
+                new = manager.allocate_new_blocks(request_id, num_tokens)
+            out[gid] = new
+        return tuple(out)
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         gid = -1
         try:
@@ -625,6 +1010,44 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "cache_blocks", exc) from exc
         if self.partial is not None:
             self.partial.register(request, num_tokens)
+
+    def _twin_cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """:meth:`cache_blocks` with each class's test (whether caching
+        would change anything) taken on its first twin: twins hold equal
+        tables and equal per-request state, so they decide alike.  The
+        groups that cache run in group order, as on the per-group path
+        (their pool changes and events come in that order)."""
+        rid = request.request_id
+        if rid in self._untwinned:
+            KVCacheCoordinator.cache_blocks(self, request, num_tokens)
+            return
+        self._cache_twin_groups(request, num_tokens)
+        # What follows the groups' caching on the per-group path.
+        if self.partial is not None:
+            self.partial.register(request, num_tokens)
+
+    def _cache_twin_groups(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        due: list[tuple[int, ...]] | None = None
+        for gids, test in self._cache_classes:
+            if test is None or test(rid, num_tokens):
+                if due is None:
+                    due = [gids]
+                else:
+                    due.append(gids)
+        if due is None:
+            return
+        managers = self.single_type_managers
+        if len(due) == 1:
+            for gid in due[0]:
+                managers[gid].cache_blocks(request, num_tokens)
+            return
+        for gid in sorted(g for gids in due for g in gids):
+            managers[gid].cache_blocks(request, num_tokens)
+
+    def _twin_free(self, request_id: str) -> None:
+        self._untwinned.discard(request_id)
+        KVCacheCoordinator.free(self, request_id)
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
@@ -735,6 +1158,37 @@ class KVCacheCoordinator:
             f"the plugin with KVCORE_DISABLE_PLUGINS={plugin}"
         )
         return PluginError(msg, plugin_name=plugin, distribution=distribution)
+
+
+#: The steps twin groups share (see KVCacheCoordinator._init_twins); each
+#: has a ``_twin_`` version.
+_TWIN_STEPS = (
+    "admission_blocks",
+    "allocate_new_blocks",
+    "cache_blocks",
+    "count_freeable_skipped",
+    "free",
+    "get_num_blocks_to_allocate",
+    "get_num_blocks_to_grow",
+    "grow",
+    "remove_skipped_blocks",
+)
+
+
+def _tests_caching(manager_type: type[SingleTypeManager]) -> bool:
+    """Whether ``manager_type``'s caching test (``_caches_now``) is defined
+    with its ``cache_blocks`` or below it (kept in step with it)."""
+    mro = manager_type.__mro__
+    caches = next(c for c in mro if "cache_blocks" in vars(c))
+    tests = next((c for c in mro if "_caches_now" in vars(c)), None)
+    return tests is not None and issubclass(tests, caches)
+
+
+def _keeps_base(manager_type: type[SingleTypeManager], name: str) -> bool:
+    """Whether ``manager_type`` runs the base class's ``name``."""
+    return inspect.getattr_static(manager_type, name) is inspect.getattr_static(
+        SingleTypeManager, name
+    )
 
 
 def _partial_units(

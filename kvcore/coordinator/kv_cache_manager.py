@@ -397,8 +397,10 @@ class KVCacheManager:
         )
         if computed is not None and not any(computed):
             computed = None
+        # Whether the hit is this manager's own lookup, untouched since.
+        own_hit = True
         if num_new_computed_tokens or computed is not None:
-            self._check_hit(
+            own_hit = self._check_hit(
                 request, new_computed_blocks, computed, num_new_computed_tokens
             )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -489,6 +491,10 @@ class KVCacheManager:
             if not running and coordinator.planning:
                 coordinator.forget_checkpoints(rid)
             return None
+        if not own_hit and attach:
+            # A hit from elsewhere may break the twin pattern
+            # (KVCacheCoordinator.note_admission).
+            coordinator.note_admission(rid, attach)
         step = (
             self._step
             if sources is None
@@ -793,11 +799,12 @@ class KVCacheManager:
         hit: KVCacheBlocks | None,
         computed: tuple[Sequence[KVCacheBlock], ...] | None,
         num_tokens: int,
-    ) -> None:
+    ) -> bool:
         """A prefix hit may attach only to a new request, as one block list
         per group covering exactly ``num_tokens`` tokens, with every block
         still holding this request's prefix (a hit looked up earlier may
-        have been evicted since)."""
+        have been evicted since).  True when the hit is this manager's own
+        lookup for the request and the pool has dropped no key since."""
         rid = request.request_id
         coordinator = self.coordinator
         lookup = hit._lookup if hit is not None else None
@@ -827,7 +834,7 @@ class KVCacheManager:
                 ):
                     break
             else:
-                return
+                return True
         if rid in self._live:
             msg = (
                 f"request {rid!r} already holds blocks; prefix hits attach only "
@@ -921,6 +928,7 @@ class KVCacheManager:
                         "allocate_slots"
                     )
                     raise InvalidRequestError(msg)
+        return False
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Hash the request's blocks filled by ``num_computed_tokens``."""

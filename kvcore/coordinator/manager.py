@@ -55,6 +55,7 @@ _STEP_METHODS = (
     "free",
     "get_num_blocks_to_allocate",
     "num_skipped_blocks",
+    "_caches_now",
     "forget_checkpoints",
     "plan_checkpoints",
     "pop_blocks",
@@ -332,6 +333,17 @@ class SingleTypeManager:
             return None
         chunk = end // self.hash_block_size - 1
         return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
+
+    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
+        """False only when :meth:`cache_blocks` at ``num_tokens`` would
+        change nothing (this class's rule: no block newly filled).  The
+        coordinator asks one twin group for all (see
+        KVCacheCoordinator._init_twins); a class that changes
+        :meth:`cache_blocks` keeps this in step with it."""
+        return (
+            self.caching
+            and num_tokens // self.block_size > self.num_cached_block.get(request_id, 0)
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the request's blocks that ``num_tokens`` tokens fill."""

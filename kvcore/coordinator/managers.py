@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
 from typing import Any, ClassVar
 
 from kvcore.checkpoints import (
@@ -88,18 +91,38 @@ def prefix_hit(
             append(entry)
         hits = [out]
     else:
-        hits = [[] for _ in group_ids]
-        for i in range(limit):
-            cached = pool.get_cached_block(hashes[i], group_ids)
-            if cached is None:
-                break
-            for blocks, block in zip(hits, cached, strict=True):
-                blocks.append(block)
+        # Group by group: each group's run of cached blocks, bounded by the
+        # shortest run so far; a group with no block ends the search (the
+        # hit is empty whatever the others hold).
+        hits = []
+        for gid in group_ids:
+            run = _cached_run(pool.cached_blocks_of(gid), hashes, limit)
+            hits.append(run)
+            limit = len(run)
+            if not limit:
+                return [[] for _ in group_ids]
+        hits = [h if len(h) == limit else h[:limit] for h in hits]
     if alignment > block_size:
         keep = (len(hits[0]) * block_size // alignment) * alignment // block_size
         if keep != len(hits[0]):
             hits = [h[:keep] for h in hits]
     return hits
+
+
+def _cached_run(
+    cached: dict[BlockHash, Any], hashes: Sequence[BlockHash], limit: int
+) -> list[KVCacheBlock]:
+    """The blocks ``cached`` (one group's live map, see
+    :meth:`BlockPool.cached_blocks_of`) holds for ``hashes[0]``,
+    ``hashes[1]``, ... up to the first miss, at most ``limit``."""
+    run: list[Any] = list(takewhile(_is_entry, map(cached.get, islice(hashes, limit))))
+    if dict in map(type, run):
+        # Several blocks hold the hash: the first stands for them.
+        run = [next(iter(e.values())) if type(e) is dict else e for e in run]
+    return run
+
+
+_is_entry = partial(is_not, None)
 
 
 class WindowManager(SingleTypeManager):
@@ -167,6 +190,10 @@ class WindowManager(SingleTypeManager):
                     token_ids=request.all_token_ids,
                 )
         self.num_cached_block[rid] = decided
+
+    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
+        # cache_blocks above hashes only blocks newly filled: the base test.
+        return super()._caches_now(request_id, num_tokens)
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
@@ -399,6 +426,16 @@ class CheckpointManager(SingleTypeManager):
         return new
 
     # -- caching ----------------------------------------------------------------
+
+    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
+        # False only where cache_blocks returns before changing anything: no
+        # target reached, and no step-end state to keep at this length.
+        if not self.caching or not self.req_to_blocks.get(request_id):
+            return False
+        targets = self.targets.get(request_id)
+        if targets and targets[0] <= num_tokens:
+            return True
+        return self._step_ends and (self.keep_all or num_tokens % self.unit == 0)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.caching:
