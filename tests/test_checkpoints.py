@@ -203,3 +203,30 @@ def test_policies_are_checked() -> None:
     with pytest.raises(CheckpointPolicyError, match="must be a bool"):
         CheckpointPolicy(prompt_end=1)  # type: ignore[arg-type]
     assert set(CHECKPOINT_POLICIES) == {"turns", "steps", "prompts"}
+
+
+def test_a_step_that_fits_only_without_its_checkpoints_runs_without_them() -> None:
+    """A 100-token prompt needs 7 attention blocks and the Mamba state at its
+    last position, plus the prompt-end checkpoint at 96: 9 blocks.  With 8
+    free the step runs without the checkpoint instead of being refused."""
+    mgr = hybrid(num_blocks=9)
+    req = Request("a", tokens(100), hash_block_size=BS)
+    assert mgr.allocate_slots(req, 100) is not None
+    assert mgr.get_num_free_blocks() == 0
+    assert state(mgr).targets == {}
+    table = mgr.get_blocks("a").blocks[1]
+    assert [i for i, b in enumerate(table) if not b.is_null] == [6]
+    # With one block more the checkpoint is kept.
+    roomy = hybrid(num_blocks=10)
+    again = Request("a", tokens(100), hash_block_size=BS)
+    assert roomy.allocate_slots(again, 100) is not None
+    table = roomy.get_blocks("a").blocks[1]
+    assert [i for i, b in enumerate(table) if not b.is_null] == [5, 6]
+
+
+def test_a_refused_step_keeps_its_checkpoints() -> None:
+    mgr = hybrid(num_blocks=8)
+    req = Request("a", tokens(100), hash_block_size=BS)
+    assert mgr.allocate_slots(req, 100) is None
+    assert state(mgr).targets == {}
+    assert mgr.get_num_free_blocks() == 7

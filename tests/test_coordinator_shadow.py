@@ -85,6 +85,8 @@ class Shadow:
         #: it holds below its read position (see states_held).
         self.branch_at: dict[tuple[str, int], int] = {}
         self.holding: dict[tuple[str, int], set[int]] = {}
+        #: Requests being planned without their optional checkpoints.
+        self.shedding: set[str] = set()
         alignment = mgr.coordinator.cache_hit_alignment
         self.state_units = [
             math.lcm(m.block_size, alignment, mgr.hash_block_size)
@@ -194,6 +196,12 @@ class Shadow:
                 if hit is not None and hit[g] and hit[g][-1]
                 else set()
             )
+        if r.request_id in self.shedding:
+            # The step does not fit with them: held states become old ones
+            # (at admission the hit's state is taken after, and held).
+            if r in self.running:
+                self.holding[key] = set()
+            self.branch_at[key] = -1
         held = self.holding.setdefault(key, set())
         branch = self.branch_at.get(key, -1)
         if 0 < branch <= num_computed:
@@ -223,6 +231,8 @@ class Shadow:
                 marks.add(branch)
             self.targets[key] = sorted(t for t in marks if t > num_computed)
             self.branch_at[key] = branch if branch > num_computed else -1
+        if r.request_id in self.shedding:
+            self.targets[key] = []
         bs = self.block_sizes[g]
         start, end = -(-num_computed // bs), -(-num_tokens // bs)
         if end <= start:
@@ -268,6 +278,29 @@ class Shadow:
             r, num_computed, num_tokens, hit_ids
         )
         free = mgr.get_num_free_blocks()
+        keys = [(r.request_id, g) for g, u in enumerate(self.state_units) if u]
+        if take + held > free + give and any(
+            self.targets.get(k) or self.holding.get(k) for k in keys
+        ):
+            # Checkpoints are optional: the step is tried without them.
+            saved = [
+                (
+                    k,
+                    list(self.targets.get(k, ())),
+                    set(self.holding.get(k, ())),
+                    self.branch_at.get(k, -1),
+                )
+                for k in keys
+            ]
+            self.shedding.add(r.request_id)
+            shed = self.plan_step(r, num_computed, num_tokens, hit_ids)
+            self.shedding.discard(r.request_id)
+            if shed[1] + shed[3] <= free + shed[2]:
+                expected, take, give, held = shed
+            else:
+                for k, targets, holding, branch in saved:
+                    self.targets[k], self.holding[k] = targets, holding
+                    self.branch_at[k] = branch
         out = mgr.allocate_slots(r, num_new, hit, hit_blocks if hit else None)
         if out is None:
             assert take + held > free + give, (

@@ -1097,6 +1097,30 @@ class KVCacheCoordinator:
         except Exception as exc:
             raise self.plugin_error(gid, "plan_checkpoints", exc) from exc
 
+    def shed_checkpoints(self, request_id: str) -> list[Any] | None:
+        """Let every state group give up the request's optional checkpoints
+        (for a step that does not fit with them); what
+        :meth:`restore_checkpoints` needs to undo it, or None when there was
+        nothing to give up."""
+        saved: list[Any] = []
+        shed = False
+        gid = 0
+        try:
+            for manager in self.planning:
+                gid = manager.kv_cache_group_id
+                state = manager.shed_checkpoints(request_id)
+                saved.append(state)
+                shed = shed or state is not None
+        except Exception as exc:
+            raise self.plugin_error(gid, "shed_checkpoints", exc) from exc
+        return saved if shed else None
+
+    def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
+        """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
+        for manager, state in zip(self.planning, saved, strict=True):
+            if state is not None:
+                manager.restore_checkpoints(request_id, state)
+
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""
         gid = 0

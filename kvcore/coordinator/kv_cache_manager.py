@@ -488,9 +488,33 @@ class KVCacheManager:
             not skipping
             or need > free + coordinator.count_freeable_skipped(rid, num_computed)
         ):
-            if not running and coordinator.planning:
-                coordinator.forget_checkpoints(rid)
-            return None
+            # Checkpoints are optional: a step that fits without them runs
+            # without them (the request gives up the states it would keep
+            # inside the step and those it holds for others).
+            shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
+            if shed is not None:
+                if running:
+                    need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
+                else:
+                    need = coordinator.get_num_blocks_to_allocate(
+                        rid, num_tokens, attach
+                    )
+                skipping = skipping or (
+                    running and bool(coordinator.skipping) and num_computed > 0
+                )
+            if shed is None or (
+                need > free
+                and (
+                    not skipping
+                    or need
+                    > free + coordinator.count_freeable_skipped(rid, num_computed)
+                )
+            ):
+                if shed is not None:
+                    coordinator.restore_checkpoints(rid, shed)
+                if not running and coordinator.planning:
+                    coordinator.forget_checkpoints(rid)
+                return None
         if not own_hit and attach:
             # A hit from elsewhere may break the twin pattern
             # (KVCacheCoordinator.note_admission).

@@ -58,6 +58,8 @@ _STEP_METHODS = (
     "_caches_now",
     "forget_checkpoints",
     "plan_checkpoints",
+    "restore_checkpoints",
+    "shed_checkpoints",
     "pop_blocks",
     "remove_skipped_blocks",
     "take_released_checkpoints",
@@ -234,6 +236,15 @@ class SingleTypeManager:
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` for a request whose admission was
         refused; nothing by default."""
+
+    def shed_checkpoints(self, request_id: str) -> Any:
+        """Give up the request's optional checkpoints, for a step that does
+        not fit with them: what :meth:`restore_checkpoints` needs to undo
+        it, or None when there is nothing to give up (the default)."""
+        return None
+
+    def restore_checkpoints(self, request_id: str, state: Any) -> None:
+        """Undo :meth:`shed_checkpoints`; nothing by default."""
 
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """After the request is freed: blocks it kept for later requests

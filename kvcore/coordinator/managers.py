@@ -351,6 +351,40 @@ class CheckpointManager(SingleTypeManager):
         else:
             self.branch.pop(rid, None)
 
+    def shed_checkpoints(self, request_id: str) -> Any:
+        targets = self.targets.get(request_id)
+        pinned = self.pinned.get(request_id)
+        if not targets and not pinned:
+            return None
+        released = self.num_released.get(request_id)
+        state = (
+            None if targets is None else list(targets),
+            None if pinned is None else list(pinned),
+            self.branch.get(request_id),
+            released,
+        )
+        # No checkpoint inside the coming steps; the states it holds for
+        # others become ordinary old states, released before the step (the
+        # release scan starts again at the lowest of them).
+        if pinned and released is not None:
+            self.num_released[request_id] = min(released, *pinned)
+        self.targets.pop(request_id, None)
+        self.pinned.pop(request_id, None)
+        self.branch.pop(request_id, None)
+        return state
+
+    def restore_checkpoints(self, request_id: str, state: Any) -> None:
+        targets, pinned, branch, released = state
+        for store, value in (
+            (self.targets, targets),
+            (self.pinned, pinned),
+            (self.branch, branch),
+        ):
+            if value is not None:
+                store[request_id] = value
+        if released is not None:
+            self.num_released[request_id] = released
+
     def forget_checkpoints(self, request_id: str) -> None:
         """Drop what :meth:`plan_checkpoints` planned for a request that was
         not admitted after all (it holds no blocks)."""
