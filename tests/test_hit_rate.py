@@ -456,3 +456,20 @@ def test_the_hit_rate_page_is_the_benchmarks_table(
     ]
     invalid = [cell[-1].strip() for cell in cells]
     assert set(invalid) == {"0"}
+
+
+def test_a_tight_pool_on_a_state_hybrid_with_copied_partial_hits(
+    zoo_registry: kvcore.KindRegistry,
+) -> None:
+    """Qwen3-Next's agentic turns in a tight pool: admissions with
+    copy-on-write sources that fit only without their checkpoints run
+    without them (the sources still counted), every hit valid, every
+    request served."""
+    bench = _benchmark()
+    ample, tight = bench.model_rows("qwen3-next-80b-a3b", "agentic", zoo_registry)
+    for row in (ample, tight):
+        assert row["invalid_hits"] == 0
+        assert row["completed"] == row["requests"]
+        assert row["unserved"] == 0
+    assert ample["bound_rate"] - ample["hit_rate"] < 0.02
+    assert tight["preemptions"] > 0

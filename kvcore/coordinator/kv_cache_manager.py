@@ -496,12 +496,10 @@ class KVCacheManager:
                 if running:
                     need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
                 else:
-                    need = coordinator.get_num_blocks_to_allocate(
-                        rid, num_tokens, attach
+                    need = (
+                        coordinator.get_num_blocks_to_allocate(rid, num_tokens, attach)
+                        + held_sources
                     )
-                skipping = skipping or (
-                    running and bool(coordinator.skipping) and num_computed > 0
-                )
             if shed is None or (
                 need > free
                 and (
