@@ -203,6 +203,10 @@ class SingleTypeManager:
         #: request id -> table positions below this hold the null block
         #: (released or never taken); kept only when the manager skips.
         self.num_released: dict[str, int] = {}
+        #: request id -> positions below the release line the request keeps
+        #: holding while it runs (a state kind's hit state and branch point,
+        #: see CheckpointManager): skipping passes over them.
+        self.pinned: dict[str, list[int]] = {}
 
     # -- the release rule -----------------------------------------------------
 
@@ -445,6 +449,13 @@ class SingleTypeManager:
         if last <= start:
             return []
         null = self.null_block
+        pinned = self.pinned.get(request_id) if self.pinned else None
+        if pinned:
+            return [
+                i
+                for i in range(last - 1, start - 1, -1)
+                if blocks[i] is not null and i not in pinned
+            ]
         return [i for i in range(last - 1, start - 1, -1) if blocks[i] is not null]
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:

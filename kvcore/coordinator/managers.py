@@ -295,11 +295,6 @@ class CheckpointManager(SingleTypeManager):
         #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
         #: hands the coordinator once.
         self._released_kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
-        #: request id -> table positions below its read position it keeps
-        #: holding while it runs: the state its hit resumed from and the
-        #: branch point it kept, so a prefix running requests share keeps
-        #: its state as it keeps its attention blocks.
-        self.pinned: dict[str, list[int]] = {}
         #: request id -> the branch-point target planned at admission.
         self.branch: dict[str, int] = {}
 
@@ -590,13 +585,6 @@ class CheckpointManager(SingleTypeManager):
         if self._holds_shared and blocks and not blocks[-1].is_null:
             # The hit's state stays held while the request runs.
             self.pinned[request_id] = [len(blocks) - 1]
-
-    def _skipped(self, request_id: str, num_computed_tokens: int) -> list[int]:
-        positions = super()._skipped(request_id, num_computed_tokens)
-        pinned = self.pinned.get(request_id)
-        if pinned and positions:
-            return [i for i in positions if i not in pinned]
-        return positions
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         self.targets.pop(request_id, None)
