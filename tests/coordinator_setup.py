@@ -16,10 +16,18 @@ from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_hisparse import HiSparseHot
 from kvcore_mamba import Mamba
 from kvcore_mla import MLA
-from kvcore_sliding_window import SlidingWindow, SlidingWindowSpec
+from kvcore_sliding_window import SlidingWindow, SlidingWindowMLA, SlidingWindowSpec
 
 BUILT_IN = KindRegistry.from_kinds(
-    [FullAttention(), MLA(), SlidingWindow(), Mamba(), CircularBuffer(), HiSparseHot()]
+    [
+        FullAttention(),
+        MLA(),
+        SlidingWindow(),
+        SlidingWindowMLA(),
+        Mamba(),
+        CircularBuffer(),
+        HiSparseHot(),
+    ]
 )
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from coordinator_setup import manager_for
 
-from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import BlockCopy, KVCacheManager, Request
 from kvcore.errors import InvalidRequestError, KvcoreTypeError
 from kvcore_circular_buffer import CircularBufferSpec
@@ -40,16 +40,9 @@ def manager(
     num_blocks: int = 400,
     **kw: object,
 ) -> KVCacheManager:
-    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
-    config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=8192,
-        scheduler_block_size=sched,
-        hash_block_size=hash_bs,
-        **kw,  # type: ignore[arg-type]
+    """A manager over one group per spec, on the built-in kinds."""
+    return manager_for(
+        specs, num_blocks, scheduler_block_size=sched, hash_block_size=hash_bs, **kw
     )
 
 
