@@ -15,7 +15,14 @@ positions later requests are likely to resume from.
   ends, as its admission lookup found it (the other groups hold that
   prefix, this group had no state there); the next request sharing the
   prefix resumes there;
-- **interval**: every ``interval`` tokens inside long prefills;
+- **interval**: every ``interval`` tokens of the part of a prompt no
+  earlier request shared (at most ``interval_per_step`` inside one step,
+  evenly spread), so the first request that shares a new prefix with it
+  resumes within ``interval`` tokens of where they part, where a branch
+  point serves only the requests after that one.  These states are not
+  moved back in the eviction order: they are evicted where their release
+  put them (a chunked prefill releases each after the step that passed
+  it, ahead of the prefix it sits in);
 - **every step**: every state a step leaves on a hit boundary, all kept
   (the most resume points, the most blocks).
 
@@ -67,6 +74,15 @@ def _interval(instance: Any, attribute: Any, value: Any) -> None:
         raise CheckpointPolicyError(msg)
 
 
+def _per_step(instance: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not int or value < 1:
+        msg = (
+            "CheckpointPolicy.interval_per_step must be an int >= 1 (interval "
+            f"checkpoints one step may keep), got {value!r}"
+        )
+        raise CheckpointPolicyError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class CheckpointPolicy:
     """Which states a checkpointed group keeps (see the module docs).
@@ -77,7 +93,11 @@ class CheckpointPolicy:
     :param branch_points: keep the state where the admission lookup found
         the shared prefix ends.
     :param interval: also keep one every ``interval`` tokens (rounded up to
-        the hit unit) inside a prefill; 0 for none.
+        the hit unit) of the part of a prompt no earlier request shared; 0
+        for none.
+    :param interval_per_step: at most this many of those inside one step
+        (a long step keeps every k-th, its last one included), which bounds
+        the blocks a step takes.
     :param every_step: keep every state a step leaves on a hit boundary.
     :param hold_shared: a running request holds its hit's state and its
         branch point until it is freed (one or two blocks more per group).
@@ -86,7 +106,8 @@ class CheckpointPolicy:
     prompt_end: bool = attrs.field(default=True, validator=_flag)
     output_end: bool = attrs.field(default=True, validator=_flag)
     branch_points: bool = attrs.field(default=True, validator=_flag)
-    interval: int = attrs.field(default=0, validator=_interval)
+    interval: int = attrs.field(default=1024, validator=_interval)
+    interval_per_step: int = attrs.field(default=4, validator=_per_step)
     every_step: bool = attrs.field(default=False, validator=_flag)
     hold_shared: bool = attrs.field(default=True, validator=_flag)
 
@@ -94,9 +115,11 @@ class CheckpointPolicy:
     def blocks_beyond_live(self) -> int:
         """Blocks a request may hold besides the state it reads and the one
         it writes: checkpoints inside one step (two prompt ends, a branch
-        point) and the states it holds (its hit's, its branch point)."""
+        point, the interval ones) and the states it holds (its hit's, its
+        branch point)."""
         inner = 2 * int(self.prompt_end) + int(self.branch_points)
-        inner += int(self.interval > 0)
+        if self.interval:
+            inner += self.interval_per_step
         held = (1 + int(self.branch_points)) if self.hold_shared else 0
         return inner + held
 
@@ -114,13 +137,15 @@ class CheckpointPolicy:
 
 #: Named policies a state kind's spec may choose.
 CHECKPOINT_POLICIES: dict[str, CheckpointPolicy] = {
-    # Chats and shared prompts: prompt end, output end, branch points.
+    # Chats and shared prompts: prompt end, output end, branch points, and
+    # every 1024 tokens of a prompt's new part.
     "turns": CheckpointPolicy(),
     # Only the states steps leave on hit boundaries, every one kept.
     "steps": CheckpointPolicy(
         prompt_end=False,
         output_end=False,
         branch_points=False,
+        interval=0,
         every_step=True,
         hold_shared=False,
     ),

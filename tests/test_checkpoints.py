@@ -230,3 +230,64 @@ def test_a_refused_step_keeps_its_checkpoints() -> None:
     assert mgr.allocate_slots(req, 100) is None
     assert state(mgr).targets == {}
     assert mgr.get_num_free_blocks() == 7
+
+
+def test_the_first_request_sharing_a_new_prefix_resumes_at_an_interval_state() -> None:
+    """Under ``turns`` a prompt's new part keeps a state every 1024 tokens:
+    a 2600-token prompt (one 8192-token step) keeps 1024 and 2048 besides
+    its prompt end (2592).  The next request shares its first 1500 tokens:
+    it resumes at 1024 (not 0) and keeps its branch point at 1488, from
+    which the one after resumes."""
+    mgr = hybrid(num_blocks=1000)
+    shared = tokens(1500)
+    a = Request("a", shared + tokens(1100, 10_000), hash_block_size=BS)
+    assert run(mgr, a, [1]) == 0
+    assert cached_state_ends(mgr, a) == [1024, 2048, 2592]
+    b = Request("b", shared + tokens(300, 20_000), hash_block_size=BS)
+    assert run(mgr, b, [1]) == 1024
+    assert b.shared_prefix_tokens == 1488
+    c = Request("c", shared + tokens(200, 30_000), hash_block_size=BS)
+    assert run(mgr, c, [1]) == 1488
+
+
+def test_interval_states_are_evicted_before_the_prefix_they_sit_in() -> None:
+    """Kept prompt ends go to the back of the eviction order after the
+    request's attention blocks; interval states stay where their release
+    put them: a prefill in 1000-token chunks releases them after the step
+    that passed them, ahead of the attention blocks of the prefix they sit
+    in."""
+    mgr = hybrid(num_blocks=1000)
+    a = Request("a", tokens(2600), hash_block_size=BS)
+    run(mgr, a, [1], chunk=1000)
+    pool = mgr.block_pool
+    where = {b.block_id: i for i, b in enumerate(pool.free_queue.get_all_free_blocks())}
+    interval = [pool.lookup(a.block_hashes[i], 1) for i in (63, 127)]  # 1024, 2048
+    prompt_end = pool.lookup(a.block_hashes[161], 1)  # 2592
+    attention = [pool.lookup(h, 0) for h in a.block_hashes]
+    assert all(b is not None for b in [*interval, prompt_end, *attention])
+    first_attention = min(where[b.block_id] for b in attention if b is not None)
+    last_attention = max(where[b.block_id] for b in attention if b is not None)
+    at_1024, at_2048 = (where[b.block_id] for b in interval if b is not None)
+    # 1024 was released by the third step; 2048, inside the last step, with
+    # the request.
+    assert at_1024 < first_attention
+    assert prompt_end is not None
+    assert where[prompt_end.block_id] > last_attention
+    assert at_2048 < where[prompt_end.block_id]
+
+
+def test_a_long_step_keeps_at_most_interval_per_step_interval_states() -> None:
+    """A 6000-token prompt in one step has 5 interval marks (1024..5120);
+    the default keeps at most 4 of them a step, every 2nd from the step's
+    end (5120, 3072, 1024), plus its prompt end."""
+    assert CHECKPOINT_POLICIES["turns"].interval_per_step == 4
+    mgr = hybrid(num_blocks=1000)
+    a = Request("a", tokens(6000), hash_block_size=BS)
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(a, 6000) is not None
+    # 375 attention blocks, the state at the last position, the prompt end
+    # (5984) and 3 interval states.
+    assert free - mgr.get_num_free_blocks() == 375 + 1 + 1 + 3
+    table = mgr.get_blocks("a").blocks[1]
+    kept = [(i + 1) * BS for i, b in enumerate(table) if not b.is_null]
+    assert kept == [1024, 3072, 5120, 5984, 6000]

@@ -27,7 +27,11 @@ import torch
 import kvcore
 import kvcore.zoo
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
-from kvcore.checkpoints import checkpoint_policy
+from kvcore.checkpoints import (
+    CHECKPOINT_POLICIES,
+    CheckpointPolicy,
+    checkpoint_policy,
+)
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.serialize import load_model_file
 from kvcore_circular_buffer import CircularBufferSpec
@@ -36,6 +40,8 @@ from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec
 from kvcore_sliding_window import SlidingWindowSpec
 
+#: A test-only named policy (registered per test): dense interval states.
+GRID_POLICY = "test-grid"
 EXAMPLES = int(os.environ.get("KVCORE_SHADOW_EXAMPLES", "3"))
 STEPS = 60
 
@@ -84,6 +90,8 @@ class Shadow:
         #: (request id, group) -> its branch-point target, and the positions
         #: it holds below its read position (see states_held).
         self.branch_at: dict[tuple[str, int], int] = {}
+        #: (request id, group) -> the interval targets still ahead.
+        self.grid: dict[tuple[str, int], list[int]] = {}
         self.holding: dict[tuple[str, int], set[int]] = {}
         #: Requests being planned without their optional checkpoints.
         self.shedding: set[str] = set()
@@ -229,17 +237,33 @@ class Shadow:
                 shared = min(r.shared_prefix_tokens, prompt)
                 branch = shared - shared % unit
                 marks.add(branch)
+            grid: set[int] = set()
+            if policy.interval:
+                # Every interval of the prompt's new part.
+                every = -(-policy.interval // unit) * unit
+                first = max(num_computed, branch) // every + 1
+                grid = {every * i for i in range(first, prompt // every + 1)} - marks
             self.targets[key] = sorted(t for t in marks if t > num_computed)
+            self.grid[key] = sorted(t for t in grid if t > num_computed)
             self.branch_at[key] = branch if branch > num_computed else -1
         if r.request_id in self.shedding:
             self.targets[key] = []
+            self.grid[key] = []
         bs = self.block_sizes[g]
         start, end = -(-num_computed // bs), -(-num_tokens // bs)
         if end <= start:
             return 0
-        return sum(
+        inside = sum(
             1 for t in self.targets.get(key, ()) if start <= t // bs - 1 < end - 1
         )
+        spaced = sum(
+            1 for t in self.grid.get(key, ()) if start <= t // bs - 1 < end - 1
+        )
+        if spaced:
+            # At most interval_per_step of them: every k-th.
+            k = -(-spaced // policy.interval_per_step)
+            inside += -(-spaced // k)
+        return inside
 
     def check_pool(self) -> None:
         held = set(self.holders())
@@ -280,7 +304,7 @@ class Shadow:
         free = mgr.get_num_free_blocks()
         keys = [(r.request_id, g) for g, u in enumerate(self.state_units) if u]
         if take + held > free + give and any(
-            self.targets.get(k) or self.holding.get(k) for k in keys
+            self.targets.get(k) or self.grid.get(k) or self.holding.get(k) for k in keys
         ):
             # Checkpoints are optional: the step is tried without them.
             saved = [
@@ -289,6 +313,7 @@ class Shadow:
                     list(self.targets.get(k, ())),
                     set(self.holding.get(k, ())),
                     self.branch_at.get(k, -1),
+                    list(self.grid.get(k, ())),
                 )
                 for k in keys
             ]
@@ -298,9 +323,9 @@ class Shadow:
             if shed[1] + shed[3] <= free + shed[2]:
                 expected, take, give, held = shed
             else:
-                for k, targets, holding, branch in saved:
+                for k, targets, holding, branch, grid in saved:
                     self.targets[k], self.holding[k] = targets, holding
-                    self.branch_at[k] = branch
+                    self.branch_at[k], self.grid[k] = branch, grid
         out = mgr.allocate_slots(r, num_new, hit, hit_blocks if hit else None)
         if out is None:
             assert take + held > free + give, (
@@ -429,8 +454,12 @@ def attn(cls: Any, block_size: int = 4, **kw: Any) -> Any:
 
 def hybrid(name: str, registry: KindRegistry) -> list[Any]:
     chunked = registry["chunked_local_attention"].spec_type
-    mamba = lambda mode, bs=8: MambaSpec(  # noqa: E731
-        block_size=bs, shapes=((2, 4),), dtypes=(torch.float32,), mamba_cache_mode=mode
+    mamba = lambda mode, bs=8, policy="turns": MambaSpec(  # noqa: E731
+        block_size=bs,
+        shapes=((2, 4),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode=mode,
+        checkpoint_policy=policy,
     )
     fa = attn(FullAttentionSpec)
     return {
@@ -447,6 +476,8 @@ def hybrid(name: str, registry: KindRegistry) -> list[Any]:
         ],
         "chunked_local": [fa, attn(chunked, attention_chunk_size=8)],
         "mamba_align": [fa, mamba("align")],
+        # A state every 8 tokens of a prompt's new part, at most 1 a step.
+        "mamba_grid": [fa, mamba("align", policy=GRID_POLICY)],
         "mamba_all": [fa, mamba("all")],
         "mamba_none": [fa, mamba("none")],
         "three_kinds": [
@@ -470,6 +501,8 @@ def hybrid(name: str, registry: KindRegistry) -> list[Any]:
         ("chunked_local", 4, 1, True),
         ("mamba_align", 4, 1, True),
         ("mamba_align", 2, 1, True),  # partial hits inside a Mamba block
+        ("mamba_grid", 4, 1, True),
+        ("mamba_grid", 2, 1, True),
         ("mamba_all", 4, 1, True),
         ("mamba_none", 4, 1, True),
         ("three_kinds", 4, 1, True),
@@ -484,8 +517,18 @@ def hybrid(name: str, registry: KindRegistry) -> list[Any]:
     ],
 )
 def test_shadow_model_over_hand_made_hybrids(
-    name: str, hash_bs: int, dcp: int, partial: bool, zoo_registry: KindRegistry
+    name: str,
+    hash_bs: int,
+    dcp: int,
+    partial: bool,
+    zoo_registry: KindRegistry,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setitem(
+        CHECKPOINT_POLICIES,
+        GRID_POLICY,
+        CheckpointPolicy(interval=8, interval_per_step=1),
+    )
     specs = hybrid(name, zoo_registry)
     groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
     sched = 8

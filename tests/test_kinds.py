@@ -343,14 +343,15 @@ def test_prefix_cacheable_and_replay(
             3,
             id="mamba-none",
         ),
-        # mode align: the state read and the one written, the three
+        # mode align: the state read and the one written, the seven
         # checkpoints the default policy may keep inside one step (two prompt
-        # ends, a branch point), the two states a running request keeps
-        # holding (its hit's, its branch point), and 2 speculative = 9
+        # ends, a branch point, 4 interval states), the two states a running
+        # request keeps holding (its hit's, its branch point), and 2
+        # speculative = 13
         pytest.param(
             mamba(num_speculative_blocks=2, mamba_cache_mode="align"),
             100,
-            9,
+            13,
             id="mamba-align",
         ),
         # mode all: cdiv(100, 16) + 2 = 7 + 2 = 9

@@ -297,6 +297,9 @@ class CheckpointManager(SingleTypeManager):
         self._released_kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: request id -> the branch-point target planned at admission.
         self.branch: dict[str, int] = {}
+        #: request id -> its targets that only the interval placed (thinned
+        #: per step, and not moved back in the eviction order when kept).
+        self.grid: dict[str, frozenset[int]] = {}
 
     def keeps_every_state(self, spec: Any) -> bool:
         """Whether every block-boundary state stays for the request's life
@@ -333,14 +336,23 @@ class CheckpointManager(SingleTypeManager):
             shared = min(request.shared_prefix_tokens, prompt)
             branch = shared - shared % unit
             marks.add(branch)
+        grid: set[int] = set()
         if policy.interval:
+            # Only the part of the prompt no earlier request shared: a
+            # shared part has its branch point.
             every = cdiv(policy.interval, unit) * unit
-            marks.update(range(every, prompt + 1, every))
-        targets = sorted(t for t in marks if t > num_computed_tokens)
+            start = max(num_computed_tokens, branch)
+            grid.update(range(start - start % every + every, prompt + 1, every))
+            grid -= marks
+        targets = sorted(t for t in marks | grid if t > num_computed_tokens)
         if targets:
             self.targets[rid] = targets
         else:
             self.targets.pop(rid, None)
+        if grid:
+            self.grid[rid] = frozenset(grid)
+        else:
+            self.grid.pop(rid, None)
         if branch > num_computed_tokens:
             self.branch[rid] = branch
         else:
@@ -357,6 +369,7 @@ class CheckpointManager(SingleTypeManager):
             None if pinned is None else list(pinned),
             self.branch.get(request_id),
             released,
+            self.grid.get(request_id),
         )
         # No checkpoint inside the coming steps; the states it holds for
         # others become ordinary old states, released before the step (the
@@ -366,15 +379,18 @@ class CheckpointManager(SingleTypeManager):
         self.targets.pop(request_id, None)
         self.pinned.pop(request_id, None)
         self.branch.pop(request_id, None)
+        self.grid.pop(request_id, None)
         return state
 
     def restore_checkpoints(self, request_id: str, state: Any) -> None:
-        targets, pinned, branch, released = state
-        for store, value in (
+        targets, pinned, branch, released, grid = state
+        stores: tuple[tuple[dict[str, Any], Any], ...] = (
             (self.targets, targets),
             (self.pinned, pinned),
             (self.branch, branch),
-        ):
+            (self.grid, grid),
+        )
+        for store, value in stores:
             if value is not None:
                 store[request_id] = value
         if released is not None:
@@ -386,21 +402,34 @@ class CheckpointManager(SingleTypeManager):
         if request_id not in self.req_to_blocks:
             self.targets.pop(request_id, None)
             self.branch.pop(request_id, None)
+            self.grid.pop(request_id, None)
 
     def _inner_targets(self, request_id: str, start: int, end: int) -> list[int]:
         """Table positions in ``[start, end - 1)`` that a target state
-        ends: they take a block besides the step's last position."""
+        ends: they take a block besides the step's last position.  Of the
+        interval targets, at most ``interval_per_step``: every k-th, counted
+        from the step's end."""
         targets = self.targets.get(request_id)
         if not targets:
             return []
         block_size = self.block_size
+        grid = self.grid.get(request_id)
         out = []
+        spaced = []
         for t in targets:
             pos = t // block_size - 1
             if pos >= end - 1:
                 break
             if pos >= start:
-                out.append(pos)
+                if grid is not None and t in grid:
+                    spaced.append(pos)
+                else:
+                    out.append(pos)
+        if spaced:
+            cap = self.policy.interval_per_step
+            if len(spaced) > cap:
+                spaced = spaced[::-1][:: cdiv(len(spaced), cap)]
+            out = sorted(out + spaced)
         return out
 
     # -- allocation -------------------------------------------------------------
@@ -478,17 +507,20 @@ class CheckpointManager(SingleTypeManager):
         targets = self.targets.get(rid)
         reached = -1
         if targets:
+            grid = self.grid.get(rid)
             while targets and targets[0] <= num_tokens:
                 reached = targets.pop(0)
                 pos = reached // block_size - 1
+                spaced = grid is not None and reached in grid
                 if (
-                    self._keep(request, blocks, pos, kept=True) is not None
+                    self._keep(request, blocks, pos, kept=not spaced) is not None
                     and self._holds_shared
                     and self.branch.get(rid) == reached
                 ):
                     self.pinned.setdefault(rid, []).append(pos)
             if not targets:
                 del self.targets[rid]
+                self.grid.pop(rid, None)
         if not self._step_ends:
             return
         if self.keep_all:
@@ -590,6 +622,7 @@ class CheckpointManager(SingleTypeManager):
         self.targets.pop(request_id, None)
         self.pinned.pop(request_id, None)
         self.branch.pop(request_id, None)
+        self.grid.pop(request_id, None)
         step_end = self.step_end.pop(request_id, None)
         kept = self.kept.pop(request_id, None)
         blocks = super().pop_blocks(request_id)
@@ -629,10 +662,11 @@ class CheckpointManager(SingleTypeManager):
             None if kept is None else list(kept),
             None if pinned is None else list(pinned),
             self.branch.get(request_id),
+            self.grid.get(request_id),
         )
 
     def restore_request_state(self, request_id: str, state: Any) -> None:
-        base, targets, step_end, kept, pinned, branch = state
+        base, targets, step_end, kept, pinned, branch, grid = state
         super().restore_request_state(request_id, base)
         stores: tuple[tuple[dict[str, Any], Any], ...] = (
             (self.targets, targets),
@@ -640,6 +674,7 @@ class CheckpointManager(SingleTypeManager):
             (self.kept, kept),
             (self.pinned, pinned),
             (self.branch, branch),
+            (self.grid, grid),
         )
         for store, value in stores:
             if value is None:
