@@ -92,6 +92,11 @@ def _sha256(data: bytes) -> bytes:
     return _sha256_new(data).digest()
 
 
+#: A sha256 that has absorbed a 32-byte parent's length prefix, which
+#: starts every chained encoding after the first chunk's.
+_SHA256_AFTER_HEAD32 = _sha256_new(struct.pack("<I", 32))
+
+
 def _load_sha256() -> HashFunction:
     return _sha256
 
@@ -221,18 +226,23 @@ def _token_struct(n: int) -> struct.Struct:
 def _pack_tokens(token_ids: Sequence[int], what: str) -> bytes:
     """Tokens as little-endian 4-byte unsigned ints; struct refuses
     non-integers and values out of range, and since a bool packs as 0 or 1
-    the per-token type check runs only when a 0 or 1 is present."""
+    the per-token type check runs only when a 0 or 1 is present (the byte
+    search may also match across two tokens: then the exact test decides)."""
     try:
         data = _token_struct(len(token_ids)).pack(*token_ids)
     except (struct.error, TypeError, ValueError):
         raise _bad_token_error(token_ids, what) from None
     if (
-        data
+        (_PACKED_ZERO in data or _PACKED_ONE in data)
         and _holds_zero_or_one(token_ids, data)
         and bool in set(map(type, token_ids))
     ):
         raise _bad_token_error(token_ids, what)
     return data
+
+
+_PACKED_ZERO = _pack_u32(0)
+_PACKED_ONE = _pack_u32(1)
 
 
 def _holds_zero_or_one(token_ids: Sequence[int], data: bytes) -> bool:
@@ -443,12 +453,15 @@ class BlockHasher:
             # constant extra keys.
             end = (full - done) * width
             if fn is _sha256 and not const_extra and len(parent) == 32:
-                # sha256 inline; every parent is 32 bytes from here on.
-                sha = _sha256_new
-                head32 = small[32]
+                # sha256 inline; every parent is 32 bytes from here on, so
+                # every encoding starts with the same length prefix: a copy
+                # of a hasher that has absorbed it is cheaper than hashing
+                # it again.
+                absorbed = _SHA256_AFTER_HEAD32
                 for off in range(0, end, width):
-                    enc = head32 + parent + ntok + data[off : off + width]
-                    parent = sha(enc).digest()
+                    h = absorbed.copy()
+                    h.update(parent + ntok + data[off : off + width])
+                    parent = h.digest()
                     append(parent)
                 return full - done
             for off in range(0, end, width):

@@ -101,12 +101,24 @@ class Request:
         # Full chunks are checked as they are hashed (at C speed); the rest,
         # and every token of an unhashed request, here.
         what = f"request {request_id!r}: prompt"
-        hashed = 0
-        if type(hash_block_size) is int and hash_block_size > 0:
-            given: object = prompt_token_ids  # checked: callers pass anything
-            count = len(given) if isinstance(given, Sequence) else 0
-            hashed = count - count % hash_block_size
-        prompt = tuple(check_token_sequence(prompt_token_ids, what, checked=hashed))
+        given: object = prompt_token_ids  # checked: callers pass anything
+        chunk = (
+            hash_block_size
+            if type(hash_block_size) is int and hash_block_size > 0
+            else 0
+        )
+        if type(given) is list or type(given) is tuple:
+            # The usual case, copied once.
+            prompt = list(prompt_token_ids)
+            hashed = len(prompt) - len(prompt) % chunk if chunk else 0
+            if hashed < len(prompt):
+                check_token_ids(prompt[hashed:], what, hashed)
+        else:
+            hashed = 0
+            if chunk:
+                count = len(given) if isinstance(given, Sequence) else 0
+                hashed = count - count % chunk
+            prompt = check_token_sequence(prompt_token_ids, what, checked=hashed)
         num_prompt = len(prompt)
         if num_prompt == 0:
             msg = (
@@ -115,9 +127,10 @@ class Request:
             )
             raise InvalidRequestError(msg)
         self.request_id = request_id
-        self._prompt_token_ids = prompt
+        #: The prompt as a tuple, made on first read.
+        self._prompt_token_ids: tuple[int, ...] | None = None
         self._num_prompt_tokens = num_prompt
-        self.all_token_ids = list(prompt)
+        self.all_token_ids = prompt
         self.num_computed_tokens = 0
         self.shared_prefix_tokens = 0
         self._cache_salt = cache_salt
@@ -164,7 +177,7 @@ class Request:
                 self._hash(self._hasher)
             except KvcoreError:
                 # Name the bad token as the prompt's, not the hasher's.
-                check_token_sequence(prompt, what)
+                check_token_ids(prompt, what)
                 raise
 
     def _hash(self, hasher: BlockHasher) -> None:
@@ -178,7 +191,11 @@ class Request:
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
         """The prompt, as given at construction."""
-        return self._prompt_token_ids
+        prompt = self._prompt_token_ids
+        if prompt is None:
+            prompt = tuple(self.all_token_ids[: self._num_prompt_tokens])
+            self._prompt_token_ids = prompt
+        return prompt
 
     @property
     def cache_salt(self) -> str | None:
