@@ -56,16 +56,20 @@ BlockHashWithGroupId: TypeAlias = tuple[BlockHash, int]
 class KVCacheBlock:
     """Metadata of one physical block (the data lives in the pool's tensors)."""
 
-    __slots__ = (
-        "block_id",
-        "is_null",
-        "key_group",
-        "key_hash",
-        "next_free",
-        "partial_group",
-        "partial_keys",
-        "prev_free",
+    # Slots are laid out in this order: the fields freeing and allocating
+    # touch come first, next to the object header, so that a block's hot
+    # fields share a cache line more often (freeing a request's blocks is
+    # bound by cache misses).
+    __slots__ = (  # noqa: RUF023
         "ref_cnt",
+        "key_hash",
+        "prev_free",
+        "next_free",
+        "partial_keys",
+        "is_null",
+        "block_id",
+        "key_group",
+        "partial_group",
     )
 
     block_id: int
