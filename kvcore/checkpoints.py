@@ -65,22 +65,22 @@ def _flag(instance: Any, attribute: Any, value: Any) -> None:
         raise CheckpointPolicyError(msg)
 
 
-def _interval(instance: Any, attribute: Any, value: Any) -> None:
-    if type(value) is not int or value < 0:
-        msg = (
-            "CheckpointPolicy.interval must be an int >= 0 (tokens between "
-            f"checkpoints inside a prefill; 0: none), got {value!r}"
-        )
-        raise CheckpointPolicyError(msg)
+def _count(minimum: int, meaning: str) -> Any:
+    """A validator of an int field of at least ``minimum``."""
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if type(value) is not int or value < minimum:
+            msg = (
+                f"CheckpointPolicy.{attribute.name} must be an int >= {minimum} "
+                f"({meaning}), got {value!r}"
+            )
+            raise CheckpointPolicyError(msg)
+
+    return check
 
 
-def _per_step(instance: Any, attribute: Any, value: Any) -> None:
-    if type(value) is not int or value < 1:
-        msg = (
-            "CheckpointPolicy.interval_per_step must be an int >= 1 (interval "
-            f"checkpoints one step may keep), got {value!r}"
-        )
-        raise CheckpointPolicyError(msg)
+_interval = _count(0, "tokens between checkpoints inside a prefill; 0: none")
+_per_step = _count(1, "interval checkpoints one step may keep")
 
 
 @attrs.frozen(kw_only=True)

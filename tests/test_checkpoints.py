@@ -200,6 +200,10 @@ def test_policies_are_checked() -> None:
         mamba(policy="often")
     with pytest.raises(CheckpointPolicyError, match="interval must be an int"):
         CheckpointPolicy(interval=-1)
+    with pytest.raises(
+        CheckpointPolicyError, match="interval_per_step must be an int >= 1"
+    ):
+        CheckpointPolicy(interval_per_step=0)
     with pytest.raises(CheckpointPolicyError, match="must be a bool"):
         CheckpointPolicy(prompt_end=1)  # type: ignore[arg-type]
     assert set(CHECKPOINT_POLICIES) == {"turns", "steps", "prompts"}
