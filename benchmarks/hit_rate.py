@@ -37,7 +37,6 @@ each policy costs in cached state blocks and gains in hits.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -45,6 +44,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+# A sibling script: ``python benchmarks/hit_rate.py`` has benchmarks/ on the path.
+from capacity import benchmark_registry
 
 import kvcore
 import kvcore.zoo
@@ -58,7 +60,6 @@ from kvcore.spec import HitPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "hit-rate.md"
-EXAMPLE_PLUGIN = REPO / "examples" / "third_party_plugin"
 
 #: The tight pool over the ample run's peak blocks in use.
 TIGHT_FACTOR = 1.0
@@ -81,22 +82,6 @@ COLUMNS = [
     ("evictions", "evictions", "{:,}"),
     ("invalid hits", "invalid_hits", "{:,}"),
 ]
-
-
-def benchmark_registry() -> KindRegistry:
-    """The installed kinds, plus the repository's example chunked-local kind
-    (the shipped Llama-4 file needs it) when it is not installed."""
-    pm = kvcore.get_plugin_manager()
-    if "chunked_local_attention" not in kvcore.KindRegistry.from_plugin_manager(pm):
-        sys.path.insert(0, str(EXAMPLE_PLUGIN))
-        try:
-            plugin = importlib.import_module("kvcore_chunked_local")
-        except ImportError:
-            return kvcore.KindRegistry.from_plugin_manager(pm)
-        finally:
-            sys.path.remove(str(EXAMPLE_PLUGIN))
-        pm.register(plugin, name="chunked_local_attention")
-    return kvcore.KindRegistry.from_plugin_manager(pm)
 
 
 # -- planning ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import random
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -411,6 +412,11 @@ def test_simulate_refuses_a_bad_workload(
 
 
 def _benchmark() -> Any:
+    # hit_rate.py imports its sibling capacity.py, as running it as a
+    # script allows.
+    scripts = str(REPO / "benchmarks")
+    if scripts not in sys.path:
+        sys.path.append(scripts)
     spec = importlib.util.spec_from_file_location(
         "hit_rate_benchmark", REPO / "benchmarks" / "hit_rate.py"
     )
