@@ -828,17 +828,7 @@ class BlockPool:
         self, block_hash: BlockHash, group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any misses."""
-        cached = self._cached
-        out = []
-        for group_id in group_ids:
-            group = cached.get(group_id)
-            entry = None if group is None else group.get(block_hash)
-            if entry is None:
-                return None
-            if isinstance(entry, dict):
-                entry = next(iter(entry.values()))
-            out.append(entry)
-        return out
+        return _one_per_group(self._cached, block_hash, group_ids)
 
     def cache_full_blocks(
         self,
@@ -1047,16 +1037,7 @@ class BlockPool:
     ) -> list[KVCacheBlock] | None:
         """One block per group holding the partial key ``block_hash``, or
         None if any group has none."""
-        out = []
-        for group_id in group_ids:
-            group = self._partial.get(group_id)
-            entry = None if group is None else group.get(block_hash)
-            if entry is None:
-                return None
-            if isinstance(entry, dict):
-                entry = next(iter(entry.values()))
-            out.append(entry)
-        return out
+        return _one_per_group(self._partial, block_hash, group_ids)
 
     def has_partial_key(
         self, block: KVCacheBlock, block_hash: BlockHash, group_id: int
@@ -1162,6 +1143,25 @@ def _check_event_groups(
             raise KvcoreTypeError(msg)
         out.append(GroupEventInfo(size, kind, window))
     return tuple(out)
+
+
+def _one_per_group(
+    table: dict[int, dict[BlockHash, _Entry]],
+    block_hash: BlockHash,
+    group_ids: Sequence[int],
+) -> list[KVCacheBlock] | None:
+    """One block per group keyed ``block_hash`` in ``table`` (any one where
+    several share the key), or None if a group has none."""
+    out = []
+    for group_id in group_ids:
+        group = table.get(group_id)
+        entry = None if group is None else group.get(block_hash)
+        if entry is None:
+            return None
+        if isinstance(entry, dict):
+            entry = next(iter(entry.values()))
+        out.append(entry)
+    return out
 
 
 def _insert(
