@@ -1086,34 +1086,32 @@ class KVCacheCoordinator:
         except Exception as exc:
             raise self.plugin_error(gid, "take_released_checkpoints", exc) from exc
 
-    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
-        """Let every state group choose where to keep checkpoints for a
-        request being admitted."""
+    def _each_planning(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every state group's manager, in order, and
+        return what each returned; a manager that raises is reported as a
+        PluginError naming it."""
+        results = []
         gid = 0
         try:
             for manager in self.planning:
                 gid = manager.kv_cache_group_id
-                manager.plan_checkpoints(request, num_computed_tokens)
+                results.append(getattr(manager, method)(*args))
         except Exception as exc:
-            raise self.plugin_error(gid, "plan_checkpoints", exc) from exc
+            raise self.plugin_error(gid, method, exc) from exc
+        return results
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """Let every state group choose where to keep checkpoints for a
+        request being admitted."""
+        self._each_planning("plan_checkpoints", request, num_computed_tokens)
 
     def shed_checkpoints(self, request_id: str) -> list[Any] | None:
         """Let every state group give up the request's optional checkpoints
         (for a step that does not fit with them); what
         :meth:`restore_checkpoints` needs to undo it, or None when there was
         nothing to give up."""
-        saved: list[Any] = []
-        shed = False
-        gid = 0
-        try:
-            for manager in self.planning:
-                gid = manager.kv_cache_group_id
-                state = manager.shed_checkpoints(request_id)
-                saved.append(state)
-                shed = shed or state is not None
-        except Exception as exc:
-            raise self.plugin_error(gid, "shed_checkpoints", exc) from exc
-        return saved if shed else None
+        saved = self._each_planning("shed_checkpoints", request_id)
+        return saved if any(state is not None for state in saved) else None
 
     def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
         """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
@@ -1123,13 +1121,7 @@ class KVCacheCoordinator:
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""
-        gid = 0
-        try:
-            for manager in self.planning:
-                gid = manager.kv_cache_group_id
-                manager.forget_checkpoints(request_id)
-        except Exception as exc:
-            raise self.plugin_error(gid, "forget_checkpoints", exc) from exc
+        self._each_planning("forget_checkpoints", request_id)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
