@@ -138,6 +138,15 @@ class KVCacheCoordinator:
                 hash_block_size,
                 dcp,
             )
+            # Hits end only on the alignment: a group keys (and copies) only
+            # there, and one whose blocks the alignment never falls inside
+            # takes no partial hit at all.
+            alignment = self.cache_hit_alignment
+            partial_units = {
+                gid: math.lcm(unit, alignment)
+                for gid, unit in partial_units.items()
+                if math.lcm(unit, alignment) % effective_block_size(groups[gid], dcp)
+            }
         managers: list[SingleTypeManager] = []
         #: The plugin that registered each group's kind.
         owners: list[str] = []
