@@ -295,3 +295,29 @@ def test_a_long_step_keeps_at_most_interval_per_step_interval_states() -> None:
     table = mgr.get_blocks("a").blocks[1]
     kept = [(i + 1) * BS for i, b in enumerate(table) if not b.is_null]
     assert kept == [1024, 3072, 5120, 5984, 6000]
+
+
+def test_a_lookup_that_finds_nothing_shares_nothing() -> None:
+    """``shared_prefix_tokens`` is the request's own lookup's: a one-token
+    prompt (nothing to look up) after a lookup that found 48 shared tokens
+    shares none, so no branch point is planned for it."""
+    mgr = hybrid()
+    shared = tokens(50)
+    run(mgr, Request("a", shared + tokens(60, 1000), hash_block_size=BS), [1])
+    b = Request("b", shared + tokens(70, 2000), hash_block_size=BS)
+    mgr.get_computed_blocks(b)
+    assert b.shared_prefix_tokens == 48
+    c = Request("c", [5], hash_block_size=BS)
+    assert mgr.get_computed_blocks(c)[1] == 0
+    assert c.shared_prefix_tokens == 0
+
+
+def test_layers_of_different_checkpoint_policies_are_grouped_apart() -> None:
+    """A group's manager keeps one policy, so Mamba layers that choose
+    different ones never share a group."""
+    specs = {"a": mamba(policy="turns"), "b": mamba(policy="steps")}
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(enable_prefix_caching=True)
+    )
+    groups = kvcore.get_kv_cache_groups(config, specs)
+    assert sorted(sorted(g.layer_names) for g in groups) == [["a"], ["b"]]

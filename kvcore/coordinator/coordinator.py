@@ -484,6 +484,8 @@ class KVCacheCoordinator:
         that needs its prefix but caches none (see :attr:`hit_blockers`)
         allows no hit.
         """
+        # Set by the fixed point; a lookup that ends before it shares nothing.
+        self.last_shared_prefix = 0
         groups = self.attention_groups
         if not groups or max_length <= 0 or self.hit_blockers:
             return tuple([] for _ in range(self.num_groups)), 0
@@ -600,7 +602,6 @@ class KVCacheCoordinator:
         length = limit
         changed = True
         first_pass = True
-        self.last_shared_prefix = 0
         while changed:
             changed = False
             for index, group in enumerate(self.attention_groups):

@@ -389,6 +389,8 @@ class MambaSpec(KVCacheSpec):
             self.tp_replicated,
             self.num_speculative_blocks,
             self.mamba_cache_mode,
+            # A group's manager keeps one policy.
+            self.checkpoint_policy,
         )
 
 
