@@ -262,3 +262,53 @@ def test_a_freed_request_does_not_requeue_a_block_another_request_reused() -> No
     # behind them.
     assert [i for i in after if i in before] == before
     assert all(after.index(x.block_id) < after.index(blk.block_id) for blk in cached)
+
+
+def test_a_step_that_raises_after_shedding_keeps_its_checkpoints() -> None:
+    """A running request whose step fits only without its checkpoints sheds
+    them; when a plugin's manager then raises, the rolled-back step gives
+    them back (the prompt-end target, the hit's held state, the release
+    line), as a refused step does."""
+    registry = KindRegistry.from_kinds([FullAttention(), RaisingMamba()])
+    mgr = manager_for(
+        [fa(BS), mamba()],
+        100,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        registry=registry,
+    )
+    manager = state(mgr)
+    first = Request("a", list(range(100)), hash_block_size=BS)
+    assert mgr.allocate_slots(first, 100) is not None
+    first.num_computed_tokens = 100
+    mgr.cache_blocks(first, 100)
+    mgr.free(first)
+    # 140 tokens: a hit of 96 (a's prompt end), 20 computed, then a step to
+    # 136 that passes the prompt-end target at 128.
+    req = Request("b", [*range(100), *range(5000, 5040)], hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert hit == 96
+    assert mgr.allocate_slots(req, 20, hit, blocks) is not None
+    req.num_computed_tokens = 116
+    mgr.cache_blocks(req, 116)
+    before = (
+        list(manager.targets["b"]),
+        list(manager.pinned["b"]),
+        manager.num_released.get("b"),
+    )
+    assert before[:2] == ([128], [5])
+    # One free block: the step takes two (an attention block and the state
+    # at 136; the state at 128 is written into the block at position 7 it
+    # holds), which fits only once the held hit state at position 5 is
+    # given up and released.
+    mgr.block_pool.get_new_blocks(mgr.get_num_free_blocks() - 1)
+    manager.armed = True
+    with pytest.raises(PluginError):
+        mgr.allocate_slots(req, 20)
+    assert mgr.get_num_free_blocks() == 1
+    after = (
+        manager.targets.get("b"),
+        manager.pinned.get("b"),
+        manager.num_released.get("b"),
+    )
+    assert after == before

@@ -484,6 +484,7 @@ class KVCacheManager:
         # short, the blocks they would return count as free.
         skipping = running and bool(coordinator.skipping) and num_computed > 0
         free = self.block_pool.free_queue.num_free
+        shed = None
         if need > free and (
             not skipping
             or need > free + coordinator.count_freeable_skipped(rid, num_computed)
@@ -548,6 +549,9 @@ class KVCacheManager:
                 # undone first.
                 pool.rollback()
                 coordinator.restore_request_state(rid, states)
+                if shed is not None:
+                    # The states were recorded after the shed.
+                    coordinator.restore_checkpoints(rid, shed)
                 if not running and coordinator.planning:
                     # The states were recorded after plan_checkpoints.
                     coordinator.forget_checkpoints(rid)
