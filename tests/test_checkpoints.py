@@ -169,10 +169,17 @@ def test_a_finished_requests_states_are_evicted_after_its_attention_blocks() -> 
 
 
 def test_a_refused_admission_forgets_its_checkpoints() -> None:
-    mgr = hybrid(num_blocks=6)
+    """A first chunk of 50 tokens plans the prompt end (96) and needs 4
+    attention blocks and a state: refused with 4 free, nothing planned
+    stays behind (admitted, the target would wait for a later step)."""
+    mgr = hybrid(num_blocks=5)
     req = Request("a", tokens(100), hash_block_size=BS)
-    assert mgr.allocate_slots(req, 100) is None
+    assert mgr.allocate_slots(req, 50) is None
     assert state(mgr).targets == {}
+    assert mgr.get_num_free_blocks() == 4
+    roomy = hybrid(num_blocks=6)
+    assert roomy.allocate_slots(Request("a", tokens(100), hash_block_size=BS), 50)
+    assert state(roomy).targets == {"a": [96]}
 
 
 def test_hybrid_model_files_get_hits_by_default() -> None:
@@ -229,11 +236,19 @@ def test_a_step_that_fits_only_without_its_checkpoints_runs_without_them() -> No
 
 
 def test_a_refused_step_keeps_its_checkpoints() -> None:
-    mgr = hybrid(num_blocks=8)
+    """A running request at 50 tokens of a 100-token prompt: the step to
+    100 takes 3 attention blocks and 2 states (at 100, and the prompt end
+    at 96), 4 without the checkpoint, and releases the state at 50.  With
+    2 free it is refused even without the checkpoint, and keeps it."""
+    mgr = hybrid(num_blocks=20)
     req = Request("a", tokens(100), hash_block_size=BS)
-    assert mgr.allocate_slots(req, 100) is None
-    assert state(mgr).targets == {}
-    assert mgr.get_num_free_blocks() == 7
+    assert mgr.allocate_slots(req, 50) is not None
+    req.num_computed_tokens = 50
+    assert state(mgr).targets == {"a": [96]}
+    mgr.block_pool.get_new_blocks(mgr.get_num_free_blocks() - 2)
+    assert mgr.allocate_slots(req, 50) is None
+    assert state(mgr).targets == {"a": [96]}
+    assert mgr.get_num_free_blocks() == 2
 
 
 def test_the_first_request_sharing_a_new_prefix_resumes_at_an_interval_state() -> None:
