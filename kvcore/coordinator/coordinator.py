@@ -116,28 +116,26 @@ class KVCacheCoordinator:
         self.scheduler_block_size = scheduler_block_size
         self.max_model_len = max_model_len
         self.use_eagle = use_eagle
-        #: Hits are multiples of this many tokens (whole blocks of every
-        #: group here; copy-on-write partial hits refine it below).
-        self.cache_hit_alignment = (
-            hit_alignment(
-                groups, scheduler_block_size, hash_block_size, dcp, partial_hits=False
-            )
-            if enable_caching
-            else scheduler_block_size
-        )
+        # Groups whose managers take copy-on-write hits inside their blocks.
         partial_units = (
             _partial_units(groups, registry, hash_block_size, dcp)
             if enable_caching and enable_partial_hits
             else {}
         )
-        if partial_units:
-            self.cache_hit_alignment = _partial_alignment(
-                self.cache_hit_alignment,
+        #: Hits are multiples of this many tokens (see hit_alignment).
+        self.cache_hit_alignment = (
+            hit_alignment(
                 groups,
-                partial_units,
+                scheduler_block_size,
                 hash_block_size,
                 dcp,
+                partial_hits=bool(partial_units),
+                units=partial_units,
             )
+            if enable_caching
+            else scheduler_block_size
+        )
+        if partial_units:
             # Hits end only on the alignment: a group keys (and copies) only
             # there, and one whose blocks the alignment never falls inside
             # takes no partial hit at all.
@@ -1244,27 +1242,6 @@ def _takes_partial(manager_type: type[SingleTypeManager]) -> bool:
         inspect.getattr_static(manager_type, "find_longest_cache_hit", None)
         is inspect.getattr_static(PrefixManager, "find_longest_cache_hit")
     )
-
-
-def _partial_alignment(
-    whole: int,
-    groups: Sequence[Any],
-    partial_units: dict[int, int],
-    hash_block_size: int,
-    dcp: int,
-) -> int:
-    """The hit alignment with copy-on-write hits: the lcm of every cacheable
-    group's unit (its copy-on-write unit, else its block), never coarser than
-    the whole-block alignment ``whole``."""
-    units = []
-    for gid, group in enumerate(groups):
-        if not group.kv_cache_spec.prefix_cacheable:
-            continue
-        unit = partial_units.get(gid)
-        if unit is None:
-            unit = math.lcm(effective_block_size(group, dcp), hash_block_size)
-        units.append(unit)
-    return math.gcd(whole, math.lcm(*units))
 
 
 def _count(value: object) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvcore.config import EngineConfig
 from kvcore.errors import BlockSizeError, PlanError
@@ -119,6 +119,7 @@ def hit_alignment(
     dcp: int,
     *,
     partial_hits: bool = True,
+    units: Mapping[int, int] | None = None,
 ) -> int:
     """Prefix hits are multiples of this many tokens.
 
@@ -126,24 +127,29 @@ def hit_alignment(
     whose layers all :attr:`~kvcore.KVCacheSpec.copies_partial_block_hits`):
     the hash block when a cacheable group serves hits inside its block (see
     :func:`serves_partial_hits`), else the scheduler block.  With them, each
-    cacheable group has a hit unit (:func:`group_hit_unit`) and hits are
-    multiples of the lcm of the units (never coarser than without).
+    cacheable group has a hit unit (:func:`group_hit_unit`, or ``units``:
+    group index -> unit, for the groups that take copy-on-write hits) and
+    hits are multiples of the lcm of the units (never coarser than without).
     """
     legacy = _whole_block_alignment(groups, scheduler_block_size, hash_block_size, dcp)
     if not partial_hits:
         return legacy
-    units = []
+    found = []
     copying = False
-    for g in groups:
+    for gid, g in enumerate(groups):
         if not g.kv_cache_spec.prefix_cacheable:
             continue
         block = effective_block_size(g, dcp)
-        unit = group_hit_unit(g, block, hash_block_size)
+        unit = (
+            group_hit_unit(g, block, hash_block_size)
+            if units is None
+            else units.get(gid)
+        )
         copying = copying or unit is not None
-        units.append(unit if unit is not None else math.lcm(block, hash_block_size))
+        found.append(unit if unit is not None else math.lcm(block, hash_block_size))
     if not copying:
         return legacy
-    return math.gcd(legacy, math.lcm(*units))
+    return math.gcd(legacy, math.lcm(*found))
 
 
 def group_hit_unit(
