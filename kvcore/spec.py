@@ -351,6 +351,13 @@ class KVCacheSpec:
         recurrent state.  Default ``None``."""
         return None
 
+    @property
+    def checkpoint_policy_name(self) -> str | None:
+        """The named checkpoint policy this spec's states are kept under
+        (what the plan reports), or ``None`` where none applies.  Default
+        ``None``."""
+        return None
+
     def with_state_cache_mode(self, mode: str) -> Self | None:
         """This spec under the engine's recurrent-state caching ``mode``
         (``none``, ``align`` or ``all``), or ``None`` if the kind keeps no

@@ -317,11 +317,16 @@ def summarize(
     if plan.enable_prefix_caching and states and not blockers:
         kinds = sorted({g.manager_spec.kind for g in states})
         policies = sorted(
-            {str(getattr(g.manager_spec, "checkpoint_policy", "turns")) for g in states}
+            {
+                name
+                for g in states
+                if (name := g.manager_spec.checkpoint_policy_name) is not None
+            }
         )
+        named = f" (policy {', '.join(policies)})" if policies else ""
         notes.append(
-            f"{', '.join(kinds)} states are checkpointed for prefix hits (policy "
-            f"{', '.join(policies)}) in {len(states)} groups: each kept state is one "
+            f"{', '.join(kinds)} states are checkpointed for prefix hits{named} "
+            f"in {len(states)} groups: each kept state is one "
             "evictable block per group; a request holds at most its live state, "
             "the one it writes, and the checkpoints inside its step"
         )

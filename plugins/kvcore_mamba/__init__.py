@@ -259,6 +259,11 @@ class MambaSpec(KVCacheSpec):
             return self
         return attrs.evolve(self, checkpoint_policy=name)
 
+    @property
+    def checkpoint_policy_name(self) -> str | None:
+        # Only align mode chooses which states to keep.
+        return self.checkpoint_policy if self._checkpoints_on else None
+
     def with_state_cache_mode(self, mode: str) -> Self | None:
         """The engine's Mamba cache mode applies to every Mamba layer."""
         if mode == self.mamba_cache_mode:
@@ -285,7 +290,7 @@ class MambaSpec(KVCacheSpec):
         step come on top: :attr:`checkpoint_blocks_per_step`)."""
         if self.mamba_cache_mode == "all":
             return cdiv(num_tokens, block_size)
-        if self.mamba_cache_mode in ("align", "auto"):
+        if self._checkpoints_on:
             reads = 1 if num_computed_tokens > 0 else 0
             writes = cdiv(num_tokens, block_size) > cdiv(
                 num_computed_tokens, block_size
@@ -294,33 +299,35 @@ class MambaSpec(KVCacheSpec):
         return 1 + self.num_speculative_blocks
 
     @property
+    def _checkpoints_on(self) -> bool:
+        """Whether the states are kept by a checkpoint policy (align mode,
+        and auto, which planning resolves)."""
+        return self.mamba_cache_mode in ("align", "auto")
+
+    @property
     def checkpoint_blocks_per_step(self) -> int:
-        if self.mamba_cache_mode in ("align", "auto"):
-            return self._inner_checkpoints
+        """Checkpoints the policy may keep inside one step (prompt ends, a
+        branch point, interval states), and the states a running request
+        keeps holding (its hit's and its branch point)."""
+        if self._checkpoints_on:
+            return checkpoint_policy(self.checkpoint_policy).blocks_beyond_live
         return 0
 
     @property
-    def _inner_checkpoints(self) -> int:
-        """Checkpoints the policy may keep inside one step (two prompt ends
-        when the prompt ends on a boundary, a branch point), and the states
-        a running request keeps holding (its hit's and its branch point)."""
-        return checkpoint_policy(self.checkpoint_policy).blocks_beyond_live
-
-    @property
     def allows_sub_block_hashing(self) -> bool:
-        return self.mamba_cache_mode in ("align", "auto")
+        return self._checkpoints_on
 
     @property
     def caches_partial_block_hits(self) -> bool:
-        return self.mamba_cache_mode in ("align", "auto")
+        return self._checkpoints_on
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
         if self.mamba_cache_mode == "all":
             return cdiv(max_model_len, self.block_size) + self.num_speculative_blocks
-        if self.mamba_cache_mode in ("align", "auto"):
+        if self._checkpoints_on:
             # The state read, the one written and the checkpoints inside
             # one step.
-            return 2 + self._inner_checkpoints + self.num_speculative_blocks
+            return 2 + self.checkpoint_blocks_per_step + self.num_speculative_blocks
         return 1 + self.num_speculative_blocks
 
     def shard_dim(self, index: int) -> int | None:
