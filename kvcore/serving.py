@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.checkpoints import CHECKPOINT_POLICIES
+from kvcore.checkpoints import CheckpointPolicyError, checkpoint_policy
 from kvcore.errors import InvalidSpecError, KvcoreTypeError, KvcoreValueError
 from kvcore.spec import KVCacheSpec, Sharded
 
@@ -160,14 +160,13 @@ class ServingChoices:
 
     @checkpoint_policy.validator
     def _check_policy(self, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and (
-            type(value) is not str or value not in CHECKPOINT_POLICIES
-        ):
-            msg = (
-                f"checkpoint_policy must be one of {', '.join(CHECKPOINT_POLICIES)} "
-                f"(or None to keep the model file's), got {value!r}"
-            )
-            raise ServingError(msg)
+        if value is None:
+            return
+        try:
+            checkpoint_policy(value)
+        except CheckpointPolicyError as exc:
+            msg = f"{exc} (or None to keep the model file's)"
+            raise ServingError(msg) from None
 
     @mamba_cache_mode.validator
     def _check_mode(self, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -1052,11 +1052,7 @@ class BlockPool:
     @property
     def num_partial_keys(self) -> int:
         """Partial keys held, over all blocks (O(n))."""
-        return sum(
-            1 if not isinstance(e, dict) else len(e)
-            for group in self._partial.values()
-            for e in group.values()
-        )
+        return sum(_num_entries(group) for group in self._partial.values())
 
     def record_undo(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` if the open transaction rolls back (nothing outside
@@ -1068,11 +1064,12 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks holding a full prefix-cache key, in use or free (O(n));
         partial keys are counted by :attr:`num_partial_keys`."""
-        return sum(
-            1 if not isinstance(e, dict) else len(e)
-            for group in self._cached.values()
-            for e in group.values()
-        )
+        return sum(_num_entries(group) for group in self._cached.values())
+
+    def num_cached_blocks_of(self, group_id: int) -> int:
+        """Blocks holding a full prefix-cache key of one group (O(n))."""
+        group = self._cached.get(group_id)
+        return 0 if group is None else _num_entries(group)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache key.
@@ -1143,6 +1140,11 @@ def _check_event_groups(
             raise KvcoreTypeError(msg)
         out.append(GroupEventInfo(size, kind, window))
     return tuple(out)
+
+
+def _num_entries(group: dict[BlockHash, _Entry]) -> int:
+    """Blocks under one group's keys: one per key, or each of several."""
+    return sum(1 if not isinstance(e, dict) else len(e) for e in group.values())
 
 
 def _one_per_group(

@@ -436,11 +436,7 @@ class _Run:
         self.cached_samples += 1
         everything = states = 0
         for g in range(len(self.cached_peak)):
-            entries = pool.cached_blocks_of(g)
-            count = len(entries)
-            for entry in entries.values():
-                if type(entry) is dict:
-                    count += len(entry) - 1
+            count = pool.num_cached_blocks_of(g)
             self.cached_total[g] += count
             if count > self.cached_peak[g]:
                 self.cached_peak[g] = count
