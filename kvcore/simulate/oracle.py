@@ -77,7 +77,6 @@ class ContentOracle:
             for m in managers
         ]
         self.block_sizes = [m.block_size for m in managers]
-        self.stateful = _STATE in self.kinds
         #: block id -> token slots (token groups) or (t, prefix hash) (states).
         self.content: dict[int, list[int | None] | tuple[int, int]] = {}
         self._prefixes: dict[str, _Prefixes] = {}
