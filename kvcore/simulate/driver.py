@@ -312,9 +312,8 @@ class _Run:
 
     def _copies(self, blocks: KVCacheBlocks | None) -> None:
         """Apply the block copies a step asks for to the oracle's model."""
-        if self.oracle is not None and blocks is not None:
-            if blocks.copies:
-                self.oracle.apply_copies(blocks.copies)
+        if self.oracle is not None and blocks is not None and blocks.copies:
+            self.oracle.apply_copies(blocks.copies)
 
     def _preempt(self, live: _Live) -> None:
         self._record_computed()
