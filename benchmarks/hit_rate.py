@@ -256,7 +256,9 @@ coordinator is wrong.
   counted every 16 steps; **cached states** is the same over the
   recurrent-state groups alone: what keeping states costs.  A hybrid whose
   states block every hit still caches its attention blocks.
-- **evictions**: prefix-cache keys dropped to reuse a block.
+- **evictions**: prefix-cache keys dropped: to reuse a block (its
+  copy-on-write partial keys count too), or a checkpointed state a newer
+  one replaced (so an ample pool shows some on the hybrids).
 
 """
 

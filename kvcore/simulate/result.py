@@ -76,7 +76,9 @@ class SimulationResult:
         preempt, or are longer than ``max_model_len``.
     :param unfinished: requests still queued or running when ``max_steps``
         ran out.
-    :param evictions: prefix-cache keys the pool dropped to reuse a block.
+    :param evictions: prefix-cache keys the pool dropped: to reuse a block
+        (its copy-on-write partial keys count too), or a checkpointed state
+        a newer one replaced.
     :param peak_cached_blocks: the most blocks holding a prefix-cache key at
         once, all groups together (sampled as ``GroupUsage``'s counts).
     :param peak_cached_state_blocks: the same over the recurrent-state
