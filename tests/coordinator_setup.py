@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
-from kvcore.coordinator import KVCacheManager
+from kvcore.coordinator import CheckpointManager, KVCacheManager
 from kvcore_circular_buffer import CircularBuffer
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_hisparse import HiSparseHot
-from kvcore_mamba import Mamba
+from kvcore_mamba import Mamba, MambaSpec
 from kvcore_mla import MLA
 from kvcore_sliding_window import SlidingWindow, SlidingWindowMLA, SlidingWindowSpec
 
@@ -72,3 +72,40 @@ def manager_for(
         registry=registry,
         **kw,
     )
+
+
+def mamba(block_size: int, *, mode: str = "align", policy: str = "turns") -> MambaSpec:
+    """A small Mamba layer (one float16 state shape)."""
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((4, 8),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode=mode,  # type: ignore[arg-type]
+        checkpoint_policy=policy,
+    )
+
+
+def state_hybrid(
+    num_blocks: int,
+    block_size: int = 16,
+    *,
+    mode: str = "align",
+    policy: str = "turns",
+    **kw: Any,
+) -> KVCacheManager:
+    """Full attention (group 0) and a Mamba state (group 1), both in
+    ``block_size``-token blocks hashed at ``block_size``."""
+    return manager_for(
+        [fa(block_size), mamba(block_size, mode=mode, policy=policy)],
+        num_blocks,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        **kw,
+    )
+
+
+def state_manager(mgr: KVCacheManager, group_id: int = 1) -> CheckpointManager:
+    """The checkpointing manager of one group."""
+    manager = mgr.coordinator.single_type_managers[group_id]
+    assert isinstance(manager, CheckpointManager)
+    return manager

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import coordinator_setup as setup
 import pytest
 import torch
-from coordinator_setup import fa, manager_for
+from coordinator_setup import fa, state_hybrid, state_manager
 
 import kvcore
 from kvcore.coordinator import (
     CHECKPOINT_POLICIES,
-    CheckpointManager,
     CheckpointPolicy,
     CheckpointPolicyError,
     KVCacheManager,
@@ -29,33 +29,18 @@ BS = 16
 
 
 def mamba(mode: str = "align", policy: str = "turns") -> MambaSpec:
-    return MambaSpec(
-        block_size=BS,
-        shapes=((4, 8),),
-        dtypes=(torch.float16,),
-        mamba_cache_mode=mode,  # type: ignore[arg-type]
-        checkpoint_policy=policy,
-    )
+    return setup.mamba(BS, mode=mode, policy=policy)
 
 
 def hybrid(num_blocks: int = 200, **kw: Any) -> KVCacheManager:
-    return manager_for(
-        [fa(BS), mamba(**kw)],
-        num_blocks,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        enable_caching=True,
-    )
+    return state_hybrid(num_blocks, BS, **kw)
 
 
 def tokens(n: int, offset: int = 0) -> list[int]:
     return [offset + i for i in range(n)]
 
 
-def state(mgr: KVCacheManager) -> CheckpointManager:
-    m = mgr.coordinator.single_type_managers[1]
-    assert isinstance(m, CheckpointManager)
-    return m
+state = state_manager
 
 
 def cached_state_ends(mgr: KVCacheManager, req: Request) -> list[int]:

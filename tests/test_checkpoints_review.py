@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import coordinator_setup as setup
 import pytest
-import torch
-from coordinator_setup import fa, manager_for
+from coordinator_setup import fa, manager_for, state_hybrid, state_manager
 
 from kvcore.coordinator import (
-    CheckpointManager,
     CheckpointPolicy,
     KVCacheManager,
     Request,
@@ -29,19 +28,10 @@ BS = 16
 
 
 def mamba(block_size: int = BS, policy: str = "turns") -> MambaSpec:
-    return MambaSpec(
-        block_size=block_size,
-        shapes=((4, 8),),
-        dtypes=(torch.float16,),
-        mamba_cache_mode="align",
-        checkpoint_policy=policy,
-    )
+    return setup.mamba(block_size, policy=policy)
 
 
-def state(mgr: KVCacheManager, gid: int = 1) -> CheckpointManager:
-    m = mgr.coordinator.single_type_managers[gid]
-    assert isinstance(m, CheckpointManager)
-    return m
+state = state_manager
 
 
 def decode(mgr: KVCacheManager, req: Request, until: int, token: int = 1000) -> None:
@@ -72,14 +62,7 @@ class RaisingMamba(Mamba):
 
 def test_a_rolled_back_admission_leaves_no_planned_checkpoints() -> None:
     registry = KindRegistry.from_kinds([FullAttention(), RaisingMamba()])
-    mgr = manager_for(
-        [fa(BS), mamba()],
-        100,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        registry=registry,
-        enable_caching=True,
-    )
+    mgr = state_hybrid(100, registry=registry)
     assert not mgr.coordinator.vetted
     manager = state(mgr)
     assert isinstance(manager, Raising)
@@ -95,13 +78,7 @@ def test_a_rolled_back_admission_leaves_no_planned_checkpoints() -> None:
 
 
 def test_a_superseded_state_does_not_drop_a_block_another_request_cached() -> None:
-    mgr = manager_for(
-        [fa(BS), mamba()],
-        20,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        enable_caching=True,
-    )
+    mgr = state_hybrid(20)
     manager = state(mgr)
     a = Request("a", list(range(100)), hash_block_size=BS)
     assert mgr.allocate_slots(a, 100) is not None
@@ -198,14 +175,7 @@ def test_states_are_kept_only_where_hits_end_with_eagle(use_eagle: bool) -> None
     "a block before the prompt end",
 )
 def test_the_same_prompt_again_hits_with_eagle() -> None:
-    mgr = manager_for(
-        [fa(BS), mamba()],
-        200,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        enable_caching=True,
-        use_eagle=True,
-    )
+    mgr = state_hybrid(200, use_eagle=True)
     prompt = list(range(100))
     a = Request("a", prompt, hash_block_size=BS)
     assert mgr.allocate_slots(a, 100) is not None
@@ -224,13 +194,7 @@ def test_a_bad_serving_checkpoint_policy_is_a_serving_error(value: Any) -> None:
 
 
 def test_a_freed_request_does_not_requeue_a_block_another_request_reused() -> None:
-    mgr = manager_for(
-        [fa(BS), mamba()],
-        20,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        enable_caching=True,
-    )
+    mgr = state_hybrid(20)
     a = Request("a", list(range(100)), hash_block_size=BS)
     assert mgr.allocate_slots(a, 100) is not None
     a.num_computed_tokens = 100
@@ -270,14 +234,9 @@ def test_a_step_that_raises_after_shedding_keeps_its_checkpoints() -> None:
     them back (the prompt-end target, the hit's held state, the release
     line), as a refused step does."""
     registry = KindRegistry.from_kinds([FullAttention(), RaisingMamba()])
-    mgr = manager_for(
-        [fa(BS), mamba()],
-        100,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        registry=registry,
-    )
+    mgr = state_hybrid(100, registry=registry)
     manager = state(mgr)
+    assert isinstance(manager, Raising)
     first = Request("a", list(range(100)), hash_block_size=BS)
     assert mgr.allocate_slots(first, 100) is not None
     first.num_computed_tokens = 100
