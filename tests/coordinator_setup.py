@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+import kvcore
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import CheckpointManager, KVCacheManager
 from kvcore_circular_buffer import CircularBuffer
@@ -109,3 +110,31 @@ def state_manager(mgr: KVCacheManager, group_id: int = 1) -> CheckpointManager:
     manager = mgr.coordinator.single_type_managers[group_id]
     assert isinstance(manager, CheckpointManager)
     return manager
+
+
+def one_layer_plan(
+    block_size: int,
+    num_blocks: int,
+    *,
+    max_model_len: int,
+    step_tokens: int,
+    caching: bool = True,
+) -> KVCacheConfig:
+    """A plan of one full-attention layer (8-dim bfloat16 head) with
+    ``num_blocks`` blocks (block 0 the null block), ``step_tokens`` tokens a
+    step, as ``kvcore simulate`` plans one."""
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
+    )
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=caching
+        ),
+        max_model_len=max_model_len,
+        max_num_batched_tokens=step_tokens,
+    )
+    plan = kvcore.plan_kv_cache(
+        config, {"a": spec}, num_blocks * spec.page_size_bytes, registry=BUILT_IN
+    )
+    assert (plan.num_blocks, plan.scheduler_block_size) == (num_blocks, block_size)
+    return plan

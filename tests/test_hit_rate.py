@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
+from coordinator_setup import one_layer_plan
 
 import kvcore
 from kvcore.cli import main
@@ -29,7 +29,6 @@ from kvcore.simulate import (
     named_workload,
     workload_names,
 )
-from kvcore_full_attention import FullAttentionSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,23 +88,7 @@ def test_the_trie_refuses_a_bad_chunk() -> None:
 def _plan16(num_blocks: int = 64) -> kvcore.KVCacheConfig:
     """One full-attention layer (Llama-like) at 16-token blocks, 256 tokens
     a step, max_model_len 128."""
-    spec = FullAttentionSpec(
-        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
-    )
-    config = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(
-            kv_cache_layout="BLHNC", enable_prefix_caching=True
-        ),
-        max_model_len=128,
-        max_num_batched_tokens=256,
-    )
-    plan = kvcore.plan_kv_cache(
-        config,
-        {"a": spec},
-        num_blocks * spec.page_size_bytes,
-        registry=kvcore.default_registry(),
-    )
-    assert (plan.num_blocks, plan.scheduler_block_size) == (num_blocks, 16)
+    plan = one_layer_plan(16, num_blocks, max_model_len=128, step_tokens=256)
     assert plan.hash_block_size == 16
     return plan
 
@@ -175,22 +158,7 @@ def test_a_readmission_counts_in_the_hits_and_the_bound_alike() -> None:
     # until the pool is short and the newer one is preempted.  Its
     # re-admission looks up its prompt and generated tokens again, and its
     # own computation before the preemption counts towards its bound.
-    spec = FullAttentionSpec(
-        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
-    )
-    config = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(
-            kv_cache_layout="BLHNC", enable_prefix_caching=True
-        ),
-        max_model_len=64,
-        max_num_batched_tokens=16,
-    )
-    plan = kvcore.plan_kv_cache(
-        config,
-        {"a": spec},
-        7 * spec.page_size_bytes,
-        registry=kvcore.default_registry(),
-    )
+    plan = one_layer_plan(16, 7, max_model_len=64, step_tokens=16)
     workload = Workload.of(
         [
             WorkloadRequest("p", 0, tuple(range(100, 130)), tuple(range(20))),

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from coordinator_setup import one_layer_plan
 
 import kvcore
 from kvcore import zoo
@@ -33,7 +33,6 @@ from kvcore.simulate import (
     synthetic_workload,
     token_stream,
 )
-from kvcore_full_attention import FullAttentionSpec
 
 # -- a hand-built plan ------------------------------------------------------------
 
@@ -41,24 +40,9 @@ from kvcore_full_attention import FullAttentionSpec
 def _tiny_plan(num_blocks: int = 9, *, caching: bool = True) -> kvcore.KVCacheConfig:
     """One full-attention layer, 4-token blocks of 128 bytes, ``num_blocks``
     blocks (block 0 the null block), max_model_len 32, 8 tokens a step."""
-    spec = FullAttentionSpec(
-        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
+    return one_layer_plan(
+        4, num_blocks, max_model_len=32, step_tokens=8, caching=caching
     )
-    config = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(
-            kv_cache_layout="BLHNC", enable_prefix_caching=caching
-        ),
-        max_model_len=32,
-        max_num_batched_tokens=8,
-    )
-    plan = kvcore.plan_kv_cache(
-        config,
-        {"a": spec},
-        num_blocks * spec.page_size_bytes,
-        registry=kvcore.default_registry(),
-    )
-    assert (plan.num_blocks, plan.scheduler_block_size) == (num_blocks, 4)
-    return plan
 
 
 A = list(range(1, 13))
