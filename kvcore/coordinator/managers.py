@@ -193,6 +193,8 @@ class WindowManager(SingleTypeManager):
 
     def _caches_now(self, request_id: str, num_tokens: int) -> bool:
         # cache_blocks above hashes only blocks newly filled: the base test.
+        # Defined here, beside the cache_blocks it vouches for, so twin
+        # groups may share it (see coordinator._tests_caching): keep it.
         return super()._caches_now(request_id, num_tokens)
 
     @classmethod
