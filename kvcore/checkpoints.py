@@ -27,9 +27,13 @@ positions later requests are likely to resume from.
   (the most resume points, the most blocks).
 
 With ``hold_shared``, a running request keeps holding the state its hit
-resumed from and the branch point it kept, as running requests hold the
-attention blocks of a prefix they share: under pressure the pool evicts
-states no running request shares first.
+resumed from, the branch point it kept, and the longest *shared* state
+below its hit on its prompt's path (a branch point, or a state more than
+one request resumed from: a long tool preamble or system prompt), as
+running requests hold the attention blocks of a prefix they share.  Under
+pressure the pool evicts states no running request shares first, and a
+request whose own states were evicted still resumes at the shared prefix
+instead of recomputing it, with its attention blocks, from token 0.
 
 States at positions no hit can end at (not a multiple of the hit unit) are
 never kept.
@@ -99,8 +103,9 @@ class CheckpointPolicy:
         (a long step keeps every k-th, its last one included), which bounds
         the blocks a step takes.
     :param every_step: keep every state a step leaves on a hit boundary.
-    :param hold_shared: a running request holds its hit's state and its
-        branch point until it is freed (one or two blocks more per group).
+    :param hold_shared: a running request holds its hit's state, its
+        branch point and the longest shared state on its path until it is
+        freed (up to three blocks more per group).
     """
 
     prompt_end: bool = attrs.field(default=True, validator=_flag)
@@ -116,11 +121,11 @@ class CheckpointPolicy:
         """Blocks a request may hold besides the state it reads and the one
         it writes: checkpoints inside one step (two prompt ends, a branch
         point, the interval ones) and the states it holds (its hit's, its
-        branch point)."""
+        branch point, the shared state on its path)."""
         inner = 2 * int(self.prompt_end) + int(self.branch_points)
         if self.interval:
             inner += self.interval_per_step
-        held = (1 + int(self.branch_points)) if self.hold_shared else 0
+        held = (2 + int(self.branch_points)) if self.hold_shared else 0
         return inner + held
 
     @property

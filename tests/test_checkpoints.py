@@ -321,3 +321,77 @@ def test_layers_of_different_checkpoint_policies_are_grouped_apart() -> None:
     )
     groups = kvcore.get_kv_cache_groups(config, specs)
     assert sorted(sorted(g.layer_names) for g in groups) == [["a"], ["b"]]
+
+
+def test_a_running_request_holds_the_shared_state_on_its_path() -> None:
+    """A 160-token preamble: ``b`` branches from ``a`` there and keeps the
+    state at 160 (a branch point: shared).  ``c`` resumes there; ``c``'s
+    next turn ``d`` resumes at ``c``'s output end (208) and, while it runs,
+    also holds the state at 160, as it holds the preamble's attention
+    blocks: a request on the preamble whose own states were evicted still
+    resumes at 160.  The hold takes one block from the free queue, and
+    ``d``'s free returns it."""
+    mgr = hybrid()
+    preamble = tokens(160)
+    assert (
+        run(mgr, Request("a", preamble + tokens(40, 1000), hash_block_size=BS), [1])
+        == 0
+    )
+    assert (
+        run(mgr, Request("b", preamble + tokens(40, 2000), hash_block_size=BS), [1])
+        == 0
+    )
+    c_prompt = preamble + tokens(40, 3000)
+    c_output = tokens(20, 4000)
+    c = Request("c", c_prompt, hash_block_size=BS)
+    assert run(mgr, c, c_output) == 160
+    d = Request("d", c_prompt + c_output + tokens(30, 5000), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(d)
+    assert hit == 208
+    pool = mgr.block_pool
+    at_160 = pool.lookup(d.block_hashes[9], 1)
+    assert at_160 is not None
+    assert at_160.ref_cnt == 0
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(d, d.num_tokens - hit, hit, blocks) is not None
+    # Attention: the 13 hit blocks leave the free queue and 3 are new
+    # (208..250).  The state: the hit's (208) and 160 leave it, and the
+    # prompt end (240) and the step's last position are new.
+    assert free - mgr.get_num_free_blocks() == 13 + 3 + 2 + 2
+    table = mgr.get_blocks("d").blocks[1]
+    assert table[9] is at_160
+    assert at_160.ref_cnt == 1
+    d.num_computed_tokens = d.num_tokens
+    assert mgr.allocate_slots(d, 1) is not None  # a decode step keeps holding it
+    assert mgr.get_blocks("d").blocks[1][9] is at_160
+    assert at_160.ref_cnt == 1
+    mgr.free(d)
+    assert at_160.ref_cnt == 0
+    assert pool.lookup(d.block_hashes[9], 1) is at_160
+    assert mgr.get_num_free_blocks() == 199
+
+
+def test_a_second_resume_makes_a_state_shared() -> None:
+    """A state two requests resumed from is shared even where no branch
+    point was planned: ``a``'s prompt-end state at 96 serves ``b`` and
+    ``c`` (the same prompt with other answers); ``c``'s next turn then
+    holds it while it runs."""
+    mgr = hybrid()
+    prompt = tokens(100)
+    run(mgr, Request("a", prompt, hash_block_size=BS), [1])
+    assert (
+        run(mgr, Request("b", prompt + tokens(10, 900), hash_block_size=BS), [1]) == 96
+    )
+    c_output = tokens(40, 2000)
+    c = Request("c", prompt + tokens(10, 800), hash_block_size=BS)
+    assert run(mgr, c, c_output) == 96
+    d = Request(
+        "d", prompt + tokens(10, 800) + c_output + tokens(5, 3000), hash_block_size=BS
+    )
+    blocks, hit = mgr.get_computed_blocks(d)
+    assert hit == 144
+    assert mgr.allocate_slots(d, d.num_tokens - hit, hit, blocks) is not None
+    at_96 = mgr.block_pool.lookup(d.block_hashes[5], 1)
+    assert at_96 is not None
+    assert mgr.get_blocks("d").blocks[1][5] is at_96
+    assert at_96.ref_cnt == 1

@@ -93,6 +93,13 @@ class Shadow:
         #: (request id, group) -> the interval targets still ahead.
         self.grid: dict[tuple[str, int], list[int]] = {}
         self.holding: dict[tuple[str, int], set[int]] = {}
+        #: (group, tokens) -> {key: block id}: the shared states, a branch
+        #: point a step kept or a state two admissions resumed from.
+        self.shared: dict[tuple[int, int], dict[Any, int]] = {}
+        #: (group, block id, key) -> admissions that resumed from it.
+        self.resumed: dict[tuple[int, int, Any], int] = {}
+        #: The shared state the admission being planned holds (0: none).
+        self.path_block = 0
         #: Requests being planned without their optional checkpoints.
         self.shedding: set[str] = set()
         alignment = mgr.coordinator.cache_hit_alignment
@@ -151,8 +158,15 @@ class Shadow:
             held_below: set[int] = set()
             if unit:
                 after += self.checkpoints_inside(r, g, unit, num_computed, num_tokens)
+                self.path_block = 0
                 held_below = self.states_held(r, g, hit, num_computed)
                 after += len(held_below)
+                if (
+                    not live
+                    and self.path_block
+                    and pool.blocks[self.path_block].ref_cnt
+                ):
+                    take -= 1  # another request holds it: not from the free queue
             expected.append(after)
             if not self.positioned[g]:
                 if not live:
@@ -199,11 +213,13 @@ class Shadow:
             return set()
         bs = self.block_sizes[g]
         if r not in self.running:
-            self.holding[key] = (
-                {len(hit[g]) - 1}
-                if hit is not None and hit[g] and hit[g][-1]
-                else set()
-            )
+            self.holding[key] = set()
+            if hit is not None and hit[g] and hit[g][-1]:
+                self.holding[key].add(len(hit[g]) - 1)
+                path = self.shared_on_path(r, g, num_computed - 1)
+                if path is not None and r.request_id not in self.shedding:
+                    self.holding[key].add(path[0] // bs - 1)
+                    self.path_block = path[1]
         if r.request_id in self.shedding:
             # The step does not fit with them: held states become old ones
             # (at admission the hit's state is taken after, and held).
@@ -216,6 +232,61 @@ class Shadow:
             held.add(branch // bs - 1)
         read = (num_computed - 1) // bs if num_computed > 0 else 0
         return {p for p in held if p < read}
+
+    def key_at(self, r: Request, tokens: int) -> Any:
+        """The cache key of ``r``'s prefix of ``tokens`` tokens, or None."""
+        hash_size = self.mgr.hash_block_size
+        chunk = tokens // hash_size - 1
+        if tokens % hash_size or not 0 <= chunk < len(r.block_hashes):
+            return None
+        return r.block_hashes[chunk]
+
+    def shared_on_path(self, r: Request, g: int, limit: int) -> tuple[int, int] | None:
+        """(tokens, block id) of the longest shared state of group ``g`` at or
+        below ``limit`` tokens on ``r``'s path that is still cached: the one
+        an admission holds besides its hit's."""
+        pool = self.mgr.block_pool
+        best = None
+        for (group, tokens), states in self.shared.items():
+            if group != g or tokens > limit or (best and tokens <= best[0]):
+                continue
+            key = self.key_at(r, tokens)
+            bid = states.get(key)
+            if bid is None:
+                continue
+            block = pool.blocks[bid]
+            if block.key_hash == key and block.key_group == g:
+                best = (tokens, bid)
+        return best
+
+    def record_shared(
+        self,
+        r: Request,
+        hit_ids: tuple[list[int], ...] | None,
+        num_computed: int,
+        num_tokens: int,
+        tables: tuple[list[int], ...],
+    ) -> None:
+        """After a step: the states it made shared (a second admission
+        resuming from one, a branch point the step kept)."""
+        for g, unit in enumerate(self.state_units):
+            if not unit:
+                continue
+            bs = self.block_sizes[g]
+            if hit_ids is not None and hit_ids[g] and hit_ids[g][-1]:
+                tokens = len(hit_ids[g]) * bs
+                key = self.key_at(r, tokens)
+                bid = hit_ids[g][-1]
+                count = self.resumed.get((g, bid, key), 0) + 1
+                self.resumed[g, bid, key] = count
+                if count == 2:
+                    self.shared.setdefault((g, tokens), {})[key] = bid
+            branch = self.branch_at.get((r.request_id, g), -1)
+            if num_computed < branch <= num_tokens:
+                bid = tables[g][branch // bs - 1]
+                key = self.key_at(r, branch)
+                if bid and key is not None:
+                    self.shared.setdefault((g, branch), {})[key] = bid
 
     def checkpoints_inside(
         self, r: Request, g: int, unit: int, num_computed: int, num_tokens: int
@@ -341,6 +412,7 @@ class Shadow:
             self.running.append(r)
         tables = self.tables(r.request_id)
         self.check_copies(r, out.copies, hit, hit_ids, tables)
+        self.record_shared(r, hit_ids, num_computed, num_tokens, tables)
         for g, table in enumerate(tables):
             assert sum(1 for bid in table if bid) == expected[g], (
                 f"{r.request_id} group {g} ({self.specs[g].kind}) holds "

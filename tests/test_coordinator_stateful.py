@@ -548,9 +548,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 elif isinstance(m, MambaManager):
                     dead = max(nc0 - 1, 0) // m.block_size
                     # Below the read state: only the states a running request
-                    # holds (its hit's, its branch point), each hashed.
+                    # holds (its hit's, its branch point, the shared state on
+                    # its path), each hashed.
                     below = [i for i, b in enumerate(table[:dead]) if not b.is_null]
-                    assert len(below) <= 2, (rid, gid, below)
+                    assert len(below) <= 3, (rid, gid, below)
                     assert set(below) <= set(m.pinned.get(rid, ())), (rid, gid)
                     for i in below:
                         assert table[i].block_hash is not None, (rid, gid, i)

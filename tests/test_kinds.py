@@ -345,13 +345,13 @@ def test_prefix_cacheable_and_replay(
         ),
         # mode align: the state read and the one written, the seven
         # checkpoints the default policy may keep inside one step (two prompt
-        # ends, a branch point, 4 interval states), the two states a running
-        # request keeps holding (its hit's, its branch point), and 2
-        # speculative = 13
+        # ends, a branch point, 4 interval states), the three states a
+        # running request keeps holding (its hit's, its branch point, the
+        # shared state on its path), and 2 speculative = 14
         pytest.param(
             mamba(num_speculative_blocks=2, mamba_cache_mode="align"),
             100,
-            13,
+            14,
             id="mamba-align",
         ),
         # mode all: cdiv(100, 16) + 2 = 7 + 2 = 9

@@ -18,7 +18,7 @@ Each serves some hit policies (``spec.hit_policy``, see
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import is_not
@@ -302,6 +302,17 @@ class CheckpointManager(SingleTypeManager):
         #: request id -> its targets that only the interval placed (thinned
         #: per step, and not moved back in the eviction order when kept).
         self.grid: dict[str, frozenset[int]] = {}
+        #: Shared states (branch points, and states more than one request
+        #: resumed from) by the tokens they resume after: key -> block.
+        #: Entries evicted since are skipped, and pruned with hit_counts.
+        self.shared_states: dict[int, dict[Any, KVCacheBlock]] = {}
+        self._num_shared = 0
+        #: State block -> (the key it was hit under, hits under that key).
+        self.hit_counts: dict[KVCacheBlock, tuple[Any, int]] = {}
+        #: request id -> (tokens, block, key) of the longest shared state
+        #: below its hit on its prompt's path, found at admission: the
+        #: request holds it while it runs.
+        self.on_path: dict[str, tuple[int, KVCacheBlock, Any]] = {}
 
     def keeps_every_state(self, spec: Any) -> bool:
         """Whether every block-boundary state stays for the request's life
@@ -359,11 +370,19 @@ class CheckpointManager(SingleTypeManager):
             self.branch[rid] = branch
         else:
             self.branch.pop(rid, None)
+        path = None
+        if self.shared_states and self._holds_shared:
+            path = self._shared_on_path(request, num_computed_tokens - 1)
+        if path is not None:
+            self.on_path[rid] = path
+        else:
+            self.on_path.pop(rid, None)
 
     def shed_checkpoints(self, request_id: str) -> Any:
         targets = self.targets.get(request_id)
         pinned = self.pinned.get(request_id)
-        if not targets and not pinned:
+        path = self.on_path.get(request_id)
+        if not targets and not pinned and path is None:
             return None
         released = self.num_released.get(request_id)
         state = (
@@ -372,6 +391,7 @@ class CheckpointManager(SingleTypeManager):
             self.branch.get(request_id),
             released,
             self.grid.get(request_id),
+            path,
         )
         # No checkpoint inside the coming steps; the states it holds for
         # others become ordinary old states, released before the step (the
@@ -382,15 +402,17 @@ class CheckpointManager(SingleTypeManager):
         self.pinned.pop(request_id, None)
         self.branch.pop(request_id, None)
         self.grid.pop(request_id, None)
+        self.on_path.pop(request_id, None)
         return state
 
     def restore_checkpoints(self, request_id: str, state: Any) -> None:
-        targets, pinned, branch, released, grid = state
+        targets, pinned, branch, released, grid, path = state
         stores: tuple[tuple[dict[str, Any], Any], ...] = (
             (self.targets, targets),
             (self.pinned, pinned),
             (self.branch, branch),
             (self.grid, grid),
+            (self.on_path, path),
         )
         for store, value in stores:
             if value is not None:
@@ -405,6 +427,7 @@ class CheckpointManager(SingleTypeManager):
             self.targets.pop(request_id, None)
             self.branch.pop(request_id, None)
             self.grid.pop(request_id, None)
+            self.on_path.pop(request_id, None)
 
     def _inner_targets(self, request_id: str, start: int, end: int) -> list[int]:
         """Table positions in ``[start, end - 1)`` that a target state
@@ -458,6 +481,10 @@ class CheckpointManager(SingleTypeManager):
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 need += 1
+        if held is None and self.on_path:
+            path = self.on_path.get(request_id)
+            if path is not None and path[1].ref_cnt == 0:
+                need += 1  # the shared state it will hold leaves the free queue
         return need
 
     def allocate_new_blocks(
@@ -514,12 +541,11 @@ class CheckpointManager(SingleTypeManager):
                 reached = targets.pop(0)
                 pos = reached // block_size - 1
                 spaced = grid is not None and reached in grid
-                if (
-                    self._keep(request, blocks, pos, kept=not spaced) is not None
-                    and self._holds_shared
-                    and self.branch.get(rid) == reached
-                ):
-                    self.pinned.setdefault(rid, []).append(pos)
+                block = self._keep(request, blocks, pos, kept=not spaced)
+                if block is not None and self.branch.get(rid) == reached:
+                    self._mark_shared(reached, block)
+                    if self._holds_shared:
+                        self.pinned.setdefault(rid, []).append(pos)
             if not targets:
                 del self.targets[rid]
                 self.grid.pop(rid, None)
@@ -616,11 +642,89 @@ class CheckpointManager(SingleTypeManager):
         self, request_id: str, blocks: Sequence[KVCacheBlock]
     ) -> None:
         super().add_computed_blocks(request_id, blocks)
-        if self._holds_shared and blocks and not blocks[-1].is_null:
-            # The hit's state stays held while the request runs.
-            self.pinned[request_id] = [len(blocks) - 1]
+        if not blocks or blocks[-1].is_null:
+            return
+        hit = blocks[-1]
+        key = hit.key_hash
+        counted = self.hit_counts.get(hit)
+        hits = counted[1] + 1 if counted is not None and counted[0] == key else 1
+        if hits == 1 and len(self.hit_counts) >= 2 * self.block_pool.num_blocks:
+            self._prune_shared()
+        self.hit_counts[hit] = (key, hits)
+        if hits == 2:
+            # A second request resumes here: the prefix is shared.
+            self._mark_shared(len(blocks) * self.block_size, hit)
+        if not self._holds_shared:
+            return
+        # The hit's state stays held while the request runs, and so does the
+        # longest shared state below it on its path (as the attention
+        # blocks of a shared prefix are): a later request on that prefix
+        # resumes there even once this request's own states are evicted.
+        pinned = [len(blocks) - 1]
+        path = self.on_path.get(request_id)
+        if path is not None:
+            tokens, block, key = path
+            pos = tokens // self.block_size - 1
+            table = self.req_to_blocks[request_id]
+            if pos < len(table) - 1 and table[pos].is_null and self._holds(block, key):
+                self.block_pool.touch((block,))
+                table[pos] = block
+                pinned.insert(0, pos)
+        self.pinned[request_id] = pinned
+
+    def _mark_shared(self, tokens: int, block: KVCacheBlock) -> None:
+        states = self.shared_states.setdefault(tokens, {})
+        if block.key_hash not in states:
+            self._num_shared += 1
+            if self._num_shared > 2 * self.block_pool.num_blocks:
+                self._prune_shared()
+        states[block.key_hash] = block
+
+    def _prune_shared(self) -> None:
+        """Forget the states evicted since they were hit or marked shared."""
+        group = self.kv_cache_group_id
+        self.hit_counts = {
+            b: v
+            for b, v in self.hit_counts.items()
+            if b.key_hash == v[0] and b.key_group == group
+        }
+        self._num_shared = 0
+        for tokens, states in list(self.shared_states.items()):
+            live = {k: b for k, b in states.items() if self._holds(b, k)}
+            if live:
+                self.shared_states[tokens] = live
+                self._num_shared += len(live)
+            else:
+                del self.shared_states[tokens]
+
+    def _shared_on_path(
+        self, request: Request, limit: int
+    ) -> tuple[int, KVCacheBlock, Any] | None:
+        """The longest shared state at or below ``limit`` tokens that
+        ``request``'s prompt passes through (probing whichever is fewer:
+        the positions shared states sit at, or the request's boundaries)."""
+        shared = self.shared_states
+        unit = self.unit
+        limit -= limit % unit
+        candidates: Iterable[int]
+        if len(shared) <= limit // unit:
+            candidates = sorted((t for t in shared if t <= limit), reverse=True)
+        else:
+            candidates = range(limit, 0, -unit)
+        chunks = request.block_hashes
+        size = self.block_size
+        for tokens in candidates:
+            states = shared.get(tokens)
+            if not states:
+                continue
+            key = self.block_hash(chunks, tokens // size - 1)
+            block = states.get(key)
+            if block is not None and self._holds(block, key):
+                return (tokens, block, key)
+        return None
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        self.on_path.pop(request_id, None)
         self.targets.pop(request_id, None)
         self.pinned.pop(request_id, None)
         self.branch.pop(request_id, None)
