@@ -35,6 +35,12 @@ pressure the pool evicts states no running request shares first, and a
 request whose own states were evicted still resumes at the shared prefix
 instead of recomputing it, with its attention blocks, from token 0.
 
+With EAGLE every hit drops its last block (the draft model recomputes it),
+so a hit ends a block before the state the same lookup would have found:
+the prompt-end states are kept one hit unit earlier, and a request keeps
+the step-end state before its newest one too (the next turn resumes there
+when its hit reaches the newest).
+
 States at positions no hit can end at (not a multiple of the hit unit) are
 never kept.
 """

@@ -164,17 +164,18 @@ def test_states_are_kept_only_where_hits_end_with_eagle(use_eagle: bool) -> None
         for i, h in enumerate(a.block_hashes)
         if pool.lookup(h, 1) is not None
     ]
-    # The prompt's state at 64, the last boundary a hit can end at, and the
+    # The prompt's state at 64, the last boundary a hit can end at (with
+    # EAGLE a block earlier: 32, since a hit drops a block), and the
     # output's at 96; none at 80 or 112, where no hit ends.
-    assert cached == [64, 96]
+    assert cached == ([32, 96] if use_eagle else [64, 96])
+    _, hit = mgr.get_computed_blocks(Request("b", list(range(90)), hash_block_size=BS))
+    assert hit == (32 if use_eagle else 64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with EAGLE a hit drops a block, and no policy keeps the state "
-    "a block before the prompt end",
-)
 def test_the_same_prompt_again_hits_with_eagle() -> None:
+    """With EAGLE a hit drops its last block, so the prompt-end states are
+    kept a block earlier: the same 100-token prompt again resumes at 80
+    (without EAGLE, 96)."""
     mgr = state_hybrid(200, use_eagle=True)
     prompt = list(range(100))
     a = Request("a", prompt, hash_block_size=BS)
@@ -182,9 +183,28 @@ def test_the_same_prompt_again_hits_with_eagle() -> None:
     a.num_computed_tokens = 100
     mgr.cache_blocks(a, 100)
     mgr.free(a)
-    # Without EAGLE this hits 96; with it, the hit would be 80.
     _, hit = mgr.get_computed_blocks(Request("b", prompt, hash_block_size=BS))
-    assert hit > 0
+    assert hit == 80
+
+
+def test_a_chats_next_turn_with_eagle_resumes_a_block_before_the_output_end() -> None:
+    """With EAGLE the state before the newest step end is kept too: turn 1
+    computed 139 tokens (its output end at 128); turn 2's attention hit
+    reaches 128 and drops a block, so it resumes at 112, where the state
+    is kept."""
+    mgr = state_hybrid(200, use_eagle=True)
+    prompt = list(range(100))
+    first = Request("t1", prompt, hash_block_size=BS)
+    assert mgr.allocate_slots(first, 100) is not None
+    first.num_computed_tokens = 100
+    mgr.cache_blocks(first, 100)
+    decode(mgr, first, 139)
+    mgr.free(first)
+    history = list(first.all_token_ids)
+    assert len(history) == 139
+    second = Request("t2", history + list(range(2000, 2030)), hash_block_size=BS)
+    _, hit = mgr.get_computed_blocks(second)
+    assert hit == 112
 
 
 @pytest.mark.parametrize("value", [["turns"], {"turns": 1}, 3, "often"])

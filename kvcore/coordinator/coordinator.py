@@ -182,6 +182,7 @@ class KVCacheCoordinator:
                 ),
             )
             _check_manager(manager, policy, kind.name, owners[-1])
+            manager.use_eagle = use_eagle
             # Only groups whose manager hashes its blocks must align with the
             # hash block (a recurrent state that is never kept hashes nothing);
             # a manager that keys only hash-boundary blocks accepts finer ones.

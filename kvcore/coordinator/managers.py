@@ -289,6 +289,9 @@ class CheckpointManager(SingleTypeManager):
         #: request id -> (position, block, key) of its newest step-end
         #: state, which the next one replaces.
         self.step_end: dict[str, tuple[int, KVCacheBlock, Any]] = {}
+        #: With EAGLE: request id -> the step-end state before the newest,
+        #: kept too (a hit drops a block, so it may end there).
+        self.step_before: dict[str, tuple[int, KVCacheBlock, Any]] = {}
         #: request id -> checkpoint blocks it kept (refreshed in the
         #: eviction order when the request is freed).
         #: Each with the key it was cached under: a block evicted since may
@@ -341,9 +344,11 @@ class CheckpointManager(SingleTypeManager):
         if policy.prompt_end:
             # The prompt extended (a longer prompt, the next turn) resumes at
             # its last boundary; the same prompt again at the last boundary
-            # before its final token, which is always recomputed.
-            marks.add(prompt - prompt % unit)
-            marks.add((prompt - 1) - (prompt - 1) % unit)
+            # before its final token, which is always recomputed.  With
+            # EAGLE a hit drops a block: one boundary earlier.
+            back = unit if self.use_eagle else 0
+            marks.add(prompt - prompt % unit - back)
+            marks.add((prompt - 1) - (prompt - 1) % unit - back)
         branch = -1
         if policy.branch_points:
             shared = min(request.shared_prefix_tokens, prompt)
@@ -571,6 +576,14 @@ class CheckpointManager(SingleTypeManager):
         self.step_end[rid] = (pos, block, block.key_hash)
         if previous is None or previous[1] is block:
             return
+        if self.use_eagle:
+            # A hit that drops a block may end at the state before the
+            # newest: that one is kept, and the one before it replaced.
+            replaced = self.step_before.get(rid)
+            self.step_before[rid] = previous
+            if replaced is None:
+                return
+            previous = replaced
         # The newer state replaces the older one for the next turn; it
         # leaves the cache unless another request holds it.
         old_pos, old, key = previous
@@ -730,8 +743,11 @@ class CheckpointManager(SingleTypeManager):
         self.branch.pop(request_id, None)
         self.grid.pop(request_id, None)
         step_end = self.step_end.pop(request_id, None)
+        step_before = self.step_before.pop(request_id, None)
         kept = self.kept.pop(request_id, None)
         blocks = super().pop_blocks(request_id)
+        if step_before is not None:
+            kept = [*(kept or ()), step_before[1:]]
         if step_end is not None:
             kept = [*(kept or ()), step_end[1:]]
         if kept:
@@ -769,14 +785,16 @@ class CheckpointManager(SingleTypeManager):
             None if pinned is None else list(pinned),
             self.branch.get(request_id),
             self.grid.get(request_id),
+            self.step_before.get(request_id),
         )
 
     def restore_request_state(self, request_id: str, state: Any) -> None:
-        base, targets, step_end, kept, pinned, branch, grid = state
+        base, targets, step_end, kept, pinned, branch, grid, step_before = state
         super().restore_request_state(request_id, base)
         stores: tuple[tuple[dict[str, Any], Any], ...] = (
             (self.targets, targets),
             (self.step_end, step_end),
+            (self.step_before, step_before),
             (self.kept, kept),
             (self.pinned, pinned),
             (self.branch, branch),
