@@ -42,6 +42,15 @@ def decode(mgr: KVCacheManager, req: Request, until: int, token: int = 1000) -> 
         req.num_computed_tokens += 1
 
 
+def prefill(mgr: KVCacheManager, rid: str, prompt: list[int]) -> Request:
+    """Admit ``prompt`` and compute it in one step, its blocks cached."""
+    req = Request(rid, prompt, hash_block_size=BS)
+    assert mgr.allocate_slots(req, len(prompt)) is not None
+    req.num_computed_tokens = len(prompt)
+    mgr.cache_blocks(req, len(prompt))
+    return req
+
+
 class Raising(MambaManager):
     """Not one of kvcore's modules: its steps run inside a transaction."""
 
@@ -178,11 +187,7 @@ def test_the_same_prompt_again_hits_with_eagle() -> None:
     (without EAGLE, 96)."""
     mgr = state_hybrid(200, use_eagle=True)
     prompt = list(range(100))
-    a = Request("a", prompt, hash_block_size=BS)
-    assert mgr.allocate_slots(a, 100) is not None
-    a.num_computed_tokens = 100
-    mgr.cache_blocks(a, 100)
-    mgr.free(a)
+    mgr.free(prefill(mgr, "a", prompt))
     _, hit = mgr.get_computed_blocks(Request("b", prompt, hash_block_size=BS))
     assert hit == 80
 
@@ -193,11 +198,7 @@ def test_a_chats_next_turn_with_eagle_resumes_a_block_before_the_output_end() ->
     reaches 128 and drops a block, so it resumes at 112, where the state
     is kept."""
     mgr = state_hybrid(200, use_eagle=True)
-    prompt = list(range(100))
-    first = Request("t1", prompt, hash_block_size=BS)
-    assert mgr.allocate_slots(first, 100) is not None
-    first.num_computed_tokens = 100
-    mgr.cache_blocks(first, 100)
+    first = prefill(mgr, "t1", list(range(100)))
     decode(mgr, first, 139)
     mgr.free(first)
     history = list(first.all_token_ids)
