@@ -32,6 +32,13 @@ BUILT_IN = KindRegistry.from_kinds(
 )
 
 
+def builtin_registry() -> KindRegistry:
+    """kvcore's built-in kinds and hooks, no entry point loaded: what the
+    default registry holds with nothing else installed, built explicitly."""
+    pm = kvcore.get_plugin_manager(load_entrypoints=False)
+    return KindRegistry.from_plugin_manager(pm, override=())
+
+
 def fa(block_size: int) -> FullAttentionSpec:
     """A one-head full-attention layer (page contents do not matter here)."""
     return FullAttentionSpec(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from coordinator_setup import builtin_registry
 
 import kvcore
 from kvcore import zoo
@@ -16,6 +17,8 @@ from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec
 from kvcore_mla import MLAAttentionSpec
 from kvcore_sliding_window import SlidingWindowSpec
+
+REGISTRY = builtin_registry()
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def test_capacity_model_matches_a_filling_manager(
 def test_capacity_of_a_hand_worked_hybrid() -> None:
     # 2 full-attention layers (page 4096 B at 16 tokens) beside a 1024-token
     # window layer with the same page, one 8 KiB state, BLHNC.
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     full = FullAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
     )
@@ -130,18 +133,14 @@ def test_pool_too_small_for_one_request_is_refused_with_the_numbers() -> None:
     )
     # One request of 4096 tokens needs 256 blocks of 4096 bytes plus the null.
     with pytest.raises(PlanError, match=r"needs 257 .*1052672 bytes") as info:
-        kvcore.plan_kv_cache(
-            config, {"a": full}, 100 * 4096, registry=kvcore.default_registry()
-        )
+        kvcore.plan_kv_cache(config, {"a": full}, 100 * 4096, registry=REGISTRY)
     assert isinstance(info.value, ValueError)
-    plan = kvcore.plan_kv_cache(
-        config, {"a": full}, 257 * 4096, registry=kvcore.default_registry()
-    )
+    plan = kvcore.plan_kv_cache(config, {"a": full}, 257 * 4096, registry=REGISTRY)
     assert plan.num_blocks == 257
 
 
 def test_pages_off_their_element_size_are_refused_at_plan_time() -> None:
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     config = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC")
     )
@@ -184,7 +183,7 @@ def test_pages_off_their_element_size_are_refused_at_plan_time() -> None:
 
 
 def test_from_plan_carries_the_settings() -> None:
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     specs = load_model_file(zoo.path("gemma-3-27b"), registry).layers
     config = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(
@@ -242,9 +241,7 @@ def test_planning_is_fast_and_close_to_linear() -> None:
         )
     for policy in ("seed", "min_waste"):
         config = _config(policy, 4096, 2048)
-        groups = kvcore.get_kv_cache_groups(
-            config, specs, registry=kvcore.default_registry()
-        )
+        groups = kvcore.get_kv_cache_groups(config, specs, registry=REGISTRY)
         assert sorted(n for g in groups for n in g.layer_names) == sorted(specs)
 
 
@@ -275,7 +272,7 @@ def test_a_chunk_aligned_request_still_holds_its_chunk(
 def test_context_parallel_scales_the_physical_limit_too() -> None:
     # Decode context parallelism gives each rank every dcp-th token: a rank's
     # 16-token page covers 32 tokens at dcp 2, in the plan and in the limit.
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     specs = {"a": _full_spec(), "b": _full_spec()}
     for dcp in (1, 2, 4):
         config = kvcore.EngineConfig(
@@ -292,9 +289,7 @@ def test_capacity_past_max_model_len_is_refused() -> None:
     config = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(kv_cache_layout="BLHNC"), max_model_len=4096
     )
-    plan = kvcore.plan_kv_cache(
-        config, {"a": _full_spec()}, 2**30, registry=kvcore.default_registry()
-    )
+    plan = kvcore.plan_kv_cache(config, {"a": _full_spec()}, 2**30, registry=REGISTRY)
     with pytest.raises(PlanError, match="at most max_model_len=4096"):
         kvcore.plan_capacity(plan, 8192)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from coordinator_setup import builtin_registry
 
 import kvcore
 from kvcore import KVCacheConfig, KVCacheGroupSpec
@@ -26,6 +27,8 @@ from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec
 from kvcore_sliding_window import SlidingWindowSpec
+
+REGISTRY = builtin_registry()
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -977,7 +980,7 @@ def test_window_hit_covers_the_extra_retained_tokens() -> None:
         ),
         max_model_len=1100,
     )
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     plan = kvcore.plan_kv_cache(config, {"l0": spec}, 2**28, registry=registry)
     manager = KVCacheManager.from_plan(plan, registry=registry)
     a, b = make_requests(2, 1000, plan.hash_block_size, common_prefix_len=570)

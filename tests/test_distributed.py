@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from coordinator_setup import builtin_registry
 
 import kvcore
 from kvcore import zoo
@@ -55,6 +56,8 @@ from kvcore.serving import ServingChoices, apply_serving_choices
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec
 
+REGISTRY = builtin_registry()
+
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 #: How long a whole multi-process scenario may take before it counts as a hang.
@@ -62,7 +65,7 @@ DEADLINE_S = 90
 
 
 def _model(name: str) -> dict[str, kvcore.KVCacheSpec]:
-    return dict(load_model_file(zoo.path(name), kvcore.default_registry()).layers)
+    return dict(load_model_file(zoo.path(name), REGISTRY).layers)
 
 
 def _served(name: str, tp: int, **choices: Any) -> dict[str, kvcore.KVCacheSpec]:
@@ -128,9 +131,7 @@ def test_tp_sharding_against_hand_worked_pages(
     assert jamba["model.layers.4.self_attn"].page_size_bytes == gqa_page
 
     # The planner sees one rank's pages: Llama's 32 layers share one block.
-    plan = kvcore.plan_kv_cache(
-        _short(tp), llama, 64 * MIB, registry=kvcore.default_registry()
-    )
+    plan = kvcore.plan_kv_cache(_short(tp), llama, 64 * MIB, registry=REGISTRY)
     assert plan.bytes_per_block == 32 * gqa_page
     assert plan.num_blocks == {1: 32, 2: 64, 4: 128}[tp]
     assert plan.tensor_parallel_size == tp
@@ -178,7 +179,7 @@ def test_stage_split_rule() -> None:
 
 def test_two_stage_jamba_plans_line_up() -> None:
     specs = _model("jamba-1-5-mini")
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     whole = kvcore.get_kv_cache_groups(
         _config(packing_policy="seed"), specs, registry=registry
     )
@@ -224,7 +225,7 @@ def test_two_stage_jamba_plans_line_up() -> None:
 
 
 def test_two_stage_min_waste_and_groups_that_cannot_line_up() -> None:
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     plans = plan_pipeline_stages(
         _config(pp=2), _model("jamba-1-5-mini"), 64 * MIB, registry=registry
     )
@@ -246,7 +247,7 @@ def test_two_stage_min_waste_and_groups_that_cannot_line_up() -> None:
 
 
 def test_worker_binds_from_json_and_refuses_other_specs() -> None:
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     specs = _served("llama-3-1-8b", 2)
     plan = plan_local(_short(2), specs, 40 * MIB, registry=registry)
     text = dump_pipeline_plan(PipelinePlan(stages=(plan,)), registry)
@@ -274,7 +275,7 @@ def test_worker_binds_from_json_and_refuses_other_specs() -> None:
 
 
 def test_fingerprint_ignores_memory_and_names_what_differs() -> None:
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     specs = _served("llama-3-1-8b", 2)
     a = plan_local(_short(2), specs, 64 * MIB, registry=registry)
     b = plan_local(_short(2), specs, 40 * MIB, registry=registry)
@@ -316,7 +317,7 @@ def test_the_odd_rank_out_is_named() -> None:
 
 
 def test_shipped_json_is_checked() -> None:
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     with pytest.raises(SerializationError, match="must be JSON"):
         load_pipeline_plan("{", registry)
     with pytest.raises(SerializationError, match="non-empty 'stages' list"):
@@ -361,7 +362,7 @@ def _scenario_agree(
     rank: int, timeout: datetime.timedelta, out_file: str
 ) -> dict[str, Any]:
     """Two ranks: equal plans, a rank with less memory, shipping, a mismatch."""
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     specs = _served("llama-3-1-8b", 2)
     out: dict[str, Any] = {}
     equal = plan_local(_short(2), specs, 64 * MIB, registry=registry)
@@ -397,7 +398,7 @@ def _scenario_pipeline(
     rank: int, timeout: datetime.timedelta, out_file: str
 ) -> dict[str, Any]:
     """Four ranks, TP 2 x PP 2 of Jamba: ranks 0, 1 run stage 0."""
-    registry = kvcore.default_registry()
+    registry = REGISTRY
     specs = _served("jamba-1-5-mini", 2)
     stage = rank // 2
     local = plan_local(

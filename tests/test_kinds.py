@@ -15,8 +15,8 @@ from collections.abc import Callable
 import attrs
 import pytest
 import torch
+from coordinator_setup import builtin_registry
 
-import kvcore
 from kvcore import InvalidSpecError, KVCacheSpec, MergeError
 from kvcore.plugins import BUILTIN_PLUGINS
 from kvcore_circular_buffer import CircularBufferSpec
@@ -636,7 +636,7 @@ def test_specs_are_frozen_and_hashable() -> None:
 # Conformance over the registry
 # ---------------------------------------------------------------------------
 
-REGISTRY = kvcore.default_registry()
+REGISTRY = builtin_registry()
 
 
 def _sample(name: str) -> KVCacheSpec:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from coordinator_setup import builtin_registry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,7 @@ from kvcore_mamba import MambaSpec
 from kvcore_mla import MLAAttentionSpec
 from kvcore_sliding_window import SlidingWindowMLASpec, SlidingWindowSpec
 
-REGISTRY = kvcore.default_registry()
+REGISTRY = builtin_registry()
 
 
 def _plan(specs, policy, context, memory=2**32, registry=REGISTRY):
