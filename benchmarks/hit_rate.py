@@ -383,13 +383,24 @@ def policy_rows(
     *,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    default_rows: Sequence[dict[str, Any]] = (),
 ) -> list[dict[str, Any]]:
-    """Rows of every checkpoint policy on the models that checkpoint states."""
+    """Rows of every checkpoint policy on the models that checkpoint states
+    (the policy of a model's default plan taken from ``default_rows`` where
+    they hold the model's rows: the same runs)."""
     registry = benchmark_registry()
     chosen = checkpointing_models(models, registry)
     rows = []
     for model in chosen:
+        planned = {
+            g.manager_spec.checkpoint_policy_name
+            for g in plan_model(model, registry, 2**30).plan.kv_cache_groups
+        } - {None}
         for name in CHECKPOINT_POLICIES:
+            same = [r for r in default_rows if r["model"] == model]
+            if planned == {name} and same:
+                rows.extend({**r, "policy": name} for r in same)
+                continue
             rows.extend(
                 run_rows(
                     [model],
@@ -430,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pool,
             seed=args.seed,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
+            default_rows=rows,
         )
     if args.json:
         print(json.dumps(rows + extra, indent=1))
