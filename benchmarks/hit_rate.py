@@ -63,6 +63,8 @@ DOC = REPO / "docs" / "hit-rate.md"
 
 #: The tight pool over the ample run's peak blocks in use.
 TIGHT_FACTOR = 1.0
+#: The full-attention model the tight pools are compared against.
+REFERENCE = "llama-3-1-8b"
 #: Steps between counts of the cached blocks (see ``Driver``).
 CACHE_SAMPLE_EVERY = 16
 POOLS = ("ample", "tight")
@@ -199,8 +201,101 @@ def model_rows(
         tight_blocks = math.ceil(TIGHT_FACTOR * result.peak_blocks_in_use) + 1
         tight = plan_with_blocks(model, registry, tight_blocks, options)
         result = run(tight)
-        rows.append(_row(model, workload_name, "tight", result))
+        row = _row(model, workload_name, "tight", result)
+        row["pool_bytes"] = tight.plan.num_blocks * tight.plan.bytes_per_block
+        rows.append(row)
     return rows
+
+
+def same_memory_rows(
+    rows: Sequence[dict[str, Any]],
+    *,
+    seed: int = 0,
+    registry: KindRegistry | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Each tight row of a model other than :data:`REFERENCE` beside the
+    reference model's hit rate on the same workload in the same memory (its
+    context the workload's longest request, so one fits), and in its own
+    tight pool (the same pressure)."""
+    registry = registry or benchmark_registry()
+    own = {
+        r["workload"]: r
+        for r in rows
+        if r["model"] == REFERENCE and r["pool"] == "tight"
+    }
+    out = []
+    for row in rows:
+        if row["pool"] != "tight" or row["model"] == REFERENCE:
+            continue
+        start = time.monotonic()
+        workload = named_workload(row["workload"], seed=seed)
+        longest = max(r.max_tokens for r in workload.requests)
+        reference = plan_model(
+            REFERENCE, registry, row["pool_bytes"], ("--context", str(longest))
+        )
+        result = Driver(
+            reference.plan,
+            registry=registry,
+            max_num_batched_tokens=reference.max_num_batched_tokens,
+            validate=True,
+            cache_sample_every=CACHE_SAMPLE_EVERY,
+        ).run(workload)
+        same = own.get(row["workload"])
+        out.append(
+            {
+                "model": row["model"],
+                "workload": row["workload"],
+                "hit_rate": row["hit_rate"],
+                "pool_gib": row["pool_bytes"] / 2**30,
+                "reference_blocks": result.num_blocks,
+                "reference_hit_rate": result.hit_rate,
+                "same_memory": row["hit_rate"] / result.hit_rate
+                if result.hit_rate
+                else None,
+                "reference_unserved": len(result.unserved),
+                "reference_own_hit_rate": None if same is None else same["hit_rate"],
+                "same_pressure": None
+                if same is None or not same["hit_rate"]
+                else row["hit_rate"] / same["hit_rate"],
+                "invalid_hits": result.invalid_hits,
+            }
+        )
+        if progress is not None:
+            progress(
+                f"{REFERENCE} in {row['model']}'s {row['workload']} pool: "
+                f"{time.monotonic() - start:.1f} s"
+            )
+    return out
+
+
+#: Columns of the same-memory table.
+SAME_MEMORY_COLUMNS = [
+    ("model", "model", "{}"),
+    ("workload", "workload", "{}"),
+    ("tight pool", "pool_gib", "{:.2f} GiB"),
+    ("hit rate", "hit_rate", "{:.1%}"),
+    (f"{REFERENCE} there: blocks", "reference_blocks", "{:,}"),
+    ("its hit rate", "reference_hit_rate", "{:.1%}"),
+    ("requests it cannot serve", "reference_unserved", "{:,}"),
+    ("x same memory", "same_memory", "{:.2f}"),
+    (f"{REFERENCE} in its own tight pool", "reference_own_hit_rate", "{:.1%}"),
+    ("x same pressure", "same_pressure", "{:.2f}"),
+]
+
+
+def same_memory_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    columns = SAME_MEMORY_COLUMNS
+    lines = [
+        "| " + " | ".join(h for h, _, _ in columns) + " |",
+        "|" + "|".join(" --- " for _ in columns) + "|",
+    ]
+    for row in rows:
+        cells = [
+            "-" if row[key] is None else fmt.format(row[key]) for _, key, fmt in columns
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict[str, Any]], *, policy: bool = False) -> str:
@@ -274,10 +369,30 @@ rate*).
 """
 
 
-def page(rows: list[dict[str, Any]], policy_rows: list[dict[str, Any]]) -> str:
+SAME_MEMORY_HEAD = f"""
+## Tight pools against full attention
+
+Every other model's tight pool beside {REFERENCE} (full attention only) on
+the same workload: in **the same memory** (the reference planned in the
+tight pool's bytes, its context the workload's longest request), and in
+**its own tight pool** (the same pressure: each pool is its own model's
+busiest step, the stricter comparison, since a model whose requests take
+fewer bytes keeps more cached in the same memory).  *x* is the model's hit
+rate over the reference's (none where the reference serves no hit).
+
+"""
+
+
+def page(
+    rows: list[dict[str, Any]],
+    policy_rows: list[dict[str, Any]],
+    same_memory: Sequence[dict[str, Any]] = (),
+) -> str:
     text = PAGE_HEAD + markdown(rows)
     if policy_rows:
         text += POLICY_HEAD + markdown(policy_rows, policy=True)
+    if same_memory:
+        text += SAME_MEMORY_HEAD + same_memory_markdown(same_memory)
     return text
 
 
@@ -450,12 +565,19 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             print()
             print(markdown(extra, policy=True), end="")
+    compared: list[dict[str, Any]] = []
+    if args.write:
+        compared = same_memory_rows(
+            rows,
+            seed=args.seed,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     rows = rows + extra
     if args.write:
-        DOC.write_text(page(rows[: len(rows) - len(extra)], extra))
+        DOC.write_text(page(rows[: len(rows) - len(extra)], extra, compared))
         print(f"wrote {DOC.relative_to(REPO)}", file=sys.stderr)
     print(f"{time.monotonic() - start:.0f} s in all", file=sys.stderr)
-    bad = sum(row["invalid_hits"] for row in rows)
+    bad = sum(row["invalid_hits"] for row in [*rows, *compared])
     return 1 if bad else 0
 
 

@@ -415,8 +415,18 @@ def test_the_hit_rate_page_is_the_benchmarks_table(
         assert row["completed"] == row["requests"]
     page = (REPO / "docs" / "hit-rate.md").read_text()
     assert page.startswith(bench.PAGE_HEAD)
-    main_table, _, policies = page[len(bench.PAGE_HEAD) :].partition(bench.POLICY_HEAD)
+    main_table, _, rest = page[len(bench.PAGE_HEAD) :].partition(bench.POLICY_HEAD)
+    policies, _, same_memory = rest.partition(bench.SAME_MEMORY_HEAD)
     table = main_table.splitlines()
+    # Every model but the reference, on every workload, beside the reference
+    # in the same memory and at the same pressure.
+    compared = [line.strip("|").split("|") for line in same_memory.splitlines()[2:]]
+    assert [tuple(c.strip() for c in cell[:2]) for cell in compared] == [
+        (m, w) for m in zoo.names() if m != bench.REFERENCE for w in workload_names()
+    ]
+    for cell in compared:
+        # The stricter rule: at least 0.8 of the reference at the same pressure.
+        assert float(cell[-1]) >= 0.8, cell
     # Every checkpoint policy's rows are valid too.
     policy_cells = [line.strip("|").split("|") for line in policies.splitlines()[2:]]
     assert policy_cells
