@@ -36,8 +36,9 @@ request whose own states were evicted still resumes at the shared prefix
 instead of recomputing it, with its attention blocks, from token 0.
 
 With EAGLE every hit drops its last block (the draft model recomputes it),
-so a hit ends a block before the state the same lookup would have found:
-the prompt-end states are kept one hit unit earlier, and a request keeps
+so a hit may end a block before the state the same lookup would have
+found: the prompt end keeps the last boundary before its final token and
+the one before that (instead of the prompt's own end), and a request keeps
 the step-end state before its newest one too (the next turn resumes there
 when its hit reaches the newest).
 

@@ -395,3 +395,85 @@ def test_a_second_resume_makes_a_state_shared() -> None:
     assert at_96 is not None
     assert mgr.get_blocks("d").blocks[1][5] is at_96
     assert at_96.ref_cnt == 1
+
+
+def _queue_position(mgr: KVCacheManager, block: Any) -> int:
+    return [b.block_id for b in mgr.block_pool.free_queue.get_all_free_blocks()].index(
+        block.block_id
+    )
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_twin_state_groups_hold_the_shared_state_at_one_position(share: bool) -> None:
+    """Two state groups of one spec (twins) keep equal tables: where one
+    twin's shared state at 160 was evicted and the other's not, an
+    admission on that prefix holds it in neither (each twin's own search
+    would find a different one), on the shared and the per-group path."""
+    mgr = setup.manager_for(
+        [fa(BS), setup.mamba(BS), setup.mamba(BS)],
+        80,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+    mgr.coordinator.share_twin_work = share
+    pool = mgr.block_pool
+    twins = state(mgr, 1), state(mgr, 2)
+    preamble = tokens(160)
+    run(mgr, Request("a", [*preamble, 7], hash_block_size=BS), [1])
+    c_prompt, c_output = preamble + tokens(40, 3000), tokens(20, 4000)
+    assert run(mgr, Request("c", c_prompt, hash_block_size=BS), c_output) == 160
+    # r, c's next turn, keeps running: it holds c's state at 208 and the
+    # attention blocks before it.
+    r = Request("r", c_prompt + c_output + tokens(30, 5000), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(r)
+    assert hit == 208
+    assert mgr.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+    e = Request("e", preamble + tokens(40, 6000), hash_block_size=BS)
+    assert run(mgr, e, [1]) == 160  # the second resume: shared in both twins
+    key = e.block_hashes[9]
+    first, second = (t.shared_states[160][key] for t in twins)
+    assert _queue_position(mgr, first) < _queue_position(mgr, second)
+    # Take blocks from the front of the queue up to the first twin's state.
+    pool.free_blocks(pool.get_new_blocks(_queue_position(mgr, first) + 1))
+    assert not twins[0]._holds(first, key)
+    assert twins[1]._holds(second, key)
+    d = Request("d", c_prompt + c_output + tokens(30, 8000), hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(d)
+    assert hit == 208
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(d, d.num_tokens - hit, hit, blocks) is not None
+    # r holds the hit's blocks: d takes 3 new attention blocks and, in each
+    # twin, the prompt end (240) and the last position, and no hold at 160.
+    assert free - mgr.get_num_free_blocks() == 3 + 2 * 2
+    tables = mgr.get_blocks("d").blocks
+    held = [[i for i, b in enumerate(tables[g]) if not b.is_null] for g in (1, 2)]
+    assert held[0] == held[1] == [12, 14, 15]
+    mgr.free(d)
+    mgr.free(r)
+    assert mgr.get_num_free_blocks() == pool.num_blocks - 1
+
+
+def test_a_connector_admission_counts_no_hold_it_does_not_take() -> None:
+    """A KV-connector admission (176 external tokens, no cached state to
+    resume from) takes no shared state, and its count says so: it asks for
+    exactly the blocks it takes, so one that just fits keeps its
+    checkpoints."""
+    mgr = hybrid()
+    preamble = tokens(160)
+    run(mgr, Request("a", preamble + tokens(40, 1000), hash_block_size=BS), [1])
+    run(mgr, Request("b", preamble + tokens(40, 2000), hash_block_size=BS), [1])
+    assert state(mgr).shared_states  # b's branch point at 160
+    x = Request("x", preamble + tokens(60, 7000), hash_block_size=BS)
+    coordinator = mgr.coordinator
+    attach = coordinator.admission_blocks(mgr.empty_kv_cache_blocks.blocks, 176)
+    coordinator.plan_checkpoints(x, 176)
+    planned = coordinator.get_num_blocks_to_allocate("x", x.num_tokens, attach)
+    coordinator.forget_checkpoints("x")
+    free = mgr.get_num_free_blocks()
+    assert (
+        mgr.allocate_slots(x, x.num_tokens - 176, num_external_computed_tokens=176)
+        is not None
+    )
+    assert free - mgr.get_num_free_blocks() == planned
+    assert "x" not in state(mgr).pinned

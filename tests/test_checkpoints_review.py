@@ -86,6 +86,31 @@ def test_a_rolled_back_admission_leaves_no_planned_checkpoints() -> None:
     assert manager.targets == {}
 
 
+def test_a_rolled_back_admission_does_not_count_as_a_resume() -> None:
+    """A state becomes shared when a second request resumes from it; an
+    admission that resumed from it and was rolled back (a plugin raised)
+    does not count, so the one real resume after it leaves it unshared."""
+    registry = KindRegistry.from_kinds([FullAttention(), RaisingMamba()])
+    mgr = state_hybrid(200, registry=registry)
+    manager = state(mgr)
+    assert isinstance(manager, Raising)
+    prompt = list(range(100))
+    mgr.free(prefill(mgr, "a", prompt))  # its prompt-end state at 96
+    b = Request("b", [*prompt, *range(900, 910)], hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 96
+    manager.armed = True
+    with pytest.raises(PluginError):
+        mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks)
+    manager.armed = False
+    assert manager.hit_counts == {}
+    assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
+    assert [count for _, count in manager.hit_counts.values()] == [1]
+    assert manager.shared_states == {}
+    mgr.free(b)
+    assert mgr.get_num_free_blocks() == 199
+
+
 def test_a_superseded_state_does_not_drop_a_block_another_request_cached() -> None:
     mgr = state_hybrid(20)
     manager = state(mgr)
@@ -174,9 +199,9 @@ def test_states_are_kept_only_where_hits_end_with_eagle(use_eagle: bool) -> None
         if pool.lookup(h, 1) is not None
     ]
     # The prompt's state at 64, the last boundary a hit can end at (with
-    # EAGLE a block earlier: 32, since a hit drops a block), and the
-    # output's at 96; none at 80 or 112, where no hit ends.
-    assert cached == ([32, 96] if use_eagle else [64, 96])
+    # EAGLE the one before too, 32: a hit drops a block), and the output's
+    # at 96; none at 80 or 112, where no hit ends.
+    assert cached == ([32, 64, 96] if use_eagle else [64, 96])
     _, hit = mgr.get_computed_blocks(Request("b", list(range(90)), hash_block_size=BS))
     assert hit == (32 if use_eagle else 64)
 
@@ -190,6 +215,37 @@ def test_the_same_prompt_again_hits_with_eagle() -> None:
     mgr.free(prefill(mgr, "a", prompt))
     _, hit = mgr.get_computed_blocks(Request("b", prompt, hash_block_size=BS))
     assert hit == 80
+
+
+@pytest.mark.parametrize(
+    ("attention_block", "state_block", "expected"),
+    [
+        # Hits drop a 16-token block: the state at 80, one before the
+        # prompt's last boundary (96), kept for it.
+        (16, 16, 80),
+        # A 64-token state block: its only boundary below 100 is 64; the
+        # attention's bound (96 less a block: 80) reaches it.
+        (16, 64, 64),
+        # A 32-token attention block with copy-on-write partial hits: the
+        # state's own bound (96 less 16) ends inside an attention block.
+        (32, 16, 80),
+    ],
+)
+def test_the_same_prompt_again_with_eagle_resumes_near_its_end(
+    attention_block: int, state_block: int, expected: int
+) -> None:
+    mgr = manager_for(
+        [fa(attention_block), mamba(state_block)],
+        200,
+        scheduler_block_size=max(attention_block, state_block),
+        hash_block_size=BS,
+        enable_caching=True,
+        use_eagle=True,
+    )
+    prompt = list(range(100))
+    mgr.free(prefill(mgr, "a", prompt))
+    _, hit = mgr.get_computed_blocks(Request("b", prompt, hash_block_size=BS))
+    assert hit == expected
 
 
 def test_a_chats_next_turn_with_eagle_resumes_a_block_before_the_output_end() -> None:

@@ -216,7 +216,7 @@ class Shadow:
             self.holding[key] = set()
             if hit is not None and hit[g] and hit[g][-1]:
                 self.holding[key].add(len(hit[g]) - 1)
-                path = self.shared_on_path(r, g, num_computed - 1)
+                path = self.agreed_path(r, g, num_computed - 1)
                 if path is not None and r.request_id not in self.shedding:
                     self.holding[key].add(path[0] // bs - 1)
                     self.path_block = path[1]
@@ -258,6 +258,31 @@ class Shadow:
             if block.key_hash == key and block.key_group == g:
                 best = (tokens, bid)
         return best
+
+    def agreed_path(self, r: Request, g: int, limit: int) -> tuple[int, int] | None:
+        """:meth:`shared_on_path` agreed among ``g``'s twins (state groups of
+        one spec and block size): the longest position every twin holds a
+        shared state at, or none."""
+        twins = [
+            t
+            for t, unit in enumerate(self.state_units)
+            if unit
+            and self.specs[t] == self.specs[g]
+            and self.block_sizes[t] == self.block_sizes[g]
+        ]
+        found = {t: self.shared_on_path(r, t, limit) for t in twins}
+        while True:
+            if any(f is None for f in found.values()):
+                return None
+            lowest = min(f[0] for f in found.values() if f is not None)
+            if all(f is not None and f[0] == lowest for f in found.values()):
+                return found[g]
+            found = {
+                t: f
+                if f is not None and f[0] == lowest
+                else self.shared_on_path(r, t, lowest)
+                for t, f in found.items()
+            }
 
     def record_shared(
         self,

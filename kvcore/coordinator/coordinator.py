@@ -12,14 +12,14 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager, runs_vetted
-from kvcore.coordinator.managers import PrefixManager, prefix_hit
+from kvcore.coordinator.managers import CheckpointManager, PrefixManager, prefix_hit
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
@@ -1113,6 +1113,13 @@ class KVCacheCoordinator:
         """Let every state group choose where to keep checkpoints for a
         request being admitted."""
         self._each_planning("plan_checkpoints", request, num_computed_tokens)
+        managers = self.single_type_managers
+        for gids in self._twin_classes:
+            first = managers[gids[0]]
+            if isinstance(first, CheckpointManager):
+                CheckpointManager.agree_on_path(
+                    [cast(CheckpointManager, managers[g]) for g in gids], request
+                )
 
     def shed_checkpoints(self, request_id: str) -> list[Any] | None:
         """Let every state group give up the request's optional checkpoints

@@ -335,6 +335,13 @@ class CheckpointManager(SingleTypeManager):
         whose states the policy keeps (after ``num_computed_tokens``, the
         hit included)."""
         rid = request.request_id
+        path = None
+        if self._holds_shared and self.shared_states:
+            path = self._shared_on_path(request, num_computed_tokens - 1)
+        if path is not None:
+            self.on_path[rid] = path
+        else:
+            self.on_path.pop(rid, None)
         if not self._targets_on:
             return
         policy = self.policy
@@ -344,11 +351,17 @@ class CheckpointManager(SingleTypeManager):
         if policy.prompt_end:
             # The prompt extended (a longer prompt, the next turn) resumes at
             # its last boundary; the same prompt again at the last boundary
-            # before its final token, which is always recomputed.  With
-            # EAGLE a hit drops a block: one boundary earlier.
-            back = unit if self.use_eagle else 0
-            marks.add(prompt - prompt % unit - back)
-            marks.add((prompt - 1) - (prompt - 1) % unit - back)
+            # before its final token, which is always recomputed.
+            last = (prompt - 1) - (prompt - 1) % unit
+            marks.add(last)
+            if self.use_eagle:
+                # Every hit drops a block: a lookup reaching ``last`` ends a
+                # block earlier when the state's own block bounds it, so the
+                # boundary before is kept too (instead of the prompt's end,
+                # which only a longer prompt reaches).
+                marks.add(last - unit)
+            else:
+                marks.add(prompt - prompt % unit)
         branch = -1
         if policy.branch_points:
             shared = min(request.shared_prefix_tokens, prompt)
@@ -375,13 +388,33 @@ class CheckpointManager(SingleTypeManager):
             self.branch[rid] = branch
         else:
             self.branch.pop(rid, None)
-        path = None
-        if self.shared_states and self._holds_shared:
-            path = self._shared_on_path(request, num_computed_tokens - 1)
-        if path is not None:
-            self.on_path[rid] = path
-        else:
-            self.on_path.pop(rid, None)
+
+    @staticmethod
+    def agree_on_path(twins: Sequence[CheckpointManager], request: Request) -> None:
+        """Make twin groups hold the shared state at one position for an
+        admission (the longest every twin holds, or none): each twin's own
+        search may find a different one where one twin's state was evicted
+        and another's not, and twins keep equal tables."""
+        found = [t.on_path.get(request.request_id) for t in twins]
+        if all(f is None for f in found):
+            return
+        while True:
+            if any(f is None for f in found):
+                for twin in twins:
+                    twin.on_path.pop(request.request_id, None)
+                return
+            lowest = min(f[0] for f in found if f is not None)
+            if all(f is not None and f[0] == lowest for f in found):
+                break
+            found = [
+                f
+                if f is not None and f[0] == lowest
+                else t._shared_on_path(request, lowest)
+                for t, f in zip(twins, found, strict=True)
+            ]
+        for twin, f in zip(twins, found, strict=True):
+            if f is not None:
+                twin.on_path[request.request_id] = f
 
     def shed_checkpoints(self, request_id: str) -> Any:
         targets = self.targets.get(request_id)
@@ -486,7 +519,13 @@ class CheckpointManager(SingleTypeManager):
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 need += 1
-        if held is None and self.on_path:
+        if (
+            held is None
+            and self.on_path
+            and new_computed_blocks
+            and not new_computed_blocks[-1].is_null
+        ):
+            # Held with a hit's state (see add_computed_blocks).
             path = self.on_path.get(request_id)
             if path is not None and path[1].ref_cnt == 0:
                 need += 1  # the shared state it will hold leaves the free queue
@@ -660,13 +699,18 @@ class CheckpointManager(SingleTypeManager):
         hit = blocks[-1]
         key = hit.key_hash
         counted = self.hit_counts.get(hit)
+        # Keyed by block: at most one entry per block, a stale key replaced
+        # when the block is hit again.
         hits = counted[1] + 1 if counted is not None and counted[0] == key else 1
-        if hits == 1 and len(self.hit_counts) >= 2 * self.block_pool.num_blocks:
-            self._prune_shared()
         self.hit_counts[hit] = (key, hits)
+        tokens = len(blocks) * self.block_size
+        shared_before = self.shared_states.get(tokens, {}).get(key)
         if hits == 2:
             # A second request resumes here: the prefix is shared.
-            self._mark_shared(len(blocks) * self.block_size, hit)
+            self._mark_shared(tokens, hit)
+        self.block_pool.record_undo(
+            partial(self._uncount, hit, counted, tokens, key, shared_before)
+        )
         if not self._holds_shared:
             return
         # The hit's state stays held while the request runs, and so does the
@@ -684,6 +728,29 @@ class CheckpointManager(SingleTypeManager):
                 table[pos] = block
                 pinned.insert(0, pos)
         self.pinned[request_id] = pinned
+
+    def _uncount(
+        self,
+        hit: KVCacheBlock,
+        counted: tuple[Any, int] | None,
+        tokens: int,
+        key: Any,
+        shared_before: KVCacheBlock | None,
+    ) -> None:
+        """Undo one hit's count (its step rolled back)."""
+        if counted is None:
+            self.hit_counts.pop(hit, None)
+        else:
+            self.hit_counts[hit] = counted
+        states = self.shared_states.get(tokens)
+        if states is None:
+            return
+        if shared_before is not None:
+            states[key] = shared_before
+        elif states.pop(key, None) is not None:
+            self._num_shared -= 1
+            if not states:
+                del self.shared_states[tokens]
 
     def _mark_shared(self, tokens: int, block: KVCacheBlock) -> None:
         states = self.shared_states.setdefault(tokens, {})
