@@ -165,6 +165,20 @@ def _row(
     }
 
 
+def replay(
+    planned: Planned, workload: Workload, registry: KindRegistry
+) -> SimulationResult:
+    """``workload`` through ``planned``'s coordinator, the content oracle on."""
+    driver = Driver(
+        planned.plan,
+        registry=registry,
+        max_num_batched_tokens=planned.max_num_batched_tokens,
+        validate=True,
+        cache_sample_every=CACHE_SAMPLE_EVERY,
+    )
+    return driver.run(workload)
+
+
 def model_rows(
     model: str,
     workload_name: str,
@@ -179,28 +193,18 @@ def model_rows(
     workload = named_workload(workload_name, seed=seed)
     probe = plan_model(model, registry, 2**30, options)
 
-    def run(planned: Planned) -> SimulationResult:
-        driver = Driver(
-            planned.plan,
-            registry=registry,
-            max_num_batched_tokens=planned.max_num_batched_tokens,
-            validate=True,
-            cache_sample_every=CACHE_SAMPLE_EVERY,
-        )
-        return driver.run(workload)
-
     probe_driver = Driver(probe.plan, registry=registry)
     ample = plan_with_blocks(
         model, registry, blocks_for_everything(probe_driver, workload), options
     )
-    result = run(ample)
+    result = replay(ample, workload, registry)
     rows = []
     if "ample" in pools:
         rows.append(_row(model, workload_name, "ample", result))
     if "tight" in pools:
         tight_blocks = math.ceil(TIGHT_FACTOR * result.peak_blocks_in_use) + 1
         tight = plan_with_blocks(model, registry, tight_blocks, options)
-        result = run(tight)
+        result = replay(tight, workload, registry)
         row = _row(model, workload_name, "tight", result)
         row["pool_bytes"] = tight.plan.num_blocks * tight.plan.bytes_per_block
         rows.append(row)
@@ -234,13 +238,7 @@ def same_memory_rows(
         reference = plan_model(
             REFERENCE, registry, row["pool_bytes"], ("--context", str(longest))
         )
-        result = Driver(
-            reference.plan,
-            registry=registry,
-            max_num_batched_tokens=reference.max_num_batched_tokens,
-            validate=True,
-            cache_sample_every=CACHE_SAMPLE_EVERY,
-        ).run(workload)
+        result = replay(reference, workload, registry)
         same = own.get(row["workload"])
         out.append(
             {
