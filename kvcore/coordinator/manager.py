@@ -194,8 +194,8 @@ class SingleTypeManager:
         self.max_model_len = max_model_len
         self.hit_alignment = block_size if hit_alignment is None else hit_alignment
         #: Set by the coordinator: every hit drops its last block for a
-        #: draft model (EAGLE), so a state kind keeps its states a block
-        #: earlier.
+        #: draft model (EAGLE), so a state kind also keeps states a block
+        #: before where its hits would otherwise end.
         self.use_eagle = False
         #: Whether this group's blocks are hashed and looked up.
         self.caching = bool(enable_caching) and spec.hit_policy.hashes_blocks
