@@ -305,6 +305,50 @@ class KVCacheCoordinator:
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
         self._init_twins(managers)
+        if self.num_groups == 1 and self.vetted and self.partial is None:
+            self._init_single_steps(managers[0])
+
+    def _init_single_steps(self, manager: SingleTypeManager) -> None:
+        """One vetted group: the admission steps call its manager directly
+        (instance attributes shadowing the per-group loops, which only add
+        the group's error reporting, and kvcore's own managers do not
+        raise)."""
+        state = self.__dict__
+        gid_blocks = manager.get_num_blocks_to_allocate
+        attach_hit = manager.add_computed_blocks
+        grow_table = manager.allocate_new_blocks
+        admit = manager.admission_blocks
+        general = KVCacheCoordinator.admission_blocks
+
+        def admission_blocks(
+            hits: Sequence[Sequence[KVCacheBlock]], num_computed_tokens: int
+        ) -> tuple[list[KVCacheBlock], ...]:
+            if len(hits) != 1:
+                return general(self, hits, num_computed_tokens)
+            return (admit(hits[0], num_computed_tokens),)
+
+        def get_num_blocks_to_allocate(
+            request_id: str, num_tokens: int, attach: Sequence[Sequence[KVCacheBlock]]
+        ) -> int:
+            return gid_blocks(request_id, num_tokens, attach[0])
+
+        def add_computed_blocks(
+            request_id: str, attach: Sequence[Sequence[KVCacheBlock]]
+        ) -> None:
+            if attach[0]:
+                attach_hit(request_id, attach[0])
+
+        def allocate_new_blocks(
+            request_id: str, num_tokens: int
+        ) -> tuple[list[KVCacheBlock], ...]:
+            return (grow_table(request_id, num_tokens),)
+
+        state["admission_blocks"] = admission_blocks
+        state["get_num_blocks_to_allocate"] = get_num_blocks_to_allocate
+        state["add_computed_blocks"] = add_computed_blocks
+        state["allocate_new_blocks"] = allocate_new_blocks
+        if manager.caching:
+            state["cache_blocks"] = manager.cache_blocks
 
     def _init_twins(self, managers: Sequence[SingleTypeManager]) -> None:
         """Find twin groups and what their steps share.
