@@ -63,8 +63,9 @@ DOC = REPO / "docs" / "hit-rate.md"
 
 #: The tight pool over the ample run's peak blocks in use.
 TIGHT_FACTOR = 1.0
-#: The full-attention model the tight pools are compared against.
-REFERENCE = "llama-3-1-8b"
+#: The full-attention model the tight pools are compared against: simulated
+#: in the same run on the same workload (hit rates are counts, not timings).
+BASELINE_MODEL = "llama-3-1-8b"
 #: Steps between counts of the cached blocks (see ``Driver``).
 CACHE_SAMPLE_EVERY = 16
 POOLS = ("ample", "tight")
@@ -100,11 +101,18 @@ def plan_model(
 
 
 def plan_with_blocks(
-    model: str, registry: KindRegistry, blocks: int, options: Sequence[str] = ()
+    model: str,
+    registry: KindRegistry,
+    blocks: int,
+    options: Sequence[str] = (),
+    *,
+    probe: Planned | None = None,
 ) -> Planned:
     """The default plan of ``model`` with at least ``blocks`` blocks (the
-    fewest memory gives; more where the plan needs more for one request)."""
-    probe = plan_model(model, registry, 2**30, options)
+    fewest memory gives; more where the plan needs more for one request).
+    ``probe``: the model already planned with the same options, if at hand."""
+    if probe is None:
+        probe = plan_model(model, registry, 2**30, options)
     stride = probe.plan.bytes_per_block
     memory = blocks * stride
     for _ in range(64):
@@ -192,10 +200,13 @@ def model_rows(
     pool is sized from its run)."""
     workload = named_workload(workload_name, seed=seed)
     probe = plan_model(model, registry, 2**30, options)
-
     probe_driver = Driver(probe.plan, registry=registry)
     ample = plan_with_blocks(
-        model, registry, blocks_for_everything(probe_driver, workload), options
+        model,
+        registry,
+        blocks_for_everything(probe_driver, workload),
+        options,
+        probe=probe,
     )
     result = replay(ample, workload, registry)
     rows = []
@@ -203,7 +214,7 @@ def model_rows(
         rows.append(_row(model, workload_name, "ample", result))
     if "tight" in pools:
         tight_blocks = math.ceil(TIGHT_FACTOR * result.peak_blocks_in_use) + 1
-        tight = plan_with_blocks(model, registry, tight_blocks, options)
+        tight = plan_with_blocks(model, registry, tight_blocks, options, probe=probe)
         result = replay(tight, workload, registry)
         row = _row(model, workload_name, "tight", result)
         row["pool_bytes"] = tight.plan.num_blocks * tight.plan.bytes_per_block
@@ -218,27 +229,27 @@ def same_memory_rows(
     registry: KindRegistry | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each tight row of a model other than :data:`REFERENCE` beside the
-    reference model's hit rate on the same workload in the same memory (its
+    """Each tight row of a model other than :data:`BASELINE_MODEL` beside the
+    baseline model's hit rate on the same workload in the same memory (its
     context the workload's longest request, so one fits), and in its own
     tight pool (the same pressure)."""
     registry = registry or benchmark_registry()
     own = {
         r["workload"]: r
         for r in rows
-        if r["model"] == REFERENCE and r["pool"] == "tight"
+        if r["model"] == BASELINE_MODEL and r["pool"] == "tight"
     }
     out = []
     for row in rows:
-        if row["pool"] != "tight" or row["model"] == REFERENCE:
+        if row["pool"] != "tight" or row["model"] == BASELINE_MODEL:
             continue
         start = time.monotonic()
         workload = named_workload(row["workload"], seed=seed)
         longest = max(r.max_tokens for r in workload.requests)
-        reference = plan_model(
-            REFERENCE, registry, row["pool_bytes"], ("--context", str(longest))
+        baseline = plan_model(
+            BASELINE_MODEL, registry, row["pool_bytes"], ("--context", str(longest))
         )
-        result = replay(reference, workload, registry)
+        result = replay(baseline, workload, registry)
         same = own.get(row["workload"])
         out.append(
             {
@@ -246,13 +257,13 @@ def same_memory_rows(
                 "workload": row["workload"],
                 "hit_rate": row["hit_rate"],
                 "pool_gib": row["pool_bytes"] / 2**30,
-                "reference_blocks": result.num_blocks,
-                "reference_hit_rate": result.hit_rate,
+                "baseline_blocks": result.num_blocks,
+                "baseline_hit_rate": result.hit_rate,
                 "same_memory": row["hit_rate"] / result.hit_rate
                 if result.hit_rate
                 else None,
-                "reference_unserved": len(result.unserved),
-                "reference_own_hit_rate": None if same is None else same["hit_rate"],
+                "baseline_unserved": len(result.unserved),
+                "baseline_own_hit_rate": None if same is None else same["hit_rate"],
                 "same_pressure": None
                 if same is None or not same["hit_rate"]
                 else row["hit_rate"] / same["hit_rate"],
@@ -261,7 +272,7 @@ def same_memory_rows(
         )
         if progress is not None:
             progress(
-                f"{REFERENCE} in {row['model']}'s {row['workload']} pool: "
+                f"{BASELINE_MODEL} in {row['model']}'s {row['workload']} pool: "
                 f"{time.monotonic() - start:.1f} s"
             )
     return out
@@ -273,11 +284,11 @@ SAME_MEMORY_COLUMNS = [
     ("workload", "workload", "{}"),
     ("tight pool", "pool_gib", "{:.2f} GiB"),
     ("hit rate", "hit_rate", "{:.1%}"),
-    (f"{REFERENCE} there: blocks", "reference_blocks", "{:,}"),
-    ("its hit rate", "reference_hit_rate", "{:.1%}"),
-    ("requests it cannot serve", "reference_unserved", "{:,}"),
+    (f"{BASELINE_MODEL} there: blocks", "baseline_blocks", "{:,}"),
+    ("its hit rate", "baseline_hit_rate", "{:.1%}"),
+    ("requests it cannot serve", "baseline_unserved", "{:,}"),
     ("x same memory", "same_memory", "{:.2f}"),
-    (f"{REFERENCE} in its own tight pool", "reference_own_hit_rate", "{:.1%}"),
+    (f"{BASELINE_MODEL} in its own tight pool", "baseline_own_hit_rate", "{:.1%}"),
     ("x same pressure", "same_pressure", "{:.2f}"),
 ]
 
@@ -370,13 +381,13 @@ rate*).
 SAME_MEMORY_HEAD = f"""
 ## Tight pools against full attention
 
-Every other model's tight pool beside {REFERENCE} (full attention only) on
-the same workload: in **the same memory** (the reference planned in the
-tight pool's bytes, its context the workload's longest request), and in
-**its own tight pool** (the same pressure: each pool is its own model's
-busiest step, the stricter comparison, since a model whose requests take
-fewer bytes keeps more cached in the same memory).  *x* is the model's hit
-rate over the reference's (none where the reference serves no hit).
+Every other model's tight pool beside {BASELINE_MODEL} (full attention only),
+simulated in the same run on the same workload: in **the same memory** (the
+baseline planned in the tight pool's bytes, its context the workload's
+longest request), and in **its own tight pool** (the same pressure: each
+pool is its own model's busiest step, the stricter comparison, since a model
+whose requests take fewer bytes keeps more cached in the same memory).  *x* is the model's hit
+rate over the baseline's (none where the baseline serves no hit).
 
 """
 
