@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import coordinator_setup
 import pytest
 
 import kvcore
@@ -50,8 +51,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def builtin_registry() -> kvcore.KindRegistry:
     """kvcore's built-in kinds only, whatever is installed: for tests that do
     not mean to test discovery."""
-    pm = kvcore.get_plugin_manager(load_entrypoints=False)
-    return kvcore.KindRegistry.from_plugin_manager(pm, override=())
+    return coordinator_setup.builtin_registry()
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,10 @@ from kvcore_mamba import Mamba, MambaSpec
 from kvcore_mla import MLA
 from kvcore_sliding_window import SlidingWindow, SlidingWindowMLA, SlidingWindowSpec
 
-BUILT_IN = KindRegistry.from_kinds(
-    [
+
+def builtin_kinds() -> list[Any]:
+    """One instance of each of kvcore's built-in kinds."""
+    return [
         FullAttention(),
         MLA(),
         SlidingWindow(),
@@ -29,7 +31,9 @@ BUILT_IN = KindRegistry.from_kinds(
         CircularBuffer(),
         HiSparseHot(),
     ]
-)
+
+
+BUILT_IN = KindRegistry.from_kinds(builtin_kinds())
 
 
 def builtin_registry() -> KindRegistry:

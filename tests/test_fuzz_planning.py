@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from coordinator_setup import builtin_kinds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,12 +37,8 @@ from kvcore.layout import KVCacheLayout
 from kvcore.serialize import dump_config, load_config, load_model_file
 from kvcore.serving import CACHE_DTYPE_ALIASES
 from kvcore.spec import CACHE_ELEMENT_DTYPES
-from kvcore_circular_buffer import CircularBuffer
-from kvcore_full_attention import FullAttention
-from kvcore_hisparse import HiSparseHot, HiSparseHotSpec
-from kvcore_mamba import Mamba, MambaSpec
-from kvcore_mla import MLA
-from kvcore_sliding_window import SlidingWindow, SlidingWindowMLA
+from kvcore_hisparse import HiSparseHotSpec
+from kvcore_mamba import MambaSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 THIRD_PARTY = ROOT / "examples" / "third_party_plugin"
@@ -68,16 +65,7 @@ def build_registry() -> kvcore.KindRegistry:
         chunked = importlib.import_module("kvcore_chunked_local")
     finally:
         sys.path.remove(str(THIRD_PARTY))
-    kinds = [
-        FullAttention(),
-        MLA(),
-        SlidingWindow(),
-        SlidingWindowMLA(),
-        Mamba(),
-        CircularBuffer(),
-        HiSparseHot(),
-        chunked.ChunkedLocalAttention(),
-    ]
+    kinds = [*builtin_kinds(), chunked.ChunkedLocalAttention()]
     return kvcore.KindRegistry.from_kinds(kinds, owner="test_fuzz_planning")
 
 

@@ -314,7 +314,7 @@ class KVCacheCoordinator:
         the group's error reporting, and kvcore's own managers do not
         raise)."""
         state = self.__dict__
-        gid_blocks = manager.get_num_blocks_to_allocate
+        count_blocks = manager.get_num_blocks_to_allocate
         attach_hit = manager.add_computed_blocks
         grow_table = manager.allocate_new_blocks
         admit = manager.admission_blocks
@@ -330,7 +330,7 @@ class KVCacheCoordinator:
         def get_num_blocks_to_allocate(
             request_id: str, num_tokens: int, attach: Sequence[Sequence[KVCacheBlock]]
         ) -> int:
-            return gid_blocks(request_id, num_tokens, attach[0])
+            return count_blocks(request_id, num_tokens, attach[0])
 
         def add_computed_blocks(
             request_id: str, attach: Sequence[Sequence[KVCacheBlock]]
