@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, TypedDict, Unpack, cast
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
+from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.partial import BlockCopy, copy_source_valid, split_copy_sources
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
@@ -222,6 +223,7 @@ class KVCacheManager:
         self._live: set[str] = set()
         # The request object of each live id, so free() by id can mark it.
         self._requests: dict[str, Request] = {}
+        self._init_one_group_free()
         self.thread_safe = thread_safe
         #: The re-entrant lock every public method holds with
         #: ``thread_safe=True`` (hold it around a lookup and the allocation
@@ -995,6 +997,56 @@ class KVCacheManager:
         held.status = _FINISHED
         if request is not held and isinstance(request, Request):
             request.status = _FINISHED
+
+    def _init_one_group_free(self) -> None:
+        """One vetted group whose manager keeps only the base per-request
+        state: :meth:`free` pops the table and releases it in one frame (an
+        instance attribute shadowing the method).  The general path's calls
+        through the coordinator and the manager add nothing for this plan;
+        anything it does not cover (an unknown id, a step in progress) goes
+        to the general path."""
+        coordinator = self.coordinator
+        if not (
+            coordinator.num_groups == 1
+            and coordinator.vetted
+            and coordinator.partial is None
+            and not coordinator._evicting_last
+        ):
+            return
+        manager = coordinator.single_type_managers[0]
+        if inspect.getattr_static(
+            type(manager), "pop_blocks"
+        ) is not inspect.getattr_static(SingleTypeManager, "pop_blocks"):
+            return
+        pool = self.block_pool
+        release = pool._release
+        requests = self._requests
+        live = self._live
+        tables = manager.req_to_blocks
+        hashed = manager.num_cached_block
+        released = manager.num_released if manager.skips_blocks else None
+        general = functools.partial(KVCacheManager.free, self)
+
+        def free(request: Request | str) -> None:
+            rid = request if isinstance(request, str) else request.request_id
+            held = requests.get(rid)
+            if held is None or pool._journal is not None:
+                general(request)
+                return
+            hashed.pop(rid, None)
+            if released is not None:
+                released.pop(rid, None)
+            blocks = tables.pop(rid, None)
+            if blocks:
+                release(blocks, reverse=True)
+            live.discard(rid)
+            del requests[rid]
+            held.status = _FINISHED
+            if request is not held and isinstance(request, Request):
+                request.status = _FINISHED
+
+        free.__doc__ = KVCacheManager.free.__doc__
+        self.__dict__["free"] = free
 
     def _require_live(self, rid: str) -> None:
         if rid not in self._live:
