@@ -145,7 +145,17 @@ def test_fast_free_reports_a_double_free_and_changes_nothing() -> None:
             mgr.free(req)
         assert isinstance(info.value, KvcoreError)
         assert [b.ref_cnt for b in mgr.block_pool.blocks] == before
-        results.append((str(info.value), mgr.block_pool.get_num_free_blocks()))
+        results.append(
+            (
+                str(info.value),
+                mgr.block_pool.get_num_free_blocks(),
+                sorted(mgr._requests),
+                sorted(mgr._live),
+            )
+        )
+        # The request is still known: freeing it again finishes it.
+        mgr.free("a")
+        assert req.status is RequestStatus.FINISHED
     assert results[0] == results[1]
 
 

@@ -586,7 +586,7 @@ class BlockPool:
         if self._journal is not None:
             self._free_journaled(blocks)
         else:
-            self._release(blocks, reverse=False)
+            self._release(blocks, False)
 
     def free_table(self, blocks: Sequence[KVCacheBlock]) -> None:
         """:meth:`free_blocks` of ``blocks[::-1]``: a request's table, given
@@ -595,9 +595,9 @@ class BlockPool:
         if self._journal is not None:
             self._free_journaled(blocks[::-1])
         else:
-            self._release(blocks, reverse=True)
+            self._release(blocks, True)
 
-    def _release(self, blocks: Sequence[KVCacheBlock], *, reverse: bool) -> None:
+    def _release(self, blocks: Sequence[KVCacheBlock], reverse: bool) -> None:
         """``free_blocks`` outside a transaction, over ``blocks`` in the
         given or reversed order.
 

@@ -1028,7 +1028,10 @@ class KVCacheManager:
         general = functools.partial(KVCacheManager.free, self)
 
         def free(request: Request | str) -> None:
-            rid = request if isinstance(request, str) else request.request_id
+            if type(request) is Request:
+                rid = request.request_id
+            else:
+                rid = request if isinstance(request, str) else request.request_id
             held = requests.get(rid)
             if held is None or pool._journal is not None:
                 general(request)
@@ -1038,7 +1041,7 @@ class KVCacheManager:
                 released.pop(rid, None)
             blocks = tables.pop(rid, None)
             if blocks:
-                release(blocks, reverse=True)
+                release(blocks, True)
             live.discard(rid)
             del requests[rid]
             held.status = _FINISHED
