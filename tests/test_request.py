@@ -342,3 +342,47 @@ def test_integer_objects_are_taken_by_value() -> None:
     plain = Request("p", [7, 9, 11, 13], hash_block_size=2)
     assert r.all_token_ids == [7, 9, 11, 13]
     assert r.block_hashes == plain.block_hashes
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"cache_salt": "tenant"},
+        {"lora_name": "ad"},
+        {"mm_features": [("img", 1, 2)]},
+        {"hash_function": "xxh3_128"},
+    ],
+    ids=["plain", "salted", "lora", "mm", "xxh3"],
+)
+@pytest.mark.parametrize("prompt_len", [3, 16, 40])
+def test_tokens_appended_one_by_one_hash_as_one_prompt(
+    options: dict[str, object], prompt_len: int
+) -> None:
+    """Decode appends hash each chunk they complete from its parent (the
+    plain sha256 case packs the chunk directly); every option gives the
+    hashes of the same tokens given at once."""
+    tokens = [(7919 * i + 13) % 50021 for i in range(prompt_len + 70)]
+    req = Request("r", tokens[:prompt_len], hash_block_size=16, **options)  # type: ignore[arg-type]
+    for tok in tokens[prompt_len:]:
+        req.append_output_token_ids(tok)
+    whole = Request("w", tokens, hash_block_size=16, **options)  # type: ignore[arg-type]
+    assert len(req.block_hashes) == len(tokens) // 16
+    assert req.block_hashes == whole.block_hashes
+    parent = whole.block_hashes[-2]
+    last = tokens[(len(tokens) // 16 - 1) * 16 : len(tokens) // 16 * 16]
+    if not options:
+        assert whole.block_hashes[-1] == hash_block_tokens("sha256", parent, last)
+
+
+def test_a_token_changed_behind_the_request_is_named_when_hashed() -> None:
+    """The appended-chunk path packs without per-token checks; a token put
+    into ``all_token_ids`` directly is still refused by name."""
+    req = Request("r", list(range(20)), hash_block_size=16)
+    for tok in range(20, 31):
+        req.append_output_token_ids(tok)
+    req.all_token_ids[25] = -4
+    with pytest.raises(KvcoreValueError, match="-4") as info:
+        req.append_output_token_ids(31)
+    assert "'r'" in " ".join(getattr(info.value, "__notes__", [])) + str(info.value)
+    assert len(req.block_hashes) == 1

@@ -344,6 +344,7 @@ class BlockHasher:
 
     __slots__ = (
         "_cache_salt",
+        "_chunk",
         "_const_extra",
         "_fn",
         "_lora_name",
@@ -389,6 +390,14 @@ class BlockHasher:
         self._const_extra = (
             encode_extra_keys((("lora", lora_name),)) if lora_name is not None else b""
         )
+        #: Packs one chunk of checked tokens, for :meth:`hash_next_block`'s
+        #: plain case (sha256, no extra key on any chunk after the first);
+        #: None when that case never applies.
+        self._chunk = (
+            _token_struct(hash_block_size)
+            if self._fn is _sha256 and not self._const_extra and not self._mm_ends
+            else None
+        )
 
     @property
     def cache_salt(self) -> str | None:
@@ -421,6 +430,34 @@ class BlockHasher:
         if self._cache_salt is not None and start == 0:
             keys.append(("salt", self._cache_salt))
         return tuple(keys) if keys else None
+
+    def hash_next_block(
+        self, token_ids: list[int], block_hashes: list[BlockHash]
+    ) -> int:
+        """:meth:`hash_new_blocks` for a decode step: when ``token_ids`` ends
+        exactly one chunk past ``block_hashes`` and that chunk's tokens were
+        checked when appended (:meth:`Request.append_output_token_ids`), it
+        is packed without the per-token checks and hashed straight from its
+        parent.  Any other case, and any token the packer refuses, takes
+        :meth:`hash_new_blocks`.
+        """
+        chunk = self._chunk
+        done = len(block_hashes)
+        if chunk is not None and done:
+            bs = self.hash_block_size
+            end = len(token_ids)
+            parent = block_hashes[-1]
+            if end == (done + 1) * bs and len(parent) == 32:
+                try:
+                    data = chunk.pack(*token_ids[end - bs :])
+                except (struct.error, TypeError):
+                    pass  # hash_new_blocks names the bad token
+                else:
+                    h = _SHA256_AFTER_HEAD32.copy()
+                    h.update(parent + self._ntok_prefix + data)
+                    block_hashes.append(h.digest())
+                    return 1
+        return self.hash_new_blocks(token_ids, block_hashes)
 
     def hash_new_blocks(
         self, token_ids: Sequence[int], block_hashes: list[BlockHash]

@@ -180,9 +180,14 @@ class Request:
                 check_token_ids(prompt, what)
                 raise
 
-    def _hash(self, hasher: BlockHasher) -> None:
+    def _hash(self, hasher: BlockHasher, *, appended_one: bool = False) -> None:
+        """Hash the chunks the tokens completed; ``appended_one``: the last
+        token, appended and checked alone, completed one chunk."""
         try:
-            hasher.hash_new_blocks(self.all_token_ids, self.block_hashes)
+            if appended_one:
+                hasher.hash_next_block(self.all_token_ids, self.block_hashes)
+            else:
+                hasher.hash_new_blocks(self.all_token_ids, self.block_hashes)
         except KvcoreError as exc:
             exc.add_note(f"in request {self.request_id!r}")
             raise
@@ -251,7 +256,7 @@ class Request:
             if len(tokens) >= self._next_hash_at:
                 hasher = self._hasher
                 assert hasher is not None  # internal invariant: set when hashed
-                self._hash(hasher)
+                self._hash(hasher, appended_one=True)
             return
         what = f"request {self.request_id!r}: appended tokens"
         if isinstance(token_ids, int):
