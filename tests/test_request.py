@@ -386,3 +386,22 @@ def test_a_token_changed_behind_the_request_is_named_when_hashed() -> None:
         req.append_output_token_ids(31)
     assert "'r'" in " ".join(getattr(info.value, "__notes__", [])) + str(info.value)
     assert len(req.block_hashes) == 1
+
+
+@pytest.mark.parametrize("length", [20, 64, 100, 300, 3000])
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_token_in_a_prompt_of_any_length_is_refused(
+    length: int, flag: bool
+) -> None:
+    """A bool packs as 1 or 0, so packing alone would take it: short
+    prompts are searched for a packed 0 or 1, long ones reduced with numpy,
+    and either way the bool is named by position."""
+    tokens: list[object] = [1000 + i for i in range(length)]
+    at = length // 2 if length > 20 else length - 3  # a hashed chunk, or the tail
+    tokens[at] = flag
+    with pytest.raises(KvcoreTypeError, match=f"position {at} is {flag}"):
+        Request("r", tokens, hash_block_size=16)  # type: ignore[arg-type]
+    # Genuine 0 and 1 tokens are taken.
+    tokens[at] = int(flag)
+    tokens[0] = 1 - int(flag)
+    assert len(Request("r", tokens, hash_block_size=16).block_hashes) == length // 16  # type: ignore[arg-type]

@@ -233,12 +233,20 @@ def _pack_tokens(token_ids: Sequence[int], what: str) -> bytes:
     except (struct.error, TypeError, ValueError):
         raise _bad_token_error(token_ids, what) from None
     if (
-        (_PACKED_ZERO in data or _PACKED_ONE in data)
+        _holds_zero_or_one(token_ids, data)
+        if len(token_ids) > _BYTE_SEARCH_TOKENS
+        else (_PACKED_ZERO in data or _PACKED_ONE in data)
         and _holds_zero_or_one(token_ids, data)
-        and bool in set(map(type, token_ids))
-    ):
+    ) and bool in set(map(type, token_ids)):
         raise _bad_token_error(token_ids, what)
     return data
+
+
+#: Up to this many tokens, a byte search for a packed 0 or 1 goes first (it
+#: rarely matches and is cheaper than a numpy reduction); above it, the byte
+#: search costs more (every token under 65,536 packs two zero bytes, which
+#: slows it), so the reduction runs alone.
+_BYTE_SEARCH_TOKENS = 256
 
 
 _PACKED_ZERO = _pack_u32(0)
@@ -250,7 +258,10 @@ def _holds_zero_or_one(token_ids: Sequence[int], data: bytes) -> bool:
     a few tokens (an appended chunk), numpy over a prompt's bytes."""
     if len(token_ids) <= 64:
         return min(token_ids) <= 1
-    return bool((np.frombuffer(data, dtype="<u4") <= 1).any())
+    return bool(np.frombuffer(data, dtype=_U32_LE).min() <= 1)
+
+
+_U32_LE = np.dtype("<u4")
 
 
 def _bad_token_error(token_ids: Sequence[object], what: str) -> Exception:
