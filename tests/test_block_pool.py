@@ -414,9 +414,12 @@ def _free_model(
     order: list[int],
     *,
     caching: bool,
+    table: bool = False,
 ) -> tuple[dict[int, int], list[int]] | None:
     """What freeing ``order`` (block ids, 0 the null block) should do: the
-    new counts and queue, or None for a double free (nothing changes)."""
+    new counts and queue, or None for a double free (nothing changes).
+    ``table``: ``free_table``, which queues the blocks reaching 0 in the
+    reverse of the order they reach it."""
     refs = dict(refs)
     front: list[int] = []
     back: list[int] = []
@@ -428,6 +431,9 @@ def _free_model(
         refs[i] -= 1
         if refs[i] == 0:
             (front if caching and i not in keyed else back).append(i)
+    if table:
+        front.reverse()
+        back.reverse()
     return refs, front + queue + back
 
 
@@ -467,16 +473,25 @@ def test_free_matches_a_model(
     by_id = {0: p.null_block, **{b.block_id: b for b in blocks}}
     given_list = [by_id[i] for i in table]
     snapshot = list(given_list)
-    order = table[::-1] if call == "free_table" else table
     before_refs = {b.block_id: b.ref_cnt for b in blocks}
     before_queue = free_ids(p)
     expect = _free_model(
         before_refs,
         {b.block_id for b in blocks if b.key_hash is not None},
         before_queue,
-        order,
+        table,
         caching=caching,
+        table=call == "free_table",
     )
+    if call == "free_table" and len(set(table) - {0}) == len(table) - table.count(0):
+        # A table listing each block once: free_blocks of it reversed.
+        assert expect == _free_model(
+            before_refs,
+            {b.block_id for b in blocks if b.key_hash is not None},
+            before_queue,
+            table[::-1],
+            caching=caching,
+        )
     if transaction != "none":
         p.begin()
     if expect is None:

@@ -17,7 +17,7 @@ dropped with the block's full key, and raise no events (``BlockStored`` and
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeAlias
 
 from kvcore.coordinator.events import (
@@ -586,86 +586,140 @@ class BlockPool:
         if self._journal is not None:
             self._free_journaled(blocks)
         else:
-            self._release(blocks, False)
+            self._release_in_order(blocks)
 
     def free_table(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """:meth:`free_blocks` of ``blocks[::-1]``: a request's table, given
-        in allocation order, freed tail first, without copying it reversed
-        (``blocks`` itself is never changed)."""
-        if self._journal is not None:
-            self._free_journaled(blocks[::-1])
-        else:
-            self._release(blocks, True)
+        """Free a request's table, given in allocation order, tail first:
+        :meth:`free_blocks` of ``blocks[::-1]`` for a table that lists each
+        block once (every table a manager keeps), without copying it
+        reversed (``blocks`` itself is never changed).
 
-    def _release(self, blocks: Sequence[KVCacheBlock], reverse: bool) -> None:
-        """``free_blocks`` outside a transaction, over ``blocks`` in the
-        given or reversed order.
-
-        One pass drops each reference and links a block that reaches 0
-        straight into a chain for the back of the free queue or one for the
-        front (a block whose count just reached 0 was in use, so it is in no
-        queue); the chains are spliced in at the end.  Reference count 1 and
-        a key (a request's full blocks) are tested first: the common case,
-        and a freed block needs no other count.  Blocks that stay in use are
-        counted instead of freed ones, so the freeing path carries no
-        counter.
+        The table is walked front to back, one reference dropped per
+        listing, and the blocks that reach 0 are queued in the reverse of
+        the order they reached it; so a block listed twice is queued by its
+        last listing, where ``free_blocks(blocks[::-1])`` would queue it by
+        its first.
         """
-        queue = self.free_queue
-        tail = queue._tail
-        last = tail.prev_free  # the back chain grows from here
-        assert last is not None
-        back_from = last
-        front: KVCacheBlock | None = None  # first block of the front chain
+        if self._journal is not None:
+            self._free_journaled(blocks, table=True)
+        else:
+            self._release_table(blocks)
+
+    def _release_table(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``free_table`` outside a transaction.
+
+        A table is walked front to back (the order its blocks were allocated
+        in, and so mostly the order they lie in memory: freeing a long-held
+        table is bound by fetching its blocks, and a forward walk fetches
+        them faster than a backward one).  Each block that reaches 0 is put
+        in front of the chain built so far, for the back of the free queue
+        or for its front, so each chain ends up tail first; the chains are
+        spliced in at the end.  Reference count 1 and a key (a request's
+        full blocks) are tested first: the common case, and a freed block
+        needs no other count.  Blocks that stay in use are counted instead
+        of freed ones, so the freeing path carries no counter.
+        """
+        back: KVCacheBlock | None = None  # newest block of the back chain
+        back_end: KVCacheBlock | None = None
+        front: KVCacheBlock | None = None
         front_end: KVCacheBlock | None = None
         kept = 0
-        order = reversed(blocks) if reverse else iter(blocks)
-        if self.enable_caching:
-            for block in order:
-                if block.ref_cnt == 1:
-                    block.ref_cnt = 0
-                    if block.key_hash is not None or block.partial_keys is not None:
-                        last.next_free = block
-                        block.prev_free = last
-                        last = block
-                    elif front_end is None:
-                        front = front_end = block
+        caching = self.enable_caching
+        order = iter(blocks)
+        for block in order:
+            if block.ref_cnt == 1:
+                block.ref_cnt = 0
+                if (
+                    block.key_hash is not None
+                    or block.partial_keys is not None
+                    or not caching
+                ):
+                    if back is None:
+                        back_end = block
                     else:
-                        front_end.next_free = block
-                        block.prev_free = front_end
-                        front_end = block
-                    continue
-                cnt = block.ref_cnt
-                if cnt > 1:
-                    block.ref_cnt = cnt - 1
-                    kept += 1
-                elif block.is_null:
-                    kept += 1
+                        block.next_free = back
+                        back.prev_free = block
+                    back = block
+                elif front is None:
+                    front = front_end = block
                 else:
-                    self._undo_free(blocks, order, reverse, back_from, front)
-                    raise _double_free(block)
-        else:
-            # Without caching every freed block goes to the back.
-            for block in order:
-                if block.ref_cnt == 1:
-                    block.ref_cnt = 0
-                    last.next_free = block
-                    block.prev_free = last
-                    last = block
-                    continue
-                cnt = block.ref_cnt
-                if cnt > 1:
-                    block.ref_cnt = cnt - 1
-                    kept += 1
-                elif block.is_null:
-                    kept += 1
+                    block.next_free = front
+                    front.prev_free = block
+                    front = block
+                continue
+            cnt = block.ref_cnt
+            if cnt > 1:
+                block.ref_cnt = cnt - 1
+                kept += 1
+            elif block.is_null:
+                kept += 1
+            else:
+                self._undo_release(blocks, order, back, front)
+                raise _double_free(block)
+        self._splice(back, back_end, front, front_end, len(blocks) - kept)
+
+    def _release_in_order(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``free_blocks`` outside a transaction: as :meth:`_release_table`,
+        but each chain grows at its end, so it keeps the order given."""
+        back: KVCacheBlock | None = None  # first block of the back chain
+        back_end: KVCacheBlock | None = None
+        front: KVCacheBlock | None = None
+        front_end: KVCacheBlock | None = None
+        kept = 0
+        caching = self.enable_caching
+        order = iter(blocks)
+        for block in order:
+            if block.ref_cnt == 1:
+                block.ref_cnt = 0
+                if (
+                    block.key_hash is not None
+                    or block.partial_keys is not None
+                    or not caching
+                ):
+                    if back_end is None:
+                        back = block
+                    else:
+                        back_end.next_free = block
+                        block.prev_free = back_end
+                    back_end = block
+                elif front_end is None:
+                    front = front_end = block
                 else:
-                    self._undo_free(blocks, order, reverse, back_from, front)
-                    raise _double_free(block)
-        freed = len(blocks) - kept
-        if not freed:
-            return
-        last.next_free = tail
-        tail.prev_free = last
+                    front_end.next_free = block
+                    block.prev_free = front_end
+                    front_end = block
+                continue
+            cnt = block.ref_cnt
+            if cnt > 1:
+                block.ref_cnt = cnt - 1
+                kept += 1
+            elif block.is_null:
+                kept += 1
+            else:
+                self._undo_release(blocks, order, back, front)
+                raise _double_free(block)
+        self._splice(back, back_end, front, front_end, len(blocks) - kept)
+
+    def _splice(
+        self,
+        back: KVCacheBlock | None,
+        back_end: KVCacheBlock | None,
+        front: KVCacheBlock | None,
+        front_end: KVCacheBlock | None,
+        freed: int,
+    ) -> None:
+        """Link a release's chains into the free queue: ``back`` ..
+        ``back_end`` at its back, ``front`` .. ``front_end`` at its front."""
+        queue = self.free_queue
+        if back is not None:
+            assert back_end is not None
+            tail = queue._tail
+            last = tail.prev_free
+            assert last is not None
+            last.next_free = back
+            back.prev_free = last
+            back_end.next_free = tail
+            tail.prev_free = back_end
         if front is not None:
             assert front_end is not None
             head = queue._head
@@ -677,34 +731,32 @@ class BlockPool:
             first.prev_free = front_end
         queue.num_free += freed
 
-    def _undo_free(
+    def _undo_release(
         self,
         blocks: Sequence[KVCacheBlock],
-        order: Iterable[KVCacheBlock],
-        reverse: bool,
-        back_from: KVCacheBlock,
+        order: Iterator[KVCacheBlock],
+        back: KVCacheBlock | None,
         front: KVCacheBlock | None,
     ) -> None:
-        """Undo a :meth:`_release` pass that hit a double free: the counts it
-        dropped back up, the chains it built unlinked.  ``order`` is the
-        pass's iterator, just past the bad block: what it has left tells how
-        many blocks were dropped before it."""
-        tail = self.free_queue._tail
-        chains = [back_from.next_free, front]
-        back_from.next_free = tail
-        for block in chains:
-            while block is not None and block is not tail:
+        """Undo a release pass that met a double free: the chains it built
+        (not yet in the queue) unlinked, the counts it dropped back up.
+        ``order`` is the pass's iterator, just past the bad block: what it
+        has left tells how many blocks were dropped before it."""
+        for block in (back, front):
+            while block is not None:
                 nxt = block.next_free
                 block.prev_free = block.next_free = None
                 block = nxt
         done = len(blocks) - len(list(order)) - 1
-        dropped = blocks[len(blocks) - done :] if reverse else blocks[:done]
-        for block in dropped:
+        for block in blocks[:done]:
             if not block.is_null:
                 block.ref_cnt += 1
 
-    def _free_journaled(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``free_blocks`` inside a transaction: the same effect, recorded."""
+    def _free_journaled(
+        self, blocks: Sequence[KVCacheBlock], *, table: bool = False
+    ) -> None:
+        """``free_blocks`` (``table``: ``free_table``) inside a transaction:
+        the same effect, recorded."""
         drops: dict[int, int] = {}
         for block in blocks:
             if block.is_null:
@@ -720,6 +772,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 freed.append(block)
+        if table:
+            freed.reverse()
 
         def undo() -> None:
             for block in freed:

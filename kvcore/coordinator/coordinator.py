@@ -1111,18 +1111,23 @@ class KVCacheCoordinator:
             if self._evicting_last:
                 self._refresh_checkpoints(request_id)
             return
-        freed: list[KVCacheBlock] = []
+        tables: list[list[KVCacheBlock]] = []
         gid = 0
         try:
             for manager in self._free_order:
                 gid = manager.kv_cache_group_id
                 blocks = manager.pop_blocks(request_id)
                 if blocks:
-                    freed += reversed(blocks)
+                    tables.append(blocks)
         except Exception as exc:
             raise self.plugin_error(gid, "pop_blocks", exc) from exc
-        if freed:
-            self.block_pool.free_blocks(freed)
+        if tables:
+            # Each group's table tail first, the groups in free order: the
+            # tables joined last group first, freed as one table.
+            freed: list[KVCacheBlock] = []
+            for blocks in reversed(tables):
+                freed += blocks
+            self.block_pool.free_table(freed)
         if self._evicting_last:
             self._refresh_checkpoints(request_id)
 

@@ -1019,7 +1019,7 @@ class KVCacheManager:
         ) is not inspect.getattr_static(SingleTypeManager, "pop_blocks"):
             return
         pool = self.block_pool
-        release = pool._release
+        release = pool._release_table
         requests = self._requests
         live = self._live
         tables = manager.req_to_blocks
@@ -1041,7 +1041,7 @@ class KVCacheManager:
                 released.pop(rid, None)
             blocks = tables.pop(rid, None)
             if blocks:
-                release(blocks, True)
+                release(blocks)
             live.discard(rid)
             del requests[rid]
             held.status = _FINISHED
