@@ -36,7 +36,7 @@ def observed(mgr: KVCacheManager) -> tuple[Any, ...]:
         [b.block_id for b in pool.free_queue.get_all_free_blocks()],
         [(b.block_id, b.ref_cnt) for b in pool.blocks],
         pool.num_cached_blocks,
-        sorted(mgr._live),
+        sorted(mgr._requests),
         [
             (
                 sorted(m.req_to_blocks),
@@ -150,7 +150,6 @@ def test_fast_free_reports_a_double_free_and_changes_nothing() -> None:
                 str(info.value),
                 mgr.block_pool.get_num_free_blocks(),
                 sorted(mgr._requests),
-                sorted(mgr._live),
             )
         )
         # The request is still known: freeing it again finishes it.

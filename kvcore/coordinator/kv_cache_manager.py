@@ -220,8 +220,8 @@ class KVCacheManager:
         )
         self.prefix_cache_stats = PrefixCacheStats()
         self._managers = self.coordinator.single_type_managers
-        self._live: set[str] = set()
-        # The request object of each live id, so free() by id can mark it.
+        #: The request object of each live id (one holding blocks), so
+        #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
         self._init_one_group_free()
         self.thread_safe = thread_safe
@@ -561,7 +561,6 @@ class KVCacheManager:
             pool.commit()
         request.status = RequestStatus.RUNNING
         if held is not request:
-            self._live.add(rid)
             self._requests[rid] = request
         if sources is not None:
             copies = self._copies(
@@ -844,7 +843,7 @@ class KVCacheManager:
             and lookup[1] == self.block_pool.evictions
             and lookup[2] is request
             and lookup[3] is computed
-            and rid not in self._live
+            and rid not in self._requests
             and not num_tokens % coordinator.cache_hit_alignment
         ):
             # This manager's own lookup for this request, and the pool has
@@ -863,7 +862,7 @@ class KVCacheManager:
                     break
             else:
                 return True
-        if rid in self._live:
+        if rid in self._requests:
             msg = (
                 f"request {rid!r} already holds blocks; prefix hits attach only "
                 "when a request is first scheduled"
@@ -991,7 +990,6 @@ class KVCacheManager:
             pool.commit()
         if coordinator.partial is not None:
             coordinator.partial.forget(rid)
-        self._live.discard(rid)
         del requests[rid]
         assert held is not None
         held.status = _FINISHED
@@ -1021,7 +1019,6 @@ class KVCacheManager:
         pool = self.block_pool
         release = pool._release_table
         requests = self._requests
-        live = self._live
         tables = manager.req_to_blocks
         hashed = manager.num_cached_block
         released = manager.num_released if manager.skips_blocks else None
@@ -1042,7 +1039,6 @@ class KVCacheManager:
             blocks = tables.pop(rid, None)
             if blocks:
                 release(blocks)
-            live.discard(rid)
             del requests[rid]
             held.status = _FINISHED
             if request is not held and isinstance(request, Request):
@@ -1052,7 +1048,7 @@ class KVCacheManager:
         self.__dict__["free"] = free
 
     def _require_live(self, rid: str) -> None:
-        if rid not in self._live:
+        if rid not in self._requests:
             msg = (
                 f"request {rid!r} holds no blocks: it was never allocated or was "
                 "already freed"
