@@ -611,17 +611,22 @@ class BlockPool:
         A table is walked front to back (the order its blocks were allocated
         in, and so mostly the order they lie in memory: freeing a long-held
         table is bound by fetching its blocks, and a forward walk fetches
-        them faster than a backward one).  Each block that reaches 0 is put
-        in front of the chain built so far, for the back of the free queue
-        or for its front, so each chain ends up tail first; the chains are
-        spliced in at the end.  Reference count 1 and a key (a request's
-        full blocks) are tested first: the common case, and a freed block
-        needs no other count.  Blocks that stay in use are counted instead
-        of freed ones, so the freeing path carries no counter.
+        them faster than a backward one).  Each keyed block that reaches 0
+        is put in front of the chain built so far, which ends at the queue's
+        tail sentinel, so the chain comes out tail first and needs no end
+        test; it is joined to the queue's last block at the end.  Blocks
+        without a key chain up for the front the same way.  Reference count
+        1 and a key (a request's full blocks) are tested first: the common
+        case, and a freed block needs no other count.  Blocks that stay in
+        use are counted instead of freed ones, so the freeing path carries
+        no counter.
         """
-        back: KVCacheBlock | None = None  # newest block of the back chain
-        back_end: KVCacheBlock | None = None
-        front: KVCacheBlock | None = None
+        queue = self.free_queue
+        tail = queue._tail
+        last = tail.prev_free  # the queue's last block, or its head sentinel
+        assert last is not None
+        back = tail  # newest block of the back chain
+        front: KVCacheBlock | None = None  # newest block of the front chain
         front_end: KVCacheBlock | None = None
         kept = 0
         caching = self.enable_caching
@@ -634,11 +639,8 @@ class BlockPool:
                     or block.partial_keys is not None
                     or not caching
                 ):
-                    if back is None:
-                        back_end = block
-                    else:
-                        block.next_free = back
-                        back.prev_free = block
+                    block.next_free = back
+                    back.prev_free = block
                     back = block
                 elif front is None:
                     front = front_end = block
@@ -654,16 +656,33 @@ class BlockPool:
             elif block.is_null:
                 kept += 1
             else:
-                self._undo_release(blocks, order, back, front)
+                tail.prev_free = last
+                self._undo_release(blocks, order, back, tail, front)
                 raise _double_free(block)
-        self._splice(back, back_end, front, front_end, len(blocks) - kept)
+        if back is not tail:
+            last.next_free = back
+            back.prev_free = last
+        if front is not None:
+            assert front_end is not None
+            head = queue._head
+            first = head.next_free
+            assert first is not None
+            head.next_free = front
+            front.prev_free = head
+            front_end.next_free = first
+            first.prev_free = front_end
+        queue.num_free += len(blocks) - kept
 
     def _release_in_order(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``free_blocks`` outside a transaction: as :meth:`_release_table`,
-        but each chain grows at its end, so it keeps the order given."""
-        back: KVCacheBlock | None = None  # first block of the back chain
-        back_end: KVCacheBlock | None = None
-        front: KVCacheBlock | None = None
+        but keyed blocks are linked straight after the queue's last block in
+        the order given, and the front chain grows at its end."""
+        queue = self.free_queue
+        tail = queue._tail
+        last = tail.prev_free  # the back chain grows from here
+        assert last is not None
+        back_from = last
+        front: KVCacheBlock | None = None  # first block of the front chain
         front_end: KVCacheBlock | None = None
         kept = 0
         caching = self.enable_caching
@@ -676,12 +695,9 @@ class BlockPool:
                     or block.partial_keys is not None
                     or not caching
                 ):
-                    if back_end is None:
-                        back = block
-                    else:
-                        back_end.next_free = block
-                        block.prev_free = back_end
-                    back_end = block
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
                 elif front_end is None:
                     front = front_end = block
                 else:
@@ -696,30 +712,16 @@ class BlockPool:
             elif block.is_null:
                 kept += 1
             else:
-                self._undo_release(blocks, order, back, front)
+                chain = back_from.next_free
+                back_from.next_free = tail
+                if last is not back_from:
+                    last.next_free = None
+                    self._undo_release(blocks, order, chain, None, front)
+                else:
+                    self._undo_release(blocks, order, None, None, front)
                 raise _double_free(block)
-        self._splice(back, back_end, front, front_end, len(blocks) - kept)
-
-    def _splice(
-        self,
-        back: KVCacheBlock | None,
-        back_end: KVCacheBlock | None,
-        front: KVCacheBlock | None,
-        front_end: KVCacheBlock | None,
-        freed: int,
-    ) -> None:
-        """Link a release's chains into the free queue: ``back`` ..
-        ``back_end`` at its back, ``front`` .. ``front_end`` at its front."""
-        queue = self.free_queue
-        if back is not None:
-            assert back_end is not None
-            tail = queue._tail
-            last = tail.prev_free
-            assert last is not None
-            last.next_free = back
-            back.prev_free = last
-            back_end.next_free = tail
-            tail.prev_free = back_end
+        last.next_free = tail
+        tail.prev_free = last
         if front is not None:
             assert front_end is not None
             head = queue._head
@@ -729,21 +731,23 @@ class BlockPool:
             front.prev_free = head
             front_end.next_free = first
             first.prev_free = front_end
-        queue.num_free += freed
+        queue.num_free += len(blocks) - kept
 
     def _undo_release(
         self,
         blocks: Sequence[KVCacheBlock],
         order: Iterator[KVCacheBlock],
         back: KVCacheBlock | None,
+        stop: KVCacheBlock | None,
         front: KVCacheBlock | None,
     ) -> None:
-        """Undo a release pass that met a double free: the chains it built
-        (not yet in the queue) unlinked, the counts it dropped back up.
-        ``order`` is the pass's iterator, just past the bad block: what it
-        has left tells how many blocks were dropped before it."""
-        for block in (back, front):
-            while block is not None:
+        """Undo a release pass that met a double free: its back chain (from
+        ``back`` to ``stop``, excluded) and its front chain unlinked, and the
+        counts it dropped back up (the queue's own links are restored by the
+        caller).  ``order`` is the pass's iterator, just past the bad block:
+        what it has left tells how many blocks were dropped before it."""
+        for block, end in ((back, stop), (front, None)):
+            while block is not None and block is not end:
                 nxt = block.next_free
                 block.prev_free = block.next_free = None
                 block = nxt
