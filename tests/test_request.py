@@ -405,3 +405,28 @@ def test_a_bool_token_in_a_prompt_of_any_length_is_refused(
     tokens[at] = int(flag)
     tokens[0] = 1 - int(flag)
     assert len(Request("r", tokens, hash_block_size=16).block_hashes) == length // 16  # type: ignore[arg-type]
+
+
+def test_requests_without_extra_keys_share_one_hasher() -> None:
+    """A hasher holds no per-request state: requests with no salt, LoRA or
+    multimodal key share one per block size and hash name, and a salted
+    one gets its own."""
+    a = Request("a", list(range(40)), hash_block_size=16)
+    b = Request("b", list(range(50, 90)), hash_block_size=16)
+    salted = Request("s", list(range(40)), hash_block_size=16, cache_salt="t")
+    assert a._hasher is b._hasher
+    assert salted._hasher is not a._hasher
+    assert Request("c", [1], hash_block_size=8)._hasher is not a._hasher
+    # Sharing changes no hash.
+    assert a.block_hashes == [
+        hash_block_tokens("sha256", NONE_HASH, list(range(16))),
+        hash_block_tokens(
+            "sha256",
+            hash_block_tokens("sha256", NONE_HASH, list(range(16))),
+            list(range(16, 32)),
+        ),
+    ]
+    # A bad block size is still refused for each request, by name.
+    with pytest.raises(BlockSizeError) as info:
+        Request("bad", [1, 2], hash_block_size=0)
+    assert "'bad'" in " ".join(info.value.__notes__)

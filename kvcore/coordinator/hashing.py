@@ -547,6 +547,28 @@ class BlockHasher:
         return full - done
 
 
+_PLAIN_HASHERS: dict[tuple[int, str], BlockHasher] = {}
+_MAX_PLAIN_HASHERS = 64
+
+
+def plain_hasher(
+    hash_block_size: int, hash_function: str | HashFunction = "sha256"
+) -> BlockHasher:
+    """A hasher with no salt, LoRA or multimodal key.  A hasher holds no
+    per-request state, so for a named hash function one is shared by every
+    request that needs it (a few dozen block sizes and names at most are
+    kept); a callable gets a hasher of its own."""
+    if type(hash_function) is not str or type(hash_block_size) is not int:
+        return BlockHasher(hash_block_size, hash_function)
+    key = (hash_block_size, hash_function)
+    hasher = _PLAIN_HASHERS.get(key)
+    if hasher is None:
+        hasher = BlockHasher(hash_block_size, hash_function)
+        if len(_PLAIN_HASHERS) < _MAX_PLAIN_HASHERS:
+            _PLAIN_HASHERS[key] = hasher
+    return hasher
+
+
 def normalize_mm_features(
     mm_features: Sequence[MMFeature] | None,
 ) -> tuple[MMFeature, ...]:

@@ -11,6 +11,7 @@ from kvcore.coordinator.hashing import (
     HashFunction,
     MMFeature,
     normalize_mm_features,
+    plain_hasher,
 )
 from kvcore.errors import (
     InvalidRequestError,
@@ -153,6 +154,8 @@ class Request:
             self._mm_features = features
             if hash_block_size is None:
                 self._hasher = None
+            elif cache_salt is None and lora_name is None and not features:
+                self._hasher = plain_hasher(hash_block_size, hash_function)
             else:
                 self._hasher = BlockHasher(
                     hash_block_size,
