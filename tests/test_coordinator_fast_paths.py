@@ -169,3 +169,37 @@ def test_thread_safe_manager_locks_the_fast_free() -> None:
     assert getattr(free, "__wrapped__", None) is not None
     mgr.free(req)
     assert mgr.block_pool.get_num_free_blocks() == 15
+
+
+def test_a_prompt_shorter_than_the_hit_unit_searches_no_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks of 16 and 64 tokens and whole-block hits: hits come in
+    64-token units, so a 40-token prompt gets none without any group being
+    searched; a 100-token prompt is searched and hits its first unit."""
+    mgr = setup.manager_for(
+        [setup.fa(16), setup.fa(64)],
+        64,
+        scheduler_block_size=64,
+        hash_block_size=16,
+        enable_partial_hits=False,
+    )
+    tokens = list(range(100))
+    first = Request("first", tokens, hash_block_size=16)
+    assert mgr.allocate_slots(first, 100) is not None
+    mgr.free(first)
+    searched: list[int] = []
+    for manager in mgr._managers:
+        original = type(manager).find_longest_cache_hit
+
+        def spy(query: Any, original: Any = original) -> Any:
+            searched.append(query.max_length)
+            return original(query)
+
+        monkeypatch.setattr(type(manager), "find_longest_cache_hit", spy)
+    short = Request("short", tokens[:40], hash_block_size=16)
+    assert mgr.get_computed_blocks(short)[1] == 0
+    assert searched == []
+    again = Request("again", tokens, hash_block_size=16)
+    assert mgr.get_computed_blocks(again)[1] == 64
+    assert searched

@@ -534,6 +534,11 @@ class KVCacheCoordinator:
             return tuple([] for _ in range(self.num_groups)), 0
         alignment = self.cache_hit_alignment
         limit = max_length - max_length % alignment
+        if limit <= 0:
+            # Shorter than one hit unit: no group can serve a hit (a prompt
+            # under a plan's large blocks), and searching every group for
+            # none is most of a lookup's cost there.
+            return tuple([] for _ in range(self.num_groups)), 0
         if self._single is not None and not self.use_eagle:
             return self._single_hit(block_hashes, limit, alignment)
         if self.use_eagle:
