@@ -29,11 +29,18 @@ has it, the instrument runs (as a subprocess) on the same trace and the table
 shows ``kvcore / vLLM`` time per figure and how many times faster kvcore is.
 Figures stored from another run or machine are never divided.
 
-Also measured, kvcore only (the vLLM instrument knows only the one-group plan):
+Also measured:
 
 - ``deepseek_v4``: the same trace on ``kvcore/zoo/deepseek-v4-flash.json``
-  planned by ``kvcore.plan_kv_cache`` (layout BLHNC, ``--dsv4-memory``);
-- ``groups``: cost per call with 1, 4, 16, 64 full-attention groups;
+  planned by ``kvcore.plan_kv_cache`` (layout BLHNC, ``--dsv4-memory``).
+  Side by side, vLLM's manager is built in its interpreter from the same
+  groups (each group's spec class by name and fields, :func:`vllm_plan`;
+  the instrument's ``build_manager`` is wrapped, its trace loop unchanged)
+  and kvcore runs with whole-block hits, vLLM's rule, so both serve the
+  same hits; kvcore's default (copy-on-write hits inside a block) is timed
+  alone beside them;
+- ``groups``: cost per call with 1, 4, 16, 64 full-attention groups (kvcore
+  only);
 - ``memory``: the pool's bytes per block at 10^6 blocks (tracemalloc), for
   vLLM's too when it runs.
 
@@ -65,6 +72,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 import kvcore
@@ -159,10 +167,38 @@ def full_attention_manager(
     )
 
 
+def vllm_plan(manager: KVCacheManager) -> dict[str, Any]:
+    """A kvcore manager's groups (the scheduler's view of its plan) as the
+    vLLM worker builds them: each group's spec class by name (kvcore's
+    built-in kinds carry vLLM's class names) and its fields, the dtype by
+    name; fields vLLM's classes lack are dropped there and listed in its
+    result."""
+    groups = []
+    for group in manager.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        fields = attrs.asdict(spec, recurse=False)
+        fields["dtype"] = str(fields["dtype"]).removeprefix("torch.")
+        groups.append(
+            {
+                "kind": type(spec).__name__,
+                "layers": list(group.layer_names),
+                "fields": fields,
+            }
+        )
+    return {
+        "num_blocks": manager.kv_cache_config.num_blocks,
+        "max_model_len": manager.max_model_len,
+        "scheduler_block_size": manager.scheduler_block_size,
+        "hash_block_size": manager.hash_block_size,
+        "groups": groups,
+    }
+
+
 def deepseek_v4_manager(
-    memory: int, max_model_len: int
+    memory: int, max_model_len: int, *, partial_hits: bool = True
 ) -> tuple[Callable[[], KVCacheManager], int, dict[str, Any]]:
-    """The shipped DeepSeek-V4-Flash model file, planned by kvcore."""
+    """The shipped DeepSeek-V4-Flash model file, planned by kvcore;
+    ``partial_hits`` off: hits are whole blocks of every group, vLLM's rule."""
     registry = kvcore.default_registry()
     specs = load_model_file(
         kvcore.zoo.path("deepseek-v4-flash"), registry=registry
@@ -184,7 +220,9 @@ def deepseek_v4_manager(
         "memory_bytes": memory,
     }
     return (
-        lambda: KVCacheManager.from_plan(plan, registry=registry),
+        lambda: KVCacheManager.from_plan(
+            plan, registry=registry, enable_partial_hits=partial_hits
+        ),
         plan.hash_block_size,
         info,
     )
@@ -364,32 +402,68 @@ def kvcore_memory(num_blocks: int) -> dict[str, float]:
 #: collect and freeze the heap after building (and ``run`` to unfreeze after),
 #: as kvcore's side does; the instrument itself is not edited.
 VLLM_WORKER = r"""
-import contextlib, gc, importlib.util, io, json, sys, tracemalloc
+import contextlib, dataclasses, gc, importlib.util, io, json, sys, tracemalloc
 path, gc_mode = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location("vllm_blockpool_bench", path)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-if gc_mode == "freeze":
-    build, run = mod.build_manager, mod.run
-    def build_frozen(*a, **k):
-        m = build(*a, **k)
+build, run = mod.build_manager, mod.run
+plan = None  # a group description to build instead of the one-group plan
+dropped = set()  # its fields vLLM's spec classes do not have
+
+def build_plan(desc):
+    import torch
+    from vllm.v1 import kv_cache_interface as kvi
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    groups = []
+    for g in desc["groups"]:
+        cls = getattr(kvi, g["kind"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in g["fields"].items() if k in known}
+        for k, v in g["fields"].items():
+            if k not in known:
+                dropped.add(f"{g['kind']}.{k}={v}")
+        fields["dtype"] = getattr(torch, fields["dtype"])
+        groups.append(kvi.KVCacheGroupSpec(g["layers"], cls(**fields)))
+    config = kvi.KVCacheConfig(
+        num_blocks=desc["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=desc["max_model_len"],
+        scheduler_block_size=desc["scheduler_block_size"],
+        hash_block_size=desc["hash_block_size"],
+        enable_caching=True,
+        log_stats=False,
+    )
+
+def build_any(*a, **k):
+    m = build(*a, **k) if plan is None else build_plan(plan)
+    if gc_mode == "freeze":
         gc.collect()
         gc.freeze()
-        return m
-    def run_unfreeze(*a, **k):
-        try:
-            return run(*a, **k)
-        finally:
+    return m
+
+def run_unfreeze(*a, **k):
+    try:
+        return run(*a, **k)
+    finally:
+        if gc_mode == "freeze":
             gc.unfreeze()
-    mod.build_manager, mod.run = build_frozen, run_unfreeze
+
+mod.build_manager, mod.run = build_any, run_unfreeze
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
     buf = io.StringIO()
     if "argv" in cmd:
+        plan = cmd.get("plan")
+        dropped = set()
         with contextlib.redirect_stdout(buf):
             mod.main(cmd["argv"])
         out = json.loads(buf.getvalue())
+        if plan is not None:
+            out["plan_fields_not_in_vllm"] = sorted(dropped)
     else:
         n = cmd["memory"]
         with contextlib.redirect_stdout(buf):
@@ -485,9 +559,18 @@ class VllmWorker:
         self.proc.stdin.flush()
         return self._read()
 
-    def run(self, batch: int) -> dict[str, Any]:
-        """One repetition at ``batch`` on a fresh manager."""
-        return self._ask({"argv": [*self.common, "--batch", str(batch)]})
+    def run(self, batch: int, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One repetition at ``batch`` on a fresh manager: the instrument's
+        one-group plan, or the groups ``plan`` describes (see
+        :func:`vllm_plan`), hashed at its hash block size."""
+        argv = [*self.common, "--batch", str(batch)]
+        if plan is None:
+            return self._ask({"argv": argv})
+        at = argv.index("--block-size") + 1
+        argv[at] = str(plan["hash_block_size"])
+        at = argv.index("--max-model-len") + 1
+        argv[at] = str(plan["max_model_len"])
+        return self._ask({"argv": argv, "plan": plan})
 
     def memory(self, num_blocks: int) -> dict[str, Any]:
         return self._ask({"memory": num_blocks})
@@ -694,18 +777,64 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     if not args.no_dsv4:
-        make_v4, hash_v4, info = deepseek_v4_manager(
-            parse_memory(args.dsv4_memory), args.max_model_len
+        # Side by side, both managers serve the same hits: whole blocks of
+        # every group (vLLM's rule; a 512-token prompt gets none under the
+        # plan's 2048-token blocks).  kvcore's default, copy-on-write hits
+        # inside a block, is timed alone.
+        budget = parse_memory(args.dsv4_memory)
+        make_v4, hash_v4, info = deepseek_v4_manager(budget, args.max_model_len)
+        make_whole, _, _ = deepseek_v4_manager(
+            budget, args.max_model_len, partial_hits=False
         )
+        v4_plan = vllm_plan(make_v4())
         results["deepseek_v4/plan"] = info
         if not args.json:
-            print(f"deepseek_v4 plan: {json.dumps(info)} (kvcore only: the vLLM "
-                  "instrument builds only its one-group plan)", file=sys.stderr)  # fmt: skip
+            print(f"deepseek_v4 plan: {json.dumps(info)}", file=sys.stderr)
+        sides: dict[str, Callable[[], KVCacheManager] | None] = {
+            "kvcore": make_v4,
+            "kvcore_whole_block_hits": make_whole,
+            "vllm": None,
+        }
+        v4_runs = {(side, b): [] for side in sides for b in batches}
+        for rep in range(args.repeat):
+            for batch in batches:
+                names = list(sides) if rep % 2 == 0 else list(sides)[::-1]
+                for side in names:
+                    make_side = sides[side]
+                    if make_side is not None:
+                        v4_runs[side, batch].append(
+                            run_trace(
+                                make_side,
+                                prompts,
+                                decode,
+                                hash_block_size=hash_v4,
+                                hash_function=args.hash,
+                                batch=batch,
+                                decode_steps=args.decode_steps,
+                                gc_mode=args.gc,
+                            )
+                        )
+                    elif worker is not None:
+                        v4_runs[side, batch].append(worker.run(batch, v4_plan))
         for batch in batches:
-            figures = kvcore_figures(make_v4, prompts, decode, hash_v4, batch, args)
-            results[f"deepseek_v4/batch{batch}"] = {"kvcore": figures}
+            figures = median_run(v4_runs["kvcore", batch])
+            whole = median_run(v4_runs["kvcore_whole_block_hits", batch])
+            entry = {"kvcore": figures, "kvcore_whole_block_hits": whole}
             if not args.json:
-                print_figures(f"deepseek_v4 batch {batch}", figures)
+                print_figures(f"deepseek_v4 batch {batch} (kvcore)", figures)
+            if worker is not None:
+                vl = median_run(v4_runs["vllm", batch])
+                entry["vllm"] = vl
+                entry["compare"] = compare(whole, vl)
+                entry["workload_mismatch"] = workload_mismatch(whole, vl)
+                if not args.json:
+                    print_table(
+                        f"deepseek_v4 batch {batch}, whole-block hits on both sides",
+                        entry["compare"],
+                    )
+                    for line in entry["workload_mismatch"]:
+                        print(f"  WORKLOAD DIFFERS: {line}", file=sys.stderr)
+            results[f"deepseek_v4/batch{batch}"] = entry
 
     if not args.no_groups:
         sub = prompts[: args.group_requests]

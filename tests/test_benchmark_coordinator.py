@@ -1,0 +1,96 @@
+"""benchmarks/coordinator.py runs end to end without vLLM, and describes the
+DeepSeek-V4 plan to vLLM's worker group by group.  (Its timings are never
+asserted; the side-by-side run needs a vLLM interpreter.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "coordinator_benchmark", REPO / "benchmarks" / "coordinator.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_deepseek_v4_plan_is_described_group_by_group(bench: Any) -> None:
+    make, hash_block_size, info = bench.deepseek_v4_manager(64 << 30, 32768)
+    manager = make()
+    plan = bench.vllm_plan(manager)
+    json.dumps(plan)  # it crosses to the worker as JSON
+    assert len(plan["groups"]) == info["groups"] == manager.num_kv_cache_groups
+    assert plan["hash_block_size"] == hash_block_size == manager.hash_block_size
+    assert plan["scheduler_block_size"] == info["scheduler_block_size"]
+    assert plan["num_blocks"] == info["num_blocks"]
+    assert sum(len(g["layers"]) for g in plan["groups"]) == info["layers"]
+    kinds = {g["kind"] for g in plan["groups"]}
+    assert kinds == {"SlidingWindowMLASpec", "MLAAttentionSpec", "CircularBufferSpec"}
+    for group, spec_group in zip(
+        plan["groups"], manager.kv_cache_config.kv_cache_groups, strict=True
+    ):
+        spec = spec_group.kv_cache_spec
+        assert group["fields"]["block_size"] == spec.block_size
+        assert group["fields"]["dtype"] == str(spec.dtype).removeprefix("torch.")
+
+
+def test_whole_block_hits_give_none_under_the_plans_large_blocks(bench: Any) -> None:
+    """The side-by-side run's kvcore uses vLLM's hit rule: a 512-token prompt
+    gets no hit under 2048-token blocks; kvcore's default, copy-on-write
+    hits inside a block, serves some of the shared prefixes."""
+    args = bench.argparse.Namespace(
+        seed=0,
+        shared_prefix_len=256,
+        num_prefixes=2,
+        requests=12,
+        prompt_len=512,
+        decode_steps=4,
+    )
+    prompts, decode = bench.make_trace(args)
+    hits = {}
+    for partial in (True, False):
+        make, hash_block_size, _ = bench.deepseek_v4_manager(
+            64 << 30, 32768, partial_hits=partial
+        )
+        run = bench.run_trace(
+            make,
+            prompts,
+            decode,
+            hash_block_size=hash_block_size,
+            hash_function="sha256",
+            batch=4,
+            decode_steps=4,
+            gc_mode="on",
+        )
+        assert run["allocation_failures"] == 0
+        assert run["free_blocks_end"] == make().block_pool.get_num_free_blocks()
+        hits[partial] = run["prefix_hit_tokens"]
+    assert hits[False] == 0
+    assert hits[True] > 0
+    assert hits[True] % 128 == 0  # the plan's hash block
+
+
+def test_kvcore_only_run_prints_its_figures(bench: Any, capsys: Any) -> None:
+    argv = ["--no-vllm", "--json", "--requests", "8", "--decode-steps", "3"]
+    argv += ["--repeat", "1", "--no-groups", "--no-memory", "--batch", "2"]
+    assert bench.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["vllm"] is None
+    figures = out["full_attention/batch2"]["kvcore"]
+    assert figures["allocation_failures"] == 0
+    assert figures["prefix_hit_tokens"] > 0
+    v4 = out["deepseek_v4/batch2"]
+    assert v4["kvcore_whole_block_hits"]["prefix_hit_tokens"] == 0
+    assert "compare" not in v4
