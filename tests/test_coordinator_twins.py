@@ -21,6 +21,7 @@ import torch
 from coordinator_setup import fa, manager_for, sw
 
 from kvcore.coordinator import KVCacheBlocks, KVCacheManager, Request
+from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_mamba import MambaSpec
 
 
@@ -30,6 +31,12 @@ def mamba(block_size: int, mode: str = "align") -> MambaSpec:
         shapes=((2, 4),),
         dtypes=(torch.float16,),
         mamba_cache_mode=mode,  # type: ignore[arg-type]
+    )
+
+
+def ring(block_size: int) -> CircularBufferSpec:
+    return CircularBufferSpec(
+        block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float16
     )
 
 
@@ -263,6 +270,13 @@ PLANS: dict[str, tuple[list[Any], dict[str, Any]]] = {
     # Fixed-block state twins (no hits at all) beside attention.
     "fixed_states": (
         [fa(4), mamba(4, "none"), mamba(4, "none")],
+        {"scheduler_block_size": 4, "hash_block_size": 4},
+    ),
+    # Rings and fixed states between growing groups and a checkpointed
+    # state: a step hands out the blocks of each run of groups whose growth
+    # the coordinator knows at once, around the state's own growth.
+    "rings": (
+        [fa(4), ring(4), sw(4, 8), ring(4), mamba(4, "none"), mamba(4), fa(4), ring(4)],
         {"scheduler_block_size": 4, "hash_block_size": 4},
     ),
 }

@@ -12,14 +12,19 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager, runs_vetted
-from kvcore.coordinator.managers import CheckpointManager, PrefixManager, prefix_hit
+from kvcore.coordinator.managers import (
+    CheckpointManager,
+    FixedBlocksManager,
+    PrefixManager,
+    prefix_hit,
+)
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
@@ -450,16 +455,12 @@ class KVCacheCoordinator:
         self._classes = tuple(
             (tuple(m.kv_cache_group_id for m in c), c[0]) for c in ordered
         )
-        #: Every group's manager with its class's index and whether it keeps
-        #: the base table growth (see ``_grow_plan``).
+        #: Every group's manager with its class's index and how its table
+        #: grows: ``_GROWS_BY_TOKENS`` (the base table growth),
+        #: ``_HOLDS_FIXED`` (FixedBlocksManager's blocks per request) or
+        #: ``_OWN_GROWTH`` (its own ``allocate_new_blocks``).
         self._alloc_plan = tuple(
-            (
-                manager,
-                index_of[gid],
-                manager.position_indexed
-                and _keeps_base(type(manager), "allocate_new_blocks")
-                and _keeps_base(type(manager), "get_num_blocks_to_allocate"),
-            )
+            (manager, index_of[gid], _growth_of(manager))
             for gid, manager in enumerate(managers)
         )
         #: Classes of two or more twins, for :meth:`note_admission`.
@@ -960,26 +961,66 @@ class KVCacheCoordinator:
             return KVCacheCoordinator.allocate_new_blocks(self, request_id, num_tokens)
         out: list[list[KVCacheBlock]] = []
         needs: dict[int, int] = {}
-        get_new_blocks = self.block_pool.get_new_blocks
-        for manager, index, plain in self._alloc_plan:
-            if not plain:
+        # Consecutive groups whose growth the coordinator knows take their
+        # blocks in one hand-out, split in group order: the blocks the
+        # per-group calls would take one after another.
+        waiting: list[_Waiting] = []
+        total = 0
+        for manager, index, growth in self._alloc_plan:
+            if growth is _OWN_GROWTH:
+                if total:
+                    self._hand_out(request_id, waiting, total, out)
+                    waiting.clear()
+                    total = 0
                 out.append(manager.allocate_new_blocks(request_id, num_tokens))
                 continue
-            need = needs.get(index)
-            if need is None:
-                need = needs[index] = manager.get_num_blocks_to_allocate(
-                    request_id, num_tokens, ()
-                )
-            held = manager.req_to_blocks.get(request_id)
-            if held is None:
-                held = manager.req_to_blocks[request_id] = []
-            if need:
-                new = get_new_blocks(need)
-                held.extend(new)
-                out.append(new)
+            held: list[KVCacheBlock] | None
+            if growth is _GROWS_BY_TOKENS:
+                need = needs.get(index)
+                if need is None:
+                    need = needs[index] = manager.get_num_blocks_to_allocate(
+                        request_id, num_tokens, ()
+                    )
+                held = manager.req_to_blocks.get(request_id)
+                if held is None:
+                    held = manager.req_to_blocks[request_id] = []
             else:
-                out.append([])
+                held = None
+                need = (
+                    0
+                    if request_id in manager.req_to_blocks
+                    else cast(FixedBlocksManager, manager).fixed_blocks
+                )
+                if not need and request_id not in manager.req_to_blocks:
+                    manager.req_to_blocks[request_id] = []
+            if need:
+                waiting.append((len(out), need, held, manager))
+                total += need
+            out.append([])
+        if total:
+            self._hand_out(request_id, waiting, total, out)
         return tuple(out)
+
+    def _hand_out(
+        self,
+        request_id: str,
+        waiting: Sequence[_Waiting],
+        total: int,
+        out: list[list[KVCacheBlock]],
+    ) -> None:
+        """Take ``total`` blocks at once and give each waiting group its
+        share, in order: a growing table is extended, a fixed-blocks group
+        gets its table."""
+        blocks = self.block_pool.get_new_blocks(total)
+        start = 0
+        for at, need, held, manager in waiting:
+            new = blocks if need == total else blocks[start : start + need]
+            start += need
+            if held is None:
+                manager.req_to_blocks[request_id] = list(new)
+            else:
+                held.extend(new)
+            out[at] = new
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
@@ -1268,6 +1309,34 @@ def _tests_caching(manager_type: type[SingleTypeManager]) -> bool:
     caches = next(c for c in mro if "cache_blocks" in vars(c))
     tests = next((c for c in mro if "_caches_now" in vars(c)), None)
     return tests is not None and issubclass(tests, caches)
+
+
+#: How a group's table grows in a twin step (see ``_alloc_plan``).
+_GROWS_BY_TOKENS = "grows by tokens"
+_HOLDS_FIXED = "holds fixed blocks"
+_OWN_GROWTH = "own growth"
+#: A group's place in the step's result, its block count, its table to
+#: extend (None: a fixed-blocks group, given its table) and its manager.
+_Waiting: TypeAlias = tuple[int, int, list[KVCacheBlock] | None, SingleTypeManager]
+
+
+def _growth_of(manager: SingleTypeManager) -> str:
+    """How ``manager``'s table grows: the base growth, FixedBlocksManager's
+    own (for its class and subclasses that keep both methods), or its own."""
+    kind = type(manager)
+    if (
+        manager.position_indexed
+        and _keeps_base(kind, "allocate_new_blocks")
+        and _keeps_base(kind, "get_num_blocks_to_allocate")
+    ):
+        return _GROWS_BY_TOKENS
+    if isinstance(manager, FixedBlocksManager) and all(
+        inspect.getattr_static(kind, name)
+        is inspect.getattr_static(FixedBlocksManager, name)
+        for name in ("allocate_new_blocks", "get_num_blocks_to_allocate")
+    ):
+        return _HOLDS_FIXED
+    return _OWN_GROWTH
 
 
 def _keeps_base(manager_type: type[SingleTypeManager], name: str) -> bool:
