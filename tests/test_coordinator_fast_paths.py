@@ -203,3 +203,28 @@ def test_a_prompt_shorter_than_the_hit_unit_searches_no_group(
     again = Request("again", tokens, hash_block_size=16)
     assert mgr.get_computed_blocks(again)[1] == 64
     assert searched
+
+
+def test_a_subclass_overriding_free_keeps_its_override() -> None:
+    calls: list[str] = []
+
+    class Logging(KVCacheManager):
+        def free(self, request: Request | str) -> None:
+            calls.append(request if isinstance(request, str) else request.request_id)
+            super().free(request)
+
+    config = setup.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
+    )
+    mgr = Logging(
+        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
+    )
+    assert "free" not in mgr.__dict__
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    mgr.free(req)
+    assert calls == ["a"]
+    assert req.status is RequestStatus.FINISHED
+    assert mgr.block_pool.get_num_free_blocks() == 15

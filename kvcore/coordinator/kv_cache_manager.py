@@ -1005,7 +1005,11 @@ class KVCacheManager:
         to the general path."""
         coordinator = self.coordinator
         if not (
-            coordinator.num_groups == 1
+            # A subclass's own free() must run (an instance attribute would
+            # shadow it).
+            inspect.getattr_static(type(self), "free")
+            is KVCacheManager.__dict__["free"]
+            and coordinator.num_groups == 1
             and coordinator.vetted
             and coordinator.partial is None
             and not coordinator._evicting_last
