@@ -228,3 +228,27 @@ def test_a_subclass_overriding_free_keeps_its_override() -> None:
     assert calls == ["a"]
     assert req.status is RequestStatus.FINISHED
     assert mgr.block_pool.get_num_free_blocks() == 15
+
+
+def test_a_plan_marked_unvetted_later_frees_through_the_checked_path() -> None:
+    """A manager whose method is replaced on the instance is not kvcore's
+    own any more (the coordinator's ``vetted`` cleared, as the partial-hit
+    tests do): free runs its pop_blocks, reports its failure as the
+    plugin's, and leaves the request holding its blocks."""
+    mgr = setup.manager_for(
+        [setup.fa(4)], 16, scheduler_block_size=4, hash_block_size=4
+    )
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    manager = mgr._managers[0]
+
+    def broken(request_id: str) -> None:
+        raise RuntimeError("pop_blocks failed")
+
+    manager.pop_blocks = broken  # type: ignore[method-assign]
+    mgr.coordinator.vetted = False
+    with pytest.raises(KvcoreError, match="pop_blocks failed"):
+        mgr.free(req)
+    assert req.status is RequestStatus.RUNNING
+    assert mgr.block_pool.get_num_free_blocks() == 12
+    assert "a" in manager.req_to_blocks

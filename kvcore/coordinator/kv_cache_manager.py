@@ -1034,7 +1034,7 @@ class KVCacheManager:
             else:
                 rid = request if isinstance(request, str) else request.request_id
             held = requests.get(rid)
-            if held is None or pool._journal is not None:
+            if held is None or pool._journal is not None or not coordinator.vetted:
                 general(request)
                 return
             hashed.pop(rid, None)
