@@ -808,3 +808,20 @@ def test_a_pool_whose_block_state_would_not_fit_in_host_memory_is_refused(
         block_pool.BlockPool(1000, enable_caching=True, hash_block_size=16).num_blocks
         == 1000
     )
+
+
+@pytest.mark.parametrize("transaction", [False, True])
+def test_free_table_takes_any_iterable(transaction: bool) -> None:
+    """A table given as an iterator is walked once, as a list would be."""
+    results = []
+    for as_iterator in (False, True):
+        p = pool(8)
+        table = p.get_new_blocks(4)
+        if transaction:
+            p.begin()
+        p.free_table(iter(table) if as_iterator else table)
+        if transaction:
+            p.commit()
+        results.append((free_ids(p), [b.ref_cnt for b in table]))
+        assert p.get_num_free_blocks() == 7
+    assert results[0] == results[1]

@@ -252,3 +252,42 @@ def test_a_plan_marked_unvetted_later_frees_through_the_checked_path() -> None:
     assert req.status is RequestStatus.RUNNING
     assert mgr.block_pool.get_num_free_blocks() == 12
     assert "a" in manager.req_to_blocks
+
+
+@pytest.mark.parametrize("thread_safe", [False, True])
+@pytest.mark.parametrize(
+    "specs",
+    [[setup.fa(4)], [setup.fa(4), setup.sw(4, 8)], [setup.fa(4), setup.mamba(4)]],
+    ids=["one-group", "two-groups", "state-hybrid"],
+)
+def test_a_copied_manager_runs_on_its_own(specs: list[Any], thread_safe: bool) -> None:
+    """The shortcuts a manager binds close over its own state; a deep copy
+    (a what-if fork) binds its own, so each side's steps leave the other
+    alone and the two agree on the same steps."""
+    import copy
+
+    mgr = setup.manager_for(
+        specs, 48, scheduler_block_size=4, hash_block_size=4, thread_safe=thread_safe
+    )
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    fork = copy.deepcopy(mgr)
+    before = observed(mgr)
+    assert observed(fork) == before
+    fork.free("a")
+    assert observed(mgr) == before
+    assert req.status is RequestStatus.RUNNING
+    mgr.free("a")
+    assert req.status is RequestStatus.FINISHED
+    assert observed(mgr) == observed(fork)
+    hits = []
+    for side in (mgr, fork):
+        other = Request("b", list(range(2, 20)), hash_block_size=4)
+        blocks, hit = side.get_computed_blocks(other)
+        assert side.allocate_slots(other, 18 - hit, hit, blocks) is not None
+        hits.append(hit)
+    assert hits[0] == hits[1] > 0
+    assert observed(mgr) == observed(fork)
+    if thread_safe:
+        assert fork.lock is not None
+        assert fork.lock is not mgr.lock

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -430,3 +432,25 @@ def test_requests_without_extra_keys_share_one_hasher() -> None:
     with pytest.raises(BlockSizeError) as info:
         Request("bad", [1, 2], hash_block_size=0)
     assert "'bad'" in " ".join(info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"cache_salt": "s"}, {"lora_name": "L"}, {"hash_function": "xxh3_128"}],
+    ids=["plain", "salted", "lora", "xxh3"],
+)
+def test_a_request_survives_pickling_and_copying(options: dict[str, Any]) -> None:
+    """A request (its hasher included) pickles and deep-copies; the copy
+    hashes what it is given next exactly as the original does."""
+    import copy
+    import pickle
+
+    req = Request("r", list(range(40)), hash_block_size=16, **options)
+    for other in (pickle.loads(pickle.dumps(req)), copy.deepcopy(req)):
+        assert other.block_hashes == req.block_hashes
+        assert other.block_hashes is not req.block_hashes
+        for tok in range(40, 80):
+            other.append_output_token_ids(tok)
+        whole = Request("w", list(range(80)), hash_block_size=16, **options)
+        assert other.block_hashes == whole.block_hashes
+    assert len(req.block_hashes) == 2

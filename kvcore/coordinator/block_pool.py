@@ -600,6 +600,8 @@ class BlockPool:
         last listing, where ``free_blocks(blocks[::-1])`` would queue it by
         its first.
         """
+        if type(blocks) is not list and type(blocks) is not tuple:
+            blocks = list(blocks)  # any iterable, walked once
         if self._journal is not None:
             self._free_journaled(blocks, table=True)
         else:

@@ -313,6 +313,28 @@ class KVCacheCoordinator:
         if self.num_groups == 1 and self.vetted and self.partial is None:
             self._init_single_steps(managers[0])
 
+    #: The instance attributes :meth:`_init_single_steps` binds.
+    _SINGLE_STEPS = (
+        "admission_blocks",
+        "get_num_blocks_to_allocate",
+        "add_computed_blocks",
+        "allocate_new_blocks",
+        "cache_blocks",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The coordinator's state without the one-group steps bound to its
+        manager: a copy or an unpickled coordinator binds its own."""
+        state = self.__dict__.copy()
+        for name in self._SINGLE_STEPS:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.num_groups == 1 and self.vetted and self.partial is None:
+            self._init_single_steps(self.single_type_managers[0])
+
     def _init_single_steps(self, manager: SingleTypeManager) -> None:
         """One vetted group: the admission steps call its manager directly
         (instance attributes shadowing the per-group loops, which only add

@@ -25,7 +25,7 @@ import struct
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from itertools import pairwise
-from typing import TypeAlias, overload
+from typing import Any, TypeAlias, overload
 
 import numpy as np
 
@@ -404,11 +404,26 @@ class BlockHasher:
         #: Packs one chunk of checked tokens, for :meth:`hash_next_block`'s
         #: plain case (sha256, no extra key on any chunk after the first);
         #: None when that case never applies.
-        self._chunk = (
-            _token_struct(hash_block_size)
+        self._chunk = self._plain_chunk()
+
+    def _plain_chunk(self) -> struct.Struct | None:
+        return (
+            _token_struct(self.hash_block_size)
             if self._fn is _sha256 and not self._const_extra and not self._mm_ends
             else None
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The hasher's settings (the chunk packer is rebuilt from them: a
+        ``struct.Struct`` cannot be pickled)."""
+        return {
+            name: getattr(self, name) for name in self.__slots__ if name != "_chunk"
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._chunk = self._plain_chunk()
 
     @property
     def cache_salt(self) -> str | None:

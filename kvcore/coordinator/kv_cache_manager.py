@@ -223,18 +223,37 @@ class KVCacheManager:
         #: The request object of each live id (one holding blocks), so
         #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
-        self._init_one_group_free()
         self.thread_safe = thread_safe
         #: The re-entrant lock every public method holds with
         #: ``thread_safe=True`` (hold it around a lookup and the allocation
         #: that uses its hit), else None.
         self.lock: threading.RLock | None = None
-        if thread_safe:
+        self._bind_methods()
+
+    def _bind_methods(self) -> None:
+        """Instance attributes shadowing methods: the one-group free, and
+        with ``thread_safe`` every public method under the lock (so the
+        unlocked manager pays nothing: no lock, no flag test per call).
+        They close over this manager's own state, so a copy binds its own
+        (see :meth:`__getstate__`)."""
+        self._init_one_group_free()
+        if self.thread_safe:
             lock = self.lock = threading.RLock()
-            # Instance attributes shadow the methods, so the unlocked manager
-            # pays nothing: no lock, no flag test per call.
             for name in _public_methods(type(self)):
                 setattr(self, name, _locked(getattr(self, name), lock))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The manager's state without the methods bound to it (and its
+        lock): a copy or an unpickled manager binds its own."""
+        state = self.__dict__.copy()
+        for name in ("free", "lock", *_public_methods(type(self))):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = None
+        self._bind_methods()
 
     @classmethod
     def from_plan(
