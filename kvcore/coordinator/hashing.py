@@ -401,7 +401,7 @@ class BlockHasher:
         self._const_extra = (
             encode_extra_keys((("lora", lora_name),)) if lora_name is not None else b""
         )
-        #: Packs one chunk of checked tokens, for :meth:`hash_next_block`'s
+        #: Packs one chunk of checked tokens, for :meth:`_hash_appended_block`'s
         #: plain case (sha256, no extra key on any chunk after the first);
         #: None when that case never applies.
         self._chunk = self._plain_chunk()
@@ -457,7 +457,7 @@ class BlockHasher:
             keys.append(("salt", self._cache_salt))
         return tuple(keys) if keys else None
 
-    def hash_next_block(
+    def _hash_appended_block(
         self, token_ids: list[int], block_hashes: list[BlockHash]
     ) -> int:
         """:meth:`hash_new_blocks` for a decode step: when ``token_ids`` ends
@@ -465,7 +465,8 @@ class BlockHasher:
         checked when appended (:meth:`Request.append_output_token_ids`), it
         is packed without the per-token checks and hashed straight from its
         parent.  Any other case, and any token the packer refuses, takes
-        :meth:`hash_new_blocks`.
+        :meth:`hash_new_blocks`.  Internal: only a request, which checked
+        the tokens, may call it.
         """
         chunk = self._chunk
         done = len(block_hashes)

@@ -188,7 +188,7 @@ class Request:
         token, appended and checked alone, completed one chunk."""
         try:
             if appended_one:
-                hasher.hash_next_block(self.all_token_ids, self.block_hashes)
+                hasher._hash_appended_block(self.all_token_ids, self.block_hashes)
             else:
                 hasher.hash_new_blocks(self.all_token_ids, self.block_hashes)
         except KvcoreError as exc:
