@@ -465,6 +465,7 @@ for line in sys.stdin:
         if plan is not None:
             out["plan_fields_not_in_vllm"] = sorted(dropped)
     else:
+        plan = None  # the instrument's one-group plan
         n = cmd["memory"]
         with contextlib.redirect_stdout(buf):
             gc.collect()
