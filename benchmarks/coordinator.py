@@ -366,6 +366,49 @@ def kvcore_figures(
     return median_run(runs)
 
 
+Side = Callable[[int], dict[str, Any]]
+"""One repetition of the trace at a batch size, on a fresh manager."""
+
+
+def interleaved(
+    sides: dict[str, Side], batches: list[int], repeat: int
+) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """``repeat`` repetitions of every side at every batch size, the sides
+    alternating (and which goes first), so a change in the machine's load
+    falls on all of them."""
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {
+        (side, b): [] for side in sides for b in batches
+    }
+    names = list(sides)
+    for rep in range(repeat):
+        for batch in batches:
+            for side in names if rep % 2 == 0 else names[::-1]:
+                runs[side, batch].append(sides[side](batch))
+    return runs
+
+
+def kvcore_side(
+    make: Callable[[], KVCacheManager],
+    prompts: list[list[int]],
+    decode: list[list[int]],
+    hash_block_size: int,
+    args: argparse.Namespace,
+) -> Side:
+    def run(batch: int) -> dict[str, Any]:
+        return run_trace(
+            make,
+            prompts,
+            decode,
+            hash_block_size=hash_block_size,
+            hash_function=args.hash,
+            batch=batch,
+            decode_steps=args.decode_steps,
+            gc_mode=args.gc,
+        )
+
+    return run
+
+
 # -- memory -------------------------------------------------------------------------
 def traced_bytes(build: Callable[[], object]) -> int:
     """Bytes ``build()`` leaves allocated (tracemalloc), its result kept alive."""
@@ -730,30 +773,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
 
-    # Repetitions alternate between the two managers (and which goes first),
-    # so a change in the machine's load falls on both.
     make, hash_bs = full_attention_manager(args.num_blocks, args.max_model_len)
-    kv_runs: dict[int, list[dict[str, Any]]] = {b: [] for b in batches}
-    vl_runs: dict[int, list[dict[str, Any]]] = {b: [] for b in batches}
-    for rep in range(args.repeat):
-        for batch in batches:
-            order = ("vllm", "kvcore") if rep % 2 == 0 else ("kvcore", "vllm")
-            for side in order:
-                if side == "kvcore":
-                    kv_runs[batch].append(
-                        run_trace(
-                            make,
-                            prompts,
-                            decode,
-                            hash_block_size=hash_bs,
-                            hash_function=args.hash,
-                            batch=batch,
-                            decode_steps=args.decode_steps,
-                            gc_mode=args.gc,
-                        )
-                    )
-                elif worker is not None:
-                    vl_runs[batch].append(worker.run(batch))
+    sides = {"kvcore": kvcore_side(make, prompts, decode, hash_bs, args)}
+    if worker is not None:
+        sides = {"vllm": worker.run, **sides}
+    runs = interleaved(sides, batches, args.repeat)
+    kv_runs = {b: runs["kvcore", b] for b in batches}
+    vl_runs = {b: runs.get(("vllm", b), []) for b in batches}
     for batch in batches:
         figures = median_run(kv_runs[batch])
         entry: dict[str, Any] = {"kvcore": figures}
@@ -791,32 +817,20 @@ def main(argv: list[str] | None = None) -> int:
         results["deepseek_v4/plan"] = info
         if not args.json:
             print(f"deepseek_v4 plan: {json.dumps(info)}", file=sys.stderr)
-        sides: dict[str, Callable[[], KVCacheManager] | None] = {
-            "kvcore": make_v4,
-            "kvcore_whole_block_hits": make_whole,
-            "vllm": None,
+        v4_sides = {
+            "kvcore": kvcore_side(make_v4, prompts, decode, hash_v4, args),
+            "kvcore_whole_block_hits": kvcore_side(
+                make_whole, prompts, decode, hash_v4, args
+            ),
         }
-        v4_runs = {(side, b): [] for side in sides for b in batches}
-        for rep in range(args.repeat):
-            for batch in batches:
-                names = list(sides) if rep % 2 == 0 else list(sides)[::-1]
-                for side in names:
-                    make_side = sides[side]
-                    if make_side is not None:
-                        v4_runs[side, batch].append(
-                            run_trace(
-                                make_side,
-                                prompts,
-                                decode,
-                                hash_block_size=hash_v4,
-                                hash_function=args.hash,
-                                batch=batch,
-                                decode_steps=args.decode_steps,
-                                gc_mode=args.gc,
-                            )
-                        )
-                    elif worker is not None:
-                        v4_runs[side, batch].append(worker.run(batch, v4_plan))
+        if worker is not None:
+            v4_worker = worker
+
+            def vllm_v4(batch: int) -> dict[str, Any]:
+                return v4_worker.run(batch, v4_plan)
+
+            v4_sides["vllm"] = vllm_v4
+        v4_runs = interleaved(v4_sides, batches, args.repeat)
         for batch in batches:
             figures = median_run(v4_runs["kvcore", batch])
             whole = median_run(v4_runs["kvcore_whole_block_hits", batch])
