@@ -342,30 +342,6 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, Any]:
     return result
 
 
-def kvcore_figures(
-    make: Callable[[], KVCacheManager],
-    prompts: list[list[int]],
-    decode: list[list[int]],
-    hash_block_size: int,
-    batch: int,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    runs = [
-        run_trace(
-            make,
-            prompts,
-            decode,
-            hash_block_size=hash_block_size,
-            hash_function=args.hash,
-            batch=batch,
-            decode_steps=args.decode_steps,
-            gc_mode=args.gc,
-        )
-        for _ in range(args.repeat)
-    ]
-    return median_run(runs)
-
-
 Side = Callable[[int], dict[str, Any]]
 """One repetition of the trace at a batch size, on a fresh manager."""
 
@@ -407,6 +383,19 @@ def kvcore_side(
         )
 
     return run
+
+
+def kvcore_figures(
+    make: Callable[[], KVCacheManager],
+    prompts: list[list[int]],
+    decode: list[list[int]],
+    hash_block_size: int,
+    batch: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """kvcore alone: the median of ``--repeat`` repetitions at ``batch``."""
+    run = kvcore_side(make, prompts, decode, hash_block_size, args)
+    return median_run([run(batch) for _ in range(args.repeat)])
 
 
 # -- memory -------------------------------------------------------------------------
