@@ -659,7 +659,7 @@ class BlockPool:
                 kept += 1
             else:
                 tail.prev_free = last
-                self._undo_release(blocks, order, back, tail, front)
+                self._undo_release(blocks, order, back, front)
                 raise _double_free(block)
         if back is not tail:
             last.next_free = back
@@ -715,12 +715,9 @@ class BlockPool:
                 kept += 1
             else:
                 chain = back_from.next_free
+                assert chain is not None
                 back_from.next_free = tail
-                if last is not back_from:
-                    last.next_free = None
-                    self._undo_release(blocks, order, chain, None, front)
-                else:
-                    self._undo_release(blocks, order, None, None, front)
+                self._undo_release(blocks, order, chain, front)
                 raise _double_free(block)
         last.next_free = tail
         tail.prev_free = last
@@ -739,17 +736,19 @@ class BlockPool:
         self,
         blocks: Sequence[KVCacheBlock],
         order: Iterator[KVCacheBlock],
-        back: KVCacheBlock | None,
-        stop: KVCacheBlock | None,
+        back: KVCacheBlock,
         front: KVCacheBlock | None,
     ) -> None:
         """Undo a release pass that met a double free: its back chain (from
-        ``back`` to ``stop``, excluded) and its front chain unlinked, and the
+        ``back`` up to the tail sentinel or its open end; ``back`` is the
+        sentinel when it built none) and its front chain unlinked, and the
         counts it dropped back up (the queue's own links are restored by the
         caller).  ``order`` is the pass's iterator, just past the bad block:
         what it has left tells how many blocks were dropped before it."""
-        for block, end in ((back, stop), (front, None)):
-            while block is not None and block is not end:
+        tail = self.free_queue._tail
+        for chain in (back, front):
+            block = chain
+            while block is not None and block is not tail:
                 nxt = block.next_free
                 block.prev_free = block.next_free = None
                 block = nxt

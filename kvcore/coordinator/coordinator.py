@@ -310,8 +310,7 @@ class KVCacheCoordinator:
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
         self._init_twins(managers)
-        if self.num_groups == 1 and self.vetted and self.partial is None:
-            self._init_single_steps(managers[0])
+        self._bind_single_steps()
 
     #: The instance attributes :meth:`_init_single_steps` binds.
     _SINGLE_STEPS = (
@@ -332,6 +331,9 @@ class KVCacheCoordinator:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._bind_single_steps()
+
+    def _bind_single_steps(self) -> None:
         if self.num_groups == 1 and self.vetted and self.partial is None:
             self._init_single_steps(self.single_type_managers[0])
 
@@ -552,15 +554,11 @@ class KVCacheCoordinator:
         """
         # Set by the fixed point; a lookup that ends before it shares nothing.
         self.last_shared_prefix = 0
-        groups = self.attention_groups
-        if not groups or max_length <= 0 or self.hit_blockers:
-            return tuple([] for _ in range(self.num_groups)), 0
         alignment = self.cache_hit_alignment
         limit = max_length - max_length % alignment
-        if limit <= 0:
-            # Shorter than one hit unit: no group can serve a hit (a prompt
-            # under a plan's large blocks), and searching every group for
-            # none is most of a lookup's cost there.
+        # A lookup shorter than one hit unit (a prompt under a plan's large
+        # blocks) searches no group: none can serve it.
+        if not self.attention_groups or limit <= 0 or self.hit_blockers:
             return tuple([] for _ in range(self.num_groups)), 0
         if self._single is not None and not self.use_eagle:
             return self._single_hit(block_hashes, limit, alignment)
