@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import struct
 from typing import Any
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import KVCacheManager, create_requests
-from kvcore.coordinator.hashing import NONE_HASH, hash_block_tokens
+from kvcore.coordinator.hashing import NONE_HASH, _holds_bool, hash_block_tokens
 from kvcore.coordinator.request import Request, RequestStatus, make_requests
 from kvcore.errors import (
     BlockSizeError,
@@ -407,6 +409,41 @@ def test_a_bool_token_in_a_prompt_of_any_length_is_refused(
     tokens[at] = int(flag)
     tokens[0] = 1 - int(flag)
     assert len(Request("r", tokens, hash_block_size=16).block_hashes) == length // 16  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("length", [1, 16, 64, 65, 200, 256, 257, 512, 2048])
+def test_the_bool_search_agrees_with_reading_every_type(length: int) -> None:
+    """Only tokens packed as 0 or 1 have their types read; on random
+    prompts full of 0s and 1s (a BOS token, padding, a straddling match)
+    the answer is the one reading every token's type gives."""
+    rng = random.Random(length)
+    for case in range(60):
+        tokens: list[int] = [rng.randrange(2, 70_000) for _ in range(length)]
+        for _ in range(rng.choice([0, 1, 2, 5, 80])):
+            tokens[rng.randrange(length)] = rng.choice([0, 1, False, True])
+        if case % 7 == 0 and length > 1:
+            # Bytes 01 00 | 00 00 across two tokens, neither 0 nor 1.
+            at = rng.randrange(length - 1)
+            tokens[at : at + 2] = [0x0001_0005, 0x0001_0000]
+        data = struct.pack(f"<{length}I", *tokens)
+        expected = any(type(t) is bool for t in tokens)
+        assert _holds_bool(tokens, data) is expected, (case, tokens)
+
+
+def test_a_prompt_starting_with_a_bos_of_0_or_1_hashes_as_usual() -> None:
+    """A BOS id of 0 or 1 (most vocabularies) is a token like any other."""
+    tail = [1000 + i for i in range(511)]
+    for bos in (0, 1):
+        req = Request("r", [bos, *tail], hash_block_size=128)
+        assert req.block_hashes[0] == hash_block_tokens(
+            "sha256", NONE_HASH, [bos, *tail[:127]]
+        )
+        with pytest.raises(KvcoreTypeError, match=f"position 300 is {bool(bos)}"):
+            Request(
+                "r",
+                [bos, *tail[:299], bool(bos), *tail[300:]],  # type: ignore[list-item]
+                hash_block_size=128,
+            )
 
 
 def test_requests_without_extra_keys_share_one_hasher() -> None:

@@ -225,21 +225,41 @@ def _token_struct(n: int) -> struct.Struct:
 
 def _pack_tokens(token_ids: Sequence[int], what: str) -> bytes:
     """Tokens as little-endian 4-byte unsigned ints; struct refuses
-    non-integers and values out of range, and since a bool packs as 0 or 1
-    the per-token type check runs only when a 0 or 1 is present (the byte
-    search may also match across two tokens: then the exact test decides)."""
+    non-integers and values out of range, and a bool (which packs as 0 or
+    1) is looked for only among the tokens that packed as 0 or 1."""
     try:
         data = _token_struct(len(token_ids)).pack(*token_ids)
     except (struct.error, TypeError, ValueError):
         raise _bad_token_error(token_ids, what) from None
-    if (
-        _holds_zero_or_one(token_ids, data)
-        if len(token_ids) > _BYTE_SEARCH_TOKENS
-        else (_PACKED_ZERO in data or _PACKED_ONE in data)
-        and _holds_zero_or_one(token_ids, data)
-    ) and bool in set(map(type, token_ids)):
+    if _holds_bool(token_ids, data):
         raise _bad_token_error(token_ids, what)
     return data
+
+
+def _holds_bool(token_ids: Sequence[int], data: bytes) -> bool:
+    """Whether a token is a bool, given the tokens packed as ``data``.
+
+    Only a token that packed as 0 or 1 can be one, and most vocabularies
+    start every prompt with such a token (a BOS id of 0 or 1), so the types
+    of those tokens alone are read: a byte search or ``min`` finds whether
+    there are any (cheaper for few tokens), numpy finds where they are.
+    """
+    n = len(token_ids)
+    if n <= 64:
+        return n > 0 and min(token_ids) <= 1 and bool in set(map(type, token_ids))
+    if n <= _BYTE_SEARCH_TOKENS:
+        # A match may straddle two tokens; then the positions decide.
+        if _PACKED_ZERO not in data and _PACKED_ONE not in data:
+            return False
+        words = np.frombuffer(data, dtype=_U32_LE)
+    else:
+        words = np.frombuffer(data, dtype=_U32_LE)
+        if words[words.argmin()] > 1:  # argmin costs less than min
+            return False
+    where = (words <= 1).nonzero()[0]
+    if len(where) > 64:
+        return bool in set(map(type, token_ids))
+    return any(type(token_ids[i]) is bool for i in where.tolist())
 
 
 #: Up to this many tokens, a byte search for a packed 0 or 1 goes first (it
@@ -251,16 +271,6 @@ _BYTE_SEARCH_TOKENS = 256
 
 _PACKED_ZERO = _pack_u32(0)
 _PACKED_ONE = _pack_u32(1)
-
-
-def _holds_zero_or_one(token_ids: Sequence[int], data: bytes) -> bool:
-    """Whether a packed token is 0 or 1 (what a bool packs as): ``min`` for
-    a few tokens (an appended chunk), numpy over a prompt's bytes."""
-    if len(token_ids) <= 64:
-        return min(token_ids) <= 1
-    return bool(np.frombuffer(data, dtype=_U32_LE).min() <= 1)
-
-
 _U32_LE = np.dtype("<u4")
 
 
@@ -500,7 +510,13 @@ class BlockHasher:
             return 0
         start = done * bs
         width = 4 * bs
-        data = _pack_tokens(token_ids[start : full * bs], "block hashing")
+        stop = full * bs
+        data = _pack_tokens(
+            token_ids
+            if start == 0 and stop == len(token_ids)
+            else token_ids[start:stop],
+            "block hashing",
+        )
         parent = block_hashes[-1] if done else NONE_HASH
         fn = self._fn
         ntok = self._ntok_prefix
