@@ -14,18 +14,18 @@ library offers for both conventions without pulling in a unit system.
 
 from __future__ import annotations
 
-import array
 import math
-import operator
 import re
-from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
-from typing import cast
 
-import numpy as np
-
-from kvcore.errors import KvcoreTypeError, KvcoreValueError, echo
+from kvcore.errors import KvcoreValueError
 from kvcore.limits import TOKEN_ID_LIMIT
+from kvcore.tokens import (
+    check_token_count,
+    check_token_ids,
+    check_token_sequence,
+    token_ids,
+)
 
 __all__ = [
     "TOKEN_ID_LIMIT",
@@ -190,103 +190,3 @@ def format_tokens(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return str(n)
-
-
-# -- the token rule ------------------------------------------------------------
-# Token ids and token counts are ints in [0, 2**32), never bools (nor numpy
-# ints, 0-d tensors or floats): ids are hashed as 4-byte unsigned ints, and a
-# count past that is a unit slip.  Every place a token id or count enters
-# (the command line, model files, requests, configs) checks it here.
-
-
-#: The array typecode of a 4-byte unsigned int (C ``unsigned int`` on every
-#: mainstream platform), which range-checks a whole list at C speed.
-_U32 = next((code for code in "IL" if array.array(code).itemsize == 4), None)
-
-
-def check_token_count(value: object, what: str, *, minimum: int = 0) -> int:
-    """``value`` if it is an int in ``[minimum, 2**32)``, else a kvcore error
-    naming ``what`` (a :class:`~kvcore.errors.KvcoreTypeError` for a bool
-    or non-int)."""
-    if type(value) is not int:
-        msg = (
-            f"{what} must be an int number of tokens, got {echo(value)} "
-            f"({type(value).__name__})"
-        )
-        raise KvcoreTypeError(msg)
-    if not minimum <= value < TOKEN_ID_LIMIT:
-        msg = f"{what} must be a token count in [{minimum}, 2**32), got {value:,}" + (
-            "; check the unit" if value >= TOKEN_ID_LIMIT else ""
-        )
-        raise KvcoreValueError(msg)
-    return value
-
-
-def check_token_ids(tokens: Sequence[object], what: str, start: int = 0) -> None:
-    """Raise a kvcore error unless every token is an integer in
-    ``[0, 2**32)`` and not a bool (see :func:`token_ids`)."""
-    token_ids(tokens, what, start)
-
-
-def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
-    """``tokens`` as a list, if every one is an integer in ``[0, 2**32)``
-    and not a bool; integer objects (a numpy integer, a 0-d integer tensor)
-    are hashed by value.  Positions in messages count from ``start``.
-
-    A whole list is checked at C speed: packing it as 4-byte unsigned ints
-    refuses non-integers and values out of range, and since a bool packs as
-    0 or 1 the per-token type check runs only when a 0 or 1 is present.
-    Only a refused list is walked to name the position."""
-    if not tokens:
-        return []
-    if _U32 is not None:
-        try:
-            packed = array.array(_U32, cast("Sequence[int]", tokens))
-        except (TypeError, OverflowError, ValueError):
-            pass
-        else:
-            if not (np.frombuffer(packed, dtype=np.uint32) <= 1).any():
-                return list(cast("Sequence[int]", tokens))
-            if bool not in set(map(type, tokens)):
-                return list(cast("Sequence[int]", tokens))
-    for pos, tok in enumerate(tokens, start):
-        try:
-            if type(tok) is bool:
-                raise TypeError
-            value = operator.index(cast("int", tok))
-        except TypeError:
-            msg = (
-                f"{what}: token id at position {pos} is {echo(tok)} "
-                f"({type(tok).__name__}); token ids must be ints"
-            )
-            raise KvcoreTypeError(msg) from None
-        if not 0 <= value < TOKEN_ID_LIMIT:
-            msg = (
-                f"{what}: token id at position {pos} is {echo(tok)}; token ids "
-                f"must lie in [0, {TOKEN_ID_LIMIT})"
-            )
-            raise KvcoreValueError(msg)
-    return list(cast("Sequence[int]", tokens))
-
-
-def check_token_sequence(
-    tokens: object, what: str, start: int = 0, *, checked: int = 0
-) -> list[int]:
-    """``tokens`` as a list, if it is a sequence (a list, tuple or range) of
-    valid token ids; a string, bytes, dict or set is not a token sequence.
-    The first ``checked`` tokens are left to the caller (a request's full
-    chunks are checked as they are hashed)."""
-    if not isinstance(tokens, Sequence) or isinstance(
-        tokens, str | bytes | bytearray | memoryview
-    ):
-        msg = (
-            f"{what} must be a list or tuple of token ids, got "
-            f"{type(tokens).__name__} {echo(tokens)}"
-        )
-        raise KvcoreTypeError(msg)
-    if checked <= 0:
-        return token_ids(tokens, what, start)
-    items = list(cast("Sequence[int]", tokens))
-    if checked < len(items):
-        token_ids(items[checked:], what, start + checked)
-    return items

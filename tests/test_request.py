@@ -11,7 +11,7 @@ import torch
 
 from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import KVCacheManager, create_requests
-from kvcore.coordinator.hashing import NONE_HASH, _holds_bool, hash_block_tokens
+from kvcore.coordinator.hashing import NONE_HASH, hash_block_tokens
 from kvcore.coordinator.request import Request, RequestStatus, make_requests
 from kvcore.errors import (
     BlockSizeError,
@@ -21,6 +21,7 @@ from kvcore.errors import (
     KvcoreValueError,
     UnknownRequestError,
 )
+from kvcore.tokens import _holds_bool
 from kvcore_full_attention import FullAttentionSpec
 
 

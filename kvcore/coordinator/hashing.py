@@ -27,15 +27,13 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import pairwise
 from typing import Any, TypeAlias, overload
 
-import numpy as np
-
 from kvcore.errors import (
     BlockSizeError,
     KvcoreKeyError,
     KvcoreTypeError,
     KvcoreValueError,
 )
-from kvcore.units import check_token_ids
+from kvcore.tokens import check_token_ids, pack_token_ids, token_struct
 
 __all__ = [
     "NONE_HASH",
@@ -211,72 +209,18 @@ def encode_extra_keys(extra_keys: tuple[ExtraKey, ...] | None) -> bytes:
     return b"".join(out)
 
 
-_TOKEN_STRUCTS: dict[int, struct.Struct] = {}
-
-
-def _token_struct(n: int) -> struct.Struct:
-    st = _TOKEN_STRUCTS.get(n)
-    if st is None:
-        st = struct.Struct(f"<{n}I")
-        if n <= 4096:
-            _TOKEN_STRUCTS[n] = st
-    return st
-
-
 def _pack_tokens(token_ids: Sequence[int], what: str) -> bytes:
-    """Tokens as little-endian 4-byte unsigned ints; struct refuses
-    non-integers and values out of range, and a bool (which packs as 0 or
-    1) is looked for only among the tokens that packed as 0 or 1."""
-    try:
-        data = _token_struct(len(token_ids)).pack(*token_ids)
-    except (struct.error, TypeError, ValueError):
-        raise _bad_token_error(token_ids, what) from None
-    if _holds_bool(token_ids, data):
+    """Tokens as the bytes hashed, by the token rule
+    (:func:`kvcore.tokens.pack_token_ids`); a bad token is named."""
+    data = pack_token_ids(token_ids)
+    if data is None:
         raise _bad_token_error(token_ids, what)
     return data
 
 
-def _holds_bool(token_ids: Sequence[int], data: bytes) -> bool:
-    """Whether a token is a bool, given the tokens packed as ``data``.
-
-    Only a token that packed as 0 or 1 can be one, and most vocabularies
-    start every prompt with such a token (a BOS id of 0 or 1), so the types
-    of those tokens alone are read: a byte search or ``min`` finds whether
-    there are any (cheaper for few tokens), numpy finds where they are.
-    """
-    n = len(token_ids)
-    if n <= 64:
-        return n > 0 and min(token_ids) <= 1 and bool in set(map(type, token_ids))
-    if n <= _BYTE_SEARCH_TOKENS:
-        # A match may straddle two tokens; then the positions decide.
-        if _PACKED_ZERO not in data and _PACKED_ONE not in data:
-            return False
-        words = np.frombuffer(data, dtype=_U32_LE)
-    else:
-        words = np.frombuffer(data, dtype=_U32_LE)
-        if words[words.argmin()] > 1:  # argmin costs less than min
-            return False
-    where = (words <= 1).nonzero()[0]
-    if len(where) > 64:
-        return bool in set(map(type, token_ids))
-    return any(type(token_ids[i]) is bool for i in where.tolist())
-
-
-#: Up to this many tokens, a byte search for a packed 0 or 1 goes first (it
-#: rarely matches and is cheaper than a numpy reduction); above it, the byte
-#: search costs more (every token under 65,536 packs two zero bytes, which
-#: slows it), so the reduction runs alone.
-_BYTE_SEARCH_TOKENS = 256
-
-
-_PACKED_ZERO = _pack_u32(0)
-_PACKED_ONE = _pack_u32(1)
-_U32_LE = np.dtype("<u4")
-
-
 def _bad_token_error(token_ids: Sequence[object], what: str) -> Exception:
     """The error naming the first bad token, by the one token rule
-    (:func:`kvcore.units.check_token_ids`); only taken once packing refused."""
+    (:func:`kvcore.tokens.check_token_ids`); only taken once packing refused."""
     try:
         check_token_ids(token_ids, what)
     except (KvcoreTypeError, KvcoreValueError) as exc:
@@ -418,7 +362,7 @@ class BlockHasher:
 
     def _plain_chunk(self) -> struct.Struct | None:
         return (
-            _token_struct(self.hash_block_size)
+            token_struct(self.hash_block_size)
             if self._fn is _sha256 and not self._const_extra and not self._mm_ends
             else None
         )
