@@ -1,7 +1,8 @@
 """The one-group fast paths agree with the general path they shadow.
 
 A manager over one vetted group binds shortcuts as instance attributes
-(``KVCacheManager.free``; the coordinator's admission steps).  Each test runs
+(``KVCacheManager.free``, a running request's ``allocate_slots``; the
+coordinator's admission steps).  Each test runs
 the same steps on a manager with the shortcut and on one with it removed, and
 compares what an engine can observe: the free queue in eviction order, the
 counts, the hits, the request statuses and the errors.
@@ -18,15 +19,21 @@ import pytest
 from kvcore.coordinator import KVCacheManager, Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreError, UnknownRequestError
 
+SHORTCUTS = ("free", "allocate_slots")
 
-def pair(specs: list[Any], num_blocks: int = 64) -> tuple[KVCacheManager, ...]:
+
+def pair(
+    specs: list[Any], num_blocks: int = 64, **options: Any
+) -> tuple[KVCacheManager, ...]:
+    """A manager with its shortcuts and one with them removed."""
     fast = setup.manager_for(
-        specs, num_blocks, scheduler_block_size=4, hash_block_size=4
+        specs, num_blocks, scheduler_block_size=4, hash_block_size=4, **options
     )
     general = setup.manager_for(
-        specs, num_blocks, scheduler_block_size=4, hash_block_size=4
+        specs, num_blocks, scheduler_block_size=4, hash_block_size=4, **options
     )
-    del general.__dict__["free"]
+    for name in SHORTCUTS:
+        general.__dict__.pop(name, None)
     return fast, general
 
 
@@ -58,6 +65,24 @@ def test_one_group_free_takes_the_fast_path(specs: list[Any]) -> None:
     assert "free" in fast.__dict__
 
 
+@pytest.mark.parametrize(
+    ("specs", "grows_fast"),
+    [
+        ([setup.fa(4)], True),
+        # Skipping and checkpoint planning take the general path.
+        ([setup.sw(4, 8)], False),
+        ([setup.mamba(4)], False),
+        ([setup.fa(4), setup.sw(4, 8)], False),
+    ],
+    ids=["full-attention", "sliding-window", "state", "two-groups"],
+)
+def test_only_a_plain_growing_group_takes_the_one_frame_growth(
+    specs: list[Any], grows_fast: bool
+) -> None:
+    mgr = setup.manager_for(specs, 64, scheduler_block_size=4, hash_block_size=4)
+    assert ("allocate_slots" in mgr.__dict__) is grows_fast
+
+
 def test_a_state_hybrid_frees_through_the_coordinator() -> None:
     mgr = setup.manager_for(
         [setup.fa(4), setup.mamba(4)],
@@ -66,6 +91,7 @@ def test_a_state_hybrid_frees_through_the_coordinator() -> None:
         hash_block_size=4,
     )
     assert "free" not in mgr.__dict__
+    assert "allocate_slots" not in mgr.__dict__
 
 
 @pytest.mark.parametrize(
@@ -114,6 +140,217 @@ def test_fast_free_matches_the_general_path(specs: list[Any], seed: int) -> None
                 mgr.free(rid if by_id else req)
                 assert req.status is RequestStatus.FINISHED
         assert observed(managers[0]) == observed(managers[1])
+
+
+def outcome(call: Any) -> tuple[Any, ...]:
+    """What a step returned (block ids per group) or raised (type, message)."""
+    try:
+        out = call()
+    except KvcoreError as exc:
+        return ("raised", type(exc), str(exc))
+    if out is None:
+        return ("refused",)
+    return ("blocks", [[b.block_id for b in group] for group in out.blocks])
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("seed", range(6))
+def test_one_frame_growth_matches_the_general_path(caching: bool, seed: int) -> None:
+    """Random admissions, growth by one token (decode) or by a chunk,
+    frees, and a small pool that runs dry, so steps are refused; the
+    steps return the same blocks, refuse the same steps and leave the same
+    pool, tables, hashes and statuses."""
+    managers = pair(
+        [setup.fa(4)],
+        num_blocks=24,
+        enable_caching=caching,
+        enable_kv_cache_events=caching,
+    )
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
+    live: list[str] = []
+    for step in range(300):
+        action = rng.random()
+        if action < 0.25 or not live:
+            rid = f"r{step}"
+            prompt = rng.choice(prefixes) + [
+                rng.randrange(100) for _ in range(rng.randrange(1, 14))
+            ]
+            # A first chunk; the rest comes as later chunks.
+            first = rng.randrange(1, len(prompt) + 1)
+            outs = []
+            for mgr in managers:
+                req = Request(rid, prompt, hash_block_size=4)
+                blocks, hit = mgr.get_computed_blocks(req)
+                chunk = max(first - hit, 1) if hit < len(prompt) else 0
+                outs.append(
+                    outcome(
+                        lambda mgr=mgr, req=req, blocks=blocks, hit=hit, chunk=chunk: (
+                            mgr.allocate_slots(req, chunk, hit, blocks)
+                            if chunk
+                            else None
+                        )
+                    )
+                )
+                if outs[-1][0] == "blocks":
+                    req.num_computed_tokens = hit + chunk
+            assert outs[0] == outs[1]
+            if outs[0][0] == "blocks":
+                live.append(rid)
+        elif action < 0.85:
+            rid = rng.choice(live)
+            reqs = [mgr._requests[rid] for mgr in managers]
+            left = reqs[0].num_tokens - reqs[0].num_computed_tokens
+            n = (
+                rng.choice([1, 1, 1, 2, 5, 9])
+                if left <= 0
+                else rng.randrange(1, left + 1)
+            )
+            outs = [
+                outcome(lambda mgr=mgr, req=req, n=n: mgr.allocate_slots(req, n))
+                for mgr, req in zip(managers, reqs, strict=True)
+            ]
+            assert outs[0] == outs[1]
+            if outs[0][0] == "blocks":
+                sampled = [
+                    rng.randrange(100)
+                    for _ in range(
+                        reqs[0].num_computed_tokens + n + 1 - reqs[0].num_tokens
+                    )
+                ]
+                for req in reqs:
+                    req.num_computed_tokens += n
+                    if sampled:
+                        req.append_output_token_ids(sampled)
+        else:
+            rid = live.pop(rng.randrange(len(live)))
+            for mgr in managers:
+                mgr.free(rid)
+        assert observed(managers[0]) == observed(managers[1])
+        assert [r.status for r in managers[0]._requests.values()] == [
+            r.status for r in managers[1]._requests.values()
+        ]
+        for a, b in zip(managers[0]._managers, managers[1]._managers, strict=True):
+            assert {
+                rid: [blk.block_id for blk in blocks]
+                for rid, blocks in a.req_to_blocks.items()
+            } == {
+                rid: [blk.block_id for blk in blocks]
+                for rid, blocks in b.req_to_blocks.items()
+            }
+            assert a.num_cached_block == b.num_cached_block
+        assert managers[0].take_events() == managers[1].take_events()
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"num_new_tokens": 0},
+        {"num_new_tokens": -1},
+        {"num_new_tokens": True},
+        {"num_new_tokens": 1.0},
+        {"num_new_tokens": 1, "num_new_computed_tokens": False},
+        {"num_new_tokens": 1, "num_new_computed_tokens": 0.0},
+        {"num_new_tokens": 1, "num_new_computed_tokens": None},
+        {"num_new_tokens": 1, "num_lookahead_tokens": -1},
+        {"num_new_tokens": 1, "num_lookahead_tokens": None},
+        {"num_new_tokens": 1, "num_lookahead_tokens": 3},
+        {"num_new_tokens": 1, "delay_cache_blocks": True},
+        {"num_new_tokens": 1, "num_encoder_tokens": 4},
+        {"num_new_tokens": 1, "num_external_computed_tokens": 4},
+        {"num_new_tokens": 1, "full_sequence_must_fit": True},
+        {"num_new_tokens": 5000},
+        {"num_new_tokens": 40},
+    ],
+    ids=repr,
+)
+def test_one_frame_growth_answers_every_argument_as_the_general_path(
+    arguments: dict[str, Any],
+) -> None:
+    """Bad values, keywords the shortcut does not handle and steps past
+    max_model_len or the pool: the same answer, the same state after."""
+    results = []
+    for mgr in pair([setup.fa(4)], num_blocks=16):
+        req = Request("a", list(range(2, 12)), hash_block_size=4)
+        assert mgr.allocate_slots(req, 10) is not None
+        req.num_computed_tokens = 10
+        req.append_output_token_ids(7)
+        results.append(
+            (
+                outcome(lambda mgr=mgr, req=req: mgr.allocate_slots(req, **arguments)),
+                observed(mgr),
+                req.status,
+            )
+        )
+    assert results[0] == results[1]
+
+
+def test_one_frame_growth_defers_to_the_general_path_when_it_must() -> None:
+    """Another object with the live id (same tokens: it stands for the
+    live one; other tokens: refused), a step inside a transaction, a plan
+    marked unvetted: each takes the checked path."""
+    mgr = setup.manager_for(
+        [setup.fa(4)], 16, scheduler_block_size=4, hash_block_size=4
+    )
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    same = Request("a", list(range(2, 12)), hash_block_size=4)
+    same.num_computed_tokens = 10
+    assert mgr.allocate_slots(same, 2) is not None
+    assert len(mgr.get_blocks("a").blocks[0]) == 3
+    other = Request("a", list(range(3, 13)), hash_block_size=4)
+    other.num_computed_tokens = 10
+    with pytest.raises(InvalidRequestError, match="already holds blocks"):
+        mgr.allocate_slots(other, 2)
+    calls: list[str] = []
+    coordinator = mgr.coordinator
+    count = coordinator.get_num_blocks_to_grow
+
+    def spy(request_id: str, num_tokens: int) -> int:
+        calls.append("general")
+        return count(request_id, num_tokens)
+
+    coordinator.get_num_blocks_to_grow = spy  # type: ignore[method-assign]
+    same.num_computed_tokens = 12  # the live object now
+    mgr.allocate_slots(same, 1)
+    assert calls == []  # the shortcut
+    mgr.block_pool.begin()
+    mgr.allocate_slots(same, 1)
+    mgr.block_pool.commit()
+    assert calls == ["general"]
+    coordinator.vetted = False
+    mgr.allocate_slots(same, 1)
+    assert calls == ["general", "general"]
+    coordinator.vetted = True
+    mgr.allocate_slots(same, 1)
+    assert calls == ["general", "general"]
+
+
+def test_a_subclass_overriding_allocate_slots_keeps_its_override() -> None:
+    calls: list[int] = []
+
+    class Logging(KVCacheManager):
+        def allocate_slots(  # type: ignore[override]
+            self, request: Request, num_new_tokens: int, *args: Any, **kw: Any
+        ) -> Any:
+            calls.append(num_new_tokens)
+            return super().allocate_slots(request, num_new_tokens, *args, **kw)
+
+    config = setup.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
+    )
+    mgr = Logging(
+        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
+    )
+    assert "allocate_slots" not in mgr.__dict__
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    assert mgr.allocate_slots(req, 1) is not None
+    assert calls == [10, 1]
 
 
 def test_fast_free_errors_match_the_general_path() -> None:
@@ -274,6 +511,15 @@ def test_a_copied_manager_runs_on_its_own(specs: list[Any], thread_safe: bool) -
     fork = copy.deepcopy(mgr)
     before = observed(mgr)
     assert observed(fork) == before
+    # A running step on the fork (the one-group growth, where bound).
+    grown = fork._requests["a"]
+    grown.num_computed_tokens = 10
+    assert fork.allocate_slots(grown, 3) is not None
+    assert observed(mgr) == before
+    req.num_computed_tokens = 10
+    assert mgr.allocate_slots(req, 3) is not None
+    before = observed(mgr)
+    assert observed(fork) == before
     fork.free("a")
     assert observed(mgr) == before
     assert req.status is RequestStatus.RUNNING
@@ -291,3 +537,30 @@ def test_a_copied_manager_runs_on_its_own(specs: list[Any], thread_safe: bool) -
     if thread_safe:
         assert fork.lock is not None
         assert fork.lock is not mgr.lock
+
+
+@pytest.mark.parametrize("name", ["free", "allocate_slots"])
+def test_a_method_patched_onto_the_class_runs_instead_of_a_shortcut(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrapper an engine or a test patches onto ``KVCacheManager`` (as
+    the hit-rate tests do) sees every call of a manager built after it."""
+    calls: list[str] = []
+    original = getattr(KVCacheManager, name)
+
+    def wrapper(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, name, wrapper)
+    mgr = setup.manager_for(
+        [setup.fa(4)], 16, scheduler_block_size=4, hash_block_size=4
+    )
+    assert name not in mgr.__dict__
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    assert mgr.allocate_slots(req, 1) is not None
+    mgr.free(req)
+    assert calls == ([name] * 2 if name == "allocate_slots" else [name])
+    assert mgr.block_pool.get_num_free_blocks() == 15

@@ -92,6 +92,7 @@ class EngineStepKeywords(TypedDict, total=False):
 _ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
 #: Read on every free (an enum member lookup costs more than a global).
 _FINISHED = RequestStatus.FINISHED
+_ZERO = 0
 
 
 class GroupPrefixCacheStats(NamedTuple):
@@ -237,6 +238,7 @@ class KVCacheManager:
         They close over this manager's own state, so a copy binds its own
         (see :meth:`__getstate__`)."""
         self._init_one_group_free()
+        self._init_one_group_growth()
         if self.thread_safe:
             lock = self.lock = threading.RLock()
             for name in _public_methods(type(self)):
@@ -1026,8 +1028,7 @@ class KVCacheManager:
         if not (
             # A subclass's own free() must run (an instance attribute would
             # shadow it).
-            inspect.getattr_static(type(self), "free")
-            is KVCacheManager.__dict__["free"]
+            inspect.getattr_static(type(self), "free") is _OWN_METHODS["free"]
             and coordinator.num_groups == 1
             and coordinator.vetted
             and coordinator.partial is None
@@ -1045,7 +1046,7 @@ class KVCacheManager:
         tables = manager.req_to_blocks
         hashed = manager.num_cached_block
         released = manager.num_released if manager.skips_blocks else None
-        general = functools.partial(KVCacheManager.free, self)
+        general = functools.partial(_OWN_METHODS["free"], self)
 
         def free(request: Request | str) -> None:
             if type(request) is Request:
@@ -1069,6 +1070,93 @@ class KVCacheManager:
 
         free.__doc__ = KVCacheManager.free.__doc__
         self.__dict__["free"] = free
+
+    def _init_one_group_growth(self) -> None:
+        """One vetted group that neither skips blocks nor plans checkpoints:
+        a running request's step with no hit, lookahead, engine keyword or
+        delayed caching (a decode step, a later prefill chunk) counts,
+        grows and hashes in one frame, calling the group's manager as the
+        general path does.  Anything else, and a step that does not fit,
+        goes to the general path (which validates it and decides)."""
+        coordinator = self.coordinator
+        if not (
+            inspect.getattr_static(type(self), "allocate_slots")
+            is _OWN_METHODS["allocate_slots"]
+            and coordinator.num_groups == 1
+            and coordinator.vetted
+            and coordinator.partial is None
+            and not coordinator.skipping
+            and not coordinator.planning
+        ):
+            return
+        manager = coordinator.single_type_managers[0]
+        if coordinator._growing_managers != (manager,):
+            return
+        pool = self.block_pool
+        queue = pool.free_queue
+        requests = self._requests
+        count = manager.get_num_blocks_to_allocate
+        grow = manager.allocate_new_blocks
+        cache = (
+            manager.cache_blocks if self.enable_caching and manager.caching else None
+        )
+        max_model_len = self.max_model_len
+        empty = self.empty_kv_cache_blocks
+        general: Callable[..., KVCacheBlocks | None] = functools.partial(
+            _OWN_METHODS["allocate_slots"], self
+        )
+        running = RequestStatus.RUNNING
+        no_blocks: tuple[()] = ()
+
+        def allocate_slots(
+            request: Request,
+            num_new_tokens: int,
+            num_new_computed_tokens: int = 0,
+            new_computed_blocks: KVCacheBlocks | None = None,
+            num_lookahead_tokens: int = 0,
+            delay_cache_blocks: bool = False,
+            **engine: Unpack[EngineStepKeywords],
+        ) -> KVCacheBlocks | None:
+            if (
+                type(request) is Request
+                and type(num_new_tokens) is int
+                and num_new_tokens > 0
+                # The int 0 itself (a bool or float 0 is the general path's
+                # to refuse); an implementation without a shared 0 takes the
+                # general path every time.
+                and num_new_computed_tokens is _ZERO
+                and new_computed_blocks is None
+                and num_lookahead_tokens is _ZERO
+                and delay_cache_blocks is False
+                and not engine
+                and pool._journal is None
+                and coordinator.vetted
+            ):
+                rid = request.request_id
+                num_tokens = request.num_computed_tokens + num_new_tokens
+                if requests.get(rid) is request and num_tokens <= max_model_len:
+                    need = count(rid, num_tokens, no_blocks)
+                    if need <= queue.num_free:
+                        new = grow(rid, num_tokens) if need else None
+                        if cache is not None:
+                            tokens = len(request.all_token_ids)
+                            cache(
+                                request, num_tokens if num_tokens < tokens else tokens
+                            )
+                        request.status = running
+                        return KVCacheBlocks((new,)) if new else empty
+            return general(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+                **engine,
+            )
+
+        allocate_slots.__doc__ = KVCacheManager.allocate_slots.__doc__
+        self.__dict__["allocate_slots"] = allocate_slots
 
     def _require_live(self, rid: str) -> None:
         if rid not in self._requests:
@@ -1198,6 +1286,14 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV-cache events (stored / removed / cleared) since the last call."""
         return self.block_pool.take_events()
+
+
+#: The methods the one-group shortcuts stand for, as defined here: a
+#: subclass's override, or a method patched onto the class, is not one of
+#: them, so it runs instead of a shortcut.
+_OWN_METHODS: dict[str, Callable[..., Any]] = {
+    name: KVCacheManager.__dict__[name] for name in ("free", "allocate_slots")
+}
 
 
 def _public_methods(cls: type) -> list[str]:
