@@ -932,6 +932,23 @@ class BlockPool:
         cached = self.cached_blocks_of(group_id)
         journal = self._journal
         setdefault = cached.setdefault
+        if journal is None and not events:
+            # The usual step: no undo to record, no event to build.
+            for block, key in zip(
+                blocks[num_cached_blocks:num_full_blocks],
+                block_hashes[num_cached_blocks:num_full_blocks],
+                strict=True,
+            ):
+                if block.key_hash is None and not block.is_null:
+                    block.key_hash = key
+                    block.key_group = group_id
+                    entry = setdefault(key, block)
+                    if entry is not block:
+                        if isinstance(entry, dict):
+                            entry[block.block_id] = block
+                        else:
+                            cached[key] = {entry.block_id: entry, block.block_id: block}
+            return
         #: Table positions stored (only with events on).
         stored: list[int] = []
         for pos, block, block_hash in zip(
