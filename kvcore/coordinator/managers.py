@@ -192,10 +192,18 @@ class WindowManager(SingleTypeManager):
         self.num_cached_block[rid] = decided
 
     def _caches_now(self, request_id: str, num_tokens: int) -> bool:
-        # cache_blocks above hashes only blocks newly filled: the base test.
+        # cache_blocks above decides whole alignment units only: nothing
+        # changes until the filled blocks end a unit past those decided.
         # Defined here, beside the cache_blocks it vouches for, so twin
         # groups may share it (see coordinator._tests_caching): keep it.
-        return super()._caches_now(request_id, num_tokens)
+        block_size = self.block_size
+        per_unit, rest = divmod(self.hit_alignment, block_size)
+        if rest or per_unit <= 1:
+            return super()._caches_now(request_id, num_tokens)
+        full = num_tokens // block_size
+        return self.caching and full - full % per_unit > self.num_cached_block.get(
+            request_id, 0
+        )
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
