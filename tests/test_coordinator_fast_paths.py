@@ -15,9 +15,11 @@ from typing import Any
 
 import coordinator_setup as setup
 import pytest
+import torch
 
 from kvcore.coordinator import KVCacheManager, Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreError, UnknownRequestError
+from kvcore_circular_buffer import CircularBufferSpec
 
 SHORTCUTS = ("free", "allocate_slots")
 
@@ -94,16 +96,42 @@ def test_a_state_hybrid_frees_through_the_coordinator() -> None:
     assert "allocate_slots" not in mgr.__dict__
 
 
-@pytest.mark.parametrize(
-    "specs",
-    [[setup.fa(4)], [setup.sw(4, 8)]],
-    ids=["full-attention", "sliding-window"],
-)
+def ring(block_size: int) -> Any:
+    return CircularBufferSpec(
+        block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float16
+    )
+
+
+FREE_PLANS = {
+    "full-attention": [setup.fa(4)],
+    "sliding-window": [setup.sw(4, 8)],
+    "two-groups": [setup.fa(4), setup.sw(4, 8)],
+    # Twin groups, rings (fixed blocks) and a state that keeps no
+    # checkpoints: the tables of many groups joined into one release.
+    "twins-and-rings": [
+        setup.fa(4),
+        ring(4),
+        setup.sw(4, 8),
+        setup.fa(4),
+        setup.mamba(4, mode="none"),
+        setup.sw(4, 8),
+        ring(4),
+    ],
+}
+
+
+@pytest.mark.parametrize("plan", FREE_PLANS, ids=list(FREE_PLANS))
+def test_a_vetted_plan_frees_in_one_frame(plan: str) -> None:
+    fast, _ = pair(FREE_PLANS[plan])
+    assert "free" in fast.__dict__
+
+
+@pytest.mark.parametrize("plan", FREE_PLANS, ids=list(FREE_PLANS))
 @pytest.mark.parametrize("seed", range(4))
-def test_fast_free_matches_the_general_path(specs: list[Any], seed: int) -> None:
+def test_fast_free_matches_the_general_path(plan: str, seed: int) -> None:
     """Random admissions, decodes and frees (by object and by id, with
     shared prefixes so frees drop references other requests keep)."""
-    managers = pair(specs, num_blocks=48)
+    managers = pair(FREE_PLANS[plan], num_blocks=96)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
     live: list[str] = []
@@ -137,8 +165,12 @@ def test_fast_free_matches_the_general_path(specs: list[Any], seed: int) -> None
             by_id = rng.random() < 0.5
             held = [mgr._requests[rid] for mgr in managers]
             for mgr, req in zip(managers, held, strict=True):
+                handed = mgr.get_blocks(rid).blocks
+                ids = [[b.block_id for b in group] for group in handed]
                 mgr.free(rid if by_id else req)
                 assert req.status is RequestStatus.FINISHED
+                # What get_blocks handed out is left as it was.
+                assert [[b.block_id for b in group] for group in handed] == ids
         assert observed(managers[0]) == observed(managers[1])
 
 

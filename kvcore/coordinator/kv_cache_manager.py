@@ -237,7 +237,7 @@ class KVCacheManager:
         unlocked manager pays nothing: no lock, no flag test per call).
         They close over this manager's own state, so a copy binds its own
         (see :meth:`__getstate__`)."""
-        self._init_one_group_free()
+        self._init_vetted_free()
         self._init_one_group_growth()
         if self.thread_safe:
             lock = self.lock = threading.RLock()
@@ -1017,35 +1017,46 @@ class KVCacheManager:
         if request is not held and isinstance(request, Request):
             request.status = _FINISHED
 
-    def _init_one_group_free(self) -> None:
-        """One vetted group whose manager keeps only the base per-request
-        state: :meth:`free` pops the table and releases it in one frame (an
-        instance attribute shadowing the method).  The general path's calls
-        through the coordinator and the manager add nothing for this plan;
-        anything it does not cover (an unknown id, a step in progress) goes
-        to the general path."""
+    def _init_vetted_free(self) -> None:
+        """A vetted plan whose managers keep only the base per-request
+        state: :meth:`free` pops every group's table and releases them in
+        one frame (an instance attribute shadowing the method), as the
+        coordinator does: the groups' tables joined last group first, each
+        group's tail first.  The general path's calls through the
+        coordinator and each manager add nothing for such a plan; anything
+        it does not cover (an unknown id, a step in progress, a plan no
+        longer vetted) goes to the general path."""
         coordinator = self.coordinator
+        base_pop = inspect.getattr_static(SingleTypeManager, "pop_blocks")
         if not (
             # A subclass's own free() must run (an instance attribute would
             # shadow it).
             inspect.getattr_static(type(self), "free") is _OWN_METHODS["free"]
-            and coordinator.num_groups == 1
+            and inspect.getattr_static(type(coordinator), "free") is _COORDINATOR_FREE
             and coordinator.vetted
             and coordinator.partial is None
             and not coordinator._evicting_last
+            and all(
+                inspect.getattr_static(type(m), "pop_blocks") is base_pop
+                for m in coordinator.single_type_managers
+            )
         ):
-            return
-        manager = coordinator.single_type_managers[0]
-        if inspect.getattr_static(
-            type(manager), "pop_blocks"
-        ) is not inspect.getattr_static(SingleTypeManager, "pop_blocks"):
             return
         pool = self.block_pool
         release = pool._release_table
         requests = self._requests
-        tables = manager.req_to_blocks
-        hashed = manager.num_cached_block
-        released = manager.num_released if manager.skips_blocks else None
+        #: Each group's per-request maps, last group in free order first.
+        maps = tuple(
+            (
+                m.req_to_blocks,
+                m.num_cached_block,
+                m.num_released if m.skips_blocks else None,
+            )
+            for m in reversed(coordinator._free_order)
+        )
+        # Twin steps mark requests that leave the shared path; a freed id
+        # is unmarked (KVCacheCoordinator._twin_free).
+        untwinned = coordinator._untwinned
         general = functools.partial(_OWN_METHODS["free"], self)
 
         def free(request: Request | str) -> None:
@@ -1057,12 +1068,27 @@ class KVCacheManager:
             if held is None or pool._journal is not None or not coordinator.vetted:
                 general(request)
                 return
-            hashed.pop(rid, None)
-            if released is not None:
-                released.pop(rid, None)
-            blocks = tables.pop(rid, None)
-            if blocks:
-                release(blocks)
+            # The popped tables are joined without changing any of them (a
+            # caller may hold one from get_blocks).
+            freed: list[KVCacheBlock] | None = None
+            joined = False
+            for tables, hashed, released in maps:
+                hashed.pop(rid, None)
+                if released is not None:
+                    released.pop(rid, None)
+                blocks = tables.pop(rid, None)
+                if blocks:
+                    if freed is None:
+                        freed = blocks
+                    elif joined:
+                        freed += blocks
+                    else:
+                        freed = freed + blocks
+                        joined = True
+            if untwinned:
+                untwinned.discard(rid)
+            if freed:
+                release(freed)
             del requests[rid]
             held.status = _FINISHED
             if request is not held and isinstance(request, Request):
@@ -1294,6 +1320,8 @@ class KVCacheManager:
 _OWN_METHODS: dict[str, Callable[..., Any]] = {
     name: KVCacheManager.__dict__[name] for name in ("free", "allocate_slots")
 }
+#: The coordinator's free, which the fast free stands for.
+_COORDINATOR_FREE = KVCacheCoordinator.__dict__["free"]
 
 
 def _public_methods(cls: type) -> list[str]:
