@@ -484,9 +484,17 @@ class KVCacheCoordinator:
         #: ``_HOLDS_FIXED`` (FixedBlocksManager's blocks per request) or
         #: ``_OWN_GROWTH`` (its own ``allocate_new_blocks``).
         self._alloc_plan = tuple(
-            (manager, index_of[gid], _growth_of(manager))
+            (
+                manager,
+                index_of[gid],
+                _growth_of(manager),
+                manager.req_to_blocks,
+                manager.block_size,
+                getattr(manager, "fixed_blocks", 0),
+            )
             for gid, manager in enumerate(managers)
         )
+        self._num_classes = len(ordered)
         #: Classes of two or more twins, for :meth:`note_admission`.
         self._twin_classes = tuple(
             tuple(m.kv_cache_group_id for m in c) for c in ordered if len(c) > 1
@@ -980,39 +988,42 @@ class KVCacheCoordinator:
         if request_id in self._untwinned:
             return KVCacheCoordinator.allocate_new_blocks(self, request_id, num_tokens)
         out: list[list[KVCacheBlock]] = []
-        needs: dict[int, int] = {}
+        # Each class's count, taken on its first twin (twins' tables are
+        # equal); the base count, inlined: the blocks covering num_tokens
+        # less those held.
+        needs = [-1] * self._num_classes
         # Consecutive groups whose growth the coordinator knows take their
         # blocks in one hand-out, split in group order: the blocks the
         # per-group calls would take one after another.
         waiting: list[_Waiting] = []
         total = 0
-        for manager, index, growth in self._alloc_plan:
-            if growth is _OWN_GROWTH:
+        for manager, index, growth, tables, block_size, fixed in self._alloc_plan:
+            held: list[KVCacheBlock] | None
+            if growth is _GROWS_BY_TOKENS:
+                held = tables.get(request_id)
+                if held is None:
+                    held = tables[request_id] = []
+                need = needs[index]
+                if need < 0:
+                    need = -(-num_tokens // block_size) - len(held)
+                    if need < 0:
+                        need = 0
+                    needs[index] = need
+            elif growth is _HOLDS_FIXED:
+                held = None
+                if request_id in tables:
+                    need = 0
+                else:
+                    need = fixed
+                    if not need:
+                        tables[request_id] = []
+            else:
                 if total:
                     self._hand_out(request_id, waiting, total, out)
                     waiting.clear()
                     total = 0
                 out.append(manager.allocate_new_blocks(request_id, num_tokens))
                 continue
-            held: list[KVCacheBlock] | None
-            if growth is _GROWS_BY_TOKENS:
-                need = needs.get(index)
-                if need is None:
-                    need = needs[index] = manager.get_num_blocks_to_allocate(
-                        request_id, num_tokens, ()
-                    )
-                held = manager.req_to_blocks.get(request_id)
-                if held is None:
-                    held = manager.req_to_blocks[request_id] = []
-            else:
-                held = None
-                need = (
-                    0
-                    if request_id in manager.req_to_blocks
-                    else cast(FixedBlocksManager, manager).fixed_blocks
-                )
-                if not need and request_id not in manager.req_to_blocks:
-                    manager.req_to_blocks[request_id] = []
             if need:
                 waiting.append((len(out), need, held, manager))
                 total += need
