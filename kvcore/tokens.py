@@ -71,6 +71,10 @@ def pack_token_ids(tokens: Sequence[object]) -> bytes | None:
     packs as 0 or 1, so the types of the tokens that packed as 0 or 1 are
     then read (see :func:`_holds_bool`).
     """
+    if type(tokens) is not list and type(tokens) is not tuple:
+        # Packing iterates, and the bool search indexes: one list serves
+        # both, however the sequence's iteration and indexing differ.
+        tokens = list(tokens)
     try:
         data = token_struct(len(tokens)).pack(*tokens)
     except (struct.error, TypeError, ValueError, OverflowError):

@@ -596,3 +596,86 @@ def test_a_method_patched_onto_the_class_runs_instead_of_a_shortcut(
     mgr.free(req)
     assert calls == ([name] * 2 if name == "allocate_slots" else [name])
     assert mgr.block_pool.get_num_free_blocks() == 15
+
+
+@pytest.mark.parametrize("name", ["free", "allocate_slots"])
+def test_a_method_patched_onto_the_class_later_sees_every_call(name: str) -> None:
+    """A spy patched onto the class after the manager exists (mock.patch
+    in an engine's tests) is called, shortcut bound or not."""
+    from unittest import mock
+
+    mgr = setup.manager_for(
+        [setup.fa(4)], 16, scheduler_block_size=4, hash_block_size=4
+    )
+    assert name in mgr.__dict__
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    original = getattr(KVCacheManager, name)
+    with mock.patch.object(
+        KVCacheManager, name, autospec=True, side_effect=original
+    ) as spy:
+        if name == "allocate_slots":
+            assert mgr.allocate_slots(req, 3) is not None
+        else:
+            mgr.free(req)
+    assert spy.call_count == 1
+    assert mgr.block_pool.get_num_free_blocks() == (
+        11 if name == "allocate_slots" else 15
+    )
+
+
+def test_one_frame_growth_reads_settings_and_methods_per_call() -> None:
+    """Settings changed and group-manager methods patched after
+    construction act as on the general path."""
+    mgr = setup.manager_for(
+        [setup.fa(4)], 32, scheduler_block_size=4, hash_block_size=4
+    )
+    req = Request("a", list(range(2, 10)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 8) is not None
+    req.num_computed_tokens = 8
+    req.append_output_token_ids([7, 8, 9, 10])
+    mgr.max_model_len = 9
+    with pytest.raises(InvalidRequestError, match="past max_model_len=9"):
+        mgr.allocate_slots(req, 4)
+    mgr.max_model_len = 4096
+    mgr.enable_caching = False
+    cached = mgr.block_pool.num_cached_blocks
+    assert mgr.allocate_slots(req, 4) is not None
+    assert mgr.block_pool.num_cached_blocks == cached
+    req.num_computed_tokens = 12
+    manager = mgr._managers[0]
+    calls: list[int] = []
+    grow = manager.allocate_new_blocks
+
+    def spy(request_id: str, num_tokens: int) -> Any:
+        calls.append(num_tokens)
+        return grow(request_id, num_tokens)
+
+    manager.allocate_new_blocks = spy  # type: ignore[method-assign]
+    assert mgr.allocate_slots(req, 1) is not None
+    assert calls == [13]
+
+
+def test_a_subclass_overriding_create_kv_cache_blocks_sees_growth_steps() -> None:
+    made: list[int] = []
+
+    class Counting(KVCacheManager):
+        def create_kv_cache_blocks(self, blocks: Any) -> Any:
+            made.append(len(blocks[0]))
+            return super().create_kv_cache_blocks(blocks)
+
+    config = setup.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
+    )
+    mgr = Counting(
+        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
+    )
+    assert "allocate_slots" not in mgr.__dict__
+    req = Request("a", list(range(2, 10)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 8) is not None
+    req.num_computed_tokens = 8
+    assert mgr.allocate_slots(req, 5) is not None
+    assert made == [2, 2]

@@ -4,6 +4,7 @@ wherever token ids enter."""
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,3 +99,21 @@ def test_a_sequence_leaves_its_checked_head_to_the_caller() -> None:
     assert check_token_sequence([True, 2, 3], "p", checked=1) == [True, 2, 3]
     with pytest.raises(KvcoreTypeError, match="position 1 is True"):
         check_token_sequence([2, True, 3], "p", checked=1)
+
+
+class Converting(list):  # type: ignore[type-arg]
+    """A list whose indexing converts what iteration yields as stored."""
+
+    def __getitem__(self, index: Any) -> Any:
+        value = super().__getitem__(index)
+        return value if isinstance(index, slice) else int(value)
+
+
+@pytest.mark.parametrize("length", [10, 100, 300])
+def test_a_sequence_is_judged_by_what_it_yields(length: int) -> None:
+    """Packing iterates; so does the bool search, however the sequence's
+    indexing differs; a set (sized, not indexable) is read the same way."""
+    tokens = Converting([7] * (length - 1) + [True])
+    with pytest.raises(KvcoreTypeError, match=f"position {length - 1} is True"):
+        check_token_ids(tokens, "t")
+    check_token_ids(set(range(length)), "t")  # type: ignore[arg-type]

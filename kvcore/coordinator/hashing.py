@@ -457,7 +457,7 @@ class BlockHasher:
         stop = full * bs
         data = _pack_tokens(
             token_ids
-            if start == 0 and stop == len(token_ids)
+            if start == 0 and stop == len(token_ids) and type(token_ids) is list
             else token_ids[start:stop],
             "block hashing",
         )

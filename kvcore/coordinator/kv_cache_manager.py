@@ -1057,7 +1057,8 @@ class KVCacheManager:
         # Twin steps mark requests that leave the shared path; a freed id
         # is unmarked (KVCacheCoordinator._twin_free).
         untwinned = coordinator._untwinned
-        general = functools.partial(_OWN_METHODS["free"], self)
+        klass = type(self)
+        own = _OWN_METHODS["free"]
 
         def free(request: Request | str) -> None:
             if type(request) is Request:
@@ -1065,8 +1066,15 @@ class KVCacheManager:
             else:
                 rid = request if isinstance(request, str) else request.request_id
             held = requests.get(rid)
-            if held is None or pool._journal is not None or not coordinator.vetted:
-                general(request)
+            if (
+                held is None
+                or pool._journal is not None
+                or not coordinator.vetted
+                or klass.free is not own
+            ):
+                # The class's method: the general path, or what was patched
+                # onto the class since.
+                klass.free(self, request)
                 return
             # The popped tables are joined without changing any of them (a
             # caller may hold one from get_blocks).
@@ -1105,9 +1113,12 @@ class KVCacheManager:
         general path does.  Anything else, and a step that does not fit,
         goes to the general path (which validates it and decides)."""
         coordinator = self.coordinator
+        klass = type(self)
         if not (
-            inspect.getattr_static(type(self), "allocate_slots")
-            is _OWN_METHODS["allocate_slots"]
+            all(
+                inspect.getattr_static(klass, name) is _OWN_METHODS[name]
+                for name in ("allocate_slots", "create_kv_cache_blocks")
+            )
             and coordinator.num_groups == 1
             and coordinator.vetted
             and coordinator.partial is None
@@ -1121,16 +1132,7 @@ class KVCacheManager:
         pool = self.block_pool
         queue = pool.free_queue
         requests = self._requests
-        count = manager.get_num_blocks_to_allocate
-        grow = manager.allocate_new_blocks
-        cache = (
-            manager.cache_blocks if self.enable_caching and manager.caching else None
-        )
-        max_model_len = self.max_model_len
-        empty = self.empty_kv_cache_blocks
-        general: Callable[..., KVCacheBlocks | None] = functools.partial(
-            _OWN_METHODS["allocate_slots"], self
-        )
+        own = _OWN_METHODS["allocate_slots"]
         running = RequestStatus.RUNNING
         no_blocks: tuple[()] = ()
 
@@ -1143,6 +1145,9 @@ class KVCacheManager:
             delay_cache_blocks: bool = False,
             **engine: Unpack[EngineStepKeywords],
         ) -> KVCacheBlocks | None:
+            # The manager's settings and the group manager's methods are
+            # read per call, as on the general path (either may be changed
+            # or patched after construction); so is the class's method.
             if (
                 type(request) is Request
                 and type(num_new_tokens) is int
@@ -1157,21 +1162,39 @@ class KVCacheManager:
                 and not engine
                 and pool._journal is None
                 and coordinator.vetted
+                and klass.allocate_slots is own
             ):
                 rid = request.request_id
-                num_tokens = request.num_computed_tokens + num_new_tokens
-                if requests.get(rid) is request and num_tokens <= max_model_len:
-                    need = count(rid, num_tokens, no_blocks)
+                computed = request.num_computed_tokens
+                num_tokens = computed + num_new_tokens
+                if (
+                    requests.get(rid) is request
+                    and type(computed) is int
+                    and num_tokens <= self.max_model_len
+                ):
+                    need = manager.get_num_blocks_to_allocate(
+                        rid, num_tokens, no_blocks
+                    )
                     if need <= queue.num_free:
-                        new = grow(rid, num_tokens) if need else None
-                        if cache is not None:
+                        new = (
+                            manager.allocate_new_blocks(rid, num_tokens)
+                            if need
+                            else None
+                        )
+                        if self.enable_caching and manager.caching:
                             tokens = len(request.all_token_ids)
-                            cache(
+                            manager.cache_blocks(
                                 request, num_tokens if num_tokens < tokens else tokens
                             )
                         request.status = running
-                        return KVCacheBlocks((new,)) if new else empty
+                        return (
+                            KVCacheBlocks((new,)) if new else self.empty_kv_cache_blocks
+                        )
+            # The class's method: the general path, or what was patched onto
+            # the class since.
+            general: Callable[..., KVCacheBlocks | None] = klass.allocate_slots
             return general(
+                self,
                 request,
                 num_new_tokens,
                 num_new_computed_tokens,
@@ -1318,7 +1341,8 @@ class KVCacheManager:
 #: subclass's override, or a method patched onto the class, is not one of
 #: them, so it runs instead of a shortcut.
 _OWN_METHODS: dict[str, Callable[..., Any]] = {
-    name: KVCacheManager.__dict__[name] for name in ("free", "allocate_slots")
+    name: KVCacheManager.__dict__[name]
+    for name in ("free", "allocate_slots", "create_kv_cache_blocks")
 }
 #: The coordinator's free, which the fast free stands for.
 _COORDINATOR_FREE = KVCacheCoordinator.__dict__["free"]
