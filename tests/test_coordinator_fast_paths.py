@@ -28,12 +28,9 @@ def pair(
     specs: list[Any], num_blocks: int = 64, **options: Any
 ) -> tuple[KVCacheManager, ...]:
     """A manager with its shortcuts and one with them removed."""
-    fast = setup.manager_for(
-        specs, num_blocks, scheduler_block_size=4, hash_block_size=4, **options
-    )
-    general = setup.manager_for(
-        specs, num_blocks, scheduler_block_size=4, hash_block_size=4, **options
-    )
+    options.setdefault("scheduler_block_size", 4)
+    fast = setup.manager_for(specs, num_blocks, hash_block_size=4, **options)
+    general = setup.manager_for(specs, num_blocks, hash_block_size=4, **options)
     for name in SHORTCUTS:
         general.__dict__.pop(name, None)
     return fast, general
@@ -54,6 +51,7 @@ def observed(mgr: KVCacheManager) -> tuple[Any, ...]:
             )
             for m in mgr._managers
         ],
+        dict(getattr(mgr.coordinator.partial, "marks", {})),
     )
 
 
@@ -117,13 +115,17 @@ FREE_PLANS = {
         setup.sw(4, 8),
         ring(4),
     ],
+    # 8-token blocks hashed at 4: hits ending inside a block (partial keys).
+    "partial-hits": [setup.fa(8), setup.fa(4)],
 }
 
 
 @pytest.mark.parametrize("plan", FREE_PLANS, ids=list(FREE_PLANS))
 def test_a_vetted_plan_frees_in_one_frame(plan: str) -> None:
-    fast, _ = pair(FREE_PLANS[plan])
+    fast, _ = pair(FREE_PLANS[plan], scheduler_block_size=8)
     assert "free" in fast.__dict__
+    if plan == "partial-hits":
+        assert fast.coordinator.partial is not None
 
 
 @pytest.mark.parametrize("plan", FREE_PLANS, ids=list(FREE_PLANS))
@@ -131,7 +133,7 @@ def test_a_vetted_plan_frees_in_one_frame(plan: str) -> None:
 def test_fast_free_matches_the_general_path(plan: str, seed: int) -> None:
     """Random admissions, decodes and frees (by object and by id, with
     shared prefixes so frees drop references other requests keep)."""
-    managers = pair(FREE_PLANS[plan], num_blocks=96)
+    managers = pair(FREE_PLANS[plan], num_blocks=96, scheduler_block_size=8)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
     live: list[str] = []
@@ -146,19 +148,24 @@ def test_fast_free_matches_the_general_path(plan: str, seed: int) -> None:
             for mgr in managers:
                 req = Request(rid, prompt, hash_block_size=4)
                 blocks, hit = mgr.get_computed_blocks(req)
-                outs.append(
-                    (hit, mgr.allocate_slots(req, len(prompt) - hit, hit, blocks))
-                )
+                out = mgr.allocate_slots(req, len(prompt) - hit, hit, blocks)
+                if out is not None:
+                    req.num_computed_tokens = len(prompt)
+                outs.append((hit, out))
             assert outs[0][0] == outs[1][0]
             assert (outs[0][1] is None) == (outs[1][1] is None)
             if outs[0][1] is not None:
                 live.append(rid)
         elif action < 0.7:
             rid = rng.choice(live)
-            grew = {
-                mgr.allocate_slots(mgr._requests[rid], 1) is not None
-                for mgr in managers
-            }
+            token = rng.randrange(100)
+            grew = set()
+            for mgr in managers:
+                req = mgr._requests[rid]
+                grew.add(mgr.allocate_slots(req, 1) is not None)
+                if req.num_computed_tokens < req.num_tokens:
+                    req.num_computed_tokens += 1
+                    req.append_output_token_ids(token)
             assert len(grew) == 1
         else:
             rid = live.pop(rng.randrange(len(live)))

@@ -1034,7 +1034,6 @@ class KVCacheManager:
             inspect.getattr_static(type(self), "free") is _OWN_METHODS["free"]
             and inspect.getattr_static(type(coordinator), "free") is _COORDINATOR_FREE
             and coordinator.vetted
-            and coordinator.partial is None
             and not coordinator._evicting_last
             and all(
                 inspect.getattr_static(type(m), "pop_blocks") is base_pop
@@ -1097,6 +1096,9 @@ class KVCacheManager:
                 untwinned.discard(rid)
             if freed:
                 release(freed)
+            partial = coordinator.partial
+            if partial is not None:
+                partial.forget(rid)
             del requests[rid]
             held.status = _FINISHED
             if request is not held and isinstance(request, Request):
