@@ -36,6 +36,18 @@ def pair(
     return fast, general
 
 
+def one_group_manager(cls: type[KVCacheManager]) -> KVCacheManager:
+    """A ``cls`` over one full-attention group of 4-token blocks."""
+    config = setup.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
+    )
+    return cls(
+        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
+    )
+
+
 def observed(mgr: KVCacheManager) -> tuple[Any, ...]:
     pool = mgr.block_pool
     return (
@@ -376,14 +388,7 @@ def test_a_subclass_overriding_allocate_slots_keeps_its_override() -> None:
             calls.append(num_new_tokens)
             return super().allocate_slots(request, num_new_tokens, *args, **kw)
 
-    config = setup.KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
-    )
-    mgr = Logging(
-        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
-    )
+    mgr = one_group_manager(Logging)
     assert "allocate_slots" not in mgr.__dict__
     req = Request("a", list(range(2, 12)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
@@ -489,14 +494,7 @@ def test_a_subclass_overriding_free_keeps_its_override() -> None:
             calls.append(request if isinstance(request, str) else request.request_id)
             super().free(request)
 
-    config = setup.KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
-    )
-    mgr = Logging(
-        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
-    )
+    mgr = one_group_manager(Logging)
     assert "free" not in mgr.__dict__
     req = Request("a", list(range(2, 12)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
@@ -672,14 +670,7 @@ def test_a_subclass_overriding_create_kv_cache_blocks_sees_growth_steps() -> Non
             made.append(len(blocks[0]))
             return super().create_kv_cache_blocks(blocks)
 
-    config = setup.KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
-    )
-    mgr = Counting(
-        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
-    )
+    mgr = one_group_manager(Counting)
     assert "allocate_slots" not in mgr.__dict__
     req = Request("a", list(range(2, 10)), hash_block_size=4)
     assert mgr.allocate_slots(req, 8) is not None

@@ -926,19 +926,23 @@ class BlockPool:
             raise InvalidRequestError(msg)
         if not self.enable_caching or num_cached_blocks == num_full_blocks:
             return
-        events = self.enable_kv_cache_events
-        if events:
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        #: Table positions stored (only with events on): the blocks not yet
+        #: keyed, each of which the loops below key.
+        stored: list[int] | None = None
+        if self.enable_kv_cache_events:
             self._check_event_inputs(group_id, token_ids, num_full_blocks)
+            stored = [
+                pos
+                for pos, block in enumerate(new_blocks, num_cached_blocks)
+                if block.key_hash is None and not block.is_null
+            ]
         cached = self.cached_blocks_of(group_id)
         journal = self._journal
-        setdefault = cached.setdefault
-        if journal is None and not events:
-            # The usual step: no undo to record, no event to build.
-            for block, key in zip(
-                blocks[num_cached_blocks:num_full_blocks],
-                block_hashes[num_cached_blocks:num_full_blocks],
-                strict=True,
-            ):
+        if journal is None:
+            setdefault = cached.setdefault
+            for block, key in zip(new_blocks, new_hashes, strict=True):
                 if block.key_hash is None and not block.is_null:
                     block.key_hash = key
                     block.key_group = group_id
@@ -948,40 +952,22 @@ class BlockPool:
                             entry[block.block_id] = block
                         else:
                             cached[key] = {entry.block_id: entry, block.block_id: block}
-            return
-        #: Table positions stored (only with events on).
-        stored: list[int] = []
-        for pos, block, block_hash in zip(
-            range(num_cached_blocks, num_full_blocks),
-            blocks[num_cached_blocks:num_full_blocks],
-            block_hashes[num_cached_blocks:num_full_blocks],
-            strict=True,
-        ):
-            if block.key_hash is not None or block.is_null:
-                continue
-            key = block_hash
-            block.key_hash = key
-            block.key_group = group_id
-            if journal is None:
-                entry = setdefault(key, block)
-                if entry is not block:
-                    if isinstance(entry, dict):
-                        entry[block.block_id] = block
+        else:
+            # Each key recorded for the undo before it is set.
+            for block, key in zip(new_blocks, new_hashes, strict=True):
+                if block.key_hash is None and not block.is_null:
+                    old = cached.get(key)
+                    journal.append(
+                        self._restore_key(block, key, group_id, old, had_key=False)
+                    )
+                    block.key_hash = key
+                    block.key_group = group_id
+                    if old is None:
+                        cached[key] = block
+                    elif isinstance(old, dict):
+                        old[block.block_id] = block
                     else:
-                        cached[key] = {entry.block_id: entry, block.block_id: block}
-                if events:
-                    stored.append(pos)
-                continue
-            old = cached.get(key)
-            journal.append(self._restore_key(block, key, group_id, old, had_key=False))
-            if old is None:
-                cached[key] = block
-            elif isinstance(old, dict):
-                old[block.block_id] = block
-            else:
-                cached[key] = {old.block_id: old, block.block_id: block}
-            if events:
-                stored.append(pos)
+                        cached[key] = {old.block_id: old, block.block_id: block}
         if stored:
             assert token_ids is not None  # checked by _check_event_inputs
             self._record_stored(group_id, block_hashes, blocks, token_ids, stored)
