@@ -1058,6 +1058,8 @@ class KVCacheManager:
         untwinned = coordinator._untwinned
         klass = type(self)
         own = _OWN_METHODS["free"]
+        #: One group's maps (one group has no twins to unmark).
+        one = maps[0] if len(maps) == 1 else None
 
         def free(request: Request | str) -> None:
             if type(request) is Request:
@@ -1075,25 +1077,32 @@ class KVCacheManager:
                 # onto the class since.
                 klass.free(self, request)
                 return
-            # The popped tables are joined without changing any of them (a
-            # caller may hold one from get_blocks).
             freed: list[KVCacheBlock] | None = None
-            joined = False
-            for tables, hashed, released in maps:
+            if one is not None:
+                tables, hashed, released = one
                 hashed.pop(rid, None)
                 if released is not None:
                     released.pop(rid, None)
-                blocks = tables.pop(rid, None)
-                if blocks:
-                    if freed is None:
-                        freed = blocks
-                    elif joined:
-                        freed += blocks
-                    else:
-                        freed = freed + blocks
-                        joined = True
-            if untwinned:
-                untwinned.discard(rid)
+                freed = tables.pop(rid, None)
+            else:
+                # The popped tables are joined without changing any of them
+                # (a caller may hold one from get_blocks).
+                joined = False
+                for tables, hashed, released in maps:
+                    hashed.pop(rid, None)
+                    if released is not None:
+                        released.pop(rid, None)
+                    blocks = tables.pop(rid, None)
+                    if blocks:
+                        if freed is None:
+                            freed = blocks
+                        elif joined:
+                            freed += blocks
+                        else:
+                            freed = freed + blocks
+                            joined = True
+                if untwinned:
+                    untwinned.discard(rid)
             if freed:
                 release(freed)
             partial = coordinator.partial
