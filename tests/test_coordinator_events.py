@@ -296,6 +296,33 @@ def test_store_without_tokens_or_group_facts_is_refused_and_changes_nothing() ->
         )
 
 
+def test_a_block_listed_twice_is_stored_once_in_the_event() -> None:
+    """A table that lists a block twice (only misuse makes one): the block
+    takes its first listing's key, and the event names that key only."""
+    p = BlockPool(
+        8,
+        enable_caching=True,
+        hash_block_size=2,
+        enable_kv_cache_events=True,
+        event_groups=[(2, "full_attention", None)],
+    )
+    (block,) = p.get_new_blocks(1)
+    p.cache_full_blocks(
+        block_hashes=[h(1), h(2)],
+        blocks=[block, block],
+        num_cached_blocks=0,
+        num_full_blocks=2,
+        group_id=0,
+        token_ids=[1, 2, 3, 4],
+    )
+    assert block.block_hash == (h(1), 0)
+    (event,) = p.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == (h(1),)
+    assert event.block_ids == (block.block_id,)
+    assert event.token_ids == (1, 2)
+
+
 def test_events_off_needs_no_tokens() -> None:
     p = BlockPool(4, enable_caching=True, hash_block_size=2)
     a = p.get_new_blocks(1)

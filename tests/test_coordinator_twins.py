@@ -351,3 +351,28 @@ def test_a_hit_that_breaks_the_pattern_runs_its_request_group_by_group() -> None
     assert mgr.allocate_slots(again, 4) is not None
     mgr.free(again)
     assert "b" not in mgr.coordinator._untwinned
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_copied_coordinator_shares_twin_work_as_the_original(how: str) -> None:
+    """A copy binds its own twin steps (and its growth markers survive
+    pickling), so it hands out the blocks the original does."""
+    import copy
+    import pickle
+
+    specs, sizes = PLANS["rings"]
+    results = []
+    original = manager_for(specs, 64, **sizes)
+    made = (
+        pickle.loads(pickle.dumps(original))
+        if how == "pickle"
+        else copy.deepcopy(original)
+    )
+    for mgr in (original, made):
+        assert mgr.coordinator.share_twin_work
+        assert "allocate_new_blocks" in mgr.coordinator.__dict__
+        req = Request("a", list(range(2, 12)), hash_block_size=4)
+        out = mgr.allocate_slots(req, 10)
+        assert out is not None
+        results.append(state(mgr))
+    assert results[0] == results[1]

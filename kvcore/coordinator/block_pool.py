@@ -928,12 +928,12 @@ class BlockPool:
             return
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        #: Table positions stored (only with events on): the blocks not yet
-        #: keyed, each of which the loops below key.
-        stored: list[int] | None = None
+        #: Table positions that may be stored (only with events on): the
+        #: blocks not yet keyed.
+        unkeyed: list[int] | None = None
         if self.enable_kv_cache_events:
             self._check_event_inputs(group_id, token_ids, num_full_blocks)
-            stored = [
+            unkeyed = [
                 pos
                 for pos, block in enumerate(new_blocks, num_cached_blocks)
                 if block.key_hash is None and not block.is_null
@@ -968,7 +968,12 @@ class BlockPool:
                         old[block.block_id] = block
                     else:
                         cached[key] = {old.block_id: old, block.block_id: block}
-        if stored:
+        if unkeyed:
+            # A position is stored if its block took that position's hash (a
+            # block listed twice is keyed by its first listing only).
+            stored = [
+                pos for pos in unkeyed if blocks[pos].key_hash is block_hashes[pos]
+            ]
             assert token_ids is not None  # checked by _check_event_inputs
             self._record_stored(group_id, block_hashes, blocks, token_ids, stored)
 

@@ -9,6 +9,7 @@ every group's manager.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import math
 from collections.abc import Sequence
@@ -322,15 +323,17 @@ class KVCacheCoordinator:
     )
 
     def __getstate__(self) -> dict[str, Any]:
-        """The coordinator's state without the one-group steps bound to its
-        manager: a copy or an unpickled coordinator binds its own."""
+        """The coordinator's state without the steps bound to it (the
+        one-group and the twin steps): a copy or an unpickled coordinator
+        binds its own."""
         state = self.__dict__.copy()
-        for name in self._SINGLE_STEPS:
+        for name in (*self._SINGLE_STEPS, *_TWIN_STEPS):
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.share_twin_work = self._share
         self._bind_single_steps()
 
     def _bind_single_steps(self) -> None:
@@ -1342,16 +1345,25 @@ def _tests_caching(manager_type: type[SingleTypeManager]) -> bool:
     return tests is not None and issubclass(tests, caches)
 
 
-#: How a group's table grows in a twin step (see ``_alloc_plan``).
-_GROWS_BY_TOKENS = "grows by tokens"
-_HOLDS_FIXED = "holds fixed blocks"
-_OWN_GROWTH = "own growth"
+class _Growth(enum.Enum):
+    """How a group's table grows in a twin step (see ``_alloc_plan``); enum
+    members stay themselves through pickling, so the steps' identity tests
+    hold on a copy."""
+
+    GROWS_BY_TOKENS = "grows by tokens"
+    HOLDS_FIXED = "holds fixed blocks"
+    OWN_GROWTH = "own growth"
+
+
+_GROWS_BY_TOKENS = _Growth.GROWS_BY_TOKENS
+_HOLDS_FIXED = _Growth.HOLDS_FIXED
+_OWN_GROWTH = _Growth.OWN_GROWTH
 #: A group's place in the step's result, its block count, its table to
 #: extend (None: a fixed-blocks group, given its table) and its manager.
 _Waiting: TypeAlias = tuple[int, int, list[KVCacheBlock] | None, SingleTypeManager]
 
 
-def _growth_of(manager: SingleTypeManager) -> str:
+def _growth_of(manager: SingleTypeManager) -> _Growth:
     """How ``manager``'s table grows: the base growth, FixedBlocksManager's
     own (for its class and subclasses that keep both methods), or its own."""
     kind = type(manager)

@@ -1025,7 +1025,11 @@ class KVCacheManager:
         group's tail first.  The general path's calls through the
         coordinator and each manager add nothing for such a plan; anything
         it does not cover (an unknown id, a step in progress, a plan no
-        longer vetted) goes to the general path."""
+        longer vetted, a ``free`` patched onto the class) goes to the
+        general path.  Which coordinator and manager methods it stands for
+        is settled here, as for the twin steps: code that patches those
+        after construction marks the plan unvetted (``coordinator.vetted =
+        False``), which every shortcut honours."""
         coordinator = self.coordinator
         base_pop = inspect.getattr_static(SingleTypeManager, "pop_blocks")
         if not (
@@ -1071,6 +1075,8 @@ class KVCacheManager:
                 held is None
                 or pool._journal is not None
                 or not coordinator.vetted
+                # A free patched onto the class since the shortcut was bound
+                # (a test's spy, a tracing wrapper) runs instead.
                 or klass.free is not own
             ):
                 # The class's method: the general path, or what was patched
