@@ -135,8 +135,7 @@ def token_ids(tokens: Sequence[object], what: str, start: int = 0) -> list[int]:
 
     A whole list is checked at C speed by :func:`pack_token_ids`; only a
     refused list is walked to name the position."""
-    if tokens and pack_token_ids(tokens) is None:
-        _name_bad_token(tokens, what, start)
+    check_token_ids(tokens, what, start)
     return list(cast("Sequence[int]", tokens))
 
 

@@ -48,6 +48,13 @@ def one_group_manager(cls: type[KVCacheManager]) -> KVCacheManager:
     )
 
 
+def random_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
+    """One of ``prefixes`` (so requests share blocks) and a short tail."""
+    return rng.choice(prefixes) + [
+        rng.randrange(100) for _ in range(rng.randrange(1, 14))
+    ]
+
+
 def observed(mgr: KVCacheManager) -> tuple[Any, ...]:
     pool = mgr.block_pool
     return (
@@ -153,9 +160,7 @@ def test_fast_free_matches_the_general_path(plan: str, seed: int) -> None:
         action = rng.random()
         if action < 0.45 or not live:
             rid = f"r{step}"
-            prompt = rng.choice(prefixes) + [
-                rng.randrange(100) for _ in range(rng.randrange(1, 14))
-            ]
+            prompt = random_prompt(rng, prefixes)
             outs = []
             for mgr in managers:
                 req = Request(rid, prompt, hash_block_size=4)
@@ -224,9 +229,7 @@ def test_one_frame_growth_matches_the_general_path(caching: bool, seed: int) -> 
         action = rng.random()
         if action < 0.25 or not live:
             rid = f"r{step}"
-            prompt = rng.choice(prefixes) + [
-                rng.randrange(100) for _ in range(rng.randrange(1, 14))
-            ]
+            prompt = random_prompt(rng, prefixes)
             # A first chunk; the rest comes as later chunks.
             first = rng.randrange(1, len(prompt) + 1)
             outs = []

@@ -497,7 +497,6 @@ class KVCacheCoordinator:
             )
             for gid, manager in enumerate(managers)
         )
-        self._num_classes = len(ordered)
         #: Classes of two or more twins, for :meth:`note_admission`.
         self._twin_classes = tuple(
             tuple(m.kv_cache_group_id for m in c) for c in ordered if len(c) > 1
@@ -994,7 +993,7 @@ class KVCacheCoordinator:
         # Each class's count, taken on its first twin (twins' tables are
         # equal); the base count, inlined: the blocks covering num_tokens
         # less those held.
-        needs = [-1] * self._num_classes
+        needs = [-1] * len(self._classes)
         # Consecutive groups whose growth the coordinator knows take their
         # blocks in one hand-out, split in group order: the blocks the
         # per-group calls would take one after another.
