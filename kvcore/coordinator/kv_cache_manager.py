@@ -239,6 +239,7 @@ class KVCacheManager:
         (see :meth:`__getstate__`)."""
         self._init_vetted_free()
         self._init_one_group_growth()
+        self._one_prefix = self._one_prefix_lookup()
         if self.thread_safe:
             lock = self.lock = threading.RLock()
             for name in _public_methods(type(self)):
@@ -248,7 +249,7 @@ class KVCacheManager:
         """The manager's state without the methods bound to it (and its
         lock): a copy or an unpickled manager binds its own."""
         state = self.__dict__.copy()
-        for name in ("free", "lock", *_public_methods(type(self))):
+        for name in ("free", "lock", "_one_prefix", *_public_methods(type(self))):
             state.pop(name, None)
         return state
 
@@ -313,8 +314,53 @@ class KVCacheManager:
             raise _not_a_request(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
-        self._check_hashing(request)
         coordinator = self.coordinator
+        one = self._one_prefix
+        if (
+            one is not None
+            # A search patched onto the coordinator's class since
+            # construction (a test's spy) runs instead.
+            and type(coordinator).find_longest_cache_hit is _COORDINATOR_HIT
+        ):
+            # One group, searched left to right in blocks of the hash size:
+            # the coordinator's search, inlined (see _one_prefix_lookup).
+            cached, block_size = one
+            hasher = request._hasher
+            if (
+                type(request) is not Request
+                or hasher is None
+                or hasher.hash_block_size != block_size
+            ):
+                self._check_hashing(request)
+            coordinator.last_shared_prefix = 0
+            hashes = request.block_hashes
+            num_tokens = len(request.all_token_ids)
+            # The last prompt token is recomputed.
+            limit = (num_tokens - 1) // block_size
+            hit: list[KVCacheBlock] = []
+            if limit > 0:
+                append = hit.append
+                get = cached.get
+                for key in hashes if limit >= len(hashes) else hashes[:limit]:
+                    entry = get(key)
+                    if entry is None:
+                        break
+                    if type(entry) is dict:
+                        entry = next(iter(entry.values()))
+                    append(entry)
+            length = len(hit) * block_size
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += num_tokens
+            stats.hits += length
+            if not length:
+                return self.empty_kv_cache_blocks, 0
+            found = (hit,)
+            out = KVCacheBlocks(found)
+            pool = self.block_pool
+            out._lookup = (pool, pool.evictions, request, found)
+            return out, length
+        self._check_hashing(request)
         blocks, length = coordinator.find_longest_cache_hit(
             request.block_hashes, len(request.all_token_ids) - 1
         )
@@ -1122,6 +1168,36 @@ class KVCacheManager:
         free.__doc__ = KVCacheManager.free.__doc__
         self.__dict__["free"] = free
 
+    def _one_prefix_lookup(self) -> tuple[dict[Any, Any], int] | None:
+        """For a plan of one group that the coordinator searches left to
+        right, in blocks of the hash size, with no EAGLE drop, checkpoint
+        planning or hit blocker: that group's live prefix-cache map and
+        block size, which :meth:`get_computed_blocks` reads directly (the
+        coordinator's search, without its calls).  Else None."""
+        coordinator = self.coordinator
+        single = coordinator._single
+        if not (
+            coordinator.num_groups == 1
+            and single is not None
+            and coordinator._single_is_prefix
+            and len(single.group_ids) == 1
+            and single.block_size == self.hash_block_size
+            and coordinator.cache_hit_alignment == single.block_size
+            and not coordinator.use_eagle
+            and not coordinator.hit_blockers
+            and not coordinator.planning
+            and coordinator.partial is None
+            and all(
+                inspect.getattr_static(type(coordinator), name) is own
+                for name, own in _COORDINATOR_SEARCH.items()
+            )
+        ):
+            return None
+        return (
+            self.block_pool.cached_blocks_of(single.group_ids[0]),
+            single.block_size,
+        )
+
     def _init_one_group_growth(self) -> None:
         """One vetted group that neither skips blocks nor plans checkpoints:
         a running request's step with no hit, lookahead, engine keyword or
@@ -1363,6 +1439,13 @@ _OWN_METHODS: dict[str, Callable[..., Any]] = {
 }
 #: The coordinator's free, which the fast free stands for.
 _COORDINATOR_FREE = KVCacheCoordinator.__dict__["free"]
+_COORDINATOR_HIT = KVCacheCoordinator.__dict__["find_longest_cache_hit"]
+#: The coordinator's search for a one-group plan, which the inlined lookup
+#: stands for.
+_COORDINATOR_SEARCH = {
+    name: KVCacheCoordinator.__dict__[name]
+    for name in ("find_longest_cache_hit", "_single_hit")
+}
 
 
 def _public_methods(cls: type) -> list[str]:
