@@ -33,6 +33,7 @@ def pair(
     general = setup.manager_for(specs, num_blocks, hash_block_size=4, **options)
     for name in SHORTCUTS:
         general.__dict__.pop(name, None)
+    general._one_prefix = None  # the coordinator's search
     return fast, general
 
 
@@ -337,6 +338,163 @@ def test_one_frame_growth_answers_every_argument_as_the_general_path(
             )
         )
     assert results[0] == results[1]
+
+
+ADMISSIONS: dict[str, Any] = {
+    "the-hit": lambda hit, tokens: {"num_new_computed_tokens": tokens},
+    "no-hit": lambda hit, tokens: {
+        "new_computed_blocks": None,
+        "num_new_computed_tokens": 0,
+    },
+    "the-empty-hit": lambda hit, tokens: {"new_computed_blocks": "empty"},
+    "hit-one-block-short": lambda hit, tokens: {"num_new_computed_tokens": tokens - 4},
+    "hit-one-block-long": lambda hit, tokens: {"num_new_computed_tokens": tokens + 4},
+    "hit-unaligned": lambda hit, tokens: {"num_new_computed_tokens": tokens - 1},
+    "hit-with-no-tokens": lambda hit, tokens: {"num_new_computed_tokens": 0},
+    "tokens-with-no-hit": lambda hit, tokens: {
+        "new_computed_blocks": None,
+        "num_new_computed_tokens": 4,
+    },
+    "tokens-with-the-empty-hit": lambda hit, tokens: {
+        "new_computed_blocks": "empty",
+        "num_new_computed_tokens": 4,
+    },
+    "bool-tokens": lambda hit, tokens: {
+        "new_computed_blocks": None,
+        "num_new_computed_tokens": False,
+    },
+    "float-tokens": lambda hit, tokens: {"num_new_computed_tokens": float(tokens)},
+    "no-tokens-given": lambda hit, tokens: {
+        "new_computed_blocks": None,
+        "num_new_computed_tokens": None,
+    },
+    "lookahead": lambda hit, tokens: {"num_lookahead_tokens": 3},
+    "delayed-caching": lambda hit, tokens: {"delay_cache_blocks": True},
+    "external-tokens": lambda hit, tokens: {"num_external_computed_tokens": 4},
+    "full-sequence": lambda hit, tokens: {"full_sequence_must_fit": True},
+    "past-max-model-len": lambda hit, tokens: {"num_new_tokens": 9000},
+    "past-the-pool": lambda hit, tokens: {"num_new_tokens": 200},
+    "hit-of-another-request": lambda hit, tokens: {"new_computed_blocks": "other"},
+    "hit-evicted-since": lambda hit, tokens: {"evict": True},
+    "hit-of-another-manager": lambda hit, tokens: {"new_computed_blocks": "foreign"},
+    "hashed-at-another-size": lambda hit, tokens: {"request_hash_block_size": 8},
+}
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("case", list(ADMISSIONS))
+def test_one_frame_admission_answers_every_argument_as_the_general_path(
+    case: str, caching: bool
+) -> None:
+    """A new request admitted with its own lookup's hit, without one, with
+    a hit that does not match it (short, long, unaligned, another
+    request's, another manager's, evicted since), bad token counts, and
+    the keywords and steps the shortcut leaves to the general path: the
+    same answer, the same pool, tables and status after."""
+    prompt = list(range(2, 22))
+    # Another prompt, cached too: its hit is of another prefix.
+    elsewhere = list(range(50, 70))
+    results = []
+    foreign_mgr = setup.manager_for(
+        [setup.fa(4)], 32, scheduler_block_size=4, hash_block_size=4
+    )
+    assert foreign_mgr.allocate_slots(Request("x", prompt, hash_block_size=4), 20)
+    for mgr in pair([setup.fa(4)], num_blocks=32, enable_caching=caching):
+        for rid, tokens in (("first", prompt), ("second", elsewhere)):
+            first = Request(rid, tokens, hash_block_size=4)
+            assert mgr.allocate_slots(first, len(tokens)) is not None
+            mgr.free(first)
+        args = ADMISSIONS[case](None, 0)
+        size = args.pop("request_hash_block_size", 4)
+        req = Request("a", prompt, hash_block_size=size)
+        blocks, hit = (
+            mgr.get_computed_blocks(req)
+            if size == 4
+            else (mgr.empty_kv_cache_blocks, 0)
+        )
+        assert hit == (16 if caching and size == 4 else 0)
+        args = ADMISSIONS[case](blocks, hit)
+        args.pop("request_hash_block_size", None)
+        if args.pop("evict", False):
+            # Another request takes every free block: the hit's are evicted.
+            hog = Request("hog", list(range(100, 200)), hash_block_size=4)
+            assert mgr.allocate_slots(hog, mgr.block_pool.get_num_free_blocks() * 4)
+            mgr.free(hog)
+        given = args.pop("new_computed_blocks", blocks)
+        if given == "empty":
+            given = mgr.empty_kv_cache_blocks
+        elif given == "other":
+            other = Request("b", elsewhere, hash_block_size=4)
+            given = mgr.get_computed_blocks(other)[0]
+        elif given == "foreign":
+            # The same request looked up in another manager.
+            given = foreign_mgr.get_computed_blocks(req)[0]
+        args.setdefault("num_new_computed_tokens", hit)
+        args.setdefault(
+            "num_new_tokens",
+            len(prompt) - args["num_new_computed_tokens"]
+            if isinstance(args["num_new_computed_tokens"], int)
+            else 4,
+        )
+        results.append(
+            (
+                outcome(
+                    lambda mgr=mgr, req=req, given=given, args=args: mgr.allocate_slots(
+                        req, new_computed_blocks=given, **args
+                    )
+                ),
+                observed(mgr),
+                req.status,
+                [
+                    (
+                        sorted(m.num_cached_block.items()),
+                        {
+                            r: [b.block_id for b in t]
+                            for r, t in m.req_to_blocks.items()
+                        },
+                    )
+                    for m in mgr._managers
+                ],
+            )
+        )
+    assert results[0] == results[1]
+
+
+def test_one_frame_admission_takes_the_shortcut() -> None:
+    """An admission with this manager's own hit, or with none, runs in
+    the shortcut; the general path's admission steps are not called."""
+    mgr = setup.manager_for(
+        [setup.fa(4)], 32, scheduler_block_size=4, hash_block_size=4
+    )
+    calls: list[str] = []
+    coordinator = mgr.coordinator
+    count = coordinator.get_num_blocks_to_allocate
+
+    def spy(*args: Any) -> int:
+        calls.append("general")
+        return count(*args)
+
+    coordinator.get_num_blocks_to_allocate = spy  # type: ignore[method-assign]
+    prompt = list(range(2, 22))
+    first = Request("first", prompt, hash_block_size=4)
+    assert mgr.allocate_slots(first, 20) is not None
+    mgr.free(first)
+    req = Request("a", prompt, hash_block_size=4)
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert hit == 16
+    out = mgr.allocate_slots(req, 4, hit, blocks)
+    assert out is not None
+    assert [b.block_id for b in mgr.get_blocks("a").blocks[0]][:4] == [
+        b.block_id for b in blocks.blocks[0]
+    ]
+    assert all(b.ref_cnt == 1 for b in blocks.blocks[0])
+    assert calls == []
+    mgr.block_pool.begin()
+    again = Request("b", prompt, hash_block_size=4)
+    blocks, hit = mgr.get_computed_blocks(again)
+    assert mgr.allocate_slots(again, 4, hit, blocks) is not None
+    mgr.block_pool.commit()
+    assert calls == ["general"]
 
 
 def test_one_frame_growth_defers_to_the_general_path_when_it_must() -> None:

@@ -238,7 +238,7 @@ class KVCacheManager:
         They close over this manager's own state, so a copy binds its own
         (see :meth:`__getstate__`)."""
         self._init_vetted_free()
-        self._init_one_group_growth()
+        self._init_one_group_steps()
         self._one_prefix = self._one_prefix_lookup()
         if self.thread_safe:
             lock = self.lock = threading.RLock()
@@ -1198,13 +1198,15 @@ class KVCacheManager:
             single.block_size,
         )
 
-    def _init_one_group_growth(self) -> None:
+    def _init_one_group_steps(self) -> None:
         """One vetted group that neither skips blocks nor plans checkpoints:
-        a running request's step with no hit, lookahead, engine keyword or
-        delayed caching (a decode step, a later prefill chunk) counts,
-        grows and hashes in one frame, calling the group's manager as the
-        general path does.  Anything else, and a step that does not fit,
-        goes to the general path (which validates it and decides)."""
+        a step with no lookahead, engine keyword or delayed caching runs in
+        one frame, calling the group's manager as the general path does.
+        That covers a running request's growth with no hit (a decode step,
+        a later prefill chunk) and a new request's admission with no hit or
+        with the hit this manager's lookup just returned for it (the pool
+        has dropped no key since).  Anything else, and a step that does not
+        fit, goes to the general path (which validates it and decides)."""
         coordinator = self.coordinator
         klass = type(self)
         if not (
@@ -1228,6 +1230,9 @@ class KVCacheManager:
         own = _OWN_METHODS["allocate_slots"]
         running = RequestStatus.RUNNING
         no_blocks: tuple[()] = ()
+        empty = self.empty_kv_cache_blocks
+        block_size = manager.block_size
+        alignment = coordinator.cache_hit_alignment
 
         def allocate_slots(
             request: Request,
@@ -1248,8 +1253,6 @@ class KVCacheManager:
                 # The int 0 itself (a bool or float 0 is the general path's
                 # to refuse); an implementation without a shared 0 takes the
                 # general path every time.
-                and num_new_computed_tokens is _ZERO
-                and new_computed_blocks is None
                 and num_lookahead_tokens is _ZERO
                 and delay_cache_blocks is False
                 and not engine
@@ -1259,30 +1262,88 @@ class KVCacheManager:
             ):
                 rid = request.request_id
                 computed = request.num_computed_tokens
-                num_tokens = computed + num_new_tokens
+                held = requests.get(rid)
                 if (
-                    requests.get(rid) is request
-                    and type(computed) is int
-                    and num_tokens <= self.max_model_len
+                    held is request
+                    and num_new_computed_tokens is _ZERO
+                    and new_computed_blocks is None
                 ):
-                    need = manager.get_num_blocks_to_allocate(
-                        rid, num_tokens, no_blocks
-                    )
-                    if need <= queue.num_free:
-                        new = (
-                            manager.allocate_new_blocks(rid, num_tokens)
-                            if need
-                            else None
+                    # A running request grows.
+                    num_tokens = computed + num_new_tokens
+                    if type(computed) is int and num_tokens <= self.max_model_len:
+                        need = manager.get_num_blocks_to_allocate(
+                            rid, num_tokens, no_blocks
                         )
-                        if self.enable_caching and manager.caching:
-                            tokens = len(request.all_token_ids)
-                            manager.cache_blocks(
-                                request, num_tokens if num_tokens < tokens else tokens
+                        if need <= queue.num_free:
+                            new = (
+                                manager.allocate_new_blocks(rid, num_tokens)
+                                if need
+                                else None
                             )
-                        request.status = running
-                        return (
-                            KVCacheBlocks((new,)) if new else self.empty_kv_cache_blocks
+                            if self.enable_caching and manager.caching:
+                                tokens = len(request.all_token_ids)
+                                manager.cache_blocks(
+                                    request,
+                                    num_tokens if num_tokens < tokens else tokens,
+                                )
+                            request.status = running
+                            return KVCacheBlocks((new,)) if new else empty
+                elif held is None and type(computed) is int:
+                    # A new request is admitted, with no hit or with this
+                    # manager's own lookup for it, whole.
+                    hit: Sequence[KVCacheBlock] | None = None
+                    if new_computed_blocks is None or new_computed_blocks is empty:
+                        if num_new_computed_tokens is _ZERO:
+                            hit = no_blocks
+                    else:
+                        lookup = new_computed_blocks._lookup
+                        if (
+                            lookup is not None
+                            and lookup[0] is pool
+                            and lookup[1] == pool.evictions
+                            and lookup[2] is request
+                            and lookup[3] is new_computed_blocks.blocks
+                            and type(num_new_computed_tokens) is int
+                            and num_new_computed_tokens
+                            == len(lookup[3][0]) * block_size
+                            and not num_new_computed_tokens % alignment
+                        ):
+                            hit = lookup[3][0]
+                    # Counted only once the hit is known good (its token
+                    # count is then an int).
+                    num_computed = (
+                        computed + num_new_computed_tokens if hit is not None else 0
+                    )
+                    num_tokens = num_computed + num_new_tokens
+                    hasher = request._hasher
+                    if (
+                        hit is not None
+                        and num_tokens <= self.max_model_len
+                        and (
+                            not self.enable_caching
+                            or (
+                                hasher is not None
+                                and hasher.hash_block_size == self.hash_block_size
+                            )
                         )
+                    ):
+                        attach = manager.admission_blocks(hit, num_computed)
+                        need = manager.get_num_blocks_to_allocate(
+                            rid, num_tokens, attach
+                        )
+                        if need <= queue.num_free:
+                            if attach:
+                                manager.add_computed_blocks(rid, attach)
+                            new = manager.allocate_new_blocks(rid, num_tokens)
+                            if self.enable_caching and manager.caching:
+                                tokens = len(request.all_token_ids)
+                                manager.cache_blocks(
+                                    request,
+                                    num_tokens if num_tokens < tokens else tokens,
+                                )
+                            request.status = running
+                            requests[rid] = request
+                            return KVCacheBlocks((new,)) if new else empty
             # The class's method: the general path, or what was patched onto
             # the class since.
             general: Callable[..., KVCacheBlocks | None] = klass.allocate_slots
