@@ -17,7 +17,7 @@ import coordinator_setup as setup
 import pytest
 import torch
 
-from kvcore.coordinator import KVCacheManager, Request, RequestStatus
+from kvcore.coordinator import KVCacheBlocks, KVCacheManager, Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreError, UnknownRequestError
 from kvcore_circular_buffer import CircularBufferSpec
 
@@ -495,6 +495,78 @@ def test_one_frame_admission_takes_the_shortcut() -> None:
     assert mgr.allocate_slots(again, 4, hit, blocks) is not None
     mgr.block_pool.commit()
     assert calls == ["general"]
+
+
+def test_one_frame_admission_takes_blocks_of_any_shape_as_the_general_path() -> None:
+    """Blocks that are not a lookup's (a duck-typed object with empty
+    lists, a KVCacheBlocks subclass that never set its lookup, a bare
+    tuple): the same answer as the general path, errors included."""
+    import types
+
+    class Bare(KVCacheBlocks):
+        def __init__(self, blocks: Any) -> None:
+            self.blocks = blocks
+            self.copies = ()
+
+    def step(mgr: KVCacheManager, req: Request, given: Any) -> tuple[Any, ...]:
+        try:
+            out = mgr.allocate_slots(req, 10, 0, given)
+        except Exception as exc:  # a non-kvcore error counts too
+            return (type(exc), str(exc))
+        assert out is not None
+        return ("blocks", [[b.block_id for b in group] for group in out.blocks])
+
+    for make in (
+        lambda: types.SimpleNamespace(blocks=([],)),
+        lambda: Bare(([],)),
+        lambda: ((),),
+    ):
+        results = []
+        for mgr in pair([setup.fa(4)], num_blocks=16):
+            req = Request("a", list(range(2, 12)), hash_block_size=4)
+            results.append((step(mgr, req, make()), observed(mgr), req.status))
+        assert results[0] == results[1]
+
+
+def test_create_kv_cache_blocks_patched_later_sees_admissions_and_growth() -> None:
+    from unittest import mock
+
+    mgr = setup.manager_for(
+        [setup.fa(4)], 16, scheduler_block_size=4, hash_block_size=4
+    )
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    original = KVCacheManager.create_kv_cache_blocks
+    with mock.patch.object(
+        KVCacheManager, "create_kv_cache_blocks", autospec=True, side_effect=original
+    ) as spy:
+        assert mgr.allocate_slots(req, 10) is not None
+        req.num_computed_tokens = 10
+        assert mgr.allocate_slots(req, 3) is not None
+    assert spy.call_count == 2
+
+
+def test_a_subclass_overriding_a_step_helper_takes_the_general_path() -> None:
+    calls: list[str] = []
+
+    class Logging(KVCacheManager):
+        def _step(self, *args: Any) -> Any:
+            calls.append("_step")
+            return super()._step(*args)
+
+    config = setup.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[setup.KVCacheGroupSpec(["layer.0"], setup.fa(4))],
+    )
+    mgr = Logging(
+        config, 4096, scheduler_block_size=4, hash_block_size=4, registry=setup.BUILT_IN
+    )
+    assert "allocate_slots" not in mgr.__dict__
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    assert mgr.allocate_slots(req, 1) is not None
+    assert calls == ["_step", "_step"]
 
 
 def test_one_frame_growth_defers_to_the_general_path_when_it_must() -> None:

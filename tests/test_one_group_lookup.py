@@ -235,3 +235,48 @@ def test_a_copied_manager_looks_up_in_its_own_pool(clone: str) -> None:
     assert fork.allocate_slots(Request("a", tokens, hash_block_size=4), 18)
     assert fork.get_computed_blocks(Request("b", tokens, hash_block_size=4))[1] == 16
     assert mgr.get_computed_blocks(Request("b", tokens, hash_block_size=4))[1] == 0
+
+
+@pytest.mark.parametrize("where", ["class-single-hit", "instance"])
+def test_parts_of_the_search_patched_later_see_every_lookup(where: str) -> None:
+    """The coordinator's one-group search patched after construction, on
+    its class or on the coordinator itself, runs instead of the inlined
+    lookup (here it refuses every hit)."""
+    mgr = manager()
+    tokens = list(range(2, 20))
+    assert mgr.allocate_slots(Request("a", tokens, hash_block_size=4), 18)
+    coordinator = mgr.coordinator
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        return ([],), 0
+
+    if where == "instance":
+        with mock.patch.object(coordinator, "find_longest_cache_hit", refuse):
+            hit = mgr.get_computed_blocks(Request("b", tokens, hash_block_size=4))[1]
+    else:
+        with mock.patch.object(KVCacheCoordinator, "_single_hit", refuse):
+            hit = mgr.get_computed_blocks(Request("b", tokens, hash_block_size=4))[1]
+    assert hit == 0
+    assert mgr.get_computed_blocks(Request("c", tokens, hash_block_size=4))[1] == 16
+
+
+def test_a_subclass_checking_requests_itself_is_asked_on_every_lookup() -> None:
+    checked: list[str] = []
+
+    class Checking(KVCacheManager):
+        def _check_hashing(self, request: Request) -> None:
+            checked.append(request.request_id)
+            super()._check_hashing(request)
+
+    mgr = setup.manager_for(
+        [setup.fa(4)],
+        24,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        registry=setup.BUILT_IN,
+    )
+    mgr.__class__ = Checking
+    mgr._bind_methods()
+    assert mgr._one_prefix is None
+    mgr.get_computed_blocks(Request("a", list(range(2, 20)), hash_block_size=4))
+    assert checked == ["a"]

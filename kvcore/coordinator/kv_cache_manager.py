@@ -318,9 +318,11 @@ class KVCacheManager:
         one = self._one_prefix
         if (
             one is not None
-            # A search patched onto the coordinator's class since
-            # construction (a test's spy) runs instead.
+            # A search patched onto the coordinator (its class or itself)
+            # since construction, a test's spy, runs instead.
             and type(coordinator).find_longest_cache_hit is _COORDINATOR_HIT
+            and type(coordinator)._single_hit is _COORDINATOR_SINGLE_HIT
+            and "find_longest_cache_hit" not in coordinator.__dict__
         ):
             # One group, searched left to right in blocks of the hash size:
             # the coordinator's search, inlined (see _one_prefix_lookup).
@@ -1173,7 +1175,10 @@ class KVCacheManager:
         right, in blocks of the hash size, with no EAGLE drop, checkpoint
         planning or hit blocker: that group's live prefix-cache map and
         block size, which :meth:`get_computed_blocks` reads directly (the
-        coordinator's search, without its calls).  Else None."""
+        coordinator's search, without its calls).  Else None.  The
+        coordinator's search methods patched later, on its class or on it,
+        are honoured per call; a module function it calls
+        (``managers.prefix_hit``) is not: patch the coordinator instead."""
         coordinator = self.coordinator
         single = coordinator._single
         if not (
@@ -1191,6 +1196,9 @@ class KVCacheManager:
                 inspect.getattr_static(type(coordinator), name) is own
                 for name, own in _COORDINATOR_SEARCH.items()
             )
+            # A subclass's own request check runs on every lookup.
+            and inspect.getattr_static(type(self), "_check_hashing")
+            is _OWN_METHODS["_check_hashing"]
         ):
             return None
         return (
@@ -1212,7 +1220,13 @@ class KVCacheManager:
         if not (
             all(
                 inspect.getattr_static(klass, name) is _OWN_METHODS[name]
-                for name in ("allocate_slots", "create_kv_cache_blocks")
+                for name in (
+                    "allocate_slots",
+                    "create_kv_cache_blocks",
+                    "_check_hashing",
+                    "_check_hit",
+                    "_step",
+                )
             )
             and coordinator.num_groups == 1
             and coordinator.vetted
@@ -1228,9 +1242,18 @@ class KVCacheManager:
         queue = pool.free_queue
         requests = self._requests
         own = _OWN_METHODS["allocate_slots"]
+        own_create = _OWN_METHODS["create_kv_cache_blocks"]
         running = RequestStatus.RUNNING
         no_blocks: tuple[()] = ()
         empty = self.empty_kv_cache_blocks
+        # The admission steps and the caching step the coordinator bound for
+        # this one group (KVCacheCoordinator._init_single_steps): the
+        # general path's steps, called without the coordinator's frames.
+        admit = manager.admission_blocks
+        count_blocks = manager.get_num_blocks_to_allocate
+        attach_hit = manager.add_computed_blocks
+        grow_table = manager.allocate_new_blocks
+        cache_step = coordinator.cache_blocks
         block_size = manager.block_size
         alignment = coordinator.cache_hit_alignment
 
@@ -1243,9 +1266,10 @@ class KVCacheManager:
             delay_cache_blocks: bool = False,
             **engine: Unpack[EngineStepKeywords],
         ) -> KVCacheBlocks | None:
-            # The manager's settings and the group manager's methods are
-            # read per call, as on the general path (either may be changed
-            # or patched after construction); so is the class's method.
+            # The manager's settings are read per call, as on the general
+            # path, and so are the group manager's growth methods (the
+            # coordinator's growth reads them per call); the class's
+            # methods too, so a spy patched onto the class runs.
             if (
                 type(request) is Request
                 and type(num_new_tokens) is int
@@ -1259,6 +1283,7 @@ class KVCacheManager:
                 and pool._journal is None
                 and coordinator.vetted
                 and klass.allocate_slots is own
+                and klass.create_kv_cache_blocks is own_create
             ):
                 rid = request.request_id
                 computed = request.num_computed_tokens
@@ -1282,7 +1307,7 @@ class KVCacheManager:
                             )
                             if self.enable_caching and manager.caching:
                                 tokens = len(request.all_token_ids)
-                                manager.cache_blocks(
+                                cache_step(
                                     request,
                                     num_tokens if num_tokens < tokens else tokens,
                                 )
@@ -1295,7 +1320,7 @@ class KVCacheManager:
                     if new_computed_blocks is None or new_computed_blocks is empty:
                         if num_new_computed_tokens is _ZERO:
                             hit = no_blocks
-                    else:
+                    elif type(new_computed_blocks) is KVCacheBlocks:
                         lookup = new_computed_blocks._lookup
                         if (
                             lookup is not None
@@ -1327,17 +1352,15 @@ class KVCacheManager:
                             )
                         )
                     ):
-                        attach = manager.admission_blocks(hit, num_computed)
-                        need = manager.get_num_blocks_to_allocate(
-                            rid, num_tokens, attach
-                        )
+                        attach = admit(hit, num_computed)
+                        need = count_blocks(rid, num_tokens, attach)
                         if need <= queue.num_free:
                             if attach:
-                                manager.add_computed_blocks(rid, attach)
-                            new = manager.allocate_new_blocks(rid, num_tokens)
+                                attach_hit(rid, attach)
+                            new = grow_table(rid, num_tokens)
                             if self.enable_caching and manager.caching:
                                 tokens = len(request.all_token_ids)
-                                manager.cache_blocks(
+                                cache_step(
                                     request,
                                     num_tokens if num_tokens < tokens else tokens,
                                 )
@@ -1496,11 +1519,20 @@ class KVCacheManager:
 #: them, so it runs instead of a shortcut.
 _OWN_METHODS: dict[str, Callable[..., Any]] = {
     name: KVCacheManager.__dict__[name]
-    for name in ("free", "allocate_slots", "create_kv_cache_blocks")
+    for name in (
+        "free",
+        "allocate_slots",
+        "create_kv_cache_blocks",
+        "get_computed_blocks",
+        "_check_hashing",
+        "_check_hit",
+        "_step",
+    )
 }
 #: The coordinator's free, which the fast free stands for.
 _COORDINATOR_FREE = KVCacheCoordinator.__dict__["free"]
 _COORDINATOR_HIT = KVCacheCoordinator.__dict__["find_longest_cache_hit"]
+_COORDINATOR_SINGLE_HIT = KVCacheCoordinator.__dict__["_single_hit"]
 #: The coordinator's search for a one-group plan, which the inlined lookup
 #: stands for.
 _COORDINATOR_SEARCH = {
