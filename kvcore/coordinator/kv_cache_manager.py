@@ -1288,6 +1288,11 @@ class KVCacheManager:
                 rid = request.request_id
                 computed = request.num_computed_tokens
                 held = requests.get(rid)
+                # Set once a step that fits has taken its blocks; caching
+                # and the status follow, as on the general path.
+                stepped = False
+                new: list[KVCacheBlock] | None = None
+                num_tokens = 0
                 if (
                     held is request
                     and num_new_computed_tokens is _ZERO
@@ -1305,14 +1310,7 @@ class KVCacheManager:
                                 if need
                                 else None
                             )
-                            if self.enable_caching and manager.caching:
-                                tokens = len(request.all_token_ids)
-                                cache_step(
-                                    request,
-                                    num_tokens if num_tokens < tokens else tokens,
-                                )
-                            request.status = running
-                            return KVCacheBlocks((new,)) if new else empty
+                            stepped = True
                 elif held is None and type(computed) is int:
                     # A new request is admitted, with no hit or with this
                     # manager's own lookup for it, whole.
@@ -1358,15 +1356,16 @@ class KVCacheManager:
                             if attach:
                                 attach_hit(rid, attach)
                             new = grow_table(rid, num_tokens)
-                            if self.enable_caching and manager.caching:
-                                tokens = len(request.all_token_ids)
-                                cache_step(
-                                    request,
-                                    num_tokens if num_tokens < tokens else tokens,
-                                )
-                            request.status = running
                             requests[rid] = request
-                            return KVCacheBlocks((new,)) if new else empty
+                            stepped = True
+                if stepped:
+                    if self.enable_caching and manager.caching:
+                        tokens = len(request.all_token_ids)
+                        cache_step(
+                            request, num_tokens if num_tokens < tokens else tokens
+                        )
+                    request.status = running
+                    return KVCacheBlocks((new,)) if new else empty
             # The class's method: the general path, or what was patched onto
             # the class since.
             general: Callable[..., KVCacheBlocks | None] = klass.allocate_slots
