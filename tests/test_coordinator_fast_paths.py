@@ -545,6 +545,31 @@ def test_create_kv_cache_blocks_patched_later_sees_admissions_and_growth() -> No
     assert spy.call_count == 2
 
 
+@pytest.mark.parametrize("helper", ["_check_hashing", "_check_hit", "_step"])
+def test_a_step_helper_patched_onto_the_class_later_sees_admissions(
+    helper: str,
+) -> None:
+    """A spy on one of the general path's helpers, patched onto the class
+    after the manager exists, is called as the general path calls it."""
+    from unittest import mock
+
+    mgr = setup.manager_for(
+        [setup.fa(4)], 32, scheduler_block_size=4, hash_block_size=4
+    )
+    prompt = list(range(2, 22))
+    first = Request("first", prompt, hash_block_size=4)
+    assert mgr.allocate_slots(first, 20) is not None
+    mgr.free(first)
+    req = Request("a", prompt, hash_block_size=4)
+    blocks, hit = mgr.get_computed_blocks(req)
+    original = getattr(KVCacheManager, helper)
+    with mock.patch.object(
+        KVCacheManager, helper, autospec=True, side_effect=original
+    ) as spy:
+        assert mgr.allocate_slots(req, 4, hit, blocks) is not None
+    assert spy.call_count == 1
+
+
 def test_a_subclass_overriding_a_step_helper_takes_the_general_path() -> None:
     calls: list[str] = []
 

@@ -280,3 +280,14 @@ def test_a_subclass_checking_requests_itself_is_asked_on_every_lookup() -> None:
     assert mgr._one_prefix is None
     mgr.get_computed_blocks(Request("a", list(range(2, 20)), hash_block_size=4))
     assert checked == ["a"]
+
+
+def test_a_search_patched_onto_the_coordinator_itself_later_is_used() -> None:
+    mgr = manager()
+    tokens = list(range(2, 20))
+    assert mgr.allocate_slots(Request("a", tokens, hash_block_size=4), 18)
+    with mock.patch.object(
+        mgr.coordinator, "_single_hit", return_value=(([],), 0)
+    ) as spy:
+        hit = mgr.get_computed_blocks(Request("b", tokens, hash_block_size=4))[1]
+    assert (hit, spy.call_count) == (0, 1)

@@ -323,6 +323,9 @@ class KVCacheManager:
             and type(coordinator).find_longest_cache_hit is _COORDINATOR_HIT
             and type(coordinator)._single_hit is _COORDINATOR_SINGLE_HIT
             and "find_longest_cache_hit" not in coordinator.__dict__
+            and "_single_hit" not in coordinator.__dict__
+            # So does a request check patched onto the manager's class.
+            and type(self)._check_hashing is _OWN_CHECK_HASHING
         ):
             # One group, searched left to right in blocks of the hash size:
             # the coordinator's search, inlined (see _one_prefix_lookup).
@@ -1284,6 +1287,11 @@ class KVCacheManager:
                 and coordinator.vetted
                 and klass.allocate_slots is own
                 and klass.create_kv_cache_blocks is own_create
+                # The general path's helpers, patched onto the class since
+                # (a spy), run on the general path.
+                and klass._check_hashing is _OWN_CHECK_HASHING
+                and klass._check_hit is _OWN_CHECK_HIT
+                and klass._step is _OWN_STEP
             ):
                 rid = request.request_id
                 computed = request.num_computed_tokens
@@ -1532,6 +1540,9 @@ _OWN_METHODS: dict[str, Callable[..., Any]] = {
 _COORDINATOR_FREE = KVCacheCoordinator.__dict__["free"]
 _COORDINATOR_HIT = KVCacheCoordinator.__dict__["find_longest_cache_hit"]
 _COORDINATOR_SINGLE_HIT = KVCacheCoordinator.__dict__["_single_hit"]
+_OWN_CHECK_HASHING = _OWN_METHODS["_check_hashing"]
+_OWN_CHECK_HIT = _OWN_METHODS["_check_hit"]
+_OWN_STEP = _OWN_METHODS["_step"]
 #: The coordinator's search for a one-group plan, which the inlined lookup
 #: stands for.
 _COORDINATOR_SEARCH = {
