@@ -460,6 +460,21 @@ def test_one_frame_admission_answers_every_argument_as_the_general_path(
     assert results[0] == results[1]
 
 
+#: A 20-token prompt: five 4-token blocks, four of them a hit once cached.
+PROMPT = list(range(2, 22))
+
+
+def looked_up(mgr: KVCacheManager, prompt: list[int]) -> tuple[Request, Any, int]:
+    """A new request "a" for ``prompt`` and its lookup, after another request
+    with that prompt has cached its blocks and left."""
+    first = Request("first", prompt, hash_block_size=4)
+    assert mgr.allocate_slots(first, len(prompt)) is not None
+    mgr.free(first)
+    req = Request("a", prompt, hash_block_size=4)
+    blocks, hit = mgr.get_computed_blocks(req)
+    return req, blocks, hit
+
+
 def test_one_frame_admission_takes_the_shortcut() -> None:
     """An admission with this manager's own hit, or with none, runs in
     the shortcut; the general path's admission steps are not called."""
@@ -475,12 +490,7 @@ def test_one_frame_admission_takes_the_shortcut() -> None:
         return count(*args)
 
     coordinator.get_num_blocks_to_allocate = spy  # type: ignore[method-assign]
-    prompt = list(range(2, 22))
-    first = Request("first", prompt, hash_block_size=4)
-    assert mgr.allocate_slots(first, 20) is not None
-    mgr.free(first)
-    req = Request("a", prompt, hash_block_size=4)
-    blocks, hit = mgr.get_computed_blocks(req)
+    req, blocks, hit = looked_up(mgr, PROMPT)
     assert hit == 16
     out = mgr.allocate_slots(req, 4, hit, blocks)
     assert out is not None
@@ -490,7 +500,7 @@ def test_one_frame_admission_takes_the_shortcut() -> None:
     assert all(b.ref_cnt == 1 for b in blocks.blocks[0])
     assert calls == []
     mgr.block_pool.begin()
-    again = Request("b", prompt, hash_block_size=4)
+    again = Request("b", PROMPT, hash_block_size=4)
     blocks, hit = mgr.get_computed_blocks(again)
     assert mgr.allocate_slots(again, 4, hit, blocks) is not None
     mgr.block_pool.commit()
@@ -556,12 +566,7 @@ def test_a_step_helper_patched_onto_the_class_later_sees_admissions(
     mgr = setup.manager_for(
         [setup.fa(4)], 32, scheduler_block_size=4, hash_block_size=4
     )
-    prompt = list(range(2, 22))
-    first = Request("first", prompt, hash_block_size=4)
-    assert mgr.allocate_slots(first, 20) is not None
-    mgr.free(first)
-    req = Request("a", prompt, hash_block_size=4)
-    blocks, hit = mgr.get_computed_blocks(req)
+    req, blocks, hit = looked_up(mgr, PROMPT)
     original = getattr(KVCacheManager, helper)
     with mock.patch.object(
         KVCacheManager, helper, autospec=True, side_effect=original

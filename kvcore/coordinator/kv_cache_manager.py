@@ -1530,7 +1530,6 @@ _OWN_METHODS: dict[str, Callable[..., Any]] = {
         "free",
         "allocate_slots",
         "create_kv_cache_blocks",
-        "get_computed_blocks",
         "_check_hashing",
         "_check_hit",
         "_step",
@@ -1538,17 +1537,18 @@ _OWN_METHODS: dict[str, Callable[..., Any]] = {
 }
 #: The coordinator's free, which the fast free stands for.
 _COORDINATOR_FREE = KVCacheCoordinator.__dict__["free"]
-_COORDINATOR_HIT = KVCacheCoordinator.__dict__["find_longest_cache_hit"]
-_COORDINATOR_SINGLE_HIT = KVCacheCoordinator.__dict__["_single_hit"]
-_OWN_CHECK_HASHING = _OWN_METHODS["_check_hashing"]
-_OWN_CHECK_HIT = _OWN_METHODS["_check_hit"]
-_OWN_STEP = _OWN_METHODS["_step"]
 #: The coordinator's search for a one-group plan, which the inlined lookup
 #: stands for.
 _COORDINATOR_SEARCH = {
     name: KVCacheCoordinator.__dict__[name]
     for name in ("find_longest_cache_hit", "_single_hit")
 }
+_COORDINATOR_HIT = _COORDINATOR_SEARCH["find_longest_cache_hit"]
+_COORDINATOR_SINGLE_HIT = _COORDINATOR_SEARCH["_single_hit"]
+#: The general path's helpers, read per call by the one-group shortcuts.
+_OWN_CHECK_HASHING = _OWN_METHODS["_check_hashing"]
+_OWN_CHECK_HIT = _OWN_METHODS["_check_hit"]
+_OWN_STEP = _OWN_METHODS["_step"]
 
 
 def _public_methods(cls: type) -> list[str]:
