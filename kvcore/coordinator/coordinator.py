@@ -320,6 +320,7 @@ class KVCacheCoordinator:
         "add_computed_blocks",
         "allocate_new_blocks",
         "cache_blocks",
+        "single_group_steps",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -351,6 +352,10 @@ class KVCacheCoordinator:
         grow_table = manager.allocate_new_blocks
         admit = manager.admission_blocks
         general = KVCacheCoordinator.admission_blocks
+        #: The group manager's admission methods these steps call, for a
+        #: caller that runs the same steps without their frames (the
+        #: manager's one-group admission).
+        state["single_group_steps"] = (admit, count_blocks, attach_hit, grow_table)
 
         def admission_blocks(
             hits: Sequence[Sequence[KVCacheBlock]], num_computed_tokens: int

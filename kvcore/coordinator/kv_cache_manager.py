@@ -1239,7 +1239,8 @@ class KVCacheManager:
         ):
             return
         manager = coordinator.single_type_managers[0]
-        if coordinator._growing_managers != (manager,):
+        steps = coordinator.__dict__.get("single_group_steps")
+        if coordinator._growing_managers != (manager,) or steps is None:
             return
         pool = self.block_pool
         queue = pool.free_queue
@@ -1252,10 +1253,7 @@ class KVCacheManager:
         # The admission steps and the caching step the coordinator bound for
         # this one group (KVCacheCoordinator._init_single_steps): the
         # general path's steps, called without the coordinator's frames.
-        admit = manager.admission_blocks
-        count_blocks = manager.get_num_blocks_to_allocate
-        attach_hit = manager.add_computed_blocks
-        grow_table = manager.allocate_new_blocks
+        admit, count_blocks, attach_hit, grow_table = steps
         cache_step = coordinator.cache_blocks
         block_size = manager.block_size
         alignment = coordinator.cache_hit_alignment
