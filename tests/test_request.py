@@ -492,3 +492,103 @@ def test_a_request_survives_pickling_and_copying(options: dict[str, Any]) -> Non
         whole = Request("w", list(range(80)), hash_block_size=16, **options)
         assert other.block_hashes == whole.block_hashes
     assert len(req.block_hashes) == 2
+
+
+def _general_path(request_id: str, tokens: object, **options: Any) -> Request:
+    """The request built by the general checks: a hash function passed as a
+    callable, not by name, never takes the one-packing path."""
+    from kvcore.coordinator.hashing import get_hash_function
+
+    name = options.pop("hash_function", "sha256")
+    return Request(
+        request_id,
+        tokens,  # type: ignore[arg-type]
+        hash_function=get_hash_function(name),
+        **options,
+    )
+
+
+@pytest.mark.parametrize("name", ["sha256", "xxh3_128"])
+def test_one_packing_of_a_prompt_hashes_as_the_general_checks(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list or tuple prompt with a named hash function is checked and
+    hashed by one packing of its tokens (``BlockHasher.hash_prompt``); on
+    random prompts of every length against each block size it gives the
+    general path's hashes, tokens and counters, and refuses what that path
+    refuses with the same error."""
+    from kvcore.coordinator.hashing import BlockHasher
+
+    taken = 0
+    real = BlockHasher.hash_prompt
+
+    def counted(self: BlockHasher, tokens: list[int]) -> list[bytes] | None:
+        nonlocal taken
+        taken += 1
+        return real(self, tokens)
+
+    monkeypatch.setattr(BlockHasher, "hash_prompt", counted)
+    rng = random.Random(7)
+    bad_tokens: list[object] = [True, False, -1, 2**32, 1.0, "7", None]
+    for case in range(300):
+        bs = rng.choice([1, 3, 16, 128])
+        n = rng.randrange(1, 600)
+        tokens: list[object] = [
+            rng.randrange(2**32 if case % 5 == 0 else 70_000) for _ in range(n)
+        ]
+        if case % 3 == 0:
+            tokens[rng.randrange(n)] = rng.choice(bad_tokens)
+        given: object = tuple(tokens) if case % 4 == 0 else tokens
+        before = taken
+        refused: Exception | None = None
+        try:
+            want = _general_path("r", given, hash_block_size=bs, hash_function=name)
+        except (KvcoreTypeError, KvcoreValueError) as exc:
+            refused = exc
+        if refused is not None:
+            with pytest.raises(type(refused)) as info:
+                Request("r", given, hash_block_size=bs, hash_function=name)  # type: ignore[arg-type]
+            assert str(info.value) == str(refused), case
+            assert getattr(info.value, "__notes__", None) == getattr(
+                refused, "__notes__", None
+            ), case
+            continue
+        got = Request("r", given, hash_block_size=bs, hash_function=name)  # type: ignore[arg-type]
+        assert taken == before + 1, case
+        assert got.block_hashes == want.block_hashes, case
+        assert len(got.block_hashes) == n // bs
+        assert got.all_token_ids == want.all_token_ids == list(tokens)
+        assert got.all_token_ids is not given
+        assert got.num_prompt_tokens == n
+        assert got.hash_block_size == bs
+        # Growing it hashes as the general path's request does.
+        more = [rng.randrange(70_000) for _ in range(rng.randrange(1, 2 * bs + 2))]
+        for req in (got, want):
+            for tok in more:
+                req.append_output_token_ids(tok)
+        assert got.block_hashes == want.block_hashes, case
+        assert len(got.block_hashes) == (n + len(more)) // bs
+
+
+def test_a_prompt_the_one_packing_refuses_is_named_as_before() -> None:
+    """The one-packing path defers every refusal to the general checks: an
+    empty prompt, a bad id, a bad size or name and a bad token get the
+    errors (and notes naming the request) they always did."""
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        Request("r", [], hash_block_size=16)
+    with pytest.raises(KvcoreTypeError, match="request_id must be a str"):
+        Request(7, [1, 2], hash_block_size=16)  # type: ignore[arg-type]
+    with pytest.raises(KvcoreKeyError, match="unknown block hash function") as key:
+        Request("named", [1, 2], hash_block_size=16, hash_function="md5")
+    assert "'named'" in " ".join(key.value.__notes__)
+    with pytest.raises(BlockSizeError) as size:
+        Request("sized", [1, 2], hash_block_size=-16)
+    assert "'sized'" in " ".join(size.value.__notes__)
+    with pytest.raises(
+        KvcoreTypeError, match="'r': prompt: token id at position 17 is True"
+    ):
+        Request("r", [5] * 17 + [True] + [5] * 20, hash_block_size=16)  # type: ignore[list-item]
+    with pytest.raises(
+        KvcoreTypeError, match="'r': prompt: token id at position 37 is True"
+    ):
+        Request("r", [5] * 37 + [True], hash_block_size=16)  # type: ignore[list-item]

@@ -29,6 +29,7 @@ from typing import Any, TypeAlias, overload
 
 from kvcore.errors import (
     BlockSizeError,
+    KvcoreError,
     KvcoreKeyError,
     KvcoreTypeError,
     KvcoreValueError,
@@ -440,6 +441,64 @@ class BlockHasher:
                     return 1
         return self.hash_new_blocks(token_ids, block_hashes)
 
+    def hash_prompt(self, token_ids: list[int]) -> list[BlockHash] | None:
+        """The hashes of every full chunk of a new request's prompt, its
+        tokens (the unhashed tail's included) checked by one packing.
+
+        ``None`` when the prompt is empty, holds a token the token rule
+        refuses, or this hasher gives some chunk an extra key of its own (a
+        salt, a multimodal input): the caller then takes
+        :meth:`hash_new_blocks`, which names a bad token."""
+        data = pack_token_ids(token_ids) if token_ids else None
+        if data is None or self._mm_ends or self._cache_salt is not None:
+            return None
+        hashes: list[BlockHash] = []
+        full = len(token_ids) // self.hash_block_size
+        if full:
+            self._hash_plain_chunks(NONE_HASH, data, full, hashes.append)
+        return hashes
+
+    def _hash_plain_chunks(
+        self,
+        parent: BlockHash,
+        data: bytes,
+        count: int,
+        append: Callable[[BlockHash], None],
+    ) -> None:
+        """Hash the first ``count`` chunks of packed tokens ``data``,
+        chained from ``parent``, when no chunk carries a per-chunk extra
+        key: every encoding is length, parent, token count, tokens, then the
+        constant extra keys."""
+        width = 4 * self.hash_block_size
+        end = count * width
+        fn = self._fn
+        ntok = self._ntok_prefix
+        const_extra = self._const_extra
+        if fn is _sha256 and not const_extra and len(parent) == 32:
+            # sha256 inline; every parent is 32 bytes from here on, so every
+            # encoding starts with the same length prefix: a copy of a hasher
+            # that has absorbed it is cheaper than hashing it again.
+            absorbed = _SHA256_AFTER_HEAD32
+            for off in range(0, end, width):
+                h = absorbed.copy()
+                h.update(parent + ntok + data[off : off + width])
+                parent = h.digest()
+                append(parent)
+            return
+        small = _U32_SMALL
+        for off in range(0, end, width):
+            plen = len(parent)
+            enc = (
+                (small[plen] if plen < 129 else _pack_u32(plen))
+                + parent
+                + ntok
+                + data[off : off + width]
+            )
+            if const_extra:
+                enc += const_extra
+            parent = fn(enc)
+            append(parent)
+
     def hash_new_blocks(
         self, token_ids: Sequence[int], block_hashes: list[BlockHash]
     ) -> int:
@@ -462,45 +521,19 @@ class BlockHasher:
             "block hashing",
         )
         parent = block_hashes[-1] if done else NONE_HASH
-        fn = self._fn
-        ntok = self._ntok_prefix
         append = block_hashes.append
-        small = _U32_SMALL
-        const_extra = self._const_extra
         salted = self._cache_salt is not None
         mm_ends = self._mm_ends
-        mm_offsets = self._mm_offsets
         num_mm = len(mm_ends)
         if not num_mm and not (salted and done == 0):
-            # No chunk here carries a per-chunk extra key (the common case):
-            # every encoding is length, parent, token count, tokens, then the
-            # constant extra keys.
-            end = (full - done) * width
-            if fn is _sha256 and not const_extra and len(parent) == 32:
-                # sha256 inline; every parent is 32 bytes from here on, so
-                # every encoding starts with the same length prefix: a copy
-                # of a hasher that has absorbed it is cheaper than hashing
-                # it again.
-                absorbed = _SHA256_AFTER_HEAD32
-                for off in range(0, end, width):
-                    h = absorbed.copy()
-                    h.update(parent + ntok + data[off : off + width])
-                    parent = h.digest()
-                    append(parent)
-                return full - done
-            for off in range(0, end, width):
-                plen = len(parent)
-                enc = (
-                    (small[plen] if plen < 129 else _pack_u32(plen))
-                    + parent
-                    + ntok
-                    + data[off : off + width]
-                )
-                if const_extra:
-                    enc += const_extra
-                parent = fn(enc)
-                append(parent)
+            # No chunk here carries a per-chunk extra key (the common case).
+            self._hash_plain_chunks(parent, data, full - done, append)
             return full - done
+        fn = self._fn
+        ntok = self._ntok_prefix
+        small = _U32_SMALL
+        const_extra = self._const_extra
+        mm_offsets = self._mm_offsets
         off = 0
         for i in range(done, full):
             plen = len(parent)
@@ -543,6 +576,23 @@ def plain_hasher(
         if len(_PLAIN_HASHERS) < _MAX_PLAIN_HASHERS:
             _PLAIN_HASHERS[key] = hasher
     return hasher
+
+
+def shared_plain_hasher(
+    hash_block_size: object, hash_function: object
+) -> BlockHasher | None:
+    """:func:`plain_hasher` for a positive int size and a hash function's
+    name, else ``None``, as for a size or name :class:`BlockHasher` refuses
+    (the caller's own checks then say why, in its words)."""
+    if type(hash_block_size) is int and type(hash_function) is str:
+        hasher = _PLAIN_HASHERS.get((hash_block_size, hash_function))
+        if hasher is not None or hash_block_size < 1:
+            return hasher
+        try:
+            return plain_hasher(hash_block_size, hash_function)
+        except KvcoreError:
+            return None
+    return None
 
 
 def normalize_mm_features(

@@ -12,6 +12,7 @@ from kvcore.coordinator.hashing import (
     MMFeature,
     normalize_mm_features,
     plain_hasher,
+    shared_plain_hasher,
 )
 from kvcore.errors import (
     InvalidRequestError,
@@ -93,94 +94,61 @@ class Request:
         mm_features: Sequence[MMFeature] | None = None,
         skip_reading_prefix_cache: bool = False,
     ) -> None:
-        if type(request_id) is not str:
-            msg = (
-                f"request_id must be a str, not {type(request_id).__name__} "
-                f"({request_id!r}); convert it with str()"
-            )
-            raise KvcoreTypeError(msg)
-        # Full chunks are checked as they are hashed (at C speed); the rest,
-        # and every token of an unhashed request, here.
-        what = f"request {request_id!r}: prompt"
-        given: object = prompt_token_ids  # checked: callers pass anything
-        chunk = (
-            hash_block_size
-            if type(hash_block_size) is int and hash_block_size > 0
-            else 0
+        # The usual request (a list or tuple prompt, a named hash function,
+        # no salt, LoRA or multimodal input) is checked and hashed by one packing of its
+        # tokens; any other, and a prompt that packing refuses, takes the
+        # general checks, which name what is wrong.
+        hasher = (
+            shared_plain_hasher(hash_block_size, hash_function)
+            if cache_salt is None and lora_name is None and mm_features is None
+            else None
         )
-        if type(given) is list or type(given) is tuple:
-            # The usual case, copied once.
-            prompt = list(prompt_token_ids)
-            hashed = len(prompt) - len(prompt) % chunk if chunk else 0
-            if hashed < len(prompt):
-                check_token_ids(prompt[hashed:], what, hashed)
-        else:
-            hashed = 0
-            if chunk:
-                count = len(given) if isinstance(given, Sequence) else 0
-                hashed = count - count % chunk
-            prompt = check_token_sequence(prompt_token_ids, what, checked=hashed)
-        num_prompt = len(prompt)
-        if num_prompt == 0:
-            msg = (
-                f"request {request_id!r} has an empty prompt; a request needs at "
-                "least one prompt token"
+        hashes = (
+            hasher.hash_prompt(prompt := list(prompt_token_ids))
+            if hasher is not None
+            and (type(prompt_token_ids) is list or type(prompt_token_ids) is tuple)
+            and type(request_id) is str
+            else None
+        )
+        if hashes is None:
+            prompt, hasher, features = _checked_inputs(
+                request_id,
+                prompt_token_ids,
+                hash_block_size,
+                hash_function,
+                cache_salt,
+                lora_name,
+                mm_features,
             )
-            raise InvalidRequestError(msg)
+        else:
+            features = ()
         self.request_id = request_id
         #: The prompt as a tuple, made on first read.
         self._prompt_token_ids: tuple[int, ...] | None = None
-        self._num_prompt_tokens = num_prompt
+        self._num_prompt_tokens = len(prompt)
         self.all_token_ids = prompt
         self.num_computed_tokens = 0
         self.shared_prefix_tokens = 0
         self._cache_salt = cache_salt
         self._lora_name = lora_name
+        self._mm_features = features
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.status = RequestStatus.WAITING
+        self._hasher = hasher
+        if hashes is not None:
+            assert hasher is not None  # internal invariant: hashes come from it
+            self.block_hashes = hashes
+            self._next_hash_at = (len(hashes) + 1) * hasher.hash_block_size
+            return
         self.block_hashes = []
         #: Token count at which the next chunk fills (never, unhashed).
         self._next_hash_at = _NEVER
-        try:
-            if cache_salt is not None and type(cache_salt) is not str:
-                msg = (
-                    f"cache_salt must be a str or None, not {type(cache_salt).__name__}"
-                )
-                raise KvcoreTypeError(msg)
-            if lora_name is not None and type(lora_name) is not str:
-                msg = f"lora_name must be a str or None, not {type(lora_name).__name__}"
-                raise KvcoreTypeError(msg)
-            features = normalize_mm_features(mm_features) if mm_features else ()
-            self._mm_features = features
-            if hash_block_size is None:
-                self._hasher = None
-            elif cache_salt is None and lora_name is None and not features:
-                self._hasher = plain_hasher(hash_block_size, hash_function)
-            else:
-                self._hasher = BlockHasher(
-                    hash_block_size,
-                    hash_function,
-                    cache_salt=cache_salt,
-                    lora_name=lora_name,
-                    mm_features=features,
-                )
-        except KvcoreError as exc:
-            exc.add_note(f"while creating request {request_id!r}")
-            raise
-        for ident, offset, length in features:
-            if offset + length > num_prompt:
-                msg = (
-                    f"request {request_id!r}: multimodal feature {ident!r} spans "
-                    f"tokens [{offset}, {offset + length}) but the prompt has "
-                    f"{num_prompt} tokens; placeholders must lie inside the prompt"
-                )
-                raise InvalidRequestError(msg)
-        if self._hasher is not None:
+        if hasher is not None:
             try:
-                self._hash(self._hasher)
+                self._hash(hasher)
             except KvcoreError:
                 # Name the bad token as the prompt's, not the hasher's.
-                check_token_ids(prompt, what)
+                check_token_ids(prompt, f"request {request_id!r}: prompt")
                 raise
 
     def _hash(self, hasher: BlockHasher, *, appended_one: bool = False) -> None:
@@ -281,6 +249,82 @@ class Request:
 
 _NEVER = 1 << 62
 """``_next_hash_at`` of a request that is not hashed."""
+
+
+def _checked_inputs(
+    request_id: object,
+    prompt_token_ids: Sequence[int],
+    hash_block_size: int | None,
+    hash_function: str | HashFunction,
+    cache_salt: str | None,
+    lora_name: str | None,
+    mm_features: Sequence[MMFeature] | None,
+) -> tuple[list[int], BlockHasher | None, tuple[MMFeature, ...]]:
+    """A new request's prompt (as its own list), hasher and placeholders,
+    every argument checked; errors name the request.  The prompt's full
+    chunks are left to the hashing, which checks them at C speed."""
+    if type(request_id) is not str:
+        msg = (
+            f"request_id must be a str, not {type(request_id).__name__} "
+            f"({request_id!r}); convert it with str()"
+        )
+        raise KvcoreTypeError(msg)
+    what = f"request {request_id!r}: prompt"
+    given: object = prompt_token_ids  # checked: callers pass anything
+    chunk = (
+        hash_block_size if type(hash_block_size) is int and hash_block_size > 0 else 0
+    )
+    if type(given) is list or type(given) is tuple:
+        prompt = list(prompt_token_ids)
+        hashed = len(prompt) - len(prompt) % chunk if chunk else 0
+        if hashed < len(prompt):
+            check_token_ids(prompt[hashed:], what, hashed)
+    else:
+        hashed = 0
+        if chunk:
+            count = len(given) if isinstance(given, Sequence) else 0
+            hashed = count - count % chunk
+        prompt = check_token_sequence(prompt_token_ids, what, checked=hashed)
+    num_prompt = len(prompt)
+    if num_prompt == 0:
+        msg = (
+            f"request {request_id!r} has an empty prompt; a request needs at "
+            "least one prompt token"
+        )
+        raise InvalidRequestError(msg)
+    hasher: BlockHasher | None
+    try:
+        if cache_salt is not None and type(cache_salt) is not str:
+            msg = f"cache_salt must be a str or None, not {type(cache_salt).__name__}"
+            raise KvcoreTypeError(msg)
+        if lora_name is not None and type(lora_name) is not str:
+            msg = f"lora_name must be a str or None, not {type(lora_name).__name__}"
+            raise KvcoreTypeError(msg)
+        features = normalize_mm_features(mm_features) if mm_features else ()
+        if hash_block_size is None:
+            hasher = None
+        elif cache_salt is None and lora_name is None and not features:
+            hasher = plain_hasher(hash_block_size, hash_function)
+        else:
+            hasher = BlockHasher(
+                hash_block_size,
+                hash_function,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+                mm_features=features,
+            )
+    except KvcoreError as exc:
+        exc.add_note(f"while creating request {request_id!r}")
+        raise
+    for ident, offset, length in features:
+        if offset + length > num_prompt:
+            msg = (
+                f"request {request_id!r}: multimodal feature {ident!r} spans "
+                f"tokens [{offset}, {offset + length}) but the prompt has "
+                f"{num_prompt} tokens; placeholders must lie inside the prompt"
+            )
+            raise InvalidRequestError(msg)
+    return prompt, hasher, features
 
 
 def _splitmix64(state: int) -> tuple[int, int]:
