@@ -31,6 +31,7 @@ from kvcore.coordinator import Request
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT as HASHED_TOKEN_LIMIT
 from kvcore.errors import (
+    BlockSizeError,
     InvalidSpecError,
     KvcoreKeyError,
     KvcoreTypeError,
@@ -533,6 +534,14 @@ CASES = [
         KvcoreTypeError,
         "request 'r': prompt: token id at position 0 is True (bool); token ids "
         "must be ints",
+    ),
+    Case(
+        "a hash block size past a u32",
+        "Request(prompt=[1, 2], hash_block_size=2**32)",
+        lambda tmp: Request("r", [1, 2], hash_block_size=2**32),
+        BlockSizeError,
+        "hash_block_size must be a positive int below 2**32 (a chunk's token "
+        "count is hashed as a u32), got 4294967296",
     ),
     Case(
         "a 0-d float tensor token id",

@@ -532,6 +532,9 @@ def test_one_packing_of_a_prompt_hashes_as_the_general_checks(
     bad_tokens: list[object] = [True, False, -1, 2**32, 1.0, "7", None]
     for case in range(300):
         bs = rng.choice([1, 3, 16, 128])
+        # The path reads the hasher an earlier request with these settings
+        # left (one is kept for each size and name some request passed).
+        Request("warm", [1], hash_block_size=bs, hash_function=name)
         n = rng.randrange(1, 600)
         tokens: list[object] = [
             rng.randrange(2**32 if case % 5 == 0 else 70_000) for _ in range(n)
@@ -592,3 +595,63 @@ def test_a_prompt_the_one_packing_refuses_is_named_as_before() -> None:
         KvcoreTypeError, match="'r': prompt: token id at position 37 is True"
     ):
         Request("r", [5] * 37 + [True], hash_block_size=16)  # type: ignore[list-item]
+
+
+def test_a_refused_request_leaves_no_hasher_behind() -> None:
+    """A request refused for its id, an empty prompt or a bad tail token
+    keeps no hasher for its settings (nothing is changed by a refused
+    call), so the 64 kept hashers stay for settings requests were built
+    with."""
+    from kvcore.coordinator.hashing import _PLAIN_HASHERS as kept
+
+    before = dict(kept)
+    for bs in range(1_000_001, 1_000_070):
+        with pytest.raises(KvcoreTypeError):
+            Request(7, [1], hash_block_size=bs)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError):
+            Request("r", [], hash_block_size=bs)
+        with pytest.raises(KvcoreTypeError, match="position 0 is True"):
+            Request("r", [True], hash_block_size=bs)  # type: ignore[list-item]
+    assert before == kept
+
+
+def test_a_hash_block_size_past_a_u32_is_refused_by_name() -> None:
+    """A chunk's token count is hashed as a u32, so a size of 2**32 or more
+    is refused as a block size, naming the request."""
+    with pytest.raises(BlockSizeError, match="below 2\\*\\*32") as info:
+        Request("big", [1, 2], hash_block_size=2**32)
+    assert "'big'" in " ".join(info.value.__notes__)
+    with pytest.raises(KvcoreTypeError, match="request_id must be a str"):
+        Request(7, [1], hash_block_size=2**32)  # type: ignore[arg-type]
+
+
+def test_a_subclass_or_patched_hashing_sees_every_prompt_hashed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one-packing path stands aside for a Request subclass (its own
+    ``_hash`` runs) and for ``BlockHasher.hash_new_blocks`` patched later
+    (a spy sees every construction), with the same hashes."""
+    from kvcore.coordinator.hashing import BlockHasher
+
+    tokens = list(range(100, 140))
+    want = Request("w", tokens, hash_block_size=16).block_hashes
+    calls: list[str] = []
+
+    class Traced(Request):
+        __slots__ = ()
+
+        def _hash(self, hasher: BlockHasher, *, appended_one: bool = False) -> None:
+            calls.append("_hash")
+            super()._hash(hasher, appended_one=appended_one)
+
+    assert Traced("t", tokens, hash_block_size=16).block_hashes == want
+    assert calls == ["_hash"]
+    real = BlockHasher.hash_new_blocks
+
+    def spy(self: BlockHasher, token_ids: Any, block_hashes: list[bytes]) -> int:
+        calls.append("hash_new_blocks")
+        return real(self, token_ids, block_hashes)
+
+    monkeypatch.setattr(BlockHasher, "hash_new_blocks", spy)
+    assert Request("s", tokens, hash_block_size=16).block_hashes == want
+    assert calls == ["_hash", "hash_new_blocks"]

@@ -29,7 +29,6 @@ from typing import Any, TypeAlias, overload
 
 from kvcore.errors import (
     BlockSizeError,
-    KvcoreError,
     KvcoreKeyError,
     KvcoreTypeError,
     KvcoreValueError,
@@ -331,9 +330,10 @@ class BlockHasher:
         lora_name: str | None = None,
         mm_features: Sequence[MMFeature] | None = None,
     ) -> None:
-        if type(hash_block_size) is not int or hash_block_size < 1:
+        if type(hash_block_size) is not int or not 0 < hash_block_size < TOKEN_ID_LIMIT:
             msg = (
-                f"hash_block_size must be a positive int, got {hash_block_size!r}; "
+                f"hash_block_size must be a positive int below 2**32 (a chunk's "
+                f"token count is hashed as a u32), got {hash_block_size!r}; "
                 "pass the number of tokens per hashed chunk (e.g. 16)"
             )
             raise BlockSizeError(msg)
@@ -445,12 +445,14 @@ class BlockHasher:
         """The hashes of every full chunk of a new request's prompt, its
         tokens (the unhashed tail's included) checked by one packing.
 
-        ``None`` when the prompt is empty, holds a token the token rule
-        refuses, or this hasher gives some chunk an extra key of its own (a
-        salt, a multimodal input): the caller then takes
-        :meth:`hash_new_blocks`, which names a bad token."""
-        data = pack_token_ids(token_ids) if token_ids else None
-        if data is None or self._mm_ends or self._cache_salt is not None:
+        ``None`` when this hasher gives some chunk an extra key of its own
+        (a salt, a multimodal input), the prompt is empty, or it holds a
+        token the token rule refuses: the request then takes its general
+        checks, which name what is wrong."""
+        if self._mm_ends or self._cache_salt is not None or not token_ids:
+            return None
+        data = pack_token_ids(token_ids)
+        if data is None:
             return None
         hashes: list[BlockHash] = []
         full = len(token_ids) // self.hash_block_size
@@ -578,20 +580,15 @@ def plain_hasher(
     return hasher
 
 
-def shared_plain_hasher(
+def kept_plain_hasher(
     hash_block_size: object, hash_function: object
 ) -> BlockHasher | None:
-    """:func:`plain_hasher` for a positive int size and a hash function's
-    name, else ``None``, as for a size or name :class:`BlockHasher` refuses
-    (the caller's own checks then say why, in its words)."""
+    """The :func:`plain_hasher` kept for this size and hash function's name,
+    if one is; else ``None``.  Nothing is built or checked: a new request
+    reads it before checking its own arguments (a kept hasher exists only
+    for settings some request passed with)."""
     if type(hash_block_size) is int and type(hash_function) is str:
-        hasher = _PLAIN_HASHERS.get((hash_block_size, hash_function))
-        if hasher is not None or hash_block_size < 1:
-            return hasher
-        try:
-            return plain_hasher(hash_block_size, hash_function)
-        except KvcoreError:
-            return None
+        return _PLAIN_HASHERS.get((hash_block_size, hash_function))
     return None
 
 

@@ -10,9 +10,9 @@ from kvcore.coordinator.hashing import (
     BlockHasher,
     HashFunction,
     MMFeature,
+    kept_plain_hasher,
     normalize_mm_features,
     plain_hasher,
-    shared_plain_hasher,
 )
 from kvcore.errors import (
     InvalidRequestError,
@@ -94,13 +94,19 @@ class Request:
         mm_features: Sequence[MMFeature] | None = None,
         skip_reading_prefix_cache: bool = False,
     ) -> None:
-        # The usual request (a list or tuple prompt, a named hash function,
-        # no salt, LoRA or multimodal input) is checked and hashed by one packing of its
-        # tokens; any other, and a prompt that packing refuses, takes the
-        # general checks, which name what is wrong.
+        # The usual request (a list or tuple prompt, a hash function named
+        # as an earlier request's was, no salt, LoRA or multimodal input) is
+        # checked and hashed by one packing of its tokens; any other, one
+        # built by a subclass or with hashing patched, and a prompt that
+        # packing refuses, takes the general checks, which name what is
+        # wrong.
         hasher = (
-            shared_plain_hasher(hash_block_size, hash_function)
-            if cache_salt is None and lora_name is None and mm_features is None
+            kept_plain_hasher(hash_block_size, hash_function)
+            if cache_salt is None
+            and lora_name is None
+            and mm_features is None
+            and type(self) is Request
+            and BlockHasher.hash_new_blocks is _HASH_NEW_BLOCKS
             else None
         )
         hashes = (
@@ -249,6 +255,10 @@ class Request:
 
 _NEVER = 1 << 62
 """``_next_hash_at`` of a request that is not hashed."""
+
+_HASH_NEW_BLOCKS = BlockHasher.hash_new_blocks
+"""The hashing a new request's one-packing path stands for: patched later
+(a spy, injected failures), it is called instead."""
 
 
 def _checked_inputs(
