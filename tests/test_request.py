@@ -412,16 +412,21 @@ def test_a_bool_token_in_a_prompt_of_any_length_is_refused(
     assert len(Request("r", tokens, hash_block_size=16).block_hashes) == length // 16  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("length", [1, 16, 64, 65, 200, 256, 257, 512, 2048])
+@pytest.mark.parametrize("length", [1, 16, 64, 65, 96, 97, 200, 256, 257, 512, 2048])
 def test_the_bool_search_agrees_with_reading_every_type(length: int) -> None:
     """Only tokens packed as 0 or 1 have their types read; on random
     prompts full of 0s and 1s (a BOS token, padding, a straddling match)
     the answer is the one reading every token's type gives."""
     rng = random.Random(length)
-    for case in range(60):
+    for case in range(90):
         tokens: list[int] = [rng.randrange(2, 70_000) for _ in range(length)]
         for _ in range(rng.choice([0, 1, 2, 5, 80])):
             tokens[rng.randrange(length)] = rng.choice([0, 1, False, True])
+        if case % 3 == 0:
+            # A BOS of 0 or 1 (or a bool there), then maybe one more 0 or 1.
+            tokens[0] = rng.choice([0, 1, False, True])
+            if case % 2 and length > 1:
+                tokens[rng.randrange(1, length)] = rng.choice([0, 1, False, True])
         if case % 7 == 0 and length > 1:
             # Bytes 01 00 | 00 00 across two tokens, neither 0 nor 1.
             at = rng.randrange(length - 1)
