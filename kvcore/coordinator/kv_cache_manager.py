@@ -1099,14 +1099,14 @@ class KVCacheManager:
         pool = self.block_pool
         release = pool._release_table
         requests = self._requests
-        #: Each group's per-request maps, last group in free order first.
-        maps = tuple(
-            (
-                m.req_to_blocks,
-                m.num_cached_block,
-                m.num_released if m.skips_blocks else None,
-            )
-            for m in reversed(coordinator._free_order)
+        #: The groups, last group in free order first.
+        in_order = tuple(reversed(coordinator._free_order))
+        #: Their per-request maps' pops, bound once: the tables' in that
+        #: order, then every count's (one call per map, no test of which
+        #: maps a group has).
+        table_pops = tuple(m.req_to_blocks.pop for m in in_order)
+        count_pops = tuple(m.num_cached_block.pop for m in in_order) + tuple(
+            m.num_released.pop for m in in_order if m.skips_blocks
         )
         # Twin steps mark requests that leave the shared path; a freed id
         # is unmarked (KVCacheCoordinator._twin_free).
@@ -1114,7 +1114,15 @@ class KVCacheManager:
         klass = type(self)
         own = _OWN_METHODS["free"]
         #: One group's maps (one group has no twins to unmark).
-        one = maps[0] if len(maps) == 1 else None
+        one = (
+            (
+                in_order[0].req_to_blocks,
+                in_order[0].num_cached_block,
+                in_order[0].num_released if in_order[0].skips_blocks else None,
+            )
+            if len(in_order) == 1
+            else None
+        )
 
         def free(request: Request | str) -> None:
             if type(request) is Request:
@@ -1145,11 +1153,10 @@ class KVCacheManager:
                 # The popped tables are joined without changing any of them
                 # (a caller may hold one from get_blocks).
                 joined = False
-                for tables, hashed, released in maps:
-                    hashed.pop(rid, None)
-                    if released is not None:
-                        released.pop(rid, None)
-                    blocks = tables.pop(rid, None)
+                for drop in count_pops:
+                    drop(rid, None)
+                for take in table_pops:
+                    blocks = take(rid, None)
                     if blocks:
                         if freed is None:
                             freed = blocks
