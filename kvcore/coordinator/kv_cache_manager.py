@@ -1150,21 +1150,16 @@ class KVCacheManager:
                     released.pop(rid, None)
                 freed = tables.pop(rid, None)
             else:
-                # The popped tables are joined without changing any of them
-                # (a caller may hold one from get_blocks).
-                joined = False
+                # The popped tables are joined into a new list, changing
+                # none of them (a caller may hold one from get_blocks).
                 for drop in count_pops:
                     drop(rid, None)
+                freed = []
+                join = freed.extend
                 for take in table_pops:
                     blocks = take(rid, None)
                     if blocks:
-                        if freed is None:
-                            freed = blocks
-                        elif joined:
-                            freed += blocks
-                        else:
-                            freed = freed + blocks
-                            joined = True
+                        join(blocks)
                 if untwinned:
                     untwinned.discard(rid)
             if freed:
