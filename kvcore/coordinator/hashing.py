@@ -299,6 +299,16 @@ def block_extra_keys(
 # ---------------------------------------------------------------------------
 
 
+def check_extra_key_names(cache_salt: object, lora_name: object) -> None:
+    """Refuse a cache salt or LoRA name that is neither a str nor None."""
+    if cache_salt is not None and type(cache_salt) is not str:
+        msg = f"cache_salt must be a str or None, not {type(cache_salt).__name__}"
+        raise KvcoreTypeError(msg)
+    if lora_name is not None and type(lora_name) is not str:
+        msg = f"lora_name must be a str or None, not {type(lora_name).__name__}"
+        raise KvcoreTypeError(msg)
+
+
 class BlockHasher:
     """Hashes the new full chunks of one request's growing token list.
 
@@ -337,12 +347,7 @@ class BlockHasher:
                 "pass the number of tokens per hashed chunk (e.g. 16)"
             )
             raise BlockSizeError(msg)
-        if cache_salt is not None and type(cache_salt) is not str:
-            msg = f"cache_salt must be a str or None, not {type(cache_salt).__name__}"
-            raise KvcoreTypeError(msg)
-        if lora_name is not None and type(lora_name) is not str:
-            msg = f"lora_name must be a str or None, not {type(lora_name).__name__}"
-            raise KvcoreTypeError(msg)
+        check_extra_key_names(cache_salt, lora_name)
         self.hash_block_size = hash_block_size
         self.hash_function = hash_function
         self._fn = get_hash_function(hash_function)

@@ -10,6 +10,7 @@ from kvcore.coordinator.hashing import (
     BlockHasher,
     HashFunction,
     MMFeature,
+    check_extra_key_names,
     kept_plain_hasher,
     normalize_mm_features,
     plain_hasher,
@@ -304,12 +305,7 @@ def _checked_inputs(
         raise InvalidRequestError(msg)
     hasher: BlockHasher | None
     try:
-        if cache_salt is not None and type(cache_salt) is not str:
-            msg = f"cache_salt must be a str or None, not {type(cache_salt).__name__}"
-            raise KvcoreTypeError(msg)
-        if lora_name is not None and type(lora_name) is not str:
-            msg = f"lora_name must be a str or None, not {type(lora_name).__name__}"
-            raise KvcoreTypeError(msg)
+        check_extra_key_names(cache_salt, lora_name)
         features = normalize_mm_features(mm_features) if mm_features else ()
         if hash_block_size is None:
             hasher = None
