@@ -825,3 +825,56 @@ def test_free_table_takes_any_iterable(transaction: bool) -> None:
         results.append((free_ids(p), [b.ref_cnt for b in table]))
         assert p.get_num_free_blocks() == 7
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_long_free_queue_copies_as_its_order(how: str) -> None:
+    """A queue of 50,000 blocks copies without recursing along its links:
+    the copy holds copies of the blocks in the same order, linked among
+    themselves, and the original is untouched."""
+    import copy
+    import pickle
+
+    blocks = [KVCacheBlock(i) for i in range(50_000)]
+    queue = FreeBlockQueue(blocks)
+    taken = queue.popleft_n(3)
+    queue.remove(blocks[100])
+    queue.append(taken[1])
+    clone = (
+        copy.deepcopy(queue) if how == "deepcopy" else pickle.loads(pickle.dumps(queue))
+    )
+    order = [b.block_id for b in queue.get_all_free_blocks()]
+    copied = clone.get_all_free_blocks()
+    assert [b.block_id for b in copied] == order
+    assert len(clone) == len(queue) == 49_997
+    assert not {id(b) for b in copied} & {id(b) for b in blocks}
+    assert all(a.next_free is b and b.prev_free is a for a, b in pairwise(copied))
+    # Each side runs on its own.
+    assert clone.popleft().block_id == queue.popleft().block_id == 3
+    assert len(clone) == len(queue) == 49_996
+
+
+def test_a_copied_block_keeps_every_field_but_its_links() -> None:
+    """A block's copy keeps its fields, a subclass's own slots and
+    attributes included, and starts outside any queue."""
+    import copy
+
+    class Tagged(KVCacheBlock):
+        __slots__ = ("tag",)
+
+    block = Tagged(5)
+    block.tag = "t"
+    block.ref_cnt = 2
+    block.key_hash = b"h"
+    block.key_group = 3
+    FreeBlockQueue([KVCacheBlock(1), block])
+    assert block.prev_free is not None
+    clone = copy.deepcopy(block)
+    assert (clone.tag, clone.block_id, clone.ref_cnt, clone.block_hash) == (
+        "t",
+        5,
+        2,
+        (b"h", 3),
+    )
+    assert clone.prev_free is None
+    assert clone.next_free is None

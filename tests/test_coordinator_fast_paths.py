@@ -791,6 +791,55 @@ def test_a_plan_marked_unvetted_later_frees_through_the_checked_path() -> None:
     assert "a" in manager.req_to_blocks
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_large_pool_loaded_through_plugins_copies_and_pickles(how: str) -> None:
+    """A manager whose registry came from a plugin manager (as an engine's
+    does), over 20,000 blocks, cached, free and in use, deep-copies and
+    pickles: the free queue is copied as its order, not along its links
+    (a walk that passed Python's recursion limit at a few hundred blocks),
+    and the plugin manager, which holds modules, stays behind; the copy
+    keeps the distributions its errors name.  Both sides then answer the
+    same steps alike."""
+    import copy
+    import pickle
+
+    mgr = setup.manager_for(
+        [setup.fa(4), setup.sw(4, 8)],
+        20_000,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        registry=setup.builtin_registry(),
+    )
+    shared = [7] * 8
+    for i in range(30):
+        req = Request(
+            f"r{i}", shared + list(range(i * 100, i * 100 + 30)), hash_block_size=4
+        )
+        blocks, hit = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, 38 - hit, hit, blocks) is not None
+        if i % 3:
+            mgr.free(req)
+    clone = copy.deepcopy(mgr) if how == "deepcopy" else pickle.loads(pickle.dumps(mgr))
+    assert observed(clone) == observed(mgr)
+    keys = [b.block_hash for b in mgr.block_pool.blocks]
+    assert [b.block_hash for b in clone.block_pool.blocks] == keys
+    assert mgr.block_pool.num_cached_blocks > 0
+    hits = []
+    for side in (mgr, clone):
+        req = Request("x", shared + list(range(40)), hash_block_size=4)
+        blocks, hit = side.get_computed_blocks(req)
+        assert side.allocate_slots(req, 48 - hit, hit, blocks) is not None
+        hits.append(hit)
+        for i in range(0, 30, 3):
+            side.free(f"r{i}")
+    assert hits[0] == hits[1] > 0
+    assert observed(clone) == observed(mgr)
+    owners = set(mgr.coordinator._owners)
+    assert {p: clone.coordinator._distribution(p) for p in owners} == {
+        p: mgr.coordinator._distribution(p) for p in owners
+    }
+
+
 @pytest.mark.parametrize("thread_safe", [False, True])
 @pytest.mark.parametrize(
     "specs",

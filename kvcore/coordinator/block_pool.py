@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from kvcore.coordinator.events import (
     MEDIUM_GPU,
@@ -101,6 +101,23 @@ class KVCacheBlock:
         self.partial_keys = None
         self.partial_group = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The block's fields (a subclass's too) but its free-queue links:
+        the queue relinks its blocks (see :meth:`FreeBlockQueue.__setstate__`),
+        so copying or pickling a pool never recurses along the queue."""
+        state = {
+            name: getattr(self, name)
+            for name in _copied_fields(type(self))
+            if hasattr(self, name)
+        }
+        state.update(getattr(self, "__dict__", ()))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.prev_free = self.next_free = None
+        for name, value in state.items():
+            setattr(self, name, value)
+
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
         """Prefix-cache key ``(block hash, group id)`` while registered, else
@@ -114,6 +131,22 @@ class KVCacheBlock:
         return (
             f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={key}{null})"
         )
+
+
+def _copied_fields(cls: type) -> tuple[str, ...]:
+    """The slots of a block class that a copy keeps: all but the links."""
+    fields = _COPIED_FIELDS.get(cls)
+    if fields is None:
+        fields = _COPIED_FIELDS[cls] = tuple(
+            name
+            for klass in cls.__mro__
+            for name in getattr(klass, "__slots__", ())
+            if name not in ("prev_free", "next_free", "__dict__", "__weakref__")
+        )
+    return fields
+
+
+_COPIED_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 # ---------------------------------------------------------------------------
@@ -142,6 +175,14 @@ class FreeBlockQueue:
 
     def __len__(self) -> int:
         return self.num_free
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The queue as its blocks, front first (the links are not copied:
+        a copy of a long queue would recurse along them)."""
+        return {"order": self.get_all_free_blocks()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        FreeBlockQueue.__init__(self, state["order"])
 
     def popleft(self) -> KVCacheBlock:
         """Take the front block."""

@@ -330,6 +330,12 @@ class KVCacheCoordinator:
         state = self.__dict__.copy()
         for name in (*self._SINGLE_STEPS, *_TWIN_STEPS):
             state.pop(name, None)
+        # The plugin manager holds modules, which do not copy: a copy keeps
+        # only what it names in errors, each plugin's distribution.
+        state["_plugin_manager"] = None
+        state["_distributions"] = {
+            plugin: self._distribution(plugin) for plugin in set(self._owners)
+        }
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1305,15 +1311,7 @@ class KVCacheCoordinator:
         manager = self.single_type_managers[gid]
         kind = manager.kv_cache_spec.kind
         plugin = self._owners[gid]
-        distribution = None
-        if self._plugin_manager is not None:
-            from kvcore.plugins import plugin_distribution
-
-            try:
-                shown = plugin_distribution(self._plugin_manager, plugin)
-            except Exception:  # metadata lookups only decorate the message
-                shown = None
-            distribution = shown.rsplit(" ", 1)[0] if shown else None
+        distribution = self._distribution(plugin)
         where = f" (distribution {distribution!r})" if distribution else ""
         msg = (
             f"the {type(manager).__name__} of cache group {gid} (kind {kind!r}, "
@@ -1323,6 +1321,21 @@ class KVCacheCoordinator:
             f"the plugin with KVCORE_DISABLE_PLUGINS={plugin}"
         )
         return PluginError(msg, plugin_name=plugin, distribution=distribution)
+
+    def _distribution(self, plugin: str) -> str | None:
+        """The distribution that ships ``plugin``, where known (from the
+        plugin manager, or as a copy recorded it)."""
+        pm = self._plugin_manager
+        if pm is None:
+            known: dict[str, str | None] = self.__dict__.get("_distributions", {})
+            return known.get(plugin)
+        from kvcore.plugins import plugin_distribution
+
+        try:
+            shown = plugin_distribution(pm, plugin)
+        except Exception:  # metadata lookups only decorate the message
+            shown = None
+        return shown.rsplit(" ", 1)[0] if shown else None
 
 
 #: The steps twin groups share (see KVCacheCoordinator._init_twins); each
