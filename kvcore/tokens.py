@@ -1,7 +1,8 @@
 """The token rule: which token ids and token counts kvcore takes.
 
-Token ids and token counts are ints in ``[0, 2**32)``, never bools: ids are
-hashed as 4-byte unsigned ints, and a count past that is a unit slip.
+Token ids and token counts are ints in ``[0, 2**32)``, never bools (nor 0-d
+bool tensors): ids are hashed as 4-byte unsigned ints, and a count past that
+is a unit slip.
 Integer objects (a numpy integer, a 0-d integer tensor) are taken as ids by
 value.  Every place a token id or count enters (the command line, model
 files, requests, configs) checks it here, and the hashing packs ids with
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
+import torch
 
 from kvcore.errors import KvcoreTypeError, KvcoreValueError, echo
 from kvcore.limits import TOKEN_ID_LIMIT
@@ -98,7 +100,7 @@ def _holds_bool(tokens: Sequence[object], data: bytes) -> bool:
         if _PACKED_ZERO not in data and _PACKED_ONE not in data:
             return False
         if n <= 64:
-            return bool in set(map(type, tokens))
+            return _any_bool(tokens)
         words = np.frombuffer(data, dtype=_U32_LE)
     else:
         words = np.frombuffer(data, dtype=_U32_LE)
@@ -108,15 +110,33 @@ def _holds_bool(tokens: Sequence[object], data: bytes) -> bool:
         if at == 0:
             # A BOS id of 0 or 1 (the first minimum): its type is read,
             # and only the rest reduced again.
-            if type(tokens[0]) is bool:
+            if _is_bool(tokens[0]):
                 return True
             rest = words[1:]
             if rest[rest.argmin()] > 1:
                 return False
     where = (words <= 1).nonzero()[0]
     if len(where) > 64:
-        return bool in set(map(type, tokens))
-    return any(type(tokens[i]) is bool for i in where.tolist())
+        return _any_bool(tokens)
+    return any(_is_bool(tokens[i]) for i in where.tolist())
+
+
+def _is_bool(token: object) -> bool:
+    """Whether ``token`` is a bool: a Python bool, or a 0-d bool tensor
+    (which packs by value, as 0 or 1)."""
+    return type(token) is bool or (
+        isinstance(token, torch.Tensor) and token.dtype == torch.bool
+    )
+
+
+def _any_bool(tokens: Sequence[object]) -> bool:
+    """:func:`_is_bool` of every token, reading each one's type once."""
+    types = set(map(type, tokens))
+    if bool in types:
+        return True
+    return any(issubclass(t, torch.Tensor) for t in types) and any(
+        map(_is_bool, tokens)
+    )
 
 
 #: Up to this many tokens, a byte search for a packed 0 or 1 goes first (it
@@ -155,7 +175,7 @@ def _name_bad_token(tokens: Sequence[object], what: str, start: int) -> None:
     none (a token whose ``__index__`` answers differently the second time)."""
     for pos, tok in enumerate(tokens, start):
         try:
-            if type(tok) is bool:
+            if _is_bool(tok):
                 raise TypeError
             value = operator.index(cast("int", tok))
         except TypeError:

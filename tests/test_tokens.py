@@ -117,3 +117,19 @@ def test_a_sequence_is_judged_by_what_it_yields(length: int) -> None:
     with pytest.raises(KvcoreTypeError, match=f"position {length - 1} is True"):
         check_token_ids(tokens, "t")
     check_token_ids(set(range(length)), "t")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 65, 97, 300])
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_tensor_token_is_refused_like_a_bool(length: int, flag: bool) -> None:
+    """A 0-d bool tensor packs by value (as 0 or 1), as an integer tensor
+    does; it is refused like a bool, by position, wherever it stands, while
+    a 0-d integer tensor of the same value is taken."""
+    at = length // 2
+    tokens: list[object] = [1000 + i for i in range(length)]
+    tokens[at] = torch.tensor(flag)
+    with pytest.raises(KvcoreTypeError, match=f"position {at} is tensor\\({flag}\\)"):
+        token_ids(tokens, "prompt")
+    assert pack_token_ids(tokens) is None
+    tokens[at] = torch.tensor(int(flag))
+    assert token_ids(tokens, "prompt")[at] == int(flag)
