@@ -544,6 +544,13 @@ CASES = [
         "count is hashed as a u32), got 4294967296",
     ),
     Case(
+        "a 0-d bool tensor token id",
+        "Request(prompt=[1, torch.tensor(True), 1, 1])",
+        request([1, torch.tensor(True), 1, 1]),
+        KvcoreTypeError,
+        "token id at position 1 is tensor(True) (Tensor); token ids must be ints",
+    ),
+    Case(
         "a 0-d float tensor token id",
         "Request(prompt=[torch.tensor(5.0), 1, 1, 1])",
         request([torch.tensor(5.0), 1, 1, 1]),
