@@ -1114,15 +1114,11 @@ class KVCacheManager:
         klass = type(self)
         own = _OWN_METHODS["free"]
         #: One group's maps (one group has no twins to unmark).
-        one = (
-            (
-                in_order[0].req_to_blocks,
-                in_order[0].num_cached_block,
-                in_order[0].num_released if in_order[0].skips_blocks else None,
-            )
-            if len(in_order) == 1
-            else None
-        )
+        one = None
+        if len(in_order) == 1:
+            (only,) = in_order
+            released_of = only.num_released if only.skips_blocks else None
+            one = (only.req_to_blocks, only.num_cached_block, released_of)
 
         def free(request: Request | str) -> None:
             if type(request) is Request:
