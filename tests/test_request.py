@@ -513,16 +513,22 @@ def _general_path(request_id: str, tokens: object, **options: Any) -> Request:
     )
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["as-built", "python"])
 @pytest.mark.parametrize("name", ["sha256", "xxh3_128"])
 def test_one_packing_of_a_prompt_hashes_as_the_general_checks(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A list or tuple prompt with a named hash function is checked and
-    hashed by one packing of its tokens (``BlockHasher.hash_prompt``); on
-    random prompts of every length against each block size it gives the
-    general path's hashes, tokens and counters, and refuses what that path
-    refuses with the same error."""
+    hashed by one packing of its tokens (``BlockHasher.hash_prompt``: the
+    compiled pass where it was built, else Python); on random prompts of
+    every length against each block size it gives the general path's
+    hashes, tokens and counters, and refuses what that path refuses with
+    the same error."""
+    from kvcore.coordinator import hashing
     from kvcore.coordinator.hashing import BlockHasher
+
+    if not compiled:
+        monkeypatch.setattr(hashing, "_chain_sha256", None)
 
     taken = 0
     real = BlockHasher.hash_prompt
@@ -660,3 +666,47 @@ def test_a_subclass_or_patched_hashing_sees_every_prompt_hashed(
     monkeypatch.setattr(BlockHasher, "hash_new_blocks", spy)
     assert Request("s", tokens, hash_block_size=16).block_hashes == want
     assert calls == ["_hash", "hash_new_blocks"]
+
+
+def test_the_compiled_chain_hashes_as_the_python_path() -> None:
+    """The compiled pass (built at install where a C compiler and OpenSSL
+    are) gives the Python path's digests for every length and block size,
+    the largest token ids included, and answers None for any token but a
+    plain int in [0, 2**32), so the Python path decides and names it."""
+    chainhash = pytest.importorskip("kvcore.coordinator._chainhash")
+    import numpy as np
+
+    from kvcore.coordinator.hashing import BlockHasher
+
+    chain = chainhash.chain_sha256
+    rng = random.Random(3)
+    for case in range(400):
+        bs = rng.choice([1, 2, 7, 16, 128, 1000])
+        n = rng.randrange(0, 2100)
+        tokens = [rng.choice([0, 1, 2**32 - 1, rng.randrange(2**32)]) for _ in range(n)]
+        want: list[bytes] = []
+        BlockHasher(bs, "sha256").hash_new_blocks(tokens, want)
+        assert chain(tokens, bs) == want, case
+        assert chain(tuple(tokens), bs) == want, case
+
+    class Sub(int):
+        pass
+
+    for bad in (True, False, -1, 2**32, 2**70, 1.0, "1", None, np.int64(1), Sub(1)):
+        for at in (0, 5, 16):  # a hashed chunk, the tail
+            tokens2: list[object] = [3] * 17
+            tokens2[at] = bad
+            assert chain(tokens2, 16) is None, (bad, at)
+
+    class Items(list):  # type: ignore[type-arg]
+        pass
+
+    assert chain(Items([1, 2]), 1) is None
+    assert chain([], 4) == []
+    for size in (0, -1, 2**32):
+        with pytest.raises(ValueError, match="block_size"):
+            chain([1], size)
+    with pytest.raises(TypeError):
+        chain([1], "4")
+    with pytest.raises(TypeError):
+        chain([1])

@@ -94,6 +94,18 @@ def _sha256(data: bytes) -> bytes:
 #: starts every chained encoding after the first chunk's.
 _SHA256_AFTER_HEAD32 = _sha256_new(struct.pack("<I", 32))
 
+_chain_sha256: Callable[[list[int], int], list[BlockHash] | None] | None
+try:
+    # Built at install where a C compiler and OpenSSL are (hatch_build.py).
+    from kvcore.coordinator._chainhash import chain_sha256 as _chain_sha256
+except ImportError:  # pragma: no cover - depends on the build
+    _chain_sha256 = None
+
+COMPILED_PROMPT_HASHING: bool = _chain_sha256 is not None
+"""Whether a new request's sha256 chunk hashes come from kvcore's compiled
+pass (packing, the token check and every digest in one C loop) rather than
+the Python path; the hashes are the same either way."""
+
 
 def _load_sha256() -> HashFunction:
     return _sha256
@@ -456,10 +468,18 @@ class BlockHasher:
         checks, which name what is wrong."""
         if self._mm_ends or self._cache_salt is not None or not token_ids:
             return None
+        chain = _chain_sha256
+        if chain is not None and self._chunk is not None:
+            # sha256 and no extra keys: one C pass, or None for any token
+            # but a plain int in range (numpy ints, bools and refusals are
+            # then the Python path's).
+            hashes: list[BlockHash] | None = chain(token_ids, self.hash_block_size)
+            if hashes is not None:
+                return hashes
         data = pack_token_ids(token_ids)
         if data is None:
             return None
-        hashes: list[BlockHash] = []
+        hashes = []
         full = len(token_ids) // self.hash_block_size
         if full:
             self._hash_plain_chunks(NONE_HASH, data, full, hashes.append)
