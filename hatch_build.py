@@ -21,15 +21,15 @@ class ChainHashBuildHook(BuildHookInterface):  # type: ignore[type-arg]
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
-        if os.environ.get("KVCORE_NO_EXTENSION"):
-            return
         root = Path(self.root)
         source = root / SOURCE
-        suffix = sysconfig.get_config_var("EXT_SUFFIX")
-        linker = sysconfig.get_config_var("LDSHARED")
-        if not (source.exists() and suffix and linker):
-            return
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
         target = source.with_name("_chainhash" + suffix)
+        # A module left by an earlier build never outlives its source.
+        target.unlink(missing_ok=True)
+        linker = sysconfig.get_config_var("LDSHARED")
+        if os.environ.get("KVCORE_NO_EXTENSION") or not (source.exists() and linker):
+            return
         command = [
             *shlex.split(linker),
             *shlex.split(sysconfig.get_config_var("CCSHARED") or ""),
