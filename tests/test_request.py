@@ -703,7 +703,8 @@ def test_the_compiled_chain_hashes_as_the_python_path() -> None:
 
     assert chain(Items([1, 2]), 1) is None
     assert chain([], 4) == []
-    for size in (0, -1, 2**32):
+    assert chain([5] * 10, 2**32 - 1) == []  # a chunk longer than the prompt
+    for size in (0, -1, 2**32, 2**64):
         with pytest.raises(ValueError, match="block_size"):
             chain([1], size)
     with pytest.raises(TypeError):

@@ -12,13 +12,16 @@
  * [0, 2**32), the tail past the last full chunk included; the caller then
  * takes the Python path, which decides and names the token.  Every token is
  * read before any Python object is made, so no Python code runs while the
- * sequence is read.  The digests come from OpenSSL's libcrypto.
+ * sequence is read.  The digests come from OpenSSL's libcrypto (EVP).
  */
 #define PY_SSIZE_T_CLEAN
-#define OPENSSL_SUPPRESS_DEPRECATED
 #include <Python.h>
-#include <openssl/sha.h>
+#include <openssl/evp.h>
 #include <string.h>
+
+/* SHA-256 fetched once from the default library context, so a FIPS or
+ * other provider configuration applies as it does to hashlib. */
+static EVP_MD *sha256_md = NULL;
 
 static void
 put_u32(unsigned char *p, unsigned long v)
@@ -42,26 +45,32 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
         Py_RETURN_NONE;
     }
-    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
-    if (bs == -1 && PyErr_Occurred()) {
-        return NULL;
+    unsigned long long block = PyLong_AsUnsignedLongLong(args[1]);
+    if (block == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        block = 0;
     }
-    if (bs < 1 || (unsigned long long)bs > 0xFFFFFFFFULL) {
+    if (block < 1 || block > 0xFFFFFFFFULL) {
         PyErr_SetString(PyExc_ValueError,
                         "block_size must be an int in [1, 2**32)");
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t bs = (unsigned long long)n < block ? n + 1 : (Py_ssize_t)block;
     Py_ssize_t full = n / bs;
-    size_t width = 4 * (size_t)bs;
-    size_t enc_len = 40 + width;
     /* The chunk encodings side by side: each chunk's tokens are packed
-     * straight into its encoding, and only the parent is filled in later. */
-    if ((size_t)full > (PY_SSIZE_T_MAX - 32) / enc_len) {
+     * straight into its encoding, and only the parent is filled in later.
+     * A chunk is full only if it fits in the list, so these sizes are
+     * bounded by the list's; the check guards the product. */
+    unsigned long long enc_len = 40ULL + 4ULL * (unsigned long long)bs;
+    if (full && (unsigned long long)full > (PY_SSIZE_T_MAX - 32) / enc_len) {
         return PyErr_NoMemory();
     }
-    unsigned char *enc = PyMem_Malloc(full ? (size_t)full * enc_len : 1);
+    unsigned char *enc = PyMem_Malloc(full ? (size_t)((unsigned long long)full * enc_len) : 1);
     unsigned char *digests = PyMem_Malloc(full ? (size_t)full * 32 : 1);
     if (enc == NULL || digests == NULL) {
         PyMem_Free(enc);
@@ -83,24 +92,36 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_ssize_t chunk = i / bs;
         if (chunk < full) {
-            put_u32(enc + (size_t)chunk * enc_len + 40 + 4 * (size_t)(i % bs), v);
+            size_t at = (size_t)((unsigned long long)chunk * enc_len);
+            put_u32(enc + at + 40 + 4 * (size_t)(i % bs), v);
         }
     }
     static const unsigned char none_hash[32] = {0};
     const unsigned char *parent = none_hash;
+    EVP_MD_CTX *ctx = full ? EVP_MD_CTX_new() : NULL;
+    if (full && ctx == NULL) {
+        PyMem_Free(enc);
+        PyMem_Free(digests);
+        return PyErr_NoMemory();
+    }
     for (Py_ssize_t c = 0; c < full; c++) {
-        unsigned char *e = enc + (size_t)c * enc_len;
+        unsigned char *e = enc + (size_t)((unsigned long long)c * enc_len);
+        unsigned char *digest = digests + 32 * (size_t)c;
         put_u32(e, 32);
         memcpy(e + 4, parent, 32);
         put_u32(e + 36, (unsigned long)bs);
-        /* The low-level calls: the one-shot SHA256() of OpenSSL 3 looks
-         * the algorithm up by name on every call. */
-        SHA256_CTX ctx;
-        SHA256_Init(&ctx);
-        SHA256_Update(&ctx, e, enc_len);
-        SHA256_Final(digests + 32 * (size_t)c, &ctx);
-        parent = digests + 32 * (size_t)c;
+        if (!EVP_DigestInit_ex(ctx, sha256_md, NULL) ||
+            !EVP_DigestUpdate(ctx, e, (size_t)enc_len) ||
+            !EVP_DigestFinal_ex(ctx, digest, NULL)) {
+            EVP_MD_CTX_free(ctx);
+            PyMem_Free(enc);
+            PyMem_Free(digests);
+            PyErr_SetString(PyExc_RuntimeError, "OpenSSL's sha256 failed");
+            return NULL;
+        }
+        parent = digest;
     }
+    EVP_MD_CTX_free(ctx);
     PyMem_Free(enc);
     PyObject *out = PyList_New(full);
     if (out == NULL) {
@@ -142,5 +163,13 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__chainhash(void)
 {
+    if (sha256_md == NULL) {
+        sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+        if (sha256_md == NULL) {
+            PyErr_SetString(PyExc_ImportError,
+                            "OpenSSL offers no SHA256 in its default context");
+            return NULL;
+        }
+    }
     return PyModule_Create(&module_def);
 }
