@@ -1,7 +1,8 @@
 """Build hook: compile kvcore's optional prompt hashing
 (``kvcore/coordinator/_chainhash.c``) when a C compiler and OpenSSL's
 headers are there; otherwise warn and build kvcore without it (every code
-path has a Python twin).  ``KVCORE_NO_EXTENSION=1`` skips the compile.
+path has a Python twin).  ``KVCORE_NO_EXTENSION`` set to anything but
+``0`` or empty skips the compile.
 Nothing here can fail a build."""
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ class ChainHashBuildHook(BuildHookInterface):  # type: ignore[type-arg]
 
     def _compile(self) -> Path | None:
         """The compiled module's path, or None where it is not built."""
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        if not suffix:
+            return None  # no name the interpreter imports a module by
         source = Path(self.root) / SOURCE
-        target = source.with_name("_chainhash" + sysconfig.get_config_var("EXT_SUFFIX"))
+        target = source.with_name("_chainhash" + suffix)
         # A module left by an earlier build never outlives its source (a
         # read-only tree holds none to remove).
         with contextlib.suppress(OSError):

@@ -707,7 +707,8 @@ def test_the_compiled_chain_hashes_as_the_python_path() -> None:
     for size in (0, -1, 2**32, 2**64):
         with pytest.raises(ValueError, match="block_size"):
             chain([1], size)
-    with pytest.raises(TypeError):
-        chain([1], "4")
+    for size in ("4", True, 4.0):
+        with pytest.raises(TypeError):
+            chain([1], size)
     with pytest.raises(TypeError):
         chain([1])

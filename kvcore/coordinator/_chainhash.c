@@ -45,6 +45,10 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
         Py_RETURN_NONE;
     }
+    if (PyBool_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "block_size must be an int, not bool");
+        return NULL;
+    }
     unsigned long long block = PyLong_AsUnsignedLongLong(args[1]);
     if (block == (unsigned long long)-1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
