@@ -460,7 +460,9 @@ class BlockHasher:
 
     def hash_prompt(self, token_ids: list[int]) -> list[BlockHash] | None:
         """The hashes of every full chunk of a new request's prompt, its
-        tokens (the unhashed tail's included) checked by one packing.
+        tokens (the unhashed tail's included) checked by one packing: the
+        compiled pass where kvcore was built with it
+        (:data:`COMPILED_PROMPT_HASHING`), else Python.
 
         ``None`` when this hasher gives some chunk an extra key of its own
         (a salt, a multimodal input), the prompt is empty, or it holds a
