@@ -74,12 +74,15 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (full && (unsigned long long)full > (PY_SSIZE_T_MAX - 32) / enc_len) {
         return PyErr_NoMemory();
     }
+    /* Every exit after this point goes through `done`, which frees what
+     * was taken; `out` is the answer (None for a refused token). */
+    PyObject *out = NULL;
+    EVP_MD_CTX *ctx = NULL;
     unsigned char *enc = PyMem_Malloc(full ? (size_t)((unsigned long long)full * enc_len) : 1);
     unsigned char *digests = PyMem_Malloc(full ? (size_t)full * 32 : 1);
     if (enc == NULL || digests == NULL) {
-        PyMem_Free(enc);
-        PyMem_Free(digests);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = items[i];
@@ -102,11 +105,9 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     static const unsigned char none_hash[32] = {0};
     const unsigned char *parent = none_hash;
-    EVP_MD_CTX *ctx = full ? EVP_MD_CTX_new() : NULL;
-    if (full && ctx == NULL) {
-        PyMem_Free(enc);
-        PyMem_Free(digests);
-        return PyErr_NoMemory();
+    if (full && (ctx = EVP_MD_CTX_new()) == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
     for (Py_ssize_t c = 0; c < full; c++) {
         unsigned char *e = enc + (size_t)((unsigned long long)c * enc_len);
@@ -117,38 +118,30 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!EVP_DigestInit_ex(ctx, sha256_md, NULL) ||
             !EVP_DigestUpdate(ctx, e, (size_t)enc_len) ||
             !EVP_DigestFinal_ex(ctx, digest, NULL)) {
-            EVP_MD_CTX_free(ctx);
-            PyMem_Free(enc);
-            PyMem_Free(digests);
             PyErr_SetString(PyExc_RuntimeError, "OpenSSL's sha256 failed");
-            return NULL;
+            goto done;
         }
         parent = digest;
     }
-    EVP_MD_CTX_free(ctx);
-    PyMem_Free(enc);
-    PyObject *out = PyList_New(full);
-    if (out == NULL) {
-        PyMem_Free(digests);
-        return NULL;
-    }
-    for (Py_ssize_t c = 0; c < full; c++) {
+    out = PyList_New(full);
+    for (Py_ssize_t c = 0; out != NULL && c < full; c++) {
         PyObject *digest =
             PyBytes_FromStringAndSize((const char *)digests + 32 * (size_t)c, 32);
         if (digest == NULL) {
-            Py_DECREF(out);
-            PyMem_Free(digests);
-            return NULL;
+            Py_CLEAR(out);
+            break;
         }
         PyList_SET_ITEM(out, c, digest);
     }
-    PyMem_Free(digests);
-    return out;
+    goto done;
 
 refuse:
+    out = Py_NewRef(Py_None);
+done:
+    EVP_MD_CTX_free(ctx);
     PyMem_Free(enc);
     PyMem_Free(digests);
-    Py_RETURN_NONE;
+    return out;
 }
 
 static PyMethodDef methods[] = {
