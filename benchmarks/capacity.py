@@ -1,6 +1,6 @@
 """Capacity benchmark: how many requests of T tokens each plan holds.
 
-For every model file (the shipped ``kvcore/zoo/*.json`` by default), every
+For every model file (the shipped ``kvcore/tools/zoo/*.json`` by default), every
 packing policy and every context length ``T``, the model is planned with
 ``kvcore.plan_kv_cache`` on ``--memory`` bytes (layout ``BLHNC``, the
 policy's target context ``T``) and measured with ``kvcore.plan_capacity``:
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import kvcore
-import kvcore.zoo
+import kvcore.tools.zoo
 from kvcore.config import PACKING_POLICIES
 from kvcore.errors import KvcoreError, KvcoreKeyError, UnknownKindError
 from kvcore.plan.block_sizes import effective_block_size, plan_hit_granularity
@@ -163,7 +163,7 @@ def model_path(name: str) -> Path:
     path = Path(name)
     if path.is_file():
         return path
-    return kvcore.zoo.path(name.removesuffix(".json"))
+    return kvcore.tools.zoo.path(name.removesuffix(".json"))
 
 
 def load_specs(path: Path, registry: KindRegistry) -> dict[str, KVCacheSpec] | None:
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        paths = [model_path(name) for name in args.models or kvcore.zoo.names()]
+        paths = [model_path(name) for name in args.models or kvcore.tools.zoo.names()]
     except KvcoreKeyError as exc:
         parser.error(str(exc))
     registry = benchmark_registry()

@@ -31,7 +31,7 @@ Figures stored from another run or machine are never divided.
 
 Also measured:
 
-- ``deepseek_v4``: the same trace on ``kvcore/zoo/deepseek-v4-flash.json``
+- ``deepseek_v4``: the same trace on ``kvcore/tools/zoo/deepseek-v4-flash.json``
   planned by ``kvcore.plan_kv_cache`` (layout BLHNC, ``--dsv4-memory``).
   Side by side, vLLM's manager is built in its interpreter from the same
   groups (each group's spec class by name and fields, :func:`vllm_plan`;
@@ -76,7 +76,7 @@ import attrs
 import torch
 
 import kvcore
-import kvcore.zoo
+import kvcore.tools.zoo
 from kvcore.coordinator import BlockPool, KVCacheManager, Request
 from kvcore.serialize import load_model_file
 from kvcore_full_attention import FullAttentionSpec
@@ -201,7 +201,7 @@ def deepseek_v4_manager(
     ``partial_hits`` off: hits are whole blocks of every group, vLLM's rule."""
     registry = kvcore.default_registry()
     specs = load_model_file(
-        kvcore.zoo.path("deepseek-v4-flash"), registry=registry
+        kvcore.tools.zoo.path("deepseek-v4-flash"), registry=registry
     ).layers
     config = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(

@@ -1,8 +1,8 @@
 """Hit-rate benchmark: how close each model's prefix hits come to the
 token-level bound.
 
-For every shipped model file (``kvcore.zoo``), every named workload
-(``kvcore.simulate.NAMED_WORKLOADS``) and two pools, the model is planned as
+For every shipped model file (``kvcore.tools.zoo``), every named workload
+(``kvcore.tools.simulate.NAMED_WORKLOADS``) and two pools, the model is planned as
 ``kvcore simulate MODEL --workload NAME`` plans it (kvcore's defaults: prefix
 caching on, the model file's modes, 8192 tokens a step) and the workload is
 replayed with the content oracle on (``Driver(validate=True)``):
@@ -49,14 +49,14 @@ from typing import Any
 from capacity import benchmark_registry
 
 import kvcore
-import kvcore.zoo
+import kvcore.tools.zoo
 from kvcore.checkpoints import CHECKPOINT_POLICIES
-from kvcore.cli.options import Planned, add_model_options, plan_from_args
 from kvcore.errors import PlanError
 from kvcore.registry import KindRegistry
-from kvcore.simulate import Driver, SimulationResult, Workload, named_workload
-from kvcore.simulate import workload_names as _workload_names
 from kvcore.spec import HitPolicy
+from kvcore.tools.cli.options import Planned, add_model_options, plan_from_args
+from kvcore.tools.simulate import Driver, SimulationResult, Workload, named_workload
+from kvcore.tools.simulate import workload_names as _workload_names
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "hit-rate.md"
@@ -340,7 +340,7 @@ content oracle on (`Driver(validate=True)`): *invalid hits* counts hits whose
 blocks did not hold the request's own tokens, and is 0 unless the
 coordinator is wrong.
 
-- **Workloads** (`kvcore.simulate.NAMED_WORKLOADS`, seed 0): `chat` (16
+- **Workloads** (`kvcore.tools.simulate.NAMED_WORKLOADS`, seed 0): `chat` (16
   conversations of 7 turns over one 1024-token system prompt; each turn adds
   300-2000 tokens and outputs 100-400), `shared-prefix` (128 single-turn
   requests over 4 system prompts of 1536 tokens), `agentic` (8 agents of 12
@@ -434,7 +434,7 @@ def _names(text: str, known: list[str], what: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    models = kvcore.zoo.names()
+    models = kvcore.tools.zoo.names()
     workloads = _workload_names()
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None
@@ -542,7 +542,7 @@ def policy_rows(
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.write and (
-        args.model != kvcore.zoo.names()
+        args.model != kvcore.tools.zoo.names()
         or args.workload != _workload_names()
         or args.pool != list(POOLS)
         or args.seed != 0

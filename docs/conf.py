@@ -4,7 +4,7 @@ Why Sphinx with MyST:
 
 - the pages are Markdown, and myst-parser reads them as they are;
 - sphinx-argparse generates the CLI reference straight from
-  ``kvcore.cli.build_parser``, so the reference always matches the parser;
+  ``kvcore.tools.cli.build_parser``, so the reference always matches the parser;
 - autodoc reads the API reference from the docstrings (reST field lists,
   ``:param x:``), so it cannot drift from the code;
 - ``sphinx -W`` turns every warning (a broken reference, a bad docstring, a

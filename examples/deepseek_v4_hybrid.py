@@ -18,8 +18,8 @@ import argparse
 import torch
 
 import kvcore
-from kvcore.report import format_bytes, format_plan
 from kvcore.serialize import dump_config, load_config, load_model_file
+from kvcore.tools.report import format_bytes, format_plan
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_mla import MLAAttentionSpec
 from kvcore_sliding_window import SlidingWindowMLASpec

@@ -23,9 +23,8 @@ import datetime
 import torch.distributed as dist
 
 import kvcore
-from kvcore import zoo
 from kvcore.coordinator import KVCacheManager, Request
-from kvcore.distributed import (
+from kvcore.integrations.distributed import (
     agree_plan,
     bind_worker_cache,
     broadcast_text,
@@ -33,14 +32,17 @@ from kvcore.distributed import (
     load_pipeline_plan,
     plan_local,
 )
-from kvcore.plan.stages import split_pipeline_stages
+from kvcore.integrations.stages import split_pipeline_stages
 from kvcore.serialize import load_model_file
 from kvcore.serving import ServingChoices, apply_serving_choices
+from kvcore.tools import zoo
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="jamba-1-5-mini", help="a kvcore/zoo model")
+    parser.add_argument(
+        "--model", default="jamba-1-5-mini", help="a kvcore/tools/zoo model"
+    )
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--memory-mib", type=int, default=64, help="KV memory a rank")
     parser.add_argument("--max-model-len", type=int, default=2048)

@@ -9,7 +9,7 @@ import attrs
 from kvcore.errors import KvcoreValueError, LayoutError
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import is_bool, optional_positive_int, positive_int
-from kvcore.units import check_token_count
+from kvcore.tokens import check_token_count
 
 __all__ = [
     "DEFAULT_TARGET_CONTEXT",

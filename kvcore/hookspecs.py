@@ -14,10 +14,11 @@ import pluggy
 
 if TYPE_CHECKING:
     from kvcore.config import EngineConfig
-    from kvcore.kinds import CacheKind
-    from kvcore.mapping import ModelMapper
+    from kvcore.kinds import CacheKind, KindLookup
+    from kvcore.mappers import ModelMapper
+    from kvcore.serving import ServingChoices
     from kvcore.spec import KVCacheSpec
-    from kvcore.structs import KVCacheGroupSpec
+    from kvcore.structs import KVCacheGroupSpec, ModelFile
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -56,11 +57,35 @@ def kvcore_register_model_mappers() -> Sequence[ModelMapper]:
     """Return the architecture mappers this plugin provides.
 
     A mapper turns a Hugging Face ``config.json`` into layer specs
-    (:class:`kvcore.mapping.ModelMapper`).  Mappers of plugins registered
+    (:class:`kvcore.mappers.ModelMapper`).  Mappers of plugins registered
     later are asked first; the first that recognises a configuration and
     returns layers wins.
 
-    :returns: mapper objects (instances of :class:`kvcore.mapping.ModelMapper`).
+    :returns: mapper objects (each satisfying :class:`kvcore.mappers.ModelMapper`).
+
+    .. versionadded:: 0.2
+    """
+    raise NotImplementedError
+
+
+@hookspec(firstresult=True)
+def kvcore_read_model(
+    source: str, choices: ServingChoices, registry: KindLookup, allow_hub: bool
+) -> ModelFile | None:
+    """Read a model from a configuration this plugin understands.
+
+    Stops at first non-None result.  Tools call it for a source that is not
+    a kvcore model file: the built-in ``kvcore_hf`` plugin reads a
+    Hugging Face ``config.json`` (a file, or a directory holding one) and,
+    where ``allow_hub`` is true, a hub id ``ORG/NAME``.
+
+    :param source: what the user named.
+    :param choices: the engine's settings, passed on to the mapper.
+    :param registry: the cache kinds the model's layers must belong to.
+    :param allow_hub: whether ``source`` may be fetched from a network hub;
+        false for a source the user gave as a path.
+    :returns: the model file, or ``None`` when this plugin does not read
+        ``source``.
 
     .. versionadded:: 0.2
     """

@@ -10,7 +10,7 @@ hook per block or per layer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -94,3 +94,11 @@ def view_as_dtype(raw: torch.Tensor, dtype: torch.dtype, *, what: str) -> torch.
             "(alignment=...) so every page starts on an element boundary"
         )
         raise LayoutError(msg) from exc
+
+
+class KindLookup(Protocol):
+    """What finds the kind owning a spec: a :class:`kvcore.registry.KindRegistry`."""
+
+    def kind_for(self, spec: object, *, layer: str | None = None) -> CacheKind:
+        """The kind owning ``spec``'s class; an error naming ``layer`` if none."""
+        ...

@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import cattrs
 import torch
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
@@ -44,8 +43,8 @@ from kvcore.limits import (
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.serving import CACHE_DTYPE_ALIASES
 from kvcore.spec import CACHE_ELEMENT_DTYPES, KVCacheSpec, UniformTypeKVCacheSpecs
-from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.units import check_token_count
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, ModelFile
+from kvcore.tokens import check_token_count
 
 __all__ = [
     "ModelFile",
@@ -666,19 +665,6 @@ def _check_disjoint(config: KVCacheConfig) -> None:
                     "group must be disjoint, re-plan rather than edit the config"
                 )
                 raise SerializationError(msg)
-
-
-@attrs.frozen(kw_only=True)
-class ModelFile:
-    """A model's cache layers, as in ``zoo/*.json``."""
-
-    name: str
-    layers: dict[str, KVCacheSpec]
-    notes: str = ""
-    sources: tuple[str, ...] = ()
-    #: bytes of the whole model's weights (and activations) a device sets
-    #: aside before its KV cache, when the file says.
-    weights_bytes: int | None = None
 
 
 def _printable_name(value: object, what: str, where: str) -> str:

@@ -8,7 +8,7 @@ from kvcore.errors import KvcoreTypeError, PlanError, PluginError
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import GroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 
-__all__ = ["KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"]
+__all__ = ["KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor", "ModelFile"]
 
 
 @attrs.define(kw_only=False)
@@ -257,3 +257,16 @@ def _check_int(name: str, value: object, *, optional: bool, minimum: int = 1) ->
         allowed = f"an int of at least {minimum}" + (" or None" if optional else "")
         msg = f"KVCacheConfig.{name} must be {allowed}, got {value!r}"
         raise PlanError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class ModelFile:
+    """A model's cache layers, as in ``zoo/*.json``."""
+
+    name: str
+    layers: dict[str, KVCacheSpec]
+    notes: str = ""
+    sources: tuple[str, ...] = ()
+    #: bytes of the whole model's weights (and activations) a device sets
+    #: aside before its KV cache, when the file says.
+    weights_bytes: int | None = None

@@ -7,11 +7,11 @@ import torch
 from coordinator_setup import builtin_registry
 
 import kvcore
-from kvcore import zoo
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.errors import InvalidSpecError, LayoutError, PlanError
 from kvcore.plan.capacity import ideal_bytes_per_request
 from kvcore.serialize import load_model_file
+from kvcore.tools import zoo
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec

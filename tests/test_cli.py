@@ -15,17 +15,17 @@ import jsonschema
 import pytest
 
 import kvcore
-from kvcore import zoo
-from kvcore.cli import main
-from kvcore.cli.document import SCHEMA_VERSION, load_schema
 from kvcore.serialize import dump_config, load_config
+from kvcore.tools import zoo
+from kvcore.tools.cli import main
+from kvcore.tools.cli.document import SCHEMA_VERSION, load_schema
 
 GIB = 2**30
 
 
 def _kvcore() -> list[str]:
     script = shutil.which("kvcore")
-    return [script] if script else [sys.executable, "-m", "kvcore.cli"]
+    return [script] if script else [sys.executable, "-m", "kvcore.tools.cli"]
 
 
 #: The example third-party plugin (chunked-local attention, which the

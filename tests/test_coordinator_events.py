@@ -25,9 +25,6 @@ from kvcore.coordinator import (
     KVCacheManager,
     NullEventPublisher,
     Request,
-    ZmqEventPublisher,
-    decode_event_batch,
-    encode_event_batch,
     events,
 )
 from kvcore.errors import (
@@ -36,6 +33,12 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
     MissingExtraError,
+)
+from kvcore.integrations import events as wire
+from kvcore.integrations.events import (
+    ZmqEventPublisher,
+    decode_event_batch,
+    encode_event_batch,
 )
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_sliding_window import SlidingWindowSpec
@@ -157,7 +160,7 @@ def test_decode_refuses_a_foreign_payload() -> None:
 
 def test_missing_msgspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "msgspec", None)
-    monkeypatch.setattr(events, "_wire", None)
+    monkeypatch.setattr(wire, "_wire", None)
     for call in (
         lambda: encode_event_batch([AllBlocksCleared()]),
         lambda: decode_event_batch(b"\x92\xcb"),
@@ -187,7 +190,7 @@ def test_importing_kvcore_needs_neither_msgspec_nor_pyzmq() -> None:
         "sys.modules['msgspec'] = None\n"
         "sys.modules['zmq'] = None\n"
         "import kvcore, kvcore.coordinator\n"
-        "from kvcore.coordinator import BlockStored, ZmqEventPublisher\n"
+        "from kvcore.coordinator import BlockStored\nfrom kvcore.integrations.events import ZmqEventPublisher\n"
         "print('ok')\n"
     )
     out = subprocess.run(

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import kvcore
-import kvcore.zoo
+import kvcore.tools.zoo
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.checkpoints import (
     CHECKPOINT_POLICIES,
@@ -513,7 +513,7 @@ class Shadow:
 
 
 def zoo_manager(name: str, registry: KindRegistry, num_blocks: int) -> KVCacheManager:
-    model = load_model_file(kvcore.zoo.path(name), registry)
+    model = load_model_file(kvcore.tools.zoo.path(name), registry)
     cfg = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(
             kv_cache_layout="BLHNC",
@@ -533,7 +533,7 @@ def zoo_manager(name: str, registry: KindRegistry, num_blocks: int) -> KVCacheMa
     )
 
 
-@pytest.mark.parametrize("name", kvcore.zoo.names())
+@pytest.mark.parametrize("name", kvcore.tools.zoo.names())
 def test_shadow_model_over_every_model_file(
     name: str, zoo_registry: KindRegistry
 ) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvcore
-import kvcore.zoo
+import kvcore.tools.zoo
 from kvcore import AttentionKind, KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import (
     KVCacheBlock,
@@ -153,7 +153,7 @@ def test_replay_window_admission_is_refused_only_below_its_need(
 def scout_manager(
     registry: KindRegistry, num_blocks: int
 ) -> tuple[KVCacheManager, list[str]]:
-    model = load_model_file(kvcore.zoo.path("llama-4-scout-17b-16e"), registry)
+    model = load_model_file(kvcore.tools.zoo.path("llama-4-scout-17b-16e"), registry)
     cfg = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(
             kv_cache_layout="BLHNC",

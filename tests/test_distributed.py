@@ -25,9 +25,9 @@ import torch
 from coordinator_setup import builtin_registry
 
 import kvcore
-from kvcore import zoo
 from kvcore.coordinator import KVCacheManager
-from kvcore.distributed import (
+from kvcore.errors import KvcoreError, PlanError, SerializationError
+from kvcore.integrations.distributed import (
     CollectiveError,
     PlanMismatchError,
     WorkerSpecMismatchError,
@@ -42,8 +42,7 @@ from kvcore.distributed import (
     plan_fingerprint,
     plan_local,
 )
-from kvcore.errors import KvcoreError, PlanError, SerializationError
-from kvcore.plan.stages import (
+from kvcore.integrations.stages import (
     PipelinePlan,
     combine_stage_plans,
     plan_pipeline_stages,
@@ -53,6 +52,7 @@ from kvcore.plan.stages import (
 )
 from kvcore.serialize import load_model_file
 from kvcore.serving import ServingChoices, apply_serving_choices
+from kvcore.tools import zoo
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec
 

@@ -59,7 +59,7 @@ def test_layouts_page_and_picture_show_every_layout() -> None:
 
 
 def test_the_gpu_table_is_documented_with_its_memory() -> None:
-    from kvcore.accelerators import ACCELERATORS
+    from kvcore.tools.accelerators import ACCELERATORS
 
     text = (DOCS.parent / "cli.md").read_text()
     rows = [

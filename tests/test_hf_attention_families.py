@@ -18,18 +18,18 @@ from typing import Any
 import pytest
 import torch
 
-import kvcore.zoo
+import kvcore.tools.zoo
 import kvcore_hf
-from kvcore.mapping import (
+from kvcore.serving import ServingChoices, apply_serving_choices
+from kvcore.spec import KVCacheSpec
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_hf.mapping import (
     MapperRegistry,
     ModelConfigError,
     UnknownArchitectureError,
     load_hf_config,
     map_model_config,
 )
-from kvcore.serving import ServingChoices, apply_serving_choices
-from kvcore.spec import KVCacheSpec
-from kvcore_full_attention import FullAttentionSpec
 from kvcore_sliding_window import SlidingWindowSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -72,7 +72,7 @@ def test_the_gemma_and_gpt_oss_fixtures_are_checked_against_the_shipped_files() 
     """tests/test_hf_mapping.py maps every fixture named like a shipped
     model file and compares the two layer for layer."""
     for name in ("gemma-3-27b", "gpt-oss-120b"):
-        assert name in kvcore.zoo.names()
+        assert name in kvcore.tools.zoo.names()
         assert (FIXTURES / name / "config.json").is_file()
 
 

@@ -17,9 +17,13 @@ import pytest
 import torch
 
 import kvcore
-import kvcore.zoo
+import kvcore.tools.zoo
 import kvcore_hf
-from kvcore.mapping import (
+from kvcore.serialize import load_model_file
+from kvcore.serving import ServingChoices
+from kvcore.spec import KVCacheSpec
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_hf.mapping import (
     MapperRegistry,
     ModelConfig,
     ModelConfigError,
@@ -28,17 +32,13 @@ from kvcore.mapping import (
     load_hf_config,
     map_model_config,
 )
-from kvcore.serialize import load_model_file
-from kvcore.serving import ServingChoices
-from kvcore.spec import KVCacheSpec
-from kvcore_full_attention import FullAttentionSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 MAPPERS = MapperRegistry.from_mappers(kvcore_hf.MAPPERS)
 SHIPPED = sorted(
     p.name
     for p in FIXTURES.iterdir()
-    if (p / "config.json").is_file() and p.name in kvcore.zoo.names()
+    if (p / "config.json").is_file() and p.name in kvcore.tools.zoo.names()
 )
 
 
@@ -51,7 +51,7 @@ def test_every_fixture_named_like_a_shipped_file_is_checked() -> None:
 def test_the_mapper_reproduces_the_shipped_model_file(
     name: str, zoo_registry: kvcore.KindRegistry
 ) -> None:
-    shipped = load_model_file(kvcore.zoo.path(name), registry=zoo_registry)
+    shipped = load_model_file(kvcore.tools.zoo.path(name), registry=zoo_registry)
     mapped = map_model_config(
         load_hf_config(FIXTURES / name), mappers=MAPPERS, registry=zoo_registry
     )
@@ -264,7 +264,7 @@ def _convert(*args: str, env: dict[str, str] | None = None) -> Any:
     import sys
 
     return subprocess.run(
-        [sys.executable, "-m", "kvcore.cli", "convert", *args],
+        [sys.executable, "-m", "kvcore.tools.cli", "convert", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -328,7 +328,7 @@ def test_without_huggingface_hub_a_hub_id_says_what_to_install(
     import sys
 
     from kvcore.errors import MissingExtraError
-    from kvcore.mapping import fetch_hub_config
+    from kvcore_hf.mapping import fetch_hub_config
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'kvcore\[hf\]'"):
@@ -337,7 +337,7 @@ def test_without_huggingface_hub_a_hub_id_says_what_to_install(
 
 @pytest.mark.parametrize("text", ["llama", "../x/y", "a/b/c", "/abs/path", "org/"])
 def test_only_org_slash_name_reads_as_a_hub_id(text: str) -> None:
-    from kvcore.mapping import is_hub_id
+    from kvcore_hf.mapping import is_hub_id
 
     assert not is_hub_id(text)
     assert is_hub_id("Qwen/Qwen3-8B")
@@ -359,7 +359,7 @@ def test_plan_from_a_config_json_matches_the_shipped_file(
     """The CLI planned from Gemma-3-27B's config.json gives the shipped
     file's answer (62 requests of 32k on two H100s at fp8, hand-worked in
     test_cli.py)."""
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     args = [
         "--gpu",
@@ -384,7 +384,7 @@ def test_plan_from_a_config_json_matches_the_shipped_file(
 def test_plan_refuses_a_model_and_a_config_together(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     code = main(["plan", "llama-3-1-8b", "--hf-config", str(FIXTURES / "llama-3-1-8b")])
     assert code == 2

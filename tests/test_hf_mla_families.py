@@ -12,18 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-import kvcore.zoo
+import kvcore.tools.zoo
 import kvcore_hf
-from kvcore.mapping import (
+from kvcore.serving import ServingChoices, apply_serving_choices
+from kvcore.spec import KVCacheSpec
+from kvcore_circular_buffer import CircularBufferSpec
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_hf.mapping import (
     MapperRegistry,
     ModelConfigError,
     load_hf_config,
     map_model_config,
 )
-from kvcore.serving import ServingChoices, apply_serving_choices
-from kvcore.spec import KVCacheSpec
-from kvcore_circular_buffer import CircularBufferSpec
-from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec
 from kvcore_mla import MLAAttentionSpec
 from kvcore_sliding_window import SlidingWindowMLASpec
@@ -42,7 +42,7 @@ def test_the_shipped_deepseek_files_have_fixtures() -> None:
     """The generic test in test_hf_mapping.py checks each of them layer for
     layer; this fails if a fixture or a file is renamed away."""
     for name in ("deepseek-v3", "deepseek-v3-2-exp", "deepseek-v4-flash"):
-        assert name in kvcore.zoo.names()
+        assert name in kvcore.tools.zoo.names()
         assert (FIXTURES / name / "config.json").is_file()
 
 

@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 import torch
 
-import kvcore.zoo
+import kvcore.tools.zoo
 import kvcore_hf
 from kvcore.errors import InvalidSpecError
-from kvcore.mapping import (
+from kvcore.serialize import make_converter
+from kvcore.serving import ServingChoices, ServingError, apply_serving_choices
+from kvcore.spec import KVCacheSpec
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_hf.mapping import (
     MapperRegistry,
     ModelConfigError,
     load_hf_config,
     map_model_config,
 )
-from kvcore.serialize import make_converter
-from kvcore.serving import ServingChoices, ServingError, apply_serving_choices
-from kvcore.spec import KVCacheSpec
-from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec
 from kvcore_sliding_window import SlidingWindowSpec
 
@@ -50,7 +50,7 @@ def test_the_state_fixtures_are_named_like_shipped_files() -> None:
     """test_hf_mapping checks a fixture against the shipped file of its name;
     a misnamed fixture would be skipped there silently."""
     for name in ("jamba-1-5-mini", "qwen3-next-80b-a3b"):
-        assert name in kvcore.zoo.names()
+        assert name in kvcore.tools.zoo.names()
         assert (FIXTURES / name / "config.json").is_file()
 
 

@@ -16,9 +16,9 @@ import pytest
 from coordinator_setup import one_layer_plan
 
 import kvcore
-from kvcore.cli import main
 from kvcore.coordinator import KVCacheCoordinator, KVCacheManager
-from kvcore.simulate import (
+from kvcore.tools.cli import main
+from kvcore.tools.simulate import (
     NAMED_WORKLOADS,
     ComputedPrefixes,
     ContentOracle,
@@ -269,8 +269,8 @@ def test_checkpointed_states_are_validated(
 ) -> None:
     # Jamba with its Mamba states kept at block boundaries: every hit ends
     # on a state the oracle saw written after exactly those tokens.
-    from kvcore.cli.options import add_model_options, plan_from_args
     from kvcore.coordinator import CheckpointManager
+    from kvcore.tools.cli.options import add_model_options, plan_from_args
 
     parser = argparse.ArgumentParser()
     add_model_options(parser)
@@ -401,7 +401,7 @@ def test_the_hit_rate_page_is_the_benchmarks_table(
     # One model and workload run afresh gives the page's rows exactly; the
     # page lists every shipped model, named workload and pool, in order, and
     # no invalid hit.
-    from kvcore import zoo
+    from kvcore.tools import zoo
 
     bench = _benchmark()
     rows = bench.model_rows("llama-3-1-8b", "shared-prefix", zoo_registry)

@@ -25,8 +25,6 @@ import pytest
 import torch
 
 import kvcore
-from kvcore import zoo
-from kvcore.cli import main
 from kvcore.coordinator import Request
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT as HASHED_TOKEN_LIMIT
@@ -42,7 +40,9 @@ from kvcore.errors import (
 )
 from kvcore.limits import MAX_JSON_FILE_BYTES, MAX_NUM_BLOCKS, TOKEN_ID_LIMIT
 from kvcore.serialize import dump_config, load_config, load_model_file
-from kvcore.units import UnitError, parse_tokens
+from kvcore.tools import zoo
+from kvcore.tools.cli import main
+from kvcore.tools.units import UnitError, parse_tokens
 from kvcore_full_attention import FullAttentionSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -750,7 +750,7 @@ def test_cli_refuses_hostile_files_in_one_line(
 def test_cli_refuses_a_fifo_without_hanging(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcore.cli", "plan", "fifo.json"],
+        [sys.executable, "-m", "kvcore.tools.cli", "plan", "fifo.json"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -847,7 +847,7 @@ JSON is read strictly (model files and worker configs alike): a key given
 twice in one object, `NaN`, `Infinity` and numbers that overflow a float are
 refused, with the JSON path.  Files are read only when they are regular
 files of UTF-8 text.  Names of shipped models are only the names
-`kvcore.zoo.names()` lists; a path is a path when it ends in `.json`, holds
+`kvcore.tools.zoo.names()` lists; a path is a path when it ends in `.json`, holds
 a separator or names an existing file.  Dtype names come from a fixed table
 (`kvcore.spec.CACHE_ELEMENT_DTYPES` and the engine aliases).  Values quoted
 in messages are abbreviated and control characters escaped.

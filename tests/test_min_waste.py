@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcore
-from kvcore import zoo
 from kvcore.plan.buckets import bucket_layers, widest_of
 from kvcore.plan.capacity import ideal_bytes_per_request
 from kvcore.plan.policies.min_waste import TIE_TOLERANCE, search
 from kvcore.serialize import load_model_file
+from kvcore.tools import zoo
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import kvcore
-from kvcore import zoo
 from kvcore.errors import KvcoreError, KvcoreValueError, MissingExtraError
-from kvcore.picture import block_rows, capacity_curve, save_plan_figure
 from kvcore.serialize import load_model_file
+from kvcore.tools import zoo
+from kvcore.tools.picture import block_rows, capacity_curve, save_plan_figure
 
 #: Drawing needs the optional extra; refusals before drawing do not.
 needs_matplotlib = pytest.mark.skipif(

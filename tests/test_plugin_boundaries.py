@@ -515,7 +515,7 @@ def broken_plugins(
 def test_plugins_lists_every_plugin_and_the_broken_ones(
     broken_plugins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     assert main(["plugins", "--json"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
@@ -539,7 +539,7 @@ def test_plugins_lists_every_plugin_and_the_broken_ones(
 def test_plugins_check_exits_non_zero_only_when_asked(
     broken_plugins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
@@ -552,7 +552,7 @@ def test_plugins_check_exits_non_zero_only_when_asked(
 def test_plugins_check_passes_with_only_builtins(
     clean_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert main(["plugins", "--check"]) == 0
@@ -578,7 +578,7 @@ def test_the_suite_sees_only_builtin_kinds(builtin_registry: KindRegistry) -> No
 def test_a_plan_with_an_overridden_kind_says_so(
     impostor: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvcore.summary import summarize
+    from kvcore.tools.summary import summarize
 
     monkeypatch.setenv("KVCORE_OVERRIDE_KINDS", "mamba")
     registry = KindRegistry.from_plugin_manager(
@@ -607,7 +607,7 @@ def test_plugins_lists_a_plugin_with_an_unknown_hook(
     clean_env: None,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     (tmp_path / "kvcore_odd_hook.py").write_text(
         "from kvcore import hookimpl\n\n\n@hookimpl\ndef kvcore_not_a_hook():\n"
@@ -631,7 +631,7 @@ def test_plugins_lists_a_plugin_with_an_unknown_hook(
 def test_kvcore_plan_refuses_the_impostor(
     impostor: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     kvcore.default_registry.cache_clear()
     try:

@@ -68,7 +68,7 @@ PYTHON_BLOCKS = blocks(QUICKSTART_TEXT, "python")
 
 def kvcore_argv() -> list[str]:
     script = shutil.which("kvcore")
-    return [script] if script else [sys.executable, "-m", "kvcore.cli"]
+    return [script] if script else [sys.executable, "-m", "kvcore.tools.cli"]
 
 
 def argv_of(command: str) -> list[str]:

@@ -498,7 +498,7 @@ def test_hook_kvcore_register_kinds(pm: pluggy.PluginManager) -> None:
 def test_hook_kvcore_register_model_mappers(pm: pluggy.PluginManager) -> None:
     """The hook collects mappers from every plugin, later plugins first; a
     ``None`` answer adds none."""
-    from kvcore.mapping import MapperRegistry, ModelMapper
+    from kvcore_hf.mapping import MapperRegistry, ModelMapper
 
     class DemoMapper(ModelMapper):
         name = "demo-mapper"
@@ -540,6 +540,49 @@ class _Grouping:
     ) -> list[KVCacheGroupSpec] | None:
         self.calls.append((config, specs))
         return self.answer()
+
+
+def test_hook_kvcore_read_model(pm: pluggy.PluginManager) -> None:
+    """kvcore_hf reads a config.json (never the hub for a path); a later
+    plugin is asked first; a source no plugin takes is None."""
+    from kvcore.serialize import ModelFile
+    from kvcore.serving import ServingChoices
+
+    registry = KindRegistry.from_plugin_manager(pm)
+    choices = ServingChoices()
+    fixture = Path(__file__).parent / "fixtures" / "hf" / "llama-3-1-8b"
+    model = pm.hook.kvcore_read_model(
+        source=str(fixture), choices=choices, registry=registry, allow_hub=False
+    )
+    assert isinstance(model, ModelFile)
+    assert len(model.layers) == 32
+    assert "llama" in model.notes
+    # Not a path, not a hub id: kvcore_hf declines.
+    assert (
+        pm.hook.kvcore_read_model(
+            source="not a hub id", choices=choices, registry=registry, allow_hub=True
+        )
+        is None
+    )
+
+    class Demo:
+        @hookimpl
+        def kvcore_read_model(
+            self, source: str, choices: Any, registry: Any, allow_hub: bool
+        ) -> ModelFile | None:
+            if not source.startswith("demo:"):
+                return None
+            return ModelFile(name=source, layers={"l.0": _full()})
+
+    pm.register(Demo(), name="kvcore-demo-reader")
+    got = pm.hook.kvcore_read_model(
+        source="demo:x", choices=choices, registry=registry, allow_hub=True
+    )
+    assert got == ModelFile(name="demo:x", layers={"l.0": _full()})
+    again = pm.hook.kvcore_read_model(
+        source=str(fixture), choices=choices, registry=registry, allow_hub=False
+    )
+    assert again == model
 
 
 def test_hook_kvcore_choose_grouping(pm: pluggy.PluginManager) -> None:
@@ -636,7 +679,7 @@ def test_a_third_party_mapper_arrives_through_an_entry_point(
 ) -> None:
     """An installed distribution's mapper is found by kvcore's default
     mapper lookup and maps an architecture kvcore does not know."""
-    from kvcore.mapping import default_mappers, map_model_config
+    from kvcore_hf.mapping import default_mappers, map_model_config
 
     fake_dist(
         "my_lm",
@@ -644,7 +687,7 @@ def test_a_third_party_mapper_arrives_through_an_entry_point(
         """
         import torch
         from kvcore import hookimpl
-        from kvcore.mapping import ModelMapper
+        from kvcore_hf.mapping import ModelMapper
         from kvcore_full_attention import FullAttentionSpec
 
         class MyLM(ModelMapper):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import kvcore
-from kvcore import zoo
 from kvcore.config import CacheConfig, EngineConfig
 from kvcore.serialize import load_model_file, make_converter
 from kvcore.serving import (
@@ -23,6 +22,7 @@ from kvcore.serving import (
     parse_cache_dtype,
 )
 from kvcore.spec import KVCacheSpec, Sharded
+from kvcore.tools import zoo
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec

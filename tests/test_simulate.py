@@ -13,12 +13,12 @@ import pytest
 from coordinator_setup import one_layer_plan
 
 import kvcore
-from kvcore import zoo
-from kvcore.cli import main
 from kvcore.errors import KvcoreValueError, PlanError
 from kvcore.plan.capacity import ideal_bytes_per_request
 from kvcore.serialize import load_model_file
-from kvcore.simulate import (
+from kvcore.tools import zoo
+from kvcore.tools.cli import main
+from kvcore.tools.simulate import (
     Distribution,
     DistributionError,
     Driver,
@@ -537,7 +537,7 @@ def test_simulate_refuses_bad_options(
 def test_the_progress_bar_draws_on_stderr_only(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvcore.cli import simulate as command
+    from kvcore.tools.cli import simulate as command
 
     quiet = command._ProgressBar(10)
     quiet(1, 0, 10)
@@ -578,7 +578,7 @@ def test_the_installed_script_simulates() -> None:
 
 
 def test_lengths_take_k_as_1024() -> None:
-    from kvcore.simulate.lengths import parse_distribution
+    from kvcore.tools.simulate.lengths import parse_distribution
 
     assert parse_distribution("4k", what="--prompt-len").a == 4096
     uniform = parse_distribution("1k-8K", what="--prompt-len")

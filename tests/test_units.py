@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvcore.accelerators import ACCELERATORS, UnknownAcceleratorError, find_accelerator
 from kvcore.errors import KvcoreError
-from kvcore.units import (
+from kvcore.tools.accelerators import (
+    ACCELERATORS,
+    UnknownAcceleratorError,
+    find_accelerator,
+)
+from kvcore.tools.units import (
     UnitError,
     format_size,
     format_tokens,

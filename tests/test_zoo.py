@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import kvcore
-from kvcore import zoo
 from kvcore.serialize import load_model_file
+from kvcore.tools import zoo
 
 
 @pytest.fixture(scope="module")

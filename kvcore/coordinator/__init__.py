@@ -27,9 +27,6 @@ from kvcore.coordinator.events import (
     GroupEventInfo,
     KVCacheEvent,
     NullEventPublisher,
-    ZmqEventPublisher,
-    decode_event_batch,
-    encode_event_batch,
 )
 from kvcore.coordinator.hashing import (
     NONE_HASH,
@@ -117,7 +114,4 @@ __all__ = [
     "GroupEventInfo",
     "KVCacheEvent",
     "NullEventPublisher",
-    "ZmqEventPublisher",
-    "decode_event_batch",
-    "encode_event_batch",
 ]

@@ -1,5 +1,4 @@
-"""KV-cache events for KV-aware routers: the events, their wire form, and
-an optional ZeroMQ publisher.
+"""KV-cache events for KV-aware routers: what the block pool records.
 
 A router that sends each request to the engine already holding its prefix
 needs to know which blocks every engine stores and drops.  The block pool
@@ -10,21 +9,18 @@ carries everything a router keys on (chained block hashes, the parent hash,
 the stored tokens, the group's block size, kind and window, the medium), so
 a router in any language can rebuild a prefix tree from the stream alone.
 
-The wire form is msgpack, written by msgspec; the exact layout is in
-docs/coordinator.md.  msgspec and pyzmq are optional (``pip install
-'kvcore[events]'``): importing this module needs neither.
+Their wire form and a ZeroMQ publisher are an integration
+(:mod:`kvcore.integrations.events`); the core only records events.
 """
 
-# No ``from __future__ import annotations``: msgspec reads the annotations
-# of the wire structs defined inside _get_wire, which strings would hide.
-import time
-from collections.abc import Iterable, Sequence
+from __future__ import annotations
+
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol, Self, TypeAlias
+from typing import NamedTuple, Protocol, Self, TypeAlias
 
 from kvcore.coordinator.hashing import BlockHash
-from kvcore.errors import KvcoreTypeError, KvcoreValueError, MissingExtraError
 
 __all__ = [
     "MEDIUM_GPU",
@@ -36,9 +32,6 @@ __all__ = [
     "GroupEventInfo",
     "KVCacheEvent",
     "NullEventPublisher",
-    "ZmqEventPublisher",
-    "decode_event_batch",
-    "encode_event_batch",
 ]
 
 MEDIUM_GPU = "GPU"
@@ -111,161 +104,6 @@ class EventBatch:
 
 
 # ---------------------------------------------------------------------------
-# Wire form
-# ---------------------------------------------------------------------------
-
-_EXTRA = "pip install 'kvcore[events]'"
-
-
-class _Wire(NamedTuple):
-    encoder: Any
-    decoder: Any
-    batch: Any
-    stored: Any
-    removed: Any
-    cleared: Any
-    errors: tuple[type[Exception], ...]
-
-
-_wire: _Wire | None = None
-
-
-def _get_wire() -> _Wire:
-    """The msgspec structs of the wire form, built on first use so that
-    importing kvcore never needs msgspec."""
-    global _wire
-    if _wire is not None:
-        return _wire
-    try:
-        import msgspec
-    except ImportError as exc:
-        msg = (
-            "encoding or decoding KV-cache events needs msgspec, which is not "
-            f"installed: {_EXTRA}"
-        )
-        raise MissingExtraError(msg, name="msgspec") from exc
-
-    # Array-like tagged structs: each event is a msgpack array whose first
-    # element is the tag, then the fields in declaration order.
-    class Stored(msgspec.Struct, array_like=True, tag="BlockStored", frozen=True):
-        block_hashes: list[bytes]
-        parent_block_hash: bytes | None
-        token_ids: list[int]
-        block_size: int
-        group_id: int
-        kind: str
-        sliding_window: int | None
-        block_ids: list[int]
-        medium: str
-
-    class Removed(msgspec.Struct, array_like=True, tag="BlockRemoved", frozen=True):
-        block_hashes: list[bytes]
-        group_id: int
-        medium: str
-
-    class Cleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", frozen=True):
-        medium: str
-
-    class Batch(msgspec.Struct, array_like=True, frozen=True):
-        timestamp: float
-        events: list[Stored | Removed | Cleared]
-
-    _wire = _Wire(
-        encoder=msgspec.msgpack.Encoder(),
-        decoder=msgspec.msgpack.Decoder(Batch),
-        batch=Batch,
-        stored=Stored,
-        removed=Removed,
-        cleared=Cleared,
-        errors=(msgspec.DecodeError, msgspec.ValidationError),
-    )
-    return _wire
-
-
-def encode_event_batch(
-    events: Iterable[KVCacheEvent], *, timestamp: float | None = None
-) -> bytes:
-    """One batch of events in kvcore's wire form (msgpack; layout in
-    docs/coordinator.md).  ``timestamp`` defaults to ``time.time()``."""
-    wire = _get_wire()
-    out: list[Any] = []
-    for i, event in enumerate(events):
-        if type(event) is BlockStored:
-            out.append(
-                wire.stored(
-                    list(event.block_hashes),
-                    event.parent_block_hash,
-                    list(event.token_ids),
-                    event.block_size,
-                    event.group_id,
-                    event.kind,
-                    event.sliding_window,
-                    list(event.block_ids),
-                    event.medium,
-                )
-            )
-        elif type(event) is BlockRemoved:
-            out.append(
-                wire.removed(list(event.block_hashes), event.group_id, event.medium)
-            )
-        elif type(event) is AllBlocksCleared:
-            out.append(wire.cleared(event.medium))
-        else:
-            msg = (
-                f"encode_event_batch: event {i} is a {type(event).__name__}, not "
-                "a BlockStored, BlockRemoved or AllBlocksCleared; pass what "
-                "KVCacheManager.take_events() returns"
-            )
-            raise KvcoreTypeError(msg)
-    if timestamp is None:
-        timestamp = time.time()
-    elif isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
-        msg = (
-            f"encode_event_batch: timestamp must be seconds since the epoch "
-            f"(a float) or None, got {timestamp!r}"
-        )
-        raise KvcoreTypeError(msg)
-    data: bytes = wire.encoder.encode(wire.batch(float(timestamp), out))
-    return data
-
-
-def decode_event_batch(data: bytes) -> EventBatch:
-    """The batch :func:`encode_event_batch` wrote; a payload that is not one
-    raises :class:`~kvcore.errors.KvcoreValueError`."""
-    wire = _get_wire()
-    try:
-        batch = wire.decoder.decode(data)
-    except wire.errors as exc:
-        msg = (
-            f"decode_event_batch: not a kvcore KV-cache event batch ({exc}); "
-            "decode only payloads that encode_event_batch wrote (the last frame "
-            "of a ZmqEventPublisher message)"
-        )
-        raise KvcoreValueError(msg) from exc
-    events: list[KVCacheEvent] = []
-    for e in batch.events:
-        if type(e) is wire.stored:
-            events.append(
-                BlockStored(
-                    tuple(e.block_hashes),
-                    e.parent_block_hash,
-                    tuple(e.token_ids),
-                    e.block_size,
-                    e.group_id,
-                    e.kind,
-                    e.sliding_window,
-                    tuple(e.block_ids),
-                    e.medium,
-                )
-            )
-        elif type(e) is wire.removed:
-            events.append(BlockRemoved(tuple(e.block_hashes), e.group_id, e.medium))
-        else:
-            events.append(AllBlocksCleared(e.medium))
-    return EventBatch(batch.timestamp, tuple(events))
-
-
-# ---------------------------------------------------------------------------
 # Publishers
 # ---------------------------------------------------------------------------
 
@@ -291,116 +129,6 @@ class NullEventPublisher:
 
     def close(self) -> None:
         """Nothing to release."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class ZmqEventPublisher:
-    """Publishes event batches on a ZeroMQ PUB socket.
-
-    Every message has three frames: the topic (UTF-8), the batch's sequence
-    number (8 bytes, unsigned big-endian, 0 for the first batch and one more
-    for each batch after it) and the batch (:func:`encode_event_batch`).  PUB
-    sockets drop messages a slow or late subscriber cannot take, so a
-    subscriber that sees a sequence number jump knows it missed batches and
-    should resynchronise (e.g. treat that engine's cache as unknown).  An
-    empty event list sends nothing and takes no number.
-
-    Not thread-safe (ZeroMQ sockets are not): publish from the engine's loop.
-
-    :param endpoint: where to bind (``"tcp://*:5557"``, ``"inproc://kv"``), or
-        to connect when ``bind`` is False.
-    :param topic: the first frame of every message, for SUB filtering.
-    :param context: the ZeroMQ context (default: a new one, terminated by
-        :meth:`close`); ``inproc://`` needs the subscriber's context.
-    :param linger_ms: how long :meth:`close` waits to flush unsent messages.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        topic: str = "kv-events",
-        bind: bool = True,
-        context: Any = None,
-        linger_ms: int = 100,
-    ) -> None:
-        given: object = endpoint  # checked: callers pass anything
-        if not isinstance(given, str) or not given:
-            msg = (
-                f"ZmqEventPublisher: endpoint must be a ZeroMQ address such as "
-                f"'tcp://*:5557', got {endpoint!r}"
-            )
-            raise KvcoreTypeError(msg)
-        named: object = topic
-        if not isinstance(named, str):
-            msg = f"ZmqEventPublisher: topic must be a str, got {topic!r}"
-            raise KvcoreTypeError(msg)
-        try:
-            import zmq
-        except ImportError as exc:
-            msg = f"ZmqEventPublisher needs pyzmq, which is not installed: {_EXTRA}"
-            raise MissingExtraError(msg, name="zmq") from exc
-        _get_wire()  # fail here, not at the first publish, without msgspec
-        self._owns_context = context is None
-        self._context = zmq.Context() if context is None else context
-        self._socket = self._context.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.LINGER, linger_ms)
-        try:
-            if bind:
-                self._socket.bind(endpoint)
-            else:
-                self._socket.connect(endpoint)
-        except zmq.ZMQError as exc:
-            self._socket.close(linger=0)
-            if self._owns_context:
-                self._context.term()
-            how = "bind to" if bind else "connect to"
-            msg = (
-                f"ZmqEventPublisher: cannot {how} {endpoint!r} ({exc}); pick a "
-                "free port or a valid ZeroMQ address"
-            )
-            raise KvcoreValueError(msg) from exc
-        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.topic = topic
-        self._topic = topic.encode()
-        #: The sequence number the next batch gets.
-        self.next_seq = 0
-        self._closed = False
-
-    def publish(
-        self, events: Sequence[KVCacheEvent], *, timestamp: float | None = None
-    ) -> int | None:
-        """Send ``events`` as one batch; returns its sequence number, or None
-        when ``events`` is empty (nothing is sent)."""
-        if self._closed:
-            msg = "ZmqEventPublisher: publish after close(); make a new publisher"
-            raise KvcoreValueError(msg)
-        if not events:
-            return None
-        payload = encode_event_batch(events, timestamp=timestamp)
-        seq = self.next_seq
-        self._socket.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        self.next_seq = seq + 1
-        return seq
-
-    def close(self) -> None:
-        """Close the socket (and the context it made); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._socket.close()
-        if self._owns_context:
-            self._context.term()
 
     def __enter__(self) -> Self:
         return self

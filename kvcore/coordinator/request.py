@@ -21,7 +21,7 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
 )
-from kvcore.units import check_token_ids, check_token_sequence
+from kvcore.tokens import check_token_ids, check_token_sequence
 
 __all__ = ["Request", "RequestStatus", "create_requests", "make_requests"]
 

@@ -9,9 +9,9 @@ attention), ``head_dim`` (defaults to ``hidden_size // num_attention_heads``),
 
 from __future__ import annotations
 
-from kvcore.mapping import ModelConfig, ModelConfigError
 from kvcore.spec import KVCacheSpec
 from kvcore_full_attention import FullAttentionSpec
+from kvcore_hf.mapping import ModelConfig, ModelConfigError
 from kvcore_sliding_window import SlidingWindowSpec
 
 __all__ = [

@@ -12,7 +12,7 @@ latent.  Sources: vLLM ``model_executor/models/deepseek_v2.py``
 (``kv_a_proj_with_mqa`` projects ``kv_lora_rank + qk_rope_head_dim``; the
 MLA layer registers ``MLAAttentionSpec`` with ``num_kv_heads=1``); the
 DeepSeek-V2 paper (arXiv 2405.04434, section 2.1: the cached ``c_KV`` and
-``k_R``); kvcore/zoo/SOURCES.md (DeepSeek-V3 / R1).
+``k_R``); kvcore/tools/zoo/SOURCES.md (DeepSeek-V3 / R1).
 
 **V3.2 / V3.2-Exp** (``DeepseekV32ForCausalLM``, ``model_type``
 ``deepseek_v32``): the MLA latent above plus, in every layer, the lightning
@@ -61,7 +61,7 @@ max(1, compress_ratios[layer])``; indexer only at ratio 4),
 4``), ``v1/attention/backends/mla/sparse_swa.py`` (``DeepseekV4SWACache``:
 ``SlidingWindowMLASpec``, 64-token blocks),
 ``model_executor/layers/deepseek_compressor.py`` (state ``2 * coff *
-head_dim``, ``coff * ratio`` slots); kvcore/zoo/SOURCES.md (DeepSeek-V4).
+head_dim``, ``coff * ratio`` slots); kvcore/tools/zoo/SOURCES.md (DeepSeek-V4).
 
 The compressor states follow kvcore's shipped DeepSeek-V4 file, which keeps
 each as one ring of ``coff * ratio`` rows.  vLLM's ``CompressorStateCache``
@@ -83,11 +83,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_hf.common import layer, num_layers
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_mla import MLAAttentionSpec
 from kvcore_sliding_window import SlidingWindowMLASpec
 
@@ -152,7 +152,7 @@ class DeepseekMLA(ModelMapper):
         "vLLM model_executor/models/deepseek_v2.py (kv_a_proj_with_mqa: "
         "kv_lora_rank + qk_rope_head_dim latent; MLAAttentionSpec num_kv_heads=1)",
         "DeepSeek-V2 paper arXiv 2405.04434 section 2.1 (cached c_KV and k_R)",
-        "kvcore/zoo/SOURCES.md (DeepSeek-V3 / R1: 576-value latent, bf16, block "
+        "kvcore/tools/zoo/SOURCES.md (DeepSeek-V3 / R1: 576-value latent, bf16, block "
         "64; MTP layer excluded)",
     )
 
@@ -213,7 +213,7 @@ class DeepseekV4(ModelMapper):
         "SlidingWindowMLASpec, block 64)",
         "vLLM model_executor/layers/deepseek_compressor.py (state 2 * coff * "
         "head_dim fp32, coff * ratio slots, coff = 2 at ratio 4)",
-        "kvcore/zoo/SOURCES.md (DeepSeek-V4: compressed blocks of 256; MTP entry "
+        "kvcore/tools/zoo/SOURCES.md (DeepSeek-V4: compressed blocks of 256; MTP entry "
         "of compress_ratios excluded)",
     )
 

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import attention, layer, num_layers
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_hf.state import conv_kernel, mamba2
 
 __all__ = ["MAPPERS", "FalconH1"]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvcore.mapping import ModelConfig, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import (
@@ -44,6 +43,7 @@ from kvcore_hf.common import (
     attention_by_type,
     num_layers,
 )
+from kvcore_hf.mapping import ModelConfig, ModelMapper
 
 __all__ = ["MAPPERS", "Gemma2", "Gemma3"]
 

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvcore.mapping import ModelConfig, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import attention, layer, num_layers
+from kvcore_hf.mapping import ModelConfig, ModelMapper
 
 __all__ = ["MAPPERS", "Glm4Moe"]
 

@@ -36,11 +36,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import layer, num_layers
 from kvcore_hf.deepseek import mla_latent
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_mamba import MambaSpec
 
 __all__ = ["MAPPERS", "KimiLinear", "STATE_BLOCK", "nested_positive"]

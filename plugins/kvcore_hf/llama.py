@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import (
@@ -32,6 +31,7 @@ from kvcore_hf.common import (
     layer,
     num_layers,
 )
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 
 __all__ = ["MAPPERS", "Llama", "Llama4"]
 

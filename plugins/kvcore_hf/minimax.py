@@ -27,18 +27,18 @@ its ``attn_type_list`` is all ones and is not read, and its MTP modules
 (``use_mtp`` / ``num_mtp_modules``) are a speculative-decoding draft outside
 the ``num_hidden_layers`` decoder layers, left out as for DeepSeek.
 Source: vLLM ``model_executor/models/minimax_m2.py`` (``MiniMaxM2Attention``
-on every layer); kvcore/zoo/SOURCES.md (MiniMax-M2).
+on every layer); kvcore/tools/zoo/SOURCES.md (MiniMax-M2).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import attention, head_dim, layer, num_layers
 from kvcore_hf.kimi import STATE_BLOCK
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_mamba import MambaSpec
 
 __all__ = ["MAPPERS", "MiniMaxM2", "MiniMaxText01"]

@@ -42,10 +42,10 @@ from typing import ClassVar
 
 import torch
 
-from kvcore.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore.serving import CACHE_DTYPE_ALIASES, ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import attention, head_dim, layer
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_hf.state import conv_kernel, mamba2
 
 __all__ = ["MAPPERS", "NemotronH"]

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvcore.mapping import ModelConfig, ModelMapper
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import (
@@ -51,6 +50,7 @@ from kvcore_hf.common import (
     head_dim,
     num_layers,
 )
+from kvcore_hf.mapping import ModelConfig, ModelMapper
 
 __all__ = ["MAPPERS", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe"]
 

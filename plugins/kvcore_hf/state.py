@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.mapping import ModelConfig, ModelConfigError
 from kvcore_hf.common import ATTENTION_BLOCK
+from kvcore_hf.mapping import ModelConfig, ModelConfigError
 from kvcore_mamba import MambaSpec
 
 __all__ = ["conv_kernel", "gated_delta_net", "mamba1", "mamba2"]

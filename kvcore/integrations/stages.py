@@ -274,7 +274,7 @@ def combine_stage_plans(plans: Sequence[KVCacheConfig]) -> KVCacheConfig:
             msg = (
                 f"stage {s} has {plan.num_blocks} blocks but stage 0 has "
                 f"{first.num_blocks}; give every stage the smallest count "
-                "(kvcore.plan.stages.with_num_blocks)"
+                "(kvcore.integrations.stages.with_num_blocks)"
             )
             raise PlanError(msg)
         for name in _AGREED:

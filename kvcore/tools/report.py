@@ -11,8 +11,8 @@ from rich.text import Text
 
 from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.structs import KVCacheConfig
-from kvcore.summary import GroupSummary, PlanSummary
-from kvcore.units import format_size, format_tokens
+from kvcore.tools.summary import GroupSummary, PlanSummary
+from kvcore.tools.units import format_size, format_tokens
 
 #: Why each built-in policy is chosen, for the plan's report.
 POLICY_REASONS = {

@@ -24,13 +24,13 @@ run loops forever.  The oldest running request progresses every step, so a
 run always ends.
 
 Every admission is also measured against the token-level bound
-(:mod:`kvcore.simulate.bound`): the longest common token prefix between
+(:mod:`kvcore.tools.simulate.bound`): the longest common token prefix between
 the tokens it looks up and the tokens computed before it by any request
 (running, finished or preempted), capped at one less than the tokens looked
 up.  A re-admission after preemption counts like any admission, in the hits
 and in the bound alike, and its own tokens computed before it was preempted
 count towards its bound.  With ``validate=True`` a content oracle
-(:mod:`kvcore.simulate.oracle`) checks every hit.
+(:mod:`kvcore.tools.simulate.oracle`) checks every hit.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from kvcore.errors import KvcoreValueError
 from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
 from kvcore.plan.capacity import DEFAULT_BATCHED_TOKENS
 from kvcore.registry import KindRegistry, default_registry
-from kvcore.simulate.bound import ComputedPrefixes
-from kvcore.simulate.oracle import ContentOracle
-from kvcore.simulate.result import GroupUsage, SimulationResult, Unserved
-from kvcore.simulate.workload import Workload, WorkloadRequest
 from kvcore.structs import KVCacheConfig
+from kvcore.tools.simulate.bound import ComputedPrefixes
+from kvcore.tools.simulate.oracle import ContentOracle
+from kvcore.tools.simulate.result import GroupUsage, SimulationResult, Unserved
+from kvcore.tools.simulate.workload import Workload, WorkloadRequest
 
 __all__ = ["Driver", "ProgressCallback", "SimulationError", "simulate"]
 
@@ -105,7 +105,7 @@ class Driver:
     :param max_steps: stop after this many steps; requests left are
         reported in ``unfinished``.
     :param validate: check every prefix hit against a model of what each
-        block holds (:class:`~kvcore.simulate.oracle.ContentOracle`);
+        block holds (:class:`~kvcore.tools.simulate.oracle.ContentOracle`);
         violations are counted in ``invalid_hits``.  It costs a pass over
         every computed token.
     :param cache_sample_every: count the cached (hashed) blocks of each

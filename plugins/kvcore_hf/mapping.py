@@ -340,7 +340,7 @@ class MapperRegistry:
                 ):
                     msg = (
                         f"plugin {plugin!r}: kvcore_register_model_mappers returned "
-                        f"{mapper!r}; each entry must be a kvcore.mapping.ModelMapper "
+                        f"{mapper!r}; each entry must be a kvcore_hf.mapping.ModelMapper "
                         "instance with a name"
                     )
                     raise PluginError(msg, plugin_name=plugin)

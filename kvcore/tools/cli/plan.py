@@ -1,7 +1,7 @@
 """``kvcore plan`` and ``kvcore compare``: how many requests of each length fit.
 
 ``plan`` prints the verdict, the groups, the stride and the capacity at each
-context (or the JSON document of :mod:`kvcore.cli.document`), and can draw
+context (or the JSON document of :mod:`kvcore.tools.cli.document`), and can draw
 the block and the capacity curve.  ``compare`` plans the same model and
 memory with every policy and sets them side by side.
 """
@@ -16,13 +16,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvcore.cli.console import make_console
-from kvcore.cli.document import SCHEMA_VERSION, plan_document
-from kvcore.cli.options import CliUsageError, Planned, add_model_options, plan_from_args
 from kvcore.config import PACKING_POLICIES
-from kvcore.report import print_summary
-from kvcore.summary import PlanSummary, summarize
-from kvcore.units import format_size, format_tokens
+from kvcore.tools.cli.console import make_console
+from kvcore.tools.cli.document import SCHEMA_VERSION, plan_document
+from kvcore.tools.cli.options import (
+    CliUsageError,
+    Planned,
+    add_model_options,
+    plan_from_args,
+)
+from kvcore.tools.report import print_summary
+from kvcore.tools.summary import PlanSummary, summarize
+from kvcore.tools.units import format_size, format_tokens
 
 __all__ = ["register", "setting_text", "summary_of"]
 
@@ -73,7 +78,7 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
 
 
 def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
-    from kvcore.picture import capacity_curve, save_plan_figure
+    from kvcore.tools.picture import capacity_curve, save_plan_figure
 
     target = Path(path)
     if not path or path.endswith(("/", "\\")) or target.suffix.lower() != f".{fmt}":

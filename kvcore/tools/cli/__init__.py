@@ -19,8 +19,8 @@ import traceback
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
-from kvcore.cli import convert, info, plan, simulate
 from kvcore.errors import KvcoreError, one_line
+from kvcore.tools.cli import convert, info, plan, simulate
 
 __all__ = ["build_parser", "main"]
 

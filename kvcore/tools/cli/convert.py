@@ -10,17 +10,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvcore.cli.options import CliUsageError
-from kvcore.mapping import MapperRegistry, ModelConfig, read_model_config
+from kvcore.errors import escape_controls
 from kvcore.plugins import get_plugin_manager
 from kvcore.registry import KindRegistry
-from kvcore.serialize import dump_model_file
+from kvcore.serialize import ModelFile, dump_model_file
+from kvcore.serving import ServingChoices
+from kvcore.tools.cli.options import CliUsageError, read_plugin_model
 
 __all__ = ["register"]
 
 
-def source_config(args: argparse.Namespace) -> ModelConfig:
-    """The configuration ``--hf-config`` or the positional source names."""
+def source_model(args: argparse.Namespace, registry: KindRegistry) -> ModelFile:
+    """The model ``--hf-config`` or the positional source names, read by
+    an installed plugin."""
     given = [s for s in (args.hf_config, args.source) if s]
     if len(given) != 1:
         msg = (
@@ -28,18 +30,21 @@ def source_config(args: argparse.Namespace) -> ModelConfig:
             "holding one) or a hub id ORG/NAME"
         )
         raise CliUsageError(msg)
-    return read_model_config(given[0])
+    model = read_plugin_model(
+        given[0], ServingChoices(), registry, allow_hub=args.hf_config is None
+    )
+    if model is None:
+        msg = (
+            f"{escape_controls(given[0])} is neither a config.json nor a hub id an "
+            "installed plugin reads"
+        )
+        raise CliUsageError(msg)
+    return model
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from kvcore.mapping import map_model_config
-
-    config = source_config(args)
-    pm = get_plugin_manager()
-    registry = KindRegistry.from_plugin_manager(pm)
-    model = map_model_config(
-        config, mappers=MapperRegistry.from_plugin_manager(pm), registry=registry
-    )
+    registry = KindRegistry.from_plugin_manager(get_plugin_manager())
+    model = source_model(args, registry)
     text = dump_model_file(model, registry)
     if args.output in (None, "-"):
         sys.stdout.write(text)

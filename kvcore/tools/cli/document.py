@@ -1,7 +1,7 @@
 """The JSON document ``kvcore plan --json`` prints, and its schema.
 
 The document is versioned (``schema``) and described by the JSON Schema
-shipped at ``kvcore/schemas/plan.v1.json``; :func:`load_schema` reads it.
+shipped at ``kvcore/tools/schemas/plan.v1.json``; :func:`load_schema` reads it.
 Its ``plan`` member is the plan itself, as :func:`kvcore.dump_config` writes
 it, so a scheduler can load it with :func:`kvcore.load_config` and ship it
 to its workers.
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from kvcore.cli.options import Planned
 from kvcore.serialize import make_converter
-from kvcore.summary import PlanSummary
+from kvcore.tools.cli.options import Planned
+from kvcore.tools.summary import PlanSummary
 
 __all__ = ["SCHEMA_VERSION", "load_schema", "plan_document"]
 
@@ -36,7 +36,7 @@ def _version() -> str:
 
 def load_schema() -> dict[str, Any]:
     """The JSON Schema of the document (draft 2020-12)."""
-    text = resources.files("kvcore.schemas").joinpath("plan.v1.json").read_text()
+    text = resources.files("kvcore.tools.schemas").joinpath("plan.v1.json").read_text()
     schema: dict[str, Any] = json.loads(text)
     return schema
 

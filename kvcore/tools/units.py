@@ -20,20 +20,9 @@ from decimal import Decimal, InvalidOperation
 
 from kvcore.errors import KvcoreValueError
 from kvcore.limits import TOKEN_ID_LIMIT
-from kvcore.tokens import (
-    check_token_count,
-    check_token_ids,
-    check_token_sequence,
-    token_ids,
-)
 
 __all__ = [
-    "TOKEN_ID_LIMIT",
     "UnitError",
-    "check_token_count",
-    "check_token_ids",
-    "check_token_sequence",
-    "token_ids",
     "format_size",
     "format_tokens",
     "parse_size",

@@ -1,9 +1,9 @@
 """``kvcore simulate``: replay a workload through the real coordinator.
 
 The model is planned as ``kvcore plan`` plans it (the shared options of
-:mod:`kvcore.cli.options`); the workload is a trace file (``--trace``) or
+:mod:`kvcore.tools.cli.options`); the workload is a trace file (``--trace``) or
 drawn from the synthetic options; the run is
-:class:`kvcore.simulate.Driver` with the plan's ``--max-num-batched-tokens``
+:class:`kvcore.tools.simulate.Driver` with the plan's ``--max-num-batched-tokens``
 as the step budget.  The figures print as a table, or as JSON with
 ``--json``.  A progress bar is drawn on stderr only when it is a terminal
 and the run takes more than a couple of seconds.
@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from kvcore.cli.console import make_console
-from kvcore.cli.options import CliUsageError, add_model_options, plan_from_args
-from kvcore.simulate import (
+from kvcore.tools.cli.console import make_console
+from kvcore.tools.cli.options import CliUsageError, add_model_options, plan_from_args
+from kvcore.tools.simulate import (
     NAMED_WORKLOADS,
     Driver,
     SimulationResult,
@@ -32,7 +32,7 @@ from kvcore.simulate import (
     parse_distribution,
     synthetic_workload,
 )
-from kvcore.units import format_size
+from kvcore.tools.units import format_size
 
 __all__ = ["register"]
 

@@ -25,7 +25,7 @@ from kvcore.plan.capacity import (
 from kvcore.plan.declarations import layer_alignment
 from kvcore.spec import HitPolicy, KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
-from kvcore.units import format_size, format_tokens
+from kvcore.tools.units import format_size, format_tokens
 
 if TYPE_CHECKING:
     from kvcore.registry import KindRegistry

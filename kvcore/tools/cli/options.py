@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import attrs
 
-from kvcore import zoo
-from kvcore.accelerators import Accelerator, find_accelerator
 from kvcore.checkpoints import CHECKPOINT_POLICIES
 from kvcore.config import (
     PACKING_POLICIES,
@@ -25,7 +23,7 @@ from kvcore.config import (
     EngineConfig,
     ParallelConfig,
 )
-from kvcore.errors import KvcoreValueError, escape_controls
+from kvcore.errors import KvcoreValueError, PluginError, escape_controls
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
@@ -40,7 +38,9 @@ from kvcore.serving import (
     parse_cache_dtype,
 )
 from kvcore.structs import KVCacheConfig
-from kvcore.units import format_size, parse_fraction, parse_size, parse_tokens
+from kvcore.tools import zoo
+from kvcore.tools.accelerators import Accelerator, find_accelerator
+from kvcore.tools.units import format_size, parse_fraction, parse_size, parse_tokens
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -269,7 +269,7 @@ def resolve_model(name_or_path: str) -> Path:
 
     ``name_or_path`` is a path when it names an existing file, ends in
     ``.json`` or holds a path separator; anything else is the name of a
-    shipped model, found only among :func:`kvcore.zoo.names` (a name never
+    shipped model, found only among :func:`kvcore.tools.zoo.names` (a name never
     reaches outside the package's model folder)."""
     if "\x00" in name_or_path:
         msg = "the model path holds a NUL byte; give a file path or a shipped name"
@@ -303,29 +303,69 @@ def _model_source(
 ) -> tuple[Path | str, ModelFile, int | None]:
     """Where the model comes from and its layers: ``--hf-config``, a hub id
     (``ORG/NAME`` that names no file), or a model file / shipped name."""
-    from kvcore.mapping import (
-        MapperRegistry,
-        is_hub_id,
-        load_hf_config,
-        map_model_config,
-        read_model_config,
-    )
-
     hf_config = getattr(args, "hf_config", None)
     if hf_config is not None and args.model != DEFAULT_MODEL:
         msg = "give a MODEL or --hf-config, not both"
         raise CliUsageError(msg)
     if hf_config is not None:
-        config = load_hf_config(hf_config)
-    elif is_hub_id(args.model) and not Path(args.model).exists():
-        config = read_model_config(args.model)
-    else:
-        source = resolve_model(args.model)
-        model, weights = _read_model(source, registry)
-        return source, model, weights
-    mappers = MapperRegistry.from_plugin_manager(get_plugin_manager())
-    model = map_model_config(config, choices, mappers=mappers, registry=registry)
-    return config.where, model, None
+        mapped = read_plugin_model(hf_config, choices, registry, allow_hub=False)
+        path = Path(hf_config)
+        return str(path / "config.json" if path.is_dir() else path), mapped, None
+    if _may_be_hub_id(args.model):
+        fetched = read_plugin_model(args.model, choices, registry, allow_hub=True)
+        if fetched is not None:
+            return f"{args.model} (config.json)", fetched, None
+    source = resolve_model(args.model)
+    model, weights = _read_model(source, registry)
+    return source, model, weights
+
+
+def _may_be_hub_id(text: str) -> bool:
+    """``ORG/NAME`` that names no local file: a plugin may fetch it."""
+    return (
+        text.count("/") == 1
+        and not text.endswith(".json")
+        and not text.startswith((".", "/", "~"))
+        and not Path(text).exists()
+    )
+
+
+@overload
+def read_plugin_model(
+    source: str,
+    choices: ServingChoices,
+    registry: KindRegistry,
+    *,
+    allow_hub: Literal[False],
+) -> ModelFile: ...
+@overload
+def read_plugin_model(
+    source: str, choices: ServingChoices, registry: KindRegistry, *, allow_hub: bool
+) -> ModelFile | None: ...
+def read_plugin_model(
+    source: str, choices: ServingChoices, registry: KindRegistry, *, allow_hub: bool
+) -> ModelFile | None:
+    """A model read by an installed plugin (``kvcore_read_model``): a
+    Hugging Face ``config.json`` or hub id through ``kvcore_hf``.  None when
+    no plugin takes a possible hub id; a path no plugin reads is an error."""
+    model = get_plugin_manager().hook.kvcore_read_model(
+        source=source, choices=choices, registry=registry, allow_hub=allow_hub
+    )
+    if model is None:
+        if allow_hub:
+            return None
+        msg = (
+            f"no installed plugin reads {escape_controls(source)}; the built-in "
+            "kvcore_hf plugin reads config.json files (is it disabled?)"
+        )
+        raise CliUsageError(msg)
+    if not isinstance(model, ModelFile):
+        msg = (
+            f"a plugin's kvcore_read_model returned {type(model).__name__} for "
+            f"{escape_controls(source)}; it must return a kvcore.serialize.ModelFile"
+        )
+        raise PluginError(msg, plugin_name="kvcore_read_model")
+    return model
 
 
 def _read_model(path: Path, registry: KindRegistry) -> tuple[ModelFile, int | None]:

@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from kvcore.errors import KvcoreValueError
-from kvcore.simulate.lengths import Distribution, parse_distribution
+from kvcore.tools.simulate.lengths import Distribution, parse_distribution
 
 __all__ = [
     "NAMED_WORKLOADS",

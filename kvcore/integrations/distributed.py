@@ -10,7 +10,7 @@ then :func:`agree_plan` makes the ranks agree:
   gathered; the ranks of one pipeline stage must plan the same, and the
   stages' groups must line up.  On any difference every rank raises the same
   :class:`PlanMismatchError`, naming the ranks and the fields that differ;
-- every rank then holds the same :class:`~kvcore.plan.stages.PipelinePlan`,
+- every rank then holds the same :class:`~kvcore.integrations.stages.PipelinePlan`,
   whose JSON (:func:`dump_pipeline_plan`) the scheduler ships to the workers.
 
 Every collective waits at most ``timeout``: a rank that died or is slower
@@ -34,14 +34,14 @@ import torch
 
 from kvcore.config import EngineConfig
 from kvcore.errors import KvcoreError, PlanError, SerializationError
-from kvcore.plan.block_sizes import _AGREED
-from kvcore.plan.plan import plan_kv_cache
-from kvcore.plan.stages import (
+from kvcore.integrations.stages import (
     PipelinePlan,
     line_up_problem,
     plan_pipeline_stages,
     with_num_blocks,
 )
+from kvcore.plan.block_sizes import _AGREED
+from kvcore.plan.plan import plan_kv_cache
 from kvcore.pool import KVCachePool
 from kvcore.registry import KindRegistry
 from kvcore.serialize import make_converter
@@ -341,7 +341,7 @@ def agree_plan(
     """Make every rank of ``group`` agree on one plan (see the module doc).
 
     Every rank calls this with its own :func:`plan_local` plan and gets the
-    same :class:`~kvcore.plan.stages.PipelinePlan`: one plan per stage, all
+    same :class:`~kvcore.integrations.stages.PipelinePlan`: one plan per stage, all
     of the smallest rank's ``num_blocks``.
 
     Raises :class:`PlanMismatchError` (on every rank alike) when the plans
@@ -441,7 +441,7 @@ def load_pipeline_plan(text: str, registry: KindRegistry | None = None) -> Pipel
         msg = (
             f"a shipped KV cache plan must be a JSON object with format "
             f"{PLAN_FORMAT!r} and a non-empty 'stages' list (made by "
-            "kvcore.distributed.dump_pipeline_plan)"
+            "kvcore.integrations.distributed.dump_pipeline_plan)"
         )
         raise SerializationError(msg)
     converter = make_converter(registry)

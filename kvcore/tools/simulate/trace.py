@@ -32,7 +32,7 @@ from typing import NoReturn
 
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT
 from kvcore.errors import KvcoreValueError
-from kvcore.simulate.workload import Workload, WorkloadRequest, token_stream
+from kvcore.tools.simulate.workload import Workload, WorkloadRequest, token_stream
 
 __all__ = ["FIELDS", "TraceError", "load_trace", "parse_trace"]
 

@@ -9,13 +9,22 @@ scheduler over :class:`~kvcore.coordinator.KVCacheManager`) into a
 
 from __future__ import annotations
 
-from kvcore.simulate.bound import ComputedPrefixes
-from kvcore.simulate.driver import Driver, ProgressCallback, SimulationError, simulate
-from kvcore.simulate.lengths import Distribution, DistributionError, parse_distribution
-from kvcore.simulate.oracle import ContentOracle
-from kvcore.simulate.result import GroupUsage, SimulationResult, Unserved
-from kvcore.simulate.trace import TraceError, load_trace, parse_trace
-from kvcore.simulate.workload import (
+from kvcore.tools.simulate.bound import ComputedPrefixes
+from kvcore.tools.simulate.driver import (
+    Driver,
+    ProgressCallback,
+    SimulationError,
+    simulate,
+)
+from kvcore.tools.simulate.lengths import (
+    Distribution,
+    DistributionError,
+    parse_distribution,
+)
+from kvcore.tools.simulate.oracle import ContentOracle
+from kvcore.tools.simulate.result import GroupUsage, SimulationResult, Unserved
+from kvcore.tools.simulate.trace import TraceError, load_trace, parse_trace
+from kvcore.tools.simulate.workload import (
     NAMED_WORKLOADS,
     Workload,
     WorkloadError,

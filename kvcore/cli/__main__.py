@@ -1,3 +1,0 @@
-from kvcore.cli import main
-
-raise SystemExit(main())

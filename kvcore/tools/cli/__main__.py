@@ -1,0 +1,3 @@
+from kvcore.tools.cli import main
+
+raise SystemExit(main())
