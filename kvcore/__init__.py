@@ -29,6 +29,7 @@ from kvcore.errors import (
     SerializationError,
     UnknownKindError,
     UnknownRequestError,
+    UnsafePlanError,
 )
 from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.kinds import AttentionKind, CacheKind, LayerView
@@ -124,4 +125,5 @@ __all__ = [
     "SerializationError",
     "UnknownKindError",
     "UnknownRequestError",
+    "UnsafePlanError",
 ]

@@ -125,6 +125,12 @@ class SerializationError(KvcoreValueError):
     """A JSON document does not describe a valid spec, group or config."""
 
 
+class UnsafePlanError(SerializationError, PlanError):
+    """A plan that cannot be bound safely: a layer placed twice or nowhere,
+    a tensor past its pool, or two live pages on one byte.  Raised wherever
+    a plan enters a process (a file, another rank, the pool)."""
+
+
 class NoFreeBlocksError(KvcoreValueError):
     """The block pool holds fewer free blocks than were asked for."""
 

@@ -13,6 +13,7 @@ from kvcore.errors import KvcoreValueError, LayoutError, PlanError, PluginBindEr
 from kvcore.kinds import LayerView
 from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
 from kvcore.plan import tensor_strides
+from kvcore.plan.validate import check_placement
 from kvcore.registry import (
     KindRegistry,
     call_plugin,
@@ -89,19 +90,21 @@ class KVCachePool:
         self.layout = layout
         device_tensors = [t for t in config.kv_cache_tensors if not t.host_resident]
         host_tensors = [t for t in config.kv_cache_tensors if t.host_resident]
+        device_size = _shared_size(device_tensors, "device")
+        host_size = _shared_size(host_tensors, "host-resident") if host_tensors else 0
+        # Whatever made the plan, nothing is bound that the checks refuse:
+        # every layer placed once, inside its pool, no two live pages on
+        # one byte in the layout bound here.
+        check_placement(config, layout)
         #: The device buffer: every tensor that is not host resident.
-        self.buffer = _allocate(
-            _shared_size(device_tensors, "device"), device, pin_memory=False
-        )
+        self.buffer = _allocate(device_size, device, pin_memory=False)
         #: The host buffer of the host-resident tensors (``None`` when there
         #: are none): host memory, pinned when CUDA is available, because it
         #: holds the host side of a sparse cache that the device copies from.
         self.host_buffer: torch.Tensor | None = None
         if host_tensors:
             self.host_buffer = _allocate(
-                _shared_size(host_tensors, "host-resident"),
-                "cpu",
-                pin_memory=torch.cuda.is_available(),
+                host_size, "cpu", pin_memory=torch.cuda.is_available()
             )
         group_of = {
             name: i

@@ -11,7 +11,6 @@ use.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -32,19 +31,18 @@ from kvcore.errors import (
     echo,
     escape_controls,
 )
-from kvcore.layout import AXIS_B, AXIS_L, KVCacheLayout
+from kvcore.layout import KVCacheLayout
 from kvcore.limits import (
     MAX_JSON_DEPTH,
     MAX_JSON_FILE_BYTES,
     MAX_JSON_INT_DIGITS,
     MAX_NAME_CHARS,
-    MAX_NUM_BLOCKS,
 )
+from kvcore.plan.validate import _printable_name, check_config
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.serving import CACHE_DTYPE_ALIASES
 from kvcore.spec import CACHE_ELEMENT_DTYPES, KVCacheSpec, UniformTypeKVCacheSpecs
-from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, ModelFile
-from kvcore.tokens import check_token_count
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, ModelFile
 
 __all__ = [
     "ModelFile",
@@ -507,183 +505,6 @@ def load_config(text: str, registry: KindRegistry | None = None) -> KVCacheConfi
     config: KVCacheConfig = make_converter(registry).structure(data, KVCacheConfig)
     check_config(config)
     return config
-
-
-def _page_extent(tensor: KVCacheTensor, spec: KVCacheSpec) -> int:
-    """Bytes from the first to one past the last byte of one page."""
-    h, n, c = spec.page_grid
-    if tensor.page_strides is None:
-        return h * n * c
-    sh, sn, sc = tensor.page_strides
-    return (h - 1) * sh + (n - 1) * sn + (c - 1) * sc + 1
-
-
-def check_config(config: KVCacheConfig) -> None:
-    """Refuse a config a worker could not bind safely, naming the field:
-    ``bytes_per_block`` not positive, more than
-    :data:`~kvcore.limits.MAX_NUM_BLOCKS` blocks, a group's layer with no
-    tensor or with two, a tensor's layer in no group or in another group's
-    tensor, a tensor reaching past its pool, tensors of one residency of
-    different sizes, and tensors of one group overlapping."""
-    if config.num_blocks > MAX_NUM_BLOCKS:
-        msg = (
-            f"$.num_blocks: {config.num_blocks:,} blocks is more than kvcore's "
-            f"limit of {MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS); plan with larger blocks "
-            "or fewer of them"
-        )
-        raise SerializationError(msg)
-    for field in (
-        "scheduler_block_size",
-        "hash_block_size",
-        "max_model_len",
-        "target_context",
-        "max_num_batched_tokens",
-    ):
-        value = getattr(config, field)
-        if value is not None:
-            check_token_count(value, f"$.{field}", minimum=1)
-    if config.kv_cache_groups and config.bytes_per_block < 1:
-        msg = (
-            f"$.bytes_per_block must be a positive number of bytes, got "
-            f"{echo(config.bytes_per_block)}; re-plan rather than edit the config"
-        )
-        raise SerializationError(msg)
-    group_of: dict[str, int] = {}
-    for gid, group in enumerate(config.kv_cache_groups):
-        for name in group.layer_names:
-            _printable_name(name, "a layer name", f"$.kv_cache_groups[{gid}]")
-            if name in group_of:
-                msg = (
-                    f"$.kv_cache_groups[{gid}].layer_names: layer {echo(name)} is "
-                    f"also in group {group_of[name]}; a layer belongs to one group"
-                )
-                raise SerializationError(msg)
-            group_of[name] = gid
-    placed: dict[str, int] = {}
-    sizes: dict[bool, int] = {}
-    for tid, tensor in enumerate(config.kv_cache_tensors):
-        at = f"$.kv_cache_tensors[{tid}]"
-        for name in tensor.layers:
-            if name not in group_of:
-                msg = (
-                    f"{at}.layers: layer {echo(name)} is in no cache group; list it "
-                    "in one group's layer_names or drop the tensor"
-                )
-                raise SerializationError(msg)
-            if name in placed:
-                msg = (
-                    f"{at}.layers: layer {echo(name)} already has a tensor "
-                    f"($.kv_cache_tensors[{placed[name]}]); a layer lives in one tensor"
-                )
-                raise SerializationError(msg)
-            if group_of[name] != group_of[tensor.layers[0]]:
-                msg = (
-                    f"{at}.layers: layers {echo(tensor.layers[0])} and {echo(name)} "
-                    "are in different cache groups; a tensor holds one group's layers"
-                )
-                raise SerializationError(msg)
-            placed[name] = tid
-        size = sizes.setdefault(tensor.host_resident, tensor.size)
-        if size != tensor.size:
-            msg = (
-                f"{at}.size is {tensor.size}, but the other tensors of its residency "
-                f"have size {size}; they share one allocation"
-            )
-            raise SerializationError(msg)
-        group = config.kv_cache_groups[group_of[tensor.layers[0]]]
-        spec = group.layer_spec(tensor.layers[0])
-        end = (
-            tensor.offset
-            + (len(tensor.layers) - 1) * tensor.layer_stride
-            + (config.num_blocks - 1) * tensor.block_stride
-            + _page_extent(tensor, spec)
-        )
-        if end > tensor.size:
-            msg = (
-                f"{at}: the pages of layers {echo(tensor.layers)} reach byte {end:,} "
-                f"of a {tensor.size:,}-byte pool ({config.num_blocks} blocks of "
-                f"stride {tensor.block_stride}); re-plan rather than edit the config"
-            )
-            raise SerializationError(msg)
-    for group in config.kv_cache_groups:
-        for name in group.layer_names:
-            if name not in placed:
-                msg = (
-                    f"$.kv_cache_groups[{group_of[name]}].layer_names: layer "
-                    f"{echo(name)} has no tensor in $.kv_cache_tensors, so a worker "
-                    "could bind no view for it; re-plan rather than edit the config"
-                )
-                raise SerializationError(msg)
-    _check_disjoint(config)
-
-
-def _check_disjoint(config: KVCacheConfig) -> None:
-    """Tensors of one group must not overlap (those of different groups may
-    alias: a block belongs to one group at a time).  Checked from the byte
-    ranges a layout makes contiguous: each layer's page inside a block when
-    blocks are outermost and layers next, each tensor's span when layers
-    are outermost; other layouts interleave and are not checked here."""
-    layout = config.kv_cache_layout
-    if layout is None or len(config.kv_cache_tensors) < 2:
-        return
-    order = layout.value
-    group_of = {
-        name: gid
-        for gid, group in enumerate(config.kv_cache_groups)
-        for name in group.layer_names
-    }
-    spans: dict[tuple[int, bool], list[tuple[int, int, str, int]]] = {}
-    for tid, tensor in enumerate(config.kv_cache_tensors):
-        gid = group_of[tensor.layers[0]]
-        spec = config.kv_cache_groups[gid].layer_spec(tensor.layers[0])
-        page = _page_extent(tensor, spec)
-        key = (gid, tensor.host_resident)
-        if order[:2] == (AXIS_B, AXIS_L):
-            for i, name in enumerate(tensor.layers):
-                start = tensor.offset + i * tensor.layer_stride
-                spans.setdefault(key, []).append((start, start + page, name, tid))
-        elif order[0] == AXIS_L:
-            end = (
-                tensor.offset
-                + (len(tensor.layers) - 1) * tensor.layer_stride
-                + (config.num_blocks - 1) * tensor.block_stride
-                + page
-            )
-            spans.setdefault(key, []).append(
-                (tensor.offset, end, tensor.layers[0], tid)
-            )
-    for (gid, _), ranges in spans.items():
-        ranges.sort()
-        for (_, end, name, tid), (start, _, other, other_tid) in itertools.pairwise(
-            ranges
-        ):
-            if start < end:
-                msg = (
-                    f"$.kv_cache_tensors[{other_tid}]: layer {echo(other)} overlaps "
-                    f"layer {echo(name)} ($.kv_cache_tensors[{tid}]) of the same "
-                    f"cache group {gid} (bytes {start:,} to {end:,}); layers of one "
-                    "group must be disjoint, re-plan rather than edit the config"
-                )
-                raise SerializationError(msg)
-
-
-def _printable_name(value: object, what: str, where: str) -> str:
-    """A non-empty string with no control characters (names reach
-    terminals, tables and file names)."""
-    if type(value) is not str or not value.strip() or len(value) > MAX_NAME_CHARS:
-        msg = (
-            f"{where}: {what} must be a non-empty string of at most "
-            f"{MAX_NAME_CHARS} characters, got {echo(value)} "
-            f"({type(value).__name__}); write it as a JSON string"
-        )
-        raise SerializationError(msg)
-    if not value.isprintable():
-        msg = (
-            f"{where}: {what} {echo(value)} holds control characters; names "
-            "must be printable text"
-        )
-        raise SerializationError(msg)
-    return value
 
 
 def load_model_file(

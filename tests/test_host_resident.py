@@ -189,12 +189,12 @@ def test_a_host_tensor_must_fit_the_host_buffer() -> None:
     device, host = config.kv_cache_tensors
     # one block short of what the source layers reach
     host.size = HOST_SIZE - HOST_BPB
-    with pytest.raises(PlanError, match="of a 12288-byte host-resident pool"):
+    with pytest.raises(PlanError, match="of a 12,288-byte host-resident pool"):
         KVCachePool(config)
     # the device tensor is checked against the device buffer alone
     host.size = HOST_SIZE
     device.size = DEVICE_SIZE - 1
-    with pytest.raises(PlanError, match="of a 4095-byte device pool"):
+    with pytest.raises(PlanError, match="of a 4,095-byte device pool"):
         KVCachePool(config)
 
 

@@ -479,15 +479,15 @@ CASES = [
         worker_config(tensor1_offset=8000),
         SerializationError,
         "$.kv_cache_tensors[1]: the pages of layers ['b'] reach byte 15,680 of a "
-        "8,192-byte pool",
+        "8,192-byte device pool",
     ),
     Case(
         "overlapping tensors of one group",
         '"offset": 256',
         worker_config(tensor1_offset=256),
         SerializationError,
-        "$.kv_cache_tensors[1]: layer 'b' overlaps layer 'a' ($.kv_cache_tensors[0]) "
-        "of the same cache group 0 (bytes 256 to 512)",
+        "$.kv_cache_tensors[1]: layer 'b' (cache group 0) may share bytes with layer "
+        "'a' ($.kv_cache_tensors[0], cache group 0) within bytes 256 to 7,680",
     ),
     Case(
         "tensors of different sizes",
