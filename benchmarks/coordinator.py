@@ -667,7 +667,7 @@ def parse_memory(text: str) -> int:
     return int(text)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--requests", type=int, default=2000)
@@ -720,11 +720,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-dsv4", action="store_true")
     parser.add_argument("--no-groups", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
-    args = parser.parse_args(argv)
-    batches: list[int] = args.batch or [1, 64]
-    if args.shared_prefix_len > args.prompt_len:
-        parser.error("--shared-prefix-len exceeds --prompt-len")
+    return parser
 
+
+def find_vllm(args: argparse.Namespace) -> tuple[str | None, Path]:
+    """The interpreter to run vLLM's manager under (None: kvcore figures
+    only) and the measuring script it runs."""
     vllm_python: str | None = None
     if not args.no_vllm:
         if args.vllm_python:
@@ -739,29 +740,18 @@ def main(argv: list[str] | None = None) -> int:
             f"vLLM instrument not found at {instrument}; pass --vllm-instrument PATH "
             "or --no-vllm"
         )
+    return vllm_python, instrument
 
-    prompts, decode = make_trace(args)
-    results: dict[str, Any] = {
-        "config": {
-            k: v for k, v in vars(args).items() if k not in ("json", "vllm_python")
-        },
-        "python": sys.version.split()[0],
-        "kvcore_version": getattr(kvcore, "__version__", None),
-        "kvcore_source": kvcore_source(),
-        "load_average_start": os.getloadavg(),
-    }
 
-    worker: VllmWorker | None = None
-    if vllm_python is not None:
-        print(f"loading vLLM's manager under {vllm_python} ...", file=sys.stderr)
-        worker = VllmWorker(vllm_python, instrument, args)
-    else:
-        results["vllm"] = None
-        print(
-            "vLLM not importable here and no --vllm-python: kvcore figures only",
-            file=sys.stderr,
-        )
-
+def run_full_attention(
+    args: argparse.Namespace,
+    batches: list[int],
+    trace: tuple[list[list[int]], list[list[int]]],
+    worker: VllmWorker | None,
+    results: dict[str, Any],
+) -> None:
+    """One full-attention group, kvcore beside vLLM when there is a worker."""
+    prompts, decode = trace
     make, hash_bs = full_attention_manager(args.num_blocks, args.max_model_len)
     sides = {"kvcore": kvcore_side(make, prompts, decode, hash_bs, args)}
     if worker is not None:
@@ -792,83 +782,139 @@ def main(argv: list[str] | None = None) -> int:
             key: first[key] for key in ("vllm_version", "torch_version", "python")
         }
 
-    if not args.no_dsv4:
-        # Side by side, both managers serve the same hits: whole blocks of
-        # every group (vLLM's rule; a 512-token prompt gets none under the
-        # plan's 2048-token blocks).  kvcore's default, copy-on-write hits
-        # inside a block, is timed alone.
-        budget = parse_memory(args.dsv4_memory)
-        make_v4, hash_v4, info = deepseek_v4_manager(budget, args.max_model_len)
-        make_whole, _, _ = deepseek_v4_manager(
-            budget, args.max_model_len, partial_hits=False
-        )
-        v4_plan = vllm_plan(make_v4())
-        results["deepseek_v4/plan"] = info
+
+def run_deepseek_v4(
+    args: argparse.Namespace,
+    batches: list[int],
+    trace: tuple[list[list[int]], list[list[int]]],
+    worker: VllmWorker | None,
+    results: dict[str, Any],
+) -> None:
+    """The DeepSeek-V4 plan's groups, kvcore's partial hits and whole-block
+    hits, beside vLLM when there is a worker."""
+    prompts, decode = trace
+    # Side by side, both managers serve the same hits: whole blocks of
+    # every group (vLLM's rule; a 512-token prompt gets none under the
+    # plan's 2048-token blocks).  kvcore's default, copy-on-write hits
+    # inside a block, is timed alone.
+    budget = parse_memory(args.dsv4_memory)
+    make_v4, hash_v4, info = deepseek_v4_manager(budget, args.max_model_len)
+    make_whole, _, _ = deepseek_v4_manager(
+        budget, args.max_model_len, partial_hits=False
+    )
+    v4_plan = vllm_plan(make_v4())
+    results["deepseek_v4/plan"] = info
+    if not args.json:
+        print(f"deepseek_v4 plan: {json.dumps(info)}", file=sys.stderr)
+    v4_sides = {
+        "kvcore": kvcore_side(make_v4, prompts, decode, hash_v4, args),
+        "kvcore_whole_block_hits": kvcore_side(
+            make_whole, prompts, decode, hash_v4, args
+        ),
+    }
+    if worker is not None:
+        v4_worker = worker
+
+        def vllm_v4(batch: int) -> dict[str, Any]:
+            return v4_worker.run(batch, v4_plan)
+
+        v4_sides["vllm"] = vllm_v4
+    v4_runs = interleaved(v4_sides, batches, args.repeat)
+    for batch in batches:
+        figures = median_run(v4_runs["kvcore", batch])
+        whole = median_run(v4_runs["kvcore_whole_block_hits", batch])
+        entry: dict[str, Any] = {"kvcore": figures, "kvcore_whole_block_hits": whole}
         if not args.json:
-            print(f"deepseek_v4 plan: {json.dumps(info)}", file=sys.stderr)
-        v4_sides = {
-            "kvcore": kvcore_side(make_v4, prompts, decode, hash_v4, args),
-            "kvcore_whole_block_hits": kvcore_side(
-                make_whole, prompts, decode, hash_v4, args
-            ),
-        }
+            print_figures(f"deepseek_v4 batch {batch} (kvcore)", figures)
         if worker is not None:
-            v4_worker = worker
-
-            def vllm_v4(batch: int) -> dict[str, Any]:
-                return v4_worker.run(batch, v4_plan)
-
-            v4_sides["vllm"] = vllm_v4
-        v4_runs = interleaved(v4_sides, batches, args.repeat)
-        for batch in batches:
-            figures = median_run(v4_runs["kvcore", batch])
-            whole = median_run(v4_runs["kvcore_whole_block_hits", batch])
-            entry = {"kvcore": figures, "kvcore_whole_block_hits": whole}
+            vl = median_run(v4_runs["vllm", batch])
+            entry["vllm"] = vl
+            entry["compare"] = compare(whole, vl)
+            entry["workload_mismatch"] = workload_mismatch(whole, vl)
             if not args.json:
-                print_figures(f"deepseek_v4 batch {batch} (kvcore)", figures)
-            if worker is not None:
-                vl = median_run(v4_runs["vllm", batch])
-                entry["vllm"] = vl
-                entry["compare"] = compare(whole, vl)
-                entry["workload_mismatch"] = workload_mismatch(whole, vl)
-                if not args.json:
-                    print_table(
-                        f"deepseek_v4 batch {batch}, whole-block hits on both sides",
-                        entry["compare"],
-                    )
-                    for line in entry["workload_mismatch"]:
-                        print(f"  WORKLOAD DIFFERS: {line}", file=sys.stderr)
-            results[f"deepseek_v4/batch{batch}"] = entry
+                print_table(
+                    f"deepseek_v4 batch {batch}, whole-block hits on both sides",
+                    entry["compare"],
+                )
+                for line in entry["workload_mismatch"]:
+                    print(f"  WORKLOAD DIFFERS: {line}", file=sys.stderr)
+        results[f"deepseek_v4/batch{batch}"] = entry
 
-    if not args.no_groups:
-        sub = prompts[: args.group_requests]
-        scaling = {}
-        for n in GROUP_COUNTS:
-            make_n, hash_n = full_attention_manager(
-                args.num_blocks, args.max_model_len, n
-            )
-            scaling[n] = kvcore_figures(make_n, sub, decode, hash_n, 1, args)
-        results["groups/batch1"] = scaling
-        if not args.json:
-            print(f"groups of full attention, batch 1, {len(sub)} requests "
-                  "(us per call):", file=sys.stderr)  # fmt: skip
-            keys = ("allocate_slots_prefill_us", "allocate_slots_decode_us",
-                    "get_computed_blocks_us", "free_us", "request_construct_us")  # fmt: skip
-            print(
-                "  groups " + " ".join(f"{k[:-3]:>26}" for k in keys), file=sys.stderr
-            )
-            for n, fig in scaling.items():
-                print(f"  {n:6d} " + " ".join(f"{fig[k]:26.3f}" for k in keys),
-                      file=sys.stderr)  # fmt: skip
 
-    if not args.no_memory:
-        memory = {"kvcore": kvcore_memory(args.memory_blocks)}
-        if worker is not None:
-            memory["vllm"] = worker.memory(args.memory_blocks)
-        results["memory"] = memory
-        if not args.json:
-            print(f"memory at {args.memory_blocks} blocks: {json.dumps(memory)}",
+def run_group_scaling(
+    args: argparse.Namespace,
+    trace: tuple[list[list[int]], list[list[int]]],
+    results: dict[str, Any],
+) -> None:
+    """kvcore's calls at batch 1 as the number of full-attention groups grows."""
+    prompts, decode = trace
+    sub = prompts[: args.group_requests]
+    scaling = {}
+    for n in GROUP_COUNTS:
+        make_n, hash_n = full_attention_manager(args.num_blocks, args.max_model_len, n)
+        scaling[n] = kvcore_figures(make_n, sub, decode, hash_n, 1, args)
+    results["groups/batch1"] = scaling
+    if not args.json:
+        print(f"groups of full attention, batch 1, {len(sub)} requests "
+              "(us per call):", file=sys.stderr)  # fmt: skip
+        keys = ("allocate_slots_prefill_us", "allocate_slots_decode_us",
+                "get_computed_blocks_us", "free_us", "request_construct_us")  # fmt: skip
+        print("  groups " + " ".join(f"{k[:-3]:>26}" for k in keys), file=sys.stderr)
+        for n, fig in scaling.items():
+            print(f"  {n:6d} " + " ".join(f"{fig[k]:26.3f}" for k in keys),
                   file=sys.stderr)  # fmt: skip
+
+
+def run_memory(
+    args: argparse.Namespace, worker: VllmWorker | None, results: dict[str, Any]
+) -> None:
+    """The bytes each manager holds for ``--memory-blocks`` blocks."""
+    memory = {"kvcore": kvcore_memory(args.memory_blocks)}
+    if worker is not None:
+        memory["vllm"] = worker.memory(args.memory_blocks)
+    results["memory"] = memory
+    if not args.json:
+        print(f"memory at {args.memory_blocks} blocks: {json.dumps(memory)}",
+              file=sys.stderr)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    batches: list[int] = args.batch or [1, 64]
+    if args.shared_prefix_len > args.prompt_len:
+        parser.error("--shared-prefix-len exceeds --prompt-len")
+    vllm_python, instrument = find_vllm(args)
+
+    trace = make_trace(args)
+    results: dict[str, Any] = {
+        "config": {
+            k: v for k, v in vars(args).items() if k not in ("json", "vllm_python")
+        },
+        "python": sys.version.split()[0],
+        "kvcore_version": getattr(kvcore, "__version__", None),
+        "kvcore_source": kvcore_source(),
+        "load_average_start": os.getloadavg(),
+    }
+
+    worker: VllmWorker | None = None
+    if vllm_python is not None:
+        print(f"loading vLLM's manager under {vllm_python} ...", file=sys.stderr)
+        worker = VllmWorker(vllm_python, instrument, args)
+    else:
+        results["vllm"] = None
+        print(
+            "vLLM not importable here and no --vllm-python: kvcore figures only",
+            file=sys.stderr,
+        )
+
+    run_full_attention(args, batches, trace, worker, results)
+    if not args.no_dsv4:
+        run_deepseek_v4(args, batches, trace, worker, results)
+    if not args.no_groups:
+        run_group_scaling(args, trace, results)
+    if not args.no_memory:
+        run_memory(args, worker, results)
 
     if worker is not None:
         worker.close()
