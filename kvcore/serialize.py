@@ -48,6 +48,7 @@ __all__ = [
     "ModelFile",
     "SpecConverter",
     "check_config",
+    "config_from_data",
     "dump_config",
     "dump_model_file",
     "load_config",
@@ -499,11 +500,29 @@ def load_config(text: str, registry: KindRegistry | None = None) -> KVCacheConfi
         msg = f"load_config takes the config's JSON text, got {type(raw).__name__}"
         raise KvcoreTypeError(msg)
     data = parse_json(text, where="the KV cache config")
+    return config_from_data(data, registry)
+
+
+def config_from_data(
+    data: object, registry: KindRegistry | None = None, *, where: str = ""
+) -> KVCacheConfig:
+    """A config from its parsed JSON, checked as :func:`load_config` checks
+    one: every way a plan enters a process (a file, a shipped pipeline plan,
+    another rank's record) comes through here.  ``where`` prefixes errors
+    (``"stage 1: "``)."""
     if not isinstance(data, dict):
-        msg = f"a KV cache config must be a JSON object, got {type(data).__name__}"
+        msg = (
+            f"{where}a KV cache config must be a JSON object, got {type(data).__name__}"
+        )
         raise SerializationError(msg)
-    config: KVCacheConfig = make_converter(registry).structure(data, KVCacheConfig)
-    check_config(config)
+    try:
+        config: KVCacheConfig = make_converter(registry).structure(data, KVCacheConfig)
+        check_config(config)
+    except SerializationError as exc:
+        if not where:
+            raise
+        msg = f"{where}{exc}"
+        raise type(exc)(msg) from exc
     return config
 
 

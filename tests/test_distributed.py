@@ -20,13 +20,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from coordinator_setup import builtin_registry
 
 import kvcore
 from kvcore.coordinator import KVCacheManager
-from kvcore.errors import KvcoreError, PlanError, SerializationError
+from kvcore.errors import KvcoreError, PlanError, SerializationError, UnsafePlanError
+from kvcore.integrations import distributed
 from kvcore.integrations.distributed import (
     CollectiveError,
     PlanMismatchError,
@@ -50,7 +52,7 @@ from kvcore.integrations.stages import (
     stage_sizes_for,
     with_num_blocks,
 )
-from kvcore.serialize import load_model_file
+from kvcore.serialize import load_model_file, make_converter
 from kvcore.serving import ServingChoices, apply_serving_choices
 from kvcore.tools import zoo
 from kvcore_full_attention import FullAttentionSpec
@@ -316,11 +318,65 @@ def test_the_odd_rank_out_is_named() -> None:
     assert info.value.ranks == (0,)
 
 
+def _hostile_shipped_plans(good: dict[str, Any]) -> None:
+    """Every way a shipped plan could bind aliasing or broken views is
+    refused with a kvcore error naming the stage and the field."""
+    registry = REGISTRY
+    text = json.dumps(good)
+
+    def edited(change: Any) -> str:
+        data = json.loads(text)
+        change(data["stages"][0])
+        return json.dumps(data)
+
+    def tensor(field: str, value: Any) -> Any:
+        return lambda stage: stage["kv_cache_tensors"][0].__setitem__(field, value)
+
+    def second_group_layer(stage: dict[str, Any]) -> None:
+        groups = stage["kv_cache_groups"]
+        groups[-1]["layer_names"].append(groups[0]["layer_names"][0])
+
+    def tensor_twice(stage: dict[str, Any]) -> None:
+        stage["kv_cache_tensors"].append(stage["kv_cache_tensors"][0])
+
+    first = good["stages"][0]["kv_cache_tensors"][0]
+    cases = {
+        "layer stride 0": (tensor("layer_stride", 0), UnsafePlanError),
+        "half-page layer stride": (
+            tensor("layer_stride", first["layer_stride"] // 2),
+            UnsafePlanError,
+        ),
+        "block stride 0": (tensor("block_stride", 0), UnsafePlanError),
+        "a layer in two groups": (second_group_layer, SerializationError),
+        "a tensor listed twice": (tensor_twice, UnsafePlanError),
+        "bytes_per_block 0": (
+            lambda stage: stage.__setitem__("bytes_per_block", 0),
+            SerializationError,
+        ),
+        "bytes_per_block -1": (
+            lambda stage: stage.__setitem__("bytes_per_block", -1),
+            SerializationError,
+        ),
+    }
+    for name, (change, error) in cases.items():
+        with pytest.raises(error, match=r"^\$\.stages\[0\]: ") as info:
+            load_pipeline_plan(edited(change), registry)
+        assert isinstance(info.value, KvcoreError), name
+    with pytest.raises(SerializationError, match="appears twice"):
+        load_pipeline_plan(
+            text.replace('"format"', '"format": 1, "format"', 1), registry
+        )
+    with pytest.raises(SerializationError, match="nest"):
+        load_pipeline_plan("[" * 100_000, registry)
+    with pytest.raises(KvcoreError, match="JSON text"):
+        load_pipeline_plan(b"{}", registry)  # type: ignore[arg-type]
+
+
 def test_shipped_json_is_checked() -> None:
     registry = REGISTRY
-    with pytest.raises(SerializationError, match="must be JSON"):
+    with pytest.raises(SerializationError, match="is not valid JSON"):
         load_pipeline_plan("{", registry)
-    with pytest.raises(SerializationError, match="non-empty 'stages' list"):
+    with pytest.raises(SerializationError, match="a non-empty stages list"):
         load_pipeline_plan(json.dumps({"format": "x", "stages": []}), registry)
     plans = plan_pipeline_stages(
         _config(pp=2), _model("jamba-1-5-mini"), 64 * MIB, registry=registry
@@ -330,6 +386,7 @@ def test_shipped_json_is_checked() -> None:
     data["num_blocks"] = 7
     with pytest.raises(SerializationError, match="it says num_blocks=7"):
         load_pipeline_plan(json.dumps(data), registry)
+    _hostile_shipped_plans(json.loads(dump_pipeline_plan(plans, registry)))
     # Stages of different block counts cannot share one scheduler.
     shrunk = (plans.stages[0], with_num_blocks(plans.stages[1], 100))
     with pytest.raises(PlanError, match="stage 1 has 100 blocks but stage 0 has"):
@@ -358,6 +415,70 @@ def _error(exc: BaseException) -> dict[str, Any]:
     }
 
 
+def _record(plan: kvcore.KVCacheConfig, fingerprint: str) -> bytes:
+    """A rank's record as agree_plan sends it, under any fingerprint."""
+    converter = make_converter(REGISTRY)
+    record = {
+        "stage": plan.pipeline_stage or 0,
+        "num_blocks": plan.num_blocks,
+        "fingerprint": fingerprint,
+        "config": converter.unstructure(plan),
+    }
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def _lies(plan: kvcore.KVCacheConfig, registry: kvcore.KindRegistry) -> list[bytes]:
+    """Garbage, then a plan that may alias and a valid plan of another cache
+    dtype, each claiming the honest plan's fingerprint."""
+    honest = plan_fingerprint(plan, registry)
+    tensor = plan.kv_cache_tensors[0]
+    aliasing = attrs.evolve(
+        plan, kv_cache_tensors=[attrs.evolve(tensor, layer_stride=0)]
+    )
+    other = plan_local(
+        _short(2),
+        _served("llama-3-1-8b", 2, kv_cache_dtype="fp8"),
+        64 * MIB,
+        registry=registry,
+    )
+    return [b"\xff\xfe not json", _record(aliasing, honest), _record(other, honest)]
+
+
+def test_checked_records_refuse_liars_and_garbage() -> None:
+    registry = REGISTRY
+    plan = plan_local(
+        _short(2), _served("llama-3-1-8b", 2), 64 * MIB, registry=registry
+    )
+    honest = _record(plan, plan_fingerprint(plan, registry))
+    (record,) = distributed.checked_records([honest], registry)
+    assert record["fingerprint"] == plan_fingerprint(plan, registry)
+    assert record["plan"] == plan
+    garbage, aliasing, other = _lies(plan, registry)
+    expected = {
+        0: "UnicodeDecodeError",
+        1: "overlap one another",
+        2: "claims fingerprint, stage and blocks",
+    }
+    for i, lie in enumerate((garbage, aliasing, other)):
+        with pytest.raises(PlanMismatchError, match=expected[i]) as info:
+            distributed.checked_records([honest, lie], registry)
+        assert (info.value.ranks, info.value.fields) == ((1,), ("record",))
+    hostile = [
+        b"",
+        b"[]",
+        b"{}",
+        b'{"stage": 0}',
+        b"[" * 10_000,
+        b'{"stage":0,"num_blocks":1,"fingerprint":"x","config":{},"config":{}}',
+        honest.replace(b'"num_blocks": ', b'"num_blocks": 1'),
+        honest.replace(b'"stage": 0', b'"stage": 1'),
+        honest + b"x",
+    ]
+    for data in hostile:
+        with pytest.raises(PlanMismatchError, match="rank 0 sent a plan record"):
+            distributed.checked_records([data], registry)
+
+
 def _scenario_agree(
     rank: int, timeout: datetime.timedelta, out_file: str
 ) -> dict[str, Any]:
@@ -383,6 +504,18 @@ def _scenario_agree(
         agree_plan(mine, timeout=timeout, registry=registry)
     except PlanMismatchError as exc:
         out["mismatch"] = _error(exc)
+    # Rank 1 lies: garbage, then an aliasing plan and an fp8 plan, each
+    # sent under the fingerprint of its honest plan. Rank 0 calls agree_plan.
+    lies = _lies(equal, registry)
+    out["lied"] = []
+    for lie in lies:
+        if rank == 1:
+            distributed._all_gather_bytes(lie, None, timeout, "a liar's record")
+            continue
+        try:
+            agree_plan(equal, timeout=timeout, registry=registry)
+        except PlanMismatchError as exc:
+            out["lied"].append(_error(exc))
     # Last, rank 1 is slower than rank 0's timeout: rank 0 raises.
     if rank == 1:
         time.sleep(3)
@@ -510,6 +643,12 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     assert r1["shipped_is_local"]
     # Rank 1 serves an fp8 cache: both ranks raise the same error.
     assert r0["mismatch"] == r1["mismatch"]
+    # Each lie gives the honest rank a PlanMismatchError naming rank 1.
+    assert [(e["type"], e["ranks"], e["fields"]) for e in r0["lied"]] == [
+        ("PlanMismatchError", [1], ["record"])
+    ] * 3
+    assert "overlap one another" in r0["lied"][1]["message"]
+    assert "claims fingerprint" in r0["lied"][2]["message"]
     error = r0["mismatch"]
     assert error["kvcore"]
     assert error["ranks"] == [1]

@@ -3,12 +3,15 @@
 Each rank plans its own stage from its own free memory (:func:`plan_local`),
 then :func:`agree_plan` makes the ranks agree:
 
-- ``num_blocks`` becomes the minimum over the ranks (an all-reduce ``MIN``),
-  since the scheduler runs one block pool whose ids every worker honours;
-- every rank's plan fingerprint (a SHA-256 of the canonical JSON of its
-  groups, page sizes, block sizes and settings, :func:`plan_fingerprint`) is
-  gathered; the ranks of one pipeline stage must plan the same, and the
-  stages' groups must line up.  On any difference every rank raises the same
+- every rank's plan is all-gathered and read as untrusted input
+  (:func:`checked_records`): strict JSON, checked as a loaded config is, its
+  fingerprint (a SHA-256 of the canonical JSON of its groups, page sizes,
+  block sizes and settings, :func:`plan_fingerprint`) recomputed by every
+  receiver; a rank sending garbage or a forged fingerprint is named;
+- ``num_blocks`` becomes the minimum over the ranks' checked plans, since the
+  scheduler runs one block pool whose ids every worker honours;
+- the ranks of one pipeline stage must plan the same, and the stages' groups
+  must line up.  On any difference every rank raises the same
   :class:`PlanMismatchError`, naming the ranks and the fields that differ;
 - every rank then holds the same :class:`~kvcore.integrations.stages.PipelinePlan`,
   whose JSON (:func:`dump_pipeline_plan`) the scheduler ships to the workers.
@@ -33,7 +36,13 @@ import attrs
 import torch
 
 from kvcore.config import EngineConfig
-from kvcore.errors import KvcoreError, PlanError, SerializationError
+from kvcore.errors import (
+    KvcoreError,
+    KvcoreTypeError,
+    PlanError,
+    SerializationError,
+    echo,
+)
 from kvcore.integrations.stages import (
     PipelinePlan,
     line_up_problem,
@@ -44,7 +53,7 @@ from kvcore.plan.block_sizes import _AGREED
 from kvcore.plan.plan import plan_kv_cache
 from kvcore.pool import KVCachePool
 from kvcore.registry import KindRegistry
-from kvcore.serialize import make_converter
+from kvcore.serialize import config_from_data, make_converter, parse_json
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig
 
@@ -185,16 +194,6 @@ def _wait(work: Any, what: str, group: Any, timeout: datetime.timedelta) -> None
         raise CollectiveError(msg) from exc
 
 
-def _all_reduce_min(
-    value: int, group: Any, timeout: datetime.timedelta, what: str
-) -> int:
-    dist = _dist()
-    tensor = torch.tensor([value], dtype=torch.int64, device=_device(group))
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group, async_op=True)
-    _wait(work, what, group, timeout)
-    return int(tensor.item())
-
-
 def _all_gather_bytes(
     payload: bytes, group: Any, timeout: datetime.timedelta, what: str
 ) -> list[bytes]:
@@ -331,6 +330,64 @@ def check_agreement(gathered: Sequence[Mapping[str, Any]]) -> None:
         raise PlanMismatchError(msg, ranks=sorted(ranks), fields=sorted(fields))
 
 
+#: The keys of the record each rank sends in :func:`agree_plan`.
+_RECORD_KEYS = frozenset({"stage", "num_blocks", "fingerprint", "config"})
+
+
+def checked_records(
+    raw: Sequence[bytes], registry: KindRegistry | None = None
+) -> list[dict[str, Any]]:
+    """Every rank's record, read as untrusted input: strict JSON, a plan
+    checked as :func:`~kvcore.serialize.load_config` checks one, and a
+    fingerprint recomputed here (a rank's claim is compared, never used).
+
+    Every rank reads the same gathered bytes, so every honest rank raises the
+    same :class:`PlanMismatchError`, naming the first rank whose record is
+    not a valid plan or whose fingerprint does not match what it sent.
+    """
+    records: list[dict[str, Any]] = []
+    for rank, data in enumerate(raw):
+        try:
+            record = parse_json(
+                data.decode("utf-8"), where=f"rank {rank}'s plan record"
+            )
+            if not isinstance(record, dict) or set(record) != _RECORD_KEYS:
+                msg = (
+                    f"rank {rank}'s plan record must be a JSON object with keys "
+                    f"{sorted(_RECORD_KEYS)}"
+                )
+                raise SerializationError(msg)
+            plan = config_from_data(
+                record["config"], registry, where=f"rank {rank}'s plan: "
+            )
+            fingerprint = plan_fingerprint(plan, registry)
+            claims = (record["fingerprint"], record["stage"], record["num_blocks"])
+            if claims != (fingerprint, plan.pipeline_stage or 0, plan.num_blocks):
+                msg = (
+                    f"rank {rank}'s record claims fingerprint, stage and blocks "
+                    f"{echo(claims)} but its plan has {fingerprint}, stage "
+                    f"{plan.pipeline_stage or 0} and {plan.num_blocks} blocks"
+                )
+                raise SerializationError(msg)
+        except (KvcoreError, UnicodeDecodeError) as exc:
+            msg = (
+                f"rank {rank} sent a plan record that is not a valid kvcore plan "
+                f"({type(exc).__name__}: {exc}); every rank must run the same kvcore "
+                "and send the plan it made"
+            )
+            raise PlanMismatchError(msg, ranks=[rank], fields=["record"]) from None
+        records.append(
+            {
+                "stage": plan.pipeline_stage or 0,
+                "num_blocks": plan.num_blocks,
+                "fingerprint": fingerprint,
+                "parts": json.loads(_canonical(fingerprint_parts(plan, registry))),
+                "plan": plan,
+            }
+        )
+    return records
+
+
 def agree_plan(
     plan: KVCacheConfig,
     *,
@@ -349,21 +406,17 @@ def agree_plan(
     ``timeout``.
     """
     converter = make_converter(registry)
-    num_blocks = _all_reduce_min(
-        plan.num_blocks, group, timeout, "all-reduce of num_blocks"
-    )
-    parts = fingerprint_parts(plan, registry)
     record = {
         "stage": plan.pipeline_stage or 0,
         "num_blocks": plan.num_blocks,
         "fingerprint": plan_fingerprint(plan, registry),
-        "parts": json.loads(_canonical(parts)),
         "config": converter.unstructure(plan),
     }
     raw = _all_gather_bytes(
         _canonical(record).encode(), group, timeout, "all-gather of plan fingerprints"
     )
-    gathered = [json.loads(r) for r in raw]
+    gathered = checked_records(raw, registry)
+    num_blocks = min(rec["num_blocks"] for rec in gathered)
     # From here on every rank reads only the gathered records, so every rank
     # reaches the same answer, or the same error.
     check_agreement(gathered)
@@ -392,10 +445,7 @@ def agree_plan(
         )
         raise PlanMismatchError(msg, ranks=[], fields=["pipeline_stage"])
     stages = [
-        with_num_blocks(
-            converter.structure(gathered[first_rank[s]]["config"], KVCacheConfig),
-            num_blocks,
-        )
+        with_num_blocks(gathered[first_rank[s]]["plan"], num_blocks)
         for s in range(stage_count)
     ]
     problem = line_up_problem([p.kv_cache_groups for p in stages])
@@ -427,30 +477,33 @@ def dump_pipeline_plan(plan: PipelinePlan, registry: KindRegistry | None = None)
 
 def load_pipeline_plan(text: str, registry: KindRegistry | None = None) -> PipelinePlan:
     """The inverse of :func:`dump_pipeline_plan`."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        msg = f"a shipped KV cache plan must be JSON: {exc}"
-        raise SerializationError(msg) from exc
+    given: object = text
+    if not isinstance(given, str):
+        msg = f"a shipped KV cache plan is JSON text, got {type(given).__name__}"
+        raise KvcoreTypeError(msg)
+    data = parse_json(text, where="the shipped KV cache plan")
     if (
         not isinstance(data, dict)
-        or data.get("format") != PLAN_FORMAT
-        or not isinstance(data.get("stages"), list)
+        or set(data) != {"format", "num_blocks", "stages"}
+        or data["format"] != PLAN_FORMAT
+        or not isinstance(data["stages"], list)
         or not data["stages"]
     ):
         msg = (
-            f"a shipped KV cache plan must be a JSON object with format "
-            f"{PLAN_FORMAT!r} and a non-empty 'stages' list (made by "
-            "kvcore.integrations.distributed.dump_pipeline_plan)"
+            f"a shipped KV cache plan must be a JSON object with exactly the keys "
+            f"format ({PLAN_FORMAT!r}), num_blocks and a non-empty stages list "
+            "(made by kvcore.integrations.distributed.dump_pipeline_plan)"
         )
         raise SerializationError(msg)
-    converter = make_converter(registry)
-    stages = tuple(converter.structure(s, KVCacheConfig) for s in data["stages"])
+    stages = tuple(
+        config_from_data(s, registry, where=f"$.stages[{i}]: ")
+        for i, s in enumerate(data["stages"])
+    )
     counts = [s.num_blocks for s in stages]
-    if len({*counts, data.get("num_blocks")}) != 1:
+    if len({*counts, data["num_blocks"]}) != 1:
         msg = (
             f"the shipped plan's stages hold {counts} blocks and it says "
-            f"num_blocks={data.get('num_blocks')!r}; every stage must hold the same"
+            f"num_blocks={echo(data['num_blocks'])}; every stage must hold the same"
         )
         raise SerializationError(msg)
     return PipelinePlan(stages=stages)
