@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -565,6 +566,73 @@ def test_publisher_refuses_a_bad_endpoint() -> None:
         ZmqEventPublisher("bogus://x")
     with pytest.raises(KvcoreTypeError, match="endpoint must be a ZeroMQ address"):
         ZmqEventPublisher("")
+
+
+def test_a_subscriber_that_does_not_read_costs_a_bounded_queue() -> None:
+    """Past max_queued_batches, batches are dropped whole, counted, and
+    still numbered: the subscriber sees the gap."""
+    ctx = zmq.Context()
+    try:
+        with ZmqEventPublisher(
+            "inproc://kvcore-slow-sub", context=ctx, max_queued_batches=4
+        ) as pub:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 1)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(pub.endpoint)
+            try:
+                start = _subscribed(pub, sub)
+                sent = [pub.publish(ALL_KINDS[:1]) for _ in range(200)]
+                assert sent == list(range(start + 1, start + 201))
+                assert pub.next_seq == start + 201
+                # The queue holds a few batches; the rest were dropped.
+                assert 180 <= pub.dropped_batches <= 199
+                seqs = []
+                while (frames := _recv(sub, 200)) is not None:
+                    seqs.append(int.from_bytes(frames[1], "big"))
+                assert len(seqs) == 200 - pub.dropped_batches
+                assert seqs == sorted(seqs)
+                # Reading again: the next batch's number shows the gap.
+                assert pub.publish(ALL_KINDS[:1]) == start + 201
+                frames = _recv(sub, 5000)
+                assert frames is not None
+                assert int.from_bytes(frames[1], "big") == start + 201 > seqs[-1] + 1
+            finally:
+                sub.close()
+    finally:
+        ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"linger_ms": "100"}, KvcoreTypeError, "linger_ms must be an int"),
+        ({"linger_ms": -2}, KvcoreValueError, "linger_ms must be between -1"),
+        ({"max_queued_batches": 0}, KvcoreValueError, "max_queued_batches must be"),
+        ({"max_queued_batches": 2**40}, KvcoreValueError, "max_queued_batches"),
+        ({"bind": "yes"}, KvcoreTypeError, "bind must be True or False"),
+        ({"topic": b"kv"}, KvcoreTypeError, "topic must be a str"),
+        ({"context": object()}, KvcoreTypeError, "context must be a zmq.Context"),
+    ],
+)
+def test_publisher_options_are_checked_before_anything_is_made(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ZmqEventPublisher("inproc://kvcore-options", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_refused_publisher_leaves_no_socket_behind() -> None:
+    """A context with a leaked socket never terminates: after every refusal
+    the caller's context still terminates at once."""
+    ctx = zmq.Context()
+    for endpoint in ("bogus://x", "tcp://256.0.0.1:5557", "tcp://127.0.0.1:notaport"):
+        with pytest.raises(KvcoreValueError, match="cannot bind to"):
+            ZmqEventPublisher(endpoint, context=ctx)
+    done = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), done.set()), daemon=True).start()
+    assert done.wait(5), "the context did not terminate: a socket was left open"
 
 
 def test_null_publisher_sends_nothing() -> None:

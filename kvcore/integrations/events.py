@@ -9,6 +9,7 @@ neither.
 
 # No ``from __future__ import annotations``: msgspec reads the annotations
 # of the wire structs defined inside _get_wire, which strings would hide.
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -21,7 +22,11 @@ from kvcore.coordinator.events import (
     EventBatch,
     KVCacheEvent,
 )
-from kvcore.errors import KvcoreTypeError, KvcoreValueError, MissingExtraError
+from kvcore.errors import KvcoreTypeError, KvcoreValueError, MissingExtraError, echo
+
+_LOG = logging.getLogger("kvcore.events")
+#: The largest value a ZeroMQ int socket option takes.
+_MAX_SOCKET_OPTION = 2**31 - 1
 
 __all__ = [
     "ZmqEventPublisher",
@@ -185,24 +190,34 @@ def decode_event_batch(data: bytes) -> EventBatch:
 
 
 class ZmqEventPublisher:
-    """Publishes event batches on a ZeroMQ PUB socket.
+    """Publishes event batches on a ZeroMQ socket (XPUB, read by any SUB).
 
     Every message has three frames: the topic (UTF-8), the batch's sequence
     number (8 bytes, unsigned big-endian, 0 for the first batch and one more
-    for each batch after it) and the batch (:func:`encode_event_batch`).  PUB
-    sockets drop messages a slow or late subscriber cannot take, so a
-    subscriber that sees a sequence number jump knows it missed batches and
-    should resynchronise (e.g. treat that engine's cache as unknown).  An
+    for each batch after it) and the batch (:func:`encode_event_batch`).  An
     empty event list sends nothing and takes no number.
+
+    The queue is bounded: at most ``max_queued_batches`` batches wait for a
+    subscriber that does not read.  A batch that finds the queue full is
+    dropped whole, still takes its sequence number (so every subscriber sees
+    the gap and resynchronises, e.g. treats that engine's cache as unknown)
+    and is counted in :attr:`dropped_batches`; the first drop, and every
+    thousandth after it, is logged on the ``kvcore.events`` logger.
+
+    Events carry the token ids of every prompt: bind to loopback
+    (``tcp://127.0.0.1:5557``) or a private network's address, never to
+    every interface, unless the routers reading them may see every prompt.
 
     Not thread-safe (ZeroMQ sockets are not): publish from the engine's loop.
 
-    :param endpoint: where to bind (``"tcp://*:5557"``, ``"inproc://kv"``), or
-        to connect when ``bind`` is False.
+    :param endpoint: where to bind (``"tcp://127.0.0.1:5557"``,
+        ``"inproc://kv"``), or to connect when ``bind`` is False.
     :param topic: the first frame of every message, for SUB filtering.
     :param context: the ZeroMQ context (default: a new one, terminated by
         :meth:`close`); ``inproc://`` needs the subscriber's context.
     :param linger_ms: how long :meth:`close` waits to flush unsent messages.
+    :param max_queued_batches: batches queued for a slow subscriber before
+        new ones are dropped.
     """
 
     def __init__(
@@ -213,17 +228,35 @@ class ZmqEventPublisher:
         bind: bool = True,
         context: Any = None,
         linger_ms: int = 100,
+        max_queued_batches: int = 256,
     ) -> None:
         given: object = endpoint  # checked: callers pass anything
         if not isinstance(given, str) or not given:
             msg = (
                 f"ZmqEventPublisher: endpoint must be a ZeroMQ address such as "
-                f"'tcp://*:5557', got {endpoint!r}"
+                f"'tcp://127.0.0.1:5557', got {echo(endpoint)}"
             )
             raise KvcoreTypeError(msg)
         named: object = topic
         if not isinstance(named, str):
-            msg = f"ZmqEventPublisher: topic must be a str, got {topic!r}"
+            msg = f"ZmqEventPublisher: topic must be a str, got {echo(topic)}"
+            raise KvcoreTypeError(msg)
+        for option, value, low in (
+            ("linger_ms", linger_ms, -1),
+            ("max_queued_batches", max_queued_batches, 1),
+        ):
+            if type(value) is not int:
+                msg = f"ZmqEventPublisher: {option} must be an int, got {echo(value)}"
+                raise KvcoreTypeError(msg)
+            if not low <= value <= _MAX_SOCKET_OPTION:
+                msg = (
+                    f"ZmqEventPublisher: {option} must be between {low} and "
+                    f"{_MAX_SOCKET_OPTION}, got {value}"
+                )
+                raise KvcoreValueError(msg)
+        flag: object = bind
+        if type(flag) is not bool:
+            msg = f"ZmqEventPublisher: bind must be True or False, got {echo(bind)}"
             raise KvcoreTypeError(msg)
         try:
             import zmq
@@ -231,37 +264,57 @@ class ZmqEventPublisher:
             msg = f"ZmqEventPublisher needs pyzmq, which is not installed: {_EXTRA}"
             raise MissingExtraError(msg, name="zmq") from exc
         _get_wire()  # fail here, not at the first publish, without msgspec
+        if context is not None and not isinstance(context, zmq.Context):
+            msg = (
+                f"ZmqEventPublisher: context must be a zmq.Context, got "
+                f"{type(context).__name__}"
+            )
+            raise KvcoreTypeError(msg)
+        self._zmq = zmq
         self._owns_context = context is None
         self._context = zmq.Context() if context is None else context
-        self._socket = self._context.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.LINGER, linger_ms)
+        self._socket: Any = None
+        self._closed = True
         try:
+            self._socket = self._context.socket(zmq.XPUB)
+            self._socket.setsockopt(zmq.LINGER, linger_ms)
+            self._socket.setsockopt(zmq.SNDHWM, max_queued_batches)
+            # A full queue refuses the send (counted) instead of dropping it
+            # silently.
+            self._socket.setsockopt(zmq.XPUB_NODROP, 1)
             if bind:
                 self._socket.bind(endpoint)
             else:
                 self._socket.connect(endpoint)
-        except zmq.ZMQError as exc:
-            self._socket.close(linger=0)
+            self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException as exc:
+            # Nothing a refused constructor made is left for the collector.
+            if self._socket is not None:
+                self._socket.close(linger=0)
             if self._owns_context:
                 self._context.term()
+            if not isinstance(exc, zmq.ZMQError):
+                raise
             how = "bind to" if bind else "connect to"
             msg = (
-                f"ZmqEventPublisher: cannot {how} {endpoint!r} ({exc}); pick a "
+                f"ZmqEventPublisher: cannot {how} {echo(endpoint)} ({exc}); pick a "
                 "free port or a valid ZeroMQ address"
             )
             raise KvcoreValueError(msg) from exc
-        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.topic = topic
         self._topic = topic.encode()
         #: The sequence number the next batch gets.
         self.next_seq = 0
+        #: Batches dropped because the queue was full (their numbers skipped).
+        self.dropped_batches = 0
         self._closed = False
 
     def publish(
         self, events: Sequence[KVCacheEvent], *, timestamp: float | None = None
     ) -> int | None:
-        """Send ``events`` as one batch; returns its sequence number, or None
-        when ``events`` is empty (nothing is sent)."""
+        """Send ``events`` as one batch; returns its sequence number (a
+        dropped batch's too), or None when ``events`` is empty (nothing is
+        sent)."""
         if self._closed:
             msg = "ZmqEventPublisher: publish after close(); make a new publisher"
             raise KvcoreValueError(msg)
@@ -269,8 +322,21 @@ class ZmqEventPublisher:
             return None
         payload = encode_event_batch(events, timestamp=timestamp)
         seq = self.next_seq
-        self._socket.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self.next_seq = seq + 1
+        try:
+            self._socket.send_multipart(
+                (self._topic, seq.to_bytes(8, "big"), payload),
+                flags=self._zmq.NOBLOCK,
+            )
+        except self._zmq.Again:
+            self.dropped_batches += 1
+            if self.dropped_batches % 1000 == 1:
+                _LOG.warning(
+                    "ZmqEventPublisher %s: dropped %d batch(es) so far: a subscriber "
+                    "is not reading; it will see a gap in the sequence numbers",
+                    self.endpoint,
+                    self.dropped_batches,
+                )
         return seq
 
     def close(self) -> None:
