@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcore.errors import KvcoreValueError, LayoutError, PlanError, PluginBindError
+from kvcore.errors import (
+    KvcoreTypeError,
+    KvcoreValueError,
+    LayoutError,
+    PlanError,
+    PluginBindError,
+    echo,
+)
 from kvcore.kinds import LayerView
 from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
 from kvcore.plan import tensor_strides
@@ -62,6 +69,22 @@ class KVCachePool:
         *,
         registry: KindRegistry | None = None,
     ) -> None:
+        _check_plan(config)
+        given_layout: object = layout
+        if given_layout is not None and not isinstance(given_layout, KVCacheLayout):
+            msg = (
+                f"KVCachePool: layout must be a KVCacheLayout or None, got "
+                f"{echo(given_layout)} ({type(given_layout).__name__})"
+            )
+            raise KvcoreTypeError(msg)
+        given_registry: object = registry
+        if given_registry is not None and not isinstance(given_registry, KindRegistry):
+            msg = (
+                f"KVCachePool: registry must be a KindRegistry or None, got "
+                f"{type(given_registry).__name__}"
+            )
+            raise KvcoreTypeError(msg)
+        device = checked_device(device)
         registry = registry if registry is not None else default_registry()
         layout = layout if layout is not None else config.kv_cache_layout
         if layout is None:
@@ -418,6 +441,41 @@ def _shared_size(tensors: Sequence[KVCacheTensor], residency: str) -> int:
     return sizes.pop() if sizes else 0
 
 
+def _check_plan(config: object) -> None:
+    if not isinstance(config, KVCacheConfig):
+        msg = (
+            f"a KV cache pool is bound from a KVCacheConfig (a plan from "
+            f"kvcore.plan_kv_cache or kvcore.serialize.load_config), got "
+            f"{type(config).__name__}"
+        )
+        raise KvcoreTypeError(msg)
+
+
+def checked_device(device: object) -> torch.device:
+    """``device`` as a torch device this torch can allocate on, or a kvcore
+    error naming it (torch itself answers a CUDA device on a CPU build with
+    a bare AssertionError)."""
+    if not isinstance(device, (str, torch.device)):
+        msg = (
+            f"device must be a torch.device or a device string such as 'cpu' or "
+            f"'cuda:0', got {echo(device)} ({type(device).__name__})"
+        )
+        raise KvcoreTypeError(msg)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        msg = f"{echo(device)} is not a torch device ({exc}); use 'cpu' or 'cuda:0'"
+        raise KvcoreValueError(msg) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        msg = (
+            f"device {echo(device)}: this torch has no CUDA device "
+            "(torch.cuda.is_available() is False); bind on 'cpu' or install a "
+            "CUDA build of torch"
+        )
+        raise KvcoreValueError(msg)
+    return resolved
+
+
 def _allocate(
     size: int, device: torch.device | str, *, pin_memory: bool
 ) -> torch.Tensor:
@@ -426,7 +484,7 @@ def _allocate(
         return torch.zeros(
             size, dtype=torch.uint8, device=device, pin_memory=pin_memory
         )
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, AssertionError) as exc:
         msg = f"cannot allocate the {size}-byte KV cache pool {where}: {exc}"
         raise PlanError(msg) from exc
 
@@ -443,6 +501,7 @@ def allocate_kv_cache(
 
     Host-resident tensors get views of a host buffer (see :class:`KVCachePool`).
     """
+    _check_plan(config)
     if not config.kv_cache_tensors:
         return {}
     return KVCachePool(

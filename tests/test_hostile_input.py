@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import kvcore
+from kvcore import KVCachePool
 from kvcore.coordinator import Request
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT as HASHED_TOKEN_LIMIT
@@ -37,6 +38,7 @@ from kvcore.errors import (
     PlanError,
     SerializationError,
     UnknownKindError,
+    UnsafePlanError,
 )
 from kvcore.limits import MAX_JSON_FILE_BYTES, MAX_NUM_BLOCKS, TOKEN_ID_LIMIT
 from kvcore.serialize import dump_config, load_config, load_model_file
@@ -137,6 +139,19 @@ def worker_config(**edits: Any) -> Callable[[Path], object]:
                 data["kv_cache_tensors"][int(index)][field] = value
             else:
                 data[key] = value
+        return load_config(json.dumps(data), REGISTRY)
+
+    return run
+
+
+def one_tensor_config(**edits: Any) -> Callable[[Path], object]:
+    """The small plan with both layers in one tensor (512-byte pages, a
+    1024-byte block), ``edits`` applied to that tensor."""
+
+    def run(tmp: Path) -> object:
+        data = small_plan_json()
+        first, _ = data["kv_cache_tensors"]
+        data["kv_cache_tensors"] = [{**first, "layers": ["a", "b"], **edits}]
         return load_config(json.dumps(data), REGISTRY)
 
     return run
@@ -662,6 +677,47 @@ CASES = [
         model_mapping({"layers": {"y" * 2_000_000: LAYER}}),
         SerializationError,
         "a layer name must be a non-empty string of at most 256 characters, got 'yyyy",
+    ),
+    Case(
+        "two layers of one tensor on the same bytes",
+        '"layers": ["a", "b"], "layer_stride": 0',
+        one_tensor_config(layer_stride=0),
+        UnsafePlanError,
+        "$.kv_cache_tensors[0]: the pages of layers ['a', 'b'] overlap one another "
+        "(layer stride 0",
+    ),
+    Case(
+        "blocks half a page apart",
+        '"block_stride": 256',
+        one_tensor_config(block_stride=256),
+        UnsafePlanError,
+        "$.kv_cache_tensors[0]: the pages of layers ['a', 'b'] overlap one another "
+        "(layer stride 512, block stride 256",
+    ),
+    Case(
+        "a pool bound from something that is not a plan",
+        'KVCachePool("not a plan")',
+        lambda tmp: KVCachePool("not a plan"),  # type: ignore[arg-type]
+        KvcoreTypeError,
+        "a KV cache pool is bound from a KVCacheConfig",
+    ),
+    Case(
+        "a pool on a device torch does not know",
+        'KVCachePool(plan, "tpu")',
+        lambda tmp: KVCachePool(
+            load_config(json.dumps(small_plan_json()), REGISTRY), "tpu"
+        ),
+        KvcoreValueError,
+        "'tpu' is not a torch device",
+    ),
+    Case(
+        "a pool on a device that is not a device",
+        "KVCachePool(plan, 5)",
+        lambda tmp: KVCachePool(
+            load_config(json.dumps(small_plan_json()), REGISTRY), 5
+        ),  # type: ignore[arg-type]
+        KvcoreTypeError,
+        "device must be a torch.device or a device string",
     ),
     Case(
         "a layer in two groups of a worker config",

@@ -18,6 +18,7 @@ from kvcore import (
     KVCacheLayout,
     KVCachePool,
     KVCacheTensor,
+    KvcoreValueError,
     LayoutError,
     PlanError,
     UniformTypeKVCacheSpecs,
@@ -640,7 +641,6 @@ def test_copy_blocks_with_kernel_blocks() -> None:
 
 
 def test_copy_blocks_refuses_a_bad_copy() -> None:
-    from kvcore import KvcoreValueError
     from kvcore.coordinator import BlockCopy
 
     pool = KVCachePool(_plan())
@@ -664,3 +664,15 @@ def test_cuda_copy_blocks_match_cpu() -> None:
                 part[1].copy_(pattern.to(part.device))
         pool.copy_blocks([BlockCopy(0, 1, 3, 5), BlockCopy(4, 1, 2, 16)])
     assert torch.equal(pools[0].buffer, pools[1].buffer.cpu())
+
+
+def test_a_cuda_pool_without_cuda_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch answers a CUDA allocation on a CPU build with a bare
+    AssertionError; kvcore names the device and the fix first."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KvcoreValueError, match="this torch has no CUDA device"):
+        KVCachePool(_plan(), "cuda")
+    with pytest.raises(KvcoreValueError, match="this torch has no CUDA device"):
+        KVCachePool(_plan(), torch.device("cuda", 0))
