@@ -590,3 +590,18 @@ def test_mamba_cache_mode_turns_hits_back_on() -> None:
         if s["kind"] == "mamba"
     ]
     assert {s["mamba_cache_mode"] for s in specs} == {"align"}
+
+
+def test_a_closed_stdout_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvcore plan >&-``: Python starts with ``sys.stdout`` None."""
+    from kvcore.tools.cli import main
+
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["plan"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvcore: error: standard output is closed; redirect it to a file or "
+        "/dev/null instead\n"
+    )

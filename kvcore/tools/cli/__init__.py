@@ -95,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(
         _join_negative_values([w for w in words if w != "--debug"])
     )
+    if sys.stdout is None:
+        # ``kvcore plan >&-``: Python starts with no stdout object at all.
+        if sys.stderr is not None:
+            print(
+                "kvcore: error: standard output is closed; redirect it to a file "
+                "or /dev/null instead",
+                file=sys.stderr,
+            )
+        return 2
     try:
         code: int = args.func(args)
         sys.stdout.flush()
