@@ -20,6 +20,8 @@ __all__ = [
     "MAX_NUM_BLOCKS",
     "BLOCK_STATE_BYTES",
     "TOKEN_ID_LIMIT",
+    "MAX_WORKLOAD_REQUESTS",
+    "MAX_WORKLOAD_PREFIX_TOKENS",
     "available_memory_bytes",
 ]
 
@@ -52,6 +54,14 @@ BLOCK_STATE_BYTES = 160
 #: Token ids and token counts are ints in ``[0, TOKEN_ID_LIMIT)``: ids are
 #: hashed as 4-byte unsigned ints.
 TOKEN_ID_LIMIT = 2**32
+
+#: The most requests one simulated workload draws (a million requests is
+#: hours of replay on one core; a larger count is a typo).
+MAX_WORKLOAD_REQUESTS = 10**6
+
+#: The most tokens of shared system prefixes a synthetic workload builds
+#: (``shared_prefixes * prefix_len``; 2**26 tokens hold half a GiB).
+MAX_WORKLOAD_PREFIX_TOKENS = 2**26
 
 #: The most characters of one value echoed in an error message.
 MAX_ECHO_CHARS = 200

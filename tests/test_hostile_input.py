@@ -44,6 +44,7 @@ from kvcore.limits import MAX_JSON_FILE_BYTES, MAX_NUM_BLOCKS, TOKEN_ID_LIMIT
 from kvcore.serialize import dump_config, load_config, load_model_file
 from kvcore.tools import zoo
 from kvcore.tools.cli import main
+from kvcore.tools.simulate.workload import synthetic_workload
 from kvcore.tools.units import UnitError, parse_tokens
 from kvcore_full_attention import FullAttentionSpec
 
@@ -693,6 +694,20 @@ CASES = [
         UnsafePlanError,
         "$.kv_cache_tensors[0]: the pages of layers ['a', 'b'] overlap one another "
         "(layer stride 512, block stride 256",
+    ),
+    Case(
+        "a workload of a billion requests",
+        "synthetic_workload(10**9)",
+        lambda tmp: synthetic_workload(10**9),
+        KvcoreValueError,
+        "num_requests 1,000,000,000 is more than kvcore's limit of 1,000,000",
+    ),
+    Case(
+        "shared prefixes of a billion tokens",
+        "synthetic_workload(8, shared_prefixes=1000, prefix_len=10**6)",
+        lambda tmp: synthetic_workload(8, shared_prefixes=1000, prefix_len=10**6),
+        KvcoreValueError,
+        "1,000 shared prefixes of 1,000,000 tokens are more than kvcore's limit",
     ),
     Case(
         "a pool bound from something that is not a plan",

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from kvcore.limits import MAX_WORKLOAD_REQUESTS
 from kvcore.tools.cli.console import make_console
 from kvcore.tools.cli.options import CliUsageError, add_model_options, plan_from_args
 from kvcore.tools.simulate import (
@@ -56,13 +57,16 @@ SYNTHETIC_DEFAULTS: dict[str, str | None] = {
 PROGRESS_DELAY_S = 2.0
 
 
-def _int(text: str, option: str, low: int) -> int:
+def _int(text: str, option: str, low: int, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         value = None
     if value is None or value < low:
         msg = f"{option} takes an int >= {low}, got {text!r}"
+        raise CliUsageError(msg)
+    if high is not None and value > high:
+        msg = f"{option} takes at most {high:,}, got {value:,}"
         raise CliUsageError(msg)
     return value
 
@@ -121,7 +125,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
             "--prefix-len sets the length of shared prefixes; give --shared-prefixes K"
         )
         raise CliUsageError(msg)
-    requests = _int(values["requests"], "--requests", 1)
+    requests = _int(values["requests"], "--requests", 1, MAX_WORKLOAD_REQUESTS)
     prompt_len = parse_distribution(values["prompt_len"], what="--prompt-len")
     output_len = parse_distribution(values["output_len"], what="--output-len")
     turns = _int(values["turns"], "--turns", 1)

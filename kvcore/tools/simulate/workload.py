@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from kvcore.errors import KvcoreValueError
+from kvcore.limits import MAX_WORKLOAD_PREFIX_TOKENS, MAX_WORKLOAD_REQUESTS
 from kvcore.tools.simulate.lengths import Distribution, parse_distribution
 
 __all__ = [
@@ -181,6 +182,20 @@ def synthetic_workload(
             raise WorkloadError(msg)
     if shared_prefixes and not prefix_len:
         msg = f"{shared_prefixes} shared prefixes need a prefix_len >= 1"
+        raise WorkloadError(msg)
+    # Checked before anything is built: a typo must not cost the machine.
+    if num_requests > MAX_WORKLOAD_REQUESTS:
+        msg = (
+            f"num_requests {num_requests:,} is more than kvcore's limit of "
+            f"{MAX_WORKLOAD_REQUESTS:,} (MAX_WORKLOAD_REQUESTS); replay fewer"
+        )
+        raise WorkloadError(msg)
+    if shared_prefixes * prefix_len > MAX_WORKLOAD_PREFIX_TOKENS:
+        msg = (
+            f"{shared_prefixes:,} shared prefixes of {prefix_len:,} tokens are more "
+            f"than kvcore's limit of {MAX_WORKLOAD_PREFIX_TOKENS:,} prefix tokens "
+            "(MAX_WORKLOAD_PREFIX_TOKENS); use fewer or shorter prefixes"
+        )
         raise WorkloadError(msg)
     rng = random.Random(seed)
     prefixes = [
