@@ -9,13 +9,15 @@ attention), ``head_dim`` (defaults to ``hidden_size // num_attention_heads``),
 
 from __future__ import annotations
 
+from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_full_attention import FullAttentionSpec
-from kvcore_hf.mapping import ModelConfig, ModelConfigError
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_sliding_window import SlidingWindowSpec
 
 __all__ = [
     "ATTENTION_BLOCK",
+    "SameEveryLayer",
     "attention",
     "head_dim",
     "kv_heads",
@@ -82,6 +84,21 @@ def attention(
     return FullAttentionSpec(
         block_size=block_size, num_kv_heads=kv, head_size=size, dtype=dtype
     )
+
+
+class SameEveryLayer(ModelMapper):
+    """A mapper whose every layer keeps the same cache: :meth:`layer_spec`'s,
+    by default full attention with the model's KV heads and head size."""
+
+    def layer_specs(
+        self, config: ModelConfig, choices: ServingChoices
+    ) -> dict[str, KVCacheSpec]:
+        spec = self.layer_spec(config, choices)
+        return {layer(i): spec for i in range(num_layers(config))}
+
+    def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
+        """The cache of every layer."""
+        return attention(config)
 
 
 #: ``layer_types`` entries the attention mappers know (transformers' names).
