@@ -173,6 +173,10 @@ class ModelConfig:
             raise ModelConfigError(msg)
         return value
 
+    def optional_positive(self, name: str) -> int | None:
+        """Like :meth:`positive`, but ``None`` when the field is absent."""
+        return self.positive(name) if self.has(name) else None
+
     def layer_types(self, name: str, count: int) -> list[str]:
         """A per-layer list of strings (``layer_types`` and the like) of
         exactly ``count`` entries."""

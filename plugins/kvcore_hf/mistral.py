@@ -51,9 +51,7 @@ class Mistral(SameEveryLayer):
     def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
         window = self.default_window
         if "sliding_window" in config.text:
-            window = config.optional("sliding_window")
-            if window is not None:
-                window = config.positive("sliding_window")
+            window = config.optional_positive("sliding_window")
         return attention(
             config,
             sliding_window=window,

@@ -69,9 +69,7 @@ class _Qwen(ModelMapper):
         n = num_layers(config)
         window = None
         if config.field("use_sliding_window", bool, default=False):
-            window = config.optional("sliding_window")
-            if window is not None:
-                window = config.positive("sliding_window")
+            window = config.optional_positive("sliding_window")
         types = self._types(config, n) if window is not None else [FULL_ATTENTION] * n
         size = config.positive("head_dim") if self.needs_head_dim else head_dim(config)
         return attention_by_type(
