@@ -9,6 +9,8 @@ attention), ``head_dim`` (defaults to ``hidden_size // num_attention_heads``),
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_full_attention import FullAttentionSpec
@@ -22,6 +24,7 @@ __all__ = [
     "head_dim",
     "kv_heads",
     "layer",
+    "layer_types_or",
     "num_layers",
 ]
 
@@ -104,6 +107,16 @@ class SameEveryLayer(ModelMapper):
 #: ``layer_types`` entries the attention mappers know (transformers' names).
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+
+def layer_types_or(
+    config: ModelConfig, n: int, default: Callable[[int], str]
+) -> list[str]:
+    """The ``n`` layers' types: ``layer_types`` when the file gives it, else
+    ``default(i)`` for layer ``i`` (the configuration class's rule)."""
+    if config.has("layer_types"):
+        return config.layer_types("layer_types", n)
+    return [default(i) for i in range(n)]
 
 
 def attention_by_type(
