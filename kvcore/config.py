@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 import attrs
 
@@ -21,7 +22,7 @@ __all__ = [
 ]
 
 MambaCacheMode = Literal["none", "align", "all"]
-_MAMBA_MODES = ("none", "align", "all")
+_MAMBA_MODES: tuple[str, ...] = get_args(MambaCacheMode)
 #: The packing policies kvcore ships (see :mod:`kvcore.plan.policies`).
 PACKING_POLICIES = ("min_waste", "seed")
 #: The context ``min_waste`` plans for when neither ``target_context`` nor
@@ -49,22 +50,22 @@ def _layout(value: Any) -> KVCacheLayout | None:
     return KVCacheLayout.from_name(value)
 
 
-def _policy(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value not in PACKING_POLICIES:
+def _one_of(
+    names: tuple[str, ...], *, optional: bool = False
+) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    """attrs validator: the value is one of ``names`` (or None if
+    ``optional``)."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value in names or (optional and value is None):
+            return
         msg = (
             f"{type(instance).__name__}.{attribute.name} must be one of "
-            f"{', '.join(PACKING_POLICIES)}, got {value!r}"
+            f"{', '.join(names)}, got {value!r}"
         )
         raise KvcoreValueError(msg)
 
-
-def _mamba_mode(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value not in _MAMBA_MODES:
-        msg = (
-            f"{type(instance).__name__}.{attribute.name} must be one of "
-            f"{', '.join(_MAMBA_MODES)}, got {value!r}"
-        )
-        raise KvcoreValueError(msg)
+    return check
 
 
 @attrs.define(kw_only=True)
@@ -106,9 +107,11 @@ class CacheConfig:
         default=None, validator=_OPTIONAL_TOKENS
     )
     mamba_cache_mode: MambaCacheMode | None = attrs.field(
-        default=None, validator=_mamba_mode
+        default=None, validator=_one_of(_MAMBA_MODES, optional=True)
     )
-    packing_policy: str = attrs.field(default="min_waste", validator=_policy)
+    packing_policy: str = attrs.field(
+        default="min_waste", validator=_one_of(PACKING_POLICIES)
+    )
     target_context: int | None = attrs.field(default=None, validator=_OPTIONAL_TOKENS)
     max_kv_cache_groups: int = attrs.field(default=64, validator=positive_int)
     max_block_growth: int = attrs.field(default=64, validator=positive_int)

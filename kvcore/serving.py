@@ -293,21 +293,15 @@ def apply_serving_choices(
             _kept_note(f"block size {block_size}", block_kept, "block", layers)
         )
 
-    mode = choices.mamba_cache_mode
-    if mode is not None:
-        kept = _apply_each(layers, "with_state_cache_mode", mode)
-        if len(kept) < len(layers):
-            notes.append(
-                f"state cache mode {mode} on {_layers(len(layers) - len(kept))}"
-            )
-
-    policy = choices.checkpoint_policy
-    if policy is not None:
-        kept = _apply_each(layers, "with_checkpoint_policy", policy)
-        if len(kept) < len(layers):
-            notes.append(
-                f"checkpoint policy {policy} on {_layers(len(layers) - len(kept))}"
-            )
+    # The state kinds' settings: noted only where some layer takes them.
+    for what, method, value in (
+        ("state cache mode", "with_state_cache_mode", choices.mamba_cache_mode),
+        ("checkpoint policy", "with_checkpoint_policy", choices.checkpoint_policy),
+    ):
+        if value is not None:
+            kept = _apply_each(layers, method, value)
+            if len(kept) < len(layers):
+                notes.append(f"{what} {value} on {_layers(len(layers) - len(kept))}")
 
     replicated: list[str] = []
     tp = choices.tensor_parallel_size

@@ -88,6 +88,22 @@ def test_spec_booleans_must_be_bools() -> None:
         kvcore.CacheConfig(enable_prefix_caching="no")  # type: ignore[arg-type]
 
 
+def test_cache_config_names_are_checked() -> None:
+    with pytest.raises(kvcore.KvcoreValueError) as info:
+        kvcore.CacheConfig(packing_policy="tight")
+    assert str(info.value) == (
+        "CacheConfig.packing_policy must be one of min_waste, seed, got 'tight'"
+    )
+    with pytest.raises(kvcore.KvcoreValueError, match="got None"):
+        kvcore.CacheConfig(packing_policy=None)  # type: ignore[arg-type]
+    config = kvcore.CacheConfig(mamba_cache_mode=None)
+    with pytest.raises(kvcore.KvcoreValueError) as info:
+        config.mamba_cache_mode = "some"  # type: ignore[assignment]
+    assert str(info.value) == (
+        "CacheConfig.mamba_cache_mode must be one of none, align, all, got 'some'"
+    )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -391,6 +391,17 @@ def test_shipped_json_is_checked() -> None:
     shrunk = (plans.stages[0], with_num_blocks(plans.stages[1], 100))
     with pytest.raises(PlanError, match="stage 1 has 100 blocks but stage 0 has"):
         combine_stage_plans(shrunk)
+    # Nor can stages (or workers) planned with different settings.
+    longer = attrs.evolve(plans.stages[1], max_model_len=8192)
+    with pytest.raises(PlanError) as info:
+        combine_stage_plans((plans.stages[0], longer))
+    assert str(info.value) == (
+        f"stage 1 planned max_model_len=8192 but stage 0 planned "
+        f"{plans.stages[0].max_model_len}; every stage must plan with the same "
+        "settings"
+    )
+    with pytest.raises(PlanError, match="worker 1 planned max_model_len=8192 but"):
+        kvcore.generate_scheduler_kv_cache_config([plans.stages[1], longer])
     with pytest.raises(PlanError, match="can only shrink to between 2 and"):
         with_num_blocks(plans.stages[0], plans.num_blocks + 1)
 

@@ -642,3 +642,21 @@ def test_mamba_cache_mode_applies_to_state_layers_only(
     assert all(served.layers[n] is s for n, s in layers.items() if s.kind != "mamba")
     with pytest.raises(ServingError, match="mamba_cache_mode must be one of"):
         ServingChoices(mamba_cache_mode="sometimes")
+
+
+def test_checkpoint_policy_applies_to_state_layers_only(
+    zoo_registry: kvcore.KindRegistry,
+) -> None:
+    layers = _model(zoo_registry, "jamba-1-5-mini")
+    choices = ServingChoices(mamba_cache_mode="align", checkpoint_policy="steps")
+    served = apply_serving_choices(layers, choices)
+    policies = {getattr(s, "checkpoint_policy", None) for s in served.layers.values()}
+    assert policies == {"steps", None}
+    states = sum(1 for s in served.layers.values() if s.kind == "mamba")
+    assert served.notes == (
+        f"state cache mode align on {states} layers",
+        f"checkpoint policy steps on {states} layers",
+    )
+    # A model without state layers takes neither, and says nothing.
+    attention = {n: s for n, s in layers.items() if s.kind != "mamba"}
+    assert apply_serving_choices(attention, choices).notes == ()

@@ -263,7 +263,7 @@ def combine_stage_plans(plans: Sequence[KVCacheConfig]) -> KVCacheConfig:
     It places no tensors (each stage allocates its own); ``bytes_per_block``
     is the widest stage's.
     """
-    from kvcore.plan.block_sizes import _AGREED
+    from kvcore.plan.block_sizes import _check_agreed
 
     if not plans:
         msg = "combine_stage_plans needs at least one stage plan"
@@ -277,14 +277,7 @@ def combine_stage_plans(plans: Sequence[KVCacheConfig]) -> KVCacheConfig:
                 "(kvcore.integrations.stages.with_num_blocks)"
             )
             raise PlanError(msg)
-        for name in _AGREED:
-            if getattr(plan, name) != getattr(first, name):
-                msg = (
-                    f"stage {s} planned {name}={getattr(plan, name)!r} but stage 0 "
-                    f"planned {getattr(first, name)!r}; every stage must plan with "
-                    "the same settings"
-                )
-                raise PlanError(msg)
+        _check_agreed(plan, first, "stage", s)
     problem = line_up_problem([p.kv_cache_groups for p in plans])
     if problem is not None:
         msg = f"the stages' cache groups do not line up: {problem}"

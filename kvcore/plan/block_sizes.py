@@ -198,6 +198,21 @@ _AGREED = (
 )
 
 
+def _check_agreed(
+    plan: KVCacheConfig, first: KVCacheConfig, what: str, index: int
+) -> None:
+    """Raise :class:`PlanError` unless ``plan`` (``what`` ``index``, a worker
+    or a stage) has the :data:`_AGREED` settings of ``first`` (``what`` 0)."""
+    for name in _AGREED:
+        if getattr(plan, name) != getattr(first, name):
+            msg = (
+                f"{what} {index} planned {name}={getattr(plan, name)!r} but {what} "
+                f"0 planned {getattr(first, name)!r}; every {what} must plan with "
+                "the same settings"
+            )
+            raise PlanError(msg)
+
+
 def plan_hit_granularity(
     plan: KVCacheConfig, *, partial_hits: bool = True
 ) -> int | None:
@@ -241,14 +256,7 @@ def generate_scheduler_kv_cache_config(
         raise PlanError(msg)
     first = configs[0]
     for i, other in enumerate(configs[1:], start=1):
-        for name in _AGREED:
-            if getattr(other, name) != getattr(first, name):
-                msg = (
-                    f"worker {i} planned {name}={getattr(other, name)!r} but worker 0 "
-                    f"planned {getattr(first, name)!r}; every worker must plan with "
-                    "the same settings"
-                )
-                raise PlanError(msg)
+        _check_agreed(other, first, "worker", i)
         if [g.layer_names for g in other.kv_cache_groups] != [
             g.layer_names for g in first.kv_cache_groups
         ]:

@@ -9,17 +9,22 @@ attention), ``head_dim`` (defaults to ``hidden_size // num_attention_heads``),
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_full_attention import FullAttentionSpec
-from kvcore_hf.mapping import ModelConfig, ModelConfigError
+from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_sliding_window import SlidingWindowSpec
 
 __all__ = [
     "ATTENTION_BLOCK",
+    "SameEveryLayer",
     "attention",
     "head_dim",
     "kv_heads",
     "layer",
+    "layer_types_or",
     "num_layers",
 ]
 
@@ -84,9 +89,34 @@ def attention(
     )
 
 
+class SameEveryLayer(ModelMapper):
+    """A mapper whose every layer keeps the same cache: :meth:`layer_spec`'s,
+    by default full attention with the model's KV heads and head size."""
+
+    def layer_specs(
+        self, config: ModelConfig, choices: ServingChoices
+    ) -> dict[str, KVCacheSpec]:
+        spec = self.layer_spec(config, choices)
+        return {layer(i): spec for i in range(num_layers(config))}
+
+    def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
+        """The cache of every layer."""
+        return attention(config)
+
+
 #: ``layer_types`` entries the attention mappers know (transformers' names).
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+
+def layer_types_or(
+    config: ModelConfig, n: int, default: Callable[[int], str]
+) -> list[str]:
+    """The ``n`` layers' types: ``layer_types`` when the file gives it, else
+    ``default(i)`` for layer ``i`` (the configuration class's rule)."""
+    if config.has("layer_types"):
+        return config.layer_types("layer_types", n)
+    return [default(i) for i in range(n)]
 
 
 def attention_by_type(

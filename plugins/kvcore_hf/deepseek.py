@@ -86,7 +86,7 @@ import torch
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_circular_buffer import CircularBufferSpec
-from kvcore_hf.common import layer, num_layers
+from kvcore_hf.common import SameEveryLayer, layer, num_layers
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_mla import MLAAttentionSpec
 from kvcore_sliding_window import SlidingWindowMLASpec
@@ -141,7 +141,7 @@ def indexer_key_bytes(config: ModelConfig) -> int:
     return dim + dim // FP8_SCALE_BLOCK * 4
 
 
-class DeepseekMLA(ModelMapper):
+class DeepseekMLA(SameEveryLayer):
     name: ClassVar[str] = "deepseek-mla"
     architectures: ClassVar[tuple[str, ...]] = (
         "DeepseekV2ForCausalLM",
@@ -156,11 +156,8 @@ class DeepseekMLA(ModelMapper):
         "64; MTP layer excluded)",
     )
 
-    def layer_specs(
-        self, config: ModelConfig, choices: ServingChoices
-    ) -> dict[str, KVCacheSpec]:
-        spec = mla_latent(config)
-        return {layer(i): spec for i in range(num_layers(config))}
+    def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
+        return mla_latent(config)
 
 
 class DeepseekV32(ModelMapper):

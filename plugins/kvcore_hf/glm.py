@@ -36,13 +36,13 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
-from kvcore_hf.common import attention, layer, num_layers
-from kvcore_hf.mapping import ModelConfig, ModelMapper
+from kvcore_hf.common import SameEveryLayer, attention
+from kvcore_hf.mapping import ModelConfig
 
 __all__ = ["MAPPERS", "Glm4Moe"]
 
 
-class Glm4Moe(ModelMapper):
+class Glm4Moe(SameEveryLayer):
     name: ClassVar[str] = "glm4_moe"
     architectures: ClassVar[tuple[str, ...]] = ("Glm4MoeForCausalLM",)
     model_types: ClassVar[tuple[str, ...]] = ("glm4_moe",)
@@ -54,15 +54,12 @@ class Glm4Moe(ModelMapper):
         "only in the speculative draft)",
     )
 
-    def layer_specs(
-        self, config: ModelConfig, choices: ServingChoices
-    ) -> dict[str, KVCacheSpec]:
-        spec = attention(
+    def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
+        return attention(
             config,
             num_kv_heads=config.positive("num_key_value_heads"),
             head_size=config.positive("head_dim"),
         )
-        return {layer(i): spec for i in range(num_layers(config))}
 
 
 MAPPERS = (Glm4Moe(),)

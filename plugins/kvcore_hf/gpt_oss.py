@@ -31,6 +31,7 @@ from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     attention_by_type,
+    layer_types_or,
     num_layers,
 )
 from kvcore_hf.mapping import ModelConfig, ModelMapper
@@ -55,12 +56,9 @@ class GptOss(ModelMapper):
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
         n = num_layers(config)
-        if config.has("layer_types"):
-            types = config.layer_types("layer_types", n)
-        else:
-            types = [
-                SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(n)
-            ]
+        types = layer_types_or(
+            config, n, lambda i: SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
+        )
         return attention_by_type(
             config,
             types,

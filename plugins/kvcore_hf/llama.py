@@ -25,6 +25,7 @@ from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.common import (
     ATTENTION_BLOCK,
+    SameEveryLayer,
     attention,
     head_dim,
     kv_heads,
@@ -36,7 +37,7 @@ from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 __all__ = ["MAPPERS", "Llama", "Llama4"]
 
 
-class Llama(ModelMapper):
+class Llama(SameEveryLayer):
     name: ClassVar[str] = "llama"
     architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
     model_types: ClassVar[tuple[str, ...]] = ("llama",)
@@ -44,12 +45,6 @@ class Llama(ModelMapper):
         "transformers models/llama/modeling_llama.py (LlamaAttention: "
         "num_key_value_heads x head_dim per layer)",
     )
-
-    def layer_specs(
-        self, config: ModelConfig, choices: ServingChoices
-    ) -> dict[str, KVCacheSpec]:
-        spec = attention(config)
-        return {layer(i): spec for i in range(num_layers(config))}
 
 
 class Llama4(ModelMapper):

@@ -173,6 +173,10 @@ class ModelConfig:
             raise ModelConfigError(msg)
         return value
 
+    def optional_positive(self, name: str) -> int | None:
+        """Like :meth:`positive`, but ``None`` when the field is absent."""
+        return self.positive(name) if self.has(name) else None
+
     def layer_types(self, name: str, count: int) -> list[str]:
         """A per-layer list of strings (``layer_types`` and the like) of
         exactly ``count`` entries."""
@@ -321,11 +325,8 @@ class MapperRegistry:
             try:
                 result = impl.function()
             except Exception as exc:
-                msg = (
-                    f"plugin {plugin!r}: kvcore_register_model_mappers raised "
-                    f"{type(exc).__name__}: {exc}"
-                )
-                raise PluginError(msg, plugin_name=plugin) from exc
+                who = f"plugin {plugin!r}: kvcore_register_model_mappers"
+                raise _raised(who, plugin, exc) from exc
             if result is None:
                 continue
             if not isinstance(result, (list, tuple)):
@@ -368,6 +369,12 @@ class MapperRegistry:
         archs = sorted({a for m in self for a in m.architectures})
         types = sorted({t for m in self for t in m.model_types})
         return f"architectures {', '.join(archs)}; model_type {', '.join(types)}"
+
+
+def _raised(who: str, plugin: str, exc: Exception) -> PluginError:
+    """The error for a plugin's code (``who``) that raised ``exc``."""
+    msg = f"{who} raised {type(exc).__name__}: {exc}"
+    return PluginError(msg, plugin_name=plugin)
 
 
 def default_mappers() -> MapperRegistry:
@@ -433,11 +440,8 @@ def map_model_config(
         except (KvcoreValueError, KvcoreTypeError):
             raise
         except Exception as exc:
-            msg = (
-                f"{config.where}: model mapper {mapper.name!r} (plugin {plugin!r}) "
-                f"raised {type(exc).__name__}: {exc}"
-            )
-            raise PluginError(msg, plugin_name=plugin) from exc
+            who = f"{config.where}: model mapper {mapper.name!r} (plugin {plugin!r})"
+            raise _raised(who, plugin, exc) from exc
         if layers is None:
             continue
         checked = _checked_layers(layers, mapper, plugin, config, registry)

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
-from kvcore_hf.common import attention, head_dim, layer, num_layers
+from kvcore_hf.common import SameEveryLayer, attention, head_dim, layer, num_layers
 from kvcore_hf.kimi import STATE_BLOCK
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_mamba import MambaSpec
@@ -117,7 +117,7 @@ def _attention_types(config: ModelConfig, n: int) -> list[int]:
     return list(values)
 
 
-class MiniMaxM2(ModelMapper):
+class MiniMaxM2(SameEveryLayer):
     name: ClassVar[str] = "minimax-m2"
     architectures: ClassVar[tuple[str, ...]] = ("MiniMaxM2ForCausalLM",)
     model_types: ClassVar[tuple[str, ...]] = ("minimax_m2",)
@@ -125,12 +125,6 @@ class MiniMaxM2(ModelMapper):
         "vLLM model_executor/models/minimax_m2.py (MiniMaxM2Attention, full "
         "attention with num_key_value_heads x head_dim, on every layer)",
     )
-
-    def layer_specs(
-        self, config: ModelConfig, choices: ServingChoices
-    ) -> dict[str, KVCacheSpec]:
-        spec = attention(config)
-        return {layer(i): spec for i in range(num_layers(config))}
 
 
 MAPPERS = (MiniMaxText01(), MiniMaxM2())

@@ -29,13 +29,13 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
-from kvcore_hf.common import attention, head_dim, layer, num_layers
-from kvcore_hf.mapping import ModelConfig, ModelMapper
+from kvcore_hf.common import SameEveryLayer, attention, head_dim
+from kvcore_hf.mapping import ModelConfig
 
 __all__ = ["MAPPERS", "Mistral", "Mixtral"]
 
 
-class Mistral(ModelMapper):
+class Mistral(SameEveryLayer):
     name: ClassVar[str] = "mistral"
     architectures: ClassVar[tuple[str, ...]] = ("MistralForCausalLM",)
     model_types: ClassVar[tuple[str, ...]] = ("mistral",)
@@ -48,22 +48,16 @@ class Mistral(ModelMapper):
     #: The window an absent ``sliding_window`` means (the class default).
     default_window: ClassVar[int | None] = 4096
 
-    def layer_specs(
-        self, config: ModelConfig, choices: ServingChoices
-    ) -> dict[str, KVCacheSpec]:
-        n = num_layers(config)
+    def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
         window = self.default_window
         if "sliding_window" in config.text:
-            window = config.optional("sliding_window")
-            if window is not None:
-                window = config.positive("sliding_window")
-        spec = attention(
+            window = config.optional_positive("sliding_window")
+        return attention(
             config,
             sliding_window=window,
             num_kv_heads=config.positive("num_key_value_heads"),
             head_size=head_dim(config),
         )
-        return {layer(i): spec for i in range(n)}
 
 
 class Mixtral(Mistral):

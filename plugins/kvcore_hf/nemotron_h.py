@@ -130,13 +130,7 @@ def _attention(config: ModelConfig) -> KVCacheSpec:
         if config.has("head_dim") or not config.has("attention_head_dim")
         else config.positive("attention_head_dim")
     )
-    window = config.optional("sliding_window")
-    if window is not None and window <= 0:
-        msg = (
-            f"{config.where}: field {config.prefix}sliding_window must be "
-            f"positive, got {window}"
-        )
-        raise ModelConfigError(msg)
+    window = config.optional_positive("sliding_window")
     return attention(config, head_size=size, sliding_window=window)
 
 

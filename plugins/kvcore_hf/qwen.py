@@ -48,6 +48,7 @@ from kvcore_hf.common import (
     SLIDING_ATTENTION,
     attention_by_type,
     head_dim,
+    layer_types_or,
     num_layers,
 )
 from kvcore_hf.mapping import ModelConfig, ModelMapper
@@ -69,9 +70,7 @@ class _Qwen(ModelMapper):
         n = num_layers(config)
         window = None
         if config.field("use_sliding_window", bool, default=False):
-            window = config.optional("sliding_window")
-            if window is not None:
-                window = config.positive("sliding_window")
+            window = config.optional_positive("sliding_window")
         types = self._types(config, n) if window is not None else [FULL_ATTENTION] * n
         size = config.positive("head_dim") if self.needs_head_dim else head_dim(config)
         return attention_by_type(
@@ -84,10 +83,12 @@ class _Qwen(ModelMapper):
 
     def _types(self, config: ModelConfig, n: int) -> list[str]:
         """Each layer's type when the window is on."""
-        if config.has("layer_types"):
-            return config.layer_types("layer_types", n)
+        return layer_types_or(config, n, lambda i: self._default(config, i))
+
+    def _default(self, config: ModelConfig, index: int) -> str:
+        """Layer ``index``'s type when the file gives no ``layer_types``."""
         first = config.field("max_window_layers", int)
-        return [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)]
+        return SLIDING_ATTENTION if index >= first else FULL_ATTENTION
 
 
 class Qwen2(_Qwen):
@@ -126,14 +127,9 @@ class Qwen2Moe(_Qwen):
         "on sliding_attention layers)",
     )
 
-    def _types(self, config: ModelConfig, n: int) -> list[str]:
-        if config.has("layer_types"):
-            return config.layer_types("layer_types", n)
+    def _default(self, config: ModelConfig, index: int) -> str:
         below = config.field("max_window_layers", int)
-        return [
-            SLIDING_ATTENTION if i % 2 == 0 and i < below else FULL_ATTENTION
-            for i in range(n)
-        ]
+        return SLIDING_ATTENTION if index % 2 == 0 and index < below else FULL_ATTENTION
 
 
 class Qwen3Moe(_Qwen):

@@ -37,7 +37,7 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
-from kvcore_hf.common import attention, layer, num_layers
+from kvcore_hf.common import attention, layer, layer_types_or, num_layers
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_hf.state import conv_kernel, gated_delta_net
 
@@ -63,18 +63,14 @@ class Qwen3Next(ModelMapper):
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
         n = num_layers(config)
-        if config.has("layer_types"):
-            types = config.layer_types("layer_types", n)
-            for i, kind in enumerate(types):
-                if kind not in _TYPES:
-                    msg = (
-                        f"{config.where}: field {config.prefix}layer_types[{i}] is "
-                        f"{kind!r}; Qwen3-Next layers are {' or '.join(_TYPES)}"
-                    )
-                    raise ModelConfigError(msg)
-        else:
-            interval = config.positive("full_attention_interval", default=4)
-            types = [_TYPES[(i + 1) % interval == 0] for i in range(n)]
+        types = layer_types_or(config, n, lambda i: _default(config, i))
+        for i, kind in enumerate(types):
+            if kind not in _TYPES:
+                msg = (
+                    f"{config.where}: field {config.prefix}layer_types[{i}] is "
+                    f"{kind!r}; Qwen3-Next layers are {' or '.join(_TYPES)}"
+                )
+                raise ModelConfigError(msg)
         state = gated_delta_net(
             config,
             num_k_heads=config.positive("linear_num_key_heads"),
@@ -91,6 +87,12 @@ class Qwen3Next(ModelMapper):
             else:
                 out[layer(i, "linear_attn")] = state
         return out
+
+
+def _default(config: ModelConfig, index: int) -> str:
+    """Layer ``index``'s type when the file gives no ``layer_types``."""
+    interval = config.positive("full_attention_interval", default=4)
+    return _TYPES[(index + 1) % interval == 0]
 
 
 MAPPERS = (Qwen3Next(),)
