@@ -21,6 +21,8 @@ __all__ = [
     "BLOCK_STATE_BYTES",
     "TOKEN_ID_LIMIT",
     "MAX_WORKLOAD_REQUESTS",
+    "MAX_NUM_LAYERS",
+    "HUB_FETCH_TIMEOUT_S",
     "MAX_WORKLOAD_PREFIX_TOKENS",
     "available_memory_bytes",
 ]
@@ -62,6 +64,15 @@ MAX_WORKLOAD_REQUESTS = 10**6
 #: The most tokens of shared system prefixes a synthetic workload builds
 #: (``shared_prefixes * prefix_len``; 2**26 tokens hold half a GiB).
 MAX_WORKLOAD_PREFIX_TOKENS = 2**26
+
+#: The most layers a model configuration may declare (real models have a
+#: few hundred; a config.json claiming ten million is refused before any
+#: layer is built).
+MAX_NUM_LAYERS = 100_000
+
+#: The longest a model configuration may take to arrive from a hub, retries
+#: included, before kvcore gives up with an error.
+HUB_FETCH_TIMEOUT_S = 30.0
 
 #: The most characters of one value echoed in an error message.
 MAX_ECHO_CHARS = 200

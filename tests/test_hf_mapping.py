@@ -389,3 +389,71 @@ def test_plan_refuses_a_model_and_a_config_together(
     code = main(["plan", "llama-3-1-8b", "--hf-config", str(FIXTURES / "llama-3-1-8b")])
     assert code == 2
     assert "give a MODEL or --hf-config, not both" in capsys.readouterr().err
+
+
+def test_a_hub_that_never_answers_is_an_error_within_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trickling or retrying hub gives up at kvcore's own deadline."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    import threading
+
+    from kvcore_hf import mapping
+
+    release = threading.Event()
+    monkeypatch.setattr(mapping, "HUB_FETCH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(
+        huggingface_hub, "hf_hub_download", lambda *a, **k: release.wait(30) or ""
+    )
+    try:
+        with pytest.raises(
+            ModelConfigError, match=r"did not deliver config.json within 0.2 s"
+        ):
+            mapping.fetch_hub_config("org/model")
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize(
+    ("raised", "shown"),
+    [
+        (ValueError("Repo id must be in the form 'repo_name'"), "ValueError"),
+        (RuntimeError("Exceeded 30 redirects."), "RuntimeError"),
+    ],
+)
+def test_any_hub_failure_is_a_model_config_error(
+    monkeypatch: pytest.MonkeyPatch, raised: Exception, shown: str
+) -> None:
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from kvcore_hf import mapping
+
+    def fail(*args: object, **kwargs: object) -> str:
+        raise raised
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
+    with pytest.raises(
+        ModelConfigError, match=f"cannot fetch config.json \\({shown}: "
+    ):
+        mapping.fetch_hub_config("org/na--me")
+
+
+def test_a_config_of_ten_million_layers_is_refused_before_building(
+    tmp_path: Path,
+) -> None:
+    data = json.loads((FIXTURES / "llama-3-1-8b" / "config.json").read_text())
+    data["num_hidden_layers"] = 10**7
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ModelConfigError, match="more than kvcore's limit of 100,000"):
+        map_model_config(load_hf_config(path), mappers=MAPPERS)
+
+
+def test_a_model_name_with_control_characters_is_escaped(tmp_path: Path) -> None:
+    data = json.loads((FIXTURES / "llama-3-1-8b" / "config.json").read_text())
+    data["_name_or_path"] = "evil\x1b[2J" + "x" * 1000
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    model = map_model_config(load_hf_config(path), mappers=MAPPERS)
+    assert model.name.startswith("evil\\x1b[2J")
+    assert model.name.isprintable()
+    assert len(model.name) == 256

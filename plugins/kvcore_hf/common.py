@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvcore.limits import MAX_NUM_LAYERS
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_full_attention import FullAttentionSpec
@@ -33,7 +34,17 @@ ATTENTION_BLOCK = 16
 
 
 def num_layers(config: ModelConfig) -> int:
-    return config.positive("num_hidden_layers")
+    """``num_hidden_layers``, at most :data:`kvcore.limits.MAX_NUM_LAYERS`
+    (checked before any layer is built)."""
+    count = config.positive("num_hidden_layers")
+    if count > MAX_NUM_LAYERS:
+        msg = (
+            f"{config.where}: num_hidden_layers is {count:,}, more than kvcore's "
+            f"limit of {MAX_NUM_LAYERS:,} layers (MAX_NUM_LAYERS); the file is not "
+            "a real model's configuration"
+        )
+        raise ModelConfigError(msg)
+    return count
 
 
 def kv_heads(config: ModelConfig) -> int:

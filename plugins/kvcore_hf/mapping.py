@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,7 +30,9 @@ from kvcore.errors import (
     MissingExtraError,
     PluginError,
     SerializationError,
+    escape_controls,
 )
+from kvcore.limits import HUB_FETCH_TIMEOUT_S, MAX_NAME_CHARS
 from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile, read_json_file
 from kvcore.serving import CACHE_DTYPE_ALIASES, ServingChoices
@@ -133,7 +136,8 @@ class ModelConfig:
         for part in (self.root, self.text):
             value = part.get("_name_or_path")
             if isinstance(value, str) and value:
-                return value
+                # It reaches terminals and file names: printable, bounded.
+                return escape_controls(value)[:MAX_NAME_CHARS]
         return next(iter(self.architectures), self.where)
 
     def has(self, name: str) -> bool:
@@ -524,6 +528,33 @@ def is_hub_id(text: str) -> bool:
     return bool(_HUB_ID.match(text)) and ".." not in text
 
 
+def _within_deadline(fetch: Callable[[], str], repo_id: str) -> str:
+    """``fetch()``, or a :class:`ModelConfigError` once
+    :data:`~kvcore.limits.HUB_FETCH_TIMEOUT_S` has passed (a hub that
+    trickles or retries forever never holds the command)."""
+    done: list[str] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(fetch())
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name="kvcore-hub-fetch", daemon=True)
+    worker.start()
+    worker.join(HUB_FETCH_TIMEOUT_S)
+    if failed:
+        raise failed[0]
+    if not done:
+        msg = (
+            f"{repo_id}: the hub did not deliver config.json within "
+            f"{HUB_FETCH_TIMEOUT_S:g} s; check the network or give --hf-config PATH"
+        )
+        raise ModelConfigError(msg)
+    return done[0]
+
+
 def fetch_hub_config(repo_id: str, *, revision: str | None = None) -> ModelConfig:
     """The ``config.json`` of a hub repository, and nothing else: through
     ``huggingface_hub`` (the optional extra ``kvcore[hf]``), which uses its
@@ -541,8 +572,14 @@ def fetch_hub_config(repo_id: str, *, revision: str | None = None) -> ModelConfi
         )
         raise MissingExtraError(msg) from None
     try:
-        path = huggingface_hub.hf_hub_download(
-            repo_id, "config.json", revision=revision
+        path = _within_deadline(
+            lambda: huggingface_hub.hf_hub_download(
+                repo_id,
+                "config.json",
+                revision=revision,
+                etag_timeout=HUB_FETCH_TIMEOUT_S / 3,
+            ),
+            repo_id,
         )
     except hub_errors.LocalEntryNotFoundError as exc:
         cache = huggingface_hub.constants.HF_HUB_CACHE
@@ -569,8 +606,13 @@ def fetch_hub_config(repo_id: str, *, revision: str | None = None) -> ModelConfi
     except hub_errors.EntryNotFoundError as exc:
         msg = f"{repo_id} has no config.json; it is not a transformers model"
         raise ModelConfigError(msg) from exc
-    except (hub_errors.HfHubHTTPError, OSError) as exc:
-        msg = f"{repo_id}: cannot fetch config.json: {exc}"
+    except ModelConfigError:
+        raise
+    except Exception as exc:  # the hub's client raises many kinds; name it
+        msg = (
+            f"{repo_id}: cannot fetch config.json ({type(exc).__name__}: "
+            f"{escape_controls(str(exc))[:300]})"
+        )
         raise ModelConfigError(msg) from exc
     config = load_hf_config(path)
     config.where = f"{repo_id} (config.json)"
