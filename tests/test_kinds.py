@@ -633,6 +633,69 @@ def test_specs_are_frozen_and_hashable() -> None:
 
 
 # ---------------------------------------------------------------------------
+# What kinds declare to the core in place of their own fields
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "window", "dtypes", "mode"),
+    [
+        pytest.param(full(), None, (torch.float16,), None, id="full"),
+        pytest.param(mla(), None, (torch.uint8,), None, id="mla"),
+        # The window routers key a hit on; extra retained tokens are the
+        # engine's own business.
+        pytest.param(
+            sw(extra_retained_tokens=16), 128, (torch.float16,), None, id="sw"
+        ),
+        pytest.param(
+            sw(bounded_replay=True), 128, (torch.float16,), None, id="sw-replay"
+        ),
+        pytest.param(swmla(), 128, (torch.uint8,), None, id="swmla"),
+        pytest.param(
+            mamba(
+                shapes=((4, 8), (16,)),
+                dtypes=(torch.float32, torch.bfloat16),
+                mamba_cache_mode="all",
+            ),
+            None,
+            (torch.float32, torch.bfloat16),
+            "all",
+            id="mamba",
+        ),
+        pytest.param(mamba(), None, (torch.bfloat16,), "auto", id="mamba-auto"),
+        pytest.param(ring(), None, (torch.bfloat16,), None, id="ring"),
+        pytest.param(hot(), None, None, None, id="hot"),
+    ],
+)
+def test_declarations_the_core_reads(
+    spec: KVCacheSpec,
+    window: int | None,
+    dtypes: tuple[torch.dtype, ...] | None,
+    mode: str | None,
+) -> None:
+    assert spec.event_window == window
+    assert spec.view_dtypes == dtypes
+    assert spec.state_cache_mode == mode
+
+
+def test_a_mamba_spec_built_for_another_mode_than_the_engine_is_refused() -> None:
+    from kvcore import CacheConfig, EngineConfig, PlanError, get_kv_cache_groups
+
+    config = EngineConfig(cache_config=CacheConfig(mamba_cache_mode="align"))
+    with pytest.raises(PlanError) as info:
+        get_kv_cache_groups(
+            config, {"m": mamba(mamba_cache_mode="all")}, registry=REGISTRY
+        )
+    assert str(info.value).startswith(
+        "layer 'm' (mamba) caches its states in mode 'all' but the engine runs "
+        "mamba_cache_mode='align'"
+    )
+    # ``auto`` takes the engine's mode before the check.
+    (group,) = get_kv_cache_groups(config, {"m": mamba()}, registry=REGISTRY)
+    assert group.manager_spec.state_cache_mode == "align"
+
+
+# ---------------------------------------------------------------------------
 # Conformance over the registry
 # ---------------------------------------------------------------------------
 
