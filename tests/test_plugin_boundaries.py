@@ -674,6 +674,7 @@ def test_the_suite_sees_only_builtin_kinds(builtin_registry: KindRegistry) -> No
     assert os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD") == "1"
     assert set(kvcore.default_registry()) == set(builtin_registry)
     assert set(builtin_registry) == {
+        "chunked_local_attention",
         "circular_buffer",
         "full_attention",
         "hisparse_hot",

@@ -14,7 +14,7 @@ transformers ``models/llama4/configuration_llama4.py`` (``no_rope_layers``
 default) and ``modeling_llama4.py`` (``use_chunked_attention`` on RoPE
 layers); the iRoPE design in Meta's Llama 4 model card.  Chunked local
 attention is the built-in kind ``chunked_local_attention``
-(:mod:`kvcore_chunked_local`).
+(``kvcore_chunked_local``).
 """
 
 from __future__ import annotations
