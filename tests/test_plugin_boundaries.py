@@ -193,9 +193,9 @@ def test_override_of_a_kind_nobody_registers_is_refused(clean_env: None) -> None
         KindRegistry.from_plugin_manager(pm, override=["mambaa"])
     assert str(info.value) == (
         "KVCORE_OVERRIDE_KINDS (or override=) names kind(s) ['mambaa'] that no "
-        "plugin registers; known kinds: circular_buffer, full_attention, "
-        "hisparse_hot, mamba, mla, sliding_window, sliding_window_mla. Check the "
-        "spelling"
+        "plugin registers; known kinds: chunked_local_attention, circular_buffer, "
+        "full_attention, hisparse_hot, mamba, mla, sliding_window, "
+        "sliding_window_mla. Check the spelling"
     )
 
 
