@@ -32,7 +32,6 @@ policy's target context ``T``) and measured with ``kvcore.plan_capacity``:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import re
@@ -358,25 +357,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-EXAMPLE_PLUGIN = (
-    Path(__file__).resolve().parent.parent / "examples" / "third_party_plugin"
-)
-
-
 def benchmark_registry() -> KindRegistry:
-    """The installed kinds, plus the repository's example chunked-local kind
-    (the shipped Llama-4 file needs it) when it is not installed."""
-    pm = kvcore.get_plugin_manager()
-    if "chunked_local_attention" not in kvcore.KindRegistry.from_plugin_manager(pm):
-        sys.path.insert(0, str(EXAMPLE_PLUGIN))
-        try:
-            plugin = importlib.import_module("kvcore_chunked_local")
-        except ImportError:
-            return kvcore.KindRegistry.from_plugin_manager(pm)
-        finally:
-            sys.path.remove(str(EXAMPLE_PLUGIN))
-        pm.register(plugin, name="chunked_local_attention")
-    return kvcore.KindRegistry.from_plugin_manager(pm)
+    """The installed kinds (every shipped model file needs only the built-in
+    ones)."""
+    return kvcore.KindRegistry.from_plugin_manager(kvcore.get_plugin_manager())
 
 
 def main(argv: list[str] | None = None) -> int:

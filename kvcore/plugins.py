@@ -53,6 +53,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mamba": "kvcore_mamba",
     "circular_buffer": "kvcore_circular_buffer",
     "hisparse": "kvcore_hisparse",
+    "chunked_local": "kvcore_chunked_local",
     "hf": "kvcore_hf",
 }
 

@@ -350,19 +350,41 @@ class ByteRegion:
 
 
 def _declared_dtypes(spec: KVCacheSpec, count: int) -> list[torch.dtype] | None:
-    """The dtype of each of a view's ``count`` tensors, if the spec declares
-    them (``dtype``, or ``dtypes`` one per tensor)."""
-    dtypes = getattr(spec, "dtypes", None)
+    """The dtype of each of a view's ``count`` tensors, as the spec declares
+    them (:attr:`~kvcore.spec.KVCacheSpec.view_dtypes`), or None when it
+    declares none."""
+    declared: object = call_plugin(
+        spec, "view_dtypes", functools.partial(_view_dtypes, spec)
+    )
+    if declared is None:
+        return None
     if (
-        isinstance(dtypes, tuple)
-        and len(dtypes) == count
-        and all(isinstance(d, torch.dtype) for d in dtypes)
+        not isinstance(declared, tuple)
+        or not declared
+        or not all(isinstance(d, torch.dtype) for d in declared)
     ):
-        return list(dtypes)
-    dtype = getattr(spec, "dtype", None)
-    if isinstance(dtype, torch.dtype):
-        return [dtype] * count
-    return None
+        text = repr(declared)
+        raise spec_plugin_error(
+            spec,
+            f"view_dtypes is {text if len(text) <= 120 else text[:117] + '...'}; "
+            "it must be None or a non-empty tuple of torch dtypes, one per "
+            "tensor its binder returns (or one for all of them)",
+        )
+    if len(declared) == 1:
+        return [declared[0]] * count
+    if len(declared) != count:
+        raise spec_plugin_error(
+            spec,
+            f"bind_view returned {count} tensor(s) but view_dtypes declares "
+            f"{len(declared)} dtypes; declare one dtype per tensor (or one for "
+            "all of them)",
+            error=PluginBindError,
+        )
+    return list(declared)
+
+
+def _view_dtypes(spec: KVCacheSpec) -> object:
+    return spec.view_dtypes
 
 
 def checked_view(

@@ -295,6 +295,16 @@ class KVCacheSpec:
         and every stride must be, a multiple of this."""
         return 1
 
+    @property
+    def view_dtypes(self) -> tuple[torch.dtype, ...] | None:
+        """The dtype of each tensor the kind's binder returns, in order (one
+        entry stands for every tensor), which the pool checks as it binds the
+        layer's views.  ``None`` (the default): the pool checks no dtype.  A
+        non-empty tuple of torch dtypes or ``None``; the pool refuses
+        anything else with a :class:`~kvcore.errors.PluginError` naming the
+        kind."""
+        return None
+
     # -- planning ---------------------------------------------------------
     def grown(self, factor: int) -> Self | None:
         """This spec with ``factor`` times the block size, or ``None`` if the
@@ -364,6 +374,17 @@ class KVCacheSpec:
         recurrent state.  Default ``None``."""
         return None
 
+    @property
+    def state_cache_mode(self) -> str | None:
+        """The recurrent-state caching mode (``none``, ``align`` or ``all``)
+        this spec runs under, once its defaults are resolved; planning
+        refuses a spec whose mode differs from the engine's
+        ``CacheConfig.mamba_cache_mode``.  ``None`` (the default): the kind
+        keeps no recurrent state.  A str or ``None``; planning refuses
+        anything else with a :class:`~kvcore.errors.PluginError` naming the
+        kind."""
+        return None
+
     def sharded(self, tp_size: int) -> Sharded:
         """What one of ``tp_size`` tensor-parallel ranks keeps of this layer.
 
@@ -424,6 +445,18 @@ class KVCacheSpec:
     def prefix_replay_tokens(self) -> int:
         """Tokens the scheduler must recompute after a prefix hit."""
         return 0
+
+    @property
+    def event_window(self) -> int | None:
+        """The window in tokens this layer's KV-cache events tell a KV-aware
+        router (:attr:`BlockStored.sliding_window
+        <kvcore.coordinator.BlockStored.sliding_window>`): a hit then needs
+        only the cached blocks of the last ``event_window`` tokens, as for a
+        sliding window.  ``None`` (the default): the router counts a hit only
+        over cached blocks of the whole prefix.  A positive int or ``None``;
+        the coordinator refuses anything else with a
+        :class:`~kvcore.errors.PluginError` naming the kind."""
+        return None
 
     @property
     def tokens_per_state(self) -> int:
@@ -600,6 +633,10 @@ class AttentionSpec(KVCacheSpec):
     @property
     def element_size(self) -> int:
         return self.dtype.itemsize
+
+    @property
+    def view_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.dtype,)
 
     def grown(self, factor: int) -> Self | None:
         """A paged attention block grows by any factor up to

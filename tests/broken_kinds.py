@@ -176,12 +176,55 @@ class RaisingMergeKind(AttentionKind):
     spec_type = RaisingMergeSpec
 
 
+@attrs.frozen(kw_only=True)
+class BadModeSpec(AttentionSpec):
+    """Declares ``mode`` as the recurrent-state mode it runs under."""
+
+    kind: ClassVar[str] = "bad_mode"
+    mode: Any = None
+
+    @property
+    def state_cache_mode(self) -> Any:
+        return self.mode
+
+
+class BadModeKind(AttentionKind):
+    name: ClassVar[str] = "bad_mode"
+    spec_type = BadModeSpec
+
+
 # -- binding ----------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)
 class BinderSpec(AttentionSpec):
     kind: ClassVar[str] = "binder"
+
+
+@attrs.frozen(kw_only=True)
+class DtypesSpec(AttentionSpec):
+    """Declares ``dtypes`` as the dtypes of its views."""
+
+    kind: ClassVar[str] = "dtypes"
+    dtypes: Any = None
+
+    @property
+    def view_dtypes(self) -> Any:
+        if self.dtypes == "raise":
+            raise RuntimeError("no dtypes")
+        return self.dtypes
+
+
+class DtypesKind(AttentionKind):
+    """Binds two tensors: the page's halves, in the spec's dtype."""
+
+    name: ClassVar[str] = "dtypes"
+    spec_type = DtypesSpec
+
+    def bind_view(self, spec: DtypesSpec, raw: torch.Tensor) -> LayerView:
+        typed = raw.view(spec.dtype)
+        half = typed.shape[-1] // 2
+        return (typed[..., :half], typed[..., half:])
 
 
 class BinderKind(AttentionKind):

@@ -1,6 +1,6 @@
 """Shared test setup: the examples directory is importable (its model builders
 are reused by tests), a registry of the built-in kinds, and a registry of the
-kinds the shipped model files use.
+kinds the shipped model files use (the built-in ones).
 
 The suite does not depend on what else is installed: while it runs,
 ``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1`` keeps third-party entry points (the
@@ -10,7 +10,6 @@ every CLI run; tests of discovery ask for entry points explicitly.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -23,8 +22,6 @@ import kvcore
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
-
-THIRD_PARTY = EXAMPLES / "third_party_plugin"
 
 _AUTOLOAD = "KVCORE_DISABLE_PLUGIN_AUTOLOAD"
 _saved_autoload: list[str | None] = []
@@ -56,14 +53,6 @@ def builtin_registry() -> kvcore.KindRegistry:
 
 @pytest.fixture(scope="session")
 def zoo_registry() -> kvcore.KindRegistry:
-    """Built-in kinds plus the example third-party kind the Llama-4 file
-    needs, registered explicitly (nothing else installed counts)."""
-    sys.path.insert(0, str(THIRD_PARTY))
-    try:
-        plugin = importlib.import_module("kvcore_chunked_local")
-    finally:
-        sys.path.remove(str(THIRD_PARTY))
-    pm = kvcore.get_plugin_manager(load_entrypoints=False)
-    if pm.get_plugin("chunked_local_attention") is None:
-        pm.register(plugin, name="chunked_local_attention")
-    return kvcore.KindRegistry.from_plugin_manager(pm)
+    """The kinds the shipped model files use: kvcore's built-in ones (every
+    file plans with nothing else installed)."""
+    return coordinator_setup.builtin_registry()

@@ -12,6 +12,7 @@ import torch
 import kvcore
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import CheckpointManager, KVCacheManager
+from kvcore_chunked_local import ChunkedLocalAttention
 from kvcore_circular_buffer import CircularBuffer
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_hisparse import HiSparseHot
@@ -30,6 +31,7 @@ def builtin_kinds() -> list[Any]:
         Mamba(),
         CircularBuffer(),
         HiSparseHot(),
+        ChunkedLocalAttention(),
     ]
 
 

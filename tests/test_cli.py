@@ -28,23 +28,10 @@ def _kvcore() -> list[str]:
     return [script] if script else [sys.executable, "-m", "kvcore.tools.cli"]
 
 
-#: The example third-party plugin (chunked-local attention, which the
-#: Llama-4-Scout file needs), loaded by module name without installing it.
-EXAMPLE_PLUGIN = (
-    Path(__file__).resolve().parent.parent / "examples" / "third_party_plugin"
-)
-
-
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join(
-        p for p in (str(EXAMPLE_PLUGIN), os.environ.get("PYTHONPATH")) if p
-    )
-    env = {
-        **os.environ,
-        "COLUMNS": "160",
-        "KVCORE_PLUGINS": "kvcore_chunked_local",
-        "PYTHONPATH": path,
-    }
+def run(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "160", **(env or {})}
     return subprocess.run(
         [*_kvcore(), *args],
         capture_output=True,
@@ -496,10 +483,80 @@ def test_kinds_lists_every_builtin_kind(capsys: pytest.CaptureFixture[str]) -> N
         "mamba",
         "circular_buffer",
         "hisparse_hot",
+        "chunked_local_attention",
     }
     assert {r["plugin"] for r in rows if r["kind"] == "sliding_window_mla"} == {
         "sliding_window"
     }
+    assert {r["plugin"] for r in rows if r["kind"] == "chunked_local_attention"} == {
+        "chunked_local"
+    }
+
+
+def test_kinds_text_columns_fit_the_longest_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["kinds"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    chunked = next(line for line in lines if line.startswith("chunked_local_attention"))
+    assert chunked.split() == [
+        "chunked_local_attention",
+        "ChunkedLocalAttentionSpec",
+        "chunked_local",
+    ]
+    # Every row's spec and plugin start in the same columns.
+    starts = {
+        (line.index(line.split()[1]), line.rindex(line.split()[2])) for line in lines
+    }
+    assert len(starts) == 1
+
+
+def test_llama_4_plans_with_nothing_else_installed() -> None:
+    # Llama-4-Scout: 36 chunked-local (8192-token chunks) and 12 NoPE global
+    # layers, 8 KV heads x 128, bf16.  Its chunked-local attention is a
+    # built-in kind: no plugin is named and no entry point is loaded.
+    env = {"KVCORE_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    proc = run("plan", "llama-4-scout-17b-16e", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    groups = json.loads(proc.stdout)["summary"]["groups"]
+    assert sorted(next(iter(g["kinds"])) for g in groups) == [
+        "chunked_local_attention"
+    ] * 3 + ["full_attention"]
+
+
+def test_the_example_plugin_loads_through_its_entry_point() -> None:
+    # Installed beside kvcore (an entry point in group kvcore), the example
+    # third-party kind is listed and its model file plans: Llama-3.1-8B with
+    # 4 sinks and a 2048-token window holds 1 sink block and the 128 blocks
+    # of the window at any length (2048 blocks of 16 cover 32k tokens; the
+    # window of token 32767 starts at token 30720, block 1920).
+    from example_plugin import EXAMPLE, example_installed
+
+    with example_installed() as metadata_dir:
+        path = os.pathsep.join(
+            p
+            for p in (str(EXAMPLE), str(metadata_dir), os.environ.get("PYTHONPATH"))
+            if p
+        )
+        env = {"PYTHONPATH": path, "KVCORE_DISABLE_PLUGIN_AUTOLOAD": "0"}
+        kinds = run("kinds", "--json", env=env)
+        plan = run(
+            "plan",
+            str(EXAMPLE / "streaming-llama-3-1-8b.json"),
+            "--memory",
+            "8GiB",
+            "--context",
+            "32k,128k",
+            "--json",
+            env=env,
+        )
+    assert kinds.returncode == 0, kinds.stderr
+    rows = {r["kind"]: r["plugin"] for r in json.loads(kinds.stdout)}
+    assert rows["attention_sinks"] == "attention_sinks"
+    assert rows["chunked_local_attention"] == "chunked_local"
+    assert plan.returncode == 0, plan.stderr
+    doc = json.loads(plan.stdout)
+    assert [r["blocks_per_request"] for r in doc["capacity"]] == [129, 129]
 
 
 def test_plugins_lists_hooks_and_kinds(capsys: pytest.CaptureFixture[str]) -> None:

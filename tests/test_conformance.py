@@ -1,12 +1,9 @@
 """kvcore's conformance suite (``kvcore.testing.pytest_plugin``) over every
-built-in kind and the example third-party kind, and the broken-kind zoo
-caught by it."""
+built-in kind and the example third-party kind (loaded through its entry
+point, as an installed plugin is), and the broken-kind zoo caught by it."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -25,11 +22,13 @@ from broken_kinds import (
     registry_with,
     sample,
 )
+from coordinator_setup import BUILT_IN
+from example_plugin import example_registry
 
-import kvcore
-from kvcore import KindRegistry
 from kvcore.errors import PluginBindError
+from kvcore.testing import check_kind
 from kvcore.testing.conformance import ConformanceCase, KindConformance
+from kvcore_chunked_local import ChunkedLocalAttentionSpec
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
@@ -39,28 +38,10 @@ from kvcore_sliding_window import SlidingWindowMLASpec, SlidingWindowSpec
 
 pytest_plugins = ["kvcore.testing.pytest_plugin"]
 
-THIRD_PARTY = Path(__file__).resolve().parent.parent / "examples" / "third_party_plugin"
-
-
-def _example_plugin() -> object:
-    sys.path.insert(0, str(THIRD_PARTY))
-    try:
-        return importlib.import_module("kvcore_chunked_local")
-    finally:
-        sys.path.remove(str(THIRD_PARTY))
-
-
-def _registry() -> KindRegistry:
-    """Built-in kinds and the example kind, registered explicitly."""
-    plugin = _example_plugin()
-    pm = kvcore.get_plugin_manager(load_entrypoints=False)
-    if pm.get_plugin("chunked_local_attention") is None:
-        pm.register(plugin, name="chunked_local_attention")
-    return KindRegistry.from_plugin_manager(pm, override=())
-
-
-REGISTRY = _registry()
-CHUNKED = REGISTRY["chunked_local_attention"].spec_type
+#: Built-in kinds and the example third-party kind, loaded through its
+#: entry point as an installed distribution's would be.
+REGISTRY = example_registry()
+SINKS = REGISTRY["attention_sinks"].spec_type
 
 
 class TestBuiltinAndExampleKinds(KindConformance):
@@ -117,13 +98,31 @@ class TestBuiltinAndExampleKinds(KindConformance):
         "hisparse_hot": HiSparseHotSpec(
             block_size=16, page_size=5120, blocks_per_request=2
         ),
-        "chunked_local_attention": CHUNKED(
+        "chunked_local_attention": ChunkedLocalAttentionSpec(
             block_size=16,
             num_kv_heads=2,
             head_size=64,
             dtype=torch.bfloat16,
             attention_chunk_size=64,
         ),
+        "attention_sinks": [
+            SINKS(
+                block_size=16,
+                num_kv_heads=2,
+                head_size=64,
+                dtype=torch.bfloat16,
+                sink_tokens=4,
+                window=64,
+            ),
+            SINKS(
+                block_size=4,
+                num_kv_heads=1,
+                head_size=8,
+                dtype=torch.float16,
+                sink_tokens=6,
+                window=10,
+            ),
+        ],
     }
 
 
@@ -131,7 +130,39 @@ def test_every_registered_kind_is_under_test() -> None:
     cases = TestBuiltinAndExampleKinds.conformance_cases()
     assert {c.name for c in cases} == set(REGISTRY)
     assert all(c.spec is not None for c in cases)
-    assert len(cases) == 10
+    assert len(cases) == 12
+
+
+def test_the_example_comes_from_its_distribution_beside_every_builtin() -> None:
+    # Installing the example beside kvcore collides with no built-in kind:
+    # every built-in kind keeps its plugin, and the example's kind is its
+    # entry point's.
+    assert REGISTRY.owner("attention_sinks") == "attention_sinks"
+    assert REGISTRY.owner("chunked_local_attention") == "chunked_local"
+    assert set(REGISTRY) == set(BUILT_IN) | {"attention_sinks"}
+    assert REGISTRY.overridden == {}
+    assert SINKS.__module__ == "kvcore_attention_sinks"
+
+
+@pytest.mark.parametrize(
+    ("block", "sinks", "window"),
+    [(16, 4, 64), (4, 6, 10), (16, 40, 100), (1, 1, 1), (16, 4, 8192)],
+)
+def test_the_example_kind_passes_check_kind(
+    block: int, sinks: int, window: int
+) -> None:
+    # The whole cycle: prefill in uneven steps, decode, a prefix hit where
+    # the kind declares one, preemption, re-admission and free, the blocks
+    # held compared with num_blocks_held after every step.
+    spec = SINKS(
+        block_size=block,
+        num_kv_heads=2,
+        head_size=8,
+        dtype=torch.bfloat16,
+        sink_tokens=sinks,
+        window=window,
+    )
+    check_kind(REGISTRY["attention_sinks"], spec, registry=REGISTRY)
 
 
 # ---------------------------------------------------------------------------

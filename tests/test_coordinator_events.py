@@ -9,13 +9,25 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import ClassVar
 
+import attrs
 import msgspec
 import pytest
 import torch
 import zmq
 
-from kvcore import KVCacheConfig, KVCacheGroupSpec
+import kvcore
+from kvcore import (
+    AttentionKind,
+    AttentionSpec,
+    CacheKind,
+    HitPolicy,
+    KindRegistry,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    hookimpl,
+)
 from kvcore.coordinator import (
     AllBlocksCleared,
     BlockPool,
@@ -26,6 +38,7 @@ from kvcore.coordinator import (
     KVCacheManager,
     NullEventPublisher,
     Request,
+    WindowManager,
     events,
 )
 from kvcore.errors import (
@@ -34,6 +47,7 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
     MissingExtraError,
+    PluginError,
 )
 from kvcore.integrations import events as wire
 from kvcore.integrations.events import (
@@ -497,6 +511,133 @@ def test_manager_medium_and_validation() -> None:
         InvalidRequestError, match="kv_events_medium must be a non-empty"
     ):
         hybrid_manager(kv_events_medium="")
+
+
+# -- a third-party kind's declared window ------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RecentSpec(AttentionSpec):
+    """A third party's windowed kind: its window field has its own name
+    (``recent``), and it tells routers ``announce`` through the declaration."""
+
+    kind: ClassVar[str] = "recent_tokens"
+
+    recent: int = attrs.field(default=8)
+    announce: object = attrs.field(default=8)
+
+    @property
+    def hit_policy(self) -> HitPolicy:
+        return HitPolicy.WINDOW
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(num_computed_tokens - self.recent + 1, 0)
+
+    @property
+    def event_window(self) -> int | None:
+        if self.announce == "raise":
+            raise RuntimeError("no window today")
+        return self.announce  # type: ignore[return-value]
+
+
+class Recent(AttentionKind):
+    name: ClassVar[str] = "recent_tokens"
+    spec_type = RecentSpec
+    manager_type = WindowManager
+
+
+class RecentPlugin:
+    @hookimpl
+    def kvcore_register_kinds(self) -> list[CacheKind]:
+        return [Recent()]
+
+
+def recent_manager(announce: object, *, events_on: bool = True) -> KVCacheManager:
+    pm = kvcore.get_plugin_manager(load_entrypoints=False)
+    pm.register(RecentPlugin(), name="recent-plugin")
+    registry = KindRegistry.from_plugin_manager(pm)
+    spec = RecentSpec(
+        block_size=4,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+        announce=announce,
+    )
+    config = KVCacheConfig(
+        num_blocks=9,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=64,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        enable_kv_cache_events=events_on,
+        registry=registry,
+    )
+
+
+@pytest.mark.parametrize("announce", [8, 24, None])
+def test_a_third_party_kind_declares_the_window_its_events_carry(
+    announce: int | None,
+) -> None:
+    mgr = recent_manager(announce)
+    prompt = list(range(100, 112))
+    r = Request("r", prompt, hash_block_size=4)
+    assert mgr.allocate_slots(r, 12) is not None
+    assert mgr.take_events() == [
+        BlockStored(
+            tuple(r.block_hashes),
+            None,
+            tuple(prompt),
+            4,
+            0,
+            "recent_tokens",
+            announce,
+            (1, 2, 3),
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("announce", "shown"),
+    [
+        (0, "event_window is 0 (int)"),
+        (-8, "event_window is -8 (int)"),
+        (True, "event_window is True (bool)"),
+        (8.0, "event_window is 8.0 (float)"),
+        ("8", "event_window is '8' (str)"),
+    ],
+)
+def test_a_kind_declaring_a_garbage_window_is_refused_naming_it(
+    announce: object, shown: str
+) -> None:
+    with pytest.raises(PluginError) as info:
+        recent_manager(announce)
+    text = str(info.value)
+    assert text.startswith(
+        "cache kind 'recent_tokens' (RecentSpec) of plugin 'recent-plugin'"
+    )
+    assert shown in text
+    assert "KVCORE_DISABLE_PLUGINS=recent-plugin" in text
+    assert info.value.plugin_name == "recent-plugin"
+    assert isinstance(info.value, TypeError)
+
+
+def test_a_kind_whose_window_raises_is_named() -> None:
+    with pytest.raises(PluginError, match="event_window raised RuntimeError") as info:
+        recent_manager("raise")
+    assert info.value.plugin_name == "recent-plugin"
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_the_window_is_read_only_with_events_on() -> None:
+    # Nothing asks for the declaration when no event is recorded.
+    mgr = recent_manager("raise", events_on=False)
+    r = Request("r", list(range(8)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 8) is not None
+    assert mgr.take_events() == []
 
 
 # -- publishers ---------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Fuzzed planning: random hybrid model files, every layout, random memory,
 both packing policies, and the invariants every plan must keep.
 
-Each example is a model file mixing every cache kind (built-in and the
-example third-party chunked-local kind), read through ``load_model_file``
+Each example is a model file mixing every built-in cache kind, read through
+``load_model_file``
 and planned with ``plan_kv_cache``.  A plan must put every layer in exactly
 one group, keep a group's pages disjoint and inside their block, round the
 stride to every alignment, fit its memory, bind views whose writes touch
@@ -16,7 +16,6 @@ and prints a summary (examples, plans, refusals, invariants checked).
 from __future__ import annotations
 
 import collections
-import importlib
 import itertools
 import json
 import math
@@ -40,9 +39,6 @@ from kvcore.spec import CACHE_ELEMENT_DTYPES
 from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec
 
-ROOT = Path(__file__).resolve().parent.parent
-THIRD_PARTY = ROOT / "examples" / "third_party_plugin"
-
 _ENV = "KVCORE_FUZZ_EXAMPLES"
 #: Examples per policy in CI (the whole file runs in well under a minute on
 #: two cores); ``KVCORE_FUZZ_EXAMPLES`` overrides it.
@@ -60,13 +56,7 @@ PACKING_LAYOUTS = [layout for layout in LAYOUTS if layout.can_pack]
 def build_registry() -> kvcore.KindRegistry:
     """Every kind the fuzzer generates, registered explicitly: nothing
     installed (or its entry points) changes what is planned."""
-    sys.path.insert(0, str(THIRD_PARTY))
-    try:
-        chunked = importlib.import_module("kvcore_chunked_local")
-    finally:
-        sys.path.remove(str(THIRD_PARTY))
-    kinds = [*builtin_kinds(), chunked.ChunkedLocalAttention()]
-    return kvcore.KindRegistry.from_kinds(kinds, owner="test_fuzz_planning")
+    return kvcore.KindRegistry.from_kinds(builtin_kinds(), owner="test_fuzz_planning")
 
 
 REGISTRY = build_registry()

@@ -871,19 +871,7 @@ def test_good_inputs_still_load(tmp_path: Path) -> None:
     assert isinstance(config, kvcore.KVCacheConfig)
     assert [t.layers for t in config.kv_cache_tensors] == [["a"], ["b"]]
     for name in zoo.names():
-        load_model_file(zoo.path(name), _zoo_registry())
-
-
-def _zoo_registry() -> kvcore.KindRegistry:
-    sys.path.insert(0, str(ROOT / "examples" / "third_party_plugin"))
-    try:
-        import kvcore_chunked_local
-    finally:
-        sys.path.pop(0)
-    pm = kvcore.get_plugin_manager(load_entrypoints=False)
-    if pm.get_plugin("chunked_local_attention") is None:
-        pm.register(kvcore_chunked_local, name="chunked_local_attention")
-    return kvcore.KindRegistry.from_plugin_manager(pm)
+        load_model_file(zoo.path(name), REGISTRY)
 
 
 def test_one_token_limit() -> None:

@@ -1,4 +1,4 @@
-"""The seven built-in spec classes: page sizes, hashing behaviour, grouping
+"""The eight built-in spec classes: page sizes, hashing behaviour, grouping
 keys, the merge rule and validation, plus a conformance suite over the
 registry.
 
@@ -19,6 +19,7 @@ from coordinator_setup import builtin_registry
 
 from kvcore import InvalidSpecError, KVCacheSpec, MergeError
 from kvcore.plugins import BUILTIN_PLUGINS
+from kvcore_chunked_local import ChunkedLocalAttentionSpec
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
@@ -103,6 +104,17 @@ def hot(**kw: object) -> HiSparseHotSpec:
     return HiSparseHotSpec(**(args | kw))
 
 
+def chunked(**kw: object) -> ChunkedLocalAttentionSpec:
+    args: dict[str, object] = {
+        "block_size": 16,
+        "num_kv_heads": 2,
+        "head_size": 64,
+        "dtype": torch.bfloat16,
+        "attention_chunk_size": 64,
+    }
+    return ChunkedLocalAttentionSpec(**(args | kw))
+
+
 #: kind name -> factory of a valid sample spec.
 SAMPLES: dict[str, Callable[..., KVCacheSpec]] = {
     "full_attention": full,
@@ -112,6 +124,7 @@ SAMPLES: dict[str, Callable[..., KVCacheSpec]] = {
     "mamba": mamba,
     "circular_buffer": ring,
     "hisparse_hot": hot,
+    "chunked_local_attention": chunked,
 }
 FACTORIES = list(SAMPLES.values())
 FACTORY_IDS = list(SAMPLES)
@@ -315,6 +328,8 @@ def test_hot_page_stride_alignment() -> None:
         pytest.param(mamba(), True, 0, id="mamba"),
         pytest.param(ring(), False, 0, id="ring"),
         pytest.param(hot(), False, 0, id="hot"),
+        # rebuilt after a hit by replaying the hit's last 64-token chunk
+        pytest.param(chunked(), False, 64, id="chunked"),
     ],
 )
 def test_prefix_cacheable_and_replay(
@@ -364,6 +379,10 @@ def test_prefix_cacheable_and_replay(
         # one ring block for the request's whole life
         pytest.param(ring(), 100_000, 1, id="ring"),
         pytest.param(hot(blocks_per_request=3), 100_000, 3, id="hot"),
+        # one 64-token chunk: cdiv(64, 16) + 1 = 5 (the boundary block)
+        pytest.param(chunked(), 1000, 5, id="chunked"),
+        # a 40-token model: cdiv(40, 16) = 3
+        pytest.param(chunked(), 40, 3, id="chunked-short-model"),
     ],
 )
 def test_max_num_blocks_per_request(
@@ -375,6 +394,19 @@ def test_max_num_blocks_per_request(
 # ---------------------------------------------------------------------------
 # Grouping keys
 # ---------------------------------------------------------------------------
+
+
+def test_chunked_local_releases_completed_chunks_and_keys_by_chunk() -> None:
+    spec = chunked()
+    # 64-token chunks: 130 computed tokens complete two chunks (128 tokens).
+    assert [spec.skipped_tokens(n) for n in (0, 63, 64, 130)] == [0, 0, 64, 128]
+    # Token 130 of 200 covered: cdiv(200, 16) - 128 // 16 = 13 - 8 = 5 blocks.
+    assert spec.num_blocks_held(130, 200, 16) == 5
+    assert spec.group_key() != chunked(attention_chunk_size=128).group_key()
+    assert spec.grown(4) == chunked(block_size=64)
+    assert spec.grown(8) is None  # a 128-token block does not tile the chunk
+    with pytest.raises(InvalidSpecError, match="does not tile attention_chunk"):
+        spec.with_block_size(48)
 
 
 def test_full_and_mla_share_a_group_key_at_one_block_size() -> None:
@@ -633,6 +665,71 @@ def test_specs_are_frozen_and_hashable() -> None:
 
 
 # ---------------------------------------------------------------------------
+# What kinds declare to the core in place of their own fields
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "window", "dtypes", "mode"),
+    [
+        pytest.param(full(), None, (torch.float16,), None, id="full"),
+        pytest.param(mla(), None, (torch.uint8,), None, id="mla"),
+        # The window routers key a hit on; extra retained tokens are the
+        # engine's own business.
+        pytest.param(
+            sw(extra_retained_tokens=16), 128, (torch.float16,), None, id="sw"
+        ),
+        pytest.param(
+            sw(bounded_replay=True), 128, (torch.float16,), None, id="sw-replay"
+        ),
+        pytest.param(swmla(), 128, (torch.uint8,), None, id="swmla"),
+        pytest.param(
+            mamba(
+                shapes=((4, 8), (16,)),
+                dtypes=(torch.float32, torch.bfloat16),
+                mamba_cache_mode="all",
+            ),
+            None,
+            (torch.float32, torch.bfloat16),
+            "all",
+            id="mamba",
+        ),
+        pytest.param(mamba(), None, (torch.bfloat16,), "auto", id="mamba-auto"),
+        pytest.param(ring(), None, (torch.bfloat16,), None, id="ring"),
+        pytest.param(hot(), None, None, None, id="hot"),
+        # Never hashed, so never in an event; its chunk is no window.
+        pytest.param(chunked(), None, (torch.bfloat16,), None, id="chunked"),
+    ],
+)
+def test_declarations_the_core_reads(
+    spec: KVCacheSpec,
+    window: int | None,
+    dtypes: tuple[torch.dtype, ...] | None,
+    mode: str | None,
+) -> None:
+    assert spec.event_window == window
+    assert spec.view_dtypes == dtypes
+    assert spec.state_cache_mode == mode
+
+
+def test_a_mamba_spec_built_for_another_mode_than_the_engine_is_refused() -> None:
+    from kvcore import CacheConfig, EngineConfig, PlanError, get_kv_cache_groups
+
+    config = EngineConfig(cache_config=CacheConfig(mamba_cache_mode="align"))
+    with pytest.raises(PlanError) as info:
+        get_kv_cache_groups(
+            config, {"m": mamba(mamba_cache_mode="all")}, registry=REGISTRY
+        )
+    assert str(info.value).startswith(
+        "layer 'm' (mamba) caches its states in mode 'all' but the engine runs "
+        "mamba_cache_mode='align'"
+    )
+    # ``auto`` takes the engine's mode before the check.
+    (group,) = get_kv_cache_groups(config, {"m": mamba()}, registry=REGISTRY)
+    assert group.manager_spec.state_cache_mode == "align"
+
+
+# ---------------------------------------------------------------------------
 # Conformance over the registry
 # ---------------------------------------------------------------------------
 
@@ -687,29 +784,3 @@ def test_conformance_check_names_the_broken_rule() -> None:
         ConformanceError, match="'mla': the sample spec must be its spec_type"
     ):
         check_kind(REGISTRY["mla"], spec, registry=REGISTRY)
-
-
-def test_third_party_kind_passes_the_conformance_check() -> None:
-    import sys
-    from pathlib import Path
-
-    from kvcore.testing import check_kind
-
-    sys.path.insert(
-        0, str(Path(__file__).parent.parent / "examples" / "third_party_plugin")
-    )
-    try:
-        from kvcore_chunked_local import (
-            ChunkedLocalAttention,
-            ChunkedLocalAttentionSpec,
-        )
-    finally:
-        sys.path.pop(0)
-    spec = ChunkedLocalAttentionSpec(
-        block_size=16,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=torch.bfloat16,
-        attention_chunk_size=8192,
-    )
-    check_kind(ChunkedLocalAttention(), spec)

@@ -18,10 +18,14 @@ from typing import Any
 import pytest
 import torch
 from broken_kinds import (
+    BadModeKind,
+    BadModeSpec,
     BadPageKind,
     BadPageSpec,
     BinderKind,
     BinderSpec,
+    DtypesKind,
+    DtypesSpec,
     ListKeyKind,
     ListKeySpec,
     MistaggedKind,
@@ -189,9 +193,9 @@ def test_override_of_a_kind_nobody_registers_is_refused(clean_env: None) -> None
         KindRegistry.from_plugin_manager(pm, override=["mambaa"])
     assert str(info.value) == (
         "KVCORE_OVERRIDE_KINDS (or override=) names kind(s) ['mambaa'] that no "
-        "plugin registers; known kinds: circular_buffer, full_attention, "
-        "hisparse_hot, mamba, mla, sliding_window, sliding_window_mla. Check the "
-        "spelling"
+        "plugin registers; known kinds: chunked_local_attention, circular_buffer, "
+        "full_attention, hisparse_hot, mamba, mla, sliding_window, "
+        "sliding_window_mla. Check the spelling"
     )
 
 
@@ -443,6 +447,111 @@ def test_bound_view_checked(how: str, rule: str) -> None:
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize(
+    ("dtypes", "error", "rule"),
+    [
+        (
+            torch.float16,
+            PluginResultError,
+            "view_dtypes is torch.float16; it must be None or a non-empty tuple "
+            "of torch dtypes, one per tensor its binder returns (or one for all "
+            "of them)",
+        ),
+        (
+            (),
+            PluginResultError,
+            "view_dtypes is (); it must be None or a non-empty tuple of torch "
+            "dtypes, one per tensor its binder returns (or one for all of them)",
+        ),
+        (
+            ("float16",),
+            PluginResultError,
+            "view_dtypes is ('float16',); it must be None or a non-empty tuple of "
+            "torch dtypes, one per tensor its binder returns (or one for all of "
+            "them)",
+        ),
+        (
+            (torch.float16,) * 3,
+            PluginBindError,
+            "bind_view returned 2 tensor(s) but view_dtypes declares 3 dtypes; "
+            "declare one dtype per tensor (or one for all of them)",
+        ),
+        (
+            (torch.float16, torch.bfloat16),
+            PluginBindError,
+            "tensor 1 of bind_view for layer 'a' is torch.float16, but the spec's "
+            "dtype is torch.bfloat16; view the raw bytes as torch.bfloat16",
+        ),
+    ],
+)
+def test_declared_view_dtypes_checked(
+    dtypes: object, error: type[PluginError], rule: str
+) -> None:
+    with pytest.raises(error) as info:
+        _plan(DtypesKind(), sample(DtypesSpec, dtypes=dtypes))
+    assert str(info.value) == _spec_error("dtypes", "DtypesSpec", rule)
+
+
+def test_declared_view_dtypes_one_per_tensor_or_none() -> None:
+    for dtypes in (None, (torch.float16,), (torch.float16, torch.float16)):
+        views = _plan(DtypesKind(), sample(DtypesSpec, dtypes=dtypes))
+        assert [v.dtype for v in views["a"]] == [torch.float16, torch.float16]
+
+
+def test_declared_view_dtypes_raising_is_wrapped() -> None:
+    with pytest.raises(PluginError) as info:
+        _plan(DtypesKind(), sample(DtypesSpec, dtypes="raise"))
+    assert str(info.value) == _spec_error(
+        "dtypes", "DtypesSpec", "view_dtypes raised RuntimeError: no dtypes"
+    )
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    ("mode", "shown"), [(1, "1 (int)"), (b"all", "b'all' (bytes)")]
+)
+def test_state_cache_mode_must_be_a_str_or_none(mode: object, shown: str) -> None:
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", mamba_cache_mode="align"
+        )
+    )
+    registry = registry_with(plugin_with(BadModeKind()), "broken")
+    spec = sample(BadModeSpec, mode=mode)
+    with pytest.raises(PluginResultError) as info:
+        kvcore.get_kv_cache_groups(config, {"a": spec}, registry=registry)
+    assert str(info.value) == _spec_error(
+        "bad_mode",
+        "BadModeSpec",
+        f"state_cache_mode is {shown}; it must be None (the kind keeps no "
+        "recurrent state) or the str name of the mode its states are cached "
+        "under ('none', 'align' or 'all')",
+    )
+
+
+def test_a_declared_state_mode_must_match_the_engine() -> None:
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", mamba_cache_mode="align"
+        )
+    )
+    registry = registry_with(plugin_with(BadModeKind()), "broken")
+    with pytest.raises(kvcore.PlanError) as info:
+        kvcore.get_kv_cache_groups(
+            config, {"a": sample(BadModeSpec, mode="all")}, registry=registry
+        )
+    assert str(info.value) == (
+        "layer 'a' (bad_mode) caches its states in mode 'all' but the engine runs "
+        "mamba_cache_mode='align'; build its spec with mode 'align' or leave "
+        "CacheConfig.mamba_cache_mode unset"
+    )
+    for mode in (None, "align"):
+        groups = kvcore.get_kv_cache_groups(
+            config, {"a": sample(BadModeSpec, mode=mode)}, registry=registry
+        )
+        assert [g.layer_names for g in groups] == [["a"]]
+
+
 def test_binder_raising_is_wrapped_and_chained() -> None:
     with pytest.raises(PluginError) as info:
         _plan(BinderKind("raises"), sample(BinderSpec))
@@ -565,6 +674,7 @@ def test_the_suite_sees_only_builtin_kinds(builtin_registry: KindRegistry) -> No
     assert os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD") == "1"
     assert set(kvcore.default_registry()) == set(builtin_registry)
     assert set(builtin_registry) == {
+        "chunked_local_attention",
         "circular_buffer",
         "full_attention",
         "hisparse_hot",

@@ -51,6 +51,7 @@ BUILTIN_KINDS = {
     "mamba",
     "circular_buffer",
     "hisparse_hot",
+    "chunked_local_attention",
 }
 ENV_VARS = (
     "KVCORE_DISABLE_PLUGINS",
@@ -179,7 +180,7 @@ def fake_dist(
 def test_registry_has_exactly_the_builtin_kinds(pm: pluggy.PluginManager) -> None:
     registry = KindRegistry.from_plugin_manager(pm)
     assert set(registry) == BUILTIN_KINDS
-    assert len(registry) == 7
+    assert len(registry) == 8
 
 
 @pytest.mark.parametrize(
@@ -193,6 +194,7 @@ def test_registry_has_exactly_the_builtin_kinds(pm: pluggy.PluginManager) -> Non
         ("mamba", "mamba"),
         ("circular_buffer", "circular_buffer"),
         ("hisparse_hot", "hisparse"),
+        ("chunked_local_attention", "chunked_local"),
     ],
 )
 def test_owner_of_builtin_kinds(

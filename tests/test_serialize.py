@@ -9,6 +9,7 @@ import torch
 
 import kvcore
 from kvcore.serialize import dump_config, load_config, load_model_file, make_converter
+from kvcore_chunked_local import ChunkedLocalAttentionSpec
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
@@ -64,6 +65,13 @@ SPECS = {
     ),
     "hisparse_hot": HiSparseHotSpec(
         block_size=16, page_size=5120, blocks_per_request=2
+    ),
+    "chunked_local_attention": ChunkedLocalAttentionSpec(
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        attention_chunk_size=8192,
     ),
 }
 

@@ -9,20 +9,20 @@ result does not depend on which plugins are installed.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
 import pytest
 import torch
+from example_plugin import example_registry
 
 from kvcore import KVCacheSpec
 from kvcore.coordinator import HitQuery
 from kvcore.kinds import CacheKind
 from kvcore.registry import KindRegistry
 from kvcore.testing import ConformanceError, check_kind
+from kvcore_chunked_local import ChunkedLocalAttention, ChunkedLocalAttentionSpec
 from kvcore_circular_buffer import CircularBuffer, CircularBufferSpec
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
@@ -110,6 +110,19 @@ def _hot() -> KVCacheSpec:
     return HiSparseHotSpec(block_size=16, page_size=5120, blocks_per_request=2)
 
 
+def _chunked(chunk: int) -> Callable[[], KVCacheSpec]:
+    def make() -> KVCacheSpec:
+        return ChunkedLocalAttentionSpec(
+            block_size=16,
+            num_kv_heads=2,
+            head_size=64,
+            dtype=torch.bfloat16,
+            attention_chunk_size=chunk,
+        )
+
+    return make
+
+
 BUILTIN_CASES = [
     pytest.param(FullAttention(), _full, id="full_attention"),
     pytest.param(MLA(), _mla, id="mla"),
@@ -124,6 +137,8 @@ BUILTIN_CASES = [
     pytest.param(Mamba(), _mamba("all"), id="mamba-all"),
     pytest.param(CircularBuffer(), _ring, id="circular_buffer"),
     pytest.param(HiSparseHot(), _hot, id="hisparse_hot"),
+    pytest.param(ChunkedLocalAttention(), _chunked(64), id="chunked-64-skips"),
+    pytest.param(ChunkedLocalAttention(), _chunked(8192), id="chunked-8192"),
 ]
 
 
@@ -151,32 +166,23 @@ def test_the_window_run_releases_blocks() -> None:
     assert spec.num_blocks_held(total, total, spec.block_size) < 16
 
 
-def _chunked_local() -> tuple[Any, Any]:
-    sys.path.insert(
-        0, str(Path(__file__).parent.parent / "examples" / "third_party_plugin")
-    )
-    try:
-        from kvcore_chunked_local import (
-            ChunkedLocalAttention,
-            ChunkedLocalAttentionSpec,
-        )
-    finally:
-        sys.path.pop(0)
-    return ChunkedLocalAttention, ChunkedLocalAttentionSpec
-
-
-@pytest.mark.parametrize("chunk", [64, 8192], ids=["chunk-64-skips", "chunk-8192"])
-def test_third_party_chunked_local_kind_passes(chunk: int) -> None:
-    kind_type, spec_type = _chunked_local()
-    kind = kind_type()
-    spec = spec_type(
+def test_the_example_third_party_kind_passes() -> None:
+    # Loaded through its entry point, as an installed distribution is.
+    registry = example_registry()
+    kind = registry["attention_sinks"]
+    spec = kind.spec_type(
         block_size=16,
         num_kv_heads=2,
         head_size=64,
         dtype=torch.bfloat16,
-        attention_chunk_size=chunk,
+        sink_tokens=4,
+        window=64,
     )
-    check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
+    # Over a 16-block run the window moves past the sinks: blocks are released.
+    total = 16 * spec.block_size
+    assert spec.num_blocks_held(total, total, spec.block_size) == 16 - 11
+    check_kind(kind, spec)
+    check_kind(kind, spec, registry=registry)
 
 
 # ---------------------------------------------------------------------------

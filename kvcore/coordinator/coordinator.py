@@ -31,6 +31,7 @@ from kvcore.coordinator.request import Request
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
 from kvcore.plan import effective_block_size, hit_alignment
 from kvcore.plan.block_sizes import group_hit_unit
+from kvcore.plan.declarations import checked_event_window
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
@@ -109,7 +110,7 @@ class KVCacheCoordinator:
                 (
                     max(effective_block_size(g, dcp), hash_block_size),
                     g.manager_spec.kind,
-                    getattr(g.manager_spec, "sliding_window", None),
+                    checked_event_window(g.manager_spec),
                 )
                 for g in groups
             ]

@@ -20,6 +20,8 @@ __all__ = [
     "check_spec_answers",
     "resolved_defaults",
     "checked_blocks_held",
+    "checked_event_window",
+    "checked_state_cache_mode",
     "checked_grown",
     "checked_merge",
     "checked_positive",
@@ -163,6 +165,46 @@ def checked_blocks_held(
         )
         raise PluginError(msg, plugin_name=spec.kind)
     return held
+
+
+def checked_event_window(spec: KVCacheSpec) -> int | None:
+    """``spec.event_window`` (what its KV-cache events tell a router), which
+    must be ``None`` or a positive int."""
+    window: object = call_plugin(
+        spec, "event_window", functools.partial(_event_window, spec)
+    )
+    if window is not None and (type(window) is not int or window < 1):
+        raise spec_plugin_error(
+            spec,
+            f"event_window is {_short(window)} ({type(window).__name__}); it must "
+            "be None (a router needs the whole prefix) or the positive int number "
+            "of tokens of the window a hit needs (a bool or float is not one)",
+        )
+    return window
+
+
+def _event_window(spec: KVCacheSpec) -> object:
+    return spec.event_window
+
+
+def checked_state_cache_mode(spec: KVCacheSpec) -> str | None:
+    """``spec.state_cache_mode`` (the recurrent-state caching mode it runs
+    under), which must be ``None`` or a str."""
+    mode: object = call_plugin(
+        spec, "state_cache_mode", functools.partial(_state_cache_mode, spec)
+    )
+    if mode is not None and type(mode) is not str:
+        raise spec_plugin_error(
+            spec,
+            f"state_cache_mode is {_short(mode)} ({type(mode).__name__}); it must "
+            "be None (the kind keeps no recurrent state) or the str name of the "
+            "mode its states are cached under ('none', 'align' or 'all')",
+        )
+    return mode
+
+
+def _state_cache_mode(spec: KVCacheSpec) -> object:
+    return spec.state_cache_mode
 
 
 def checked_positive(spec: KVCacheSpec, what: str, value: object) -> int:

@@ -6,7 +6,11 @@ from collections.abc import Mapping
 
 from kvcore.config import EngineConfig
 from kvcore.errors import KvcoreTypeError, PlanError
-from kvcore.plan.declarations import check_spec_answers, resolved_defaults
+from kvcore.plan.declarations import (
+    check_spec_answers,
+    checked_state_cache_mode,
+    resolved_defaults,
+)
 from kvcore.plan.groups import check_chosen, group_spec
 from kvcore.plan.policies import POLICIES
 from kvcore.registry import KindRegistry, default_registry
@@ -67,11 +71,11 @@ def _check_engine_modes(config: EngineConfig, specs: Mapping[str, KVCacheSpec]) 
     if mode is None:
         return
     for name, spec in specs.items():
-        own = getattr(spec, "mamba_cache_mode", mode)
-        if own != mode:
+        own = checked_state_cache_mode(spec)
+        if own is not None and own != mode:
             msg = (
-                f"layer {name!r} ({spec.kind}) has mamba_cache_mode={own!r} but the "
-                f"engine runs mamba_cache_mode={mode!r}; build its spec with "
-                f"mamba_cache_mode={mode!r} or leave CacheConfig.mamba_cache_mode unset"
+                f"layer {name!r} ({spec.kind}) caches its states in mode {own!r} but "
+                f"the engine runs mamba_cache_mode={mode!r}; build its spec with "
+                f"mode {mode!r} or leave CacheConfig.mamba_cache_mode unset"
             )
             raise PlanError(msg)

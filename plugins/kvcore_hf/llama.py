@@ -13,8 +13,8 @@ Llama 4 (``Llama4ForConditionalGeneration`` / ``Llama4ForCausalLM``,
 transformers ``models/llama4/configuration_llama4.py`` (``no_rope_layers``
 default) and ``modeling_llama4.py`` (``use_chunked_attention`` on RoPE
 layers); the iRoPE design in Meta's Llama 4 model card.  Chunked local
-attention is a kind of the example plugin ``kvcore-chunked-local``
-(``examples/third_party_plugin``).
+attention is the built-in kind ``chunked_local_attention``
+(``kvcore_chunked_local``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_chunked_local import ChunkedLocalAttentionSpec
 from kvcore_hf.common import (
     ATTENTION_BLOCK,
     SameEveryLayer,
@@ -82,26 +83,13 @@ class Llama4(ModelMapper):
 
 
 def _chunked(config: ModelConfig, chunk: int) -> KVCacheSpec:
-    try:
-        from kvcore_chunked_local import (  # type: ignore[import-not-found]
-            ChunkedLocalAttentionSpec,
-        )
-    except ImportError:
-        msg = (
-            f"{config.where}: Llama 4's RoPE layers use chunked local attention "
-            f"({chunk}-token chunks), a cache kind of the kvcore-chunked-local "
-            "plugin; install it (pip install examples/third_party_plugin in a kvcore "
-            "checkout) or load it with KVCORE_PLUGINS=kvcore_chunked_local"
-        )
-        raise ModelConfigError(msg) from None
-    spec: KVCacheSpec = ChunkedLocalAttentionSpec(
+    return ChunkedLocalAttentionSpec(
         block_size=ATTENTION_BLOCK,
         num_kv_heads=kv_heads(config),
         head_size=head_dim(config),
         dtype=config.model_dtype(),
         attention_chunk_size=chunk,
     )
-    return spec
 
 
 MAPPERS = (Llama(), Llama4())

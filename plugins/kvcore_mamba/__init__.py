@@ -264,6 +264,10 @@ class MambaSpec(KVCacheSpec):
         # Only align mode chooses which states to keep.
         return self.checkpoint_policy if self._checkpoints_on else None
 
+    @property
+    def state_cache_mode(self) -> str:
+        return self.mamba_cache_mode
+
     def with_state_cache_mode(self, mode: str) -> Self | None:
         """The engine's Mamba cache mode applies to every Mamba layer."""
         if mode == self.mamba_cache_mode:
@@ -280,6 +284,10 @@ class MambaSpec(KVCacheSpec):
     @property
     def element_size(self) -> int:
         return max(dtype.itemsize for dtype in self.dtypes)
+
+    @property
+    def view_dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.dtypes
 
     def num_blocks_held(
         self, num_computed_tokens: int, num_tokens: int, block_size: int

@@ -62,6 +62,11 @@ class SlidingWindowSpec(AttentionSpec):
     def prefix_replay_tokens(self) -> int:
         return self.sliding_window if self.bounded_replay else 0
 
+    @property
+    def event_window(self) -> int:
+        # A router keys a hit on the window the next token reads.
+        return self.sliding_window
+
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens below the window of the next token to compute."""
         skipped = (

@@ -28,8 +28,15 @@ def _cmd_kinds(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
+        # Columns as wide as their longest entry, so a long name never
+        # runs into the next column.
+        kind_width = max((len(row["kind"]) for row in rows), default=0)
+        spec_width = max((len(row["spec"]) for row in rows), default=0)
         for row in rows:
-            print(f"{row['kind']:<26} {row['spec']:<24} {row['plugin']}")
+            print(
+                f"{row['kind']:<{kind_width}}  {row['spec']:<{spec_width}}  "
+                f"{row['plugin']}"
+            )
     return 0
 
 

@@ -1,9 +1,12 @@
 """Chunked local attention: a token attends to the tokens of its own chunk.
 
-Blocks of chunks that are already complete are never read again, so a
-request holds at most the blocks of one chunk (plus one for the boundary).
+Llama 4's RoPE layers attend within fixed chunks of ``attention_chunk_size``
+tokens.  Blocks of chunks that are already complete are never read again, so
+a request holds at most the blocks of one chunk (plus one for the boundary).
 The cache is not prefix-cached: after another group's prefix hit, the
-scheduler replays the hit's last chunk to rebuild it.
+scheduler replays the hit's last chunk to rebuild it.  An engine's block
+size (or a grown block) must tile the chunk, so completed chunks free whole
+blocks.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from typing import ClassVar
 
 import attrs
 
-from kvcore import AttentionKind, AttentionSpec, CacheKind, HitPolicy, hookimpl
-from kvcore.coordinator.managers import WindowManager
 from kvcore.errors import InvalidSpecError
-from kvcore.spec import PackingRole, cdiv, positive_int
+from kvcore.hookspecs import hookimpl
+from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.spec import AttentionSpec, HitPolicy, PackingRole, cdiv, positive_int
+from kvcore_chunked_local.manager import ChunkedLocalManager
 
 __all__ = ["ChunkedLocalAttention", "ChunkedLocalAttentionSpec", "ChunkedLocalManager"]
 
@@ -75,11 +79,6 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def group_key(self) -> Hashable:
         return (self.kind, self.block_size, self.attention_chunk_size)
-
-
-class ChunkedLocalManager(WindowManager):
-    """Frees the blocks of completed chunks (the spec's ``skipped_tokens``);
-    never hashed, since the spec declares ``HitPolicy.NOT_HASHED``."""
 
 
 class ChunkedLocalAttention(AttentionKind):
