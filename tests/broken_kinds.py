@@ -121,6 +121,23 @@ class BadPageKind(AttentionKind):
 
 
 @attrs.frozen(kw_only=True)
+class BadGridSpec(AttentionSpec):
+    """Its page grid is whatever ``bad_grid`` says."""
+
+    kind: ClassVar[str] = "bad_grid"
+    bad_grid: Any = (0, 16, 32)
+
+    @property
+    def page_grid(self) -> Any:
+        return self.bad_grid
+
+
+class BadGridKind(AttentionKind):
+    name: ClassVar[str] = "bad_grid"
+    spec_type = BadGridSpec
+
+
+@attrs.frozen(kw_only=True)
 class ListKeySpec(AttentionSpec):
     kind: ClassVar[str] = "list_key"
 

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 from broken_kinds import (
+    BadGridKind,
+    BadGridSpec,
     BadModeKind,
     BadModeSpec,
     BadPageKind,
@@ -324,6 +326,48 @@ def test_page_size_must_be_a_positive_int(page: object, shown: str) -> None:
         f"page_size_bytes is {shown}; it must be a positive int number of bytes "
         "(a bool or float is not one)",
     )
+
+
+@pytest.mark.parametrize(
+    ("grid", "rule"),
+    [
+        (
+            (0, 16, 32),
+            "page_grid is (0, 16, 32); it must be a tuple of three positive ints",
+        ),
+        (
+            (1, -16, 32),
+            "page_grid is (1, -16, 32); it must be a tuple of three positive ints",
+        ),
+        ((1, 16), "page_grid is (1, 16); it must be a tuple of three positive ints"),
+        (
+            [1, 16, 32],
+            "page_grid is [1, 16, 32]; it must be a tuple of three positive ints",
+        ),
+        (
+            (1, True, 32),
+            "page_grid is (1, True, 32); it must be a tuple of three positive ints",
+        ),
+    ],
+)
+def test_page_grid_must_be_three_positive_ints_inside_the_page(
+    grid: object, rule: str
+) -> None:
+    with pytest.raises(PluginResultError) as info:
+        _plan(BadGridKind(), sample(BadGridSpec, bad_grid=grid))
+    assert rule in str(info.value)
+    assert "cache kind 'bad_grid' (BadGridSpec)" in str(info.value)
+
+
+def test_a_page_smaller_than_its_grid_is_refused() -> None:
+    spec = sample(BadPageSpec, bad_page=64)
+    grid = spec.page_grid
+    with pytest.raises(PluginResultError) as info:
+        _plan(BadPageKind(), spec)
+    assert (
+        f"page_grid {grid} holds {grid[0] * grid[1] * grid[2]:,} bytes, more than "
+        "its page_size_bytes of 64; the grid must fit in the page"
+    ) in str(info.value)
 
 
 def test_page_size_checked_for_hand_built_groups() -> None:

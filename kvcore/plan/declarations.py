@@ -30,13 +30,27 @@ __all__ = [
 
 
 def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
-    """The page size and grouping key of each distinct spec, checked once as
-    a plan starts: a positive int page, and a key (and spec) that hash."""
+    """The page size, page grid and grouping key of each distinct spec,
+    checked once as a plan starts: a positive int page, a grid of three
+    positive ints that fits in it, and a key (and spec) that hash."""
     seen: set[int] = set()
     for spec in specs:
         if id(spec) in seen:
             continue
         seen.add(id(spec))
+        grid: object = call_plugin(
+            spec, "page_grid", functools.partial(_page_grid, spec)
+        )
+        if (
+            not isinstance(grid, tuple)
+            or len(grid) != 3
+            or any(type(d) is not int or d <= 0 for d in grid)
+        ):
+            raise spec_plugin_error(
+                spec,
+                f"page_grid is {_short(grid)}; it must be a tuple of three positive "
+                "ints (heads, states per block, bytes per state)",
+            )
         page: object = call_plugin(
             spec, "page_size_bytes", functools.partial(_page_size, spec)
         )
@@ -45,6 +59,12 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                 spec,
                 f"page_size_bytes is {page!r} ({type(page).__name__}); it must be a "
                 "positive int number of bytes (a bool or float is not one)",
+            )
+        if math.prod(grid) > page:
+            raise spec_plugin_error(
+                spec,
+                f"page_grid {grid} holds {math.prod(grid):,} bytes, more than its "
+                f"page_size_bytes of {page:,}; the grid must fit in the page",
             )
         key: object = call_plugin(spec, "group_key()", spec.group_key)
         _check_hashable(spec, f"what group_key() returned ({_short(key)})", key)
@@ -91,6 +111,10 @@ def resolved_defaults(
 
 def _page_size(spec: KVCacheSpec) -> object:
     return spec.page_size_bytes
+
+
+def _page_grid(spec: KVCacheSpec) -> object:
+    return spec.page_grid
 
 
 def _check_hashable(spec: KVCacheSpec, subject: str, value: object) -> None:
