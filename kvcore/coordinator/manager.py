@@ -4,8 +4,7 @@ The coordinator runs one manager per cache group.  Each cache kind's plugin
 contributes its manager class (``CacheKind.manager_type``), normally one of
 the generic strategies in :mod:`kvcore.coordinator.managers` configured for
 the kind.  This module holds what every manager shares: the base class, the
-:class:`HitQuery` a hit search receives, and the check that a step runs only
-kvcore's own code.
+:class:`HitQuery` a hit search receives.
 
 Everything here is on the scheduler's per-step path: no hook calls, no
 per-block allocations beyond the block lists themselves.
@@ -23,49 +22,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
 from kvcore.spec import HitPolicy
 
-__all__ = ["HitQuery", "SingleTypeManager", "runs_vetted"]
-
-#: Modules of the managers shipped with kvcore.  Their step methods raise
-#: nothing once the coordinator has validated a step (counts checked against
-#: the free queue, hits checked against the pool), so a step that runs only
-#: their code needs no undo record.
-_VETTED_MANAGER_MODULES = frozenset(
-    {
-        "kvcore.coordinator.manager",
-        "kvcore.coordinator.managers",
-        "kvcore_circular_buffer.manager",
-        "kvcore_full_attention.manager",
-        "kvcore_hisparse.manager",
-        "kvcore_mamba.manager",
-        "kvcore_sliding_window.manager",
-    }
-)
-#: Modules of the shipped specs whose release rule (``skipped_tokens``) a
-#: skipping manager consults in the middle of a step.
-_VETTED_SPEC_MODULES = frozenset(
-    {"kvcore.spec", "kvcore_mamba", "kvcore_mla", "kvcore_sliding_window"}
-)
-#: Methods a step may call on a manager.
-_STEP_METHODS = (
-    "add_computed_blocks",
-    "admission_blocks",
-    "allocate_new_blocks",
-    "cache_blocks",
-    "count_freeable_skipped",
-    "free",
-    "get_num_blocks_to_allocate",
-    "num_skipped_blocks",
-    "_caches_now",
-    "forget_checkpoints",
-    "plan_checkpoints",
-    "restore_checkpoints",
-    "shed_checkpoints",
-    "pop_blocks",
-    "remove_skipped_blocks",
-    "take_released_checkpoints",
-    "_skip",
-    "_skipped",
-)
+__all__ = ["HitQuery", "SingleTypeManager"]
 
 
 @attrs.define(kw_only=True)
@@ -102,25 +59,6 @@ class HitQuery:
     def max_blocks(self) -> int:
         """Blocks the hit may span: bounded by ``max_length`` and the hashes."""
         return min(self.max_length // self.block_size, len(self.block_hashes))
-
-
-def runs_vetted(manager: SingleTypeManager) -> bool:
-    """Whether every step method of ``manager`` is kvcore's own code (its
-    class and every base shipped with kvcore, nothing replaced on the
-    instance, and for a skipping manager a shipped release rule).  The
-    coordinator undoes nothing around such a manager; any other manager's
-    steps run inside a transaction (see :meth:`BlockPool.begin`)."""
-    for cls in type(manager).__mro__[:-1]:
-        if cls.__module__ not in _VETTED_MANAGER_MODULES:
-            return False
-    state = getattr(manager, "__dict__", {})
-    if any(name in state for name in _STEP_METHODS):
-        return False
-    if manager.skips_blocks:
-        rule = getattr(type(manager.kv_cache_spec), "skipped_tokens", None)
-        if getattr(rule, "__module__", None) not in _VETTED_SPEC_MODULES:
-            return False
-    return True
 
 
 class SingleTypeManager:
@@ -352,17 +290,6 @@ class SingleTypeManager:
             return None
         chunk = end // self.hash_block_size - 1
         return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
-
-    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
-        """False only when :meth:`cache_blocks` at ``num_tokens`` would
-        change nothing (this class's rule: no block newly filled).  The
-        coordinator asks one twin group for all (see
-        KVCacheCoordinator._init_twins); a class that changes
-        :meth:`cache_blocks` keeps this in step with it."""
-        return (
-            self.caching
-            and num_tokens // self.block_size > self.num_cached_block.get(request_id, 0)
-        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the request's blocks that ``num_tokens`` tokens fill."""

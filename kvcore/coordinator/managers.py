@@ -191,20 +191,6 @@ class WindowManager(SingleTypeManager):
                 )
         self.num_cached_block[rid] = decided
 
-    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
-        # cache_blocks above decides whole alignment units only: nothing
-        # changes until the filled blocks end a unit past those decided.
-        # Defined here, beside the cache_blocks it vouches for, so twin
-        # groups may share it (see coordinator._tests_caching): keep it.
-        block_size = self.block_size
-        per_unit, rest = divmod(self.hit_alignment, block_size)
-        if rest or per_unit <= 1:
-            return super()._caches_now(request_id, num_tokens)
-        full = num_tokens // block_size
-        return self.caching and full - full % per_unit > self.num_cached_block.get(
-            request_id, 0
-        )
-
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
         """The longest aligned hit whose read blocks are all cached.
@@ -565,16 +551,6 @@ class CheckpointManager(SingleTypeManager):
         return new
 
     # -- caching ----------------------------------------------------------------
-
-    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
-        # False only where cache_blocks returns before changing anything: no
-        # target reached, and no step-end state to keep at this length.
-        if not self.caching or not self.req_to_blocks.get(request_id):
-            return False
-        targets = self.targets.get(request_id)
-        if targets and targets[0] <= num_tokens:
-            return True
-        return self._step_ends and (self.keep_all or num_tokens % self.unit == 0)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.caching:
