@@ -428,6 +428,11 @@ class BlockPool:
         """Keep the open transaction's changes."""
         self._journal = None
 
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a transaction is open (see :meth:`begin`)."""
+        return self._journal is not None
+
     def rollback(self) -> None:
         """Undo every change since :meth:`begin`, newest first: reference
         counts, free-queue order, prefix-cache keys and events are as they

@@ -204,6 +204,14 @@ class KVCacheCoordinator:
                 raise BlockSizeError(msg)
             managers.append(manager)
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
+        #: Managers whose class keeps per-request state beyond the base's
+        #: (it extends request_state): recorded at the start of each step.
+        self._snapshotting = tuple(
+            m
+            for m in managers
+            if inspect.getattr_static(type(m), "request_state")
+            is not inspect.getattr_static(SingleTypeManager, "request_state")
+        )
         self._owners = tuple(owners)
         self._plugin_manager = getattr(registry, "_pm", None)
         #: Managers that release blocks a request no longer reads.
@@ -215,6 +223,17 @@ class KVCacheCoordinator:
             (gid, m) for gid, m in enumerate(managers) if m.position_indexed
         )
         self._growing_managers = tuple(m for _, m in self._growing)
+        #: The growing groups as sets of twins (see _twin_classes; groups
+        #: that plan checkpoints each on their own), in group order of each
+        #: set's first: a running request's growth is decided once per set.
+        self._growing_twins = _growing_twins(self._growing)
+        #: ``(group id, manager, its set's first group id)`` in group order.
+        self._growing_led = tuple(
+            (gid, manager, twins[0][0])
+            for twins in self._growing_twins
+            for gid, manager in twins
+        )
+        self._growing_led = tuple(sorted(self._growing_led, key=lambda t: t[0]))
 
         # Prefix-cacheable groups with equal specs are searched together;
         # monotone (left-to-right) searches go first: they bound the others.
@@ -558,15 +577,19 @@ class KVCacheCoordinator:
         return tuple(out)
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
-        """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
+        """Blocks a running request (no new hit) needs to cover ``num_tokens``:
+        one count per set of growing twins (their tables have one length,
+        so they need as many blocks each), times the set's size."""
         total = 0
         gid = 0
         try:
-            for manager in self._growing_managers:
+            for twins in self._growing_twins:
+                manager = twins[0][1]
                 gid = manager.kv_cache_group_id
-                total += _count(
-                    manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
-                )
+                need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
+                if type(need) is not int or need < 0:
+                    _count(need)
+                total += need * len(twins)
         except Exception as exc:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
@@ -574,16 +597,25 @@ class KVCacheCoordinator:
     def grow(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...] | None:
-        """Grow a running request's tables; ``None`` if no block was added."""
+        """Grow a running request's tables, in group order; ``None`` if no
+        block was added.  A set of growing twins grows together: when its
+        first group takes no block, no other does (their tables have one
+        length), and they are passed over."""
         out: list[list[KVCacheBlock]] | None = None
         gid = 0
+        idle: list[int] = []
         try:
-            for gid, manager in self._growing:
+            for gid, manager, first in self._growing_led:
+                if first != gid and first in idle:
+                    continue
                 new = manager.allocate_new_blocks(request_id, num_tokens)
-                if new:
-                    if out is None:
-                        out = [[] for _ in range(self.num_groups)]
-                    out[gid] = new
+                if not new:
+                    if first == gid:
+                        idle.append(gid)
+                    continue
+                if out is None:
+                    out = [[] for _ in range(self.num_groups)]
+                out[gid] = new
         except Exception as exc:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out) if out is not None else None
@@ -686,18 +718,25 @@ class KVCacheCoordinator:
     # -- transactions -------------------------------------------------------------
 
     def request_state(self, request_id: str) -> list[Any]:
-        """Every group's per-request state (see :meth:`restore_request_state`)."""
+        """The per-request state of the groups whose manager class extends
+        :meth:`SingleTypeManager.request_state` (state beyond what its
+        methods record as they change it, see
+        :meth:`SingleTypeManager.record_request_state`), for
+        :meth:`restore_request_state`; empty for every other plan."""
+        if not self._snapshotting:
+            return []
         gid = 0
         try:
-            return [
-                m.request_state(request_id)
-                for gid, m in enumerate(self.single_type_managers)
-            ]
+            out = []
+            for manager in self._snapshotting:
+                gid = manager.kv_cache_group_id
+                out.append(manager.request_state(request_id))
         except Exception as exc:
             raise self.plugin_error(gid, "request_state", exc) from exc
+        return out
 
     def restore_request_state(self, request_id: str, states: list[Any]) -> None:
-        for manager, state in zip(self.single_type_managers, states, strict=True):
+        for manager, state in zip(self._snapshotting, states, strict=True):
             manager.restore_request_state(request_id, state)
 
     def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
@@ -759,6 +798,30 @@ def _twin_classes(
             continue
         members.append(manager.kv_cache_group_id)
     return tuple(tuple(gids) for gids in classes.values() if len(gids) > 1)
+
+
+def _growing_twins(
+    growing: Sequence[tuple[int, SingleTypeManager]],
+) -> tuple[tuple[tuple[int, SingleTypeManager], ...], ...]:
+    """``growing`` as sets of twin groups (one class, equal merged specs,
+    block sizes, caching and hit alignment) that plan no checkpoints."""
+    sets: dict[Any, list[tuple[int, SingleTypeManager]]] = {}
+    for gid, manager in growing:
+        key: Any = (
+            type(manager),
+            manager.kv_cache_spec,
+            manager.block_size,
+            manager.caching,
+            manager.hit_alignment,
+        )
+        if manager.plans_checkpoints:
+            key = gid
+        try:
+            members = sets.setdefault(key, [])
+        except TypeError:
+            members = sets.setdefault(gid, [])
+        members.append((gid, manager))
+    return tuple(tuple(members) for members in sets.values())
 
 
 def _partial_units(

@@ -35,7 +35,7 @@ class KVCacheBlocks:
     inside a block.
     """
 
-    __slots__ = ("blocks", "copies")
+    __slots__ = ("_lookup", "blocks", "copies")
 
     def __init__(
         self,
@@ -44,6 +44,9 @@ class KVCacheBlocks:
     ) -> None:
         self.blocks = blocks
         self.copies = copies
+        #: Set by KVCacheManager.get_computed_blocks on the hit it returns:
+        #: (its pool, the pool's eviction count then, the request, ``blocks``).
+        self._lookup: tuple[object, int, object, object] | None = None
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -319,7 +322,10 @@ class KVCacheManager:
         stats.hits += length
         if not length:
             return self.empty_kv_cache_blocks, 0
-        return KVCacheBlocks(blocks), length
+        out = KVCacheBlocks(blocks)
+        pool = self.block_pool
+        out._lookup = (pool, pool.evictions, request, blocks)
+        return out, length
 
     def _check_hashing(self, request: Request) -> None:
         if request.hash_block_size != self.hash_block_size:
@@ -411,7 +417,9 @@ class KVCacheManager:
         if computed is not None and not any(computed):
             computed = None
         if num_new_computed_tokens or computed is not None:
-            self._check_hit(request, computed, num_new_computed_tokens)
+            self._check_hit(
+                request, new_computed_blocks, computed, num_new_computed_tokens
+            )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         if num_external_computed_tokens:
             num_computed += num_external_computed_tokens
@@ -814,14 +822,26 @@ class KVCacheManager:
     def _check_hit(
         self,
         request: Request,
+        hit: KVCacheBlocks | None,
         computed: tuple[Sequence[KVCacheBlock], ...] | None,
         num_tokens: int,
     ) -> None:
         """A prefix hit may attach only to a new request, as one block list
         per group covering exactly ``num_tokens`` tokens, with every block
         still holding this request's prefix (a hit looked up earlier may
-        have been evicted since)."""
+        have been evicted since).  The hit this manager's lookup returned
+        for the request, with no key dropped from the pool since, is known
+        to hold it: its blocks are not checked one by one."""
         rid = request.request_id
+        pool = self.block_pool
+        lookup = None if hit is None else hit._lookup
+        fresh = (
+            lookup is not None
+            and lookup[0] is pool
+            and lookup[1] == pool.evictions
+            and lookup[2] is request
+            and lookup[3] is computed
+        )
         coordinator = self.coordinator
         if rid in self._requests:
             msg = (
@@ -845,8 +865,8 @@ class KVCacheManager:
             )
             raise InvalidRequestError(msg)
         self._check_hashing(request)
-        own = self.block_pool.blocks
-        for gid, blocks in enumerate(computed):
+        own = pool.blocks
+        for gid, blocks in enumerate(() if fresh else computed):
             for block in blocks:
                 if not _owned(own, block):
                     msg = (
@@ -889,6 +909,8 @@ class KVCacheManager:
                     "get_computed_blocks returned, uncut"
                 )
                 raise InvalidRequestError(msg)
+            if fresh:
+                continue
             chunks = request.block_hashes
             key_of = manager.block_hash
             for i, block in enumerate(blocks):

@@ -13,6 +13,7 @@ per-block allocations beyond the block lists themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -249,6 +250,7 @@ class SingleTypeManager:
         request, taking a reference on each that is not the null block."""
         if not blocks:
             return
+        self.record_request_state(request_id)
         self.block_pool.touch(blocks)
         held = self.req_to_blocks.get(request_id)
         if held is None:
@@ -270,13 +272,18 @@ class SingleTypeManager:
     ) -> list[KVCacheBlock]:
         """Grow the request's table to cover ``num_tokens``; return new blocks."""
         held = self.req_to_blocks.get(request_id)
-        if held is None:
-            held = self.req_to_blocks[request_id] = []
-        need = -(-num_tokens // self.block_size) - len(held)
+        need = -(-num_tokens // self.block_size) - (0 if held is None else len(held))
         if need <= 0:
+            if held is None:
+                self.record_request_state(request_id)
+                self.req_to_blocks[request_id] = []
             return []
+        self.record_request_state(request_id)
         new = self.block_pool.get_new_blocks(need)
-        held.extend(new)
+        if held is None:
+            self.req_to_blocks[request_id] = new[:]
+        else:
+            held.extend(new)
         return new
 
     def block_hash(
@@ -307,6 +314,7 @@ class SingleTypeManager:
         num_full = min(num_full, len(hashes), len(blocks))
         if num_full <= cached:
             return
+        self.record_request_state(rid)
         self.block_pool.cache_full_blocks(
             block_hashes=hashes,
             blocks=blocks,
@@ -326,6 +334,7 @@ class SingleTypeManager:
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         """Forget the request and hand back its table (the caller frees it;
         the list is not changed afterwards)."""
+        self.record_request_state(request_id)
         self.num_cached_block.pop(request_id, None)
         if self.skips_blocks:
             self.num_released.pop(request_id, None)
@@ -333,11 +342,43 @@ class SingleTypeManager:
 
     # -- transactions -----------------------------------------------------------
 
+    def record_request_state(self, request_id: str, *, whole: bool = False) -> None:
+        """Inside a step (a transaction open on the pool): record what a
+        rollback needs to put the request's table, hashed count and released
+        count back as they are now; nothing outside one.  Every method here
+        that changes them calls it first, so a step pays only for what it
+        changes.  ``whole``: the change rewrites table positions (the table
+        is copied); otherwise it only appends (its length is kept).  A
+        subclass that changes them itself calls it first too; one that keeps
+        more per-request state extends :meth:`request_state` and
+        :meth:`restore_request_state` (the coordinator then records those
+        at the start of every step)."""
+        pool = self.block_pool
+        if pool.in_transaction:
+            blocks = self.req_to_blocks.get(request_id)
+            table = (
+                None
+                if blocks is None
+                else (blocks, list(blocks) if whole else len(blocks))
+            )
+            pool.record_undo(
+                partial(
+                    _put_back,
+                    self,
+                    request_id,
+                    table,
+                    self.num_cached_block.get(request_id),
+                    self.num_released.get(request_id),
+                )
+            )
+
     def request_state(self, request_id: str) -> Any:
         """What :meth:`restore_request_state` needs to put the request's
-        per-request state back as it is now.  A manager that keeps more
-        per-request state than the table, the hashed count and the released
-        count extends both."""
+        per-request state back as it is now (the table copied).  The
+        coordinator records it at the start of every step for a manager
+        class that extends it (per-request state beyond the table, the
+        hashed count and the released count, which
+        :meth:`record_request_state` covers)."""
         blocks = self.req_to_blocks.get(request_id)
         table = None if blocks is None else (blocks, list(blocks))
         return (
@@ -349,21 +390,7 @@ class SingleTypeManager:
     def restore_request_state(self, request_id: str, state: Any) -> None:
         """Put back what :meth:`request_state` recorded (the table list is
         the same object, so views of it handed out stay valid)."""
-        table, cached, released = state
-        if table is None:
-            self.req_to_blocks.pop(request_id, None)
-        else:
-            blocks, items = table
-            blocks[:] = items
-            self.req_to_blocks[request_id] = blocks
-        for store, value in (
-            (self.num_cached_block, cached),
-            (self.num_released, released),
-        ):
-            if value is None:
-                store.pop(request_id, None)
-            else:
-                store[request_id] = value
+        _put_back(self, request_id, *state)
 
     # -- releasing ------------------------------------------------------------
 
@@ -409,6 +436,7 @@ class SingleTypeManager:
         positions = self._skipped(request_id, num_computed_tokens)
         last = min(self._skip(num_computed_tokens), len(blocks))
         if last > self.num_released.get(request_id, 0):
+            self.record_request_state(request_id, whole=bool(positions))
             self.num_released[request_id] = last
         if not positions:
             return
@@ -441,3 +469,31 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
+
+
+def _put_back(
+    manager: SingleTypeManager,
+    request_id: str,
+    table: tuple[list[KVCacheBlock], list[KVCacheBlock] | int] | None,
+    cached: int | None,
+    released: int | None,
+) -> None:
+    """Put a request's table (the same list object: ``items`` its blocks, or
+    the length it is cut back to), hashed count and released count back."""
+    if table is None:
+        manager.req_to_blocks.pop(request_id, None)
+    else:
+        blocks, items = table
+        if isinstance(items, int):
+            del blocks[items:]
+        else:
+            blocks[:] = items
+        manager.req_to_blocks[request_id] = blocks
+    for store, value in (
+        (manager.num_cached_block, cached),
+        (manager.num_released, released),
+    ):
+        if value is None:
+            store.pop(request_id, None)
+        else:
+            store[request_id] = value

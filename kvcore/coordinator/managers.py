@@ -167,6 +167,7 @@ class WindowManager(SingleTypeManager):
         decided = num_full - num_full % per_unit
         if decided <= cached:
             return
+        self.record_request_state(rid)
         skipped = self.kv_cache_spec.skipped_tokens
         cache = self.block_pool.cache_full_blocks
         gid = self.kv_cache_group_id
@@ -528,6 +529,7 @@ class CheckpointManager(SingleTypeManager):
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> list[KVCacheBlock]:
+        self.record_request_state(request_id)
         held = self.req_to_blocks.get(request_id)
         if held is None:
             held = self.req_to_blocks[request_id] = []
@@ -947,6 +949,7 @@ class FixedBlocksManager(SingleTypeManager):
     ) -> list[KVCacheBlock]:
         if request_id in self.req_to_blocks:
             return []
+        self.record_request_state(request_id)
         new = self.block_pool.get_new_blocks(self.fixed_blocks)
         self.req_to_blocks[request_id] = list(new)
         return new
