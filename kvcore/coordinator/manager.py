@@ -334,11 +334,24 @@ class SingleTypeManager:
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         """Forget the request and hand back its table (the caller frees it;
         the list is not changed afterwards)."""
-        self.record_request_state(request_id)
-        self.num_cached_block.pop(request_id, None)
-        if self.skips_blocks:
-            self.num_released.pop(request_id, None)
-        return self.req_to_blocks.pop(request_id, None)
+        cached = self.num_cached_block.pop(request_id, None)
+        released = (
+            self.num_released.pop(request_id, None) if self.skips_blocks else None
+        )
+        blocks = self.req_to_blocks.pop(request_id, None)
+        pool = self.block_pool
+        if pool.in_transaction:
+            pool.record_undo(
+                partial(
+                    _put_back,
+                    self,
+                    request_id,
+                    None if blocks is None else (blocks, len(blocks)),
+                    cached,
+                    released,
+                )
+            )
+        return blocks
 
     # -- transactions -----------------------------------------------------------
 
