@@ -79,7 +79,8 @@ import kvcore
 import kvcore.tools.zoo
 from kvcore.coordinator import BlockPool, KVCacheManager, Request
 from kvcore.serialize import load_model_file
-from kvcore_full_attention import FullAttentionSpec
+from kvcore_full_attention import FullAttention, FullAttentionSpec
+from kvcore_full_attention.manager import FullAttentionManager
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INSTRUMENT = REPO.parent / "shared" / "baselines" / "vllm_blockpool_bench.py"
@@ -151,10 +152,30 @@ def full_attention_config(num_blocks: int, num_groups: int = 1) -> kvcore.KVCach
     )
 
 
+class ThirdPartyManager(FullAttentionManager):
+    """A manager class defined outside kvcore's packages, configured like
+    the built-in full attention's: it runs the same code."""
+
+
+class ThirdPartyFullAttention(FullAttention):
+    """The built-in full-attention kind with a manager defined here."""
+
+    manager_type = ThirdPartyManager
+
+
 def full_attention_manager(
-    num_blocks: int, max_model_len: int, num_groups: int = 1
+    num_blocks: int,
+    max_model_len: int,
+    num_groups: int = 1,
+    *,
+    third_party: bool = False,
 ) -> tuple[Callable[[], KVCacheManager], int]:
     config = full_attention_config(num_blocks, num_groups)
+    registry = (
+        kvcore.KindRegistry.from_kinds([ThirdPartyFullAttention()])
+        if third_party
+        else None
+    )
     return (
         lambda: KVCacheManager(
             config,
@@ -162,9 +183,20 @@ def full_attention_manager(
             scheduler_block_size=16,
             hash_block_size=16,
             enable_caching=True,
+            registry=registry,
         ),
         16,
     )
+
+
+def third_party_ratio(
+    third: dict[str, Any], built_in: dict[str, Any]
+) -> dict[str, float]:
+    """Each per-call figure of the third-party kind over the built-in one's
+    (times: above 1 is slower; rates: above 1 is faster)."""
+    out = {k: third[k] / built_in[k] for k in TIME_FIGURES if built_in.get(k)}
+    out.update({k: third[k] / built_in[k] for k in RATE_FIGURES if built_in.get(k)})
+    return out
 
 
 def vllm_plan(manager: KVCacheManager) -> dict[str, Any]:
@@ -753,7 +785,13 @@ def run_full_attention(
     """One full-attention group, kvcore beside vLLM when there is a worker."""
     prompts, decode = trace
     make, hash_bs = full_attention_manager(args.num_blocks, args.max_model_len)
-    sides = {"kvcore": kvcore_side(make, prompts, decode, hash_bs, args)}
+    make_third, _ = full_attention_manager(
+        args.num_blocks, args.max_model_len, third_party=True
+    )
+    sides = {
+        "kvcore": kvcore_side(make, prompts, decode, hash_bs, args),
+        "kvcore_third_party": kvcore_side(make_third, prompts, decode, hash_bs, args),
+    }
     if worker is not None:
         sides = {"vllm": worker.run, **sides}
     runs = interleaved(sides, batches, args.repeat)
@@ -761,7 +799,18 @@ def run_full_attention(
     vl_runs = {b: runs.get(("vllm", b), []) for b in batches}
     for batch in batches:
         figures = median_run(kv_runs[batch])
-        entry: dict[str, Any] = {"kvcore": figures}
+        third = median_run(runs["kvcore_third_party", batch])
+        entry: dict[str, Any] = {
+            "kvcore": figures,
+            "kvcore_third_party": third,
+            "third_party_over_built_in": third_party_ratio(third, figures),
+        }
+        if not args.json:
+            print_figures(
+                f"full_attention batch {batch}: a third-party kind configured like "
+                "the built-in one, its figures over the built-in one's",
+                entry["third_party_over_built_in"],
+            )
         if worker is not None:
             vl = median_run(vl_runs[batch])
             entry["vllm"] = vl

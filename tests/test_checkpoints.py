@@ -403,12 +403,11 @@ def _queue_position(mgr: KVCacheManager, block: Any) -> int:
     )
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_twin_state_groups_hold_the_shared_state_at_one_position(share: bool) -> None:
+def test_twin_state_groups_hold_the_shared_state_at_one_position() -> None:
     """Two state groups of one spec (twins) keep equal tables: where one
     twin's shared state at 160 was evicted and the other's not, an
     admission on that prefix holds it in neither (each twin's own search
-    would find a different one), on the shared and the per-group path."""
+    would find a different one)."""
     mgr = setup.manager_for(
         [fa(BS), setup.mamba(BS), setup.mamba(BS)],
         80,
@@ -416,7 +415,6 @@ def test_twin_state_groups_hold_the_shared_state_at_one_position(share: bool) ->
         hash_block_size=BS,
         enable_caching=True,
     )
-    mgr.coordinator.share_twin_work = share
     pool = mgr.block_pool
     twins = state(mgr, 1), state(mgr, 2)
     preamble = tokens(160)

@@ -72,7 +72,6 @@ class RaisingMamba(Mamba):
 def test_a_rolled_back_admission_leaves_no_planned_checkpoints() -> None:
     registry = KindRegistry.from_kinds([FullAttention(), RaisingMamba()])
     mgr = state_hybrid(100, registry=registry)
-    assert not mgr.coordinator.vetted
     manager = state(mgr)
     assert isinstance(manager, Raising)
     manager.armed = True

@@ -368,7 +368,6 @@ def test_a_step_that_rolls_back_records_no_copy_and_changes_nothing():
         raise RuntimeError("ring allocation failed")
 
     ring.allocate_new_blocks = broken  # type: ignore[method-assign]
-    mgr.coordinator.vetted = False  # as for any manager not shipped with kvcore
     with pytest.raises(PluginError, match="ring allocation failed"):
         mgr.allocate_slots(b, 302 - hit, hit, blocks)
     assert state() == before

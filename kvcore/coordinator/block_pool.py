@@ -17,7 +17,7 @@ dropped with the block's full key, and raise no events (``BlockStored`` and
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 from kvcore.coordinator.events import (
@@ -428,6 +428,11 @@ class BlockPool:
         """Keep the open transaction's changes."""
         self._journal = None
 
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a transaction is open (see :meth:`begin`)."""
+        return self._journal is not None
+
     def rollback(self) -> None:
         """Undo every change since :meth:`begin`, newest first: reference
         counts, free-queue order, prefix-cache keys and events are as they
@@ -452,42 +457,14 @@ class BlockPool:
         queue = self.free_queue
         if num_blocks > queue.num_free or num_blocks < 0:
             raise self._no_free_blocks(num_blocks)
-        if num_blocks == 1:
-            block = queue.popleft()
-            blocks = [block]
-            if self._journal is not None:
-                self._journal.append(lambda: self._unget(blocks))
+        blocks = queue.popleft_n(num_blocks)
+        journal = self._journal
+        if journal is not None:
+            journal.append(functools.partial(self._unget, list(blocks)))
+        for block in blocks:
             if block.key_hash is not None or block.partial_keys is not None:
                 self._drop_keys(block)
             block.ref_cnt = 1
-            return blocks
-        if self._journal is not None:
-            blocks = queue.popleft_n(num_blocks)
-            taken = list(blocks)
-            self._journal.append(lambda: self._unget(taken))
-            for block in blocks:
-                if block.key_hash is not None or block.partial_keys is not None:
-                    self._drop_keys(block)
-                block.ref_cnt = 1
-            return blocks
-        # FreeBlockQueue.popleft_n fused with the hand-out: one walk.
-        blocks = []
-        append = blocks.append
-        head = queue._head
-        cur = head.next_free
-        for _ in range(num_blocks):
-            assert cur is not None
-            append(cur)
-            nxt = cur.next_free
-            cur.prev_free = cur.next_free = None
-            cur.ref_cnt = 1
-            if cur.key_hash is not None or cur.partial_keys is not None:
-                self._drop_keys(cur)
-            cur = nxt
-        assert cur is not None
-        head.next_free = cur
-        cur.prev_free = head
-        queue.num_free -= num_blocks
         return blocks
 
     def _unget(self, blocks: list[KVCacheBlock]) -> None:
@@ -578,35 +555,32 @@ class BlockPool:
 
         The null block is skipped.
         """
-        remove = self.free_queue.remove
-        journal = self._journal
-        if journal is None:
-            queue = self.free_queue
-            for block in blocks:
-                cnt = block.ref_cnt
-                if cnt == 0:
-                    if block.is_null:
-                        continue
-                    # Unlink from the free queue (FreeBlockQueue.remove).
-                    prev = block.prev_free
-                    nxt = block.next_free
-                    if prev is None or nxt is None:
-                        remove(block)  # raises: not queued
-                    else:
-                        prev.next_free = nxt
-                        nxt.prev_free = prev
-                        block.prev_free = block.next_free = None
-                        queue.num_free -= 1
-                block.ref_cnt = cnt + 1
-            return
+        if type(blocks) is not list and type(blocks) is not tuple:
+            blocks = list(blocks)  # any iterable, walked once
+        queue = self.free_queue
         for block in blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt == 0:
-                journal.append(self._relink(block))
-                remove(block)
-            block.ref_cnt += 1
-            journal.append(_unref(block))
+            if block.ref_cnt == 0 and not block.is_null and block.prev_free is None:
+                queue.remove(block)  # raises, before anything changes: not queued
+        journal = self._journal
+        for block in blocks:
+            cnt = block.ref_cnt
+            if cnt == 0:
+                if block.is_null:
+                    continue
+                if journal is not None:
+                    journal.append(self._relink(block))
+                # Unlink from the free queue (FreeBlockQueue.remove).
+                prev = block.prev_free
+                nxt = block.next_free
+                assert prev is not None
+                assert nxt is not None
+                prev.next_free = nxt
+                nxt.prev_free = prev
+                block.prev_free = block.next_free = None
+                queue.num_free -= 1
+            block.ref_cnt = cnt + 1
+        if journal is not None:
+            journal.append(functools.partial(_untouch, tuple(blocks)))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching 0 become free.
@@ -624,10 +598,7 @@ class BlockPool:
             if type(ordered_blocks) is list or type(ordered_blocks) is tuple
             else list(ordered_blocks)
         )
-        if self._journal is not None:
-            self._free_journaled(blocks)
-        else:
-            self._release_in_order(blocks)
+        self._release(blocks, table=False)
 
     def free_table(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Free a request's table, given in allocation order, tail first:
@@ -643,208 +614,51 @@ class BlockPool:
         """
         if type(blocks) is not list and type(blocks) is not tuple:
             blocks = list(blocks)  # any iterable, walked once
-        if self._journal is not None:
-            self._free_journaled(blocks, table=True)
-        else:
-            self._release_table(blocks)
+        self._release(blocks, table=True)
 
-    def _release_table(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``free_table`` outside a transaction.
-
-        A table is walked front to back (the order its blocks were allocated
-        in, and so mostly the order they lie in memory: freeing a long-held
-        table is bound by fetching its blocks, and a forward walk fetches
-        them faster than a backward one).  Each keyed block that reaches 0
-        is put in front of the chain built so far, which ends at the queue's
-        tail sentinel, so the chain comes out tail first and needs no end
-        test; it is joined to the queue's last block at the end.  Blocks
-        without a key chain up for the front the same way.  Reference count
-        1 and a key (a request's full blocks) are tested first: the common
-        case, and a freed block needs no other count.  Blocks that stay in
-        use are counted instead of freed ones, so the freeing path carries
-        no counter.
-        """
-        queue = self.free_queue
-        tail = queue._tail
-        last = tail.prev_free  # the queue's last block, or its head sentinel
-        assert last is not None
-        back = tail  # newest block of the back chain
-        front: KVCacheBlock | None = None  # newest block of the front chain
-        front_end: KVCacheBlock | None = None
-        kept = 0
-        caching = self.enable_caching
-        order = iter(blocks)
-        for block in order:
-            if block.ref_cnt == 1:
-                block.ref_cnt = 0
-                if (
-                    block.key_hash is not None
-                    or block.partial_keys is not None
-                    or not caching
-                ):
-                    block.next_free = back
-                    back.prev_free = block
-                    back = block
-                elif front is None:
-                    front = front_end = block
-                else:
-                    block.next_free = front
-                    front.prev_free = block
-                    front = block
-                continue
-            cnt = block.ref_cnt
-            if cnt > 1:
-                block.ref_cnt = cnt - 1
-                kept += 1
-            elif block.is_null:
-                kept += 1
-            else:
-                tail.prev_free = last
-                self._undo_release(blocks, order, back, front)
-                raise _double_free(block)
-        if back is not tail:
-            last.next_free = back
-            back.prev_free = last
-        if front is not None:
-            assert front_end is not None
-            head = queue._head
-            first = head.next_free
-            assert first is not None
-            head.next_free = front
-            front.prev_free = head
-            front_end.next_free = first
-            first.prev_free = front_end
-        queue.num_free += len(blocks) - kept
-
-    def _release_in_order(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``free_blocks`` outside a transaction: as :meth:`_release_table`,
-        but keyed blocks are linked straight after the queue's last block in
-        the order given, and the front chain grows at its end."""
-        queue = self.free_queue
-        tail = queue._tail
-        last = tail.prev_free  # the back chain grows from here
-        assert last is not None
-        back_from = last
-        front: KVCacheBlock | None = None  # first block of the front chain
-        front_end: KVCacheBlock | None = None
-        kept = 0
-        caching = self.enable_caching
-        order = iter(blocks)
-        for block in order:
-            if block.ref_cnt == 1:
-                block.ref_cnt = 0
-                if (
-                    block.key_hash is not None
-                    or block.partial_keys is not None
-                    or not caching
-                ):
-                    last.next_free = block
-                    block.prev_free = last
-                    last = block
-                elif front_end is None:
-                    front = front_end = block
-                else:
-                    front_end.next_free = block
-                    block.prev_free = front_end
-                    front_end = block
-                continue
-            cnt = block.ref_cnt
-            if cnt > 1:
-                block.ref_cnt = cnt - 1
-                kept += 1
-            elif block.is_null:
-                kept += 1
-            else:
-                chain = back_from.next_free
-                assert chain is not None
-                back_from.next_free = tail
-                self._undo_release(blocks, order, chain, front)
-                raise _double_free(block)
-        last.next_free = tail
-        tail.prev_free = last
-        if front is not None:
-            assert front_end is not None
-            head = queue._head
-            first = head.next_free
-            assert first is not None
-            head.next_free = front
-            front.prev_free = head
-            front_end.next_free = first
-            first.prev_free = front_end
-        queue.num_free += len(blocks) - kept
-
-    def _undo_release(
-        self,
-        blocks: Sequence[KVCacheBlock],
-        order: Iterator[KVCacheBlock],
-        back: KVCacheBlock,
-        front: KVCacheBlock | None,
-    ) -> None:
-        """Undo a release pass that met a double free: its back chain (from
-        ``back`` up to the tail sentinel or its open end; ``back`` is the
-        sentinel when it built none) and its front chain unlinked, and the
-        counts it dropped back up (the queue's own links are restored by the
-        caller).  ``order`` is the pass's iterator, just past the bad block:
-        what it has left tells how many blocks were dropped before it."""
-        tail = self.free_queue._tail
-        for chain in (back, front):
-            block = chain
-            while block is not None and block is not tail:
-                nxt = block.next_free
-                block.prev_free = block.next_free = None
-                block = nxt
-        done = len(blocks) - len(list(order)) - 1
-        for block in blocks[:done]:
-            if not block.is_null:
-                block.ref_cnt += 1
-
-    def _free_journaled(
-        self, blocks: Sequence[KVCacheBlock], *, table: bool = False
-    ) -> None:
-        """``free_blocks`` (``table``: ``free_table``) inside a transaction:
-        the same effect, recorded."""
-        drops: dict[int, int] = {}
-        for block in blocks:
-            if block.is_null:
-                continue
-            n = drops[block.block_id] = drops.get(block.block_id, 0) + 1
-            if n > block.ref_cnt:
-                raise _double_free(block)
-        journal = self._journal
-        assert journal is not None  # internal invariant: called in a transaction
-        kept = [b for b in blocks if not b.is_null]
+    def _release(self, blocks: Sequence[KVCacheBlock], *, table: bool) -> None:
+        """Drop one reference per listing of ``blocks`` and queue the blocks
+        that reach 0: keyed ones (full or partial key, or every block with
+        caching off) at the back, the others at the front, in the order
+        they reached 0 (``table``: its reverse).  A double free restores
+        the counts dropped so far and raises, changing nothing."""
         freed: list[KVCacheBlock] = []
-        for block in kept:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+        for i, block in enumerate(blocks):
+            cnt = block.ref_cnt
+            if cnt == 1:
+                block.ref_cnt = 0
                 freed.append(block)
+            elif cnt > 1:
+                block.ref_cnt = cnt - 1
+            elif not block.is_null:
+                for done in blocks[:i]:
+                    if not done.is_null:
+                        done.ref_cnt += 1
+                raise _double_free(block)
         if table:
             freed.reverse()
-
-        def undo() -> None:
-            for block in freed:
-                self.free_queue.remove(block)
-            for block in kept:
-                block.ref_cnt += 1
-
-        journal.append(undo)
-        if not freed:
-            return
-        if self.enable_caching:
-            unhashed = [
-                b for b in freed if b.key_hash is None and b.partial_keys is None
-            ]
-            if unhashed:
-                self.free_queue.prepend_n(unhashed)
-            self.free_queue.append_n(
-                [
-                    b
-                    for b in freed
-                    if b.key_hash is not None or b.partial_keys is not None
+        queue = self.free_queue
+        if freed:
+            if self.enable_caching:
+                front = [
+                    b for b in freed if b.key_hash is None and b.partial_keys is None
                 ]
-            )
-        else:
-            self.free_queue.append_n(freed)
+                if front:
+                    queue.prepend_n(front)
+                    queue.append_n(
+                        [
+                            b
+                            for b in freed
+                            if b.key_hash is not None or b.partial_keys is not None
+                        ]
+                    )
+                else:
+                    queue.append_n(freed)
+            else:
+                queue.append_n(freed)
+        journal = self._journal
+        if journal is not None:
+            journal.append(functools.partial(_unrelease, queue, tuple(blocks), freed))
 
     def _relink(self, block: KVCacheBlock) -> _Undo:
         """An undo that puts ``block`` back where it sits in the free queue."""
@@ -980,35 +794,24 @@ class BlockPool:
                 if block.key_hash is None and not block.is_null
             ]
         cached = self.cached_blocks_of(group_id)
-        journal = self._journal
-        if journal is None:
-            setdefault = cached.setdefault
-            for block, key in zip(new_blocks, new_hashes, strict=True):
-                if block.key_hash is None and not block.is_null:
-                    block.key_hash = key
-                    block.key_group = group_id
-                    entry = setdefault(key, block)
-                    if entry is not block:
-                        if isinstance(entry, dict):
-                            entry[block.block_id] = block
-                        else:
-                            cached[key] = {entry.block_id: entry, block.block_id: block}
-        else:
-            # Each key recorded for the undo before it is set.
-            for block, key in zip(new_blocks, new_hashes, strict=True):
-                if block.key_hash is None and not block.is_null:
-                    old = cached.get(key)
-                    journal.append(
-                        self._restore_key(block, key, group_id, old, had_key=False)
-                    )
-                    block.key_hash = key
-                    block.key_group = group_id
-                    if old is None:
-                        cached[key] = block
-                    elif isinstance(old, dict):
-                        old[block.block_id] = block
+        keyed: list[tuple[KVCacheBlock, BlockHash]] | None = (
+            None if self._journal is None else []
+        )
+        setdefault = cached.setdefault
+        for block, key in zip(new_blocks, new_hashes, strict=True):
+            if block.key_hash is None and not block.is_null:
+                block.key_hash = key
+                block.key_group = group_id
+                entry = setdefault(key, block)
+                if entry is not block:
+                    if isinstance(entry, dict):
+                        entry[block.block_id] = block
                     else:
-                        cached[key] = {old.block_id: old, block.block_id: block}
+                        cached[key] = {entry.block_id: entry, block.block_id: block}
+                if keyed is not None:
+                    keyed.append((block, key))
+        if keyed and self._journal is not None:
+            self._journal.append(functools.partial(_unkey, cached, keyed))
         if unkeyed:
             # A position is stored if its block took that position's hash (a
             # block listed twice is keyed by its first listing only).
@@ -1300,11 +1103,34 @@ def _remove(
             del group[key]
 
 
-def _unref(block: KVCacheBlock) -> _Undo:
-    def undo() -> None:
-        block.ref_cnt -= 1
+def _untouch(blocks: Sequence[KVCacheBlock]) -> None:
+    """Undo :meth:`BlockPool.touch`'s counts (its unlinks are undone apart)."""
+    for block in blocks:
+        if not block.is_null:
+            block.ref_cnt -= 1
 
-    return undo
+
+def _unrelease(
+    queue: FreeBlockQueue,
+    blocks: Sequence[KVCacheBlock],
+    freed: Sequence[KVCacheBlock],
+) -> None:
+    """Undo a release: the freed blocks leave the queue, every count is
+    raised back."""
+    for block in freed:
+        queue.remove(block)
+    for block in blocks:
+        if not block.is_null:
+            block.ref_cnt += 1
+
+
+def _unkey(
+    cached: dict[BlockHash, _Entry], keyed: Sequence[tuple[KVCacheBlock, BlockHash]]
+) -> None:
+    """Undo the keys a store gave, newest first."""
+    for block, key in reversed(keyed):
+        block.key_hash = None
+        _remove(cached, key, block)
 
 
 def _double_free(block: KVCacheBlock) -> InvalidRequestError:

@@ -9,22 +9,19 @@ every group's manager.
 
 from __future__ import annotations
 
-import enum
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any, cast
 
 import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
-from kvcore.coordinator.manager import HitQuery, SingleTypeManager, runs_vetted
+from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import (
     CheckpointManager,
-    FixedBlocksManager,
     PrefixManager,
-    prefix_hit,
 )
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
@@ -208,11 +205,14 @@ class KVCacheCoordinator:
                 raise BlockSizeError(msg)
             managers.append(manager)
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
-        #: Every manager runs only kvcore's own code (see
-        #: :func:`~kvcore.coordinator.manager.runs_vetted`): once a step is
-        #: validated nothing in it can raise, so it runs without an undo
-        #: record.  Otherwise KVCacheManager runs each step as a transaction.
-        self.vetted = all(runs_vetted(m) for m in managers)
+        #: Managers whose class keeps per-request state beyond the base's
+        #: (it extends request_state): recorded at the start of each step.
+        self._snapshotting = tuple(
+            m
+            for m in managers
+            if inspect.getattr_static(type(m), "request_state")
+            is not inspect.getattr_static(SingleTypeManager, "request_state")
+        )
         self._owners = tuple(owners)
         self._plugin_manager = getattr(registry, "_pm", None)
         #: Managers that release blocks a request no longer reads.
@@ -224,6 +224,17 @@ class KVCacheCoordinator:
             (gid, m) for gid, m in enumerate(managers) if m.position_indexed
         )
         self._growing_managers = tuple(m for _, m in self._growing)
+        #: The growing groups as sets of twins (see _twin_classes; groups
+        #: that plan checkpoints each on their own), in group order of each
+        #: set's first: a running request's growth is decided once per set.
+        self._growing_twins = _growing_twins(self._growing)
+        #: ``(group id, manager, its set's first group id)`` in group order.
+        self._growing_led = tuple(
+            (gid, manager, twins[0][0])
+            for twins in self._growing_twins
+            for gid, manager in twins
+        )
+        self._growing_led = tuple(sorted(self._growing_led, key=lambda t: t[0]))
 
         # Prefix-cacheable groups with equal specs are searched together;
         # monotone (left-to-right) searches go first: they bound the others.
@@ -264,15 +275,6 @@ class KVCacheCoordinator:
         )
         self._evicting_last = tuple(m for m in managers if m.evicts_last)
         self.num_groups = len(managers)
-        #: The one spec group when there is exactly one and its search is
-        #: monotone (the lookup needs no fixed point), else None.
-        self._single = (
-            self.attention_groups[0]
-            if len(self.attention_groups) == 1
-            and self.attention_groups[0].monotone
-            and not self.attention_groups[0].partial_unit
-            else None
-        )
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
         self.partial_units: dict[int, int] = {
@@ -294,12 +296,6 @@ class KVCacheCoordinator:
             if self.partial_units
             else None
         )
-        #: The one spec group keeps PrefixManager's search, which is then
-        #: called without building a query.
-        self._single_is_prefix = self._single is not None and (
-            inspect.getattr_static(self._single.manager_type, "find_longest_cache_hit")
-            is inspect.getattr_static(PrefixManager, "find_longest_cache_hit")
-        )
         #: Groups whose kind declares ``HitPolicy.BLOCKS_HITS`` (a state that
         #: needs the whole prefix but keeps nothing to restore it from): no
         #: request of the model gets a hit.
@@ -311,255 +307,21 @@ class KVCacheCoordinator:
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
-        self._init_twins(managers)
-        self._bind_single_steps()
-
-    #: The instance attributes :meth:`_init_single_steps` binds.
-    _SINGLE_STEPS = (
-        "admission_blocks",
-        "get_num_blocks_to_allocate",
-        "add_computed_blocks",
-        "allocate_new_blocks",
-        "cache_blocks",
-        "single_group_steps",
-    )
+        #: Groups of one manager class with equal merged specs, block sizes,
+        #: caching and hit alignment (two or more): their state managers
+        #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
+        self._twin_classes = _twin_classes(managers)
 
     def __getstate__(self) -> dict[str, Any]:
-        """The coordinator's state without the steps bound to it (the
-        one-group and the twin steps): a copy or an unpickled coordinator
-        binds its own."""
+        """The coordinator's state without the plugin manager, which holds
+        modules (they do not copy): a copy keeps only what it names in
+        errors, each plugin's distribution."""
         state = self.__dict__.copy()
-        for name in (*self._SINGLE_STEPS, *_TWIN_STEPS):
-            state.pop(name, None)
-        # The plugin manager holds modules, which do not copy: a copy keeps
-        # only what it names in errors, each plugin's distribution.
         state["_plugin_manager"] = None
         state["_distributions"] = {
             plugin: self._distribution(plugin) for plugin in set(self._owners)
         }
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.share_twin_work = self._share
-        self._bind_single_steps()
-
-    def _bind_single_steps(self) -> None:
-        if self.num_groups == 1 and self.vetted and self.partial is None:
-            self._init_single_steps(self.single_type_managers[0])
-
-    def _init_single_steps(self, manager: SingleTypeManager) -> None:
-        """One vetted group: the admission steps call its manager directly
-        (instance attributes shadowing the per-group loops, which only add
-        the group's error reporting, and kvcore's own managers do not
-        raise)."""
-        state = self.__dict__
-        count_blocks = manager.get_num_blocks_to_allocate
-        attach_hit = manager.add_computed_blocks
-        grow_table = manager.allocate_new_blocks
-        admit = manager.admission_blocks
-        general = KVCacheCoordinator.admission_blocks
-        #: The group manager's admission methods these steps call, for a
-        #: caller that runs the same steps without their frames (the
-        #: manager's one-group admission).
-        state["single_group_steps"] = (admit, count_blocks, attach_hit, grow_table)
-
-        def admission_blocks(
-            hits: Sequence[Sequence[KVCacheBlock]], num_computed_tokens: int
-        ) -> tuple[list[KVCacheBlock], ...]:
-            if len(hits) != 1:
-                return general(self, hits, num_computed_tokens)
-            return (admit(hits[0], num_computed_tokens),)
-
-        def get_num_blocks_to_allocate(
-            request_id: str, num_tokens: int, attach: Sequence[Sequence[KVCacheBlock]]
-        ) -> int:
-            return count_blocks(request_id, num_tokens, attach[0])
-
-        def add_computed_blocks(
-            request_id: str, attach: Sequence[Sequence[KVCacheBlock]]
-        ) -> None:
-            if attach[0]:
-                attach_hit(request_id, attach[0])
-
-        def allocate_new_blocks(
-            request_id: str, num_tokens: int
-        ) -> tuple[list[KVCacheBlock], ...]:
-            return (grow_table(request_id, num_tokens),)
-
-        state["admission_blocks"] = admission_blocks
-        state["get_num_blocks_to_allocate"] = get_num_blocks_to_allocate
-        state["add_computed_blocks"] = add_computed_blocks
-        state["allocate_new_blocks"] = allocate_new_blocks
-        if manager.caching:
-            state["cache_blocks"] = manager.cache_blocks
-
-    def _init_twins(self, managers: Sequence[SingleTypeManager]) -> None:
-        """Find twin groups and what their steps share.
-
-        Twins are groups whose managers are vetted and of one class, with
-        equal merged specs and block sizes.  The coordinator calls every
-        twin with the same arguments in every step, and a request's hit
-        gives twins equal-length block lists with the null block at the same
-        positions (they are one spec group, searched by one search that
-        builds every group's list alike; admission nulls the same skipped
-        positions).  So twins' tables have the same length and the same null
-        positions at all times, and so do their hashed and released counts:
-        what a step decides from those (blocks to grow, positions to
-        release, whether anything gets hashed) is decided once, on the
-        first twin, for all of them.  A hit attached by hand that breaks the
-        pattern (see :meth:`note_admission`) sends its request down the
-        per-group path for its life.
-        """
-        classes: dict[Any, list[SingleTypeManager]] = {}
-        ordered: list[list[SingleTypeManager]] = []
-        for manager in managers:
-            key: Any = None
-            if runs_vetted(manager):
-                key = (
-                    type(manager),
-                    manager.kv_cache_spec,
-                    manager.block_size,
-                    manager.caching,
-                    manager.hit_alignment,
-                )
-                try:
-                    hash(key)
-                except TypeError:
-                    key = None
-            members = classes.get(key) if key is not None else None
-            if members is None:
-                members = [manager]
-                ordered.append(members)
-                if key is not None:
-                    classes[key] = members
-            else:
-                members.append(manager)
-        share = self.vetted and any(len(c) > 1 for c in ordered)
-        self._share = False
-        #: Requests whose admission broke the twin pattern.
-        self._untwinned: set[str] = set()
-        index_of = {m.kv_cache_group_id: i for i, c in enumerate(ordered) for m in c}
-        growing = [c for c in ordered if c[0].position_indexed]
-        #: (first twin, number of twins) of each growing class.
-        self._grow_classes = tuple((c[0], len(c)) for c in growing)
-        grow_index = {id(c[0]): i for i, c in enumerate(growing)}
-        #: Each growing group's class (in ``_grow_classes``), and whether its
-        #: manager keeps the base class's table growth (then the
-        #: coordinator takes and places its new blocks itself).
-        self._grow_plan = tuple(
-            (
-                gid,
-                manager,
-                grow_index[id(ordered[index_of[gid]][0])],
-                _keeps_base(type(manager), "allocate_new_blocks")
-                and _keeps_base(type(manager), "get_num_blocks_to_allocate"),
-            )
-            for gid, manager in self._growing
-        )
-        #: Skipping classes, when every one keeps the base class's release
-        #: (then decided on the first twin); else None (group by group).
-        skipping = [tuple(c) for c in ordered if c[0].skips_blocks]
-        self._skip_classes: tuple[tuple[SingleTypeManager, ...], ...] | None = (
-            tuple(skipping)
-            if all(
-                _keeps_base(type(c[0]), name)
-                for c in skipping
-                for name in (
-                    "remove_skipped_blocks",
-                    "count_freeable_skipped",
-                    "_skipped",
-                    "_skip",
-                )
-            )
-            else None
-        )
-        #: Caching classes, each with its first twin's caching test when its
-        #: class keeps that test in step with its caching (else None: the
-        #: class's twins all cache every step).
-        self._cache_classes = (
-            tuple(
-                (
-                    tuple(m.kv_cache_group_id for m in c),
-                    c[0]._caches_now if _tests_caching(type(c[0])) else None,
-                )
-                for c in ordered
-                if c[0].caching
-            )
-            if share
-            else ()
-        )
-        #: Every class as (its group ids, its first twin), in group order
-        #: of first twins.
-        self._classes = tuple(
-            (tuple(m.kv_cache_group_id for m in c), c[0]) for c in ordered
-        )
-        #: Every group's manager with its class's index and how its table
-        #: grows: ``_GROWS_BY_TOKENS`` (the base table growth),
-        #: ``_HOLDS_FIXED`` (FixedBlocksManager's blocks per request) or
-        #: ``_OWN_GROWTH`` (its own ``allocate_new_blocks``).
-        self._alloc_plan = tuple(
-            (
-                manager,
-                index_of[gid],
-                _growth_of(manager),
-                manager.req_to_blocks,
-                manager.block_size,
-                getattr(manager, "fixed_blocks", 0),
-            )
-            for gid, manager in enumerate(managers)
-        )
-        #: Classes of two or more twins, for :meth:`note_admission`.
-        self._twin_classes = tuple(
-            tuple(m.kv_cache_group_id for m in c) for c in ordered if len(c) > 1
-        )
-        self.share_twin_work = share
-
-    @property
-    def share_twin_work(self) -> bool:
-        """Whether steps share the work of twin groups (see
-        :meth:`_init_twins`); on where a vetted plan has twins.  Set it to
-        False to run every group's manager on its own (the per-group path,
-        which gives the same tables, counts, hits and events)."""
-        return self._share
-
-    @share_twin_work.setter
-    def share_twin_work(self, on: bool) -> None:
-        # The twin steps shadow the per-group ones as instance attributes,
-        # so a plan without twins pays nothing for them.
-        names = list(_TWIN_STEPS)
-        if self._skip_classes is None:
-            names.remove("remove_skipped_blocks")
-            names.remove("count_freeable_skipped")
-        if not self._cache_classes:
-            names.remove("cache_blocks")
-        state = self.__dict__
-        for name in _TWIN_STEPS:
-            state.pop(name, None)
-        self._share = bool(on) and bool(self._twin_classes) and self.vetted
-        if self._share:
-            for name in names:
-                state[name] = getattr(self, f"_twin_{name}")
-
-    def note_admission(
-        self, request_id: str, attach: Sequence[Sequence[KVCacheBlock]]
-    ) -> None:
-        """Check a new request's admission blocks (a hit that did not come
-        from this coordinator's own lookup): twins whose lists differ in
-        length or null positions leave the request on the per-group path."""
-        if not self._share:
-            return
-        for gids in self._twin_classes:
-            first = attach[gids[0]]
-            nulls = [i for i, b in enumerate(first) if b.is_null]
-            for gid in gids[1:]:
-                other = attach[gid]
-                if (
-                    len(other) != len(first)
-                    or [i for i, b in enumerate(other) if b.is_null] != nulls
-                ):
-                    self._untwinned.add(request_id)
-                    return
 
     # -- lookup -----------------------------------------------------------------
 
@@ -582,8 +344,6 @@ class KVCacheCoordinator:
         # blocks) searches no group: none can serve it.
         if not self.attention_groups or limit <= 0 or self.hit_blockers:
             return tuple([] for _ in range(self.num_groups)), 0
-        if self._single is not None and not self.use_eagle:
-            return self._single_hit(block_hashes, limit, alignment)
         if self.use_eagle:
             bound = self._eagle_bound(block_hashes, max_length)
             limit = min(limit, bound - bound % alignment)
@@ -650,39 +410,6 @@ class KVCacheCoordinator:
             block_size=group.block_size,
             alignment=alignment,
         )
-
-    def _single_hit(
-        self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """The hit of the one prefix-cacheable spec group when its search is
-        monotone: one search is the fixed point."""
-        group = self.attention_groups[0]
-        block_size = group.block_size
-        hashes = (
-            block_hashes
-            if block_size == self.hash_block_size
-            else hashes_at_block_size(block_hashes, self.hash_block_size, block_size)
-        )
-        if self._single_is_prefix:
-            found = prefix_hit(
-                hashes,
-                min(limit // block_size, len(hashes)),
-                group.group_ids,
-                self.block_pool,
-                block_size,
-                alignment,
-            )
-        else:
-            found = group.manager_type.find_longest_cache_hit(
-                self._query(group, block_hashes, hashes, limit, alignment)
-            )
-        keep = len(found[0])
-        if self.num_groups == 1:
-            return (found[0],), keep * block_size
-        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
-        for gid, group_hit in zip(group.group_ids, found, strict=True):
-            out[gid] = group_hit if len(group_hit) == keep else group_hit[:keep]
-        return tuple(out), keep * block_size
 
     def _fixed_point(
         self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
@@ -758,28 +485,6 @@ class KVCacheCoordinator:
     # group, so a manager that raises is reported as its plugin's failure
     # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
-    def _releases(
-        self, request_id: str, num_computed_tokens: int
-    ) -> dict[int, tuple[int, list[int]]] | None:
-        """Twin path: for each skipping class whose first twin would release
-        anything (move its release line), the new line and the positions
-        it frees, by the index of the class; None when no class would."""
-        out: dict[int, tuple[int, list[int]]] | None = None
-        classes = self._skip_classes
-        assert classes is not None
-        for index, members in enumerate(classes):
-            first = members[0]
-            blocks = first.req_to_blocks.get(request_id)
-            if not blocks:
-                continue
-            last = min(first._skip(num_computed_tokens), len(blocks))
-            if last <= first.num_released.get(request_id, 0):
-                continue
-            if out is None:
-                out = {}
-            out[index] = (last, first._skipped(request_id, num_computed_tokens))
-        return out
-
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         gid = -1
         try:
@@ -788,52 +493,6 @@ class KVCacheCoordinator:
                 manager.remove_skipped_blocks(request_id, num_computed_tokens)
         except Exception as exc:
             raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
-
-    def _twin_remove_skipped_blocks(
-        self, request_id: str, num_computed_tokens: int
-    ) -> None:
-        """:meth:`remove_skipped_blocks` with each class's release decided
-        once; blocks are freed group by group in group order, as the
-        per-group path frees them."""
-        if request_id in self._untwinned:
-            KVCacheCoordinator.remove_skipped_blocks(
-                self, request_id, num_computed_tokens
-            )
-            return
-        releases = self._releases(request_id, num_computed_tokens)
-        if releases is None:
-            return
-        free = self.block_pool.free_blocks
-        null = self.block_pool.null_block
-        # Group order across classes (their frees interleave in the queue).
-        for index, members in self._skip_order(releases):
-            last, positions = releases[index]
-            for manager in members:
-                manager.num_released[request_id] = last
-                if positions:
-                    blocks = manager.req_to_blocks[request_id]
-                    removed = [blocks[i] for i in positions]
-                    for i in positions:
-                        blocks[i] = null
-                    free(removed)
-
-    def _skip_order(
-        self, releases: dict[int, tuple[int, list[int]]]
-    ) -> list[tuple[int, Sequence[SingleTypeManager]]]:
-        """The releasing groups in group order, as (class index, [manager])
-        runs; one run per class when only one class releases."""
-        classes = self._skip_classes
-        assert classes is not None
-        if len(releases) == 1:
-            (index,) = releases
-            return [(index, classes[index])]
-        runs = [
-            (m.kv_cache_group_id, index, m)
-            for index in releases
-            for m in classes[index]
-        ]
-        runs.sort(key=lambda run: run[0])
-        return [(index, (m,)) for _, index, m in runs]
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
@@ -845,28 +504,6 @@ class KVCacheCoordinator:
                 total += manager.count_freeable_skipped(request_id, num_computed_tokens)
         except Exception as exc:
             raise self.plugin_error(gid, "count_freeable_skipped", exc) from exc
-        return total
-
-    def _twin_count_freeable_skipped(
-        self, request_id: str, num_computed_tokens: int
-    ) -> int:
-        if request_id in self._untwinned:
-            return KVCacheCoordinator.count_freeable_skipped(
-                self, request_id, num_computed_tokens
-            )
-        total = 0
-        releases = self._releases(request_id, num_computed_tokens)
-        classes = self._skip_classes
-        if releases is None or classes is None:
-            return total
-        for index, (_, positions) in releases.items():
-            if not positions:
-                continue
-            for manager in classes[index]:
-                blocks = manager.req_to_blocks[request_id]
-                for i in positions:
-                    if blocks[i].ref_cnt == 1:
-                        total += 1
         return total
 
     def admission_blocks(
@@ -889,27 +526,6 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "admission_blocks", exc) from exc
         return tuple(out)
 
-    def _twin_admission_blocks(
-        self, hits: Sequence[Sequence[KVCacheBlock]], num_computed_tokens: int
-    ) -> tuple[list[KVCacheBlock], ...]:
-        """:meth:`admission_blocks` with twins that have no hit blocks
-        sharing their first twin's list (null blocks only, the same for
-        all; nothing changes an admission list, tables copy it)."""
-        if len(hits) != self.num_groups:
-            msg = f"{len(hits)} hit lists for {self.num_groups} groups"
-            raise KvcoreValueError(msg)
-        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
-        managers = self.single_type_managers
-        for gids, first in self._classes:
-            if len(gids) > 1 and not any(map(hits.__getitem__, gids)):
-                shared = first.admission_blocks(hits[gids[0]], num_computed_tokens)
-                for g in gids:
-                    out[g] = shared
-                continue
-            for g in gids:
-                out[g] = managers[g].admission_blocks(hits[g], num_computed_tokens)
-        return tuple(out)
-
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -930,37 +546,6 @@ class KVCacheCoordinator:
                 )
         except Exception as exc:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
-        return total
-
-    def _twin_get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        attach: Sequence[Sequence[KVCacheBlock]],
-    ) -> int:
-        """:meth:`get_num_blocks_to_allocate` counting once for twins that
-        attach one shared list (see :meth:`_twin_admission_blocks`): equal
-        tables, equal admission blocks, equal counts."""
-        if request_id in self._untwinned:
-            return KVCacheCoordinator.get_num_blocks_to_allocate(
-                self, request_id, num_tokens, attach
-            )
-        if len(attach) != self.num_groups:
-            msg = f"{len(attach)} block lists for {self.num_groups} groups"
-            raise KvcoreValueError(msg)
-        total = 0
-        managers = self.single_type_managers
-        for gids, first in self._classes:
-            blocks = attach[gids[0]]
-            if len(gids) > 1 and all(attach[g] is blocks for g in gids):
-                total += len(gids) * first.get_num_blocks_to_allocate(
-                    request_id, num_tokens, blocks
-                )
-                continue
-            for g in gids:
-                total += managers[g].get_num_blocks_to_allocate(
-                    request_id, num_tokens, attach[g]
-                )
         return total
 
     def add_computed_blocks(
@@ -992,95 +577,20 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out)
 
-    def _twin_allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> tuple[list[KVCacheBlock], ...]:
-        """:meth:`allocate_new_blocks` with each class's count taken once
-        for the groups that keep the base table growth, which get their
-        blocks without a call into their manager (group order, so each
-        takes the blocks the per-group path gives it)."""
-        if request_id in self._untwinned:
-            return KVCacheCoordinator.allocate_new_blocks(self, request_id, num_tokens)
-        out: list[list[KVCacheBlock]] = []
-        # Each class's count, taken on its first twin (twins' tables are
-        # equal); the base count, inlined: the blocks covering num_tokens
-        # less those held.
-        needs = [-1] * len(self._classes)
-        # Consecutive groups whose growth the coordinator knows take their
-        # blocks in one hand-out, split in group order: the blocks the
-        # per-group calls would take one after another.
-        waiting: list[_Waiting] = []
-        total = 0
-        for manager, index, growth, tables, block_size, fixed in self._alloc_plan:
-            held: list[KVCacheBlock] | None
-            if growth is _GROWS_BY_TOKENS:
-                held = tables.get(request_id)
-                if held is None:
-                    held = tables[request_id] = []
-                need = needs[index]
-                if need < 0:
-                    need = -(-num_tokens // block_size) - len(held)
-                    if need < 0:
-                        need = 0
-                    needs[index] = need
-            elif growth is _HOLDS_FIXED:
-                held = None
-                if request_id in tables:
-                    need = 0
-                else:
-                    need = fixed
-                    if not need:
-                        tables[request_id] = []
-            else:
-                if total:
-                    self._hand_out(request_id, waiting, total, out)
-                    waiting.clear()
-                    total = 0
-                out.append(manager.allocate_new_blocks(request_id, num_tokens))
-                continue
-            if need:
-                waiting.append((len(out), need, held, manager))
-                total += need
-            out.append([])
-        if total:
-            self._hand_out(request_id, waiting, total, out)
-        return tuple(out)
-
-    def _hand_out(
-        self,
-        request_id: str,
-        waiting: Sequence[_Waiting],
-        total: int,
-        out: list[list[KVCacheBlock]],
-    ) -> None:
-        """Take ``total`` blocks at once and give each waiting group its
-        share, in order: a growing table is extended, a fixed-blocks group
-        gets its table."""
-        blocks = self.block_pool.get_new_blocks(total)
-        start = 0
-        for at, need, held, manager in waiting:
-            new = blocks if need == total else blocks[start : start + need]
-            start += need
-            if held is None:
-                manager.req_to_blocks[request_id] = list(new)
-            else:
-                held.extend(new)
-            out[at] = new
-
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
-        """Blocks a running request (no new hit) needs to cover ``num_tokens``."""
+        """Blocks a running request (no new hit) needs to cover ``num_tokens``:
+        one count per set of growing twins (their tables have one length,
+        so they need as many blocks each), times the set's size."""
         total = 0
-        if self.vetted:
-            for manager in self._growing_managers:
-                total += manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
-            return total
         gid = 0
         try:
-            for manager in self._growing_managers:
+            for twins in self._growing_twins:
+                manager = twins[0][1]
                 gid = manager.kv_cache_group_id
-                total += _count(
-                    manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
-                )
+                need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
+                if type(need) is not int or need < 0:
+                    _count(need)
+                total += need * len(twins)
         except Exception as exc:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
@@ -1088,61 +598,28 @@ class KVCacheCoordinator:
     def grow(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...] | None:
-        """Grow a running request's tables; ``None`` if no block was added."""
+        """Grow a running request's tables, in group order; ``None`` if no
+        block was added.  A set of growing twins grows together: when its
+        first group takes no block, no other does (their tables have one
+        length), and they are passed over."""
         out: list[list[KVCacheBlock]] | None = None
         gid = 0
+        idle: list[int] = []
         try:
-            for gid, manager in self._growing:
+            for gid, manager, first in self._growing_led:
+                if first != gid and first in idle:
+                    continue
                 new = manager.allocate_new_blocks(request_id, num_tokens)
-                if new:
-                    if out is None:
-                        out = [[] for _ in range(self.num_groups)]
-                    out[gid] = new
+                if not new:
+                    if first == gid:
+                        idle.append(gid)
+                    continue
+                if out is None:
+                    out = [[] for _ in range(self.num_groups)]
+                out[gid] = new
         except Exception as exc:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out) if out is not None else None
-
-    def _twin_get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
-        """:meth:`get_num_blocks_to_grow` counting once per class."""
-        if request_id in self._untwinned:
-            return KVCacheCoordinator.get_num_blocks_to_grow(
-                self, request_id, num_tokens
-            )
-        total = 0
-        for first, count in self._grow_classes:
-            total += count * first.get_num_blocks_to_allocate(
-                request_id, num_tokens, ()
-            )
-        return total
-
-    def _twin_grow(
-        self, request_id: str, num_tokens: int
-    ) -> tuple[list[KVCacheBlock], ...] | None:
-        """:meth:`grow` with each class's count taken once: nothing runs
-        when no class grows, and a growing group that keeps the base
-        table growth gets its blocks without a call into its manager (in
-        group order, so each takes the blocks the per-group path gives it)."""
-        if request_id in self._untwinned:
-            return KVCacheCoordinator.grow(self, request_id, num_tokens)
-        counts = [
-            first.get_num_blocks_to_allocate(request_id, num_tokens, ())
-            for first, _ in self._grow_classes
-        ]
-        if not any(counts):
-            return None
-        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
-        get_new_blocks = self.block_pool.get_new_blocks
-        for gid, manager, index, plain in self._grow_plan:
-            need = counts[index]
-            if not need:
-                continue
-            if plain:
-                new = get_new_blocks(need)
-                manager.req_to_blocks[request_id].extend(new)
-            else:
-                new = manager.allocate_new_blocks(request_id, num_tokens)
-            out[gid] = new
-        return tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         gid = -1
@@ -1155,53 +632,8 @@ class KVCacheCoordinator:
         if self.partial is not None:
             self.partial.register(request, num_tokens)
 
-    def _twin_cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """:meth:`cache_blocks` with each class's test (whether caching
-        would change anything) taken on its first twin: twins hold equal
-        tables and equal per-request state, so they decide alike.  The
-        groups that cache run in group order, as on the per-group path
-        (their pool changes and events come in that order)."""
-        rid = request.request_id
-        if rid in self._untwinned:
-            KVCacheCoordinator.cache_blocks(self, request, num_tokens)
-            return
-        self._cache_twin_groups(request, num_tokens)
-        # What follows the groups' caching on the per-group path.
-        if self.partial is not None:
-            self.partial.register(request, num_tokens)
-
-    def _cache_twin_groups(self, request: Request, num_tokens: int) -> None:
-        rid = request.request_id
-        due: list[tuple[int, ...]] | None = None
-        for gids, test in self._cache_classes:
-            if test is None or test(rid, num_tokens):
-                if due is None:
-                    due = [gids]
-                else:
-                    due.append(gids)
-        if due is None:
-            return
-        managers = self.single_type_managers
-        if len(due) == 1:
-            for gid in due[0]:
-                managers[gid].cache_blocks(request, num_tokens)
-            return
-        for gid in sorted(g for gids in due for g in gids):
-            managers[gid].cache_blocks(request, num_tokens)
-
-    def _twin_free(self, request_id: str) -> None:
-        self._untwinned.discard(request_id)
-        KVCacheCoordinator.free(self, request_id)
-
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
-        if self.num_groups == 1 and self.vetted:
-            blocks = self.single_type_managers[0].pop_blocks(request_id)
-            if blocks:
-                self.block_pool.free_table(blocks)
-            if self._evicting_last:
-                self._refresh_checkpoints(request_id)
-            return
         tables: list[list[KVCacheBlock]] = []
         gid = 0
         try:
@@ -1287,18 +719,25 @@ class KVCacheCoordinator:
     # -- transactions -------------------------------------------------------------
 
     def request_state(self, request_id: str) -> list[Any]:
-        """Every group's per-request state (see :meth:`restore_request_state`)."""
+        """The per-request state of the groups whose manager class extends
+        :meth:`SingleTypeManager.request_state` (state beyond what its
+        methods record as they change it, see
+        :meth:`SingleTypeManager.record_request_state`), for
+        :meth:`restore_request_state`; empty for every other plan."""
+        if not self._snapshotting:
+            return []
         gid = 0
         try:
-            return [
-                m.request_state(request_id)
-                for gid, m in enumerate(self.single_type_managers)
-            ]
+            out = []
+            for manager in self._snapshotting:
+                gid = manager.kv_cache_group_id
+                out.append(manager.request_state(request_id))
         except Exception as exc:
             raise self.plugin_error(gid, "request_state", exc) from exc
+        return out
 
     def restore_request_state(self, request_id: str, states: list[Any]) -> None:
-        for manager, state in zip(self.single_type_managers, states, strict=True):
+        for manager, state in zip(self._snapshotting, states, strict=True):
             manager.restore_request_state(request_id, state)
 
     def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
@@ -1339,72 +778,51 @@ class KVCacheCoordinator:
         return shown.rsplit(" ", 1)[0] if shown else None
 
 
-#: The steps twin groups share (see KVCacheCoordinator._init_twins); each
-#: has a ``_twin_`` version.
-_TWIN_STEPS = (
-    "admission_blocks",
-    "allocate_new_blocks",
-    "cache_blocks",
-    "count_freeable_skipped",
-    "free",
-    "get_num_blocks_to_allocate",
-    "get_num_blocks_to_grow",
-    "grow",
-    "remove_skipped_blocks",
-)
+def _twin_classes(
+    managers: Sequence[SingleTypeManager],
+) -> tuple[tuple[int, ...], ...]:
+    """Group ids of each set of two or more twin groups: managers of one
+    class with equal merged specs, block sizes, caching and hit alignment
+    (a spec that cannot be hashed makes its group a class of its own)."""
+    classes: dict[Any, list[int]] = {}
+    for manager in managers:
+        key = (
+            type(manager),
+            manager.kv_cache_spec,
+            manager.block_size,
+            manager.caching,
+            manager.hit_alignment,
+        )
+        try:
+            members = classes.setdefault(key, [])
+        except TypeError:
+            continue
+        members.append(manager.kv_cache_group_id)
+    return tuple(tuple(gids) for gids in classes.values() if len(gids) > 1)
 
 
-def _tests_caching(manager_type: type[SingleTypeManager]) -> bool:
-    """Whether ``manager_type``'s caching test (``_caches_now``) is defined
-    with its ``cache_blocks`` or below it (kept in step with it)."""
-    mro = manager_type.__mro__
-    caches = next(c for c in mro if "cache_blocks" in vars(c))
-    tests = next((c for c in mro if "_caches_now" in vars(c)), None)
-    return tests is not None and issubclass(tests, caches)
-
-
-class _Growth(enum.Enum):
-    """How a group's table grows in a twin step (see ``_alloc_plan``); enum
-    members stay themselves through pickling, so the steps' identity tests
-    hold on a copy."""
-
-    GROWS_BY_TOKENS = "grows by tokens"
-    HOLDS_FIXED = "holds fixed blocks"
-    OWN_GROWTH = "own growth"
-
-
-_GROWS_BY_TOKENS = _Growth.GROWS_BY_TOKENS
-_HOLDS_FIXED = _Growth.HOLDS_FIXED
-_OWN_GROWTH = _Growth.OWN_GROWTH
-#: A group's place in the step's result, its block count, its table to
-#: extend (None: a fixed-blocks group, given its table) and its manager.
-_Waiting: TypeAlias = tuple[int, int, list[KVCacheBlock] | None, SingleTypeManager]
-
-
-def _growth_of(manager: SingleTypeManager) -> _Growth:
-    """How ``manager``'s table grows: the base growth, FixedBlocksManager's
-    own (for its class and subclasses that keep both methods), or its own."""
-    kind = type(manager)
-    if (
-        manager.position_indexed
-        and _keeps_base(kind, "allocate_new_blocks")
-        and _keeps_base(kind, "get_num_blocks_to_allocate")
-    ):
-        return _GROWS_BY_TOKENS
-    if isinstance(manager, FixedBlocksManager) and all(
-        inspect.getattr_static(kind, name)
-        is inspect.getattr_static(FixedBlocksManager, name)
-        for name in ("allocate_new_blocks", "get_num_blocks_to_allocate")
-    ):
-        return _HOLDS_FIXED
-    return _OWN_GROWTH
-
-
-def _keeps_base(manager_type: type[SingleTypeManager], name: str) -> bool:
-    """Whether ``manager_type`` runs the base class's ``name``."""
-    return inspect.getattr_static(manager_type, name) is inspect.getattr_static(
-        SingleTypeManager, name
-    )
+def _growing_twins(
+    growing: Sequence[tuple[int, SingleTypeManager]],
+) -> tuple[tuple[tuple[int, SingleTypeManager], ...], ...]:
+    """``growing`` as sets of twin groups (one class, equal merged specs,
+    block sizes, caching and hit alignment) that plan no checkpoints."""
+    sets: dict[Any, list[tuple[int, SingleTypeManager]]] = {}
+    for gid, manager in growing:
+        key: Any = (
+            type(manager),
+            manager.kv_cache_spec,
+            manager.block_size,
+            manager.caching,
+            manager.hit_alignment,
+        )
+        if manager.plans_checkpoints:
+            key = gid
+        try:
+            members = sets.setdefault(key, [])
+        except TypeError:
+            members = sets.setdefault(gid, [])
+        members.append((gid, manager))
+    return tuple(tuple(members) for members in sets.values())
 
 
 def _partial_units(

@@ -607,18 +607,6 @@ def plain_hasher(
     return hasher
 
 
-def kept_plain_hasher(
-    hash_block_size: object, hash_function: object
-) -> BlockHasher | None:
-    """The :func:`plain_hasher` kept for this size and hash function's name,
-    if one is; else ``None``.  Nothing is built or checked: a new request
-    reads it before checking its own arguments (a kept hasher exists only
-    for settings some request passed with)."""
-    if type(hash_block_size) is int and type(hash_function) is str:
-        return _PLAIN_HASHERS.get((hash_block_size, hash_function))
-    return None
-
-
 def normalize_mm_features(
     mm_features: Sequence[MMFeature] | None,
 ) -> tuple[MMFeature, ...]:

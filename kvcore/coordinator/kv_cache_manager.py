@@ -10,7 +10,6 @@ from typing import Any, NamedTuple, TypedDict, Unpack, cast
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
-from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.partial import BlockCopy, copy_source_valid, split_copy_sources
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
@@ -46,7 +45,7 @@ class KVCacheBlocks:
         self.blocks = blocks
         self.copies = copies
         #: Set by KVCacheManager.get_computed_blocks on the hit it returns:
-        #: (its pool, the pool's eviction count, the request, ``blocks``).
+        #: (its pool, the pool's eviction count then, the request, ``blocks``).
         self._lookup: tuple[object, int, object, object] | None = None
 
     def get_block_ids(self) -> tuple[list[int], ...]:
@@ -92,7 +91,6 @@ class EngineStepKeywords(TypedDict, total=False):
 _ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
 #: Read on every free (an enum member lookup costs more than a global).
 _FINISHED = RequestStatus.FINISHED
-_ZERO = 0
 
 
 class GroupPrefixCacheStats(NamedTuple):
@@ -232,25 +230,22 @@ class KVCacheManager:
         self._bind_methods()
 
     def _bind_methods(self) -> None:
-        """Instance attributes shadowing methods: the one-group free, and
-        with ``thread_safe`` every public method under the lock (so the
-        unlocked manager pays nothing: no lock, no flag test per call).
-        They close over this manager's own state, so a copy binds its own
-        (see :meth:`__getstate__`)."""
-        self._init_vetted_free()
-        self._init_one_group_steps()
-        self._one_prefix = self._one_prefix_lookup()
+        """With ``thread_safe``, every public method under the lock, bound
+        as an instance attribute (so the unlocked manager pays nothing: no
+        lock, no flag test per call)."""
         if self.thread_safe:
             lock = self.lock = threading.RLock()
             for name in _public_methods(type(self)):
                 setattr(self, name, _locked(getattr(self, name), lock))
 
     def __getstate__(self) -> dict[str, Any]:
-        """The manager's state without the methods bound to it (and its
-        lock): a copy or an unpickled manager binds its own."""
+        """The manager's state without its lock and the locked methods (a
+        lock cannot be copied): a copy or an unpickled manager makes its
+        own."""
         state = self.__dict__.copy()
-        for name in ("free", "lock", "_one_prefix", *_public_methods(type(self))):
-            state.pop(name, None)
+        if self.thread_safe:
+            for name in ("lock", *_public_methods(type(self))):
+                state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -315,56 +310,6 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         coordinator = self.coordinator
-        one = self._one_prefix
-        if (
-            one is not None
-            # A search patched onto the coordinator (its class or itself)
-            # since construction, a test's spy, runs instead.
-            and type(coordinator).find_longest_cache_hit is _COORDINATOR_HIT
-            and type(coordinator)._single_hit is _COORDINATOR_SINGLE_HIT
-            and "find_longest_cache_hit" not in coordinator.__dict__
-            and "_single_hit" not in coordinator.__dict__
-            # So does a request check patched onto the manager's class.
-            and type(self)._check_hashing is _OWN_CHECK_HASHING
-        ):
-            # One group, searched left to right in blocks of the hash size:
-            # the coordinator's search, inlined (see _one_prefix_lookup).
-            cached, block_size = one
-            hasher = request._hasher
-            if (
-                type(request) is not Request
-                or hasher is None
-                or hasher.hash_block_size != block_size
-            ):
-                self._check_hashing(request)
-            coordinator.last_shared_prefix = 0
-            hashes = request.block_hashes
-            num_tokens = len(request.all_token_ids)
-            # The last prompt token is recomputed.
-            limit = (num_tokens - 1) // block_size
-            hit: list[KVCacheBlock] = []
-            if limit > 0:
-                append = hit.append
-                get = cached.get
-                for key in hashes if limit >= len(hashes) else hashes[:limit]:
-                    entry = get(key)
-                    if entry is None:
-                        break
-                    if type(entry) is dict:
-                        entry = next(iter(entry.values()))
-                    append(entry)
-            length = len(hit) * block_size
-            stats = self.prefix_cache_stats
-            stats.requests += 1
-            stats.queries += num_tokens
-            stats.hits += length
-            if not length:
-                return self.empty_kv_cache_blocks, 0
-            found = (hit,)
-            out = KVCacheBlocks(found)
-            pool = self.block_pool
-            out._lookup = (pool, pool.evictions, request, found)
-            return out, length
         self._check_hashing(request)
         blocks, length = coordinator.find_longest_cache_hit(
             request.block_hashes, len(request.all_token_ids) - 1
@@ -471,10 +416,8 @@ class KVCacheManager:
         )
         if computed is not None and not any(computed):
             computed = None
-        # Whether the hit is this manager's own lookup, untouched since.
-        own_hit = True
         if num_new_computed_tokens or computed is not None:
-            own_hit = self._check_hit(
+            self._check_hit(
                 request, new_computed_blocks, computed, num_new_computed_tokens
             )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -588,49 +531,33 @@ class KVCacheManager:
                 if not running and coordinator.planning:
                     coordinator.forget_checkpoints(rid)
                 return None
-        if not own_hit and attach:
-            # A hit from elsewhere may break the twin pattern
-            # (KVCacheCoordinator.note_admission).
-            coordinator.note_admission(rid, attach)
         step = (
             self._step
             if sources is None
             else functools.partial(self._copy_step, sources)
         )
-        if coordinator.vetted:
-            # Validated, and only kvcore's own managers run: nothing below
-            # can raise, so no undo is recorded.
+        # Every step is a transaction: a manager that raises leaves the
+        # pool, the tables, the keys and the events as they were.
+        pool = self.block_pool
+        states = coordinator.request_state(rid)
+        pool.begin()
+        try:
             new_blocks = step(
                 request, running, skipping, attach, num_computed, num_tokens, cache_to
             )
-        else:
-            pool = self.block_pool
-            states = coordinator.request_state(rid)
-            pool.begin()
-            try:
-                new_blocks = step(
-                    request,
-                    running,
-                    skipping,
-                    attach,
-                    num_computed,
-                    num_tokens,
-                    cache_to,
-                )
-            except BaseException:
-                # A manager that raised is reported as a PluginError naming
-                # it (see KVCacheCoordinator.plugin_error); the step is
-                # undone first.
-                pool.rollback()
-                coordinator.restore_request_state(rid, states)
-                if shed is not None:
-                    # The states were recorded after the shed.
-                    coordinator.restore_checkpoints(rid, shed)
-                if not running and coordinator.planning:
-                    # The states were recorded after plan_checkpoints.
-                    coordinator.forget_checkpoints(rid)
-                raise
-            pool.commit()
+        except BaseException:
+            # A manager that raised is reported as a PluginError naming it
+            # (see KVCacheCoordinator.plugin_error); the step is undone first.
+            pool.rollback()
+            coordinator.restore_request_state(rid, states)
+            if shed is not None:
+                # The states were recorded after the shed.
+                coordinator.restore_checkpoints(rid, shed)
+            if not running and coordinator.planning:
+                # The states were recorded after plan_checkpoints.
+                coordinator.forget_checkpoints(rid)
+            raise
+        pool.commit()
         request.status = RequestStatus.RUNNING
         if held is not request:
             self._requests[rid] = request
@@ -898,42 +825,24 @@ class KVCacheManager:
         hit: KVCacheBlocks | None,
         computed: tuple[Sequence[KVCacheBlock], ...] | None,
         num_tokens: int,
-    ) -> bool:
+    ) -> None:
         """A prefix hit may attach only to a new request, as one block list
         per group covering exactly ``num_tokens`` tokens, with every block
         still holding this request's prefix (a hit looked up earlier may
-        have been evicted since).  True when the hit is this manager's own
-        lookup for the request and the pool has dropped no key since."""
+        have been evicted since).  The hit this manager's lookup returned
+        for the request, with no key dropped from the pool since, is known
+        to hold it: its blocks are not checked one by one."""
         rid = request.request_id
-        coordinator = self.coordinator
-        lookup = hit._lookup if hit is not None else None
-        if (
+        pool = self.block_pool
+        lookup = None if hit is None else hit._lookup
+        fresh = (
             lookup is not None
-            and computed is not None
-            and coordinator.vetted
-            and lookup[0] is self.block_pool
-            and lookup[1] == self.block_pool.evictions
+            and lookup[0] is pool
+            and lookup[1] == pool.evictions
             and lookup[2] is request
             and lookup[3] is computed
-            and rid not in self._requests
-            and not num_tokens % coordinator.cache_hit_alignment
-        ):
-            # This manager's own lookup for this request, and the pool has
-            # dropped no key since: every block still holds the request's
-            # prefix, and kvcore's managers answered it.  Only the length
-            # the caller passed is left to check.
-            for manager, blocks in zip(self._managers, computed, strict=True):
-                if (
-                    len(blocks) * manager.block_size != num_tokens
-                    and (manager.caching or blocks)
-                    and not (
-                        manager.kv_cache_group_id in coordinator.partial_units
-                        and len(blocks) == -(-num_tokens // manager.block_size)
-                    )
-                ):
-                    break
-            else:
-                return True
+        )
+        coordinator = self.coordinator
         if rid in self._requests:
             msg = (
                 f"request {rid!r} already holds blocks; prefix hits attach only "
@@ -956,8 +865,8 @@ class KVCacheManager:
             )
             raise InvalidRequestError(msg)
         self._check_hashing(request)
-        own = self.block_pool.blocks
-        for gid, blocks in enumerate(computed):
+        own = pool.blocks
+        for gid, blocks in enumerate(() if fresh else computed):
             for block in blocks:
                 if not _owned(own, block):
                     msg = (
@@ -1000,6 +909,8 @@ class KVCacheManager:
                     "get_computed_blocks returned, uncut"
                 )
                 raise InvalidRequestError(msg)
+            if fresh:
+                continue
             chunks = request.block_hashes
             key_of = manager.block_hash
             for i, block in enumerate(blocks):
@@ -1027,7 +938,6 @@ class KVCacheManager:
                         "allocate_slots"
                     )
                     raise InvalidRequestError(msg)
-        return False
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Hash the request's blocks filled by ``num_computed_tokens``."""
@@ -1044,22 +954,18 @@ class KVCacheManager:
         if held is None:
             self._require_live(rid)
         coordinator = self.coordinator
-        if coordinator.vetted:
+        pool = self.block_pool
+        states = coordinator.request_state(rid)
+        pool.begin()
+        try:
             coordinator.free(rid)
-        else:
-            pool = self.block_pool
-            states = coordinator.request_state(rid)
-            pool.begin()
-            try:
-                coordinator.free(rid)
-            except BaseException:
-                # A manager that raised is reported as a PluginError naming
-                # it (see KVCacheCoordinator.plugin_error); the step is
-                # undone first.
-                pool.rollback()
-                coordinator.restore_request_state(rid, states)
-                raise
-            pool.commit()
+        except BaseException:
+            # A manager that raised is reported as a PluginError naming it
+            # (see KVCacheCoordinator.plugin_error); the step is undone first.
+            pool.rollback()
+            coordinator.restore_request_state(rid, states)
+            raise
+        pool.commit()
         if coordinator.partial is not None:
             coordinator.partial.forget(rid)
         del requests[rid]
@@ -1067,325 +973,6 @@ class KVCacheManager:
         held.status = _FINISHED
         if request is not held and isinstance(request, Request):
             request.status = _FINISHED
-
-    def _init_vetted_free(self) -> None:
-        """A vetted plan whose managers keep only the base per-request
-        state: :meth:`free` pops every group's table and releases them in
-        one frame (an instance attribute shadowing the method), as the
-        coordinator does: the groups' tables joined last group first, each
-        group's tail first.  The general path's calls through the
-        coordinator and each manager add nothing for such a plan; anything
-        it does not cover (an unknown id, a step in progress, a plan no
-        longer vetted, a ``free`` patched onto the class) goes to the
-        general path.  Which coordinator and manager methods it stands for
-        is settled here, as for the twin steps: code that patches those
-        after construction marks the plan unvetted (``coordinator.vetted =
-        False``), which every shortcut honours."""
-        coordinator = self.coordinator
-        base_pop = inspect.getattr_static(SingleTypeManager, "pop_blocks")
-        if not (
-            # A subclass's own free() must run (an instance attribute would
-            # shadow it).
-            inspect.getattr_static(type(self), "free") is _OWN_METHODS["free"]
-            and inspect.getattr_static(type(coordinator), "free") is _COORDINATOR_FREE
-            and coordinator.vetted
-            and not coordinator._evicting_last
-            and all(
-                inspect.getattr_static(type(m), "pop_blocks") is base_pop
-                for m in coordinator.single_type_managers
-            )
-        ):
-            return
-        pool = self.block_pool
-        release = pool._release_table
-        requests = self._requests
-        #: The groups, last group in free order first.
-        in_order = tuple(reversed(coordinator._free_order))
-        #: Their per-request maps' pops, bound once: the tables' in that
-        #: order, then every count's (one call per map, no test of which
-        #: maps a group has).
-        table_pops = tuple(m.req_to_blocks.pop for m in in_order)
-        count_pops = tuple(m.num_cached_block.pop for m in in_order) + tuple(
-            m.num_released.pop for m in in_order if m.skips_blocks
-        )
-        # Twin steps mark requests that leave the shared path; a freed id
-        # is unmarked (KVCacheCoordinator._twin_free).
-        untwinned = coordinator._untwinned
-        klass = type(self)
-        own = _OWN_METHODS["free"]
-        #: One group's maps (one group has no twins to unmark).
-        one = None
-        if len(in_order) == 1:
-            (only,) = in_order
-            released_of = only.num_released if only.skips_blocks else None
-            one = (only.req_to_blocks, only.num_cached_block, released_of)
-
-        def free(request: Request | str) -> None:
-            if type(request) is Request:
-                rid = request.request_id
-            else:
-                rid = request if isinstance(request, str) else request.request_id
-            held = requests.get(rid)
-            if (
-                held is None
-                or pool._journal is not None
-                or not coordinator.vetted
-                # A free patched onto the class since the shortcut was bound
-                # (a test's spy, a tracing wrapper) runs instead.
-                or klass.free is not own
-            ):
-                # The class's method: the general path, or what was patched
-                # onto the class since.
-                klass.free(self, request)
-                return
-            freed: list[KVCacheBlock] | None = None
-            if one is not None:
-                tables, hashed, released = one
-                hashed.pop(rid, None)
-                if released is not None:
-                    released.pop(rid, None)
-                freed = tables.pop(rid, None)
-            else:
-                # The popped tables are joined into a new list, changing
-                # none of them (a caller may hold one from get_blocks).
-                for drop in count_pops:
-                    drop(rid, None)
-                freed = []
-                join = freed.extend
-                for take in table_pops:
-                    blocks = take(rid, None)
-                    if blocks:
-                        join(blocks)
-                if untwinned:
-                    untwinned.discard(rid)
-            if freed:
-                release(freed)
-            partial = coordinator.partial
-            if partial is not None:
-                partial.forget(rid)
-            del requests[rid]
-            held.status = _FINISHED
-            if request is not held and isinstance(request, Request):
-                request.status = _FINISHED
-
-        free.__doc__ = KVCacheManager.free.__doc__
-        self.__dict__["free"] = free
-
-    def _one_prefix_lookup(self) -> tuple[dict[Any, Any], int] | None:
-        """For a plan of one group that the coordinator searches left to
-        right, in blocks of the hash size, with no EAGLE drop, checkpoint
-        planning or hit blocker: that group's live prefix-cache map and
-        block size, which :meth:`get_computed_blocks` reads directly (the
-        coordinator's search, without its calls).  Else None.  The
-        coordinator's search methods patched later, on its class or on it,
-        are honoured per call; a module function it calls
-        (``managers.prefix_hit``) is not: patch the coordinator instead."""
-        coordinator = self.coordinator
-        single = coordinator._single
-        if not (
-            coordinator.num_groups == 1
-            and single is not None
-            and coordinator._single_is_prefix
-            and len(single.group_ids) == 1
-            and single.block_size == self.hash_block_size
-            and coordinator.cache_hit_alignment == single.block_size
-            and not coordinator.use_eagle
-            and not coordinator.hit_blockers
-            and not coordinator.planning
-            and coordinator.partial is None
-            and all(
-                inspect.getattr_static(type(coordinator), name) is own
-                for name, own in _COORDINATOR_SEARCH.items()
-            )
-            # A subclass's own request check runs on every lookup.
-            and inspect.getattr_static(type(self), "_check_hashing")
-            is _OWN_METHODS["_check_hashing"]
-        ):
-            return None
-        return (
-            self.block_pool.cached_blocks_of(single.group_ids[0]),
-            single.block_size,
-        )
-
-    def _init_one_group_steps(self) -> None:
-        """One vetted group that neither skips blocks nor plans checkpoints:
-        a step with no lookahead, engine keyword or delayed caching runs in
-        one frame, calling the group's manager as the general path does.
-        That covers a running request's growth with no hit (a decode step,
-        a later prefill chunk) and a new request's admission with no hit or
-        with the hit this manager's lookup just returned for it (the pool
-        has dropped no key since).  Anything else, and a step that does not
-        fit, goes to the general path (which validates it and decides)."""
-        coordinator = self.coordinator
-        klass = type(self)
-        if not (
-            all(
-                inspect.getattr_static(klass, name) is _OWN_METHODS[name]
-                for name in (
-                    "allocate_slots",
-                    "create_kv_cache_blocks",
-                    "_check_hashing",
-                    "_check_hit",
-                    "_step",
-                )
-            )
-            and coordinator.num_groups == 1
-            and coordinator.vetted
-            and coordinator.partial is None
-            and not coordinator.skipping
-            and not coordinator.planning
-        ):
-            return
-        manager = coordinator.single_type_managers[0]
-        steps = coordinator.__dict__.get("single_group_steps")
-        if coordinator._growing_managers != (manager,) or steps is None:
-            return
-        pool = self.block_pool
-        queue = pool.free_queue
-        requests = self._requests
-        own = _OWN_METHODS["allocate_slots"]
-        own_create = _OWN_METHODS["create_kv_cache_blocks"]
-        running = RequestStatus.RUNNING
-        no_blocks: tuple[()] = ()
-        empty = self.empty_kv_cache_blocks
-        # The admission steps and the caching step the coordinator bound for
-        # this one group (KVCacheCoordinator._init_single_steps): the
-        # general path's steps, called without the coordinator's frames.
-        admit, count_blocks, attach_hit, grow_table = steps
-        cache_step = coordinator.cache_blocks
-        block_size = manager.block_size
-        alignment = coordinator.cache_hit_alignment
-
-        def allocate_slots(
-            request: Request,
-            num_new_tokens: int,
-            num_new_computed_tokens: int = 0,
-            new_computed_blocks: KVCacheBlocks | None = None,
-            num_lookahead_tokens: int = 0,
-            delay_cache_blocks: bool = False,
-            **engine: Unpack[EngineStepKeywords],
-        ) -> KVCacheBlocks | None:
-            # The manager's settings are read per call, as on the general
-            # path, and so are the group manager's growth methods (the
-            # coordinator's growth reads them per call); the class's
-            # methods too, so a spy patched onto the class runs.
-            if (
-                type(request) is Request
-                and type(num_new_tokens) is int
-                and num_new_tokens > 0
-                # The int 0 itself (a bool or float 0 is the general path's
-                # to refuse); an implementation without a shared 0 takes the
-                # general path every time.
-                and num_lookahead_tokens is _ZERO
-                and delay_cache_blocks is False
-                and not engine
-                and pool._journal is None
-                and coordinator.vetted
-                and klass.allocate_slots is own
-                and klass.create_kv_cache_blocks is own_create
-                # The general path's helpers, patched onto the class since
-                # (a spy), run on the general path.
-                and klass._check_hashing is _OWN_CHECK_HASHING
-                and klass._check_hit is _OWN_CHECK_HIT
-                and klass._step is _OWN_STEP
-            ):
-                rid = request.request_id
-                computed = request.num_computed_tokens
-                held = requests.get(rid)
-                # Set once a step that fits has taken its blocks; caching
-                # and the status follow, as on the general path.
-                stepped = False
-                new: list[KVCacheBlock] | None = None
-                num_tokens = 0
-                if (
-                    held is request
-                    and num_new_computed_tokens is _ZERO
-                    and new_computed_blocks is None
-                ):
-                    # A running request grows.
-                    num_tokens = computed + num_new_tokens
-                    if type(computed) is int and num_tokens <= self.max_model_len:
-                        need = manager.get_num_blocks_to_allocate(
-                            rid, num_tokens, no_blocks
-                        )
-                        if need <= queue.num_free:
-                            new = (
-                                manager.allocate_new_blocks(rid, num_tokens)
-                                if need
-                                else None
-                            )
-                            stepped = True
-                elif held is None and type(computed) is int:
-                    # A new request is admitted, with no hit or with this
-                    # manager's own lookup for it, whole.
-                    hit: Sequence[KVCacheBlock] | None = None
-                    if new_computed_blocks is None or new_computed_blocks is empty:
-                        if num_new_computed_tokens is _ZERO:
-                            hit = no_blocks
-                    elif type(new_computed_blocks) is KVCacheBlocks:
-                        lookup = new_computed_blocks._lookup
-                        if (
-                            lookup is not None
-                            and lookup[0] is pool
-                            and lookup[1] == pool.evictions
-                            and lookup[2] is request
-                            and lookup[3] is new_computed_blocks.blocks
-                            and type(num_new_computed_tokens) is int
-                            and num_new_computed_tokens
-                            == len(lookup[3][0]) * block_size
-                            and not num_new_computed_tokens % alignment
-                        ):
-                            hit = lookup[3][0]
-                    # Counted only once the hit is known good (its token
-                    # count is then an int).
-                    num_computed = (
-                        computed + num_new_computed_tokens if hit is not None else 0
-                    )
-                    num_tokens = num_computed + num_new_tokens
-                    hasher = request._hasher
-                    if (
-                        hit is not None
-                        and num_tokens <= self.max_model_len
-                        and (
-                            not self.enable_caching
-                            or (
-                                hasher is not None
-                                and hasher.hash_block_size == self.hash_block_size
-                            )
-                        )
-                    ):
-                        attach = admit(hit, num_computed)
-                        need = count_blocks(rid, num_tokens, attach)
-                        if need <= queue.num_free:
-                            if attach:
-                                attach_hit(rid, attach)
-                            new = grow_table(rid, num_tokens)
-                            requests[rid] = request
-                            stepped = True
-                if stepped:
-                    if self.enable_caching and manager.caching:
-                        tokens = len(request.all_token_ids)
-                        cache_step(
-                            request, num_tokens if num_tokens < tokens else tokens
-                        )
-                    request.status = running
-                    return KVCacheBlocks((new,)) if new else empty
-            # The class's method: the general path, or what was patched onto
-            # the class since.
-            general: Callable[..., KVCacheBlocks | None] = klass.allocate_slots
-            return general(
-                self,
-                request,
-                num_new_tokens,
-                num_new_computed_tokens,
-                new_computed_blocks,
-                num_lookahead_tokens,
-                delay_cache_blocks,
-                **engine,
-            )
-
-        allocate_slots.__doc__ = KVCacheManager.allocate_slots.__doc__
-        self.__dict__["allocate_slots"] = allocate_slots
 
     def _require_live(self, rid: str) -> None:
         if rid not in self._requests:
@@ -1515,36 +1102,6 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV-cache events (stored / removed / cleared) since the last call."""
         return self.block_pool.take_events()
-
-
-#: The methods the one-group shortcuts stand for, as defined here: a
-#: subclass's override, or a method patched onto the class, is not one of
-#: them, so it runs instead of a shortcut.
-_OWN_METHODS: dict[str, Callable[..., Any]] = {
-    name: KVCacheManager.__dict__[name]
-    for name in (
-        "free",
-        "allocate_slots",
-        "create_kv_cache_blocks",
-        "_check_hashing",
-        "_check_hit",
-        "_step",
-    )
-}
-#: The coordinator's free, which the fast free stands for.
-_COORDINATOR_FREE = KVCacheCoordinator.__dict__["free"]
-#: The coordinator's search for a one-group plan, which the inlined lookup
-#: stands for.
-_COORDINATOR_SEARCH = {
-    name: KVCacheCoordinator.__dict__[name]
-    for name in ("find_longest_cache_hit", "_single_hit")
-}
-_COORDINATOR_HIT = _COORDINATOR_SEARCH["find_longest_cache_hit"]
-_COORDINATOR_SINGLE_HIT = _COORDINATOR_SEARCH["_single_hit"]
-#: The general path's helpers, read per call by the one-group shortcuts.
-_OWN_CHECK_HASHING = _OWN_METHODS["_check_hashing"]
-_OWN_CHECK_HIT = _OWN_METHODS["_check_hit"]
-_OWN_STEP = _OWN_METHODS["_step"]
 
 
 def _public_methods(cls: type) -> list[str]:

@@ -4,8 +4,7 @@ The coordinator runs one manager per cache group.  Each cache kind's plugin
 contributes its manager class (``CacheKind.manager_type``), normally one of
 the generic strategies in :mod:`kvcore.coordinator.managers` configured for
 the kind.  This module holds what every manager shares: the base class, the
-:class:`HitQuery` a hit search receives, and the check that a step runs only
-kvcore's own code.
+:class:`HitQuery` a hit search receives.
 
 Everything here is on the scheduler's per-step path: no hook calls, no
 per-block allocations beyond the block lists themselves.
@@ -14,6 +13,7 @@ per-block allocations beyond the block lists themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -23,49 +23,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
 from kvcore.spec import HitPolicy
 
-__all__ = ["HitQuery", "SingleTypeManager", "runs_vetted"]
-
-#: Modules of the managers shipped with kvcore.  Their step methods raise
-#: nothing once the coordinator has validated a step (counts checked against
-#: the free queue, hits checked against the pool), so a step that runs only
-#: their code needs no undo record.
-_VETTED_MANAGER_MODULES = frozenset(
-    {
-        "kvcore.coordinator.manager",
-        "kvcore.coordinator.managers",
-        "kvcore_circular_buffer.manager",
-        "kvcore_full_attention.manager",
-        "kvcore_hisparse.manager",
-        "kvcore_mamba.manager",
-        "kvcore_sliding_window.manager",
-    }
-)
-#: Modules of the shipped specs whose release rule (``skipped_tokens``) a
-#: skipping manager consults in the middle of a step.
-_VETTED_SPEC_MODULES = frozenset(
-    {"kvcore.spec", "kvcore_mamba", "kvcore_mla", "kvcore_sliding_window"}
-)
-#: Methods a step may call on a manager.
-_STEP_METHODS = (
-    "add_computed_blocks",
-    "admission_blocks",
-    "allocate_new_blocks",
-    "cache_blocks",
-    "count_freeable_skipped",
-    "free",
-    "get_num_blocks_to_allocate",
-    "num_skipped_blocks",
-    "_caches_now",
-    "forget_checkpoints",
-    "plan_checkpoints",
-    "restore_checkpoints",
-    "shed_checkpoints",
-    "pop_blocks",
-    "remove_skipped_blocks",
-    "take_released_checkpoints",
-    "_skip",
-    "_skipped",
-)
+__all__ = ["HitQuery", "SingleTypeManager"]
 
 
 @attrs.define(kw_only=True)
@@ -102,25 +60,6 @@ class HitQuery:
     def max_blocks(self) -> int:
         """Blocks the hit may span: bounded by ``max_length`` and the hashes."""
         return min(self.max_length // self.block_size, len(self.block_hashes))
-
-
-def runs_vetted(manager: SingleTypeManager) -> bool:
-    """Whether every step method of ``manager`` is kvcore's own code (its
-    class and every base shipped with kvcore, nothing replaced on the
-    instance, and for a skipping manager a shipped release rule).  The
-    coordinator undoes nothing around such a manager; any other manager's
-    steps run inside a transaction (see :meth:`BlockPool.begin`)."""
-    for cls in type(manager).__mro__[:-1]:
-        if cls.__module__ not in _VETTED_MANAGER_MODULES:
-            return False
-    state = getattr(manager, "__dict__", {})
-    if any(name in state for name in _STEP_METHODS):
-        return False
-    if manager.skips_blocks:
-        rule = getattr(type(manager.kv_cache_spec), "skipped_tokens", None)
-        if getattr(rule, "__module__", None) not in _VETTED_SPEC_MODULES:
-            return False
-    return True
 
 
 class SingleTypeManager:
@@ -311,6 +250,7 @@ class SingleTypeManager:
         request, taking a reference on each that is not the null block."""
         if not blocks:
             return
+        self.record_request_state(request_id)
         self.block_pool.touch(blocks)
         held = self.req_to_blocks.get(request_id)
         if held is None:
@@ -332,13 +272,18 @@ class SingleTypeManager:
     ) -> list[KVCacheBlock]:
         """Grow the request's table to cover ``num_tokens``; return new blocks."""
         held = self.req_to_blocks.get(request_id)
-        if held is None:
-            held = self.req_to_blocks[request_id] = []
-        need = -(-num_tokens // self.block_size) - len(held)
+        need = -(-num_tokens // self.block_size) - (0 if held is None else len(held))
         if need <= 0:
+            if held is None:
+                self.record_request_state(request_id)
+                self.req_to_blocks[request_id] = []
             return []
+        self.record_request_state(request_id)
         new = self.block_pool.get_new_blocks(need)
-        held.extend(new)
+        if held is None:
+            self.req_to_blocks[request_id] = new[:]
+        else:
+            held.extend(new)
         return new
 
     def block_hash(
@@ -352,17 +297,6 @@ class SingleTypeManager:
             return None
         chunk = end // self.hash_block_size - 1
         return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
-
-    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
-        """False only when :meth:`cache_blocks` at ``num_tokens`` would
-        change nothing (this class's rule: no block newly filled).  The
-        coordinator asks one twin group for all (see
-        KVCacheCoordinator._init_twins); a class that changes
-        :meth:`cache_blocks` keeps this in step with it."""
-        return (
-            self.caching
-            and num_tokens // self.block_size > self.num_cached_block.get(request_id, 0)
-        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the request's blocks that ``num_tokens`` tokens fill."""
@@ -380,6 +314,7 @@ class SingleTypeManager:
         num_full = min(num_full, len(hashes), len(blocks))
         if num_full <= cached:
             return
+        self.record_request_state(rid)
         self.block_pool.cache_full_blocks(
             block_hashes=hashes,
             blocks=blocks,
@@ -399,18 +334,64 @@ class SingleTypeManager:
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         """Forget the request and hand back its table (the caller frees it;
         the list is not changed afterwards)."""
-        self.num_cached_block.pop(request_id, None)
-        if self.skips_blocks:
-            self.num_released.pop(request_id, None)
-        return self.req_to_blocks.pop(request_id, None)
+        cached = self.num_cached_block.pop(request_id, None)
+        released = (
+            self.num_released.pop(request_id, None) if self.skips_blocks else None
+        )
+        blocks = self.req_to_blocks.pop(request_id, None)
+        pool = self.block_pool
+        if pool.in_transaction:
+            pool.record_undo(
+                partial(
+                    _put_back,
+                    self,
+                    request_id,
+                    None if blocks is None else (blocks, len(blocks)),
+                    cached,
+                    released,
+                )
+            )
+        return blocks
 
     # -- transactions -----------------------------------------------------------
 
+    def record_request_state(self, request_id: str, *, whole: bool = False) -> None:
+        """Inside a step (a transaction open on the pool): record what a
+        rollback needs to put the request's table, hashed count and released
+        count back as they are now; nothing outside one.  Every method here
+        that changes them calls it first, so a step pays only for what it
+        changes.  ``whole``: the change rewrites table positions (the table
+        is copied); otherwise it only appends (its length is kept).  A
+        subclass that changes them itself calls it first too; one that keeps
+        more per-request state extends :meth:`request_state` and
+        :meth:`restore_request_state` (the coordinator then records those
+        at the start of every step)."""
+        pool = self.block_pool
+        if pool.in_transaction:
+            blocks = self.req_to_blocks.get(request_id)
+            table = (
+                None
+                if blocks is None
+                else (blocks, list(blocks) if whole else len(blocks))
+            )
+            pool.record_undo(
+                partial(
+                    _put_back,
+                    self,
+                    request_id,
+                    table,
+                    self.num_cached_block.get(request_id),
+                    self.num_released.get(request_id),
+                )
+            )
+
     def request_state(self, request_id: str) -> Any:
         """What :meth:`restore_request_state` needs to put the request's
-        per-request state back as it is now.  A manager that keeps more
-        per-request state than the table, the hashed count and the released
-        count extends both."""
+        per-request state back as it is now (the table copied).  The
+        coordinator records it at the start of every step for a manager
+        class that extends it (per-request state beyond the table, the
+        hashed count and the released count, which
+        :meth:`record_request_state` covers)."""
         blocks = self.req_to_blocks.get(request_id)
         table = None if blocks is None else (blocks, list(blocks))
         return (
@@ -422,21 +403,7 @@ class SingleTypeManager:
     def restore_request_state(self, request_id: str, state: Any) -> None:
         """Put back what :meth:`request_state` recorded (the table list is
         the same object, so views of it handed out stay valid)."""
-        table, cached, released = state
-        if table is None:
-            self.req_to_blocks.pop(request_id, None)
-        else:
-            blocks, items = table
-            blocks[:] = items
-            self.req_to_blocks[request_id] = blocks
-        for store, value in (
-            (self.num_cached_block, cached),
-            (self.num_released, released),
-        ):
-            if value is None:
-                store.pop(request_id, None)
-            else:
-                store[request_id] = value
+        _put_back(self, request_id, *state)
 
     # -- releasing ------------------------------------------------------------
 
@@ -482,6 +449,7 @@ class SingleTypeManager:
         positions = self._skipped(request_id, num_computed_tokens)
         last = min(self._skip(num_computed_tokens), len(blocks))
         if last > self.num_released.get(request_id, 0):
+            self.record_request_state(request_id, whole=bool(positions))
             self.num_released[request_id] = last
         if not positions:
             return
@@ -514,3 +482,31 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
+
+
+def _put_back(
+    manager: SingleTypeManager,
+    request_id: str,
+    table: tuple[list[KVCacheBlock], list[KVCacheBlock] | int] | None,
+    cached: int | None,
+    released: int | None,
+) -> None:
+    """Put a request's table (the same list object: ``items`` its blocks, or
+    the length it is cut back to), hashed count and released count back."""
+    if table is None:
+        manager.req_to_blocks.pop(request_id, None)
+    else:
+        blocks, items = table
+        if isinstance(items, int):
+            del blocks[items:]
+        else:
+            blocks[:] = items
+        manager.req_to_blocks[request_id] = blocks
+    for store, value in (
+        (manager.num_cached_block, cached),
+        (manager.num_released, released),
+    ):
+        if value is None:
+            store.pop(request_id, None)
+        else:
+            store[request_id] = value

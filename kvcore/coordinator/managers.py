@@ -167,6 +167,7 @@ class WindowManager(SingleTypeManager):
         decided = num_full - num_full % per_unit
         if decided <= cached:
             return
+        self.record_request_state(rid)
         skipped = self.kv_cache_spec.skipped_tokens
         cache = self.block_pool.cache_full_blocks
         gid = self.kv_cache_group_id
@@ -190,20 +191,6 @@ class WindowManager(SingleTypeManager):
                     token_ids=request.all_token_ids,
                 )
         self.num_cached_block[rid] = decided
-
-    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
-        # cache_blocks above decides whole alignment units only: nothing
-        # changes until the filled blocks end a unit past those decided.
-        # Defined here, beside the cache_blocks it vouches for, so twin
-        # groups may share it (see coordinator._tests_caching): keep it.
-        block_size = self.block_size
-        per_unit, rest = divmod(self.hit_alignment, block_size)
-        if rest or per_unit <= 1:
-            return super()._caches_now(request_id, num_tokens)
-        full = num_tokens // block_size
-        return self.caching and full - full % per_unit > self.num_cached_block.get(
-            request_id, 0
-        )
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
@@ -542,6 +529,7 @@ class CheckpointManager(SingleTypeManager):
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> list[KVCacheBlock]:
+        self.record_request_state(request_id)
         held = self.req_to_blocks.get(request_id)
         if held is None:
             held = self.req_to_blocks[request_id] = []
@@ -565,16 +553,6 @@ class CheckpointManager(SingleTypeManager):
         return new
 
     # -- caching ----------------------------------------------------------------
-
-    def _caches_now(self, request_id: str, num_tokens: int) -> bool:
-        # False only where cache_blocks returns before changing anything: no
-        # target reached, and no step-end state to keep at this length.
-        if not self.caching or not self.req_to_blocks.get(request_id):
-            return False
-        targets = self.targets.get(request_id)
-        if targets and targets[0] <= num_tokens:
-            return True
-        return self._step_ends and (self.keep_all or num_tokens % self.unit == 0)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.caching:
@@ -971,6 +949,7 @@ class FixedBlocksManager(SingleTypeManager):
     ) -> list[KVCacheBlock]:
         if request_id in self.req_to_blocks:
             return []
+        self.record_request_state(request_id)
         new = self.block_pool.get_new_blocks(self.fixed_blocks)
         self.req_to_blocks[request_id] = list(new)
         return new

@@ -11,7 +11,6 @@ from kvcore.coordinator.hashing import (
     HashFunction,
     MMFeature,
     check_extra_key_names,
-    kept_plain_hasher,
     normalize_mm_features,
     plain_hasher,
 )
@@ -95,40 +94,15 @@ class Request:
         mm_features: Sequence[MMFeature] | None = None,
         skip_reading_prefix_cache: bool = False,
     ) -> None:
-        # The usual request (a list or tuple prompt, a hash function named
-        # as an earlier request's was, no salt, LoRA or multimodal input) is
-        # checked and hashed by one packing of its tokens; any other, one
-        # built by a subclass or with hashing patched, and a prompt that
-        # packing refuses, takes the general checks, which name what is
-        # wrong.
-        hasher = (
-            kept_plain_hasher(hash_block_size, hash_function)
-            if cache_salt is None
-            and lora_name is None
-            and mm_features is None
-            and type(self) is Request
-            and BlockHasher.hash_new_blocks is _HASH_NEW_BLOCKS
-            else None
+        prompt, hasher, features = _checked_inputs(
+            request_id,
+            prompt_token_ids,
+            hash_block_size,
+            hash_function,
+            cache_salt,
+            lora_name,
+            mm_features,
         )
-        hashes = (
-            hasher.hash_prompt(prompt := list(prompt_token_ids))
-            if hasher is not None
-            and (type(prompt_token_ids) is list or type(prompt_token_ids) is tuple)
-            and type(request_id) is str
-            else None
-        )
-        if hashes is None:
-            prompt, hasher, features = _checked_inputs(
-                request_id,
-                prompt_token_ids,
-                hash_block_size,
-                hash_function,
-                cache_salt,
-                lora_name,
-                mm_features,
-            )
-        else:
-            features = ()
         self.request_id = request_id
         #: The prompt as a tuple, made on first read.
         self._prompt_token_ids: tuple[int, ...] | None = None
@@ -142,15 +116,19 @@ class Request:
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.status = RequestStatus.WAITING
         self._hasher = hasher
-        if hashes is not None:
-            assert hasher is not None  # internal invariant: hashes come from it
-            self.block_hashes = hashes
-            self._next_hash_at = (len(hashes) + 1) * hasher.hash_block_size
-            return
         self.block_hashes = []
         #: Token count at which the next chunk fills (never, unhashed).
         self._next_hash_at = _NEVER
-        if hasher is not None:
+        if hasher is None:
+            return
+        # The prompt's chunks in one packing (the compiled pass where kvcore
+        # was built with it); a prompt it does not take (a salt, a
+        # multimodal input, a refused token) is hashed chunk by chunk.
+        hashes = hasher.hash_prompt(prompt)
+        if hashes is not None:
+            self.block_hashes = hashes
+            self._next_hash_at = (len(hashes) + 1) * hasher.hash_block_size
+        else:
             try:
                 self._hash(hasher)
             except KvcoreError:
@@ -256,10 +234,6 @@ class Request:
 
 _NEVER = 1 << 62
 """``_next_hash_at`` of a request that is not hashed."""
-
-_HASH_NEW_BLOCKS = BlockHasher.hash_new_blocks
-"""The hashing a new request's one-packing path stands for: patched later
-(a spy, injected failures), it is called instead."""
 
 
 def _checked_inputs(
