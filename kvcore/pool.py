@@ -476,7 +476,8 @@ def _check_plan(config: object) -> None:
 def checked_device(device: object) -> torch.device:
     """``device`` as a torch device this torch can allocate on, or a kvcore
     error naming it (torch itself answers a CUDA device on a CPU build with
-    a bare AssertionError)."""
+    a bare AssertionError).  A device torch cannot use is a
+    :class:`~kvcore.errors.PlanError`, as a failed allocation is."""
     if not isinstance(device, (str, torch.device)):
         msg = (
             f"device must be a torch.device or a device string such as 'cpu' or "
@@ -487,14 +488,14 @@ def checked_device(device: object) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, ValueError) as exc:
         msg = f"{echo(device)} is not a torch device ({exc}); use 'cpu' or 'cuda:0'"
-        raise KvcoreValueError(msg) from None
+        raise PlanError(msg) from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         msg = (
             f"device {echo(device)}: this torch has no CUDA device "
             "(torch.cuda.is_available() is False); bind on 'cpu' or install a "
             "CUDA build of torch"
         )
-        raise KvcoreValueError(msg)
+        raise PlanError(msg)
     return resolved
 
 
