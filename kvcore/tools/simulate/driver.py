@@ -570,9 +570,7 @@ class _Run:
                 self._arrive(spec)
             timed = self.timed
             while self.pending and (
-                self._due(self.pending[0])
-                if timed
-                else self.pending[0].arrival <= step
+                self._due(self.pending[0]) if timed else self.pending[0].arrival <= step
             ):
                 self._arrive(self.pending.popleft())
             if not (self.waiting or self.running):

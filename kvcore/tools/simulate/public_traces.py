@@ -362,7 +362,7 @@ def _records(
                 "(MAX_WORKLOAD_REQUESTS); replay a part of the trace",
             )
 
-        def length(field: str, low: int) -> int:
+        def length(field: str, low: int, data: dict[str, Any] = data) -> int:
             value = data[field]
             if type(value) is not int or value < low:
                 fail(field, f"must be an int >= {low}, got {value!r}")
@@ -503,9 +503,7 @@ def _workload(
             if rec.hash_ids[:full] == prec.hash_ids[:full] and rec.input_length >= head:
                 assert isinstance(preq.prompt, TokenRun)  # built below
                 own = parts(rec, head)
-                prompt = TokenRun(
-                    (*preq.prompt.parts, _pack(preq.output), *own)
-                )
+                prompt = TokenRun((*preq.prompt.parts, _pack(preq.output), *own))
                 parent_id = prec.key
                 turns += 1
         if prompt is None:

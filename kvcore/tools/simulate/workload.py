@@ -91,7 +91,7 @@ class TokenRun(Sequence[int]):
     def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
         if isinstance(index, slice):
             return tuple(self.tokens()[index])
-        return self.tokens()[index]  # type: ignore[no-any-return]
+        return self.tokens()[index]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenRun):
