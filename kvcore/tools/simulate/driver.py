@@ -285,6 +285,7 @@ class _Run:
         self.cached_total = [0] * num_groups
         self.cached_samples = 0
         self.next_cache_sample = 0
+        self.cached_weight = 0
         #: Peaks over the samples of all groups' cached blocks together, and
         #: of the recurrent-state (checkpoint) groups' alone.
         self.cached_all_peak = 0
@@ -496,19 +497,22 @@ class _Run:
     def _measure_cached(self, step: int) -> None:
         pool = self.manager.block_pool
         self.cached_samples += 1
-        everything = states = 0
-        for g in range(len(self.cached_peak)):
-            count = pool.num_cached_blocks_of(g)
-            self.cached_total[g] += count
+        states = 0
+        counts = [pool.num_cached_blocks_of(g) for g in range(len(self.cached_peak))]
+        everything = sum(counts)
+        # A count stands for the steps until the next one: the mean weighs
+        # it by them (all alike while counts are below CACHE_SAMPLE_SPAN).
+        weight = max(1, everything // CACHE_SAMPLE_SPAN)
+        self.cached_weight += weight
+        for g, count in enumerate(counts):
+            self.cached_total[g] += count * weight
             if count > self.cached_peak[g]:
                 self.cached_peak[g] = count
-            everything += count
             if g in self.state_groups:
                 states += count
         self.cached_all_peak = max(self.cached_all_peak, everything)
         self.cached_states_peak = max(self.cached_states_peak, states)
-        every = self.driver.cache_sample_every
-        self.next_cache_sample = step + every * max(1, everything // CACHE_SAMPLE_SPAN)
+        self.next_cache_sample = step + self.driver.cache_sample_every * weight
 
     def _measure(self, step: int) -> None:
         if step >= self.next_cache_sample:
@@ -650,8 +654,8 @@ class _Run:
                 mean_blocks=self.total[g] / steps if steps else 0.0,
                 peak_cached_blocks=self.cached_peak[g],
                 mean_cached_blocks=(
-                    self.cached_total[g] / self.cached_samples
-                    if self.cached_samples
+                    self.cached_total[g] / self.cached_weight
+                    if self.cached_weight
                     else 0.0
                 ),
             )
