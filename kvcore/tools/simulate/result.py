@@ -44,7 +44,9 @@ class GroupUsage:
     ``peak_cached_blocks`` and ``mean_cached_blocks`` count the group's
     blocks that hold a prefix-cache key (cached: in a table or free and
     evictable), what the cached states and prefixes cost; they are sampled
-    every ``Driver.cache_sample_every`` steps (the first step included).
+    every ``Driver.cache_sample_every`` steps (the first step included),
+    sparser once the cache holds more than ``CACHE_SAMPLE_SPAN`` blocks, and
+    the mean weighs each count by the steps it stands for.
     """
 
     group: int
