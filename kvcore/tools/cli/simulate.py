@@ -12,7 +12,9 @@ and the run takes more than a couple of seconds.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -22,16 +24,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from kvcore.limits import MAX_WORKLOAD_REQUESTS
+from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.tools.cli.console import make_console
-from kvcore.tools.cli.options import CliUsageError, add_model_options, plan_from_args
+from kvcore.tools.cli.options import (
+    CliUsageError,
+    Planned,
+    add_model_options,
+    plan_from_args,
+)
 from kvcore.tools.simulate import (
     NAMED_WORKLOADS,
     Driver,
     SimulationResult,
     Workload,
-    load_trace,
     parse_distribution,
     synthetic_workload,
+)
+from kvcore.tools.simulate.driver import DEFAULT_DECODE_RATE, DEFAULT_PREFILL_RATE
+from kvcore.tools.simulate.public_traces import (
+    TRACE_FORMATS,
+    LoadedTrace,
+    TraceCeiling,
+    load_any_trace,
 )
 from kvcore.tools.units import format_size
 
@@ -71,7 +85,36 @@ def _int(text: str, option: str, low: int, high: int | None = None) -> int:
     return value
 
 
-def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
+def _rate(text: str | None, option: str, default: float) -> float:
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        msg = f"{option} takes a positive number, got {text!r}"
+        raise CliUsageError(msg)
+    return value
+
+
+def _trace_only(args: argparse.Namespace) -> None:
+    """Refuse the trace options without ``--trace``."""
+    if args.trace is not None:
+        return
+    for option, value in (
+        ("--trace-format", args.trace_format),
+        ("--trace-block-tokens", args.trace_block_tokens),
+        ("--no-timing", args.no_timing or None),
+    ):
+        if value is not None:
+            msg = f"{option} shapes how a --trace file is read; give --trace FILE"
+            raise CliUsageError(msg)
+
+
+def _workload(
+    args: argparse.Namespace,
+) -> tuple[Workload, dict[str, Any], LoadedTrace | None]:
     given = [
         "--" + name.replace("_", "-")
         for name in SYNTHETIC_DEFAULTS
@@ -100,7 +143,25 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
                 "already gives every request, so drop them"
             )
             raise CliUsageError(msg)
-        return load_trace(args.trace), {"trace": args.trace}
+        block_tokens = (
+            None
+            if args.trace_block_tokens is None
+            else _int(args.trace_block_tokens, "--trace-block-tokens", 1)
+        )
+        loaded = load_any_trace(
+            args.trace,
+            trace_format=args.trace_format,
+            timing=not args.no_timing,
+            block_tokens=block_tokens,
+        )
+        info: dict[str, Any] = {
+            "trace": args.trace,
+            "format": loaded.format,
+            "block_tokens": loaded.block_tokens,
+            "timed": loaded.workload.timed,
+            "chat_turns": loaded.chat_turns,
+        }
+        return loaded.workload, info, loaded
     # An explicit option wins over the named workload's, which wins over the
     # default.
     values: dict[str, str] = {}
@@ -152,7 +213,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, Any]]:
         "arrival_gap": str(gap),
         "seed": seed,
     }
-    return workload, {"synthetic": options}
+    return workload, {"synthetic": options}, None
 
 
 class _ProgressBar:
@@ -186,57 +247,173 @@ class _ProgressBar:
             self.bar.stop()
 
 
+def _memories(args: argparse.Namespace) -> list[str | None]:
+    """The ``--memory`` values: one, or a comma-separated list (a sweep)."""
+    if args.memory is None or "," not in args.memory:
+        return [args.memory]
+    values = [v.strip() for v in args.memory.split(",")]
+    if any(not v for v in values):
+        msg = f"--memory takes a size or a comma-separated list of sizes, got {args.memory!r}"
+        raise CliUsageError(msg)
+    return list(values)
+
+
+def _plan_doc(planned: Planned) -> dict[str, Any]:
+    return {
+        "packing_policy": planned.plan.packing_policy,
+        "num_blocks": planned.plan.num_blocks,
+        "bytes_per_block": planned.plan.bytes_per_block,
+        "scheduler_block_size": planned.plan.scheduler_block_size,
+        "hash_block_size": planned.plan.hash_block_size,
+        "enable_prefix_caching": planned.plan.enable_prefix_caching,
+    }
+
+
+def _ceiling_doc(
+    ceiling: TraceCeiling | None, result: SimulationResult
+) -> dict[str, Any] | None:
+    if ceiling is None:
+        return None
+    doc = ceiling.to_dict()
+    doc["hit_rate_over_ceiling"] = (
+        result.prefix_hit_rate / ceiling.rate if ceiling.rate else None
+    )
+    return doc
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    planned = plan_from_args(args)
-    workload, source = _workload(args)
+    _trace_only(args)
+    memories = _memories(args)
+    if (args.png is not None or args.svg is not None) and args.memory is None:
+        msg = "--png and --svg draw hit rate against --memory; give --memory SIZES"
+        raise CliUsageError(msg)
+    workload, source, loaded = _workload(args)
     max_steps = (
         None if args.max_steps is None else _int(args.max_steps, "--max-steps", 1)
     )
-    driver = Driver(
-        planned.plan,
-        registry=planned.registry,
-        max_num_batched_tokens=planned.max_num_batched_tokens,
-        keep_finished=args.keep_finished,
-        max_steps=max_steps,
-        validate=args.validate,
-    )
-    bar = _ProgressBar(len(workload)) if sys.stderr.isatty() else None
-    try:
-        result = driver.run(workload, progress=bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    prefill_rate = _rate(args.prefill_rate, "--prefill-rate", DEFAULT_PREFILL_RATE)
+    decode_rate = _rate(args.decode_rate, "--decode-rate", DEFAULT_DECODE_RATE)
+    runs: list[tuple[Planned, SimulationResult, TraceCeiling | None]] = []
+    for memory in memories:
+        one = copy.copy(args)
+        one.memory = memory
+        planned = plan_from_args(one)
+        driver = Driver(
+            planned.plan,
+            registry=planned.registry,
+            max_num_batched_tokens=planned.max_num_batched_tokens,
+            keep_finished=args.keep_finished,
+            max_steps=max_steps,
+            validate=args.validate,
+            prefill_rate=prefill_rate,
+            decode_rate=decode_rate,
+        )
+        bar = _ProgressBar(len(workload)) if sys.stderr.isatty() else None
+        try:
+            result = driver.run(workload, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        ceiling = (
+            None
+            if loaded is None
+            else loaded.ceiling(plan_hit_granularity(planned.plan) or 1)
+        )
+        runs.append((planned, result, ceiling))
+    workload_doc = {
+        **source,
+        "requests": len(workload),
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": workload.output_tokens,
+    }
+    clock = {"prefill_rate": prefill_rate, "decode_rate": decode_rate}
     if args.json:
-        doc = {
+        docs = [
+            {
+                "memory": planned.budget.to_dict(),
+                "plan": _plan_doc(planned),
+                "ceiling": _ceiling_doc(ceiling, result),
+                "result": result.to_dict(),
+            }
+            for planned, result, ceiling in runs
+        ]
+        doc: dict[str, Any] = {
             "schema": SCHEMA_VERSION,
-            "model": planned.model.name,
-            "memory": planned.budget.to_dict(),
-            "plan": {
-                "packing_policy": planned.plan.packing_policy,
-                "num_blocks": planned.plan.num_blocks,
-                "bytes_per_block": planned.plan.bytes_per_block,
-                "scheduler_block_size": planned.plan.scheduler_block_size,
-                "hash_block_size": planned.plan.hash_block_size,
-                "enable_prefix_caching": planned.plan.enable_prefix_caching,
-            },
-            "workload": {
-                **source,
-                "requests": len(workload),
-                "prompt_tokens": workload.prompt_tokens,
-                "output_tokens": workload.output_tokens,
-            },
+            "model": runs[0][0].model.name,
+            **docs[0],
+            "workload": workload_doc,
+            "clock": clock,
             "keep_finished": args.keep_finished,
             "validate": args.validate,
-            "result": result.to_dict(),
         }
+        if len(runs) > 1:
+            doc["runs"] = docs
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
-        return 0
-    _print(planned.model.name, planned.memory, workload, result)
+    else:
+        for planned, result, ceiling in runs:
+            _print(planned.model.name, planned.memory, workload, result, ceiling)
+        if len(runs) > 1:
+            _print_curve(runs)
+    for target, fmt in ((args.svg, "svg"), (args.png, "png")):
+        if target is not None:
+            _draw_curve(runs, target, fmt)
     return 0
 
 
+def _draw_curve(
+    runs: list[tuple[Planned, SimulationResult, TraceCeiling | None]],
+    target: str,
+    fmt: str,
+) -> None:
+    from kvcore.tools.simulate.figure import CurvePoint, save_hit_rate_curve
+
+    points = [
+        CurvePoint(p.memory, r.prefix_hit_rate, r.bound_rate, r.preemptions)
+        for p, r, _ in runs
+    ]
+    ceiling = runs[0][2]
+    save_hit_rate_curve(
+        points,
+        target,
+        title=f"{runs[0][0].model.name}: prefix-hit rate against KV cache memory",
+        ceiling=None if ceiling is None else ceiling.rate,
+        fmt=fmt,
+    )
+
+
+def _print_curve(
+    runs: list[tuple[Planned, SimulationResult, TraceCeiling | None]],
+) -> None:
+    console = make_console()
+    table = Table(
+        title="hit rate against memory", title_justify="left", box=None, pad_edge=False
+    )
+    for name in ("memory", "blocks", "hit rate", "of ceiling", "bound", "preemptions"):
+        table.add_column(name, justify="right")
+    for planned, result, ceiling in runs:
+        share = (
+            "-"
+            if ceiling is None or not ceiling.rate
+            else f"{result.prefix_hit_rate / ceiling.rate:.1%}"
+        )
+        table.add_row(
+            format_size(planned.memory),
+            f"{result.num_blocks - 1:,}",
+            f"{result.prefix_hit_rate:.1%}",
+            share,
+            f"{result.bound_rate:.1%}",
+            f"{result.preemptions:,}",
+        )
+    console.print()
+    console.print(table)
+
+
 def _print(
-    model: str, memory: int, workload: Workload, result: SimulationResult
+    model: str,
+    memory: int,
+    workload: Workload,
+    result: SimulationResult,
+    ceiling: TraceCeiling | None = None,
 ) -> None:
     console = make_console()
     usable = result.num_blocks - 1
@@ -264,12 +441,31 @@ def _print(
             "token-level bound",
             f"{result.token_bound_tokens:,} tokens ({result.bound_rate:.1%})",
         ),
+        *(
+            []
+            if ceiling is None
+            else [
+                (
+                    "trace ceiling (unbounded cache)",
+                    f"{ceiling.ceiling_tokens:,} of {ceiling.input_tokens:,} "
+                    f"tokens ({ceiling.rate:.1%})",
+                ),
+                (
+                    "hit rate over the ceiling",
+                    f"{result.prefix_hit_rate / ceiling.rate:.1%}"
+                    if ceiling.rate
+                    else "-",
+                ),
+            ]
+        ),
         (
             "peak blocks in use",
             f"{result.peak_blocks_in_use:,} of {usable:,} ({result.peak_usage:.1%})",
         ),
         ("mean blocks in use", f"{result.mean_blocks_in_use:,.1f}"),
         ("peak requests holding blocks", f"{result.peak_running:,}"),
+        ("mean requests holding blocks", f"{result.mean_running:,.1f}"),
+        *([("simulated time", f"{result.clock_s:,.1f} s")] if result.timed else []),
         ("refused steps", f"{result.refused_steps:,}"),
         ("preemptions", f"{result.preemptions:,}"),
         ("admissions refused (waited)", f"{result.admission_refusals:,}"),
@@ -337,8 +533,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     work.add_argument(
         "--trace",
         metavar="FILE",
-        help="JSON lines, one request a line (arrival step, prompt or prompt_len, "
-        "prefix_id/prefix_len, parent, output_len)",
+        help="JSON lines, one request a line: a Mooncake or Qwen-Bailian trace "
+        "(timestamp, input_length, output_length, hash_ids) or kvcore's own format "
+        "(arrival step, prompt or prompt_len, prefix_id/prefix_len, parent, "
+        "output_len); the format is detected from the first line",
+    )
+    work.add_argument(
+        "--trace-format",
+        choices=TRACE_FORMATS,
+        help="the --trace file's format, instead of detecting it",
+    )
+    work.add_argument(
+        "--trace-block-tokens",
+        metavar="N",
+        help="tokens per hash id of a Mooncake or Bailian trace (default 512 and 16)",
+    )
+    work.add_argument(
+        "--no-timing",
+        action="store_true",
+        help="replay a timed trace in order, every request due at once, instead "
+        "of at its timestamp on the simulated clock",
     )
     work.add_argument(
         "--workload",
@@ -380,6 +594,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     run = parser.add_argument_group("run")
     run.add_argument(
+        "--prefill-rate",
+        metavar="TOKENS",
+        help="prefill tokens a second on the simulated clock of a timed trace "
+        f"(default {DEFAULT_PREFILL_RATE:,.0f})",
+    )
+    run.add_argument(
+        "--decode-rate",
+        metavar="STEPS",
+        help="decode steps a second on the simulated clock: a step that decodes "
+        f"costs 1/STEPS s more (default {DEFAULT_DECODE_RATE:,.0f})",
+    )
+    run.add_argument(
         "--max-steps",
         metavar="N",
         help="stop after N steps; the rest are reported unfinished",
@@ -402,4 +628,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help=f"print the figures as JSON (its schema member is {SCHEMA_VERSION!r}; fields in the docs)",
     )
+    out.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="draw prefix-hit rate against --memory (a comma-separated list of "
+        "sizes replays the workload at each) as SVG; needs matplotlib",
+    )
+    out.add_argument("--png", metavar="FILE", help="the same picture as PNG")
     parser.set_defaults(func=_cmd_simulate)

@@ -35,6 +35,8 @@ count towards its bound.  With ``validate=True`` a content oracle
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections import deque
 from collections.abc import Callable
 
@@ -52,13 +54,34 @@ from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
 from kvcore.tools.simulate.bound import ComputedPrefixes
 from kvcore.tools.simulate.oracle import ContentOracle
-from kvcore.tools.simulate.result import GroupUsage, SimulationResult, Unserved
-from kvcore.tools.simulate.workload import Workload, WorkloadRequest
+from kvcore.tools.simulate.result import (
+    ConcurrencySample,
+    GroupUsage,
+    SimulationResult,
+    Unserved,
+)
+from kvcore.tools.simulate.workload import TokenRun, Workload, WorkloadRequest
 
 __all__ = ["Driver", "ProgressCallback", "SimulationError", "simulate"]
 
 #: Steps between two counts of each group's cached blocks (see ``Driver``).
 CACHE_SAMPLE_EVERY = 8
+
+#: Prefill tokens a second the simulated clock charges (a timed workload).
+DEFAULT_PREFILL_RATE = 10_000.0
+
+#: Decode steps a second the simulated clock charges (a timed workload): a
+#: step with any decode costs ``1 / decode_rate`` seconds on top of its
+#: prefill tokens.
+DEFAULT_DECODE_RATE = 50.0
+
+#: At most this many points of admitted concurrency over time are reported.
+CONCURRENCY_POINTS = 100
+
+#: Cached blocks one count may pass over per sampling interval: once a
+#: count finds more than this many, the next count waits that many times
+#: longer, so counting a large prefix cache costs a bounded share of a run.
+CACHE_SAMPLE_SPAN = 16384
 
 #: ``progress(step, resolved, total)``: called once per step that did work.
 ProgressCallback = Callable[[int, int, int], None]
@@ -90,6 +113,17 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
+def _rate(name: str, value: object) -> float:
+    if (
+        type(value) not in (int, float)
+        or not math.isfinite(value)  # type: ignore[arg-type]
+        or value <= 0  # type: ignore[operator]
+    ):
+        msg = f"{name} must be a positive finite number, got {value!r}"
+        raise SimulationError(msg)
+    return float(value)  # type: ignore[arg-type]
+
+
 class Driver:
     """Replays workloads through a fresh :class:`KVCacheManager` of ``plan``.
 
@@ -111,6 +145,12 @@ class Driver:
     :param cache_sample_every: count the cached (hashed) blocks of each
         group every this many steps (a pass over the prefix cache; 1 counts
         every step).
+    :param prefill_rate: prefill tokens a second, for a timed workload
+        (requests with ``arrival_s``): a step costs its prefill tokens over
+        this rate ...
+    :param decode_rate: ... plus ``1 / decode_rate`` seconds when it
+        decodes any request.  A request arrives once the clock reaches its
+        ``arrival_s``; an idle clock jumps to the next arrival.
     """
 
     def __init__(
@@ -126,6 +166,8 @@ class Driver:
         hash_function: str = "sha256",
         validate: bool = False,
         cache_sample_every: int = CACHE_SAMPLE_EVERY,
+        prefill_rate: float = DEFAULT_PREFILL_RATE,
+        decode_rate: float = DEFAULT_DECODE_RATE,
     ) -> None:
         scheduler_block_size = plan.scheduler_block_size
         if scheduler_block_size is None or plan.hash_block_size is None:
@@ -159,6 +201,8 @@ class Driver:
         self.hash_function = hash_function
         self.validate = bool(validate)
         self.cache_sample_every = _positive("cache_sample_every", cache_sample_every)
+        self.prefill_rate = _rate("prefill_rate", prefill_rate)
+        self.decode_rate = _rate("decode_rate", decode_rate)
         #: The manager of the last run (all its blocks are free after it).
         self.manager: KVCacheManager | None = None
 
@@ -240,6 +284,8 @@ class _Run:
         self.cached_peak = [0] * num_groups
         self.cached_total = [0] * num_groups
         self.cached_samples = 0
+        self.next_cache_sample = 0
+        self.cached_weight = 0
         #: Peaks over the samples of all groups' cached blocks together, and
         #: of the recurrent-state (checkpoint) groups' alone.
         self.cached_all_peak = 0
@@ -262,6 +308,20 @@ class _Run:
         self.refused = 0
         self.preemptions = 0
         self.admission_refusals = 0
+        self.timed = workload.timed
+        #: The simulated clock in seconds (advanced only for a timed workload).
+        self.clock = 0.0
+        #: Requests holding blocks after each step, and the clock then.
+        self.running_at = array("I")
+        self.clock_at = array("d")
+        #: The step's prefill tokens and decodes (for the clock).
+        self.step_prefill = 0
+        self.step_decodes = 0
+
+    def _due(self, spec: WorkloadRequest) -> bool:
+        if self.timed:
+            return spec.arrival_s is not None and spec.arrival_s <= self.clock
+        return False
 
     # -- queue ------------------------------------------------------------------
 
@@ -276,9 +336,10 @@ class _Run:
                 f"{self.max_model_len}",
             )
             return
+        prompt = spec.prompt
         request = Request(
             spec.id,
-            spec.prompt,
+            prompt.tokens() if isinstance(prompt, TokenRun) else prompt,
             hash_block_size=self.hash_block_size,
             hash_function=self.driver.hash_function,
         )
@@ -414,6 +475,10 @@ class _Run:
                     start + n,
                     manager.get_blocks(live.spec.id).blocks,
                 )
+            if n == 1 and request.num_output_tokens:
+                self.step_decodes += 1
+            else:
+                self.step_prefill += n
             request.num_computed_tokens += n
             dirty[live.spec.id] = live
             self.computed += n
@@ -429,44 +494,58 @@ class _Run:
                     request.append_output_token_ids(token)
         return finished
 
-    def _measure_cached(self) -> None:
+    def _measure_cached(self, step: int) -> None:
         pool = self.manager.block_pool
         self.cached_samples += 1
-        everything = states = 0
-        for g in range(len(self.cached_peak)):
-            count = pool.num_cached_blocks_of(g)
-            self.cached_total[g] += count
+        states = 0
+        counts = [pool.num_cached_blocks_of(g) for g in range(len(self.cached_peak))]
+        everything = sum(counts)
+        # A count stands for the steps until the next one: the mean weighs
+        # it by them (all alike while counts are below CACHE_SAMPLE_SPAN).
+        weight = max(1, everything // CACHE_SAMPLE_SPAN)
+        self.cached_weight += weight
+        for g, count in enumerate(counts):
+            self.cached_total[g] += count * weight
             if count > self.cached_peak[g]:
                 self.cached_peak[g] = count
-            everything += count
             if g in self.state_groups:
                 states += count
         self.cached_all_peak = max(self.cached_all_peak, everything)
         self.cached_states_peak = max(self.cached_states_peak, states)
+        self.next_cache_sample = step + self.driver.cache_sample_every * weight
 
     def _measure(self, step: int) -> None:
-        if step % self.driver.cache_sample_every == 0:
-            self._measure_cached()
+        if step >= self.next_cache_sample:
+            self._measure_cached(step)
         manager = self.manager
-        # Blocks hash by identity (one object per block id): the sets fill at
-        # C speed, and the null block is taken out once per group.
-        null = manager.block_pool.null_block
-        groups: list[set[KVCacheBlock]] = [set() for _ in self.peak]
-        for live in (*self.running, *self.held):
-            for ids, blocks in zip(
-                groups, manager.get_blocks(live.spec.id).blocks, strict=True
-            ):
-                ids.update(blocks)
-        for g, ids in enumerate(groups):
-            ids.discard(null)
-            count = len(ids)
+        in_use = manager.block_pool.num_blocks - 1 - manager.get_num_free_blocks()
+        counts: list[int]
+        if len(self.peak) == 1:
+            # One group: every block in use is in some table of it.
+            counts = [in_use]
+        else:
+            # Blocks hash by identity (one object per block id): the sets
+            # fill at C speed, and the null block is taken out once per group.
+            null = manager.block_pool.null_block
+            groups: list[set[KVCacheBlock]] = [set() for _ in self.peak]
+            for live in (*self.running, *self.held):
+                for ids, blocks in zip(
+                    groups, manager.get_blocks(live.spec.id).blocks, strict=True
+                ):
+                    ids.update(blocks)
+            counts = []
+            for ids in groups:
+                ids.discard(null)
+                counts.append(len(ids))
+        for g, count in enumerate(counts):
             self.total[g] += count
             if count > self.peak[g]:
                 self.peak[g] = count
-        in_use = manager.block_pool.num_blocks - 1 - manager.get_num_free_blocks()
         self.total_in_use += in_use
         self.peak_in_use = max(self.peak_in_use, in_use)
-        self.peak_running = max(self.peak_running, len(self.running) + len(self.held))
+        holding = len(self.running) + len(self.held)
+        self.peak_running = max(self.peak_running, holding)
+        self.running_at.append(holding)
 
     def _finish(self, finished: list[_Live]) -> None:
         for live in finished:
@@ -493,10 +572,18 @@ class _Run:
             ready, self.ready = self.ready, []
             for spec in ready:
                 self._arrive(spec)
-            while self.pending and self.pending[0].arrival <= step:
+            timed = self.timed
+            while self.pending and (
+                self._due(self.pending[0]) if timed else self.pending[0].arrival <= step
+            ):
                 self._arrive(self.pending.popleft())
             if not (self.waiting or self.running):
                 if self.ready:
+                    continue
+                if self.pending and timed:
+                    arrival_s = self.pending[0].arrival_s
+                    assert arrival_s is not None  # a timed workload's requests are
+                    self.clock = max(self.clock, arrival_s)
                     continue
                 if self.pending:
                     step = self.pending[0].arrival
@@ -506,7 +593,13 @@ class _Run:
                 break
             scheduled, budget = self._schedule_running(driver.max_num_batched_tokens)
             self._admit(budget, scheduled)
+            self.step_prefill = self.step_decodes = 0
             finished = self._compute(scheduled)
+            if timed:
+                self.clock += self.step_prefill / driver.prefill_rate
+                if self.step_decodes:
+                    self.clock += 1.0 / driver.decode_rate
+            self.clock_at.append(self.clock)
             self._measure(step)
             self._finish(finished)
             step += 1
@@ -514,6 +607,30 @@ class _Run:
             if self.progress is not None:
                 self.progress(step, len(self.resolved), total)
         return self._close(steps)
+
+    def _concurrency(self) -> tuple[ConcurrencySample, ...]:
+        """Requests holding blocks over the run's working steps, in at most
+        :data:`CONCURRENCY_POINTS` spans of equal steps."""
+        counts = self.running_at
+        n = len(counts)
+        if not n:
+            return ()
+        spans = min(n, CONCURRENCY_POINTS)
+        samples = []
+        for k in range(spans):
+            lo = k * n // spans
+            hi = (k + 1) * n // spans
+            part = counts[lo:hi]
+            samples.append(
+                ConcurrencySample(
+                    first_step=lo,
+                    last_step=hi - 1,
+                    clock_s=self.clock_at[hi - 1] if self.timed else None,
+                    mean=sum(part) / len(part),
+                    peak=max(part),
+                )
+            )
+        return tuple(samples)
 
     def _close(self, steps: int) -> SimulationResult:
         manager = self.manager
@@ -537,14 +654,20 @@ class _Run:
                 mean_blocks=self.total[g] / steps if steps else 0.0,
                 peak_cached_blocks=self.cached_peak[g],
                 mean_cached_blocks=(
-                    self.cached_total[g] / self.cached_samples
-                    if self.cached_samples
+                    self.cached_total[g] / self.cached_weight
+                    if self.cached_weight
                     else 0.0
                 ),
             )
             for g, group in enumerate(plan.kv_cache_groups)
         )
         return SimulationResult(
+            timed=self.timed,
+            clock_s=self.clock,
+            mean_running=(sum(self.running_at) / len(self.running_at))
+            if self.running_at
+            else 0.0,
+            concurrency=self._concurrency(),
             requests=len(self.workload),
             completed=self.completed,
             steps=steps,

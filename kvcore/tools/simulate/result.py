@@ -6,7 +6,33 @@ from typing import Any
 
 import attrs
 
-__all__ = ["GroupUsage", "SimulationResult", "Unserved"]
+__all__ = ["ConcurrencySample", "GroupUsage", "SimulationResult", "Unserved"]
+
+
+@attrs.frozen
+class ConcurrencySample:
+    """Requests holding blocks over a span of working steps (counted after
+    each step's allocation; kept finished requests included).
+
+    ``first_step`` and ``last_step`` index the steps that did work (idle
+    jumps between arrivals are not steps); ``clock_s`` is the simulated clock
+    at the span's end for a timed workload, else ``None``.
+    """
+
+    first_step: int
+    last_step: int
+    clock_s: float | None
+    mean: float
+    peak: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "clock_s": self.clock_s,
+            "mean": self.mean,
+            "peak": self.peak,
+        }
 
 
 @attrs.frozen
@@ -18,7 +44,9 @@ class GroupUsage:
     ``peak_cached_blocks`` and ``mean_cached_blocks`` count the group's
     blocks that hold a prefix-cache key (cached: in a table or free and
     evictable), what the cached states and prefixes cost; they are sampled
-    every ``Driver.cache_sample_every`` steps (the first step included).
+    every ``Driver.cache_sample_every`` steps (the first step included),
+    sparser once the cache holds more than ``CACHE_SAMPLE_SPAN`` blocks, and
+    the mean weighs each count by the steps it stands for.
     """
 
     group: int
@@ -83,6 +111,11 @@ class SimulationResult:
         once, all groups together (sampled as ``GroupUsage``'s counts).
     :param peak_cached_state_blocks: the same over the recurrent-state
         (checkpoint) groups alone: what keeping states costs.
+    :param timed: whether requests arrived on the simulated clock.
+    :param clock_s: the simulated clock at the end (0 when not timed).
+    :param mean_running: requests holding blocks, averaged over the working
+        steps.
+    :param concurrency: the same over time, in spans of steps.
     :param validated: whether the content oracle checked the hits.
     :param checked_hits: admissions with a hit the oracle checked.
     :param invalid_hits: of those, hits whose blocks did not hold the
@@ -116,6 +149,10 @@ class SimulationResult:
     checked_hits: int = 0
     invalid_hits: int = 0
     invalid_hit_reports: tuple[str, ...] = ()
+    timed: bool = False
+    clock_s: float = 0.0
+    mean_running: float = 0.0
+    concurrency: tuple[ConcurrencySample, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -174,4 +211,8 @@ class SimulationResult:
             "checked_hits": self.checked_hits,
             "invalid_hits": self.invalid_hits,
             "invalid_hit_reports": list(self.invalid_hit_reports),
+            "timed": self.timed,
+            "clock_s": self.clock_s,
+            "mean_running": self.mean_running,
+            "concurrency": [c.to_dict() for c in self.concurrency],
         }

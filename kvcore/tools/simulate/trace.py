@@ -32,7 +32,12 @@ from typing import NoReturn
 
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT
 from kvcore.errors import KvcoreValueError
-from kvcore.tools.simulate.workload import Workload, WorkloadRequest, token_stream
+from kvcore.tools.simulate.workload import (
+    Workload,
+    WorkloadRequest,
+    as_tuple,
+    token_stream,
+)
 
 __all__ = ["FIELDS", "TraceError", "load_trace", "parse_trace"]
 
@@ -162,7 +167,7 @@ def _parse_line(
         parent = by_id.get(parent_id)
         if parent is None:
             fail("parent", f"{parent_id!r} is not the id of an earlier line")
-        head = parent.prompt + parent.output
+        head = as_tuple(parent.prompt) + parent.output
     if prefix_id is not None:
         length = count("prefix_len", 1)
         stream = prefixes.get(prefix_id, [])

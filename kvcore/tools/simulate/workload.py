@@ -10,8 +10,10 @@ the same ids on every platform and Python version.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 import attrs
 import numpy as np
@@ -23,6 +25,7 @@ from kvcore.tools.simulate.lengths import Distribution, parse_distribution
 __all__ = [
     "NAMED_WORKLOADS",
     "VOCAB_SIZE",
+    "TokenRun",
     "Workload",
     "WorkloadError",
     "WorkloadRequest",
@@ -48,6 +51,67 @@ def token_stream(key: str, count: int) -> list[int]:
     return (np.frombuffer(raw, dtype="<u4") % VOCAB_SIZE).tolist()  # type: ignore[no-any-return]
 
 
+class TokenRun(Sequence[int]):
+    """An immutable run of token ids kept as little-endian 4-byte words.
+
+    A replayed trace holds millions of prompt tokens; as Python ints they
+    cost about 40 bytes each, as words 4, and parts (a trace's blocks) are
+    shared between the requests that repeat them.  The ints are made when
+    the run is read (:meth:`tokens`).
+    """
+
+    __slots__ = ("_len", "_parts")
+
+    def __init__(self, parts: Iterable[bytes]) -> None:
+        self._parts = tuple(parts)
+        total = sum(len(p) for p in self._parts)
+        if total % 4:
+            msg = "a token run's parts must hold whole 4-byte token ids"
+            raise WorkloadError(msg)
+        self._len = total // 4
+
+    @property
+    def parts(self) -> tuple[bytes, ...]:
+        return self._parts
+
+    def tokens(self) -> list[int]:
+        """The token ids as a new list."""
+        return np.frombuffer(b"".join(self._parts), dtype="<u4").tolist()  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tokens())
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(self.tokens()[index])
+        return self.tokens()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenRun):
+            return b"".join(self._parts) == b"".join(other._parts)
+        if isinstance(other, (tuple, list)):
+            return len(other) == self._len and list(other) == self.tokens()
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(b"".join(self._parts))
+
+    def __repr__(self) -> str:
+        return f"TokenRun({self._len} tokens)"
+
+
+def as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
+    """``tokens`` as a tuple (a tuple is returned as is)."""
+    return tokens if isinstance(tokens, tuple) else tuple(tokens)
+
+
 @attrs.frozen
 class WorkloadRequest:
     """One request: when it arrives, its prompt, and the output it generates.
@@ -60,14 +124,18 @@ class WorkloadRequest:
     :param prefix_id: the shared prefix its prompt starts with, if any.
     :param parent: the earlier turn whose prompt and output this prompt
         extends; the request is not admitted before the parent finishes.
+    :param arrival_s: the second it arrives on the simulated clock (a timed
+        trace); ``None`` for a request that arrives at step ``arrival``.
+        A workload's requests are either all timed or none.
     """
 
     id: str
     arrival: int
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...] | TokenRun
     output: tuple[int, ...]
     prefix_id: str | None = None
     parent: str | None = None
+    arrival_s: float | None = None
 
     @property
     def output_len(self) -> int:
@@ -89,6 +157,8 @@ class Workload:
     def __attrs_post_init__(self) -> None:
         seen: dict[str, WorkloadRequest] = {}
         last_arrival = 0
+        last_s = 0.0
+        timed = bool(self.requests) and self.requests[0].arrival_s is not None
         for index, request in enumerate(self.requests):
             where = f"request {index} ({request.id!r})"
             if type(request.id) is not str or not request.id:
@@ -107,6 +177,24 @@ class Workload:
                 )
                 raise WorkloadError(msg)
             last_arrival = request.arrival
+            if (request.arrival_s is not None) != timed:
+                msg = (
+                    f"{where}: arrival_s is {request.arrival_s!r} but the first "
+                    "request's is not; give every request a time or none"
+                )
+                raise WorkloadError(msg)
+            if request.arrival_s is not None:
+                t = request.arrival_s
+                if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
+                    msg = f"{where}: arrival_s must be a finite number >= 0, got {t!r}"
+                    raise WorkloadError(msg)
+                if t < last_s:
+                    msg = (
+                        f"{where}: arrives at {t} s, before the request ahead of "
+                        f"it ({last_s} s); list requests in arrival order"
+                    )
+                    raise WorkloadError(msg)
+                last_s = t
             if not request.prompt:
                 msg = f"{where}: the prompt is empty; a request needs a prompt token"
                 raise WorkloadError(msg)
@@ -120,7 +208,7 @@ class Workload:
                         f"{where}: parent {request.parent!r} is not an earlier request"
                     )
                     raise WorkloadError(msg)
-                text = parent.prompt + parent.output
+                text = as_tuple(parent.prompt) + parent.output
                 if request.prompt[: len(text)] != text:
                     msg = (
                         f"{where}: the prompt does not start with parent "
@@ -135,6 +223,11 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    @property
+    def timed(self) -> bool:
+        """Whether the requests arrive at times (``arrival_s``), not steps."""
+        return bool(self.requests) and self.requests[0].arrival_s is not None
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,0 +1,466 @@
+"""Replaying the public trace formats (Mooncake, Qwen-Bailian)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import kvcore
+import kvcore.tools.zoo
+from kvcore.coordinator import Request
+from kvcore.errors import KvcoreValueError
+from kvcore.limits import MAX_TRACE_REQUEST_TOKENS
+from kvcore.plan.block_sizes import plan_hit_granularity
+from kvcore.serialize import load_model_file
+from kvcore.structs import KVCacheConfig
+from kvcore.tools.cli import main
+from kvcore.tools.simulate import Driver, TraceError
+from kvcore.tools.simulate.public_traces import (
+    block_tokens_of,
+    detect_trace_format,
+    parse_any_trace,
+    trace_ceiling,
+)
+from kvcore.tools.simulate.workload import TokenRun
+
+MOONCAKE = (
+    Path(__file__).parent / "fixtures" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
+)
+
+
+@cache
+def mooncake_lines() -> tuple[str, ...]:
+    return tuple(gzip.decompress(MOONCAKE.read_bytes()).decode().splitlines())
+
+
+def mooncake(ts: int, length: int, out: int, ids: list[int]) -> str:
+    return json.dumps(
+        {"timestamp": ts, "input_length": length, "output_length": out, "hash_ids": ids}
+    )
+
+
+def bailian(
+    chat: int, parent: int, ts: float, length: int, out: int, ids: list[int]
+) -> str:
+    return json.dumps(
+        {
+            "chat_id": chat,
+            "parent_chat_id": parent,
+            "turn": 1 if parent < 0 else 2,
+            "timestamp": ts,
+            "input_length": length,
+            "output_length": out,
+            "hash_ids": ids,
+            "type": "text",
+        }
+    )
+
+
+@cache
+def llama_plan(
+    memory: int, max_model_len: int = 2**18
+) -> tuple[KVCacheConfig, kvcore.KindRegistry]:
+    registry = kvcore.default_registry()
+    model = load_model_file(kvcore.tools.zoo.path("llama-3-1-8b"), registry)
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True
+        ),
+        max_model_len=max_model_len,
+    )
+    return kvcore.plan_kv_cache(
+        config, model.layers, memory, registry=registry
+    ), registry
+
+
+def independent_ceiling(
+    lines: list[str] | tuple[str, ...], block: int
+) -> tuple[int, int]:
+    """Prompt tokens, and those an unbounded cache serves: whole shared
+    blocks (a block is shared when its chain of ids was seen), less one
+    token of a request served whole."""
+    seen: set[tuple[int, ...]] = set()
+    total = served = 0
+    for line in lines:
+        rec = json.loads(line)
+        length, ids = rec["input_length"], rec["hash_ids"]
+        total += length
+        k = 0
+        while k < len(ids) and tuple(ids[: k + 1]) in seen:
+            k += 1
+        served += min(k * block, length - 1)
+        seen.update(tuple(ids[: i + 1]) for i in range(len(ids)))
+    return total, served
+
+
+# -- formats -----------------------------------------------------------------------
+
+
+def test_formats_are_detected_from_the_first_record() -> None:
+    assert detect_trace_format(json.loads(mooncake(0, 10, 1, [1]))) == "mooncake"
+    assert detect_trace_format(json.loads(bailian(1, -1, 0, 10, 1, [1]))) == "bailian"
+    assert detect_trace_format({"prompt_len": 3, "output_len": 1}) == "kvcore"
+    assert detect_trace_format([1, 2]) == "kvcore"
+    assert parse_any_trace(["", mooncake(0, 10, 1, [1])]).format == "mooncake"
+    loaded = parse_any_trace([bailian(1, -1, 0, 10, 1, [1])])
+    assert (loaded.format, loaded.block_tokens) == ("bailian", 16)
+    kv = parse_any_trace(['{"prompt_len": 3, "output_len": 1}'])
+    assert kv.format == "kvcore"
+    assert kv.ceiling() is None
+    # Forced: a Mooncake line read as Bailian misses chat_id.
+    with pytest.raises(TraceError, match="field 'chat_id'"):
+        parse_any_trace([mooncake(0, 10, 1, [1])], trace_format="bailian")
+    with pytest.raises(TraceError, match="unknown trace format 'vllm'"):
+        parse_any_trace([mooncake(0, 10, 1, [1])], trace_format="vllm")
+
+
+def test_a_mooncake_line_becomes_its_blocks_tokens() -> None:
+    loaded = parse_any_trace(
+        [mooncake(0, 1000, 3, [7, 8]), mooncake(1500, 600, 2, [7, 9])]
+    )
+    a, b = loaded.workload.requests
+    assert (a.arrival_s, b.arrival_s) == (0.0, 1.5)  # ms on the clock
+    assert isinstance(a.prompt, TokenRun)
+    tokens_a, tokens_b = list(a.prompt), list(b.prompt)
+    assert len(tokens_a) == 1000
+    assert len(tokens_b) == 600
+    assert a.output_len == 3
+    assert all(0 <= t < 2**32 for t in tokens_a + tokens_b)
+    own = list(TokenRun((block_tokens_of(7, 512),)))
+    assert tokens_a[:512] == tokens_b[:512] == own
+    # The partial last block is the first tokens of its id's stream.
+    assert tokens_a[512:] == list(TokenRun((block_tokens_of(8, 512),)))[:488]
+    assert tokens_b[512:] != tokens_a[512:600]
+    untimed = parse_any_trace([mooncake(0, 10, 1, [1])], timing=False)
+    assert untimed.workload.requests[0].arrival_s is None
+    assert not untimed.workload.timed
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256, 2048])
+def test_equal_ids_give_equal_prefixes_at_any_block_size(block_size: int) -> None:
+    # Five shared 512-token blocks (2,560 tokens), then different ones.
+    shared = [11, 12, 13, 14, 15]
+    loaded = parse_any_trace(
+        [
+            mooncake(0, 4096, 1, [*shared, 20, 21, 22]),
+            mooncake(0, 4096, 1, [*shared, 30, 31, 32]),
+        ]
+    )
+    hashes = [
+        Request(r.id, list(r.prompt), hash_block_size=block_size).block_hashes
+        for r in loaded.workload.requests
+    ]
+    same = 2560 // block_size
+    assert len(hashes[0]) == len(hashes[1]) == 4096 // block_size
+    assert hashes[0][:same] == hashes[1][:same]
+    assert hashes[0][same] != hashes[1][same]
+    # A block id's stream is the same at every block length it is cut to.
+    assert block_tokens_of(12, 16) == block_tokens_of(12, 512)[: 4 * 16]
+
+
+def test_a_bailian_turn_extends_its_parents_chat() -> None:
+    lines = [
+        # Chat 1: 40 prompt tokens (16 + 16 + 8), 10 output tokens.
+        bailian(1, -1, 0.0, 40, 10, [100, 101, 102]),
+        # Its next turn: the parent's full blocks, then the rest of the chat.
+        bailian(2, 1, 5.0, 70, 4, [100, 101, 200, 201, 202]),
+        # Same parent, but ids that do not start with the parent's: a fresh
+        # prompt, not a continuation.
+        bailian(3, 1, 6.0, 70, 4, [300, 301, 302, 303, 304]),
+        # A parent outside the trace: a first turn.
+        bailian(4, 99, 7.0, 20, 1, [400, 401]),
+    ]
+    loaded = parse_any_trace(lines)
+    assert loaded.chat_turns == 1
+    one, two, three, four = loaded.workload.requests
+    assert two.parent == "1"
+    assert three.parent is None
+    assert four.parent is None
+    chat = list(one.prompt) + list(one.output)
+    assert list(two.prompt)[:50] == chat
+    assert len(two.prompt) == 70
+    # The tokens after the parent's prompt and output are the turn's own
+    # blocks' tokens at those positions (position 50 is offset 2 of block 3).
+    assert (
+        list(two.prompt)[50:]
+        == list(TokenRun((block_tokens_of(201, 16),)))[2:]
+        + list(TokenRun((block_tokens_of(202, 16),)))[:6]
+    )
+    # Replayed, the turn hits its parent's prompt and output (49 computed
+    # tokens: three whole 16-token blocks).
+    plan, registry = llama_plan(2**30, 4096)
+    result = Driver(plan, registry=registry).run(loaded.workload)
+    assert result.completed == 4
+    assert result.prefix_hit_tokens == 48
+    # The ceiling counts the ids alone: turn 2 shares 32 tokens of turn 1.
+    ceiling = loaded.ceiling()
+    assert ceiling is not None
+    assert ceiling.ceiling_tokens == 32
+
+
+def test_the_ceiling_counts_whole_shared_blocks() -> None:
+    records = [
+        (8, [1, 2]),  # nothing before it
+        (10, [1, 2, 3]),  # shares both blocks: 8
+        (6, [1, 9]),  # shares block 1: 4
+        (8, [1, 2]),  # shares everything, less the token it computes: 7
+        (6, [5, 6]),  # block 6 holds 2 tokens
+        (8, [5, 6]),  # shares 4 + the 2 tokens of block 6 seen before: 6
+        (8, [5, 6]),  # block 6 was seen whole now: all but one, 7
+    ]
+    ceiling = trace_ceiling(records, 4)
+    assert ceiling.input_tokens == 54
+    assert ceiling.ceiling_tokens == 8 + 4 + 7 + 6 + 7
+    aligned = trace_ceiling(records, 4, granularity=4)
+    assert aligned.aligned_tokens == 8 + 4 + 4 + 4 + 4
+
+
+# -- hostile lines -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "match"),
+    [
+        ('{"timestamp": 0, "input_length": ', None, "not valid JSON"),
+        ("[1, 2]", None, "must be a JSON object"),
+        (mooncake(0, -5, 1, []), "input_length", "must be an int >= 1"),
+        (mooncake(0, 10, 0, [1]), "output_length", "must be an int >= 1"),
+        (mooncake(0, 1024, 1, [1, 2, 3]), "hash_ids", "fills only 2 blocks"),
+        (mooncake(0, 10, 1, ["a"]), "hash_ids", "id 0 is 'a'"),
+        (mooncake(0, 10, 1, [1.5]), "hash_ids", "id 0 is 1.5"),
+        (mooncake(0, 10, 1, [True]), "hash_ids", "id 0 is True"),
+        (mooncake(0, 10, 1, [-1]), "hash_ids", "id 0 is -1"),
+        (mooncake(0, 10, 1, [2**64]), "hash_ids", "ids are ints in"),
+        (
+            mooncake(0, MAX_TRACE_REQUEST_TOKENS + 1, 1, [1]),
+            "input_length",
+            "MAX_TRACE_REQUEST_TOKENS",
+        ),
+        (mooncake(0, 10, 10**12, [1]), "output_length", "MAX_TRACE_REQUEST_TOKENS"),
+        (mooncake(-1, 10, 1, [1]), "timestamp", "finite number"),
+        (
+            '{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": []}',
+            "timestamp",
+            "finite",
+        ),
+        (
+            '{"timestamp": 9, "input_length": 10, "hash_ids": [1]}',
+            "output_length",
+            "missing",
+        ),
+        (mooncake(9, 10, 1, 7), "hash_ids", "must be a list"),  # type: ignore[arg-type]
+    ],
+)
+def test_hostile_mooncake_lines_are_refused(
+    line: str, field: str | None, match: str
+) -> None:
+    first = mooncake(0, 10, 1, [1])
+    with pytest.raises(TraceError, match=match) as info:
+        parse_any_trace([first, line], source="t.jsonl", trace_format="mooncake")
+    err = info.value
+    assert isinstance(err, KvcoreValueError)
+    assert isinstance(err, ValueError)
+    assert err.line == 2
+    assert err.field == field
+    assert str(err).startswith("t.jsonl line 2")
+    if field is not None:
+        assert f"field {field!r}" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "match"),
+    [
+        (bailian(1, -1, 1, 10, 1, [1]), "chat_id", "used by an earlier line"),
+        (bailian(-1, -1, 1, 10, 1, [1]), "chat_id", "must not be -1"),
+        (bailian(2, 2, 1, 10, 1, [1]), "parent_chat_id", "names the request itself"),
+        (
+            json.dumps(
+                {
+                    "chat_id": [1],
+                    "timestamp": 1,
+                    "input_length": 1,
+                    "output_length": 1,
+                    "hash_ids": [],
+                }
+            ),
+            "chat_id",
+            "must be an int >= 0",
+        ),
+    ],
+)
+def test_hostile_bailian_lines_are_refused(line: str, field: str, match: str) -> None:
+    with pytest.raises(TraceError, match=match) as info:
+        parse_any_trace([bailian(1, -1, 0, 10, 1, [1]), line], trace_format="bailian")
+    assert (info.value.line, info.value.field) == (2, field)
+
+
+def test_a_trace_out_of_arrival_order_is_refused() -> None:
+    lines = [mooncake(8, 10, 1, [1]), mooncake(5, 10, 1, [1])]
+    with pytest.raises(TraceError, match="before the previous line's") as info:
+        parse_any_trace(lines)
+    assert (info.value.line, info.value.field) == (2, "timestamp")
+
+
+def test_an_empty_trace_is_refused() -> None:
+    with pytest.raises(TraceError, match="holds no requests"):
+        parse_any_trace(["", "  "], trace_format="mooncake")
+
+
+# -- replay ------------------------------------------------------------------------
+
+
+def test_a_timed_trace_runs_on_the_simulated_clock() -> None:
+    lines = [mooncake(0, 100, 3, [1]), mooncake(10_000, 100, 3, [2])]
+    loaded = parse_any_trace(lines)
+    plan, registry = llama_plan(2**30, 4096)
+    driver = Driver(plan, registry=registry, prefill_rate=1000.0, decode_rate=50.0)
+    result = driver.run(loaded.workload)
+    # Each: a 100-token prefill (0.1 s) and two decodes (0.02 s each); the
+    # idle clock jumps to the second arrival at 10 s.
+    assert result.timed
+    assert result.clock_s == pytest.approx(10.14)
+    assert result.steps == 6
+    assert [c.peak for c in result.concurrency] == [1] * 6
+    assert result.concurrency[-1].clock_s == pytest.approx(10.14)
+    untimed = Driver(plan, registry=registry).run(
+        parse_any_trace(lines, timing=False).workload
+    )
+    assert not untimed.timed
+    assert untimed.clock_s == 0.0
+    assert untimed.completed == 2
+
+
+def test_a_trace_subset_replays_to_its_ceiling() -> None:
+    lines = mooncake_lines()[:60]
+    loaded = parse_any_trace(lines)
+    plan, registry = llama_plan(128 * 2**30)
+    granularity = plan_hit_granularity(plan)
+    assert granularity == 16
+    ceiling = loaded.ceiling(granularity)
+    assert ceiling is not None
+    total, served = independent_ceiling(lines, 512)
+    assert (ceiling.input_tokens, ceiling.ceiling_tokens) == (total, served)
+    assert ceiling.ceiling_tokens > 0
+    for workload in (loaded.workload, parse_any_trace(lines, timing=False).workload):
+        result = Driver(plan, registry=registry).run(workload)
+        assert result.completed == 60
+        assert result.preemptions == 0
+        assert result.evictions == 0
+        # An ample pool serves exactly the ceiling, rounded down to whole
+        # 16-token blocks per request; a perfect token cache, the ceiling.
+        assert result.prefix_hit_tokens == ceiling.aligned_tokens
+        assert result.token_bound_tokens == ceiling.ceiling_tokens
+        assert result.prompt_tokens_looked_up == total
+
+
+def test_the_shared_traces_ceiling_is_65_1_percent() -> None:
+    loaded = parse_any_trace(mooncake_lines())
+    assert len(loaded.workload) == 3993
+    ceiling = loaded.ceiling(16)
+    assert ceiling is not None
+    total, served = independent_ceiling(mooncake_lines(), 512)
+    assert (ceiling.input_tokens, ceiling.ceiling_tokens) == (total, served)
+    assert round(ceiling.rate, 3) == 0.651
+
+
+@pytest.mark.slow
+def test_the_shared_trace_replays_to_its_ceiling() -> None:
+    loaded = parse_any_trace(mooncake_lines())
+    plan, registry = llama_plan(3 * 2**40)
+    ceiling = loaded.ceiling(plan_hit_granularity(plan))
+    assert ceiling is not None
+    result = Driver(plan, registry=registry).run(loaded.workload)
+    assert result.completed == 3993
+    assert result.preemptions == 0
+    assert result.evictions == 0
+    assert result.prefix_hit_tokens == ceiling.aligned_tokens
+    assert result.token_bound_tokens == ceiling.ceiling_tokens
+    assert round(result.prefix_hit_rate, 3) == 0.651
+
+
+# -- the command -------------------------------------------------------------------
+
+
+def test_simulate_replays_a_mooncake_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text("\n".join(mooncake_lines()[:60]) + "\n")
+    args = ["simulate", "llama-3-1-8b", "--trace", str(trace)]
+    assert main([*args, "--memory", "128GiB", "--no-timing", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["format"] == "mooncake"
+    assert doc["workload"]["block_tokens"] == 512
+    assert doc["workload"]["timed"] is False
+    result, ceiling = doc["result"], doc["ceiling"]
+    assert result["completed"] == 60
+    assert result["prefix_hit_tokens"] == ceiling["aligned_tokens"] > 0
+    assert (
+        ceiling["ceiling_tokens"] == independent_ceiling(mooncake_lines()[:60], 512)[1]
+    )
+    assert ceiling["hit_rate_over_ceiling"] == pytest.approx(
+        ceiling["aligned_tokens"] / ceiling["ceiling_tokens"]
+    )
+    assert len(result["concurrency"]) <= 100
+    assert result["mean_running"] > 0
+    # A sweep over memory, drawn.
+    svg = tmp_path / "curve.svg"
+    sweep = [*args, "--memory", "2GiB,128GiB", "--svg", str(svg), "--json"]
+    assert main(sweep) == 0
+    doc = json.loads(capsys.readouterr().out)
+    runs = doc["runs"]
+    assert [r["memory"]["kv_cache_bytes"] for r in runs] == [2 * 2**30, 128 * 2**30]
+    small, ample = (r["result"] for r in runs)
+    # The timed replay of an ample pool serves the ceiling too; a pool of
+    # 1,023 blocks cannot hold the longest prompts.
+    assert ample["prefix_hit_tokens"] == runs[1]["ceiling"]["aligned_tokens"]
+    assert not ample["unserved"]
+    assert small["unserved"]
+    assert doc["result"] == runs[0]["result"]
+    assert svg.read_text().startswith("<?xml")
+    assert main([*args, "--memory", "2GiB,128GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "trace ceiling (unbounded cache)" in text
+    assert "hit rate against memory" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--trace-format", "mooncake"], "--trace-format shapes how a --trace"),
+        (["--no-timing"], "--no-timing shapes how a --trace"),
+        (["--svg", "x.svg"], "give --memory SIZES"),
+        (["--memory", "1GiB,,2GiB"], "comma-separated list"),
+        (
+            ["--trace", "TRACE", "--prefill-rate", "0"],
+            "--prefill-rate takes a positive",
+        ),
+        (
+            ["--trace", "TRACE", "--trace-block-tokens", "0"],
+            "--trace-block-tokens takes an int >= 1",
+        ),
+    ],
+)
+def test_simulate_refuses_bad_trace_options(
+    extra: list[str], match: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(mooncake(0, 10, 1, [1]) + "\n")
+    extra = [str(trace) if e == "TRACE" else e for e in extra]
+    assert main(["simulate", "llama-3-1-8b", *extra]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_simulate_names_the_bad_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(mooncake(0, 10, 1, [1]) + "\n" + mooncake(1, 10, 1, [1, 2]) + "\n")
+    assert main(["simulate", "llama-3-1-8b", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcore: error: ")
+    assert "line 2, field 'hash_ids'" in err
