@@ -143,6 +143,11 @@ class UnknownRequestError(KvcoreKeyError):
     """The coordinator holds no request with this id."""
 
 
+class ReentrantCallError(KvcoreError, RuntimeError):
+    """A cache manager called back into the ``KVCacheManager`` from inside a
+    step; the nested call is refused and the outer step undone."""
+
+
 class MissingExtraError(KvcoreError, ImportError):
     """An optional dependency is not installed; the message names the extra."""
 

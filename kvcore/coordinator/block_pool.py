@@ -35,6 +35,7 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
     NoFreeBlocksError,
+    ReentrantCallError,
 )
 from kvcore.limits import BLOCK_STATE_BYTES, MAX_NUM_BLOCKS, available_memory_bytes
 
@@ -420,7 +421,20 @@ class BlockPool:
     def begin(self) -> None:
         """Open a transaction: until :meth:`commit` or :meth:`rollback`, every
         change to reference counts, the free queue, the prefix cache and the
-        events is recorded so that :meth:`rollback` can undo it exactly."""
+        events is recorded so that :meth:`rollback` can undo it exactly.
+
+        A transaction already open means a cache manager called back into
+        the ``KVCacheManager`` from inside a step: the nested step is refused
+        (:class:`~kvcore.errors.ReentrantCallError`) before it changes
+        anything, and the outer step, seeing its manager raise, is undone."""
+        if self._journal is not None:
+            msg = (
+                "a step is already running on this block pool: a cache manager "
+                "called back into the KVCacheManager (allocate_slots, free or "
+                "reset_prefix_cache) from inside a step; managers must not call "
+                "the KVCacheManager, the outer step is undone"
+            )
+            raise ReentrantCallError(msg)
         self._journal = []
         self._events_mark = len(self._events)
 
@@ -986,8 +1000,16 @@ class BlockPool:
         """Forget every prefix-cache key.
 
         Only allowed while no block other than the null block is in use; returns
-        False, changing nothing, otherwise.
+        False, changing nothing, otherwise.  Refused inside a step (a cache
+        manager calling back, see :meth:`begin`).
         """
+        if self._journal is not None:
+            msg = (
+                "reset_prefix_cache was called from inside a step (by a cache "
+                "manager calling back into the KVCacheManager); managers must not "
+                "call the KVCacheManager, the outer step is undone"
+            )
+            raise ReentrantCallError(msg)
         if self.num_blocks - self.free_queue.num_free != 1:
             return False
         for group in self._cached.values():
