@@ -789,3 +789,33 @@ def test_the_documented_engine_side_runs() -> None:
     section = page.split("### Publishing", 1)[1].split("\n## ", 1)[0]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/coordinator.md", "exec"), {})
+
+
+def test_numpy_token_ids_reach_the_wire_as_plain_ints() -> None:
+    """An engine's numpy ids are accepted by the token rule; the events
+    carry them as ints, so the wire form encodes them."""
+    import numpy as np
+
+    spec = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=11,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+    mgr = KVCacheManager(
+        config, max_model_len=64, scheduler_block_size=4, enable_kv_cache_events=True
+    )
+    prompt = [np.int64(t) for t in range(1, 11)]
+    req = Request("r0", prompt, hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    req.append_output_token_ids([np.uint32(11), np.int32(12)])
+    assert mgr.allocate_slots(req, 2) is not None
+    events = mgr.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    tokens = [t for e in stored for t in e.token_ids]
+    assert tokens == list(range(1, 13))
+    assert {type(t) for t in tokens} == {int}
+    assert decode_event_batch(encode_event_batch(events)).events == tuple(events)

@@ -17,6 +17,7 @@ dropped with the block's full key, and raise no events (``BlockStored`` and
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
@@ -884,7 +885,9 @@ class BlockPool:
                 BlockStored(
                     tuple(block_hashes[start:end]),
                     block_hashes[start - 1] if start else None,
-                    tuple(token_ids[start * size : end * size]),
+                    # Plain ints, whatever int-like ids (numpy ints) the
+                    # engine passed: the wire form takes only ints.
+                    tuple(map(operator.index, token_ids[start * size : end * size])),
                     size,
                     group_id,
                     info.kind,
