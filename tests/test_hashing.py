@@ -474,3 +474,25 @@ def test_digests_are_identical_in_another_process(seed: str) -> None:
         ).hash_new_blocks(list(range(64)), hashes)
         assert child[fn] == [h.hex() for h in hashes]
         assert len(hashes) == 4
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        b"abcdefgh",
+        bytearray(b"abcd"),
+        {1, 2, 3, 4},
+        {1: 0, 2: 0, 3: 0, 4: 0},
+        "abcd",
+        5,
+    ],
+    ids=["bytes", "bytearray", "set", "dict", "str", "int"],
+)
+def test_hash_prompt_refuses_what_is_no_token_sequence(tokens: object) -> None:
+    """Bytes, sets and a dict's keys pack as ints but are no token
+    sequence: the public hasher refuses them by type, as a request does."""
+    from kvcore.coordinator.hashing import BlockHasher
+    from kvcore.errors import KvcoreTypeError
+
+    with pytest.raises(KvcoreTypeError, match="must be a list or tuple of token ids"):
+        BlockHasher(4, "sha256").hash_prompt(tokens)  # type: ignore[arg-type]

@@ -33,7 +33,12 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
 )
-from kvcore.tokens import check_token_ids, pack_token_ids, token_struct
+from kvcore.tokens import (
+    check_token_ids,
+    check_token_sequence,
+    pack_token_ids,
+    token_struct,
+)
 
 __all__ = [
     "NONE_HASH",
@@ -94,7 +99,9 @@ def _sha256(data: bytes) -> bytes:
 #: starts every chained encoding after the first chunk's.
 _SHA256_AFTER_HEAD32 = _sha256_new(struct.pack("<I", 32))
 
-_chain_sha256: Callable[[list[int], int], list[BlockHash] | None] | None
+_chain_sha256: (
+    Callable[[list[int] | tuple[int, ...], int], list[BlockHash] | None] | None
+)
 try:
     # Built at install where a C compiler and OpenSSL are (hatch_build.py).
     from kvcore.coordinator._chainhash import chain_sha256 as _chain_sha256
@@ -458,7 +465,9 @@ class BlockHasher:
                     return 1
         return self.hash_new_blocks(token_ids, block_hashes)
 
-    def hash_prompt(self, token_ids: list[int]) -> list[BlockHash] | None:
+    def hash_prompt(
+        self, token_ids: list[int] | tuple[int, ...]
+    ) -> list[BlockHash] | None:
         """The hashes of every full chunk of a new request's prompt, its
         tokens (the unhashed tail's included) checked by one packing: the
         compiled pass where kvcore was built with it
@@ -467,7 +476,11 @@ class BlockHasher:
         ``None`` when this hasher gives some chunk an extra key of its own
         (a salt, a multimodal input), the prompt is empty, or it holds a
         token the token rule refuses: the request then takes its general
-        checks, which name what is wrong."""
+        checks, which name what is wrong.  Anything but a list or tuple (bytes,
+        a set, a dict's keys) is refused by type as no token sequence."""
+        given: object = token_ids  # public: callers pass anything
+        if type(given) is not list and type(given) is not tuple:
+            token_ids = check_token_sequence(given, "BlockHasher.hash_prompt")
         if self._mm_ends or self._cache_salt is not None or not token_ids:
             return None
         chain = _chain_sha256
