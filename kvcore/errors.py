@@ -139,6 +139,12 @@ class InvalidRequestError(KvcoreValueError):
     """A request was used against the rules of the block coordinator."""
 
 
+class InvalidRequestTypeError(InvalidRequestError, KvcoreTypeError):
+    """An argument of a scheduler call of the wrong type (a float or bool
+    token count, say): an :class:`InvalidRequestError` that is also a
+    ``TypeError``."""
+
+
 class UnknownRequestError(KvcoreKeyError):
     """The coordinator holds no request with this id."""
 

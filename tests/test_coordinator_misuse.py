@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -220,3 +222,132 @@ def test_lookahead_is_refused_for_align_mode_states() -> None:
     mgr = KVCacheManager(config, max_model_len=64, scheduler_block_size=4)
     with pytest.raises(kvcore.InvalidRequestError, match="lookahead"):
         mgr.allocate_slots(req("a", 7), 7, num_lookahead_tokens=2)
+
+
+def _entry_points() -> list[tuple[str, Any, type[Exception], str]]:
+    """Wrong arguments at the scheduler's entry points: what each is
+    refused as (the builtin class matters: TypeError for a wrong type,
+    ValueError for a wrong value) and a fragment of the message."""
+    import coordinator_setup as setup
+
+    from kvcore.coordinator import Request
+
+    def run(call: str) -> Any:
+        def go() -> Any:
+            mgr = setup.manager_for(
+                [setup.fa(4)], 32, scheduler_block_size=4, hash_block_size=4
+            )
+            req = Request("a", list(range(2, 12)), hash_block_size=4)
+            hit, _ = mgr.get_computed_blocks(req)
+            return eval(call, {"mgr": mgr, "req": req, "hit": hit})
+
+        return go
+
+    return [
+        (
+            "mgr.free(5)",
+            run("mgr.free(5)"),
+            TypeError,
+            "expected a kvcore.coordinator.Request",
+        ),
+        (
+            "mgr.free(None)",
+            run("mgr.free(None)"),
+            TypeError,
+            "expected a kvcore.coordinator.Request",
+        ),
+        (
+            "mgr.cache_blocks('a', 4)",
+            run("mgr.cache_blocks('a', 4)"),
+            TypeError,
+            "expected a kvcore.coordinator.Request",
+        ),
+        (
+            "mgr.cache_blocks(req, -4)",
+            run("mgr.cache_blocks(req, -4)"),
+            ValueError,
+            "num_computed_tokens must be a non-negative int",
+        ),
+        (
+            "mgr.cache_blocks(req, '4')",
+            run("mgr.cache_blocks(req, '4')"),
+            TypeError,
+            "num_computed_tokens must be a non-negative int",
+        ),
+        (
+            "mgr.allocate_slots(req, 1.5)",
+            run("mgr.allocate_slots(req, 1.5)"),
+            TypeError,
+            "asks for 1.5 new tokens",
+        ),
+        (
+            "mgr.allocate_slots(req, True)",
+            run("mgr.allocate_slots(req, True)"),
+            TypeError,
+            "asks for True new tokens",
+        ),
+        (
+            "mgr.allocate_slots(req, -1)",
+            run("mgr.allocate_slots(req, -1)"),
+            ValueError,
+            "asks for -1 new tokens",
+        ),
+        (
+            "mgr.allocate_slots(req, 4, 0, 5)",
+            run("mgr.allocate_slots(req, 4, 0, 5)"),
+            TypeError,
+            "new_computed_blocks must be the KVCacheBlocks",
+        ),
+        (
+            "mgr.allocate_slots(req, 4, num_lookahead_tokens=2.0)",
+            run("mgr.allocate_slots(req, 4, num_lookahead_tokens=2.0)"),
+            TypeError,
+            "num_lookahead_tokens must be a non-negative int",
+        ),
+        (
+            "mgr.allocate_slots(req, 4, num_lookahead_tokens=-1)",
+            run("mgr.allocate_slots(req, 4, num_lookahead_tokens=-1)"),
+            ValueError,
+            "num_lookahead_tokens must be a non-negative int",
+        ),
+        (
+            "mgr.truncate_computed_blocks(hit, -4)",
+            run("mgr.truncate_computed_blocks(hit, -4)"),
+            ValueError,
+            "num_computed_tokens must be a non-negative int",
+        ),
+        (
+            "mgr.truncate_computed_blocks(hit, 4.0)",
+            run("mgr.truncate_computed_blocks(hit, 4.0)"),
+            TypeError,
+            "num_computed_tokens must be a non-negative int",
+        ),
+        (
+            "mgr.truncate_computed_blocks(5, 4)",
+            run("mgr.truncate_computed_blocks(5, 4)"),
+            TypeError,
+            "blocks must be the KVCacheBlocks",
+        ),
+        (
+            "mgr.get_computed_blocks('a')",
+            run("mgr.get_computed_blocks('a')"),
+            TypeError,
+            "expected a kvcore.coordinator.Request",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("call", "run", "builtin", "fragment"),
+    _entry_points(),
+    ids=[case[0] for case in _entry_points()],
+)
+def test_wrong_arguments_are_refused_by_type_or_value(
+    call: str, run: Any, builtin: type[Exception], fragment: str
+) -> None:
+    from kvcore.errors import KvcoreError
+
+    with pytest.raises(KvcoreError) as info:
+        run()
+    assert isinstance(info.value, builtin), (call, type(info.value).__mro__)
+    assert fragment in str(info.value)

@@ -12,7 +12,12 @@ from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
 from kvcore.coordinator.partial import BlockCopy, copy_source_valid, split_copy_sources
 from kvcore.coordinator.request import Request, RequestStatus
-from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
+from kvcore.errors import (
+    InvalidRequestError,
+    InvalidRequestTypeError,
+    KvcoreTypeError,
+    UnknownRequestError,
+)
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
 
@@ -402,7 +407,7 @@ class KVCacheManager:
                 f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
                 "tokens; schedule a positive int number of tokens"
             )
-            raise InvalidRequestError(msg)
+            raise _wrong(num_new_tokens, msg)
         if (
             type(num_new_computed_tokens) is not int
             or num_new_computed_tokens < 0
@@ -410,6 +415,14 @@ class KVCacheManager:
             or num_lookahead_tokens < 0
         ):
             _check_counts(rid, num_new_computed_tokens, num_lookahead_tokens)
+        hit: object = new_computed_blocks  # checked: engines pass anything
+        if hit is not None and not isinstance(hit, KVCacheBlocks):
+            msg = (
+                f"allocate_slots for request {rid!r}: new_computed_blocks must be "
+                f"the KVCacheBlocks get_computed_blocks returned, or None, got "
+                f"{type(hit).__name__}"
+            )
+            raise KvcoreTypeError(msg)
         coordinator = self.coordinator
         computed = (
             new_computed_blocks.blocks if new_computed_blocks is not None else None
@@ -941,6 +954,12 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Hash the request's blocks filled by ``num_computed_tokens``."""
+        if not isinstance(request, Request):
+            raise _not_a_request(request)
+        _check_tokens(
+            f"cache_blocks for request {request.request_id!r}: num_computed_tokens",
+            num_computed_tokens,
+        )
         if self.enable_caching:
             self._require_live(request.request_id)
             self.coordinator.cache_blocks(request, num_computed_tokens)
@@ -948,7 +967,12 @@ class KVCacheManager:
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (tail blocks evicted first)
         and mark the request ``FINISHED``."""
-        rid = request if isinstance(request, str) else request.request_id
+        if isinstance(request, str):
+            rid = request
+        elif isinstance(request, Request):
+            rid = request.request_id
+        else:
+            raise _not_a_request(request)
         requests = self._requests
         held = requests.get(rid)
         if held is None:
@@ -998,6 +1022,16 @@ class KVCacheManager:
     ) -> KVCacheBlocks:
         """The first ``num_computed_tokens`` of a hit (reference counts are not
         touched).  Non-cacheable groups contribute no hit blocks."""
+        given: object = blocks  # checked: engines pass anything
+        if not isinstance(given, KVCacheBlocks):
+            msg = (
+                "truncate_computed_blocks: blocks must be the KVCacheBlocks "
+                f"get_computed_blocks returned, got {type(given).__name__}"
+            )
+            raise KvcoreTypeError(msg)
+        _check_tokens(
+            "truncate_computed_blocks: num_computed_tokens", num_computed_tokens
+        )
         out: list[list[KVCacheBlock]] = []
         for gid, (manager, group_blocks) in enumerate(
             zip(self._managers, blocks.blocks, strict=True)
@@ -1147,7 +1181,22 @@ def _check_counts(
                 f"allocate_slots for request {rid!r}: {name} must be a "
                 f"non-negative int, got {value!r}"
             )
-            raise InvalidRequestError(msg)
+            raise _wrong(value, msg)
+
+
+def _wrong(value: object, msg: str) -> InvalidRequestError:
+    """The error for a count that breaks the rule: a TypeError as well when
+    it is no int at all (a float, a bool, a string)."""
+    if type(value) is int:
+        return InvalidRequestError(msg)
+    return InvalidRequestTypeError(msg)
+
+
+def _check_tokens(what: str, value: object) -> None:
+    """A token count argument: a non-negative int."""
+    if type(value) is not int or value < 0:
+        msg = f"{what} must be a non-negative int number of tokens, got {value!r}"
+        raise _wrong(value, msg)
 
 
 def _require_type(
