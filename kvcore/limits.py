@@ -18,6 +18,7 @@ __all__ = [
     "MAX_MESSAGE_CHARS",
     "MAX_NAME_CHARS",
     "MAX_NUM_BLOCKS",
+    "MAX_BYTE_OFFSET",
     "BLOCK_STATE_BYTES",
     "TOKEN_ID_LIMIT",
     "MAX_WORKLOAD_REQUESTS",
@@ -50,6 +51,11 @@ MAX_NAME_CHARS = 256
 #: block costs the coordinator a Python object of about 100 bytes, so a pool
 #: past this is a page size or memory figure off by orders of magnitude.
 MAX_NUM_BLOCKS = 2**24
+
+#: The largest byte size, offset or stride a plan may carry (2**60, an
+#: exbibyte): torch addresses memory with signed 64-bit ints, and no real
+#: pool comes near it.
+MAX_BYTE_OFFSET = 2**60
 
 #: What one block's coordinator state costs in host memory, rounded up (the
 #: block object, its free-queue links and its slot in the pool's list;

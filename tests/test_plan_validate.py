@@ -26,11 +26,18 @@ from kvcore import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheLayout,
+    KVCachePool,
     KVCacheTensor,
     plan_kv_cache,
 )
 from kvcore.config import PACKING_POLICIES
-from kvcore.errors import KvcoreError, LayoutError, SerializationError
+from kvcore.errors import (
+    KvcoreError,
+    LayoutError,
+    PlanError,
+    SerializationError,
+    UnsafePlanError,
+)
 from kvcore.plan.validate import check_disjoint, page_strides
 from kvcore.plugins import get_plugin_manager
 from kvcore.serialize import dump_config, load_config, load_model_file
@@ -297,3 +304,28 @@ def test_the_fuzzer_reaches_both_answers() -> None:
 
     collect()
     assert answers == {True, False}
+
+
+@pytest.mark.parametrize("field", ["layer_stride", "block_stride", "offset", "size"])
+def test_byte_figures_past_what_torch_addresses_are_refused(
+    field: str, registry: KindRegistry
+) -> None:
+    """A one-layer tensor's layer stride never moves a byte, yet torch must
+    take it as a signed 64-bit int: 2**63 is refused by the checks, not by
+    torch.as_strided deep inside the pool."""
+    plan = _two_layer_plan(KVCacheLayout.BLHNC, registry)
+    tensor = plan.kv_cache_tensors[0]
+    bad = attrs.evolve(
+        plan,
+        kv_cache_tensors=[
+            attrs.evolve(tensor, layers=["l.0"]),
+            attrs.evolve(tensor, layers=["l.1"], **{field: 2**63}),
+        ],
+    )
+    with pytest.raises(
+        UnsafePlanError, match=rf"\.{field} is 9,223,372,036,854,775,808"
+    ):
+        load_config(dump_config(bad, registry), registry)
+    # The pool refuses it too (sizes first: they must agree).
+    with pytest.raises(PlanError, match=r"9,223|9223"):
+        KVCachePool(bad, "cpu", registry=registry)

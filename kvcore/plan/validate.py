@@ -27,7 +27,7 @@ import attrs
 
 from kvcore.errors import SerializationError, UnsafePlanError, echo
 from kvcore.layout import AXIS_C, AXIS_H, AXIS_N, KVCacheLayout
-from kvcore.limits import MAX_NAME_CHARS, MAX_NUM_BLOCKS
+from kvcore.limits import MAX_BYTE_OFFSET, MAX_NAME_CHARS, MAX_NUM_BLOCKS
 from kvcore.plan.placement import tensor_strides
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheTensor
@@ -299,6 +299,20 @@ def check_placement(config: KVCacheConfig, layout: KVCacheLayout | None) -> None
     sizes: dict[bool, int] = {}
     for tid, tensor in enumerate(config.kv_cache_tensors):
         at = f"$.kv_cache_tensors[{tid}]"
+        for field, value in (
+            ("size", tensor.size),
+            ("offset", tensor.offset),
+            ("layer_stride", tensor.layer_stride),
+            ("block_stride", tensor.block_stride),
+            *(("page_strides", s) for s in tensor.page_strides or ()),
+        ):
+            if not 0 <= value <= MAX_BYTE_OFFSET:
+                msg = (
+                    f"{at}.{field} is {value:,}; byte sizes, offsets and strides lie "
+                    f"in [0, {MAX_BYTE_OFFSET:,}] (MAX_BYTE_OFFSET), re-plan rather "
+                    "than edit the config"
+                )
+                raise UnsafePlanError(msg)
         for name in tensor.layers:
             if name not in group_of:
                 msg = (
