@@ -590,6 +590,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert pool.num_cached_blocks == 0
 
 
+#: Runs of each machine in the slow run (``python -m pytest -m slow``, the
+#: ``...AllExamples`` twins below) and in the default run.
 SETTINGS = settings(
     max_examples=25,
     stateful_step_count=40,
@@ -598,6 +600,10 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+QUICK_EXAMPLES = 8
+QUICK_PARTIAL_EXAMPLES = 30
 
 
 def _machine(plan: str) -> type[RuleBasedStateMachine]:
@@ -631,11 +637,58 @@ for _case in (
     TestMLASWMLARingHot,
     TestTwoFASizesSWMambaNone,
 ):
-    _case.settings = SETTINGS
+    _case.settings = settings(SETTINGS, max_examples=QUICK_EXAMPLES)
 del _case
 # The plan where hit alignment (4) is finer than a full-attention block (16)
 # needs more runs to reach a hit that ends inside a full-attention block.
-TestPartialHits.settings = settings(SETTINGS, max_examples=120)
+PARTIAL_HITS = settings(SETTINGS, max_examples=120)
+TestPartialHits.settings = settings(PARTIAL_HITS, max_examples=QUICK_PARTIAL_EXAMPLES)
+
+
+# The slow run's twins: each machine with the full SETTINGS (PARTIAL_HITS).
+@pytest.mark.slow
+class TestMLACopyOnWriteAllExamples(TestMLACopyOnWrite):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestMLACopyOnWriteEagleAllExamples(TestMLACopyOnWriteEagle):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestPartialHitsEagleAllExamples(TestPartialHitsEagle):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestFullAllExamples(TestFull):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestFullSWAllExamples(TestFullSW):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestFullSWMambaRingAllExamples(TestFullSWMambaRing):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestMLASWMLARingHotAllExamples(TestMLASWMLARingHot):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestTwoFASizesSWMambaNoneAllExamples(TestTwoFASizesSWMambaNone):
+    settings = SETTINGS
+
+
+@pytest.mark.slow
+class TestPartialHitsAllExamples(TestPartialHits):
+    settings = PARTIAL_HITS
 
 
 def test_plans_are_what_they_claim() -> None:

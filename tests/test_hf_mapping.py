@@ -274,13 +274,19 @@ def _convert(*args: str, env: dict[str, str] | None = None) -> Any:
 
 
 def test_convert_writes_a_model_file_that_plans_like_the_mapping(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # In process; the hub test below runs ``python -m kvcore.tools.cli``.
+    from kvcore.tools.cli import main
+
     out = tmp_path / "model.json"
-    proc = _convert("--hf-config", str(FIXTURES / "llama-3-1-8b"), "-o", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "wrote" in proc.stderr
-    assert "32 cache layers" in proc.stderr
+    code = main(
+        ["convert", "--hf-config", str(FIXTURES / "llama-3-1-8b"), "-o", str(out)]
+    )
+    stderr = capsys.readouterr().err
+    assert code == 0, stderr
+    assert "wrote" in stderr
+    assert "32 cache layers" in stderr
     written = load_model_file(out)
     mapped = map_model_config(
         load_hf_config(FIXTURES / "llama-3-1-8b"), mappers=MAPPERS

@@ -3,20 +3,26 @@
 The ``pip install ...`` commands are not run (this environment is already
 installed); they must be exactly the README's two fresh-machine commands.
 Every other shell command runs from the repository root and must exit 0
-with output; every Python block runs in a fresh interpreter and must exit 0.
+with output (a ``kvcore`` command runs in this process through the
+function the installed script calls, :func:`kvcore.tools.cli.main`;
+tests/test_cli.py runs the script itself); every Python block runs in a
+fresh interpreter and must exit 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from kvcore.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "docs" / "quickstart.md"
@@ -66,22 +72,19 @@ RUNNABLE = [c for c in shell_commands(QUICKSTART_TEXT) if not is_install(c)]
 PYTHON_BLOCKS = blocks(QUICKSTART_TEXT, "python")
 
 
-def kvcore_argv() -> list[str]:
-    script = shutil.which("kvcore")
-    return [script] if script else [sys.executable, "-m", "kvcore.tools.cli"]
-
-
 def argv_of(command: str) -> list[str]:
     argv = shlex.split(command, comments=True)
     assert argv, f"empty command {command!r}"
-    if argv[0] == "kvcore":
-        return kvcore_argv() + argv[1:]
     if argv[0] == "python":
         return [sys.executable, *argv[1:]]
     return argv
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``argv`` from the repository root with 120 columns: ``kvcore ...`` in
+    this process, anything else in a new one."""
+    if argv[0] == "kvcore":
+        return run_kvcore(argv)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "120"}
     return subprocess.run(
         argv,
@@ -126,6 +129,24 @@ def test_ci_runs_the_readmes_test_command() -> None:
     assert ci_lines.index(
         'python -m pip install --quiet -e ".[test]"'
     ) < ci_lines.index("python -m pytest")
+    # ... and then the tests that run deselects (pyproject.toml's addopts),
+    # so every test runs in CI.
+    assert ci_lines.index("python -m pytest") < ci_lines.index(
+        "python -m pytest -m slow"
+    )
+
+
+def run_kvcore(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLUMNS", "120")
+        mp.chdir(ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv[1:])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(bool(exc.code))
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("command", RUNNABLE)

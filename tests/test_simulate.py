@@ -551,6 +551,7 @@ def test_the_progress_bar_draws_on_stderr_only(
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow  # a new process; the tests above run the same main in process
 def test_the_installed_script_simulates() -> None:
     script = Path(sys.executable).with_name("kvcore")
     out = subprocess.run(
