@@ -318,7 +318,7 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
         (["--memory", "inf"], "got 'inf'"),
         (["--memory", "0"], "--memory must be positive"),
         (["--memory", "-5GiB"], "got '-5GiB'"),
-        (["--gpu", "Z100"], "unknown GPU 'Z100'; known: "),
+        (["--gpu", "Z100"], "unknown GPU 'Z100' (did you mean 'H100 80GB' or "),
         (["--gpu", "H100", "--gpu-memory-utilization", "nan"], "must be in (0, 1]"),
         (["--gpu", "H100", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--gpu", "L4", "--weights", "40GB"], "leave no KV cache"),

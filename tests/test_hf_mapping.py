@@ -401,6 +401,7 @@ def test_a_hub_that_never_answers_is_an_error_within_the_deadline(
     from kvcore_hf import mapping
 
     release = threading.Event()
+    monkeypatch.setattr(mapping, "_check_hub_reachable", lambda *args: None)
     monkeypatch.setattr(mapping, "HUB_FETCH_TIMEOUT_S", 0.2)
     monkeypatch.setattr(
         huggingface_hub, "hf_hub_download", lambda *a, **k: release.wait(30) or ""
@@ -430,6 +431,7 @@ def test_any_hub_failure_is_a_model_config_error(
     def fail(*args: object, **kwargs: object) -> str:
         raise raised
 
+    monkeypatch.setattr(mapping, "_check_hub_reachable", lambda *args: None)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
     with pytest.raises(
         ModelConfigError, match=f"cannot fetch config.json \\({shown}: "

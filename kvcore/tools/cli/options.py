@@ -24,7 +24,12 @@ from kvcore.config import (
     EngineConfig,
     ParallelConfig,
 )
-from kvcore.errors import KvcoreValueError, PluginError, escape_controls
+from kvcore.errors import (
+    KvcoreValueError,
+    PluginError,
+    SerializationError,
+    escape_controls,
+)
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
@@ -437,8 +442,38 @@ def _model_source(
         if fetched is not None:
             return f"{args.model} (config.json)", fetched, None
     source = resolve_model(args.model)
-    model, weights = _read_model(source, registry)
+    try:
+        model, weights = _read_model(source, registry)
+    except SerializationError as exc:
+        hint = _hf_config_hint(source)
+        if hint is None:
+            raise
+        msg = f"{exc}; {hint}"
+        raise CliUsageError(msg) from None
     return source, model, weights
+
+
+def _hf_config_hint(path: Path) -> str | None:
+    """A hint to pass ``--hf-config`` when ``path`` (refused as a model file)
+    is a Hugging Face ``config.json``."""
+    if path.name == "config.json":
+        looks = True
+    else:
+        try:
+            if not path.is_file():  # never read a FIFO or a device
+                return None
+            with path.open("rb") as file:
+                head = file.read(65536).decode("utf-8", errors="replace")
+        except OSError:
+            return None
+        looks = '"model_type"' in head or '"architectures"' in head
+    if not looks:
+        return None
+    shown = escape_controls(str(path))
+    return (
+        f"{shown} looks like a Hugging Face config.json: plan it with "
+        f"`--hf-config {shown}` (a model file holds a 'layers' object)"
+    )
 
 
 def _may_be_hub_id(text: str) -> bool:

@@ -70,6 +70,16 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
                 "no weights set aside: pass --weights SIZE (or add weights_bytes "
                 "to the model file) for a device's real KV budget",
             )
+    positions = planned.model.max_position_embeddings
+    longer = [c for c in planned.contexts if positions and c > positions]
+    if positions and longer:
+        notes.insert(
+            0,
+            f"warning: {', '.join(format_tokens(c) for c in longer)} tokens is past "
+            f"the model's max_position_embeddings ({positions:,}); it was not "
+            "trained for requests that long, and vLLM refuses them unless "
+            "--max-model-len is raised with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+        )
     if planned.stage is not None:
         stage, stages = planned.stage
         notes.append(
