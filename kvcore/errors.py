@@ -8,7 +8,9 @@ that was broken and the fix.
 
 from __future__ import annotations
 
+import difflib
 import reprlib
+from collections.abc import Callable, Iterable
 
 from kvcore.limits import MAX_ECHO_CHARS, MAX_MESSAGE_CHARS
 
@@ -50,6 +52,21 @@ def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return text
+
+
+def did_you_mean(
+    word: str, choices: Iterable[str], *, key: Callable[[str], str] = str.lower
+) -> str:
+    """``" (did you mean 'H100 80GB'?)"`` for the choices closest to ``word``
+    (:func:`difflib.get_close_matches` on ``key`` of each), else ``""``."""
+    by_key: dict[str, str] = {}
+    for choice in choices:
+        by_key.setdefault(key(choice), choice)
+    close = difflib.get_close_matches(key(word), list(by_key), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    named = " or ".join(repr(by_key[k]) for k in close)
+    return f" (did you mean {named}?)"
 
 
 class KvcoreError(Exception):

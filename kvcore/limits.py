@@ -23,6 +23,7 @@ __all__ = [
     "TOKEN_ID_LIMIT",
     "MAX_WORKLOAD_REQUESTS",
     "MAX_NUM_LAYERS",
+    "HUB_CONNECT_TIMEOUT_S",
     "HUB_FETCH_TIMEOUT_S",
     "MAX_WORKLOAD_PREFIX_TOKENS",
     "MAX_TRACE_BLOCK_TOKENS",
@@ -104,6 +105,10 @@ MAX_NUM_LAYERS = 100_000
 #: The longest a model configuration may take to arrive from a hub, retries
 #: included, before kvcore gives up with an error.
 HUB_FETCH_TIMEOUT_S = 30.0
+
+#: The longest kvcore waits to open a connection to the hub before it says
+#: the hub cannot be reached (a machine with no network fails at once).
+HUB_CONNECT_TIMEOUT_S = 3.0
 
 #: The most characters of one value echoed in an error message.
 MAX_ECHO_CHARS = 200

@@ -15,6 +15,7 @@ from kvcore.errors import (
     PluginError,
     PluginResultError,
     UnknownKindError,
+    did_you_mean,
 )
 from kvcore.kinds import CacheKind
 from kvcore.spec import KVCacheSpec
@@ -238,7 +239,8 @@ class KindRegistry(Mapping[str, CacheKind]):
             return self._kinds[name]
         except KeyError:
             msg = (
-                f"no cache kind named {name!r}; known kinds: {self._known()}. Is "
+                f"no cache kind named {name!r}{did_you_mean(name, self._kinds)}; "
+                f"known kinds: {self._known()}. Is "
                 "the plugin that provides it installed? (see `kvcore plugins`; a "
                 "plugin module that is not installed loads with "
                 "KVCORE_PLUGINS=module)"
@@ -307,7 +309,8 @@ class KindRegistry(Mapping[str, CacheKind]):
             raise UnknownKindError(msg, kind=name)
         msg = (
             f"{where} {type(spec).__name__} spec (kind {name!r}) that no registered "
-            f"plugin provides; known kinds: {self._known()}. Install or register "
+            f"plugin provides{did_you_mean(name, self._kinds)}; known kinds: "
+            f"{self._known()}. Install or register "
             "the plugin that provides it"
         )
         raise UnknownKindError(msg, kind=name)

@@ -559,7 +559,14 @@ def load_model_file(
             f"{where} must be a JSON object with a 'layers' object (layer name -> spec)"
         )
         raise SerializationError(msg)
-    unknown = set(data) - {"name", "notes", "sources", "layers", "weights_bytes"}
+    unknown = set(data) - {
+        "name",
+        "notes",
+        "sources",
+        "layers",
+        "weights_bytes",
+        "max_position_embeddings",
+    }
     if unknown:
         msg = f"{where}: unknown top-level key(s) {echo(sorted(unknown))}"
         raise SerializationError(msg)
@@ -573,6 +580,13 @@ def load_model_file(
         msg = (
             f"{where}: weights_bytes must be a non-negative int of bytes, "
             f"got {echo(weights)}"
+        )
+        raise SerializationError(msg)
+    positions = data.get("max_position_embeddings")
+    if positions is not None and (type(positions) is not int or positions < 1):
+        msg = (
+            f"{where}: max_position_embeddings must be a positive int of tokens, "
+            f"got {echo(positions)}"
         )
         raise SerializationError(msg)
     notes = data.get("notes", "")
@@ -597,6 +611,7 @@ def load_model_file(
         notes=notes,
         sources=tuple(sources),
         weights_bytes=weights,
+        max_position_embeddings=positions,
     )
 
 
@@ -611,6 +626,8 @@ def dump_model_file(model: ModelFile, registry: KindRegistry | None = None) -> s
         data["sources"] = list(model.sources)
     if model.weights_bytes is not None:
         data["weights_bytes"] = model.weights_bytes
+    if model.max_position_embeddings is not None:
+        data["max_position_embeddings"] = model.max_position_embeddings
     data["layers"] = {
         name: converter.unstructure_spec(spec) for name, spec in model.layers.items()
     }

@@ -148,6 +148,9 @@ class ServingChoices:
     :param checkpoint_policy: which states every state kind keeps for later
         requests (a name of ``kvcore.coordinator.CHECKPOINT_POLICIES``);
         ``None`` keeps the file's.
+    :param mamba_ssm_cache_dtype: the dtype of every state kind's recurrent
+        (SSM) state (vLLM's ``--mamba-ssm-cache-dtype``: a torch dtype or a
+        name from :data:`CACHE_DTYPE_ALIASES`); ``None`` keeps the file's.
     """
 
     kv_cache_dtype: torch.dtype | None = attrs.field(
@@ -157,6 +160,9 @@ class ServingChoices:
     block_size: int | None = attrs.field(default=None, validator=_positive(True))
     mamba_cache_mode: str | None = attrs.field(default=None)
     checkpoint_policy: str | None = attrs.field(default=None)
+    mamba_ssm_cache_dtype: torch.dtype | None = attrs.field(
+        default=None, converter=_cache_dtype
+    )
 
     @checkpoint_policy.validator
     def _check_policy(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -294,14 +300,17 @@ def apply_serving_choices(
         )
 
     # The state kinds' settings: noted only where some layer takes them.
+    ssm_dtype = choices.mamba_ssm_cache_dtype
     for what, method, value in (
         ("state cache mode", "with_state_cache_mode", choices.mamba_cache_mode),
         ("checkpoint policy", "with_checkpoint_policy", choices.checkpoint_policy),
+        ("SSM state dtype", "with_state_dtype", ssm_dtype),
     ):
         if value is not None:
             kept = _apply_each(layers, method, value)
+            shown = cache_dtype_name(value) if isinstance(value, torch.dtype) else value
             if len(kept) < len(layers):
-                notes.append(f"{what} {value} on {_layers(len(layers) - len(kept))}")
+                notes.append(f"{what} {shown} on {_layers(len(layers) - len(kept))}")
 
     replicated: list[str] = []
     tp = choices.tensor_parallel_size

@@ -331,6 +331,12 @@ class KVCacheSpec:
         """
         return None
 
+    def with_state_dtype(self, dtype: torch.dtype) -> Self | None:
+        """This spec with its recurrent (SSM) state stored as ``dtype`` (an
+        engine's ``--mamba-ssm-cache-dtype``), or ``None`` if the kind keeps
+        no such state.  Default ``None``."""
+        return None
+
     def with_block_size(self, block_size: int) -> Self | None:
         """This spec with ``block_size`` tokens per block (an engine's
         ``--block-size``), or ``None`` if the kind keeps its own block.

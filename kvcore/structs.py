@@ -270,3 +270,6 @@ class ModelFile:
     #: bytes of the whole model's weights (and activations) a device sets
     #: aside before its KV cache, when the file says.
     weights_bytes: int | None = None
+    #: the longest context the model was trained for (Hugging Face's
+    #: ``max_position_embeddings``), when the file says.
+    max_position_embeddings: int | None = None

@@ -94,7 +94,7 @@ def test_default_plans_deepseek_v4_flash() -> None:
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
     assert first.startswith("DeepSeek-V4-Flash in 8.0 GiB of KV cache: ")
-    assert "requests of 32k tokens (limit " in first
+    assert "requests of 32K tokens (limit " in first
     assert "stride " in proc.stdout
     assert "cache groups" in proc.stdout
     assert "scratch" in proc.stdout  # the compressor rings serve no prefix hits
@@ -104,7 +104,7 @@ def test_default_plans_deepseek_v4_flash() -> None:
 def test_every_shipped_file_plans_and_matches_the_schema(
     name: str, zoo_registry: kvcore.KindRegistry
 ) -> None:
-    doc = plan_json(name, "--memory", "16GiB", "--context", "4k,32k")
+    doc = plan_json(name, "--memory", "16GiB", "--context", "4K,32K")
     assert doc["schema"] == SCHEMA_VERSION
     assert [row["context"] for row in doc["capacity"]] == [4096, 32768]
     # The plan member is the plan itself: load_config reads it back whole.
@@ -139,14 +139,14 @@ def test_llama_uniform_hand_worked() -> None:
     # holds 2048 blocks; the null block leaves 20479, so 1 + (20479 - 2048)
     # // 2048 = 9 requests.  The limit: 32 * 8 * 128 * 2 * 2 = 128 KiB a
     # token, 40 GiB / (32768 * 128 KiB) = 10.0 requests.
-    doc = plan_json("llama-3-1-8b", "--memory", "40GiB", "--context", "32k")
+    doc = plan_json("llama-3-1-8b", "--memory", "40GiB", "--context", "32K")
     s, row = doc["summary"], doc["capacity"][0]
     assert (s["bytes_per_block"], s["num_blocks"]) == (2 * 2**20, 20480)
     assert [g["block_size"] for g in s["groups"]] == [16]
     assert (row["blocks_per_request"], row["concurrency"]) == (2048, 9)
     assert row["physical_limit"] == pytest.approx(10.0)
     assert doc["verdict"] == (
-        "Llama-3.1-8B in 40.0 GiB of KV cache: 9 requests of 32k tokens "
+        "Llama-3.1-8B in 40.0 GiB of KV cache: 9 requests of 32K tokens "
         "(limit 10, 0.90)"
     )
 
@@ -168,7 +168,7 @@ def test_llama_uniform_hand_worked() -> None:
 def test_llama_tp_and_dtype_hand_worked(
     extra: list[str], stride: int, requests: int, limit: float
 ) -> None:
-    doc = plan_json("llama-3-1-8b", "--memory", "40GiB", "--context", "32k", *extra)
+    doc = plan_json("llama-3-1-8b", "--memory", "40GiB", "--context", "32K", *extra)
     assert doc["summary"]["bytes_per_block"] == stride
     assert doc["summary"]["num_blocks"] == 40 * GIB // stride
     assert doc["capacity"][0]["concurrency"] == requests
@@ -200,7 +200,7 @@ def test_gemma_hybrid_on_h100_tp2_fp8_hand_worked() -> None:
         "--weights",
         "55GB",
         "--context",
-        "32k",
+        "32K",
     )
     assert doc["settings"]["memory"]["kv_cache_bytes"] == 49809411328
     s, row = doc["summary"], doc["capacity"][0]
@@ -216,7 +216,7 @@ def test_gemma_hybrid_on_h100_tp2_fp8_hand_worked() -> None:
     assert row["concurrency"] == 62
     assert row["physical_limit"] == pytest.approx(49809411328 / 780140544)
     assert doc["verdict"] == (
-        "Gemma-3-27B on 2x H100 80GB (TP 2), fp8 KV cache: 62 requests of 32k "
+        "Gemma-3-27B on 2x H100 80GB (TP 2), fp8 KV cache: 62 requests of 32K "
         "tokens (limit 63, 0.98)"
     )
 
@@ -244,20 +244,20 @@ def test_gpu_utilization_and_file_weights(tmp_path: Path) -> None:
 
 def test_too_small_for_one_request_says_what_it_needs() -> None:
     # 4 GiB: a 128k Llama request needs 131072 / 16 + 1 = 8193 blocks of 2 MiB.
-    proc = run("plan", "llama-3-1-8b", "--memory", "4GiB", "--context", "128k")
+    proc = run("plan", "llama-3-1-8b", "--memory", "4GiB", "--context", "128K")
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
     assert first == (
-        "Llama-3.1-8B in 4.0 GiB of KV cache: no request of 128k tokens fits in "
+        "Llama-3.1-8B in 4.0 GiB of KV cache: no request of 128K tokens fits in "
         "4.0 GiB; one needs 16.0 GiB"
     )
-    doc = plan_json("llama-3-1-8b", "--memory", "4GiB", "--context", "128k")
+    doc = plan_json("llama-3-1-8b", "--memory", "4GiB", "--context", "128K")
     assert doc["capacity"][0]["fits"] is False
     assert doc["capacity"][0]["bytes_for_one_request"] == 8193 * 2 * 2**20
 
 
 def test_human_report_shows_groups_stride_and_capacity() -> None:
-    proc = run("plan", "jamba-1-5-mini", "--memory", "8GiB", "--context", "4k,32k")
+    proc = run("plan", "jamba-1-5-mini", "--memory", "8GiB", "--context", "4K,32K")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     # Jamba's 4 attention layers (8 KV heads x 128, bf16) in one group grown
@@ -265,7 +265,7 @@ def test_human_report_shows_groups_stride_and_capacity() -> None:
     assert "stride 1.5 MiB (1572864 B): group 6 is the widest" in out
     assert "model.layers.{4,12,...,28}.self_attn" in out
     assert "cacheable" in out
-    for context in ("4k", "32k"):
+    for context in ("4K", "32K"):
         assert any(line.strip().startswith(context) for line in out.splitlines())
 
 
@@ -348,12 +348,12 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
         (["@kind"], "no cache kind named 'warp_drive'"),
         (["@field"], "unknown field(s) ['colour']"),
         (["no-such-model"], "no shipped model file 'no-such-model'; known: "),
-        (["--memory", "80XB"], "unknown unit 'xb'"),
+        (["--memory", "80XB"], "unknown unit 'XB'"),
         (["--memory", "nan"], "got 'nan'"),
         (["--memory", "inf"], "got 'inf'"),
         (["--memory", "0"], "--memory must be positive"),
         (["--memory", "-5GiB"], "got '-5GiB'"),
-        (["--gpu", "Z100"], "unknown GPU 'Z100'; known: "),
+        (["--gpu", "Z100"], "unknown GPU 'Z100' (did you mean 'H100 80GB' or "),
         (["--gpu", "H100", "--gpu-memory-utilization", "nan"], "must be in (0, 1]"),
         (["--gpu", "H100", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--gpu", "L4", "--weights", "40GB"], "leave no KV cache"),
@@ -480,7 +480,7 @@ def test_version() -> None:
 def test_the_limit_bounds_every_shipped_plan() -> None:
     # Grown blocks pay page padding once per larger block; the limit counts
     # pages without padding, so it stays a bound (DeepSeek-V4-Flash at 128k).
-    doc = plan_json("deepseek-v4-flash", "--gpu", "h200", "--context", "64k,128k")
+    doc = plan_json("deepseek-v4-flash", "--gpu", "h200", "--context", "64K,128K")
     for row in doc["capacity"]:
         assert row["concurrency"] <= row["physical_limit_requests"]
         assert row["ratio"] <= 1.0
@@ -612,7 +612,7 @@ def test_the_example_plugin_loads_through_its_entry_point() -> None:
             "--memory",
             "8GiB",
             "--context",
-            "32k,128k",
+            "32K,128K",
             "--json",
             env=env,
         )
@@ -653,7 +653,7 @@ def test_plan_error_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -
 def test_contexts_in_k_and_plain_tokens_agree(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["plan", "gemma-3-27b", "--context", "32k,4096", "--json"]) == 0
+    assert main(["plan", "gemma-3-27b", "--context", "32K,4096", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["plan"]["target_context"] == 32768
     assert [c["context"] for c in doc["capacity"]] == [32768, 4096]
@@ -661,7 +661,7 @@ def test_contexts_in_k_and_plain_tokens_agree(
 
 
 def test_a_narrow_terminal_gets_groups_as_lines() -> None:
-    env_run = run("plan", "jamba-1-5-mini", "--context", "4k", env={"COLUMNS": "80"})
+    env_run = run("plan", "jamba-1-5-mini", "--context", "4K", env={"COLUMNS": "80"})
     assert env_run.returncode == 0, env_run.stderr
     lines = env_run.stdout.splitlines()
     assert max(len(line.rstrip()) for line in lines) <= 80

@@ -377,13 +377,13 @@ def test_plan_from_a_config_json_matches_the_shipped_file(
         "--weights",
         "55GB",
         "--context",
-        "32k",
+        "32K",
     ]
     assert main(["plan", "--hf-config", str(FIXTURES / "gemma-3-27b"), *args]) == 0
     mapped = capsys.readouterr().out.splitlines()[0]
     assert main(["plan", "gemma-3-27b", *args]) == 0
     shipped = capsys.readouterr().out.splitlines()[0]
-    assert mapped.endswith(": 62 requests of 32k tokens (limit 63, 0.98)")
+    assert mapped.endswith(": 62 requests of 32K tokens (limit 63, 0.98)")
     assert mapped.split(" on ", 1)[1] == shipped.split(" on ", 1)[1]
 
 
@@ -407,6 +407,7 @@ def test_a_hub_that_never_answers_is_an_error_within_the_deadline(
     from kvcore_hf import mapping
 
     release = threading.Event()
+    monkeypatch.setattr(mapping, "_check_hub_reachable", lambda *args: None)
     monkeypatch.setattr(mapping, "HUB_FETCH_TIMEOUT_S", 0.2)
     monkeypatch.setattr(
         huggingface_hub, "hf_hub_download", lambda *a, **k: release.wait(30) or ""
@@ -436,6 +437,7 @@ def test_any_hub_failure_is_a_model_config_error(
     def fail(*args: object, **kwargs: object) -> str:
         raise raised
 
+    monkeypatch.setattr(mapping, "_check_hub_reachable", lambda *args: None)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
     with pytest.raises(
         ModelConfigError, match=f"cannot fetch config.json \\({shown}: "

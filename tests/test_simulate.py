@@ -578,9 +578,10 @@ def test_the_installed_script_simulates() -> None:
     assert out.stderr == ""
 
 
-def test_lengths_take_k_as_1024() -> None:
+def test_lengths_take_the_letters_as_context_does() -> None:
     from kvcore.tools.simulate.lengths import parse_distribution
 
-    assert parse_distribution("4k", what="--prompt-len").a == 4096
+    assert parse_distribution("4K", what="--prompt-len").a == 4096
+    assert parse_distribution("4k", what="--prompt-len").a == 4000
     uniform = parse_distribution("1k-8K", what="--prompt-len")
-    assert (uniform.kind, uniform.a, uniform.b) == ("uniform", 1024, 8192)
+    assert (uniform.kind, uniform.a, uniform.b) == ("uniform", 1000, 8192)

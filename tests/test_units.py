@@ -33,6 +33,15 @@ from kvcore.tools.units import (
         ("123", 123),
         (123, 123),
         ("0.5KiB", 512),
+        # One letter reads as vLLM reads it: upper case binary, lower decimal.
+        ("80G", 80 * 2**30),
+        ("80g", 80 * 10**9),
+        ("512M", 2**29),
+        ("512m", 512 * 10**6),
+        ("2K", 2048),
+        ("2k", 2000),
+        ("1T", 2**40),
+        ("1B", 1),
     ],
 )
 def test_sizes(text: str | int, expected: int) -> None:
@@ -48,8 +57,9 @@ def test_sizes(text: str | int, expected: int) -> None:
         ("0", "must be positive"),
         ("0GiB", "must be positive"),
         ("1.5", "not a whole number of bytes"),
-        ("80XB", "unknown unit 'xb'"),
-        ("80GiBs", "unknown unit 'gibs'"),
+        ("80XB", "unknown unit 'XB'"),
+        ("80GiBs", "unknown unit 'GiBs'"),
+        ("80P", "unknown unit 'P'"),
         ("", "positive number with an optional unit"),
         (True, "must be written like"),
         (float("nan"), "finite positive amount"),
@@ -66,18 +76,28 @@ def test_bad_sizes(text: object, message: str) -> None:
     ("text", "expected"),
     [
         ("4096", 4096),
-        ("4k", 4096),
+        ("4K", 4096),
         ("32K", 32768),
-        ("128k", 131072),
-        ("1m", 2**20),
-        ("1.5k", 1536),
+        ("128K", 131072),
+        ("1M", 2**20),
+        ("1.5K", 1536),
+        # vLLM's lower-case suffixes are powers of 1000.
+        ("4k", 4000),
+        ("32k", 32000),
+        ("128k", 128000),
+        ("1m", 10**6),
+        ("1.5k", 1500),
+        ("25.6k", 25600),
+        ("1g", 10**9),
     ],
 )
 def test_tokens(text: str, expected: int) -> None:
     assert parse_tokens(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0", "0k", "1.0001k", "4q", "-4k", "4kb"])
+@pytest.mark.parametrize(
+    "text", ["0", "0k", "1.0001k", "1.0001K", "4q", "-4k", "4kb", "4G", "4Ki"]
+)
 def test_bad_tokens(text: str) -> None:
     with pytest.raises(UnitError):
         parse_tokens(text)
@@ -94,9 +114,13 @@ def test_fractions() -> None:
 def test_formatting() -> None:
     assert format_size(1536) == "1.5 KiB"
     assert format_size(100) == "100 B"
-    assert format_tokens(32768) == "32k"
-    assert format_tokens(2**20) == "1m"
-    assert format_tokens(1000) == "1000"
+    assert format_tokens(32768) == "32K"
+    assert format_tokens(2**20) == "1M"
+    assert format_tokens(32000) == "32k"
+    assert format_tokens(10**6) == "1m"
+    assert format_tokens(1500) == "1500"
+    for n in (32768, 32000, 2**20, 10**6, 1500, 4096, 131072):
+        assert parse_tokens(format_tokens(n)) == n
 
 
 def test_accelerators_match_loosely_and_refuse_clearly() -> None:

@@ -10,6 +10,7 @@ lists the aliases people type.
 
 from __future__ import annotations
 
+import difflib
 import re
 
 import attrs
@@ -48,7 +49,12 @@ ACCELERATORS: tuple[Accelerator, ...] = (
     Accelerator(
         "RTX PRO 6000 Blackwell 96GB", "NVIDIA", 96, ("rtxpro6000", "rtx-pro-6000")
     ),
-    Accelerator("H100 80GB", "NVIDIA", 80, ("h100", "h100-80gb", "h100-sxm", "h800")),
+    Accelerator(
+        "H100 80GB",
+        "NVIDIA",
+        80,
+        ("h100", "h100-80gb", "h100-sxm", "h100-pcie", "h800"),
+    ),
     Accelerator("H100 NVL 94GB", "NVIDIA", 94, ("h100nvl", "h100-nvl")),
     Accelerator("H20 96GB", "NVIDIA", 96, ("h20",)),
     Accelerator("GH200 96GB", "NVIDIA", 96, ("gh200",)),
@@ -92,9 +98,19 @@ def find_accelerator(name: str) -> Accelerator:
         return index[key]
     if key.endswith("gb") and key[:-2] in index:
         return index[key[:-2]]
+    if key.endswith("g") and key + "b" in index:  # A100-80G
+        return index[key + "b"]
     known = ", ".join(acc.name for acc in ACCELERATORS)
+    names = {n: acc.name for acc in ACCELERATORS for n in (acc.name, *acc.aliases)}
+    close = difflib.get_close_matches(key, [_key(n) for n in names], n=6, cutoff=0.6)
+    suggested = list(dict.fromkeys(index[k].name for k in close))[:3]
+    hint = (
+        f" (did you mean {' or '.join(repr(n) for n in suggested)}?)"
+        if suggested
+        else ""
+    )
     msg = (
-        f"unknown GPU {name!r}; known: {known} "
+        f"unknown GPU {name!r}{hint}; known: {known} "
         "(or give the memory itself with --memory 80GiB)"
     )
     raise UnknownAcceleratorError(msg)

@@ -1,10 +1,14 @@
 """Sizes and token counts as people write them: ``80GiB``, ``64GB``, ``32k``.
 
-Byte sizes take IEC prefixes (``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of
-1024) or SI ones (``KB``/``kB``, ``MB``, ``GB``, ``TB``: powers of 1000), as
-vendors and engines print them; a bare number is bytes.  Token counts take
-``k`` and ``m`` as powers of 1024 (``32k`` is 32768, the length model cards
-mean), so a context written either way lands on the same number.
+One-letter suffixes follow vLLM's rule (``human_readable_int`` in
+``vllm/utils/argparse_utils.py``): lower case is decimal (``k`` = 1,000,
+``m`` = 10**6, ``g`` = 10**9, ``t`` = 10**12), upper case is binary (``K`` =
+1,024, ``M`` = 2**20, ``G`` = 2**30, ``T`` = 2**40), for token counts and
+byte sizes alike, so ``32k`` is 32,000 tokens, ``32K`` is 32,768 and
+``--memory 80G`` is 80 GiB, as vLLM reads the same text.  Byte sizes also
+take the spelled-out units, whose case does not matter: IEC (``KiB``,
+``MiB``, ``GiB``, ``TiB``, ``PiB``: powers of 1024) or SI (``KB``, ``MB``,
+``GB``, ``TB``, ``PB``: powers of 1000); a bare number is bytes.
 
 Every parse is strict: NaN, infinity, zero, negatives, fractions of a byte
 or token and trailing junk are refused with a message that shows the forms
@@ -30,19 +34,27 @@ __all__ = [
     "parse_fraction",
 ]
 
-#: Multipliers of the byte units, lower-cased.
-SIZE_UNITS = {
+#: vLLM's one-letter suffixes, case-sensitive: lower case decimal, upper
+#: case binary (``vllm.utils.argparse_utils.human_readable_int``).
+LETTER_UNITS = {
     "": 1,
-    "b": 1,
     "k": 1000,
-    "kb": 1000,
     "m": 1000**2,
-    "mb": 1000**2,
     "g": 1000**3,
-    "gb": 1000**3,
     "t": 1000**4,
+    "K": 1024,
+    "M": 1024**2,
+    "G": 1024**3,
+    "T": 1024**4,
+}
+
+#: The spelled-out byte units, matched in any case.
+SPELLED_SIZE_UNITS = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
     "tb": 1000**4,
-    "p": 1000**5,
     "pb": 1000**5,
     "kib": 1024,
     "mib": 1024**2,
@@ -51,8 +63,12 @@ SIZE_UNITS = {
     "pib": 1024**5,
 }
 
-#: Multipliers of the token units, lower-cased.
-TOKEN_UNITS = {"": 1, "k": 1024, "m": 1024**2}
+#: Multipliers of the byte units: one letter by vLLM's case rule, spelled
+#: units in any case (see :func:`_unit`).
+SIZE_UNITS = {**LETTER_UNITS, **SPELLED_SIZE_UNITS}
+
+#: Multipliers of the token units (vLLM's one-letter rule).
+TOKEN_UNITS = dict(LETTER_UNITS)
 
 _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
@@ -80,7 +96,19 @@ def _split(text: object, what: str, example: str) -> tuple[Decimal, str]:
     except InvalidOperation as exc:  # pragma: no cover - the pattern forbids it
         msg = f"{what}: cannot read the number in {text!r}"
         raise UnitError(msg) from exc
-    return value, match.group(2).lower()
+    return value, match.group(2)
+
+
+def _unit(unit: str, units: dict[str, int]) -> str | None:
+    """The key of ``units`` that ``unit`` names: one letter as written
+    (its case is its meaning), a spelled-out unit in any case."""
+    if unit in units and len(unit) <= 1:
+        return unit
+    if unit == "B" and "b" in units:
+        return "b"
+    if len(unit) > 1 and unit.lower() in units:
+        return unit.lower()
+    return None
 
 
 def _parse(
@@ -96,9 +124,12 @@ def _parse(
 ) -> int:
     """A positive whole count of ``noun`` written with one of ``units``, at
     most ``maximum``."""
-    value, unit = _split(text, what, example)
-    if unit not in units:
-        msg = f"{what}: unknown unit {unit!r} in {text!r}; {unit_help}, like {example}"
+    value, written = _split(text, what, example)
+    unit = _unit(written, units)
+    if unit is None:
+        msg = (
+            f"{what}: unknown unit {written!r} in {text!r}; {unit_help}, like {example}"
+        )
         raise UnitError(msg)
     total = value * units[unit]
     if total != total.to_integral_value():
@@ -123,14 +154,15 @@ MAX_TOKENS = TOKEN_ID_LIMIT - 1
 def parse_size(
     text: str | int, *, what: str = "memory", allow_zero: bool = False
 ) -> int:
-    """``"80GiB"`` -> ``85899345920``; ``"64GB"`` -> ``64000000000``."""
+    """``"80GiB"`` and ``"80G"`` -> ``85899345920``; ``"64GB"`` and ``"64g"``
+    -> ``64000000000``."""
     return _parse(
         text,
         what=what,
         units=SIZE_UNITS,
-        example="80GiB, 64GB, 1.5TiB or 85899345920",
-        unit_help="use B, KiB, MiB, GiB, TiB, PiB (powers of 1024) or KB, MB, GB, TB, PB "
-        "(powers of 1000)",
+        example="80GiB, 64GB, 80G, 1.5TiB or 85899345920",
+        unit_help="use B, KiB, MiB, GiB, TiB, PiB or K, M, G, T (powers of 1024), "
+        "KB, MB, GB, TB, PB or k, m, g, t (powers of 1000)",
         noun="bytes",
         maximum=MAX_SIZE,
         allow_zero=allow_zero,
@@ -138,13 +170,14 @@ def parse_size(
 
 
 def parse_tokens(text: str | int, *, what: str = "context") -> int:
-    """``"32k"`` -> ``32768``; ``"4096"`` -> ``4096``."""
+    """``"32K"`` -> ``32768``; ``"32k"`` -> ``32000``; ``"4096"`` -> ``4096``."""
     return _parse(
         text,
         what=what,
         units=TOKEN_UNITS,
-        example="4096, 4k, 32k or 1m",
-        unit_help="token counts take k (1024) or m (1024*1024)",
+        example="4096, 4K, 32K (32768), 32k (32000) or 1M",
+        unit_help="token counts take k, m, g, t (powers of 1000) or K, M, G, T "
+        "(powers of 1024), as vLLM reads them",
         noun="tokens",
         maximum=MAX_TOKENS,
     )
@@ -174,8 +207,9 @@ def format_size(n: float) -> str:
 
 
 def format_tokens(n: int) -> str:
-    """``32768`` -> ``"32k"``; ``1000`` -> ``"1000"`` (exact or plain)."""
-    for unit, size in (("m", 1024**2), ("k", 1024)):
+    """``32768`` -> ``"32K"``; ``32000`` -> ``"32k"``; ``1500`` -> ``"1500"``:
+    exact, and read back to the same count by :func:`parse_tokens`."""
+    for unit, size in (("M", 1024**2), ("K", 1024), ("m", 1000**2), ("k", 1000)):
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return str(n)

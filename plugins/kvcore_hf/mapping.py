@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,7 +34,7 @@ from kvcore.errors import (
     SerializationError,
     escape_controls,
 )
-from kvcore.limits import HUB_FETCH_TIMEOUT_S, MAX_NAME_CHARS
+from kvcore.limits import HUB_CONNECT_TIMEOUT_S, HUB_FETCH_TIMEOUT_S, MAX_NAME_CHARS
 from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile, read_json_file
 from kvcore.serving import CACHE_DTYPE_ALIASES, ServingChoices
@@ -516,7 +518,18 @@ def _model_file(
         layers=layers,
         notes="; ".join(notes),
         sources=tuple(mapper.sources),
+        max_position_embeddings=_max_positions(config),
     )
+
+
+def _max_positions(config: ModelConfig) -> int | None:
+    """``max_position_embeddings`` (or a family's own name for it), when it
+    is a positive int; a missing or odd value is no length at all."""
+    for name in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+        value = config.text.get(name)
+        if type(value) is int and value > 0:
+            return value
+    return None
 
 
 #: ``org/name`` as the Hugging Face hub spells repository ids.
@@ -555,6 +568,41 @@ def _within_deadline(fetch: Callable[[], str], repo_id: str) -> str:
     return done[0]
 
 
+def _hub_address(endpoint: str) -> tuple[str, int]:
+    """The host and port of the hub's endpoint URL."""
+    parsed = urllib.parse.urlsplit(endpoint)
+    port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    return parsed.hostname or "huggingface.co", port
+
+
+def _check_hub_reachable(hub: Any, repo_id: str, revision: str | None) -> None:
+    """Fail at once, with one line, when ``config.json`` is not cached and
+    the hub's host cannot be reached within
+    :data:`~kvcore.limits.HUB_CONNECT_TIMEOUT_S` (instead of the client's
+    retries and warnings until the deadline)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return  # the client answers from its cache, without the network
+    try:
+        cached = hub.try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:  # an odd cache is the download's to report
+        cached = None
+    if isinstance(cached, str):
+        return
+    host, port = _hub_address(str(constants.ENDPOINT))
+    try:
+        socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        msg = (
+            f"{repo_id}: config.json is not in the local hub cache and the hub "
+            f"({host}) cannot be reached within {HUB_CONNECT_TIMEOUT_S:g} s "
+            f"({type(exc).__name__}: {escape_controls(str(exc))[:120]}); check the "
+            "network, or give --hf-config PATH to a config.json"
+        )
+        raise ModelConfigError(msg) from None
+
+
 def fetch_hub_config(repo_id: str, *, revision: str | None = None) -> ModelConfig:
     """The ``config.json`` of a hub repository, and nothing else: through
     ``huggingface_hub`` (the optional extra ``kvcore[hf]``), which uses its
@@ -571,6 +619,7 @@ def fetch_hub_config(repo_id: str, *, revision: str | None = None) -> ModelConfi
             "pip install 'kvcore[hf]' (or give --hf-config PATH to a config.json)"
         )
         raise MissingExtraError(msg) from None
+    _check_hub_reachable(huggingface_hub, repo_id, revision)
     try:
         path = _within_deadline(
             lambda: huggingface_hub.hf_hub_download(

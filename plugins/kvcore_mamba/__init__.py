@@ -264,6 +264,18 @@ class MambaSpec(KVCacheSpec):
         # Only align mode chooses which states to keep.
         return self.checkpoint_policy if self._checkpoints_on else None
 
+    def with_state_dtype(self, dtype: torch.dtype) -> Self | None:
+        """vLLM's ``--mamba-ssm-cache-dtype``: every state tensor after the
+        first (the conv state, which keeps the model's dtype) becomes
+        ``dtype``; a single-tensor state (a short convolution) has no SSM
+        state and keeps its own."""
+        if len(self.dtypes) < 2:
+            return self
+        dtypes = (self.dtypes[0], *([dtype] * (len(self.dtypes) - 1)))
+        if dtypes == self.dtypes:
+            return self
+        return attrs.evolve(self, dtypes=dtypes)
+
     @property
     def state_cache_mode(self) -> str:
         return self.mamba_cache_mode

@@ -19,7 +19,7 @@ import traceback
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
-from kvcore.errors import KvcoreError, one_line
+from kvcore.errors import KvcoreError, did_you_mean, one_line
 from kvcore.tools.cli import convert, info, plan, simulate
 
 __all__ = ["build_parser", "main"]
@@ -32,8 +32,38 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as kvcore's one line and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            message += self._suggest(message.split(": ", 1)[1].split())
         sys.stderr.write(f"kvcore: error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
+
+    #: The command line being parsed (set by :func:`main`), to find the
+    #: command whose options an unknown one is compared with.
+    words: list[str] | None = None
+
+    def _options(self) -> set[str]:
+        """The option strings of this parser and of the command given."""
+        found: set[str] = set()
+        for action in self._actions:
+            found.update(s for s in action.option_strings if s.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                for word in self.words or ():
+                    sub = action.choices.get(word)
+                    if isinstance(sub, _Parser):
+                        found |= sub._options()
+                        break
+        return found
+
+    def _suggest(self, words: list[str]) -> str:
+        """``did you mean`` for the first unknown option close to a known one
+        (argparse's own suggestions come with Python 3.12's choices only)."""
+        options = self._options()
+        for word in words:
+            if word.startswith("--"):
+                hint = did_you_mean(word.split("=", 1)[0], options)
+                if hint:
+                    return f"; {word.split('=', 1)[0]}{hint}"
+        return ""
 
 
 def _version() -> str:
@@ -92,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in words
+    if isinstance(parser, _Parser):
+        parser.words = words
     args = parser.parse_args(
         _join_negative_values([w for w in words if w != "--debug"])
     )

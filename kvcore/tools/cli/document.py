@@ -74,6 +74,13 @@ def plan_document(
             "layout": plan["kv_cache_layout"],
             "enable_prefix_caching": planned.config.cache_config.enable_prefix_caching,
             "max_block_growth": planned.config.cache_config.max_block_growth,
+            "pipeline_parallel_size": (
+                planned.config.parallel_config.pipeline_parallel_size
+            ),
+            "pipeline_stage": None if planned.stage is None else planned.stage[0],
+            "max_model_len": planned.config.max_model_len,
+            "max_num_seqs": planned.max_num_seqs,
+            "mamba_ssm_cache_dtype": _dtype_name(choices.mamba_ssm_cache_dtype),
         },
         "notes": list(summary.notes),
         "plan": plan,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import attrs
+import torch
 
 from kvcore.checkpoints import CHECKPOINT_POLICIES
 from kvcore.config import (
@@ -23,7 +24,12 @@ from kvcore.config import (
     EngineConfig,
     ParallelConfig,
 )
-from kvcore.errors import KvcoreValueError, PluginError, escape_controls
+from kvcore.errors import (
+    KvcoreValueError,
+    PluginError,
+    SerializationError,
+    escape_controls,
+)
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
@@ -57,6 +63,9 @@ __all__ = [
 DEFAULT_MODEL = "deepseek-v4-flash"
 #: The KV cache budget per rank when neither ``--memory`` nor ``--gpu`` is given.
 DEFAULT_MEMORY = "8GiB"
+#: The request length planned when neither ``--context`` nor
+#: ``--max-model-len`` is given (32,768 tokens).
+DEFAULT_CONTEXT = "32K"
 #: The share of a device an engine takes (as vLLM's ``--gpu-memory-utilization``).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -109,6 +118,13 @@ class Planned:
     config: EngineConfig
     plan: KVCacheConfig
     contexts: tuple[int, ...]
+    #: ``--max-num-seqs``: the most requests the engine runs at once.
+    max_num_seqs: int | None = None
+    #: ``(stage, stages)`` with ``--pipeline-parallel-size`` above 1: the
+    #: plan is that stage's (the one that sets the block count).
+    stage: tuple[int, int] | None = None
+    #: The layers :attr:`plan` holds (one stage's with pipeline stages).
+    stage_layers: dict[str, Any] | None = None
 
     @property
     def memory(self) -> int:
@@ -121,19 +137,74 @@ class Planned:
     @property
     def specs(self) -> dict[str, Any]:
         """The layers as one rank serves them (the plan's input)."""
+        if self.stage_layers is not None:
+            return self.stage_layers
         return self.served.layers
 
 
 def _tokens_list(text: str) -> tuple[int, ...]:
     parts = [part.strip() for part in str(text).split(",") if part.strip()]
     if not parts:
-        msg = f"--context takes token counts separated by commas (e.g. 4k,32k,128k), got {text!r}"
+        msg = f"--context takes token counts separated by commas (e.g. 4K,32K,128K), got {text!r}"
         raise CliUsageError(msg)
     values = tuple(parse_tokens(part, what="--context") for part in parts)
     if len(set(values)) != len(values):
         msg = f"--context lists a length twice: {text!r}"
         raise CliUsageError(msg)
     return values
+
+
+def _max_model_len(args: argparse.Namespace, model: ModelFile) -> int | None:
+    """``--max-model-len`` in tokens (vLLM's units); ``auto`` or ``-1`` is
+    the model's own longest context, as vLLM derives it."""
+    text = getattr(args, "max_model_len", None)
+    if text is None:
+        return None
+    if str(text).strip().lower() in ("auto", "-1"):
+        if model.max_position_embeddings is None:
+            msg = (
+                f"--max-model-len {text}: the model file {model.name!r} does not "
+                "say its longest context (max_position_embeddings); give a "
+                "number of tokens such as 32K"
+            )
+            raise CliUsageError(msg)
+        return model.max_position_embeddings
+    return parse_tokens(text, what="--max-model-len")
+
+
+def _contexts(args: argparse.Namespace, max_model_len: int | None) -> tuple[int, ...]:
+    """The lengths planned: ``--context``, else ``--max-model-len``, else
+    :data:`DEFAULT_CONTEXT`; none may pass ``--max-model-len``."""
+    if args.context is None:
+        if max_model_len is not None:
+            return (max_model_len,)
+        return _tokens_list(DEFAULT_CONTEXT)
+    contexts = _tokens_list(args.context)
+    if max_model_len is not None:
+        longer = [c for c in contexts if c > max_model_len]
+        if longer:
+            msg = (
+                f"--context {args.context} asks for {longer[0]:,} tokens, past "
+                f"--max-model-len {max_model_len:,}; the engine refuses such "
+                "requests: raise --max-model-len or drop that length"
+            )
+            raise CliUsageError(msg)
+    return contexts
+
+
+def _model_argument(args: argparse.Namespace) -> None:
+    """Fold ``--model`` (vLLM's spelling) into the positional MODEL."""
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    if args.model not in (DEFAULT_MODEL, option):
+        msg = (
+            f"give the model once: MODEL is {escape_controls(args.model)!r} and "
+            f"--model is {escape_controls(option)!r}"
+        )
+        raise CliUsageError(msg)
+    args.model = option
+    args.model_option = None
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +219,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "hub id ORG/NAME (its config.json is mapped; needs kvcore[hf])",
     )
     parser.add_argument(
+        "--model",
+        dest="model_option",
+        metavar="MODEL",
+        help="the same as MODEL (vLLM's spelling)",
+    )
+    parser.add_argument(
         "--hf-config",
         metavar="PATH",
         help="plan from a Hugging Face config.json (a file, or a directory "
@@ -159,9 +236,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     which = memory.add_mutually_exclusive_group()
     which.add_argument(
         "--memory",
+        "--kv-cache-memory-bytes",
+        dest="memory",
         metavar="SIZE",
-        help="bytes of KV cache per rank: 80GiB, 64GB, 1.5TiB or plain bytes "
-        f"(default {DEFAULT_MEMORY} when --gpu is not given)",
+        help="bytes of KV cache per rank: 80GiB or 80G (powers of 1024), 64GB or "
+        "64g (powers of 1000), or plain bytes (default "
+        f"{DEFAULT_MEMORY} when --gpu is not given)",
     )
     which.add_argument(
         "--gpu",
@@ -180,7 +260,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "--weights",
         metavar="SIZE",
         help="bytes of weights and activations for the whole model, split evenly "
-        "over the --tp ranks and set aside from the --gpu memory (default: the "
+        "over the --tp x --pipeline-parallel-size ranks and set aside from the --gpu memory (default: the "
         "model file's weights_bytes, else nothing)",
     )
     serving = parser.add_argument_group(
@@ -188,6 +268,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     serving.add_argument(
         "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tp",
         type=str,
         default="1",
         metavar="N",
@@ -195,11 +278,30 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "layer has fewer heads than ranks); states shard through their plugin",
     )
     serving.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        dest="pp",
+        type=str,
+        default="1",
+        metavar="N",
+        help="pipeline stages: the layers split into N contiguous stages, each "
+        "on its own ranks with this memory; the capacity is the fullest "
+        "stage's (default 1)",
+    )
+    serving.add_argument(
         "--kv-cache-dtype",
         default="auto",
         metavar="DTYPE",
         help="cache dtype of every attention layer: auto (the model file's), "
         f"{', '.join(sorted(set(CACHE_DTYPE_ALIASES) - {'auto'}))}",
+    )
+    serving.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        metavar="DTYPE",
+        help="dtype of every Mamba / linear-attention layer's recurrent (SSM) "
+        "state, the tensors after its conv state: auto (the model file's), "
+        "float32, bfloat16, float16",
     )
     serving.add_argument(
         "--mamba-cache-mode",
@@ -226,10 +328,25 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     planning = parser.add_argument_group("planning")
     planning.add_argument(
         "--context",
-        default="32k",
+        default=None,
         metavar="LENGTHS",
-        help="request lengths in tokens, comma-separated (4k,32k,128k); the "
-        "first is the policy's target (default 32k)",
+        help="request lengths in tokens, comma-separated (4K,32K,128K; K is "
+        "1024 and k 1000, as vLLM reads them); the first is the policy's "
+        f"target (default: --max-model-len, else {DEFAULT_CONTEXT})",
+    )
+    planning.add_argument(
+        "--max-model-len",
+        metavar="TOKENS",
+        help="the longest request the engine takes: the first context when "
+        "--context is not given; a context past it, or a pool that cannot "
+        "hold one such request, is refused, as vLLM refuses them; auto: the "
+        "model's own longest (max_position_embeddings)",
+    )
+    planning.add_argument(
+        "--max-num-seqs",
+        metavar="N",
+        help="the most requests the engine runs at once; shown as a cap "
+        "next to the requests that fit",
     )
     planning.add_argument(
         "--max-num-batched-tokens",
@@ -258,8 +375,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "model's block sizes (finer prefix hits) (default 64)",
     )
     planning.add_argument(
+        "--enable-prefix-caching",
+        dest="prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan with prefix caching (the default) or without it "
+        "(--no-enable-prefix-caching, vLLM's spelling)",
+    )
+    planning.add_argument(
         "--no-prefix-caching",
-        action="store_true",
+        dest="prefix_caching",
+        action="store_false",
         help="plan without prefix caching (no hash alignment between groups)",
     )
 
@@ -316,8 +442,38 @@ def _model_source(
         if fetched is not None:
             return f"{args.model} (config.json)", fetched, None
     source = resolve_model(args.model)
-    model, weights = _read_model(source, registry)
+    try:
+        model, weights = _read_model(source, registry)
+    except SerializationError as exc:
+        hint = _hf_config_hint(source)
+        if hint is None:
+            raise
+        msg = f"{exc}; {hint}"
+        raise CliUsageError(msg) from None
     return source, model, weights
+
+
+def _hf_config_hint(path: Path) -> str | None:
+    """A hint to pass ``--hf-config`` when ``path`` (refused as a model file)
+    is a Hugging Face ``config.json``."""
+    if path.name == "config.json":
+        looks = True
+    else:
+        try:
+            if not path.is_file():  # never read a FIFO or a device
+                return None
+            with path.open("rb") as file:
+                head = file.read(65536).decode("utf-8", errors="replace")
+        except OSError:
+            return None
+        looks = '"model_type"' in head or '"architectures"' in head
+    if not looks:
+        return None
+    shown = escape_controls(str(path))
+    return (
+        f"{shown} looks like a Hugging Face config.json: plan it with "
+        f"`--hf-config {shown}` (a model file holds a 'layers' object)"
+    )
 
 
 def _may_be_hub_id(text: str) -> bool:
@@ -446,7 +602,10 @@ def plan_from_args(
     """Plan ``args.model`` as the options say (``policy`` overrides
     ``--policy``)."""
     registry = registry or registry_for_cli()
+    _model_argument(args)
     tp = _positive(args.tp, "--tp")
+    pp = _positive(getattr(args, "pp", "1"), "--pipeline-parallel-size")
+    ssm_dtype = getattr(args, "mamba_ssm_cache_dtype", "auto")
     choices = ServingChoices(
         kv_cache_dtype=parse_cache_dtype(args.kv_cache_dtype),
         tensor_parallel_size=tp,
@@ -457,26 +616,38 @@ def plan_from_args(
         ),
         mamba_cache_mode=args.mamba_cache_mode,
         checkpoint_policy=args.checkpoint_policy,
+        mamba_ssm_cache_dtype=_ssm_dtype(ssm_dtype),
     )
     source, model, file_weights = _model_source(args, registry, choices)
     served = apply_serving_choices(model.layers, choices)
-    budget = _budget(args, tp, file_weights)
-    contexts = _tokens_list(args.context)
+    budget = _budget(args, tp * pp, file_weights)
+    max_model_len = _max_model_len(args, model)
+    contexts = _contexts(args, max_model_len)
+    max_num_seqs = getattr(args, "max_num_seqs", None)
+    prefix_caching = getattr(args, "prefix_caching", None)
     config = EngineConfig(
         cache_config=CacheConfig(
             kv_cache_layout=args.layout,
-            enable_prefix_caching=not args.no_prefix_caching,
+            enable_prefix_caching=prefix_caching is not False,
             packing_policy=policy or args.policy,
             target_context=contexts[0],
             max_block_growth=_positive(args.max_block_growth, "--max-block-growth"),
             mamba_cache_mode=args.mamba_cache_mode,
         ),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp
+        ),
+        max_model_len=max_model_len,
         max_num_batched_tokens=parse_tokens(
             args.max_num_batched_tokens, what="--max-num-batched-tokens"
         ),
     )
-    plan = plan_kv_cache(config, served.layers, budget.kv_bytes, registry=registry)
+    layers = served.layers
+    stage = None
+    if pp > 1:
+        stage, layers, plan = _fullest_stage(config, layers, budget.kv_bytes, registry)
+    else:
+        plan = plan_kv_cache(config, layers, budget.kv_bytes, registry=registry)
     return Planned(
         model=model,
         source=source,
@@ -487,4 +658,52 @@ def plan_from_args(
         config=config,
         plan=plan,
         contexts=contexts,
+        max_num_seqs=(
+            None if max_num_seqs is None else _positive(max_num_seqs, "--max-num-seqs")
+        ),
+        stage=stage,
+        stage_layers=layers,
+    )
+
+
+def _ssm_dtype(name: str) -> torch.dtype | None:
+    """``--mamba-ssm-cache-dtype``: vLLM's names (auto, float32, bfloat16,
+    float16) and kvcore's aliases of them."""
+    dtype = parse_cache_dtype(name)
+    if dtype is not None and (not dtype.is_floating_point or dtype in _FP8):
+        msg = (
+            f"--mamba-ssm-cache-dtype takes auto, float32, bfloat16 or float16 "
+            f"(as vLLM), got {name!r}"
+        )
+        raise CliUsageError(msg)
+    return dtype
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fullest_stage(
+    config: EngineConfig,
+    layers: dict[str, Any],
+    memory: int,
+    registry: KindRegistry,
+) -> tuple[tuple[int, int], dict[str, Any], KVCacheConfig]:
+    """Plan ``layers`` over ``config``'s pipeline stages (each stage on ranks
+    of ``memory`` bytes, one block count: the smallest stage's) and return
+    the stage that sets the count: ``(stage, stages)``, its layers and its
+    plan."""
+    from kvcore.integrations.stages import plan_pipeline_stages
+
+    pipeline = plan_pipeline_stages(config, layers, memory, registry=registry)
+    # Every stage runs the smallest count; the stage with the widest block
+    # stride is the one that filled its memory first.
+    index = max(
+        range(len(pipeline.stages)),
+        key=lambda s: pipeline.stages[s].bytes_per_block,
+    )
+    names = pipeline.stage_layers[index]
+    return (
+        (index, len(pipeline.stages)),
+        {name: layers[name] for name in names},
+        pipeline.stages[index],
     )

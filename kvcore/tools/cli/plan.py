@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import attrs
 from rich.console import Console
 from rich.table import Table
 
@@ -47,6 +48,9 @@ def setting_text(planned: Planned, dtype_name: str) -> str:
         text = f" in {format_size(budget.kv_bytes)} of KV cache"
         if tp > 1:
             text += f" per rank, TP {tp}"
+    if planned.stage is not None:
+        stage, stages = planned.stage
+        text += f", pipeline stage {stage} of {stages}"
     served = planned.served
     if planned.choices.kv_cache_dtype is not None and len(
         served.dtype_kept_layers
@@ -66,15 +70,48 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
                 "no weights set aside: pass --weights SIZE (or add weights_bytes "
                 "to the model file) for a device's real KV budget",
             )
-    return summarize(
+    positions = planned.model.max_position_embeddings
+    longer = [c for c in planned.contexts if positions and c > positions]
+    if positions and longer:
+        notes.insert(
+            0,
+            f"warning: {', '.join(format_tokens(c) for c in longer)} tokens is past "
+            f"the model's max_position_embeddings ({positions:,}); it was not "
+            "trained for requests that long, and vLLM refuses them unless "
+            "--max-model-len is raised with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+        )
+    if planned.stage is not None:
+        stage, stages = planned.stage
+        notes.append(
+            f"pipeline parallel {stages}: every stage runs one block count, the "
+            f"smallest stage's; stage {stage} ({len(planned.specs)} of "
+            f"{len(planned.served.layers)} cache layers) sets it and is the one "
+            "planned here"
+        )
+    summary = summarize(
         planned.plan,
         planned.contexts,
         model_name=planned.model.name,
-        specs=planned.served.layers,
+        specs=planned.specs,
         memory=planned.memory,
         setting=setting_text(planned, dtype_name),
         notes=notes,
     )
+    if planned.max_num_seqs is None:
+        return summary
+    note = _seqs_note(summary.rows[0].concurrency, planned.max_num_seqs)
+    return attrs.evolve(summary, notes=(note, *summary.notes))
+
+
+def _seqs_note(fit: int, cap: int) -> str:
+    """The engine's ``--max-num-seqs`` next to the requests that fit."""
+    noun = "request fits" if fit == 1 else "requests fit"
+    if fit > cap:
+        return (
+            f"{fit} {noun}; vLLM would run at most --max-num-seqs {cap} at once "
+            "(the rest wait in its queue)"
+        )
+    return f"{fit} {noun}, within --max-num-seqs {cap}"
 
 
 def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
@@ -88,7 +125,7 @@ def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
         planned.plan,
         max(min(planned.contexts) // 4, 256),
         max(planned.contexts) * 4,
-        specs=planned.served.layers,
+        specs=planned.specs,
         memory=planned.memory,
     )
     try:

@@ -15,6 +15,7 @@ import re
 import attrs
 
 from kvcore.errors import KvcoreValueError
+from kvcore.tools.units import LETTER_UNITS
 
 __all__ = ["Distribution", "DistributionError", "parse_distribution"]
 
@@ -26,7 +27,7 @@ _FIXED = re.compile(rf"^{_INT}$")
 _UNIFORM = re.compile(rf"^{_INT}-{_INT}$")
 _SHAPED = re.compile(rf"^\s*(normal|lognormal)\s*:{_NUM},{_NUM}$")
 
-FORMS = "N (4k is 4096), LO-HI, normal:MEAN,STD or lognormal:MEAN,STD"
+FORMS = "N (4K is 4096, 4k is 4000), LO-HI, normal:MEAN,STD or lognormal:MEAN,STD"
 
 
 class DistributionError(KvcoreValueError):
@@ -75,8 +76,9 @@ MAX_LENGTH = 2**24
 
 
 def _count(text: str) -> int:
-    """``"4k"`` -> 4096, ``"1m"`` -> 1048576 (as for ``--context``)."""
-    scale = {"k": 1024, "m": 1024**2}.get(text[-1].lower(), 1)
+    """``"4K"`` -> 4096, ``"4k"`` -> 4000, ``"1M"`` -> 1048576: the letters
+    of ``--context`` (lower case decimal, upper case binary, as vLLM)."""
+    scale = LETTER_UNITS.get(text[-1], 1) if text[-1].isalpha() else 1
     digits = text[:-1] if scale > 1 else text
     if len(digits) > 9 or int(digits) * scale > MAX_LENGTH:
         msg = f"a length of {text} is more than {MAX_LENGTH:,} tokens"

@@ -7,12 +7,13 @@ derived from public configs.
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
-from kvcore.errors import KvcoreKeyError, echo
+from kvcore.errors import KvcoreKeyError, did_you_mean, echo
 
-__all__ = ["names", "path"]
+__all__ = ["names", "normalize", "path"]
 
 
 def _dir() -> Path:
@@ -30,7 +31,15 @@ def path(name: str) -> Path:
     Only the names :func:`names` lists are found: a name is never joined to
     the folder as a path, so ``"../../etc/x"`` cannot reach outside it."""
     known = names()
-    if name not in known:
-        msg = f"no shipped model file {echo(name)}; known: {', '.join(known)}"
+    stem = normalize(name)
+    if stem not in known:
+        hint = did_you_mean(stem, known)
+        msg = f"no shipped model file {echo(name)}{hint}; known: {', '.join(known)}"
         raise KvcoreKeyError(msg)
-    return _dir() / f"{name}.json"
+    return _dir() / f"{stem}.json"
+
+
+def normalize(name: str) -> str:
+    """The file stem a shipped model's name means: ``"Llama-3.1-8B"`` (the
+    name kvcore prints) and ``"llama_3.1_8b"`` are ``"llama-3-1-8b"``."""
+    return re.sub(r"[\s._\-]+", "-", name.strip().lower()).strip("-")
