@@ -147,7 +147,7 @@ def test_a_mutated_worker_config_is_refused_or_safe(layout: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_mutated_worker_config_is_refused_or_safe_long_run(layout: str) -> None:
-    _run(_worker_config(layout), 2000)
+    _run(_worker_config(layout), 500)
 
 
 def _pipeline() -> dict[str, Any]:
@@ -207,5 +207,5 @@ def test_a_mutated_rank_record_is_refused_or_recomputed() -> None:
 
 @pytest.mark.slow
 def test_mutated_shipped_plans_and_records_long_run() -> None:
-    _run(_shipped_plan, 2000)
-    _run(_rank_record, 1000)
+    _run(_shipped_plan, 1000)
+    _run(_rank_record, 500)
