@@ -721,3 +721,35 @@ def test_a_closed_stdout_is_one_line_not_a_traceback(
         "kvcore: error: standard output is closed; redirect it to a file or "
         "/dev/null instead\n"
     )
+
+
+def test_an_overridden_kind_is_named_in_the_plan(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """KVCORE_OVERRIDE_KINDS lets a plugin replace a built-in kind; the plan
+    then says whose kind it used, in text and JSON."""
+    from kvcore.tools.cli import main
+
+    (tmp_path / "kvcore_override_demo.py").write_text(
+        "from kvcore import hookimpl\n"
+        "from kvcore_full_attention import FullAttention\n\n\n"
+        "@hookimpl\n"
+        "def kvcore_register_kinds():\n"
+        "    return [FullAttention()]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "kvcore_override_demo")
+    monkeypatch.setenv("KVCORE_OVERRIDE_KINDS", "full_attention")
+    note = (
+        "kind 'full_attention' is overridden: plugin 'kvcore_override_demo' (no "
+        "distribution: registered by hand or from source) replaces plugin "
+        "'full_attention'"
+    )
+    assert main(["plan", "llama-3-1-8b", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert any(n.startswith(note) for n in doc["notes"])
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["plan", "llama-3-1-8b"]) == 0
+    assert note in capsys.readouterr().out

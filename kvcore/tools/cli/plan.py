@@ -96,6 +96,7 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
         memory=planned.memory,
         setting=setting_text(planned, dtype_name),
         notes=notes,
+        registry=planned.registry,
     )
     if planned.max_num_seqs is None:
         return summary
