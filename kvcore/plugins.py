@@ -216,9 +216,14 @@ def plugin_distribution(pm: pluggy.PluginManager, name: str) -> str | None:
         if registered is plugin:
             return f"{dist.metadata['name']} {dist.version}"
     base, _, qualifier = name.partition("@")
+    # Another distribution may use the same entry-point name: only the entry
+    # point that loads this very module names its distribution.
+    module = getattr(plugin, "__name__", None)
     for ep in _entry_points():
         if ep.name == base and ep.dist is not None:
             if qualifier and ep.dist.name != qualifier:
+                continue
+            if module is not None and ep.value.split(":")[0] != module:
                 continue
             return f"{ep.dist.name} {ep.dist.version}"
     return None

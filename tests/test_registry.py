@@ -727,3 +727,21 @@ def test_a_third_party_mapper_arrives_through_an_entry_point(
     )
     assert list(model.layers) == [f"model.layers.{i}.attn" for i in range(3)]
     assert model.layers["model.layers.0.attn"].page_size_bytes == 2 * 16 * 4 * 64 * 2
+
+
+def test_a_built_in_is_not_credited_to_another_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A third party's entry point may reuse a built-in's entry-point name;
+    the built-in plugin registered by hand is not credited to it."""
+    from kvcore.plugins import plugin_distribution
+
+    info = tmp_path / "evil_kinds-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: evil-kinds\nVersion: 1.0\n"
+    )
+    (info / "entry_points.txt").write_text("[kvcore]\nmamba = evil_kinds_module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pm = kvcore.get_plugin_manager(load_entrypoints=False)
+    assert plugin_distribution(pm, "mamba") != "evil-kinds 1.0"
