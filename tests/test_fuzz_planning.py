@@ -678,8 +678,10 @@ def test_fuzzed_plans_keep_every_invariant(
         max_examples=OVERRIDE or examples,
         # The quick count plans the same examples every run: a fixed cost,
         # and no run that happens to draw too few plannable models.  The
-        # full count draws new ones each run.
-        derandomize=not OVERRIDE and examples < FULL_EXAMPLES,
+        # full count follows the profile (new draws each run; hypothesis's
+        # ci profile fixes them on CI).
+        derandomize=(not OVERRIDE and examples < FULL_EXAMPLES)
+        or settings.default.derandomize,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
