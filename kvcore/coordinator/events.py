@@ -27,6 +27,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "ClosingPublisher",
     "EventBatch",
     "EventPublisher",
     "GroupEventInfo",
@@ -118,17 +119,12 @@ class EventPublisher(Protocol):
     def close(self) -> None: ...
 
 
-class NullEventPublisher:
-    """A publisher that drops every batch, for engines with no router."""
-
-    def publish(
-        self, events: Sequence[KVCacheEvent], *, timestamp: float | None = None
-    ) -> int | None:
-        """Drop ``events``; returns None (no sequence number)."""
-        return None
+class ClosingPublisher:
+    """A publisher usable in a ``with`` block: leaving it calls
+    :meth:`close`."""
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Release what the publisher holds (nothing here)."""
 
     def __enter__(self) -> Self:
         return self
@@ -140,3 +136,13 @@ class NullEventPublisher:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class NullEventPublisher(ClosingPublisher):
+    """A publisher that drops every batch, for engines with no router."""
+
+    def publish(
+        self, events: Sequence[KVCacheEvent], *, timestamp: float | None = None
+    ) -> int | None:
+        """Drop ``events``; returns None (no sequence number)."""
+        return None

@@ -12,13 +12,13 @@ neither.
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from types import TracebackType
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple
 
 from kvcore.coordinator.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    ClosingPublisher,
     EventBatch,
     KVCacheEvent,
 )
@@ -189,7 +189,7 @@ def decode_event_batch(data: bytes) -> EventBatch:
     return EventBatch(batch.timestamp, tuple(events))
 
 
-class ZmqEventPublisher:
+class ZmqEventPublisher(ClosingPublisher):
     """Publishes event batches on a ZeroMQ socket (XPUB, read by any SUB).
 
     Every message has three frames: the topic (UTF-8), the batch's sequence
@@ -347,14 +347,3 @@ class ZmqEventPublisher:
         self._socket.close()
         if self._owns_context:
             self._context.term()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -52,7 +52,7 @@ from kvcore.limits import (
     MAX_TRACE_TOTAL_TOKENS,
     MAX_WORKLOAD_REQUESTS,
 )
-from kvcore.tools.simulate.trace import TraceError, parse_trace
+from kvcore.tools.simulate.trace import TraceError, parse_trace, read_trace_lines
 from kvcore.tools.simulate.workload import (
     TokenRun,
     Workload,
@@ -248,20 +248,8 @@ def load_any_trace(
     block_tokens: int | None = None,
 ) -> LoadedTrace:
     """Read a trace file in any format (see :func:`parse_any_trace`)."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        msg = f"cannot read trace {path}: {exc.strerror or exc}"
-        raise TraceError(msg, line=0) from exc
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        msg = f"{path} line {line}: not UTF-8 text; a trace is UTF-8 JSON lines"
-        raise TraceError(msg, line=line) from exc
     return parse_any_trace(
-        text.splitlines(),
+        read_trace_lines(path),
         source=str(path),
         trace_format=trace_format,
         timing=timing,

@@ -65,8 +65,9 @@ class TraceError(KvcoreValueError):
         self.field = field
 
 
-def load_trace(path: str | Path) -> Workload:
-    """The workload of a trace file."""
+def read_trace_lines(path: str | Path) -> list[str]:
+    """A trace file's lines, refused with the line of the first byte that is
+    not UTF-8 (every trace format is UTF-8 JSON lines)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -79,7 +80,12 @@ def load_trace(path: str | Path) -> Workload:
         line = raw[: exc.start].count(b"\n") + 1
         msg = f"{path} line {line}: not UTF-8 text; a trace is UTF-8 JSON lines"
         raise TraceError(msg, line=line) from exc
-    return parse_trace(text.splitlines(), source=str(path))
+    return text.splitlines()
+
+
+def load_trace(path: str | Path) -> Workload:
+    """The workload of a trace file."""
+    return parse_trace(read_trace_lines(path), source=str(path))
 
 
 def parse_trace(lines: Iterable[str], *, source: str = "trace") -> Workload:
