@@ -26,9 +26,10 @@ import torch
 
 import kvcore
 from kvcore import KVCachePool
-from kvcore.coordinator import Request
+from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT as HASHED_TOKEN_LIMIT
+from kvcore.coordinator.hashing import BlockHasher
 from kvcore.errors import (
     BlockSizeError,
     InvalidSpecError,
@@ -40,6 +41,8 @@ from kvcore.errors import (
     UnknownKindError,
     UnsafePlanError,
 )
+from kvcore.integrations.distributed import checked_records, load_pipeline_plan
+from kvcore.integrations.events import ZmqEventPublisher
 from kvcore.limits import MAX_JSON_FILE_BYTES, MAX_NUM_BLOCKS, TOKEN_ID_LIMIT
 from kvcore.serialize import dump_config, load_config, load_model_file
 from kvcore.tools import zoo
@@ -156,6 +159,23 @@ def one_tensor_config(**edits: Any) -> Callable[[Path], object]:
         return load_config(json.dumps(data), REGISTRY)
 
     return run
+
+
+def _coordinator_call(call: str) -> object:
+    """``call`` on a fresh one-group manager (``mgr``), a request (``req``)
+    and its lookup's hit (``hit``)."""
+    spec = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = kvcore.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[kvcore.KVCacheGroupSpec(["a"], spec)],
+    )
+    mgr = KVCacheManager(config, 64, scheduler_block_size=4, registry=REGISTRY)
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    hit, _ = mgr.get_computed_blocks(req)
+    return eval(call, {"mgr": mgr, "req": req, "hit": hit})
 
 
 def config_text(text: str) -> Callable[[Path], object]:
@@ -710,6 +730,69 @@ CASES = [
         "1,000 shared prefixes of 1,000,000 tokens are more than kvcore's limit",
     ),
     Case(
+        "a request count that is no int",
+        "manager.allocate_slots(request, 1.5)",
+        lambda tmp: _coordinator_call("mgr.allocate_slots(req, 1.5)"),
+        KvcoreTypeError,
+        "allocate_slots for request 'a' asks for 1.5 new tokens",
+    ),
+    Case(
+        "freeing something that is no request",
+        "manager.free(5)",
+        lambda tmp: _coordinator_call("mgr.free(5)"),
+        KvcoreTypeError,
+        "expected a kvcore.coordinator.Request, got int",
+    ),
+    Case(
+        "caching a negative token count",
+        "manager.cache_blocks(request, -4)",
+        lambda tmp: _coordinator_call("mgr.cache_blocks(req, -4)"),
+        KvcoreValueError,
+        "num_computed_tokens must be a non-negative int number of tokens, got -4",
+    ),
+    Case(
+        "truncating a hit to a negative length",
+        "manager.truncate_computed_blocks(hit, -4)",
+        lambda tmp: _coordinator_call("mgr.truncate_computed_blocks(hit, -4)"),
+        KvcoreValueError,
+        "truncate_computed_blocks: num_computed_tokens must be a non-negative int",
+    ),
+    Case(
+        "bytes hashed as a prompt",
+        'BlockHasher(4, "sha256").hash_prompt(b"abcdefgh")',
+        lambda tmp: BlockHasher(4, "sha256").hash_prompt(b"abcdefgh"),  # type: ignore[arg-type]
+        KvcoreTypeError,
+        "BlockHasher.hash_prompt must be a list or tuple of token ids, got bytes",
+    ),
+    Case(
+        "a shipped pipeline plan that is not JSON",
+        'load_pipeline_plan("{")',
+        lambda tmp: load_pipeline_plan("{", REGISTRY),
+        SerializationError,
+        "the shipped KV cache plan is not valid JSON",
+    ),
+    Case(
+        "a rank that sends garbage",
+        "checked_records([b'\\xff'])",
+        lambda tmp: checked_records([b"\xff"], REGISTRY),
+        PlanError,
+        "rank 0 sent a plan record that is not a valid kvcore plan",
+    ),
+    Case(
+        "an event publisher queue of zero batches",
+        'ZmqEventPublisher("inproc://x", max_queued_batches=0)',
+        lambda tmp: ZmqEventPublisher("inproc://x", max_queued_batches=0),
+        KvcoreValueError,
+        "max_queued_batches must be between 1 and",
+    ),
+    Case(
+        "a stride past what torch addresses",
+        '"layer_stride": 9223372036854775808',
+        worker_config(tensor1_layer_stride=2**63),
+        SerializationError,
+        "$.kv_cache_tensors[1].layer_stride is 9,223,372,036,854,775,808",
+    ),
+    Case(
         "a pool bound from something that is not a plan",
         'KVCachePool("not a plan")',
         lambda tmp: KVCachePool("not a plan"),  # type: ignore[arg-type]
@@ -900,7 +983,23 @@ The limits live in `kvcore.limits`:
 | `MAX_NUM_BLOCKS` | 2**24 blocks in one pool (planner and block pool) |
 | `TOKEN_ID_LIMIT` | token ids and counts are ints in `[0, 2**32)`, never bools |
 | `MAX_NAME_CHARS` | 256 characters in a model, layer or kind name |
+| `MAX_BYTE_OFFSET` | 2**60: the largest byte size, offset or stride of a plan |
+| `MAX_NUM_LAYERS` | 100,000 layers in a model configuration |
+| `MAX_WORKLOAD_REQUESTS` | 10**6 requests in one simulated workload |
+| `MAX_WORKLOAD_PREFIX_TOKENS` | 2**26 tokens of shared prefixes in a synthetic workload |
+| `MAX_TRACE_*` | tokens per request and in all, line length, hash ids and block length of a replayed trace |
+| `HUB_FETCH_TIMEOUT_S` | 30 s for a hub to deliver a config.json, retries included |
 | `MAX_ECHO_CHARS` | 200 characters of a value quoted in a message |
+
+A plan is checked the same way wherever it enters a process (a config file,
+a shipped pipeline plan, another rank's record, the pool that binds it): a
+proof by arithmetic that no two pages that may be live at once share a byte
+(two groups share a block's bytes only within one block id), every layer
+placed once, inside its pool; another rank's fingerprint is recomputed, never
+trusted.  A cache manager that calls back into the `KVCacheManager` from
+inside a step is refused (`ReentrantCallError`) and the step undone.  The
+ZeroMQ event publisher queues at most `max_queued_batches` batches for a
+subscriber that does not read, counting what it drops.
 
 JSON is read strictly (model files and worker configs alike): a key given
 twice in one object, `NaN`, `Infinity` and numbers that overflow a float are
