@@ -621,44 +621,57 @@ class BlockPool:
         that reach 0: keyed ones (full or partial key, or every block with
         caching off) at the back, the others at the front, in the order
         they reached 0 (``table``: its reverse).  A double free restores
-        the counts dropped so far and raises, changing nothing."""
-        freed: list[KVCacheBlock] = []
-        for i, block in enumerate(blocks):
-            cnt = block.ref_cnt
-            if cnt == 1:
-                block.ref_cnt = 0
-                freed.append(block)
-            elif cnt > 1:
-                block.ref_cnt = cnt - 1
-            elif not block.is_null:
-                for done in blocks[:i]:
-                    if not done.is_null:
-                        done.ref_cnt += 1
-                raise _double_free(block)
-        if table:
-            freed.reverse()
+        the counts and links changed so far and raises, changing nothing.
+
+        One walk: each block is linked as it reaches 0.  In order, a front
+        block goes after the last one linked at the front (from the head)
+        and a back block right before the tail; reversed (``table``), a
+        front block goes right after the head and a back block before the
+        last one linked at the back (from the tail).  Blocks in use are
+        never queued, so no link is checked."""
         queue = self.free_queue
-        if freed:
-            if self.enable_caching:
-                front = [
-                    b for b in freed if b.key_hash is None and b.partial_keys is None
-                ]
-                if front:
-                    queue.prepend_n(front)
-                    queue.append_n(
-                        [
-                            b
-                            for b in freed
-                            if b.key_hash is not None or b.partial_keys is not None
-                        ]
-                    )
-                else:
-                    queue.append_n(freed)
+        head = queue._head
+        tail = queue._tail
+        front_ok = self.enable_caching
+        # Front: insert after ``left``; back: insert before ``right``.
+        left = head
+        right = tail
+        freed = 0
+        it = iter(blocks)
+        for block in it:
+            cnt = block.ref_cnt
+            if cnt > 1:
+                block.ref_cnt = cnt - 1
+                continue
+            if cnt != 1:
+                if block.is_null:
+                    continue
+                done = len(blocks) - len(list(it)) - 1
+                queue.num_free += freed
+                _unrelease(queue, blocks[:done])
+                raise _double_free(block)
+            block.ref_cnt = 0
+            freed += 1
+            if front_ok and block.key_hash is None and block.partial_keys is None:
+                nxt = left.next_free
+                assert nxt is not None
+                block.prev_free = left
+                block.next_free = nxt
+                left.next_free = nxt.prev_free = block
+                if not table:
+                    left = block
             else:
-                queue.append_n(freed)
+                prev = right.prev_free
+                assert prev is not None
+                block.prev_free = prev
+                block.next_free = right
+                prev.next_free = right.prev_free = block
+                if table:
+                    right = block
+        queue.num_free += freed
         journal = self._journal
         if journal is not None:
-            journal.append(functools.partial(_unrelease, queue, tuple(blocks), freed))
+            journal.append(functools.partial(_unrelease, queue, tuple(blocks)))
 
     def _relink(self, block: KVCacheBlock) -> _Undo:
         """An undo that puts ``block`` back where it sits in the free queue."""
@@ -1110,17 +1123,13 @@ def _untouch(blocks: Sequence[KVCacheBlock]) -> None:
             block.ref_cnt -= 1
 
 
-def _unrelease(
-    queue: FreeBlockQueue,
-    blocks: Sequence[KVCacheBlock],
-    freed: Sequence[KVCacheBlock],
-) -> None:
-    """Undo a release: the freed blocks leave the queue, every count is
-    raised back."""
-    for block in freed:
-        queue.remove(block)
+def _unrelease(queue: FreeBlockQueue, blocks: Sequence[KVCacheBlock]) -> None:
+    """Undo a release of ``blocks``: every count is raised back, and a block
+    the release freed (count 0 now, queued) leaves the queue first."""
     for block in blocks:
         if not block.is_null:
+            if block.ref_cnt == 0:
+                queue.remove(block)
             block.ref_cnt += 1
 
 
