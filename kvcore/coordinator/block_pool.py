@@ -163,11 +163,15 @@ class FreeBlockQueue:
     end-of-list special cases.
     """
 
-    __slots__ = ("_head", "_tail", "num_free")
+    __slots__ = ("_back", "_front", "_head", "_tail", "num_free")
 
     def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
+        #: Scratch ends of the two chains a release builds before it splices
+        #: them in (see BlockPool._release); unlinked between calls.
+        self._front = KVCacheBlock(-1)
+        self._back = KVCacheBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free = 0
@@ -621,54 +625,82 @@ class BlockPool:
         that reach 0: keyed ones (full or partial key, or every block with
         caching off) at the back, the others at the front, in the order
         they reached 0 (``table``: its reverse).  A double free restores
-        the counts and links changed so far and raises, changing nothing.
+        the counts dropped so far and raises, changing nothing.
 
-        One walk: each block is linked as it reaches 0.  In order, a front
-        block goes after the last one linked at the front (from the head)
-        and a back block right before the tail; reversed (``table``), a
-        front block goes right after the head and a back block before the
-        last one linked at the back (from the tail).  Blocks in use are
-        never queued, so no link is checked."""
+        One walk: each block reaching 0 joins one of two chains, the front
+        one or the back one, in its final place (``table``: each new block
+        before the chain's first, else after its last), each chain ending
+        on a scratch block of the queue; the chains are spliced in around
+        the queued blocks at the end.  Blocks in use are never queued, so
+        no link is checked."""
         queue = self.free_queue
-        head = queue._head
-        tail = queue._tail
+        front_end = queue._front
+        back_end = queue._back
         front_ok = self.enable_caching
-        # Front: insert after ``left``; back: insert before ``right``.
-        left = head
-        right = tail
+        # table: the chains' first blocks (they grow at the front);
+        # otherwise their last (they grow at the back).
+        front = front_end
+        back = back_end
         freed = 0
         it = iter(blocks)
         for block in it:
             cnt = block.ref_cnt
-            if cnt > 1:
+            if cnt == 1:
+                block.ref_cnt = 0
+                freed += 1
+                if front_ok and block.key_hash is None and block.partial_keys is None:
+                    if table:
+                        block.next_free = front
+                        front.prev_free = block
+                    else:
+                        block.prev_free = front
+                        front.next_free = block
+                    front = block
+                else:
+                    if table:
+                        block.next_free = back
+                        back.prev_free = block
+                    else:
+                        block.prev_free = back
+                        back.next_free = block
+                    back = block
+            elif cnt > 1:
                 block.ref_cnt = cnt - 1
-                continue
-            if cnt != 1:
-                if block.is_null:
-                    continue
+            elif not block.is_null:
                 done = len(blocks) - len(list(it)) - 1
-                queue.num_free += freed
-                _unrelease(queue, blocks[:done])
+                front_end.prev_free = front_end.next_free = None
+                back_end.prev_free = back_end.next_free = None
+                for undo in blocks[:done]:
+                    if not undo.is_null:
+                        if undo.ref_cnt == 0:
+                            undo.prev_free = undo.next_free = None
+                        undo.ref_cnt += 1
                 raise _double_free(block)
-            block.ref_cnt = 0
-            freed += 1
-            if front_ok and block.key_hash is None and block.partial_keys is None:
-                nxt = left.next_free
-                assert nxt is not None
-                block.prev_free = left
-                block.next_free = nxt
-                left.next_free = nxt.prev_free = block
-                if not table:
-                    left = block
+        if freed:
+            head = queue._head
+            tail = queue._tail
+            # The segments in queue order, each (first, last): the front
+            # chain, the blocks queued before, the back chain.
+            segments: list[tuple[KVCacheBlock | None, KVCacheBlock | None]]
+            if table:
+                segments = [(front, front_end.prev_free), (back, back_end.prev_free)]
             else:
-                prev = right.prev_free
-                assert prev is not None
-                block.prev_free = prev
-                block.next_free = right
-                prev.next_free = right.prev_free = block
-                if table:
-                    right = block
-        queue.num_free += freed
+                segments = [(front_end.next_free, front), (back_end.next_free, back)]
+            if queue.num_free:
+                segments.insert(1, (head.next_free, tail.prev_free))
+            prev = head
+            for first, last in segments:
+                if first is front_end or first is back_end or first is None:
+                    continue  # an empty chain
+                assert last is not None  # a chain's ends are linked
+                prev.next_free = first
+                first.prev_free = prev
+                prev = last
+            prev.next_free = tail
+            tail.prev_free = prev
+            front_end.prev_free = front_end.next_free = None
+            back_end.prev_free = back_end.next_free = None
+            queue.num_free += freed
         journal = self._journal
         if journal is not None:
             journal.append(functools.partial(_unrelease, queue, tuple(blocks)))
