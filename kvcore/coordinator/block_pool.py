@@ -461,14 +461,34 @@ class BlockPool:
         queue = self.free_queue
         if num_blocks > queue.num_free or num_blocks < 0:
             raise self._no_free_blocks(num_blocks)
-        blocks = queue.popleft_n(num_blocks)
+        blocks: list[KVCacheBlock] = []
+        if not num_blocks:
+            return blocks
         journal = self._journal
         if journal is not None:
-            journal.append(functools.partial(self._unget, list(blocks)))
-        for block in blocks:
+            # The hand-out's undo goes before the key drops' (a rollback
+            # runs newest first); it is filled in once the blocks are known.
+            mark = len(journal)
+            journal.append(_nothing)
+        # One walk from the front: unlink, drop keys, take the reference.
+        append = blocks.append
+        head = queue._head
+        block = head.next_free
+        for _ in range(num_blocks):
+            assert block is not None  # num_free counts the linked blocks
+            append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
             if block.key_hash is not None or block.partial_keys is not None:
                 self._drop_keys(block)
             block.ref_cnt = 1
+            block = nxt
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free -= num_blocks
+        if journal is not None:
+            journal[mark] = functools.partial(self._unget, list(blocks))
         return blocks
 
     def _unget(self, blocks: list[KVCacheBlock]) -> None:
@@ -1070,6 +1090,12 @@ class BlockPool:
 
 
 _Undo: TypeAlias = Callable[[], None]
+
+
+def _nothing() -> None:
+    """A journal place held for an undo not known yet."""
+
+
 _Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
 
 

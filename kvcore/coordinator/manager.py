@@ -366,15 +366,15 @@ class SingleTypeManager:
         more per-request state extends :meth:`request_state` and
         :meth:`restore_request_state` (the coordinator then records those
         at the start of every step)."""
-        pool = self.block_pool
-        if pool.in_transaction:
+        journal = self.block_pool._journal
+        if journal is not None:
             blocks = self.req_to_blocks.get(request_id)
             table = (
                 None
                 if blocks is None
                 else (blocks, list(blocks) if whole else len(blocks))
             )
-            pool.record_undo(
+            journal.append(
                 partial(
                     _put_back,
                     self,
