@@ -165,11 +165,15 @@ class FreeBlockQueue:
     end-of-list special cases.
     """
 
-    __slots__ = ("_head", "_tail", "num_free")
+    __slots__ = ("_back", "_front", "_head", "_tail", "num_free")
 
     def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
+        #: Scratch ends of the two chains a release builds before it splices
+        #: them in (see BlockPool._release); unlinked between calls.
+        self._front = KVCacheBlock(-1)
+        self._back = KVCacheBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free = 0
@@ -472,14 +476,34 @@ class BlockPool:
         queue = self.free_queue
         if num_blocks > queue.num_free or num_blocks < 0:
             raise self._no_free_blocks(num_blocks)
-        blocks = queue.popleft_n(num_blocks)
+        blocks: list[KVCacheBlock] = []
+        if not num_blocks:
+            return blocks
         journal = self._journal
         if journal is not None:
-            journal.append(functools.partial(self._unget, list(blocks)))
-        for block in blocks:
+            # The hand-out's undo goes before the key drops' (a rollback
+            # runs newest first); it is filled in once the blocks are known.
+            mark = len(journal)
+            journal.append(_nothing)
+        # One walk from the front: unlink, drop keys, take the reference.
+        append = blocks.append
+        head = queue._head
+        block = head.next_free
+        for _ in range(num_blocks):
+            assert block is not None  # num_free counts the linked blocks
+            append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
             if block.key_hash is not None or block.partial_keys is not None:
                 self._drop_keys(block)
             block.ref_cnt = 1
+            block = nxt
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free -= num_blocks
+        if journal is not None:
+            journal[mark] = functools.partial(self._unget, list(blocks))
         return blocks
 
     def _unget(self, blocks: list[KVCacheBlock]) -> None:
@@ -636,44 +660,85 @@ class BlockPool:
         that reach 0: keyed ones (full or partial key, or every block with
         caching off) at the back, the others at the front, in the order
         they reached 0 (``table``: its reverse).  A double free restores
-        the counts dropped so far and raises, changing nothing."""
-        freed: list[KVCacheBlock] = []
-        for i, block in enumerate(blocks):
+        the counts dropped so far and raises, changing nothing.
+
+        One walk: each block reaching 0 joins one of two chains, the front
+        one or the back one, in its final place (``table``: each new block
+        before the chain's first, else after its last), each chain ending
+        on a scratch block of the queue; the chains are spliced in around
+        the queued blocks at the end.  Blocks in use are never queued, so
+        no link is checked."""
+        queue = self.free_queue
+        front_end = queue._front
+        back_end = queue._back
+        front_ok = self.enable_caching
+        # table: the chains' first blocks (they grow at the front);
+        # otherwise their last (they grow at the back).
+        front = front_end
+        back = back_end
+        freed = 0
+        it = iter(blocks)
+        for block in it:
             cnt = block.ref_cnt
             if cnt == 1:
                 block.ref_cnt = 0
-                freed.append(block)
+                freed += 1
+                if front_ok and block.key_hash is None and block.partial_keys is None:
+                    if table:
+                        block.next_free = front
+                        front.prev_free = block
+                    else:
+                        block.prev_free = front
+                        front.next_free = block
+                    front = block
+                else:
+                    if table:
+                        block.next_free = back
+                        back.prev_free = block
+                    else:
+                        block.prev_free = back
+                        back.next_free = block
+                    back = block
             elif cnt > 1:
                 block.ref_cnt = cnt - 1
             elif not block.is_null:
-                for done in blocks[:i]:
-                    if not done.is_null:
-                        done.ref_cnt += 1
+                done = len(blocks) - len(list(it)) - 1
+                front_end.prev_free = front_end.next_free = None
+                back_end.prev_free = back_end.next_free = None
+                for undo in blocks[:done]:
+                    if not undo.is_null:
+                        if undo.ref_cnt == 0:
+                            undo.prev_free = undo.next_free = None
+                        undo.ref_cnt += 1
                 raise _double_free(block)
-        if table:
-            freed.reverse()
-        queue = self.free_queue
         if freed:
-            if self.enable_caching:
-                front = [
-                    b for b in freed if b.key_hash is None and b.partial_keys is None
-                ]
-                if front:
-                    queue.prepend_n(front)
-                    queue.append_n(
-                        [
-                            b
-                            for b in freed
-                            if b.key_hash is not None or b.partial_keys is not None
-                        ]
-                    )
-                else:
-                    queue.append_n(freed)
+            head = queue._head
+            tail = queue._tail
+            # The segments in queue order, each (first, last): the front
+            # chain, the blocks queued before, the back chain.
+            segments: list[tuple[KVCacheBlock | None, KVCacheBlock | None]]
+            if table:
+                segments = [(front, front_end.prev_free), (back, back_end.prev_free)]
             else:
-                queue.append_n(freed)
+                segments = [(front_end.next_free, front), (back_end.next_free, back)]
+            if queue.num_free:
+                segments.insert(1, (head.next_free, tail.prev_free))
+            prev = head
+            for first, last in segments:
+                if first is front_end or first is back_end or first is None:
+                    continue  # an empty chain
+                assert last is not None  # a chain's ends are linked
+                prev.next_free = first
+                first.prev_free = prev
+                prev = last
+            prev.next_free = tail
+            tail.prev_free = prev
+            front_end.prev_free = front_end.next_free = None
+            back_end.prev_free = back_end.next_free = None
+            queue.num_free += freed
         journal = self._journal
         if journal is not None:
-            journal.append(functools.partial(_unrelease, queue, tuple(blocks), freed))
+            journal.append(functools.partial(_unrelease, queue, tuple(blocks)))
 
     def _relink(self, block: KVCacheBlock) -> _Undo:
         """An undo that puts ``block`` back where it sits in the free queue."""
@@ -1050,6 +1115,12 @@ class BlockPool:
 
 
 _Undo: TypeAlias = Callable[[], None]
+
+
+def _nothing() -> None:
+    """A journal place held for an undo not known yet."""
+
+
 _Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
 
 
@@ -1135,17 +1206,13 @@ def _untouch(blocks: Sequence[KVCacheBlock]) -> None:
             block.ref_cnt -= 1
 
 
-def _unrelease(
-    queue: FreeBlockQueue,
-    blocks: Sequence[KVCacheBlock],
-    freed: Sequence[KVCacheBlock],
-) -> None:
-    """Undo a release: the freed blocks leave the queue, every count is
-    raised back."""
-    for block in freed:
-        queue.remove(block)
+def _unrelease(queue: FreeBlockQueue, blocks: Sequence[KVCacheBlock]) -> None:
+    """Undo a release of ``blocks``: every count is raised back, and a block
+    the release freed (count 0 now, queued) leaves the queue first."""
     for block in blocks:
         if not block.is_null:
+            if block.ref_cnt == 0:
+                queue.remove(block)
             block.ref_cnt += 1
 
 

@@ -644,7 +644,9 @@ class KVCacheCoordinator:
                     tables.append(blocks)
         except Exception as exc:
             raise self.plugin_error(gid, "pop_blocks", exc) from exc
-        if tables:
+        if len(tables) == 1:
+            self.block_pool.free_table(tables[0])
+        elif tables:
             # Each group's table tail first, the groups in free order: the
             # tables joined last group first, freed as one table.
             freed: list[KVCacheBlock] = []

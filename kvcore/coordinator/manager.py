@@ -339,9 +339,9 @@ class SingleTypeManager:
             self.num_released.pop(request_id, None) if self.skips_blocks else None
         )
         blocks = self.req_to_blocks.pop(request_id, None)
-        pool = self.block_pool
-        if pool.in_transaction:
-            pool.record_undo(
+        journal = self.block_pool._journal
+        if journal is not None:
+            journal.append(
                 partial(
                     _put_back,
                     self,
@@ -366,15 +366,15 @@ class SingleTypeManager:
         more per-request state extends :meth:`request_state` and
         :meth:`restore_request_state` (the coordinator then records those
         at the start of every step)."""
-        pool = self.block_pool
-        if pool.in_transaction:
+        journal = self.block_pool._journal
+        if journal is not None:
             blocks = self.req_to_blocks.get(request_id)
             table = (
                 None
                 if blocks is None
                 else (blocks, list(blocks) if whole else len(blocks))
             )
-            pool.record_undo(
+            journal.append(
                 partial(
                     _put_back,
                     self,
@@ -461,7 +461,7 @@ class SingleTypeManager:
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
         base rule: every block of the prefix is present."""
-        return not any(block.is_null for block in blocks)
+        return self.null_block not in blocks
 
     def truncate_hit(
         self, blocks: list[KVCacheBlock], num_tokens: int
