@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from kvcore.checkpoints import CHECKPOINT_POLICIES
 from kvcore.choices import CACHE_DTYPE_NAMES, PACKING_POLICIES, STATE_CACHE_MODES
@@ -441,9 +442,8 @@ def register_info(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 #: The commands, in the order ``kvcore --help`` lists them.
-COMMANDS: tuple[
-    Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...
-] = (
+#: (Each takes the subparsers action of any parser class.)
+COMMANDS: tuple[Callable[[Any], None], ...] = (
     register_plan,
     register_simulate,
     register_convert,

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from kvcore.limits import MAX_WORKLOAD_REQUESTS
 from kvcore.plan.block_sizes import plan_hit_granularity
+from kvcore.tools.choices import DEFAULT_DECODE_RATE, DEFAULT_PREFILL_RATE
 from kvcore.tools.cli.console import make_console
 from kvcore.tools.cli.options import (
     CliUsageError,
@@ -40,7 +41,6 @@ from kvcore.tools.simulate import (
     parse_distribution,
     synthetic_workload,
 )
-from kvcore.tools.simulate.driver import DEFAULT_DECODE_RATE, DEFAULT_PREFILL_RATE
 from kvcore.tools.simulate.public_traces import (
     LoadedTrace,
     TraceCeiling,
