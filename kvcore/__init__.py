@@ -10,58 +10,62 @@ call), ask :func:`plan_capacity` how many requests fit, and bind views with
 
 from __future__ import annotations
 
-from kvcore.checkpoints import CHECKPOINT_POLICIES, CheckpointPolicy
-from kvcore.config import CacheConfig, EngineConfig, ParallelConfig
-from kvcore.errors import (
-    BlockSizeError,
-    DuplicateKindError,
-    InvalidRequestError,
-    InvalidRequestTypeError,
-    InvalidSpecError,
-    KvcoreError,
-    KvcoreKeyError,
-    KvcoreTypeError,
-    KvcoreValueError,
-    LayoutError,
-    MergeError,
-    NoFreeBlocksError,
-    PlanError,
-    PluginError,
-    ReentrantCallError,
-    SerializationError,
-    UnknownKindError,
-    UnknownRequestError,
-    UnsafePlanError,
-)
-from kvcore.hookspecs import hookimpl, hookspec
-from kvcore.kinds import AttentionKind, CacheKind, LayerView
-from kvcore.layout import KVCacheLayout, compute_layout_strides
-from kvcore.plan import (
-    approximate_gcd,
-    build_kv_cache_tensors,
-    generate_scheduler_kv_cache_config,
-    get_kv_cache_config_from_groups,
-    get_kv_cache_groups,
-    get_packed_kv_cache_groups,
-    kv_cache_bytes_per_block,
-    plan_kv_cache,
-    resolve_kv_cache_block_sizes,
-    validate_kv_cache_layout,
-)
-from kvcore.plan.capacity import Capacity, ideal_concurrency, plan_capacity
-from kvcore.plugins import get_plugin_manager
-from kvcore.pool import KVCachePool, allocate_kv_cache
-from kvcore.registry import KindRegistry, default_registry
-from kvcore.serving import ServingChoices, apply_serving_choices, parse_cache_dtype
-from kvcore.spec import (
-    AttentionSpec,
-    HitPolicy,
-    KVCacheSpec,
-    PackingRole,
-    UniformTypeKVCacheSpecs,
-    iter_layer_specs,
-)
-from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcore.checkpoints import CHECKPOINT_POLICIES, CheckpointPolicy
+    from kvcore.config import CacheConfig, EngineConfig, ParallelConfig
+    from kvcore.errors import (
+        BlockSizeError,
+        DuplicateKindError,
+        InvalidRequestError,
+        InvalidRequestTypeError,
+        InvalidSpecError,
+        KvcoreError,
+        KvcoreKeyError,
+        KvcoreTypeError,
+        KvcoreValueError,
+        LayoutError,
+        MergeError,
+        NoFreeBlocksError,
+        PlanError,
+        PluginError,
+        ReentrantCallError,
+        SerializationError,
+        UnknownKindError,
+        UnknownRequestError,
+        UnsafePlanError,
+    )
+    from kvcore.hookspecs import hookimpl, hookspec
+    from kvcore.kinds import AttentionKind, CacheKind, LayerView
+    from kvcore.layout import KVCacheLayout, compute_layout_strides
+    from kvcore.plan import (
+        approximate_gcd,
+        build_kv_cache_tensors,
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+        get_packed_kv_cache_groups,
+        kv_cache_bytes_per_block,
+        plan_kv_cache,
+        resolve_kv_cache_block_sizes,
+        validate_kv_cache_layout,
+    )
+    from kvcore.plan.capacity import Capacity, ideal_concurrency, plan_capacity
+    from kvcore.plugins import get_plugin_manager
+    from kvcore.pool import KVCachePool, allocate_kv_cache
+    from kvcore.registry import KindRegistry, default_registry
+    from kvcore.serving import ServingChoices, apply_serving_choices, parse_cache_dtype
+    from kvcore.spec import (
+        AttentionSpec,
+        HitPolicy,
+        KVCacheSpec,
+        PackingRole,
+        UniformTypeKVCacheSpecs,
+        iter_layer_specs,
+    )
+    from kvcore.structs import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
 __all__ = [
     # plugins
@@ -131,3 +135,85 @@ __all__ = [
     "UnknownRequestError",
     "UnsafePlanError",
 ]
+
+
+#: Where each public name lives: ``import kvcore`` imports none of them (nor
+#: torch), so ``kvcore --help`` starts fast; the first use of a name imports
+#: its module (PEP 562).
+_LAZY: dict[str, str] = {
+    "CHECKPOINT_POLICIES": "kvcore.checkpoints",
+    "CheckpointPolicy": "kvcore.checkpoints",
+    "CacheConfig": "kvcore.config",
+    "EngineConfig": "kvcore.config",
+    "ParallelConfig": "kvcore.config",
+    "BlockSizeError": "kvcore.errors",
+    "DuplicateKindError": "kvcore.errors",
+    "InvalidRequestError": "kvcore.errors",
+    "InvalidRequestTypeError": "kvcore.errors",
+    "InvalidSpecError": "kvcore.errors",
+    "KvcoreError": "kvcore.errors",
+    "KvcoreKeyError": "kvcore.errors",
+    "KvcoreTypeError": "kvcore.errors",
+    "KvcoreValueError": "kvcore.errors",
+    "LayoutError": "kvcore.errors",
+    "MergeError": "kvcore.errors",
+    "NoFreeBlocksError": "kvcore.errors",
+    "PlanError": "kvcore.errors",
+    "PluginError": "kvcore.errors",
+    "ReentrantCallError": "kvcore.errors",
+    "SerializationError": "kvcore.errors",
+    "UnknownKindError": "kvcore.errors",
+    "UnknownRequestError": "kvcore.errors",
+    "UnsafePlanError": "kvcore.errors",
+    "hookimpl": "kvcore.hookspecs",
+    "hookspec": "kvcore.hookspecs",
+    "AttentionKind": "kvcore.kinds",
+    "CacheKind": "kvcore.kinds",
+    "LayerView": "kvcore.kinds",
+    "KVCacheLayout": "kvcore.layout",
+    "compute_layout_strides": "kvcore.layout",
+    "approximate_gcd": "kvcore.plan",
+    "build_kv_cache_tensors": "kvcore.plan",
+    "generate_scheduler_kv_cache_config": "kvcore.plan",
+    "get_kv_cache_config_from_groups": "kvcore.plan",
+    "get_kv_cache_groups": "kvcore.plan",
+    "get_packed_kv_cache_groups": "kvcore.plan",
+    "kv_cache_bytes_per_block": "kvcore.plan",
+    "plan_kv_cache": "kvcore.plan",
+    "resolve_kv_cache_block_sizes": "kvcore.plan",
+    "validate_kv_cache_layout": "kvcore.plan",
+    "Capacity": "kvcore.plan.capacity",
+    "ideal_concurrency": "kvcore.plan.capacity",
+    "plan_capacity": "kvcore.plan.capacity",
+    "get_plugin_manager": "kvcore.plugins",
+    "KVCachePool": "kvcore.pool",
+    "allocate_kv_cache": "kvcore.pool",
+    "KindRegistry": "kvcore.registry",
+    "default_registry": "kvcore.registry",
+    "ServingChoices": "kvcore.serving",
+    "apply_serving_choices": "kvcore.serving",
+    "parse_cache_dtype": "kvcore.serving",
+    "AttentionSpec": "kvcore.spec",
+    "HitPolicy": "kvcore.spec",
+    "KVCacheSpec": "kvcore.spec",
+    "PackingRole": "kvcore.spec",
+    "UniformTypeKVCacheSpecs": "kvcore.spec",
+    "iter_layer_specs": "kvcore.spec",
+    "KVCacheConfig": "kvcore.structs",
+    "KVCacheGroupSpec": "kvcore.structs",
+    "KVCacheTensor": "kvcore.structs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'kvcore' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -7,6 +7,7 @@ from typing import Any, Literal, get_args
 
 import attrs
 
+from kvcore.choices import PACKING_POLICIES
 from kvcore.errors import KvcoreValueError, LayoutError
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import is_bool, optional_positive_int, positive_int
@@ -23,8 +24,6 @@ __all__ = [
 
 MambaCacheMode = Literal["none", "align", "all"]
 _MAMBA_MODES: tuple[str, ...] = get_args(MambaCacheMode)
-#: The packing policies kvcore ships (see :mod:`kvcore.plan.policies`).
-PACKING_POLICIES = ("min_waste", "seed")
 #: The context ``min_waste`` plans for when neither ``target_context`` nor
 #: ``max_model_len`` is set.
 DEFAULT_TARGET_CONTEXT = 32768

@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from kvcore.checkpoints import CheckpointPolicyError, checkpoint_policy
+from kvcore.choices import CACHE_DTYPE_NAMES, STATE_CACHE_MODES
 from kvcore.errors import InvalidSpecError, KvcoreTypeError, KvcoreValueError
 from kvcore.spec import KVCacheSpec, Sharded
 
@@ -36,33 +37,17 @@ __all__ = [
 ]
 
 
-#: The recurrent-state caching modes an engine runs (``--mamba-cache-mode``).
-STATE_CACHE_MODES = ("none", "align", "all")
-
-
 class ServingError(KvcoreValueError):
     """A serving choice is unknown or cannot apply to one of the layers."""
 
 
 #: Every ``--kv-cache-dtype`` name kvcore accepts (lower case) and its torch
-#: dtype; ``auto`` (``None``) keeps the model file's dtypes.  ``fp8`` means
-#: e4m3, as in vLLM and SGLang; ``fp8_inc`` is the e4m3 cache of Intel Gaudi
-#: (Intel Neural Compressor), the same bytes per element.
+#: dtype; ``auto`` (``None``) keeps the model file's dtypes (the names are
+#: :data:`kvcore.choices.CACHE_DTYPE_NAMES`).
 CACHE_DTYPE_ALIASES: Mapping[str, torch.dtype | None] = MappingProxyType(
     {
-        "auto": None,
-        "fp8": torch.float8_e4m3fn,
-        "fp8_e4m3": torch.float8_e4m3fn,
-        "fp8_inc": torch.float8_e4m3fn,
-        "fp8_e5m2": torch.float8_e5m2,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-        "half": torch.float16,
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "float": torch.float32,
+        name: None if dtype is None else getattr(torch, dtype)
+        for name, dtype in CACHE_DTYPE_NAMES.items()
     }
 )
 

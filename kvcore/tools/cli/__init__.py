@@ -1,4 +1,4 @@
-"""``kvcore``: answer "how many requests fit", replay workloads, list plugins.
+"""kvcore: answer "how many requests fit", replay workloads, list plugins.
 
     kvcore plan [MODEL] [--gpu H100 | --memory 80GiB] [--context 4k,32k] ...
     kvcore compare [MODEL] ...
@@ -20,12 +20,9 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 from kvcore.errors import KvcoreError, did_you_mean, one_line
-from kvcore.tools.cli import convert, info, plan, simulate
+from kvcore.tools.cli.parsers import COMMANDS
 
 __all__ = ["build_parser", "main"]
-
-#: The command modules, in the order ``kvcore --help`` lists them.
-COMMANDS = (plan, simulate, convert, info)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(anywhere on the command line)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
-        module.register(sub)
+    for register in COMMANDS:
+        register(sub)
     return parser
 
 

@@ -17,7 +17,7 @@ from kvcore.serialize import ModelFile, dump_model_file
 from kvcore.serving import ServingChoices
 from kvcore.tools.cli.options import CliUsageError, read_plugin_model
 
-__all__ = ["register"]
+__all__ = ["source_model"]
 
 
 def source_model(args: argparse.Namespace, registry: KindRegistry) -> ModelFile:
@@ -55,27 +55,3 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``kvcore convert``."""
-    parser = sub.add_parser(
-        "convert",
-        help="write a model file from a Hugging Face config.json",
-        description="Map a model's config.json (a file, a directory holding one, "
-        "or a hub id ORG/NAME read through huggingface_hub) to a kvcore model "
-        "file, so it can be read, edited and planned.",
-    )
-    parser.add_argument(
-        "source", nargs="?", metavar="ORG/NAME", help="a hub id (or a config.json path)"
-    )
-    parser.add_argument(
-        "--hf-config", metavar="PATH", help="a config.json, or a directory holding one"
-    )
-    parser.add_argument(
-        "-o",
-        "--output",
-        metavar="FILE",
-        help="where to write the model file (stdout if absent)",
-    )
-    parser.set_defaults(func=_cmd_convert)

@@ -19,12 +19,13 @@ import torch
 
 from kvcore.serialize import make_converter
 from kvcore.tools.cli.options import Planned
+from kvcore.tools.cli.parsers import PLAN_SCHEMA_VERSION
 from kvcore.tools.summary import PlanSummary
 
 __all__ = ["SCHEMA_VERSION", "load_schema", "plan_document"]
 
 #: The ``schema`` member of every document; bumped when a field changes meaning.
-SCHEMA_VERSION = "kvcore-plan/1"
+SCHEMA_VERSION = PLAN_SCHEMA_VERSION
 
 
 def _version() -> str:

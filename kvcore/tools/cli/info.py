@@ -11,7 +11,7 @@ from kvcore.errors import KvcoreError
 from kvcore.plugins import get_plugin_manager, plugin_distribution
 from kvcore.registry import KindRegistry
 
-__all__ = ["register"]
+__all__: list[str] = []
 
 
 def _registry() -> tuple[KindRegistry, object]:
@@ -99,17 +99,3 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         print(f"kvcore: error: {count} plugin(s) broken", file=sys.stderr)
         return 1
     return 0
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    kinds = sub.add_parser("kinds", help="list the registered cache kinds")
-    kinds.add_argument("--json", action="store_true", help="print JSON")
-    kinds.set_defaults(func=_cmd_kinds)
-    plugins = sub.add_parser("plugins", help="list the loaded plugins")
-    plugins.add_argument("--json", action="store_true", help="print JSON")
-    plugins.add_argument(
-        "--check",
-        action="store_true",
-        help="exit with status 1 if any plugin is broken (they are listed either way)",
-    )
-    plugins.set_defaults(func=_cmd_plugins)

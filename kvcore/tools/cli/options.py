@@ -17,9 +17,7 @@ from typing import Any, Literal, overload
 import attrs
 import torch
 
-from kvcore.checkpoints import CHECKPOINT_POLICIES
 from kvcore.config import (
-    PACKING_POLICIES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -30,14 +28,11 @@ from kvcore.errors import (
     SerializationError,
     escape_controls,
 )
-from kvcore.layout import KVCacheLayout
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
 from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile, load_model_file
 from kvcore.serving import (
-    CACHE_DTYPE_ALIASES,
-    STATE_CACHE_MODES,
     ServedLayers,
     ServingChoices,
     apply_serving_choices,
@@ -46,6 +41,13 @@ from kvcore.serving import (
 from kvcore.structs import KVCacheConfig
 from kvcore.tools import zoo
 from kvcore.tools.accelerators import Accelerator, find_accelerator
+from kvcore.tools.cli.parsers import (
+    DEFAULT_CONTEXT,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MEMORY,
+    DEFAULT_MODEL,
+    add_model_options,
+)
 from kvcore.tools.units import format_size, parse_fraction, parse_size, parse_tokens
 
 __all__ = [
@@ -58,16 +60,6 @@ __all__ = [
     "plan_from_args",
     "resolve_model",
 ]
-
-#: The model ``kvcore plan`` plans when given none.
-DEFAULT_MODEL = "deepseek-v4-flash"
-#: The KV cache budget per rank when neither ``--memory`` nor ``--gpu`` is given.
-DEFAULT_MEMORY = "8GiB"
-#: The request length planned when neither ``--context`` nor
-#: ``--max-model-len`` is given (32,768 tokens).
-DEFAULT_CONTEXT = "32K"
-#: The share of a device an engine takes (as vLLM's ``--gpu-memory-utilization``).
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class CliUsageError(KvcoreValueError):
@@ -205,189 +197,6 @@ def _model_argument(args: argparse.Namespace) -> None:
         raise CliUsageError(msg)
     args.model = option
     args.model_option = None
-
-
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """The model, memory, serving and planning options (shared by commands)."""
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=DEFAULT_MODEL,
-        metavar="MODEL",
-        help="a model file, the name of a shipped one "
-        f"({', '.join(zoo.names())}; default {DEFAULT_MODEL}), or a Hugging Face "
-        "hub id ORG/NAME (its config.json is mapped; needs kvcore[hf])",
-    )
-    parser.add_argument(
-        "--model",
-        dest="model_option",
-        metavar="MODEL",
-        help="the same as MODEL (vLLM's spelling)",
-    )
-    parser.add_argument(
-        "--hf-config",
-        metavar="PATH",
-        help="plan from a Hugging Face config.json (a file, or a directory "
-        "holding one) instead of a model file",
-    )
-    memory = parser.add_argument_group(
-        "memory", "the KV cache budget of one rank (one device)"
-    )
-    which = memory.add_mutually_exclusive_group()
-    which.add_argument(
-        "--memory",
-        "--kv-cache-memory-bytes",
-        dest="memory",
-        metavar="SIZE",
-        help="bytes of KV cache per rank: 80GiB or 80G (powers of 1024), 64GB or "
-        "64g (powers of 1000), or plain bytes (default "
-        f"{DEFAULT_MEMORY} when --gpu is not given)",
-    )
-    which.add_argument(
-        "--gpu",
-        metavar="NAME",
-        help="a device from the accelerator table (H100, H200, B200, A100-40GB, "
-        "L40S, MI300X, ...): its memory x --gpu-memory-utilization - --weights",
-    )
-    memory.add_argument(
-        "--gpu-memory-utilization",
-        metavar="FRACTION",
-        default=None,
-        help="share of the device the engine takes, with --gpu (default "
-        f"{DEFAULT_GPU_MEMORY_UTILIZATION}, as engines default)",
-    )
-    memory.add_argument(
-        "--weights",
-        metavar="SIZE",
-        help="bytes of weights and activations for the whole model, split evenly "
-        "over the --tp x --pipeline-parallel-size ranks and set aside from the --gpu memory (default: the "
-        "model file's weights_bytes, else nothing)",
-    )
-    serving = parser.add_argument_group(
-        "serving", "engine choices applied to every layer before planning"
-    )
-    serving.add_argument(
-        "--tp",
-        "--tensor-parallel-size",
-        "-tp",
-        dest="tp",
-        type=str,
-        default="1",
-        metavar="N",
-        help="tensor-parallel ranks: KV heads divided by N (replicated when a "
-        "layer has fewer heads than ranks); states shard through their plugin",
-    )
-    serving.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        dest="pp",
-        type=str,
-        default="1",
-        metavar="N",
-        help="pipeline stages: the layers split into N contiguous stages, each "
-        "on its own ranks with this memory; the capacity is the fullest "
-        "stage's (default 1)",
-    )
-    serving.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        metavar="DTYPE",
-        help="cache dtype of every attention layer: auto (the model file's), "
-        f"{', '.join(sorted(set(CACHE_DTYPE_ALIASES) - {'auto'}))}",
-    )
-    serving.add_argument(
-        "--mamba-ssm-cache-dtype",
-        default="auto",
-        metavar="DTYPE",
-        help="dtype of every Mamba / linear-attention layer's recurrent (SSM) "
-        "state, the tensors after its conv state: auto (the model file's), "
-        "float32, bfloat16, float16",
-    )
-    serving.add_argument(
-        "--mamba-cache-mode",
-        choices=STATE_CACHE_MODES,
-        help="recurrent-state caching of every Mamba / linear-attention layer: "
-        "none (the live state only: no prefix hits for the model), align (a "
-        "state kept at block boundaries), all (a state every block) "
-        "(default: the model file's)",
-    )
-    serving.add_argument(
-        "--checkpoint-policy",
-        choices=tuple(CHECKPOINT_POLICIES),
-        help="which states every Mamba / linear-attention layer keeps for later "
-        "requests with prefix caching on: turns (prompt ends, output ends, "
-        "branch points), prompts (no output ends), steps (every step end on a "
-        "hit boundary) (default: the model file's, else turns)",
-    )
-    serving.add_argument(
-        "--block-size",
-        metavar="TOKENS",
-        help="tokens per block of every paged attention layer (states and rings "
-        "keep theirs; default: the model file's)",
-    )
-    planning = parser.add_argument_group("planning")
-    planning.add_argument(
-        "--context",
-        default=None,
-        metavar="LENGTHS",
-        help="request lengths in tokens, comma-separated (4K,32K,128K; K is "
-        "1024 and k 1000, as vLLM reads them); the first is the policy's "
-        f"target (default: --max-model-len, else {DEFAULT_CONTEXT})",
-    )
-    planning.add_argument(
-        "--max-model-len",
-        metavar="TOKENS",
-        help="the longest request the engine takes: the first context when "
-        "--context is not given; a context past it, or a pool that cannot "
-        "hold one such request, is refused, as vLLM refuses them; auto: the "
-        "model's own longest (max_position_embeddings)",
-    )
-    planning.add_argument(
-        "--max-num-seqs",
-        metavar="N",
-        help="the most requests the engine runs at once; shown as a cap "
-        "next to the requests that fit",
-    )
-    planning.add_argument(
-        "--max-num-batched-tokens",
-        default="8192",
-        metavar="TOKENS",
-        help="tokens one scheduler step prefills; the capacity model reserves "
-        "one such step (default 8192)",
-    )
-    planning.add_argument(
-        "--policy",
-        choices=PACKING_POLICIES,
-        default="min_waste",
-        help="grouping policy (default min_waste)",
-    )
-    planning.add_argument(
-        "--layout",
-        default="BLHNC",
-        help="KV cache layout, one of "
-        f"{', '.join(layout.name for layout in KVCacheLayout)} (default BLHNC)",
-    )
-    planning.add_argument(
-        "--max-block-growth",
-        default="64",
-        metavar="FACTOR",
-        help="largest factor min_waste may grow a block size by; 1 keeps the "
-        "model's block sizes (finer prefix hits) (default 64)",
-    )
-    planning.add_argument(
-        "--enable-prefix-caching",
-        dest="prefix_caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="plan with prefix caching (the default) or without it "
-        "(--no-enable-prefix-caching, vLLM's spelling)",
-    )
-    planning.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="plan without prefix caching (no hash alignment between groups)",
-    )
 
 
 def resolve_model(name_or_path: str) -> Path:

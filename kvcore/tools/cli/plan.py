@@ -19,21 +19,18 @@ from rich.table import Table
 
 from kvcore.config import PACKING_POLICIES
 from kvcore.tools.cli.console import make_console
-from kvcore.tools.cli.document import SCHEMA_VERSION, plan_document
+from kvcore.tools.cli.document import plan_document
 from kvcore.tools.cli.options import (
     CliUsageError,
     Planned,
-    add_model_options,
     plan_from_args,
 )
+from kvcore.tools.cli.parsers import COMPARE_SCHEMA_VERSION
 from kvcore.tools.report import print_summary
 from kvcore.tools.summary import PlanSummary, summarize
 from kvcore.tools.units import format_size, format_tokens
 
-__all__ = ["register", "setting_text", "summary_of"]
-
-#: The ``schema`` member of ``kvcore compare --json``.
-COMPARE_SCHEMA_VERSION = "kvcore-compare/1"
+__all__ = ["setting_text", "summary_of"]
 
 
 def setting_text(planned: Planned, dtype_name: str) -> str:
@@ -219,38 +216,3 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     console = _console()
     console.print(table)
     return 0
-
-
-def _add_output_options(parser: argparse.ArgumentParser) -> None:
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--json",
-        action="store_true",
-        help=f"print the JSON document (schema {SCHEMA_VERSION}, see the docs)",
-    )
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    plan = sub.add_parser(
-        "plan",
-        help="how many requests of each length fit, with the plan behind it",
-        description="Plan a model's KV cache for one device's memory and report "
-        "the requests of each context length that fit, next to the physical limit.",
-    )
-    add_model_options(plan)
-    _add_output_options(plan)
-    drawing = plan.add_argument_group("pictures (needs the plot extra)")
-    drawing.add_argument(
-        "--svg", metavar="FILE", help="draw the block and capacity curve as SVG"
-    )
-    drawing.add_argument("--png", metavar="FILE", help="the same picture as PNG")
-    plan.set_defaults(func=_cmd_plan)
-    compare = sub.add_parser(
-        "compare",
-        help="every packing policy side by side on the same model and memory",
-        description="Plan the model with each packing policy and compare the "
-        "requests each holds at every context.",
-    )
-    add_model_options(compare)
-    _add_output_options(compare)
-    compare.set_defaults(func=_cmd_compare)

@@ -25,13 +25,14 @@ from rich.table import Table
 
 from kvcore.limits import MAX_WORKLOAD_REQUESTS
 from kvcore.plan.block_sizes import plan_hit_granularity
+from kvcore.tools.choices import DEFAULT_DECODE_RATE, DEFAULT_PREFILL_RATE
 from kvcore.tools.cli.console import make_console
 from kvcore.tools.cli.options import (
     CliUsageError,
     Planned,
-    add_model_options,
     plan_from_args,
 )
+from kvcore.tools.cli.parsers import SIMULATE_SCHEMA_VERSION
 from kvcore.tools.simulate import (
     NAMED_WORKLOADS,
     Driver,
@@ -40,19 +41,17 @@ from kvcore.tools.simulate import (
     parse_distribution,
     synthetic_workload,
 )
-from kvcore.tools.simulate.driver import DEFAULT_DECODE_RATE, DEFAULT_PREFILL_RATE
 from kvcore.tools.simulate.public_traces import (
-    TRACE_FORMATS,
     LoadedTrace,
     TraceCeiling,
     load_any_trace,
 )
 from kvcore.tools.units import format_size
 
-__all__ = ["register"]
+__all__ = ["SCHEMA_VERSION"]
 
 #: JSON schema version of ``kvcore simulate --json``.
-SCHEMA_VERSION = "kvcore-simulate/1"
+SCHEMA_VERSION = SIMULATE_SCHEMA_VERSION
 
 #: The synthetic options and their defaults (``None`` in the parser, so a
 #: synthetic option next to ``--trace`` can be refused).
@@ -514,125 +513,3 @@ def _print(
         console.print(f"unserved {u.id}: {u.reason}")
     if len(result.unserved) > 5:
         console.print(f"... and {len(result.unserved) - 5} more unserved (see --json)")
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``kvcore simulate``."""
-    parser = sub.add_parser(
-        "simulate",
-        help="replay a workload through the real block coordinator",
-        description="Plan the model as 'kvcore plan' does, then replay a trace "
-        "file or a synthetic workload through the block coordinator with a small "
-        "continuous-batching scheduler, and report prefix hits, blocks in use per "
-        "group, refused steps and preemptions.",
-    )
-    add_model_options(parser)
-    work = parser.add_argument_group(
-        "workload", "a trace file, or a synthetic workload (docs: simulate)"
-    )
-    work.add_argument(
-        "--trace",
-        metavar="FILE",
-        help="JSON lines, one request a line: a Mooncake or Qwen-Bailian trace "
-        "(timestamp, input_length, output_length, hash_ids) or kvcore's own format "
-        "(arrival step, prompt or prompt_len, prefix_id/prefix_len, parent, "
-        "output_len); the format is detected from the first line",
-    )
-    work.add_argument(
-        "--trace-format",
-        choices=TRACE_FORMATS,
-        help="the --trace file's format, instead of detecting it",
-    )
-    work.add_argument(
-        "--trace-block-tokens",
-        metavar="N",
-        help="tokens per hash id of a Mooncake or Bailian trace (default 512 and 16)",
-    )
-    work.add_argument(
-        "--no-timing",
-        action="store_true",
-        help="replay a timed trace in order, every request due at once, instead "
-        "of at its timestamp on the simulated clock",
-    )
-    work.add_argument(
-        "--workload",
-        metavar="NAME",
-        help=f"a named synthetic workload ({', '.join(NAMED_WORKLOADS)}): presets "
-        "for the options below, which still override it",
-    )
-    work.add_argument("--requests", metavar="N", help="requests to draw (default 64)")
-    work.add_argument(
-        "--prompt-len",
-        metavar="DIST",
-        help="new prompt tokens of each request: N, LO-HI, normal:MEAN,STD or "
-        "lognormal:MEAN,STD (default 1024)",
-    )
-    work.add_argument(
-        "--output-len",
-        metavar="DIST",
-        help="tokens each request generates (default 128)",
-    )
-    work.add_argument(
-        "--shared-prefixes",
-        metavar="K",
-        help="system prefixes the chats start with, one picked per chat (default 0)",
-    )
-    work.add_argument("--prefix-len", metavar="N", help="tokens of each shared prefix")
-    work.add_argument(
-        "--turns",
-        metavar="N",
-        help="turns per chat: a turn's prompt is the last turn's prompt and output "
-        "plus --prompt-len new tokens (default 1)",
-    )
-    work.add_argument(
-        "--arrival-gap",
-        metavar="DIST",
-        help="steps between chats' arrivals, 0 for all at once (default 0)",
-    )
-    work.add_argument(
-        "--seed", metavar="N", help="seed of the synthetic draw (default 0)"
-    )
-    run = parser.add_argument_group("run")
-    run.add_argument(
-        "--prefill-rate",
-        metavar="TOKENS",
-        help="prefill tokens a second on the simulated clock of a timed trace "
-        f"(default {DEFAULT_PREFILL_RATE:,.0f})",
-    )
-    run.add_argument(
-        "--decode-rate",
-        metavar="STEPS",
-        help="decode steps a second on the simulated clock: a step that decodes "
-        f"costs 1/STEPS s more (default {DEFAULT_DECODE_RATE:,.0f})",
-    )
-    run.add_argument(
-        "--max-steps",
-        metavar="N",
-        help="stop after N steps; the rest are reported unfinished",
-    )
-    run.add_argument(
-        "--keep-finished",
-        action="store_true",
-        help="finished requests keep their blocks until the run ends (measures "
-        "how many fit together, as the capacity model counts)",
-    )
-    run.add_argument(
-        "--validate",
-        action="store_true",
-        help="check every prefix hit against a model of what each block holds "
-        "(reported as invalid hits; slower)",
-    )
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--json",
-        action="store_true",
-        help=f"print the figures as JSON (its schema member is {SCHEMA_VERSION!r}; fields in the docs)",
-    )
-    out.add_argument(
-        "--svg",
-        metavar="FILE",
-        help="draw prefix-hit rate against --memory (a comma-separated list of "
-        "sizes replays the workload at each) as SVG; needs matplotlib",
-    )
-    out.add_argument("--png", metavar="FILE", help="the same picture as PNG")
-    parser.set_defaults(func=_cmd_simulate)

@@ -52,6 +52,7 @@ from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
 from kvcore.plan.capacity import DEFAULT_BATCHED_TOKENS
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
+from kvcore.tools.choices import DEFAULT_DECODE_RATE, DEFAULT_PREFILL_RATE
 from kvcore.tools.simulate.bound import ComputedPrefixes
 from kvcore.tools.simulate.oracle import ContentOracle
 from kvcore.tools.simulate.result import (
@@ -66,14 +67,6 @@ __all__ = ["Driver", "ProgressCallback", "SimulationError", "simulate"]
 
 #: Steps between two counts of each group's cached blocks (see ``Driver``).
 CACHE_SAMPLE_EVERY = 8
-
-#: Prefill tokens a second the simulated clock charges (a timed workload).
-DEFAULT_PREFILL_RATE = 10_000.0
-
-#: Decode steps a second the simulated clock charges (a timed workload): a
-#: step with any decode costs ``1 / decode_rate`` seconds on top of its
-#: prefill tokens.
-DEFAULT_DECODE_RATE = 50.0
 
 #: At most this many points of admitted concurrency over time are reported.
 CONCURRENCY_POINTS = 100

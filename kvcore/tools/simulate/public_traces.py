@@ -52,6 +52,7 @@ from kvcore.limits import (
     MAX_TRACE_TOTAL_TOKENS,
     MAX_WORKLOAD_REQUESTS,
 )
+from kvcore.tools.choices import TRACE_FORMATS
 from kvcore.tools.simulate.trace import TraceError, parse_trace, read_trace_lines
 from kvcore.tools.simulate.workload import (
     TokenRun,
@@ -70,9 +71,6 @@ __all__ = [
     "parse_any_trace",
     "trace_ceiling",
 ]
-
-#: The formats ``--trace-format`` names.
-TRACE_FORMATS = ("mooncake", "bailian", "kvcore")
 
 #: Tokens per hash id of each public format.
 BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}

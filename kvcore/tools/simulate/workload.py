@@ -20,6 +20,7 @@ import numpy as np
 
 from kvcore.errors import KvcoreValueError
 from kvcore.limits import MAX_WORKLOAD_PREFIX_TOKENS, MAX_WORKLOAD_REQUESTS
+from kvcore.tools.choices import NAMED_WORKLOADS
 from kvcore.tools.simulate.lengths import Distribution, parse_distribution
 
 __all__ = [
@@ -334,45 +335,6 @@ def _dist(value: Distribution | str, what: str, minimum: int) -> Distribution:
     if isinstance(value, Distribution):
         return value
     return parse_distribution(value, what=what, minimum=minimum)
-
-
-#: Named synthetic workloads: the :func:`synthetic_workload` options each
-#: sets (the same names and text as ``kvcore simulate``'s options; the seed
-#: is given apart).
-NAMED_WORKLOADS: dict[str, dict[str, str]] = {
-    # 16 conversations over one shared system prompt, 7 turns each: every
-    # turn's prompt is the last prompt and output plus a new user message.
-    "chat": {
-        "requests": "112",
-        "prompt_len": "300-2000",
-        "output_len": "100-400",
-        "shared_prefixes": "1",
-        "prefix_len": "1024",
-        "turns": "7",
-        "arrival_gap": "0-8",
-    },
-    # Many single-turn requests over 4 shared system prompts of 1536 tokens.
-    "shared-prefix": {
-        "requests": "128",
-        "prompt_len": "50-500",
-        "output_len": "50-300",
-        "shared_prefixes": "4",
-        "prefix_len": "1536",
-        "turns": "1",
-        "arrival_gap": "0-2",
-    },
-    # Agents over 2 long tool preambles of 6144 tokens: many short turns,
-    # small new messages and short outputs.
-    "agentic": {
-        "requests": "96",
-        "prompt_len": "20-200",
-        "output_len": "10-80",
-        "shared_prefixes": "2",
-        "prefix_len": "6144",
-        "turns": "12",
-        "arrival_gap": "0-16",
-    },
-}
 
 
 def workload_names() -> list[str]:

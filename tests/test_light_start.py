@@ -1,0 +1,71 @@
+"""``kvcore --help``, ``--version`` and argument errors never import torch.
+
+A fresh interpreter is the only place ``sys.modules`` can prove it: the
+test process has torch imported long before.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import kvcore
+
+PROBE = """
+import sys
+from kvcore.tools.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print("exit", exc.code)
+print("torch" in sys.modules, "kvcore.spec" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--help"], 0),
+        (["--version"], 0),
+        (["plan", "--help"], 0),
+        (["simulate", "--help"], 0),
+        (["plan", "--no-such-option"], 2),
+        (["plan", "--policy", "nope"], 2),
+        ([], 2),
+    ],
+)
+def test_the_parser_never_imports_torch(argv: list[str], code: int) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.splitlines()
+    assert out[-2:] == [f"exit {code}", "False False"]
+
+
+def test_import_kvcore_is_light_and_its_names_resolve() -> None:
+    probe = (
+        "import sys, kvcore; light = 'torch' not in sys.modules; "
+        "from kvcore import plan_kv_cache, KVCachePool; "
+        "print(light, 'torch' in sys.modules, plan_kv_cache.__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    assert out == ["True", "True", "kvcore.plan.plan"]
+
+
+def test_every_public_name_is_lazy_and_listed() -> None:
+    assert set(kvcore._LAZY) == set(kvcore.__all__)
+    for name in kvcore.__all__:
+        assert getattr(kvcore, name) is not None
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = kvcore.no_such_name  # type: ignore[attr-defined]
