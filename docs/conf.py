@@ -57,3 +57,6 @@ nitpicky = False
 html_theme = "furo" if importlib.util.find_spec("furo") else "alabaster"
 html_title = "kvcore"
 html_static_path: list[str] = []
+
+# Options are shown as typed: "--memory" must not become an en dash.
+smartquotes = False
