@@ -48,7 +48,9 @@ def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) 
     columns and ``env`` on top of this process's environment, ``cwd`` the
     working directory (all restored after), stdout and stderr captured, and
     the exit status argparse raises (``--version``, a usage error) returned
-    like any other."""
+    like any other.  No default registry is built yet, as in a new process
+    (a plan's notes consult one only if it is)."""
+    kvcore.default_registry.cache_clear()
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         for name, value in {"COLUMNS": "160", **(env or {})}.items():

@@ -680,6 +680,7 @@ def pipeline_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, A
     return _run("pipeline", 4, tmp_path_factory.mktemp("ranks"))
 
 
+@pytest.mark.slow  # four spawned ranks (the default run spawns two, above)
 def test_four_ranks_tp2_pp2(pipeline_ranks: list[dict[str, Any]]) -> None:
     results = pipeline_ranks
     # Rank r has (64 - r) MiB; a stage of 16 Jamba layers at TP 2 is 7 pairs
@@ -714,6 +715,7 @@ def test_four_ranks_tp2_pp2(pipeline_ranks: list[dict[str, Any]]) -> None:
     assert "they differ in max_model_len" in errors[0]["message"]
 
 
+@pytest.mark.slow  # the four ranks above, and a 10 s timeout
 def test_a_dead_rank_gives_an_error_not_a_hang(
     pipeline_ranks: list[dict[str, Any]],
 ) -> None:
@@ -728,6 +730,7 @@ def test_a_dead_rank_gives_an_error_not_a_hang(
     assert "dead" not in pipeline_ranks[3]
 
 
+@pytest.mark.slow  # torchrun and two more ranks
 def test_engine_integration_example_under_torchrun() -> None:
     env = dict(os.environ)
     paths = [str(ROOT), str(ROOT / "plugins")]

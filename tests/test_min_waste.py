@@ -3,7 +3,6 @@ force over every one-stride plan of small random models."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -179,12 +178,22 @@ def _brute_force(buckets, context, alignment, cap=None):
             for n in range(1, len(bucket) + 1):
                 options.append((widest_of(list(pages.items()), n), n * held, n))
         per_bucket.append(options)
+    # Every combination of one option per bucket, built bucket by bucket as
+    # (widest page, blocks a request, groups) so far: two partial choices
+    # that agree on all three end the same way, so each is kept once (the
+    # product itself runs to millions on a few buckets of 64 growths).
+    combos = {(0, 0, 0)}
+    for options in per_bucket:
+        combos = {
+            (max(widest, w), blocks + c, groups + n)
+            for widest, blocks, groups in combos
+            for w, c, n in options
+            if cap is None or groups + n <= cap
+        }
     best = None
-    for combo in itertools.product(*per_bucket):
-        if cap is not None and sum(n for _, _, n in combo) > cap:
-            continue
-        stride = -(-max(w for w, _, _ in combo) // alignment) * alignment
-        total = stride * sum(c for _, c, _ in combo)
+    for widest, blocks, _ in combos:
+        stride = -(-widest // alignment) * alignment
+        total = stride * blocks
         best = total if best is None else min(best, total)
     return best
 

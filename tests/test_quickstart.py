@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import kvcore
 from kvcore.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,6 +138,9 @@ def test_ci_runs_the_readmes_test_command() -> None:
 
 
 def run_kvcore(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``kvcore ...`` in this process, with no default registry built yet,
+    as in a new process."""
+    kvcore.default_registry.cache_clear()
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLUMNS", "120")
