@@ -11,6 +11,7 @@ call), ask :func:`plan_capacity` how many requests fit, and bind views with
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -208,6 +209,10 @@ _LAZY: dict[str, str] = {
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        # ``kvcore.plugins``, ``kvcore.coordinator``: a submodule, imported on
+        # first use as an eager package would have imported it already.
+        if not name.startswith("_") and importlib.util.find_spec(f"kvcore.{name}"):
+            return importlib.import_module(f"kvcore.{name}")
         msg = f"module 'kvcore' has no attribute {name!r}"
         raise AttributeError(msg)
     value = getattr(importlib.import_module(module), name)

@@ -69,3 +69,26 @@ def test_every_public_name_is_lazy_and_listed() -> None:
         assert getattr(kvcore, name) is not None
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = kvcore.no_such_name  # type: ignore[attr-defined]
+
+
+def test_submodules_are_reachable_from_a_bare_import() -> None:
+    """``import kvcore`` then ``kvcore.plugins`` (or any submodule) works as
+    it did when the package imported everything eagerly."""
+    code = (
+        "import kvcore\n"
+        "print(kvcore.plugins.get_plugin_manager.__name__, "
+        "kvcore.coordinator.KVCacheManager.__name__, "
+        "kvcore.serialize.load_config.__name__)\n"
+        "try:\n"
+        "    kvcore.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert (out.returncode, out.stderr) == (0, "")
+    assert out.stdout.splitlines() == [
+        "get_plugin_manager KVCacheManager load_config",
+        "module 'kvcore' has no attribute 'no_such_name'",
+    ]
