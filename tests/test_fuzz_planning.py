@@ -18,6 +18,7 @@ invariants checked).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import json
 import math
@@ -749,9 +750,9 @@ def test_plan_json_identical_across_hash_seeds(examples: int) -> None:
     chosen = [case for _, case in planned[:6]]
     assert len(chosen) >= 3, "the generator made too few plannable models"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    outputs = []
-    for seed in ("0", "1"):
-        done = subprocess.run(
+
+    def plan_in_a_process(seed: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, "-c", _CHILD, str(Path(__file__).parent)],
             input=json.dumps(chosen),
             capture_output=True,
@@ -760,6 +761,12 @@ def test_plan_json_identical_across_hash_seeds(examples: int) -> None:
             timeout=300,
             check=False,
         )
+
+    # Both interpreters at once: each spends most of its time starting up.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(plan_in_a_process, ("0", "1")))
+    outputs = []
+    for done in runs:
         assert done.returncode == 0, done.stderr[-3000:]
         outputs.append(json.loads(done.stdout))
     assert outputs[0] == outputs[1]

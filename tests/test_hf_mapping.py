@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
@@ -307,25 +308,57 @@ def _hub_cache(root: Path, repo: str, config: Path) -> None:
     (snapshot / "config.json").write_text(config.read_text())
 
 
-def test_a_hub_id_is_read_from_the_local_cache_offline(tmp_path: Path) -> None:
-    pytest.importorskip("huggingface_hub")
+def _reads_the_local_cache_offline(root: Path, convert: Any) -> None:
+    """``convert(hub_id)`` with ``root`` as the hub cache and the hub offline:
+    a cached config converts, a missing one is a one-line error naming the
+    cache."""
     _hub_cache(
-        tmp_path, "meta-llama/Llama-3.1-8B", FIXTURES / "llama-3-1-8b" / "config.json"
+        root, "meta-llama/Llama-3.1-8B", FIXTURES / "llama-3-1-8b" / "config.json"
     )
-    env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    proc = _convert("meta-llama/Llama-3.1-8B", env=env)
+    proc = convert("meta-llama/Llama-3.1-8B")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert len(data["layers"]) == 32
     assert "meta-llama/Llama-3.1-8B (config.json)" in data["notes"]
 
-    missing = _convert("meta-llama/Llama-3.1-70B", env=env)
+    missing = convert("meta-llama/Llama-3.1-70B")
     assert missing.returncode == 2
     last = missing.stderr.strip().splitlines()[-1]
     assert last.startswith(
         "kvcore: error: meta-llama/Llama-3.1-70B: config.json is not in the local hub cache"
     )
-    assert str(tmp_path) in last
+    assert str(root) in last
+
+
+def test_a_hub_id_is_read_from_the_local_cache_offline(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    constants = pytest.importorskip("huggingface_hub.constants")
+    from kvcore.tools.cli import main
+
+    # In process: the settings HF_HUB_CACHE and HF_HUB_OFFLINE give
+    # huggingface_hub as it is imported (the slow twin below sets the
+    # variables for a new ``python -m kvcore.tools.cli``).
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def convert(*args: str) -> Any:
+        code = main(["convert", *args])
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    _reads_the_local_cache_offline(tmp_path, convert)
+
+
+@pytest.mark.slow  # two new processes; the test above runs the same in process
+def test_a_hub_id_is_read_from_the_local_cache_offline_by_a_new_process(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("huggingface_hub")
+    env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    _reads_the_local_cache_offline(tmp_path, lambda *args: _convert(*args, env=env))
 
 
 def test_without_huggingface_hub_a_hub_id_says_what_to_install(

@@ -14,6 +14,7 @@ of every kind under test::
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pickle
@@ -268,7 +269,7 @@ class KindConformance:
         if cached is not None:
             return cached
         specs = [c.sample() for c in cls.conformance_cases() if c.spec is not None]
-        results: dict[int, list[str]] = {}
+        results: dict[int, list[str]]
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "specs.pickle")
             with open(path, "wb") as f:
@@ -277,20 +278,26 @@ class KindConformance:
             paths = [_import_root(type(spec)) for spec in specs]
             paths += [p for p in sys.path if p]
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-            for seed in HASH_SEEDS:
-                env["PYTHONHASHSEED"] = str(seed)
+
+            def keys(seed: int) -> list[str]:
                 proc = subprocess.run(
                     [sys.executable, "-c", _CHILD, path],
                     capture_output=True,
                     text=True,
-                    env=env,
+                    env={**env, "PYTHONHASHSEED": str(seed)},
                     check=False,
                     timeout=300,
                 )
                 if proc.returncode != 0:
                     msg = f"the grouping-key subprocess failed: {proc.stderr[-2000:]}"
                     raise AssertionError(msg)
-                results[seed] = json.loads(proc.stdout.strip().splitlines()[-1])
+                out: list[str] = json.loads(proc.stdout.strip().splitlines()[-1])
+                return out
+
+            # Every seed's interpreter at once: each spends most of its time
+            # starting up (importing torch), not computing.
+            with concurrent.futures.ThreadPoolExecutor(len(HASH_SEEDS)) as pool:
+                results = dict(zip(HASH_SEEDS, pool.map(keys, HASH_SEEDS), strict=True))
         KindConformance._group_keys[id(cls)] = results
         return results
 
