@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 import attrs
 
 from kvcore.choices import PACKING_POLICIES
-from kvcore.errors import KvcoreValueError, LayoutError
+from kvcore.errors import KvcoreValueError, LayoutError, require_instance
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import is_bool, optional_positive_int, positive_int
 from kvcore.tokens import check_token_count
@@ -41,6 +41,11 @@ def _tokens(instance: object, attribute: attrs.Attribute[Any], value: Any) -> No
 _OPTIONAL_TOKENS = [optional_positive_int, _tokens]
 #: A positive token count.
 _TOKENS = [positive_int, _tokens]
+
+
+def _settings(attribute: attrs.Attribute[Any], value: object, cls: type) -> None:
+    """A settings object of the right class (EngineConfig's parts)."""
+    require_instance(value, cls, f"EngineConfig.{attribute.name}")
 
 
 def _layout(value: Any) -> KVCacheLayout | None:
@@ -157,8 +162,13 @@ class EngineConfig:
         computed even without prefix caching).
     """
 
-    cache_config: CacheConfig = attrs.Factory(CacheConfig)
-    parallel_config: ParallelConfig = attrs.Factory(ParallelConfig)
+    cache_config: CacheConfig = attrs.field(
+        factory=CacheConfig, validator=lambda _i, a, v: _settings(a, v, CacheConfig)
+    )
+    parallel_config: ParallelConfig = attrs.field(
+        factory=ParallelConfig,
+        validator=lambda _i, a, v: _settings(a, v, ParallelConfig),
+    )
     max_model_len: int | None = attrs.field(default=None, validator=_OPTIONAL_TOKENS)
     max_num_batched_tokens: int = attrs.field(default=8192, validator=_TOKENS)
     kv_transfer_enabled: bool = attrs.field(default=False, validator=is_bool)

@@ -183,3 +183,19 @@ class PluginResultError(PluginError, TypeError):
 class PluginBindError(PluginError, LayoutError):
     """A kind's view binder returned a view that does not lie inside its
     layer's region of the pool, or is not in the spec's dtype."""
+
+
+def require_instance(value: object, cls: type | tuple[type, ...], what: str) -> None:
+    """Refuse ``value`` by type at a public entry point: a
+    :class:`KvcoreTypeError` naming ``what`` (``"plan_kv_cache: config"``),
+    the type expected and the type given."""
+    if not isinstance(value, cls):
+        names = (
+            " or ".join(c.__name__ for c in cls)
+            if isinstance(cls, tuple)
+            else cls.__name__
+        )
+        msg = (
+            f"{what} must be of type {names}, got {type(value).__name__} {echo(value)}"
+        )
+        raise KvcoreTypeError(msg)

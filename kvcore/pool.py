@@ -16,6 +16,7 @@ from kvcore.errors import (
     PlanError,
     PluginBindError,
     echo,
+    require_instance,
 )
 from kvcore.kinds import LayerView
 from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
@@ -96,6 +97,10 @@ class KVCachePool:
                 f"{layout.name}; re-plan for {layout.name}"
             )
             raise LayoutError(msg)
+        if kernel_block_sizes is not None:
+            require_instance(
+                kernel_block_sizes, (list, tuple), "KVCachePool: kernel_block_sizes"
+            )
         if kernel_block_sizes is not None and any(
             type(k) is not int or k <= 0 for k in kernel_block_sizes
         ):

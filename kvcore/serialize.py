@@ -30,6 +30,7 @@ from kvcore.errors import (
     UnknownKindError,
     echo,
     escape_controls,
+    require_instance,
 )
 from kvcore.layout import KVCacheLayout
 from kvcore.limits import (
@@ -300,6 +301,7 @@ def make_converter(registry: KindRegistry | None = None) -> SpecConverter:
 
 def dump_config(config: KVCacheConfig, registry: KindRegistry | None = None) -> str:
     """A config as a JSON string, as a scheduler ships it to workers."""
+    require_instance(config, KVCacheConfig, "dump_config: config")
     return json.dumps(make_converter(registry).unstructure(config), indent=1)
 
 
@@ -618,6 +620,7 @@ def load_model_file(
 def dump_model_file(model: ModelFile, registry: KindRegistry | None = None) -> str:
     """A model file as JSON text, in the form :func:`load_model_file` reads
     (layers in model order, one spec object each)."""
+    require_instance(model, ModelFile, "dump_model_file: model")
     converter = make_converter(registry)
     data: dict[str, Any] = {"name": model.name}
     if model.notes:

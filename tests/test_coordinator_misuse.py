@@ -351,3 +351,61 @@ def test_wrong_arguments_are_refused_by_type_or_value(
         run()
     assert isinstance(info.value, builtin), (call, type(info.value).__mro__)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        (
+            "kvcore.plan_kv_cache('x', {}, 1)",
+            "plan_kv_cache: config must be of type EngineConfig",
+        ),
+        (
+            "kvcore.get_kv_cache_groups('x', {})",
+            "get_kv_cache_groups: config must be of type",
+        ),
+        ("dump_config('x')", "dump_config: config must be of type KVCacheConfig"),
+        ("dump_model_file('x')", "dump_model_file: model must be of type ModelFile"),
+        (
+            "plan_fingerprint('x')",
+            "plan_fingerprint: plan must be of type KVCacheConfig",
+        ),
+        (
+            "encode_event_batch(5)",
+            "encode_event_batch: events must be of type list or tuple",
+        ),
+        ("decode_event_batch('x')", "decode_event_batch: data must be of type bytes"),
+        (
+            "kvcore.plan_capacity('x', 4)",
+            "plan_capacity: plan must be of type KVCacheConfig",
+        ),
+        (
+            "kvcore.EngineConfig(cache_config=5)",
+            "EngineConfig.cache_config must be of type CacheConfig",
+        ),
+        (
+            "kvcore.EngineConfig(parallel_config={})",
+            "EngineConfig.parallel_config must be of type",
+        ),
+    ],
+)
+def test_planning_and_wire_entry_points_refuse_wrong_types(
+    call: str, fragment: str
+) -> None:
+    from kvcore.errors import KvcoreError
+    from kvcore.integrations.distributed import plan_fingerprint
+    from kvcore.integrations.events import decode_event_batch, encode_event_batch
+    from kvcore.serialize import dump_config, dump_model_file
+
+    names = {
+        "kvcore": kvcore,
+        "dump_config": dump_config,
+        "dump_model_file": dump_model_file,
+        "plan_fingerprint": plan_fingerprint,
+        "encode_event_batch": encode_event_batch,
+        "decode_event_batch": decode_event_batch,
+    }
+    with pytest.raises(KvcoreError) as info:
+        eval(call, names)
+    assert isinstance(info.value, TypeError)
+    assert fragment in str(info.value)

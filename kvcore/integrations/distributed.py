@@ -42,6 +42,7 @@ from kvcore.errors import (
     PlanError,
     SerializationError,
     echo,
+    require_instance,
 )
 from kvcore.integrations.stages import (
     PipelinePlan,
@@ -122,6 +123,7 @@ def fingerprint_parts(
     (layers and specs), every layer's page size, the block sizes, the bytes
     per block and each setting of the plan (not ``num_blocks`` or memory,
     which ranks reconcile)."""
+    require_instance(plan, KVCacheConfig, "plan_fingerprint: plan")
     converter = make_converter(registry)
     parts: dict[str, Any] = {
         "groups": [

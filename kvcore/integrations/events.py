@@ -22,7 +22,13 @@ from kvcore.coordinator.events import (
     EventBatch,
     KVCacheEvent,
 )
-from kvcore.errors import KvcoreTypeError, KvcoreValueError, MissingExtraError, echo
+from kvcore.errors import (
+    KvcoreTypeError,
+    KvcoreValueError,
+    MissingExtraError,
+    echo,
+    require_instance,
+)
 
 _LOG = logging.getLogger("kvcore.events")
 #: The largest value a ZeroMQ int socket option takes.
@@ -111,6 +117,7 @@ def encode_event_batch(
 ) -> bytes:
     """One batch of events in kvcore's wire form (msgpack; layout in
     docs/coordinator.md).  ``timestamp`` defaults to ``time.time()``."""
+    require_instance(events, (list, tuple), "encode_event_batch: events")
     wire = _get_wire()
     out: list[Any] = []
     for i, event in enumerate(events):
@@ -156,6 +163,7 @@ def encode_event_batch(
 def decode_event_batch(data: bytes) -> EventBatch:
     """The batch :func:`encode_event_batch` wrote; a payload that is not one
     raises :class:`~kvcore.errors.KvcoreValueError`."""
+    require_instance(data, (bytes, bytearray, memoryview), "decode_event_batch: data")
     wire = _get_wire()
     try:
         batch = wire.decoder.decode(data)

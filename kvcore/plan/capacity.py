@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from kvcore.errors import PlanError
+from kvcore.errors import PlanError, require_instance
 from kvcore.plan.block_sizes import effective_block_size
 from kvcore.plan.declarations import checked_blocks_held
 from kvcore.spec import KVCacheSpec
@@ -205,6 +205,7 @@ def plan_capacity(
     :param memory: the bytes compared (default: the memory the plan was
         sized for, else its pool).
     """
+    require_instance(plan, KVCacheConfig, "plan_capacity: plan")
     if type(context) is not int or context < 1:
         msg = f"capacity needs a positive int context length, got {context!r}"
         raise PlanError(msg)

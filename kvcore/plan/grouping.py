@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvcore.config import EngineConfig
-from kvcore.errors import KvcoreTypeError, PlanError
+from kvcore.errors import KvcoreTypeError, PlanError, require_instance
 from kvcore.plan.declarations import (
     check_spec_answers,
     checked_state_cache_mode,
@@ -34,6 +34,7 @@ def get_kv_cache_groups(
 
     :param specs: layer name to spec, in model order.
     """
+    require_instance(config, EngineConfig, "get_kv_cache_groups: config")
     registry = registry if registry is not None else default_registry()
     raw: object = specs
     if not isinstance(raw, Mapping):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvcore.config import CacheConfig, EngineConfig
-from kvcore.errors import PlanError
+from kvcore.errors import PlanError, require_instance
 from kvcore.limits import MAX_NUM_BLOCKS
 from kvcore.plan.block_sizes import resolve_block_sizes
 from kvcore.plan.capacity import min_blocks_for_one_request
@@ -41,6 +41,7 @@ def get_kv_cache_config_from_groups(
     ``num_blocks = available_memory // bytes_per_block`` (or the override);
     block 0 later becomes the coordinator's null block.
     """
+    require_instance(config, EngineConfig, "get_kv_cache_config_from_groups: config")
     groups = list(groups)
     if isinstance(available_memory, bool) or not isinstance(available_memory, int):
         msg = (
@@ -177,6 +178,7 @@ def plan_kv_cache(
     Unlike the step-by-step functions this is what an engine runs, so it
     also refuses a pool that cannot hold one request of ``max_model_len``.
     """
+    require_instance(config, EngineConfig, "plan_kv_cache: config")
     groups = get_kv_cache_groups(config, specs, registry=registry)
     plan = get_kv_cache_config_from_groups(config, groups, available_memory)
     if groups:
