@@ -206,6 +206,8 @@ def test_a_spec_overriding_a_derived_property_is_refused() -> None:
 class PositionalSearch(PrefixManager):
     """A hit search with the seven positional arguments of earlier releases."""
 
+    partial_copy_hits: ClassVar[bool] = False  # its own search
+
     @classmethod
     def find_longest_cache_hit(  # type: ignore[override]
         cls,
@@ -485,6 +487,8 @@ def _undecorated(f: Any) -> Any:
 
 
 class Decorated(PrefixManager):
+    partial_copy_hits: ClassVar[bool] = False  # its own search
+
     @classmethod
     @_undecorated
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[Any]]:
@@ -492,6 +496,8 @@ class Decorated(PrefixManager):
 
 
 class OptionalArgument(PrefixManager):
+    partial_copy_hits: ClassVar[bool] = False  # its own search
+
     @classmethod
     def find_longest_cache_hit(  # type: ignore[override]
         cls, query: HitQuery, trace: bool = False

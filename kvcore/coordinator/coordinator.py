@@ -21,7 +21,6 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import (
     CheckpointManager,
-    PrefixManager,
 )
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
@@ -206,15 +205,13 @@ class KVCacheCoordinator:
             managers.append(manager)
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
         #: Managers whose class keeps per-request state beyond the base's
-        #: (it extends request_state): recorded at the start of each step.
-        self._snapshotting = tuple(
-            m
-            for m in managers
-            if inspect.getattr_static(type(m), "request_state")
-            is not inspect.getattr_static(SingleTypeManager, "request_state")
-        )
+        #: (it declares keeps_request_state): recorded at each step's start.
+        self._snapshotting = tuple(m for m in managers if m.keeps_request_state)
         self._owners = tuple(owners)
         self._plugin_manager = getattr(registry, "_pm", None)
+        #: Each plugin's distribution, kept by a copy (which drops the
+        #: plugin manager) for its error messages.
+        self._distributions: dict[str, str | None] = {}
         #: Managers that release blocks a request no longer reads.
         self.skipping = tuple(m for m in managers if m.skips_blocks)
         self._caching = tuple(m for m in managers if m.caching)
@@ -769,8 +766,7 @@ class KVCacheCoordinator:
         plugin manager, or as a copy recorded it)."""
         pm = self._plugin_manager
         if pm is None:
-            known: dict[str, str | None] = self.__dict__.get("_distributions", {})
-            return known.get(plugin)
+            return self._distributions.get(plugin)
         from kvcore.plugins import plugin_distribution
 
         try:
@@ -848,12 +844,10 @@ def _partial_units(
 
 
 def _takes_partial(manager_type: type[SingleTypeManager]) -> bool:
-    """Whether a manager class takes copy-on-write hits: it says so and
-    keeps PrefixManager's search (the partial search extends that one)."""
-    return bool(getattr(manager_type, "partial_copy_hits", False)) and (
-        inspect.getattr_static(manager_type, "find_longest_cache_hit", None)
-        is inspect.getattr_static(PrefixManager, "find_longest_cache_hit")
-    )
+    """Whether a manager class takes copy-on-write hits: it says so
+    (:attr:`~SingleTypeManager.partial_copy_hits`; a class that replaces
+    PrefixManager's search, which the partial search extends, says no)."""
+    return manager_type.partial_copy_hits is True
 
 
 def _count(value: object) -> int:
@@ -931,8 +925,7 @@ def _search_problem(manager_type: type[SingleTypeManager]) -> str | None:
     """What is wrong with a manager class's hit search, or None: it must be
     its own (not the base's, which only raises) and callable with one
     query argument."""
-    search = inspect.getattr_static(manager_type, "find_longest_cache_hit", None)
-    if search is inspect.getattr_static(SingleTypeManager, "find_longest_cache_hit"):
+    if getattr(manager_type.find_longest_cache_hit, "__isabstractmethod__", False):
         return "is not implemented (only the base class's, which raises)"
     try:
         signature = inspect.signature(manager_type.find_longest_cache_hit)

@@ -12,6 +12,7 @@ per-block allocations beyond the block lists themselves.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar
@@ -110,8 +111,15 @@ class SingleTypeManager:
     #: Whether the manager's tables take copy-on-write partial hits (see
     #: :mod:`kvcore.coordinator.partial`): position-indexed, every block kept,
     #: a hit block at each position read from the left.  A group serves them
-    #: only when its spec also declares ``copies_partial_block_hits``.
+    #: only when its spec also declares ``copies_partial_block_hits``.  The
+    #: partial search extends PrefixManager's: a subclass that replaces
+    #: ``find_longest_cache_hit`` sets it False.
     partial_copy_hits: ClassVar[bool] = False
+    #: Whether the manager keeps per-request state beyond the table, the
+    #: hashed count and the released count (it extends
+    #: :meth:`request_state` and :meth:`restore_request_state`): the
+    #: coordinator then records that state at the start of every step.
+    keeps_request_state: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -472,6 +480,7 @@ class SingleTypeManager:
     # -- prefix-cache lookup ----------------------------------------------------
 
     @classmethod
+    @abc.abstractmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
         """The longest cached prefix the query allows: one block list per
         ``query.group_ids``, all of one length, covering a multiple of
