@@ -23,7 +23,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from kvcore.errors import KvcoreValueError
-from kvcore.limits import TOKEN_ID_LIMIT
+from kvcore.limits import MAX_BYTE_OFFSET, TOKEN_ID_LIMIT
 
 __all__ = [
     "UnitError",
@@ -145,7 +145,7 @@ def _parse(
 
 
 #: The largest size accepted (an exbibyte: beyond any machine).
-MAX_SIZE = 2**60
+MAX_SIZE = MAX_BYTE_OFFSET
 #: The largest token count accepted: token counts follow the token rule,
 #: ints in ``[0, 2**32)`` (see :func:`check_token_count`).
 MAX_TOKENS = TOKEN_ID_LIMIT - 1
