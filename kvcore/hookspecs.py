@@ -14,6 +14,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from kvcore.config import EngineConfig
+    from kvcore.engines import EngineEstimate
     from kvcore.kinds import CacheKind, KindLookup
     from kvcore.mappers import ModelMapper
     from kvcore.serving import ServingChoices
@@ -116,5 +117,35 @@ def kvcore_choose_grouping(
         kvcore's own grouping.
 
     .. versionadded:: 0.1
+    """
+    raise NotImplementedError
+
+
+@hookspec(firstresult=True)
+def kvcore_engine_estimate(
+    policy: str,
+    config: EngineConfig,
+    specs: Mapping[str, KVCacheSpec],
+    available_memory: int,
+    contexts: Sequence[int],
+) -> EngineEstimate | None:
+    """Say what another engine's own planner does with this model.
+
+    Stops at first non-None result.  A plugin that models an engine's
+    planner answers for its policy name (the built-in ``kvcore_vllm``
+    answers ``vllm``) with that engine's figures at each context, as the
+    engine itself would compute them for ``available_memory`` bytes of KV
+    cache, or with the engine's reason for refusing the model.
+
+    :param policy: the policy asked for (``vllm``).
+    :param config: the engine settings kvcore plans with (prefix caching,
+        state caching mode, parallelism, ``max_num_batched_tokens``).
+    :param specs: layer name to spec, in model order, on one rank.
+    :param available_memory: bytes of KV cache on that rank.
+    :param contexts: the request lengths (the engine's ``max_model_len``).
+    :returns: an :class:`kvcore.engines.EngineEstimate`, or ``None`` when
+        this plugin does not model ``policy``.
+
+    .. versionadded:: 0.3
     """
     raise NotImplementedError

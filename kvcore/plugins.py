@@ -55,6 +55,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "hisparse": "kvcore_hisparse",
     "chunked_local": "kvcore_chunked_local",
     "hf": "kvcore_hf",
+    "vllm": "kvcore_vllm",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvcore.errors import (
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import pluggy
 
     from kvcore.config import EngineConfig
+    from kvcore.engines import EngineEstimate
     from kvcore.structs import KVCacheGroupSpec
 
 __all__ = [
@@ -333,6 +334,29 @@ class KindRegistry(Mapping[str, CacheKind]):
                 "with KVCORE_DISABLE_PLUGINS"
             )
             raise PluginError(msg, plugin_name=",".join(names)) from exc
+        return result
+
+    def engine_estimate(
+        self,
+        policy: str,
+        config: EngineConfig,
+        specs: Mapping[str, KVCacheSpec],
+        available_memory: int,
+        contexts: Sequence[int],
+    ) -> EngineEstimate | None:
+        """Ask plugins what an engine's own planner does
+        (``kvcore_engine_estimate``); ``None`` when no plugin models
+        ``policy``."""
+        if self._pm is None:
+            return None
+        hook = self._pm.hook.kvcore_engine_estimate
+        result: EngineEstimate | None = hook(
+            policy=policy,
+            config=config,
+            specs=specs,
+            available_memory=available_memory,
+            contexts=list(contexts),
+        )
         return result
 
 
