@@ -99,13 +99,20 @@ class Layer:
         return round_up(self.page, self.block_stride_alignment or 1)
 
     def with_block_size(self, block_size: int) -> Layer:
-        """vLLM's ``replace(spec, block_size=...)``: an MLA alignment pads the
-        new page again; an explicit padding stays."""
-        new = dataclasses.replace(self, block_size=block_size)
-        if self.alignment is not None:
-            padded = round_up(new.unpadded_page, self.alignment)
-            if padded != new.unpadded_page:
-                new = dataclasses.replace(new, page_size_padded=padded)
+        """vLLM's ``replace(spec, block_size=...)``: an explicit padding
+        stays, unless an MLA alignment pads the new page again."""
+        return self._realigned(dataclasses.replace(self, block_size=block_size))
+
+    def with_padding(self, page: int) -> Layer:
+        """vLLM's ``replace(spec, page_size_padded=...)``."""
+        return self._realigned(dataclasses.replace(self, page_size_padded=page))
+
+    def _realigned(self, new: Layer) -> Layer:
+        if self.alignment is None:
+            return new
+        padded = round_up(new.unpadded_page, self.alignment)
+        if padded != new.unpadded_page:
+            return dataclasses.replace(new, page_size_padded=padded)
         return new
 
     def pages_per_request(self, s: Settings) -> int:

@@ -189,23 +189,30 @@ def _group(
 
 
 def _unify_pages(layers: dict[str, Layer]) -> dict[str, Layer] | None:
-    """``unify_kv_cache_spec_page_size``; ``None`` when a page can neither
-    grow to the largest nor be padded to it."""
+    """``unify_kv_cache_spec_page_size``; ``None`` when an MLA page can
+    neither grow to the largest nor be padded to it."""
     top = max(x.page for x in layers.values())
     out = {}
     for name, x in layers.items():
         if x.page == top:
             out[name] = x
-        elif x.type == "mamba":
-            out[name] = dataclasses.replace(x, page_size_padded=top)
+            continue
+        if x.type == "mamba":
+            new = dataclasses.replace(x, page_size_padded=top)
         elif top % x.page == 0:
-            out[name] = x.with_block_size(x.block_size * (top // x.page))
-            if out[name].page != top:
-                return None
-        elif x.type not in ("mla", "sliding_mla"):
-            out[name] = dataclasses.replace(x, page_size_padded=top)
+            new = x.with_block_size(x.block_size * (top // x.page))
+        elif x.type != "mla":
+            new = x.with_padding(top)
         else:
             return None
+        if new.page != top:
+            msg = (
+                f"vLLM 0.33 fails on layer {name!r}: its {x.type} page of {x.page} "
+                f"bytes cannot be brought to the largest page ({top} bytes) because "
+                "its own alignment pads it again"
+            )
+            raise PlanError(msg)
+        out[name] = new
     return out
 
 
@@ -269,9 +276,9 @@ def _groups(layers: dict[str, Layer], block_outermost: bool) -> list[Group]:
         if fallback is None:
             pages = sorted({x.page for x in values})
             msg = (
-                f"vLLM 0.33 refuses this model in its default layout: page sizes "
-                f"{pages} neither divide the largest nor can be padded to it (MLA "
-                "pages cannot be padded); it runs only in a block-outermost layout "
+                f"vLLM 0.33 refuses this model in its default layout: its MLA pages "
+                f"neither divide the largest page nor can be padded (page sizes "
+                f"{pages}); it runs only in a block-outermost layout "
                 "(VLLM_KV_CACHE_LAYOUT=BLNHC)"
             )
             raise PlanError(msg)
