@@ -91,8 +91,9 @@ def random_model(rng: random.Random) -> dict[str, Any]:
             ["full_attention", "sliding_window", "mla", "circular_buffer"], 2
         )
     specs = {k: _attention(rng, k) for k in kinds if k != "mamba"}
-    # A second full-attention spec (another head count) now and then.
-    if "full_attention" in specs and rng.random() < 0.2:
+    # A second full-attention spec (another head count) now and then; not
+    # beside Mamba, where vLLM gives every attention layer one block size.
+    if "full_attention" in specs and "mamba" not in kinds and rng.random() < 0.2:
         other = dict(specs["full_attention"], num_kv_heads=rng.choice([1, 4, 32]))
         specs["full_attention_2"] = other
     counts = {k: rng.randint(1, 40) for k in specs}

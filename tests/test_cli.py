@@ -276,7 +276,7 @@ def test_compare_sets_policies_side_by_side() -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     by_policy = {p["policy"]: p for p in doc["policies"]}
-    assert set(by_policy) == {"min_waste", "seed"}
+    assert [p["policy"] for p in doc["policies"]] == ["vllm", "min_waste", "seed"]
     assert (
         by_policy["min_waste"]["capacity"][0]["concurrency"]
         >= by_policy["seed"]["capacity"][0]["concurrency"]

@@ -90,10 +90,13 @@ def vllm_estimate(
     :param block_outermost: plan vLLM's packed path (``BLNHC``) instead of
         its default layer-outer layout.
     """
-    notes = (
+    note = (
         f"{'BLNHC' if block_outermost else 'LBNHC'} layout, {in_flight:,} tokens "
-        f"in flight on window and chunked layers, Mamba cache mode {mamba_cache_mode}",
+        "in flight on window and chunked layers"
     )
+    if any(spec.kind == "mamba" for spec in specs.values()):
+        note += f", Mamba cache mode {mamba_cache_mode}"
+    notes = (note,)
     refused = EngineEstimate(POLICY, ENGINE, notes=notes)
     if not specs:
         return refused

@@ -207,9 +207,11 @@ def _unify_pages(layers: dict[str, Layer]) -> dict[str, Layer] | None:
             return None
         if new.page != top:
             msg = (
-                f"vLLM 0.33 fails on layer {name!r}: its {x.type} page of {x.page} "
-                f"bytes cannot be brought to the largest page ({top} bytes) because "
-                "its own alignment pads it again"
+                f"vLLM 0.33 refuses this model in its default layout (LBNHC): layer "
+                f"{name!r} ({x.type}, a {x.page}-byte page) cannot be brought to "
+                f"the largest page ({top} bytes) because its own alignment pads it "
+                "again; only a block-outermost layout packs it "
+                "(VLLM_KV_CACHE_LAYOUT=BLNHC)"
             )
             raise PlanError(msg)
         out[name] = new

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcore.config import PACKING_POLICIES
+from kvcore.engines import EngineEstimate
 from kvcore.tools.cli.console import make_console
 from kvcore.tools.cli.document import plan_document
 from kvcore.tools.cli.options import (
@@ -30,7 +31,10 @@ from kvcore.tools.report import print_summary
 from kvcore.tools.summary import PlanSummary, summarize
 from kvcore.tools.units import format_size, format_tokens
 
-__all__ = ["setting_text", "summary_of"]
+__all__ = ["setting_text", "summary_of", "vllm_estimate_of", "vllm_lines"]
+
+#: The policy that reproduces vLLM's own plan (the ``kvcore_vllm`` plugin).
+VLLM_POLICY = "vllm"
 
 
 def setting_text(planned: Planned, dtype_name: str) -> str:
@@ -112,6 +116,47 @@ def _seqs_note(fit: int, cap: int) -> str:
     return f"{fit} {noun}, within --max-num-seqs {cap}"
 
 
+def vllm_estimate_of(planned: Planned) -> EngineEstimate | None:
+    """What vLLM 0.33 would plan for the same layers and memory (the ``vllm``
+    policy), or ``None`` when no plugin models it."""
+    return planned.registry.engine_estimate(
+        VLLM_POLICY, planned.config, planned.specs, planned.memory, planned.contexts
+    )
+
+
+def vllm_lines(estimate: EngineEstimate | None) -> list[str]:
+    """vLLM's two logged figures per context, or its refusal, as text."""
+    if estimate is None:
+        return []
+    head = f"{estimate.engine} (policy {estimate.policy}; {'; '.join(estimate.notes)})"
+    if estimate.refusal is not None:
+        return [f"{head} refuses this model: {estimate.refusal}"]
+    lines = [f"{head} would log:"]
+    lines.extend(
+        f"  --max-model-len {f.context}: GPU KV cache size: {f.tokens:,} tokens, "
+        f"Maximum concurrency for {f.context:,} tokens per request: "
+        f"{f.concurrency:.2f}x"
+        for f in estimate.figures
+    )
+    return lines
+
+
+def _estimate_dict(estimate: EngineEstimate) -> dict[str, object]:
+    return {
+        "policy": estimate.policy,
+        "engine": estimate.engine,
+        "refusal": estimate.refusal,
+        "groups": estimate.num_groups,
+        "bytes_per_block": estimate.bytes_per_block,
+        "num_blocks": estimate.num_blocks,
+        "capacity": [
+            {"context": f.context, "tokens": f.tokens, "concurrency": f.concurrency}
+            for f in estimate.figures
+        ],
+        "notes": list(estimate.notes),
+    }
+
+
 def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
     from kvcore.tools.picture import capacity_curve, save_plan_figure
 
@@ -147,11 +192,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _draw(planned, summary, args.svg, "svg")
     if args.png is not None:
         _draw(planned, summary, args.png, "png")
+    estimate = vllm_estimate_of(planned)
     if args.json:
         doc = plan_document(planned, summary, dtype_name=args.kv_cache_dtype)
+        if estimate is not None:
+            doc["vllm"] = _estimate_dict(estimate)
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
         return 0
-    print_summary(summary, _console())
+    print_summary(summary, _console(), extra=vllm_lines(estimate))
     return 0
 
 
@@ -159,26 +207,41 @@ def _console() -> Console:
     return make_console()
 
 
+def _gain(concurrency: int, estimate: EngineEstimate | None, context: int) -> str:
+    figure = estimate.figure(context) if estimate is not None else None
+    if figure is None or not figure.concurrency:
+        return "-"
+    return f"{concurrency / figure.concurrency:.2f}x"
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     results = []
     for policy in PACKING_POLICIES:
         planned = plan_from_args(args, policy=policy)
         results.append((policy, planned, summary_of(planned, args.kv_cache_dtype)))
-    baseline = next(s for policy, _, s in results if policy == "seed")
+    estimate = vllm_estimate_of(results[0][1])
     if args.json:
+        kvcore_rows = [
+            {
+                "policy": policy,
+                "groups": len(s.groups),
+                "bytes_per_block": s.bytes_per_block,
+                "num_blocks": s.num_blocks,
+                "capacity": [
+                    {
+                        **r.to_dict(),
+                        "gain_over_vllm": _ratio(r.concurrency, estimate, r.context),
+                    }
+                    for r in s.rows
+                ],
+            }
+            for policy, _, s in results
+        ]
+        vllm_rows = [] if estimate is None else [_estimate_dict(estimate)]
         out = {
             "schema": COMPARE_SCHEMA_VERSION,
             "model": results[0][1].model.name,
-            "policies": [
-                {
-                    "policy": policy,
-                    "groups": len(s.groups),
-                    "bytes_per_block": s.bytes_per_block,
-                    "num_blocks": s.num_blocks,
-                    "capacity": [r.to_dict() for r in s.rows],
-                }
-                for policy, _, s in results
-            ],
+            "policies": vllm_rows + kvcore_rows,
         }
         sys.stdout.write(json.dumps(out, indent=1) + "\n")
         return 0
@@ -193,11 +256,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     table.add_column("groups", justify="right")
     table.add_column("stride", justify="right")
     table.add_column("blocks", justify="right")
-    for context in results[0][1].contexts:
+    contexts = results[0][1].contexts
+    for context in contexts:
         table.add_column(
             f"{format_tokens(context)}: requests (of limit)", justify="right"
         )
-        table.add_column("vs seed", justify="right")
+        table.add_column("vs vllm", justify="right")
+    if estimate is not None:
+        table.add_row(*_vllm_cells(estimate, contexts))
     for policy, _, s in results:
         cells = [
             policy,
@@ -205,14 +271,45 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             format_size(s.bytes_per_block),
             f"{s.num_blocks:,}",
         ]
-        for row, base in zip(s.rows, baseline.rows, strict=True):
+        for row in s.rows:
             cells.append(f"{row.concurrency} ({row.ratio:.3f})")
-            cells.append(
-                f"{row.concurrency / base.concurrency:.2f}x"
-                if base.concurrency
-                else "-"
-            )
+            cells.append(_gain(row.concurrency, estimate, row.context))
         table.add_row(*cells)
     console = _console()
     console.print(table)
+    if estimate is not None:
+        console.print(
+            f"vllm: what {estimate.engine} logs as its maximum concurrency "
+            f"({'; '.join(estimate.notes)})"
+            + (
+                f"; it refuses this model: {estimate.refusal}"
+                if estimate.refused
+                else ""
+            )
+        )
     return 0
+
+
+def _ratio(
+    concurrency: int, estimate: EngineEstimate | None, context: int
+) -> float | None:
+    figure = estimate.figure(context) if estimate is not None else None
+    if figure is None or not figure.concurrency:
+        return None
+    return concurrency / figure.concurrency
+
+
+def _vllm_cells(estimate: EngineEstimate, contexts: tuple[int, ...]) -> list[str]:
+    if estimate.refused:
+        return ["vllm", "-", "-", "-", *(["refused", "-"] * len(contexts))]
+    cells = [
+        "vllm",
+        str(estimate.num_groups),
+        format_size(estimate.bytes_per_block),
+        f"{estimate.num_blocks:,}",
+    ]
+    for context in contexts:
+        figure = estimate.figure(context)
+        cells.append(f"{figure.concurrency:.2f}" if figure else "-")
+        cells.append("1.00x" if figure else "-")
+    return cells
