@@ -8,7 +8,10 @@ vLLM itself.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,3 +134,62 @@ def test_compare_lists_vllm_first_with_the_gain() -> None:
         assert cap["gain_over_vllm"] == pytest.approx(
             cap["concurrency"] / first["capacity"][0]["concurrency"]
         )
+
+
+#: vLLM 0.33's own log figures (its get_kv_cache_configs and
+#: get_kv_cache_capacity, run by benchmarks/vllm_agreement.py --zoo) at
+#: 64 GiB in its default layout as ``vllm serve`` runs it: 8,192-token
+#: batches, async scheduling, Mamba states at the hybrid alignment.
+SERVE = {
+    ("gemma-3-27b", 4096): 119_435,
+    ("gemma-3-27b", 32768): 200_181,
+    ("gemma-3-27b", 131072): 466_646,
+    ("gpt-oss-120b", 32768): 1_239_121,
+    ("llama-4-scout-17b-16e", 32768): 430_183,
+    ("llama-4-scout-17b-16e", 131072): 894_781,
+    ("jamba-1-5-mini", 32768): 4_119_809,
+    ("qwen3-next-80b-a3b", 4096): 1_913_949,
+    ("deepseek-v3", 131072): 977_856,
+}
+
+
+@pytest.mark.parametrize(("name", "context"), sorted(SERVE))
+def test_tokens_equal_vllm_serve_log(name: str, context: int) -> None:
+    estimate = vllm_estimate(_layers(name), 64 * GIB, [context])
+    (figure,) = estimate.figures
+    assert figure.tokens == SERVE[name, context]
+
+
+def _agreement_module() -> Any:
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_agreement.py"
+    spec = importlib.util.spec_from_file_location("vllm_agreement", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: Random model files with the figures vLLM 0.33's own functions gave them
+#: (written by ``benchmarks/vllm_agreement.py --write-cases``).
+CASES = Path(__file__).resolve().parent / "fixtures" / "vllm_agreement_cases.json"
+
+
+def test_policy_agrees_with_vllm_on_stored_random_models() -> None:
+    bench = _agreement_module()
+    cases = bench.expand(json.loads(CASES.read_text()))
+    assert len(cases) >= 100
+    refused = [c for c in cases if "refusal" in c["vllm"]]
+    assert refused, "the stored cases include vLLM's refusals"
+    bad = [
+        c["name"] for c in cases if not bench.agree(c["vllm"], bench.policy_figures(c))
+    ]
+    assert bad == []
+
+
+def test_agreement_check_notices_a_wrong_figure() -> None:
+    bench = _agreement_module()
+    right = {"tokens": 100, "concurrency": 1.5}
+    assert bench.agree(right, dict(right))
+    assert not bench.agree(right, {"tokens": 101, "concurrency": 1.5})
+    assert not bench.agree(right, {"refusal": "no"})
