@@ -611,6 +611,45 @@ def test_hook_kvcore_choose_grouping(pm: pluggy.PluginManager) -> None:
     assert dict(called_specs) == specs
 
 
+def test_hook_kvcore_engine_estimate(pm: pluggy.PluginManager) -> None:
+    """A plugin answers for the engine policies it models; the built-in
+    ``kvcore_vllm`` answers ``vllm``; nobody answers an unknown name."""
+    from kvcore.engines import EngineEstimate, EngineFigure
+
+    class Other:
+        @kvcore.hookimpl
+        def kvcore_engine_estimate(
+            self,
+            policy: str,
+            config: Any,
+            specs: Any,
+            available_memory: int,
+            contexts: Any,
+        ) -> EngineEstimate | None:
+            if policy != "other":
+                return None
+            return EngineEstimate(
+                "other",
+                "Other 1.0",
+                figures=tuple(EngineFigure(c, available_memory, 1.0) for c in contexts),
+            )
+
+    pm.register(Other(), name="kvcore-engine-test")
+    registry = KindRegistry.from_plugin_manager(pm)
+    specs = _four_layers()
+    other = registry.engine_estimate("other", EngineConfig(), specs, 1 << 30, [4096])
+    assert other is not None
+    assert other.figures == (EngineFigure(4096, 1 << 30, 1.0),)
+    vllm = registry.engine_estimate("vllm", EngineConfig(), specs, 1 << 30, [4096])
+    assert vllm is not None
+    assert vllm.engine == "vLLM 0.33"
+    # Four 2-head x 64 fp16 layers of 16-token pages (8 KiB each): 32 KiB a
+    # block, 32,768 blocks, 256 blocks a request.
+    assert vllm.figures[0].concurrency == 128.0
+    assert vllm.figures[0].tokens == 128 * 4096
+    assert registry.engine_estimate("none", EngineConfig(), specs, 1, [1]) is None
+
+
 def test_choose_grouping_none_defers_to_kvcore(pm: pluggy.PluginManager) -> None:
     plugin = _Grouping(lambda: None)
     pm.register(plugin, name="kvcore-grouping-test")
