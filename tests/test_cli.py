@@ -241,7 +241,13 @@ def test_gpu_utilization_and_file_weights(tmp_path: Path) -> None:
     memory = doc["settings"]["memory"]
     assert memory["gpu"] == "A100 40GB"
     assert memory["kv_cache_bytes"] == int(40 * GIB * 0.8) - 16 * 10**9
-    assert "A100 40GB x 0.80" in doc["notes"][0]
+    headroom = 40 * GIB - int(40 * GIB * 0.8)
+    assert memory["headroom_bytes"] == headroom
+    assert memory["weights_source"] == "model file"
+    assert doc["notes"][0] == (
+        "memory: A100 40GB (40.0 GiB) = 14.9 GiB weights (model file) + "
+        "17.1 GiB KV cache + 8.0 GiB headroom (--gpu-memory-utilization 0.80)"
+    )
 
 
 def test_too_small_for_one_request_says_what_it_needs() -> None:

@@ -59,8 +59,10 @@ def setting_text(planned: Planned, dtype_name: str) -> str:
 def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
     """The summary every output of ``kvcore plan`` is drawn from."""
     notes = list(planned.served.notes)
+    if planned.mapped:
+        notes.extend(_mapping_notes(planned.model.notes))
     if planned.budget.gpu is not None:
-        notes.insert(0, planned.budget.describe())
+        notes.insert(0, planned.budget.budget_line() or planned.budget.describe())
         if not planned.budget.weights_bytes:
             notes.insert(
                 1,
@@ -99,6 +101,13 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
         return summary
     note = _seqs_note(summary.rows[0].concurrency, planned.max_num_seqs)
     return attrs.evolve(summary, notes=(note, *summary.notes))
+
+
+def _mapping_notes(notes: str) -> list[str]:
+    """The notes of a model mapped from a ``config.json``: the defaults its
+    mapper applied and how its weights were found."""
+    keep = ("defaults applied", "weights ", "KV cache dtype")
+    return [n for n in notes.split("; ") if n.startswith(keep)]
 
 
 def _seqs_note(fit: int, cap: int) -> str:
@@ -169,6 +178,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         out = {
             "schema": COMPARE_SCHEMA_VERSION,
             "model": results[0][1].model.name,
+            "memory": results[0][1].budget.to_dict(),
             "policies": [
                 {
                     "policy": policy,
@@ -215,4 +225,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         table.add_row(*cells)
     console = _console()
     console.print(table)
+    budget = results[0][1].budget
+    line = budget.budget_line()
+    if line is not None:
+        console.print(line, markup=False, highlight=False)
+        if not budget.weights_bytes:
+            console.print(
+                "warning: no weights set aside: pass --weights SIZE (or add "
+                "weights_bytes to the model file) for a device's real KV budget",
+                markup=False,
+                highlight=False,
+            )
     return 0
