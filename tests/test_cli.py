@@ -487,8 +487,11 @@ def test_version() -> None:
 
 def test_the_limit_bounds_every_shipped_plan() -> None:
     # Grown blocks pay page padding once per larger block; the limit counts
-    # pages without padding, so it stays a bound (DeepSeek-V4-Flash at 128k).
-    doc = plan_json("deepseek-v4-flash", "--gpu", "h200", "--context", "64K,128K")
+    # pages without padding, so it stays a bound (DeepSeek-V4-Flash at 128k;
+    # its 150 GiB of weights need two H200s).
+    doc = plan_json(
+        "deepseek-v4-flash", "--gpu", "h200", "--tp", "2", "--context", "64K,128K"
+    )
     for row in doc["capacity"]:
         assert row["concurrency"] <= row["physical_limit_requests"]
         assert row["ratio"] <= 1.0

@@ -306,9 +306,74 @@ def _mixer_kind(t: Mapping[str, Any], i: int, family: str) -> str:
     return "attention"
 
 
+def _v4_ratio(t: Mapping[str, Any], i: int) -> int:
+    """DeepSeek-V4 layer ``i``'s compression ratio (0: sliding window only),
+    from ``compress_ratios`` or ``layer_types`` (transformers' default: two
+    heavily compressed layers, then compressed-sparse and heavily
+    compressed in turn)."""
+    ratios = t.get("compress_ratios")
+    if isinstance(ratios, list) and i < len(ratios):
+        return int(ratios[i])
+    types = t.get("layer_types")
+    by_type = {"sliding_attention": 0, "compressed_sparse_attention": 4}
+    if isinstance(types, list) and i < len(types):
+        return by_type.get(types[i], 128)
+    return 128 if i < 2 or i % 2 == 0 else 4
+
+
+def _deepseek_v4(t: Mapping[str, Any], i: int, p: str) -> Iterator[Tensor]:
+    """A DeepSeek-V4 decoder layer: low-rank query, one shared key-value
+    head, a grouped output projection, the layer's compressor (and indexer
+    on ratio-4 layers), routed and shared experts, hyper-connections."""
+    hidden = _int(t, "hidden_size")
+    heads, dim = _int(t, "num_attention_heads"), _int(t, "head_dim")
+    q_rank = _int(t, "q_lora_rank")
+    groups, o_rank = _int(t, "o_groups", 8), _int(t, "o_lora_rank", 1024)
+    a = f"{p}.attn"
+    yield _linear(f"{a}.wq_a", "attention", q_rank, hidden)
+    yield _linear(f"{a}.wq_b", "attention", heads * dim, q_rank)
+    yield _linear(f"{a}.wkv", "attention", dim, hidden)
+    yield _linear(f"{a}.wo_a", "attention", groups * o_rank, heads * dim // groups)
+    yield _linear(f"{a}.wo_b", "attention", hidden, groups * o_rank)
+    yield Tensor(f"{a}.norms_sinks", "norms", q_rank + dim + heads)
+    ratio = _v4_ratio(t, i)
+    if ratio:
+        width = 2 * dim if ratio == 4 else dim
+        yield _linear(f"{a}.compressor.wkv_wgate", "attention", 2 * width, hidden)
+        yield Tensor(f"{a}.compressor.ape_norm", "attention", ratio * width + dim)
+    if ratio == 4:
+        ih, idim = _int(t, "index_n_heads"), _int(t, "index_head_dim")
+        x = f"{a}.indexer"
+        yield _linear(f"{x}.compressor.wkv_wgate", "attention", 4 * idim, hidden)
+        yield Tensor(f"{x}.compressor.ape_norm", "attention", ratio * 2 * idim + idim)
+        yield _linear(f"{x}.wq_b", "attention", ih * idim, q_rank)
+        yield Tensor(f"{x}.weights_proj", "attention", ih, hidden)
+    experts = _int(t, "n_routed_experts", 256)
+    inter = _int(t, "moe_intermediate_size", 2048)
+    m = f"{p}.ffn"
+    yield _linear(f"{m}.experts.w1", "experts", inter, hidden, count=experts)
+    yield _linear(f"{m}.experts.w3", "experts", inter, hidden, count=experts)
+    yield _linear(f"{m}.experts.w2", "experts", hidden, inter, count=experts)
+    yield Tensor(f"{m}.gate", "router", experts, hidden)
+    yield Tensor(f"{m}.gate.bias", "router", experts)
+    if i < _int(t, "num_hash_layers", 3):  # hash routing: a token-to-expert table
+        top = _int(t, "num_experts_per_tok", 6)
+        yield Tensor(f"{m}.gate.tid2eid", "router", _int(t, "vocab_size"), top)
+    yield from _mlp(
+        f"{m}.shared_experts", hidden, _int(t, "n_shared_experts", 1) * inter, "experts"
+    )
+    hc = _int(t, "hc_mult", 4)
+    mix = (2 + hc) * hc
+    yield Tensor(f"{p}.hc", "norms", 2 * (mix * hc * hidden + mix + 3))
+    yield Tensor(f"{p}.layernorms", "norms", 2 * hidden)
+
+
 def _layer(t: Mapping[str, Any], i: int, family: str, prefix: str) -> Iterator[Tensor]:
     hidden = _int(t, "hidden_size")
     p = f"{prefix}.layers.{i}"
+    if family == "deepseek_v4":
+        yield from _deepseek_v4(t, i, p)
+        return
     kind = _mixer_kind(t, i, family)
     if kind == "mamba":
         yield from _mamba1(t, f"{p}.mamba")
@@ -386,7 +451,8 @@ _FAMILIES = {
     "gpt_oss": "gpt_oss", "jamba": "jamba", "mixtral": "mixtral",
     "llama4": "llama4_text", "llama4_text": "llama4_text",
     "deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3",
-    "deepseek_v32": "deepseek_v32", "kimi_k2": "kimi_k2", "glm4_moe": "glm4_moe",
+    "deepseek_v32": "deepseek_v32", "deepseek_v4": "deepseek_v4",
+    "kimi_k2": "kimi_k2", "glm4_moe": "glm4_moe",
 }  # fmt: skip
 
 
@@ -470,6 +536,20 @@ def _skipped(name: str, patterns: list[str]) -> bool:
     return False
 
 
+#: The format a family's checkpoints are released in when the file names no
+#: ``quantization_config``: DeepSeek-V4 ships routed experts in FP4 (e2m1
+#: pairs, one ue8m0 scale per 32 values) and the other linear layers in FP8
+#: with 128 x 128 block scales (the release's own format, as the native
+#: FP4/FP8 conversions of deepseek-ai/DeepSeek-V4-Flash describe it).
+_RELEASE_FORMATS: dict[str, Mapping[str, Any]] = {
+    "deepseek_v4": {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "experts": "fp4",
+    },
+}
+
+
 class _Format:
     """How one quantization config stores a linear weight."""
 
@@ -497,6 +577,8 @@ class _Format:
                 self.block = (int(block[0]), int(block[1]))
         elif self.method == "mxfp4":
             self.bits, self.group = 4, 32
+        #: routed experts in FP4 (4 bits, a one-byte scale per 32 values).
+        self.fp4_experts = self.quant.get("experts") == "fp4"
 
     def _compressed_tensors(self) -> None:
         groups = self.quant.get("config_groups")
@@ -521,21 +603,21 @@ class _Format:
             self.group = -1
 
     def describe(self) -> str:
+        """``"fp8 with 128x128 block scales, the rest bfloat16"``."""
         if not self.method or self.bits >= 16:
             return self.dtype
-        detail = {
-            "fp8": "fp8"
-            + (
-                f" with {self.block[0]}x{self.block[1]} block scales"
-                if self.block[0]
-                else ""
-            ),
-            "mxfp4": "MXFP4 experts (4 bits + a scale per 32 values)",
-        }.get(
-            self.method,
-            f"{self.method} {self.bits}-bit"
-            + (f", group {self.group}" if self.group > 0 else ""),
-        )
+        if self.method == "fp8":
+            detail = "fp8"
+            if self.block[0]:
+                detail += f" with {self.block[0]}x{self.block[1]} block scales"
+            if self.fp4_experts:
+                detail += ", FP4 routed experts"
+        elif self.method == "mxfp4":
+            detail = "MXFP4 experts (4 bits + a scale per 32 values)"
+        else:
+            detail = f"{self.method} {self.bits}-bit"
+            if self.group > 0:
+                detail += f", group {self.group}"
         return f"{detail}, the rest {self.dtype}"
 
     def size(self, tensor: Tensor) -> int:
@@ -548,6 +630,8 @@ class _Format:
             return tensor.numel * self.dense
         if self.method == "mxfp4" and tensor.part != "experts":
             return tensor.numel * self.dense
+        if self.fp4_experts and tensor.part == "experts" and ".experts." in tensor.name:
+            return math.ceil(tensor.numel / 2) + math.ceil(tensor.numel / 32)
         rows, cols, count = tensor.rows, tensor.cols, tensor.count
         values = math.ceil(tensor.numel * self.bits / 8)
         if self.block[0]:
@@ -575,7 +659,9 @@ def estimate_weights(config: ModelConfig) -> WeightsEstimate | None:
         return None
     dense, dtype = _dtype_bytes(config)
     quant = config.root.get("quantization_config")
-    fmt = _Format(quant if isinstance(quant, Mapping) else None, dense, dtype)
+    if not isinstance(quant, Mapping):
+        quant = _RELEASE_FORMATS.get(family_of(config) or "")
+    fmt = _Format(quant, dense, dtype)
     parts: dict[str, int] = {}
     total = 0
     for tensor in found:
