@@ -5,7 +5,10 @@ given, in text and JSON, with the weights every shipped model carries."""
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import pytest
 
 from kvcore.tools.accelerators import find_accelerator
 from tests.test_cli import plan_json, run
@@ -109,3 +112,19 @@ def test_simulate_shows_the_budget_line() -> None:
     doc = json.loads(run(*args, "--json").stdout)
     assert doc["memory"]["weights_bytes"] == LLAMA_WEIGHTS
     assert doc["memory"]["weights_source"] == "model file"
+
+
+def test_plan_draws_the_device_beside_the_capacity(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.svg"
+    proc = run(
+        "plan", "gemma-3-27b", "--gpu", "H100", "--tp", "2", "--context", "8K,128K",
+        "--svg", str(path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    ids = {e.get("id") for e in ET.parse(path).getroot().iter() if e.get("id")}
+    assert {"memory:device:weights", "memory:device:kv_cache"} <= ids
+    assert {"memory:0:group17", "memory:1:group17", "capacity:plan"} <= ids
+    text = path.read_text()
+    assert "H100 80GB (1 rank)" in text
+    assert "full_attention 96%" in text

@@ -122,6 +122,7 @@ def _seqs_note(fit: int, cap: int) -> str:
 
 
 def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
+    from kvcore.tools.memory_bars import device_bar
     from kvcore.tools.picture import capacity_curve, save_plan_figure
 
     target = Path(path)
@@ -135,6 +136,15 @@ def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
         specs=planned.specs,
         memory=planned.memory,
     )
+    budget = planned.budget
+    device = None
+    if budget.gpu is not None:
+        device = device_bar(
+            f"{budget.gpu.name} (1 rank)" if budget.ranks > 1 else budget.gpu.name,
+            budget.gpu.memory_bytes,
+            budget.weights_per_rank,
+            budget.kv_bytes,
+        )
     try:
         save_plan_figure(
             planned.plan,
@@ -143,6 +153,7 @@ def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
             title=summary.verdict(),
             fmt=fmt,
             curve=curve,
+            device=device,
         )
     except OSError as exc:
         msg = f"cannot write --{fmt} {path}: {exc.strerror or exc}"
