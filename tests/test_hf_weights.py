@@ -30,7 +30,7 @@ PUBLISHED: dict[str, tuple[int, str, str]] = {
         "(quoted in the transformers docs)",
     ),
     "gemma-3-27b": (
-        27_432_000_000,
+        27_400_000_000,
         "params",
         "google/gemma-3-27b-it: 27.4B on the hub; keras_hub gemma3_instruct_27b_text "
         "preset 27,009,002,240 for the language model alone",
