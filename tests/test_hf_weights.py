@@ -302,3 +302,22 @@ def test_a_hub_figure_replaces_the_estimate_in_the_model_file() -> None:
     assert found.weights_bytes == 123_456
     assert "weights 123,456 bytes from the hub's safetensors metadata" in found.notes
     assert "weights estimated" not in found.notes
+
+
+def test_an_unreachable_hub_is_not_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cached config.json with the hub down: one refused connection, and
+    # the metadata call is never made.
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", never)
+    config = load_hf_config(FIXTURES / "llama-3-1-8b" / "config.json")
+    model = map_model_config(config)
+    assert kvcore_hf.with_hub_weights(model, "org/model", config) is model
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert kvcore_hf.with_hub_weights(model, "org/model", config) is model

@@ -9,6 +9,7 @@ parallelism) afterwards, the way ``kvcore plan --tp`` does for model files.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import attrs
 import torch
 
 from kvcore.hookspecs import hookimpl
+from kvcore.limits import HUB_CONNECT_TIMEOUT_S
 from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile
 from kvcore.serving import ServingChoices
@@ -37,6 +39,7 @@ from kvcore_hf import (
 from kvcore_hf.mapping import (
     ModelConfig,
     ModelMapper,
+    _hub_address,
     default_mappers,
     is_hub_id,
     load_hf_config,
@@ -95,7 +98,12 @@ def with_hub_weights(
 ) -> ModelFile:
     """``model`` with the weights its hub repository's safetensors headers
     add up to, when the hub answers; else unchanged (the estimate from the
-    configuration stays).  ``fetch`` replaces the hub call in tests."""
+    configuration stays).  ``fetch`` replaces the hub call in tests; without
+    it the hub's host must answer a connection within
+    :data:`~kvcore.limits.HUB_CONNECT_TIMEOUT_S` first (a cached
+    ``config.json`` with no network costs one short wait, not retries)."""
+    if fetch is None and not _hub_reachable():
+        return model
     found = hub_checkpoint_bytes(
         repo_id,
         served_float32_halved=config.model_dtype() == torch.bfloat16
@@ -109,6 +117,22 @@ def with_hub_weights(
     ]
     notes.append(f"weights {found:,} bytes from the hub's safetensors metadata")
     return attrs.evolve(model, weights_bytes=found, notes="; ".join(notes))
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub's host takes a connection (never when offline)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host, port = _hub_address(str(constants.ENDPOINT))
+    try:
+        socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
 
 
 def _declares_float32(config: ModelConfig) -> bool:
