@@ -241,7 +241,13 @@ def test_gpu_utilization_and_file_weights(tmp_path: Path) -> None:
     memory = doc["settings"]["memory"]
     assert memory["gpu"] == "A100 40GB"
     assert memory["kv_cache_bytes"] == int(40 * GIB * 0.8) - 16 * 10**9
-    assert "A100 40GB x 0.80" in doc["notes"][0]
+    headroom = 40 * GIB - int(40 * GIB * 0.8)
+    assert memory["headroom_bytes"] == headroom
+    assert memory["weights_source"] == "model file"
+    assert doc["notes"][0] == (
+        "memory: A100 40GB (40.0 GiB) = 14.9 GiB weights (model file) + "
+        "17.1 GiB KV cache + 8.0 GiB headroom (--gpu-memory-utilization 0.80)"
+    )
 
 
 def test_too_small_for_one_request_says_what_it_needs() -> None:
@@ -481,8 +487,11 @@ def test_version() -> None:
 
 def test_the_limit_bounds_every_shipped_plan() -> None:
     # Grown blocks pay page padding once per larger block; the limit counts
-    # pages without padding, so it stays a bound (DeepSeek-V4-Flash at 128k).
-    doc = plan_json("deepseek-v4-flash", "--gpu", "h200", "--context", "64K,128K")
+    # pages without padding, so it stays a bound (DeepSeek-V4-Flash at 128k;
+    # its 150 GiB of weights need two H200s).
+    doc = plan_json(
+        "deepseek-v4-flash", "--gpu", "h200", "--tp", "2", "--context", "64K,128K"
+    )
     for row in doc["capacity"]:
         assert row["concurrency"] <= row["physical_limit_requests"]
         assert row["ratio"] <= 1.0

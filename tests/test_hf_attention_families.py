@@ -515,12 +515,8 @@ def test_tensor_parallel_gpt_oss_splits_its_8_kv_heads(tp: int, heads: int) -> N
 @pytest.mark.parametrize(
     ("data", "field", "arch"),
     [
-        (QWEN3_32B, "head_dim", "Qwen3ForCausalLM"),
         (QWEN3_30B_A3B, "num_key_value_heads", "Qwen3MoeForCausalLM"),
         (MISTRAL_7B_V01, "num_key_value_heads", "MistralForCausalLM"),
-        (GEMMA2_9B, "sliding_window", "Gemma2ForCausalLM"),
-        (GPT_OSS_20B, "head_dim", "GptOssForCausalLM"),
-        (GLM45, "head_dim", "Glm4MoeForCausalLM"),
     ],
 )
 def test_a_missing_field_names_the_field_and_the_file(
@@ -535,16 +531,85 @@ def test_a_missing_field_names_the_field_and_the_file(
     )
 
 
-def test_a_missing_field_of_a_composite_config_names_its_path(tmp_path: Path) -> None:
+# -- defaults of the configuration classes -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "note", "check"),
+    [
+        # Qwen3Config's head_dim default is 128 (not 5120 / 64 = 80).
+        (
+            QWEN3_32B,
+            "head_dim",
+            "head_dim 128 (Qwen3Config's default)",
+            lambda spec: spec.head_size == 128,
+        ),
+        (
+            GEMMA2_9B,
+            "sliding_window",
+            "sliding_window 4096 (Gemma2Config's default)",
+            lambda spec: getattr(spec, "sliding_window", 4096) == 4096,
+        ),
+        (
+            GPT_OSS_20B,
+            "head_dim",
+            "head_dim 64 (GptOssConfig's default)",
+            lambda spec: spec.head_size == 64,
+        ),
+    ],
+)
+def test_a_missing_field_takes_the_configuration_class_default(
+    tmp_path: Path, data: dict[str, Any], field: str, note: str, check: Any
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != field}))
+    model = map_model_config(load_hf_config(path), mappers=MAPPERS)
+    assert all(check(spec) for spec in model.layers.values())
+    assert f"defaults applied: {note}" in model.notes
+
+
+def test_a_head_dim_the_rule_cannot_give_is_refused(tmp_path: Path) -> None:
+    # Glm4MoeConfig has no head_dim default; hidden / heads = 5120 / 96 is
+    # no whole number, so the file must say.
+    data = {k: v for k, v in GLM45.items() if k != "head_dim"}
+    with pytest.raises(ModelConfigError, match="no head_dim is given"):
+        map_model_config(data, mappers=MAPPERS)
+
+
+def test_a_composite_config_without_head_dim_takes_gemma3s_default(
+    tmp_path: Path,
+) -> None:
+    # Gemma-3-4B/12B ship text_config without head_dim: Gemma3TextConfig's
+    # 256 applies (the 27B's own is 128).
     source = (FIXTURES / "gemma-3-27b" / "config.json").read_text()
     path = tmp_path / "config.json"
     path.write_text(source.replace('"head_dim": 128,', ""))
-    with pytest.raises(ModelConfigError) as info:
-        map_model_config(load_hf_config(path), mappers=MAPPERS)
-    assert str(info.value) == (
-        f"{path}: field text_config.head_dim is missing; the mapper for "
-        "Gemma3ForConditionalGeneration needs it"
+    model = map_model_config(load_hf_config(path), mappers=MAPPERS)
+    assert {spec.head_size for spec in model.layers.values()} == {256}
+    assert (
+        "defaults applied: text_config.head_dim 256 (Gemma3TextConfig's default)"
+        in model.notes
     )
+
+
+def test_a_float32_checkpoint_is_served_in_bfloat16(tmp_path: Path) -> None:
+    # vLLM's --dtype auto downcasts float32 configs to bfloat16.
+    # and its weights take bfloat16's two bytes a value on the device.
+    sized = {**QWEN3_32B, "vocab_size": 151936, "intermediate_size": 25600}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**sized, "torch_dtype": "float32"}))
+    model = map_model_config(load_hf_config(path), mappers=MAPPERS)
+    assert {spec.dtype for spec in model.layers.values()} == {torch.bfloat16}
+    assert "torch_dtype float32 served as bfloat16" in model.notes
+    served = map_model_config(sized, mappers=MAPPERS).weights_bytes
+    assert model.weights_bytes == served == 65_524_246_528
+
+
+def test_a_config_without_head_dim_uses_hidden_over_heads() -> None:
+    model = map_model_config(MISTRAL_7B_V01, mappers=MAPPERS)
+    size = MISTRAL_7B_V01["hidden_size"] // MISTRAL_7B_V01["num_attention_heads"]
+    assert {spec.head_size for spec in model.layers.values()} == {size}
+    assert "transformers' rule" in model.notes
 
 
 def test_qwen_windows_without_layer_types_need_max_window_layers() -> None:

@@ -255,7 +255,7 @@ def test_png_and_pdf_are_written_by_suffix_or_format(
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     width = int.from_bytes(data[16:20], "big")
-    assert width == 1100  # 11 inches at 100 dpi
+    assert width == 1600  # 16 inches at 100 dpi: memory bars beside the curve
     pdf = tmp_path / "plan.PDF"
     save_plan_figure(plan, asked, pdf, title="pdf")
     assert pdf.read_bytes().startswith(b"%PDF")

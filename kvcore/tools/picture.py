@@ -30,6 +30,7 @@ from kvcore.errors import KvcoreValueError, MissingExtraError
 from kvcore.plan.block_sizes import effective_block_size
 from kvcore.plan.capacity import Capacity, plan_capacity
 from kvcore.structs import KVCacheConfig
+from kvcore.tools.memory_bars import Bar, draw_memory_bars, request_bars
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -216,6 +217,7 @@ def save_plan_figure(
     title: str,
     fmt: str | None = None,
     curve: Sequence[Capacity] | None = None,
+    device: Bar | None = None,
 ) -> None:
     """Draw ``plan`` and write it to ``path``.
 
@@ -227,6 +229,10 @@ def save_plan_figure(
     :param fmt: ``"svg"``, ``"png"`` or ``"pdf"``; default: ``path``'s suffix.
     :param curve: capacities at more contexts (:func:`capacity_curve`), drawn
         as lines under the points.
+    :param device: the device's memory (:func:`~kvcore.tools.memory_bars.device_bar`),
+        drawn above one bar per asked context of the bytes a request holds
+        by group (:func:`~kvcore.tools.memory_bars.request_bars`), beside the
+        capacity plot; the block panel is the figure's second view, below.
     :raises MissingExtraError: matplotlib is not installed.
     :raises KvcoreValueError: an unknown format, no block to draw, or
         capacities of another plan.
@@ -243,15 +249,25 @@ def save_plan_figure(
     # Text stays text in SVG (searchable, diffable, small); the viewer's fonts draw it.
     with mpl.rc_context({"svg.hashsalt": _SVG_SALT, "svg.fonttype": "none"}):
         block_height = 1.3 + (0.3 if len(rows) <= 20 else 0.24) * len(rows)
-        panels = 2 if asked or line else 1
-        heights = [block_height, 3.6][:panels]
-        fig = Figure(figsize=(11.0, sum(heights)), layout="constrained")
+        if not (asked or line):
+            fig = Figure(figsize=(11.0, block_height), layout="constrained")
+            FigureCanvasAgg(fig)
+            fig.suptitle(title, fontsize=12, fontweight="bold")
+            _draw_block(fig.subplots(), plan, rows)
+            fig.savefig(target, format=fmt, metadata=_metadata(fmt))
+            return
+        bars = request_bars(asked)
+        top = max(3.6, 0.9 + 0.55 * (len(bars) + (device is not None)))
+        fig = Figure(figsize=(16.0, top + block_height), layout="constrained")
         FigureCanvasAgg(fig)
-        axes = fig.subplots(panels, 1, height_ratios=heights, squeeze=False)[:, 0]
+        grid = fig.add_gridspec(2, 2, height_ratios=[top, block_height])
         fig.suptitle(title, fontsize=12, fontweight="bold")
-        _draw_block(axes[0], plan, rows)
-        if panels == 2:
-            _draw_capacity(axes[1], plan, asked, line)
+        block_ax = fig.add_subplot(grid[1, :])
+        colors = _draw_block(block_ax, plan, rows)
+        draw_memory_bars(
+            fig.add_subplot(grid[0, 0]), device, bars, colors, _format_bytes
+        )
+        _draw_capacity(fig.add_subplot(grid[0, 1]), plan, asked, line)
         fig.savefig(target, format=fmt, metadata=_metadata(fmt))
 
 
@@ -375,7 +391,10 @@ def _tint(color: Any, amount: float) -> tuple[float, float, float]:
     return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
 
 
-def _draw_block(ax: Axes, plan: KVCacheConfig, rows: Sequence[BlockRow]) -> None:
+def _draw_block(
+    ax: Axes, plan: KVCacheConfig, rows: Sequence[BlockRow]
+) -> dict[str, Any]:
+    """Draw the block panel; return the colour of each kind it used."""
     from matplotlib.patches import Patch, Rectangle
     from matplotlib.ticker import FuncFormatter
     from matplotlib.transforms import ScaledTranslation
@@ -496,6 +515,7 @@ def _draw_block(ax: Axes, plan: KVCacheConfig, rows: Sequence[BlockRow]) -> None
         fontsize=8,
         frameon=False,
     )
+    return colors
 
 
 def _row_label(row: BlockRow) -> str:
@@ -592,7 +612,7 @@ def _draw_capacity(
     memory = plan.available_memory or plan.num_blocks * plan.bytes_per_block
     ax.set_title(
         f"Requests that fit in {_format_bytes(memory)} (one prefill step reserved, "
-        "null block taken); labels: requests (% of the physical limit)",
+        "null block taken)\nlabels: requests (% of the physical limit)",
         fontsize=10,
         loc="left",
     )

@@ -51,11 +51,18 @@ def kv_heads(config: ModelConfig) -> int:
     """KV heads of the whole model (grouped-query attention shares them)."""
     if config.has("num_key_value_heads"):
         return config.positive("num_key_value_heads")
-    return config.positive("num_attention_heads")
+    heads = config.positive("num_attention_heads")
+    config.note_default(
+        f"{config.prefix}num_key_value_heads {heads} (num_attention_heads: "
+        "multi-head attention, transformers' rule)"
+    )
+    return heads
 
 
 def head_dim(config: ModelConfig) -> int:
-    """``head_dim``, else ``hidden_size / num_attention_heads``."""
+    """``head_dim``, else ``hidden_size / num_attention_heads`` (the
+    configuration classes' rule, e.g. ``LlamaConfig``, ``MistralConfig``;
+    recorded in :attr:`ModelConfig.defaults`)."""
     if config.has("head_dim"):
         return config.positive("head_dim")
     hidden = config.positive("hidden_size")
@@ -66,6 +73,10 @@ def head_dim(config: ModelConfig) -> int:
             f"num_attention_heads {heads} and no head_dim is given"
         )
         raise ModelConfigError(msg)
+    config.note_default(
+        f"{config.prefix}head_dim {hidden // heads} (hidden_size {hidden} // "
+        f"num_attention_heads {heads}, transformers' rule)"
+    )
     return hidden // heads
 
 

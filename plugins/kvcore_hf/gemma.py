@@ -1,11 +1,13 @@
 """Gemma 2 and Gemma 3: local (sliding-window) and global attention layers.
 
-Every layer has ``num_key_value_heads`` KV heads of ``head_dim`` (both
-required: Gemma's heads are not ``hidden_size / num_attention_heads``,
-e.g. Gemma-3-27B: 5376 / 32 = 168, heads of 128).  Local layers keep
-``sliding_window`` tokens (required; the classes' 4096 is one size's value,
-Gemma 3 ships 512 or 1024); global layers keep every token.  Which layers
-are local:
+Every layer has ``num_key_value_heads`` KV heads of ``head_dim``; a file
+that leaves them out gets the configuration classes' defaults (4 heads of
+256 in ``Gemma2Config`` and ``Gemma3TextConfig``: Gemma's heads are not
+``hidden_size / num_attention_heads``, e.g. Gemma-3-27B: 5376 / 32 = 168,
+heads of 128).  Local layers keep ``sliding_window`` tokens (the classes'
+default 4096 when the file leaves it out; Gemma 3 ships 512 or 1024);
+global layers keep every token.  Each default applied is listed in the
+model file's notes.  Which layers are local:
 
 - Gemma 2 (``Gemma2ForCausalLM``, ``model_type`` ``gemma2``):
   ``layer_types`` when given, else even layers local and odd ones global.
@@ -50,6 +52,8 @@ __all__ = ["MAPPERS", "Gemma2", "Gemma3"]
 
 class Gemma2(ModelMapper):
     name: ClassVar[str] = "gemma2"
+    #: The transformers class whose defaults apply to fields left out.
+    config_class: ClassVar[str] = "Gemma2Config"
     architectures: ClassVar[tuple[str, ...]] = ("Gemma2ForCausalLM",)
     model_types: ClassVar[tuple[str, ...]] = ("gemma2",)
     sources: ClassVar[tuple[str, ...]] = (
@@ -67,12 +71,13 @@ class Gemma2(ModelMapper):
             types = config.layer_types("layer_types", n)
         else:
             types = [self._default(config, i) for i in range(n)]
+        rule = f"{self.config_class}'s default"
         return attention_by_type(
             config,
             types,
-            config.positive("sliding_window"),
-            num_kv_heads=config.positive("num_key_value_heads"),
-            head_size=config.positive("head_dim"),
+            config.default("sliding_window", 4096, rule),
+            num_kv_heads=config.default("num_key_value_heads", 4, rule),
+            head_size=config.default("head_dim", 256, rule),
         )
 
     def _default(self, config: ModelConfig, index: int) -> str:
@@ -82,6 +87,7 @@ class Gemma2(ModelMapper):
 
 class Gemma3(Gemma2):
     name: ClassVar[str] = "gemma3"
+    config_class: ClassVar[str] = "Gemma3TextConfig"
     architectures: ClassVar[tuple[str, ...]] = (
         "Gemma3ForConditionalGeneration",
         "Gemma3ForCausalLM",

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
-from kvcore_hf.common import SameEveryLayer, attention
+from kvcore_hf.common import SameEveryLayer, attention, head_dim, kv_heads
 from kvcore_hf.mapping import ModelConfig
 
 __all__ = ["MAPPERS", "Glm4Moe"]
@@ -55,10 +55,10 @@ class Glm4Moe(SameEveryLayer):
     )
 
     def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
+        # Glm4MoeConfig has no head_dim default: the model reads
+        # hidden_size // num_attention_heads when the file leaves it out.
         return attention(
-            config,
-            num_kv_heads=config.positive("num_key_value_heads"),
-            head_size=config.positive("head_dim"),
+            config, num_kv_heads=kv_heads(config), head_size=head_dim(config)
         )
 
 

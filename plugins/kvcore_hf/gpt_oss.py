@@ -59,12 +59,13 @@ class GptOss(ModelMapper):
         types = layer_types_or(
             config, n, lambda i: SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
         )
+        rule = "GptOssConfig's default"
         return attention_by_type(
             config,
             types,
-            config.positive("sliding_window"),
-            num_kv_heads=config.positive("num_key_value_heads"),
-            head_size=config.positive("head_dim"),
+            config.default("sliding_window", 128, rule),
+            num_kv_heads=config.default("num_key_value_heads", 8, rule),
+            head_size=config.default("head_dim", 64, rule),
         )
 
 

@@ -39,6 +39,7 @@ from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile, read_json_file
 from kvcore.serving import CACHE_DTYPE_ALIASES, ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.weights import estimate_weights
 
 __all__ = [
     "LANGUAGE_MODEL_KEYS",
@@ -109,6 +110,10 @@ class ModelConfig:
         self.text: Mapping[str, Any] = text
         #: Where :attr:`text` sits in the file ("" or e.g. ``"text_config."``).
         self.prefix = prefix
+        #: The defaults applied for fields the file leaves out, each as
+        #: ``"head_dim 256 (Gemma3TextConfig's default)"``, in the order the
+        #: mappers applied them; the model file's notes list them.
+        self.defaults: list[str] = []
 
     @property
     def architectures(self) -> tuple[str, ...]:
@@ -165,6 +170,20 @@ class ModelConfig:
             raise ModelConfigError(msg)
         return self._checked(name, value, kind)
 
+    def default(self, name: str, value: int, rule: str) -> int:
+        """The positive int field ``name``, or ``value`` when the file leaves
+        it out: the configuration class's default, recorded with ``rule``
+        (where the default comes from) in :attr:`defaults`."""
+        if self.has(name):
+            return self.positive(name)
+        self.note_default(f"{self.prefix}{name} {value} ({rule})")
+        return value
+
+    def note_default(self, text: str) -> None:
+        """Record one default applied (once)."""
+        if text not in self.defaults:
+            self.defaults.append(text)
+
     def optional(self, name: str, kind: type | tuple[type, ...] = int) -> Any:
         """Like :meth:`field`, but ``None`` when the field is absent."""
         return self.field(name, kind, default=None)
@@ -216,8 +235,15 @@ class ModelConfig:
     # -- dtypes ----------------------------------------------------------------
 
     def model_dtype(self) -> torch.dtype:
-        """The weights' dtype (``torch_dtype``, or ``dtype`` in newer files),
-        which engines use for the KV cache by default; bfloat16 if unset."""
+        """The dtype engines serve the weights in (``torch_dtype``, or
+        ``dtype`` in newer files), which they use for the KV cache by
+        default; bfloat16 if unset.
+
+        A float32 checkpoint is served in bfloat16: vLLM's ``--dtype auto``
+        downcasts float32 configs to the platform's first supported dtype,
+        bfloat16 on every GPU that has it (vLLM ``config/model.py``
+        ``_resolve_auto_dtype``; ``platforms/cuda.py`` ``supported_dtypes``).
+        The default is listed in :attr:`defaults`."""
         for part in (self.text, self.root):
             for key in ("torch_dtype", "dtype"):
                 value = part.get(key)
@@ -229,7 +255,14 @@ class ModelConfig:
                             f"knows; known: {', '.join(sorted(_DTYPES))}"
                         )
                         raise ModelConfigError(msg)
+                    if dtype == torch.float32:
+                        self.note_default(
+                            f"{key} {value} served as bfloat16 (vLLM's --dtype auto "
+                            "downcasts float32 checkpoints)"
+                        )
+                        return torch.bfloat16
                     return dtype
+        self.note_default("dtype bfloat16 (the file names none)")
         return torch.bfloat16
 
     def kv_cache_dtype(self) -> torch.dtype | None:
@@ -513,11 +546,20 @@ def _model_file(
             "quantization settings"
             + (f" ({len(kept)} layers keep their own)" if kept else "")
         )
+    if config.defaults:
+        notes.append("defaults applied: " + ", ".join(config.defaults))
+    weights = estimate_weights(config)
+    if weights is not None:
+        notes.append(
+            f"weights estimated from the configuration: {weights.params:,} "
+            f"parameters, {weights.format}"
+        )
     return ModelFile(
         name=config.name,
         layers=layers,
         notes="; ".join(notes),
         sources=tuple(mapper.sources),
+        weights_bytes=None if weights is None else weights.bytes,
         max_position_embeddings=_max_positions(config),
     )
 

@@ -3,10 +3,11 @@ sliding windows only where the configuration switches them on.
 
 Every layer is attention with ``num_key_value_heads`` KV heads (required:
 the families' configuration classes default it differently).  Head size:
-``head_dim``, else ``hidden_size / num_attention_heads`` for Qwen2 and
-Qwen2-MoE (their attention's fallback); Qwen3 and Qwen3-MoE need
-``head_dim``, since their heads are not ``hidden_size / num_attention_heads``
-(Qwen3-30B-A3B: 2048 / 32 = 64, heads of 128).
+``head_dim``, else ``hidden_size / num_attention_heads`` for Qwen2,
+Qwen2-MoE and Qwen3-MoE (their attention's fallback); Qwen3 falls back to
+``Qwen3Config``'s default of 128, since its heads are not
+``hidden_size / num_attention_heads``.  Each default applied is listed in the
+model file's notes.
 
 Fields read: ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``
 (``hidden_size``, ``num_attention_heads``), ``use_sliding_window`` (default
@@ -61,8 +62,9 @@ _TRANSFORMERS = "transformers src/transformers/models"
 class _Qwen(ModelMapper):
     """What the four families share; subclasses say where windows fall."""
 
-    #: Whether ``head_dim`` must be given (no hidden / heads fallback).
-    needs_head_dim: ClassVar[bool] = False
+    #: The configuration class's ``head_dim`` default, when it has one;
+    #: otherwise the attention falls back to hidden_size // heads.
+    head_dim_default: ClassVar[tuple[str, int] | None] = None
 
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
@@ -72,7 +74,11 @@ class _Qwen(ModelMapper):
         if config.field("use_sliding_window", bool, default=False):
             window = config.optional_positive("sliding_window")
         types = self._types(config, n) if window is not None else [FULL_ATTENTION] * n
-        size = config.positive("head_dim") if self.needs_head_dim else head_dim(config)
+        if self.head_dim_default is not None:
+            owner, value = self.head_dim_default
+            size = config.default("head_dim", value, f"{owner}'s default")
+        else:
+            size = head_dim(config)
         return attention_by_type(
             config,
             types,
@@ -107,7 +113,7 @@ class Qwen3(_Qwen):
     name: ClassVar[str] = "qwen3"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
     model_types: ClassVar[tuple[str, ...]] = ("qwen3",)
-    needs_head_dim: ClassVar[bool] = True
+    head_dim_default: ClassVar[tuple[str, int] | None] = ("Qwen3Config", 128)
     sources: ClassVar[tuple[str, ...]] = (
         f"{_TRANSFORMERS}/qwen3/configuration_qwen3.py (window only when "
         "use_sliding_window; default layer_types sliding from max_window_layers on; "
@@ -136,7 +142,6 @@ class Qwen3Moe(_Qwen):
     name: ClassVar[str] = "qwen3_moe"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
-    needs_head_dim: ClassVar[bool] = True
     sources: ClassVar[tuple[str, ...]] = (
         f"{_TRANSFORMERS}/qwen3_moe/configuration_qwen3_moe.py (window only when "
         "use_sliding_window; no layer_types)",

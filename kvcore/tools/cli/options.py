@@ -75,6 +75,20 @@ class MemoryBudget:
     gpu_memory_utilization: float | None = None
     weights_bytes: int = 0
     weights_per_rank: int = 0
+    #: where :attr:`weights_bytes` came from: ``"--weights"``, ``"model
+    #: file"``, ``"estimated from config.json"``, ``"hub safetensors
+    #: metadata"``, or ``""`` (none set aside).
+    weights_source: str = ""
+    #: the ranks the weights are split over (tensor x pipeline parallel).
+    ranks: int = 1
+
+    @property
+    def headroom_bytes(self) -> int:
+        """The device memory ``--gpu-memory-utilization`` leaves unused
+        (activations, CUDA graphs, the runtime); 0 without ``--gpu``."""
+        if self.gpu is None:
+            return 0
+        return self.gpu.memory_bytes - self.weights_per_rank - self.kv_bytes
 
     def describe(self) -> str:
         """``"H100 80GB x 0.90 - 13.7 GiB weights"`` or ``"8.0 GiB"``."""
@@ -85,6 +99,23 @@ class MemoryBudget:
             text += f" - {format_size(self.weights_per_rank)} weights"
         return f"{text} = {format_size(self.kv_bytes)} of KV cache"
 
+    def budget_line(self) -> str | None:
+        """Where one device's memory goes: ``"memory: H200 141 GiB = 15.0
+        GiB weights (model file) + 111 GiB KV cache + 14.1 GiB headroom
+        (--gpu-memory-utilization 0.90)"``; None without ``--gpu``."""
+        if self.gpu is None:
+            return None
+        who = "memory" if self.ranks == 1 else f"memory per rank ({self.ranks} ranks)"
+        weights = f"{format_size(self.weights_per_rank)} weights"
+        if self.weights_source:
+            weights += f" ({self.weights_source})"
+        return (
+            f"{who}: {self.gpu.name} ({format_size(self.gpu.memory_bytes)}) = "
+            f"{weights} + {format_size(self.kv_bytes)} KV cache + "
+            f"{format_size(self.headroom_bytes)} headroom "
+            f"(--gpu-memory-utilization {self.gpu_memory_utilization:.2f})"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kv_cache_bytes": self.kv_bytes,
@@ -93,6 +124,8 @@ class MemoryBudget:
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "weights_bytes": self.weights_bytes,
             "weights_bytes_per_rank": self.weights_per_rank,
+            "weights_source": self.weights_source or None,
+            "headroom_bytes": self.headroom_bytes if self.gpu else None,
         }
 
 
@@ -121,6 +154,12 @@ class Planned:
     @property
     def memory(self) -> int:
         return self.budget.kv_bytes
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the model was mapped from a ``config.json`` (or hub id)
+        rather than read from a model file."""
+        return not isinstance(self.source, Path)
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -245,11 +284,12 @@ def _model_source(
     if hf_config is not None:
         mapped = read_plugin_model(hf_config, choices, registry, allow_hub=False)
         path = Path(hf_config)
-        return str(path / "config.json" if path.is_dir() else path), mapped, None
+        where = str(path / "config.json" if path.is_dir() else path)
+        return where, mapped, mapped.weights_bytes
     if _may_be_hub_id(args.model):
         fetched = read_plugin_model(args.model, choices, registry, allow_hub=True)
         if fetched is not None:
-            return f"{args.model} (config.json)", fetched, None
+            return f"{args.model} (config.json)", fetched, fetched.weights_bytes
     source = resolve_model(args.model)
     try:
         model, weights = _read_model(source, registry)
@@ -351,8 +391,20 @@ def _positive(text: str, option: str) -> int:
     return int(value)
 
 
+def _weights_source(source: Path | str, model: ModelFile) -> str:
+    """Where a model's own ``weights_bytes`` came from, for the budget line."""
+    if isinstance(source, Path):
+        return "model file"
+    if "from the hub's safetensors metadata" in model.notes:
+        return "hub safetensors metadata"
+    return "estimated from config.json"
+
+
 def _budget(
-    args: argparse.Namespace, tp: int, file_weights: int | None
+    args: argparse.Namespace,
+    tp: int,
+    file_weights: int | None,
+    weights_source: str = "model file",
 ) -> MemoryBudget:
     if args.gpu is None:
         if args.gpu_memory_utilization is not None:
@@ -376,8 +428,10 @@ def _budget(
     )
     if args.weights is not None:
         weights = parse_size(args.weights, what="--weights", allow_zero=True)
+        source = "--weights"
     else:
         weights = file_weights or 0
+        source = weights_source if weights else ""
     per_rank = -(-weights // tp)
     usable = int(gpu.memory_bytes * utilization)
     kv = usable - per_rank
@@ -394,6 +448,8 @@ def _budget(
         gpu_memory_utilization=utilization,
         weights_bytes=weights,
         weights_per_rank=per_rank,
+        weights_source=source,
+        ranks=tp,
     )
 
 
@@ -429,7 +485,7 @@ def plan_from_args(
     )
     source, model, file_weights = _model_source(args, registry, choices)
     served = apply_serving_choices(model.layers, choices)
-    budget = _budget(args, tp * pp, file_weights)
+    budget = _budget(args, tp * pp, file_weights, _weights_source(source, model))
     max_model_len = _max_model_len(args, model)
     contexts = _contexts(args, max_model_len)
     max_num_seqs = getattr(args, "max_num_seqs", None)

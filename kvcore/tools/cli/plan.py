@@ -63,8 +63,10 @@ def setting_text(planned: Planned, dtype_name: str) -> str:
 def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
     """The summary every output of ``kvcore plan`` is drawn from."""
     notes = list(planned.served.notes)
+    if planned.mapped:
+        notes.extend(_mapping_notes(planned.model.notes))
     if planned.budget.gpu is not None:
-        notes.insert(0, planned.budget.describe())
+        notes.insert(0, planned.budget.budget_line() or planned.budget.describe())
         if not planned.budget.weights_bytes:
             notes.insert(
                 1,
@@ -103,6 +105,13 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
         return summary
     note = _seqs_note(summary.rows[0].concurrency, planned.max_num_seqs)
     return attrs.evolve(summary, notes=(note, *summary.notes))
+
+
+def _mapping_notes(notes: str) -> list[str]:
+    """The notes of a model mapped from a ``config.json``: the defaults its
+    mapper applied and how its weights were found."""
+    keep = ("defaults applied", "weights ", "KV cache dtype")
+    return [n for n in notes.split("; ") if n.startswith(keep)]
 
 
 def _seqs_note(fit: int, cap: int) -> str:
@@ -158,6 +167,7 @@ def _estimate_dict(estimate: EngineEstimate) -> dict[str, object]:
 
 
 def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
+    from kvcore.tools.memory_bars import device_bar
     from kvcore.tools.picture import capacity_curve, save_plan_figure
 
     target = Path(path)
@@ -171,6 +181,15 @@ def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
         specs=planned.specs,
         memory=planned.memory,
     )
+    budget = planned.budget
+    device = None
+    if budget.gpu is not None:
+        device = device_bar(
+            f"{budget.gpu.name} (1 rank)" if budget.ranks > 1 else budget.gpu.name,
+            budget.gpu.memory_bytes,
+            budget.weights_per_rank,
+            budget.kv_bytes,
+        )
     try:
         save_plan_figure(
             planned.plan,
@@ -179,6 +198,7 @@ def _draw(planned: Planned, summary: PlanSummary, path: str, fmt: str) -> None:
             title=summary.verdict(),
             fmt=fmt,
             curve=curve,
+            device=device,
         )
     except OSError as exc:
         msg = f"cannot write --{fmt} {path}: {exc.strerror or exc}"
@@ -241,6 +261,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         out = {
             "schema": COMPARE_SCHEMA_VERSION,
             "model": results[0][1].model.name,
+            "memory": results[0][1].budget.to_dict(),
             "policies": vllm_rows + kvcore_rows,
         }
         sys.stdout.write(json.dumps(out, indent=1) + "\n")
@@ -277,6 +298,17 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         table.add_row(*cells)
     console = _console()
     console.print(table)
+    budget = results[0][1].budget
+    line = budget.budget_line()
+    if line is not None:
+        console.print(line, markup=False, highlight=False)
+        if not budget.weights_bytes:
+            console.print(
+                "warning: no weights set aside: pass --weights SIZE (or add "
+                "weights_bytes to the model file) for a device's real KV budget",
+                markup=False,
+                highlight=False,
+            )
     if estimate is not None:
         console.print(
             f"vllm: what {estimate.engine} logs as its maximum concurrency "

@@ -351,6 +351,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     else:
         for planned, result, ceiling in runs:
             _print(planned.model.name, planned.memory, workload, result, ceiling)
+            line = planned.budget.budget_line()
+            if line is not None:
+                make_console().print(line, markup=False, highlight=False)
         if len(runs) > 1:
             _print_curve(runs)
     for target, fmt in ((args.svg, "svg"), (args.png, "png")):
