@@ -25,6 +25,7 @@ from kvcore.plan.capacity import (
 from kvcore.plan.declarations import layer_alignment
 from kvcore.spec import HitPolicy, KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
+from kvcore.tools.records import record
 from kvcore.tools.units import format_size, format_tokens
 
 if TYPE_CHECKING:
@@ -101,16 +102,11 @@ class GroupSummary:
         return "cacheable" if self.prefix_cacheable else "scratch"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "layers": list(self.layer_names),
-            "layer_ranges": list(self.layer_ranges),
-            "kinds": dict(self.kinds),
-            "block_size": self.block_size,
-            "packed_bytes": self.packed_bytes,
-            "fill": self.fill,
-            "prefix_cacheable": self.prefix_cacheable,
-        }
+        return record(
+            self,
+            "index layers=layer_names layer_ranges kinds block_size packed_bytes "
+            "fill prefix_cacheable",
+        )
 
 
 @attrs.frozen
@@ -144,21 +140,16 @@ class CapacityRow:
         return self.concurrency > 0
 
     def to_dict(self) -> dict[str, Any]:
-        c = self.capacity
-        return {
-            "context": c.context,
-            "concurrency": c.concurrency,
-            "tokens": c.tokens,
-            "physical_limit": c.ideal_concurrency,
-            "physical_limit_requests": self.limit,
-            "ratio": self.ratio,
-            "unreserved_concurrency": c.unreserved_concurrency,
-            "blocks_per_request": c.blocks_per_request,
-            "bytes_per_request": c.bytes_per_request,
-            "prefill_peak_blocks": c.prefill_peak_blocks,
-            "fits": self.fits,
-            "bytes_for_one_request": self.bytes_for_one,
-        }
+        return record(
+            self,
+            "context concurrency tokens=capacity.tokens "
+            "physical_limit=capacity.ideal_concurrency physical_limit_requests=limit "
+            "ratio unreserved_concurrency=capacity.unreserved_concurrency "
+            "blocks_per_request=capacity.blocks_per_request "
+            "bytes_per_request=capacity.bytes_per_request "
+            "prefill_peak_blocks=capacity.prefill_peak_blocks fits "
+            "bytes_for_one_request=bytes_for_one",
+        )
 
 
 @attrs.frozen
@@ -221,14 +212,11 @@ class PlanSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "bytes_per_block": self.bytes_per_block,
-            "num_blocks": self.num_blocks,
-            "memory": self.memory,
-            "widest_group": self.widest_group,
-            "stride_alignment": self.stride_alignment,
+            **record(
+                self, "bytes_per_block num_blocks memory widest_group stride_alignment"
+            ),
             "stride_reason": self.stride_reason(),
-            "hit_granularity": self.hit_granularity,
-            "groups": [g.to_dict() for g in self.groups],
+            **record(self, "hit_granularity groups"),
             "verdict": self.verdict(),
         }
 

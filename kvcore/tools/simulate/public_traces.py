@@ -53,6 +53,7 @@ from kvcore.limits import (
     MAX_WORKLOAD_REQUESTS,
 )
 from kvcore.tools.choices import TRACE_FORMATS
+from kvcore.tools.records import record
 from kvcore.tools.simulate.trace import TraceError, parse_trace, read_trace_lines
 from kvcore.tools.simulate.workload import (
     TokenRun,
@@ -130,14 +131,11 @@ class TraceCeiling:
         return self.aligned_tokens / self.input_tokens if self.input_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "input_tokens": self.input_tokens,
-            "ceiling_tokens": self.ceiling_tokens,
-            "ceiling_rate": self.rate,
-            "granularity": self.granularity,
-            "aligned_tokens": self.aligned_tokens,
-            "aligned_rate": self.aligned_rate,
-        }
+        return record(
+            self,
+            "input_tokens ceiling_tokens ceiling_rate=rate granularity "
+            "aligned_tokens aligned_rate",
+        )
 
 
 @attrs.frozen

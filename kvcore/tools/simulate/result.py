@@ -6,6 +6,8 @@ from typing import Any
 
 import attrs
 
+from kvcore.tools.records import record
+
 __all__ = ["ConcurrencySample", "GroupUsage", "SimulationResult", "Unserved"]
 
 
@@ -26,13 +28,7 @@ class ConcurrencySample:
     peak: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "first_step": self.first_step,
-            "last_step": self.last_step,
-            "clock_s": self.clock_s,
-            "mean": self.mean,
-            "peak": self.peak,
-        }
+        return record(self, "first_step last_step clock_s mean peak")
 
 
 @attrs.frozen
@@ -58,15 +54,11 @@ class GroupUsage:
     mean_cached_blocks: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "kinds": list(self.kinds),
-            "block_size": self.block_size,
-            "peak_blocks": self.peak_blocks,
-            "mean_blocks": self.mean_blocks,
-            "peak_cached_blocks": self.peak_cached_blocks,
-            "mean_cached_blocks": self.mean_cached_blocks,
-        }
+        return record(
+            self,
+            "group kinds block_size peak_blocks mean_blocks peak_cached_blocks "
+            "mean_cached_blocks",
+        )
 
 
 @attrs.frozen
@@ -181,38 +173,14 @@ class SimulationResult:
         return self.peak_blocks_in_use / usable if usable else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "completed": self.completed,
-            "steps": self.steps,
-            "tokens_generated": self.tokens_generated,
-            "computed_tokens": self.computed_tokens,
-            "prompt_tokens_looked_up": self.prompt_tokens_looked_up,
-            "prefix_hit_tokens": self.prefix_hit_tokens,
-            "prefix_hit_rate": self.prefix_hit_rate,
-            "token_bound_tokens": self.token_bound_tokens,
-            "bound_rate": self.bound_rate,
-            "refused_steps": self.refused_steps,
-            "preemptions": self.preemptions,
-            "admission_refusals": self.admission_refusals,
-            "peak_running": self.peak_running,
-            "num_blocks": self.num_blocks,
-            "peak_blocks_in_use": self.peak_blocks_in_use,
-            "mean_blocks_in_use": self.mean_blocks_in_use,
-            "peak_usage": self.peak_usage,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "groups": [g.to_dict() for g in self.groups],
-            "unserved": [u.to_dict() for u in self.unserved],
-            "unfinished": list(self.unfinished),
-            "evictions": self.evictions,
-            "peak_cached_blocks": self.peak_cached_blocks,
-            "peak_cached_state_blocks": self.peak_cached_state_blocks,
-            "validated": self.validated,
-            "checked_hits": self.checked_hits,
-            "invalid_hits": self.invalid_hits,
-            "invalid_hit_reports": list(self.invalid_hit_reports),
-            "timed": self.timed,
-            "clock_s": self.clock_s,
-            "mean_running": self.mean_running,
-            "concurrency": [c.to_dict() for c in self.concurrency],
-        }
+        return record(
+            self,
+            "requests completed steps tokens_generated computed_tokens "
+            "prompt_tokens_looked_up prefix_hit_tokens prefix_hit_rate "
+            "token_bound_tokens bound_rate refused_steps preemptions "
+            "admission_refusals peak_running num_blocks peak_blocks_in_use "
+            "mean_blocks_in_use peak_usage max_num_batched_tokens groups unserved "
+            "unfinished evictions peak_cached_blocks peak_cached_state_blocks "
+            "validated checked_hits invalid_hits invalid_hit_reports timed clock_s "
+            "mean_running concurrency",
+        )
