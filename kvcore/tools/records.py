@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = ["record"]
+__all__ = ["Record", "record"]
+
+
+class Record:
+    """A result record whose JSON form is :func:`record` of its
+    :attr:`json_fields`."""
+
+    __slots__ = ()
+
+    #: The fields :meth:`to_dict` writes, as :func:`record` takes them.
+    json_fields: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return record(self, self.json_fields)
 
 
 def record(obj: object, fields: str) -> dict[str, Any]:

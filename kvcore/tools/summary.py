@@ -12,7 +12,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -25,7 +25,7 @@ from kvcore.plan.capacity import (
 from kvcore.plan.declarations import layer_alignment
 from kvcore.spec import HitPolicy, KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
-from kvcore.tools.records import record
+from kvcore.tools.records import Record, record
 from kvcore.tools.units import format_size, format_tokens
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def compact_layer_names(names: Iterable[str]) -> list[str]:
 
 
 @attrs.frozen
-class GroupSummary:
+class GroupSummary(Record):
     """One cache group as a person reads it."""
 
     index: int
@@ -101,16 +101,14 @@ class GroupSummary:
         """``cacheable`` (its blocks serve prefix hits) or ``scratch``."""
         return "cacheable" if self.prefix_cacheable else "scratch"
 
-    def to_dict(self) -> dict[str, Any]:
-        return record(
-            self,
-            "index layers=layer_names layer_ranges kinds block_size packed_bytes "
-            "fill prefix_cacheable",
-        )
+    json_fields: ClassVar[str] = (
+        "index layers=layer_names layer_ranges kinds block_size packed_bytes "
+        "fill prefix_cacheable"
+    )
 
 
 @attrs.frozen
-class CapacityRow:
+class CapacityRow(Record):
     """Requests of one length the plan holds, beside the physical limit."""
 
     capacity: Capacity
@@ -139,17 +137,15 @@ class CapacityRow:
     def fits(self) -> bool:
         return self.concurrency > 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return record(
-            self,
-            "context concurrency tokens=capacity.tokens "
-            "physical_limit=capacity.ideal_concurrency physical_limit_requests=limit "
-            "ratio unreserved_concurrency=capacity.unreserved_concurrency "
-            "blocks_per_request=capacity.blocks_per_request "
-            "bytes_per_request=capacity.bytes_per_request "
-            "prefill_peak_blocks=capacity.prefill_peak_blocks fits "
-            "bytes_for_one_request=bytes_for_one",
-        )
+    json_fields: ClassVar[str] = (
+        "context concurrency tokens=capacity.tokens "
+        "physical_limit=capacity.ideal_concurrency physical_limit_requests=limit "
+        "ratio unreserved_concurrency=capacity.unreserved_concurrency "
+        "blocks_per_request=capacity.blocks_per_request "
+        "bytes_per_request=capacity.bytes_per_request "
+        "prefill_peak_blocks=capacity.prefill_peak_blocks fits "
+        "bytes_for_one_request=bytes_for_one"
+    )
 
 
 @attrs.frozen

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 import attrs
 
-from kvcore.tools.records import record
+from kvcore.tools.records import Record
 
 __all__ = ["ConcurrencySample", "GroupUsage", "SimulationResult", "Unserved"]
 
 
 @attrs.frozen
-class ConcurrencySample:
+class ConcurrencySample(Record):
     """Requests holding blocks over a span of working steps (counted after
     each step's allocation; kept finished requests included).
 
@@ -27,12 +27,11 @@ class ConcurrencySample:
     mean: float
     peak: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return record(self, "first_step last_step clock_s mean peak")
+    json_fields: ClassVar[str] = "first_step last_step clock_s mean peak"
 
 
 @attrs.frozen
-class GroupUsage:
+class GroupUsage(Record):
     """One cache group's blocks over the run: distinct blocks its requests'
     tables hold (blocks shared by a prefix hit count once; the null block
     never), sampled at every step after allocation.
@@ -53,27 +52,24 @@ class GroupUsage:
     peak_cached_blocks: int = 0
     mean_cached_blocks: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return record(
-            self,
-            "group kinds block_size peak_blocks mean_blocks peak_cached_blocks "
-            "mean_cached_blocks",
-        )
+    json_fields: ClassVar[str] = (
+        "group kinds block_size peak_blocks mean_blocks peak_cached_blocks "
+        "mean_cached_blocks"
+    )
 
 
 @attrs.frozen
-class Unserved:
+class Unserved(Record):
     """A request the simulator gave up on, and why."""
 
     id: str
     reason: str
 
-    def to_dict(self) -> dict[str, str]:
-        return {"id": self.id, "reason": self.reason}
+    json_fields: ClassVar[str] = "id reason"
 
 
 @attrs.frozen
-class SimulationResult:
+class SimulationResult(Record):
     """The figures of one run.
 
     :param steps: scheduler steps from step 0 to the last one that did work
@@ -172,15 +168,13 @@ class SimulationResult:
         usable = self.num_blocks - 1
         return self.peak_blocks_in_use / usable if usable else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return record(
-            self,
-            "requests completed steps tokens_generated computed_tokens "
-            "prompt_tokens_looked_up prefix_hit_tokens prefix_hit_rate "
-            "token_bound_tokens bound_rate refused_steps preemptions "
-            "admission_refusals peak_running num_blocks peak_blocks_in_use "
-            "mean_blocks_in_use peak_usage max_num_batched_tokens groups unserved "
-            "unfinished evictions peak_cached_blocks peak_cached_state_blocks "
-            "validated checked_hits invalid_hits invalid_hit_reports timed clock_s "
-            "mean_running concurrency",
-        )
+    json_fields: ClassVar[str] = (
+        "requests completed steps tokens_generated computed_tokens "
+        "prompt_tokens_looked_up prefix_hit_tokens prefix_hit_rate "
+        "token_bound_tokens bound_rate refused_steps preemptions "
+        "admission_refusals peak_running num_blocks peak_blocks_in_use "
+        "mean_blocks_in_use peak_usage max_num_batched_tokens groups unserved "
+        "unfinished evictions peak_cached_blocks peak_cached_state_blocks "
+        "validated checked_hits invalid_hits invalid_hit_reports timed clock_s "
+        "mean_running concurrency"
+    )
