@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import reprlib
 from collections.abc import Callable, Iterable
+from typing import Self
 
 from kvcore.limits import MAX_ECHO_CHARS, MAX_MESSAGE_CHARS
 
@@ -136,6 +137,15 @@ class PluginError(KvcoreValueError):
         super().__init__(message)
         self.plugin_name = plugin_name
         self.distribution = distribution
+
+    @classmethod
+    def blockable(
+        cls, text: str, plugin: str, distribution: str | None, fix: str = ""
+    ) -> Self:
+        """``text``, then how to block ``plugin`` (after ``fix``, another remedy
+        worded to lead into it: ``"fix or uninstall it, or "``)."""
+        msg = f"{text}; {fix}block it with KVCORE_DISABLE_PLUGINS={plugin}"
+        return cls(msg, plugin_name=plugin, distribution=distribution)
 
 
 class SerializationError(KvcoreValueError):

@@ -192,20 +192,15 @@ def _register(
     try:
         plugin = load()
     except Exception as exc:
-        msg = (
-            f"kvcore plugin {name!r}{where} failed to import: "
-            f"{type(exc).__name__}: {exc}; fix or uninstall it, or block it with "
-            f"KVCORE_DISABLE_PLUGINS={name}"
-        )
-        raise PluginError(msg, plugin_name=name, distribution=distribution) from exc
+        text = f"kvcore plugin {name!r}{where} failed to import: "
+        text += f"{type(exc).__name__}: {exc}"
+        fix = "fix or uninstall it, or "
+        raise PluginError.blockable(text, name, distribution, fix) from exc
     try:
         pm.register(plugin, name=name)
     except (ValueError, pluggy.PluginValidationError) as exc:
-        msg = (
-            f"kvcore plugin {name!r}{where} could not be registered: {exc}; "
-            f"block it with KVCORE_DISABLE_PLUGINS={name}"
-        )
-        raise PluginError(msg, plugin_name=name, distribution=distribution) from exc
+        text = f"kvcore plugin {name!r}{where} could not be registered: {exc}"
+        raise PluginError.blockable(text, name, distribution) from exc
 
 
 def plugin_distribution(pm: pluggy.PluginManager, name: str) -> str | None:

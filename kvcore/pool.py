@@ -71,20 +71,17 @@ class KVCachePool:
         registry: KindRegistry | None = None,
     ) -> None:
         _check_plan(config)
-        given_layout: object = layout
-        if given_layout is not None and not isinstance(given_layout, KVCacheLayout):
-            msg = (
-                f"KVCachePool: layout must be a KVCacheLayout or None, got "
-                f"{echo(given_layout)} ({type(given_layout).__name__})"
-            )
-            raise KvcoreTypeError(msg)
-        given_registry: object = registry
-        if given_registry is not None and not isinstance(given_registry, KindRegistry):
-            msg = (
-                f"KVCachePool: registry must be a KindRegistry or None, got "
-                f"{type(given_registry).__name__}"
-            )
-            raise KvcoreTypeError(msg)
+        given: dict[str, tuple[object, type]] = {
+            "layout": (layout, KVCacheLayout),
+            "registry": (registry, KindRegistry),
+        }
+        for what, (value, want) in given.items():
+            if value is not None and not isinstance(value, want):
+                msg = (
+                    f"KVCachePool: {what} must be a {want.__name__} or None, got "
+                    f"{echo(value)} ({type(value).__name__})"
+                )
+                raise KvcoreTypeError(msg)
         device = checked_device(device)
         registry = registry if registry is not None else default_registry()
         layout = layout if layout is not None else config.kv_cache_layout

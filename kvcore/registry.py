@@ -358,12 +358,9 @@ def _registered_kinds(
     try:
         kinds = function()
     except Exception as exc:
-        msg = (
-            f"kvcore {who} raised in kvcore_register_kinds: "
-            f"{type(exc).__name__}: {exc}; block it with "
-            f"KVCORE_DISABLE_PLUGINS={owner}"
-        )
-        raise PluginError(msg, plugin_name=owner, distribution=distribution) from exc
+        text = f"kvcore {who} raised in kvcore_register_kinds: "
+        text += f"{type(exc).__name__}: {exc}"
+        raise PluginError.blockable(text, owner, distribution) from exc
     if not isinstance(kinds, list | tuple):
         msg = (
             f"kvcore {who}: kvcore_register_kinds returned {_short(kinds)} "
@@ -384,8 +381,8 @@ def _check_kind(kind: Any, owner: str, distribution: str | None = None) -> None:
     problem = _kind_problem(kind)
     if problem is not None:
         who = describe_plugin(owner, distribution)
-        msg = f"kvcore {who}: {problem}; block it with KVCORE_DISABLE_PLUGINS={owner}"
-        raise PluginResultError(msg, plugin_name=owner, distribution=distribution)
+        msg = f"kvcore {who}: {problem}"
+        raise PluginResultError.blockable(msg, owner, distribution)
 
 
 def _kind_problem(kind: Any) -> str | None:
