@@ -228,6 +228,28 @@ def replicate(spec: KVCacheSpec, tp_size: int, what: str) -> Sharded:
     return Sharded(spec=spec, replicas=tp, note=f"{what} replicated on all {tp} ranks")
 
 
+class HitPolicyDerived:
+    """What a layer spec (or a group's) derives from its :attr:`hit_policy`."""
+
+    __slots__ = ()
+
+    @property
+    def hit_policy(self) -> HitPolicy:
+        raise NotImplementedError
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the state depends on the prefix and is shared through
+        prefix caching."""
+        return self.hit_policy.prefix_cacheable
+
+    @property
+    def hashes_blocks(self) -> bool:
+        """Whether the kind's manager hashes the blocks when prefix caching
+        is on, so its block must be a multiple of the hash block."""
+        return self.hit_policy.hashes_blocks
+
+
 class PackingRole(enum.Enum):
     """How the packer may split a bucket of equal-keyed layers into groups.
 
@@ -244,7 +266,7 @@ class PackingRole(enum.Enum):
 
 
 @attrs.frozen(kw_only=True)
-class KVCacheSpec:
+class KVCacheSpec(HitPolicyDerived):
     """Base of every layer spec.
 
     :param block_size: tokens per block (for a ring, its capacity).
@@ -431,21 +453,9 @@ class KVCacheSpec:
     @property
     def hit_policy(self) -> HitPolicy:
         """How this layer takes part in prefix caching; kinds override this
-        one declaration (the two properties below derive from it)."""
+        one declaration (:attr:`prefix_cacheable` and :attr:`hashes_blocks`
+        derive from it)."""
         return HitPolicy.PREFIX
-
-    @property
-    def prefix_cacheable(self) -> bool:
-        """Whether this layer's state depends on the prefix and is shared
-        through prefix caching (derived from :attr:`hit_policy`)."""
-        return self.hit_policy.prefix_cacheable
-
-    @property
-    def hashes_blocks(self) -> bool:
-        """Whether the kind's manager hashes this layer's blocks when prefix
-        caching is on, so its block must be a multiple of the hash block
-        (derived from :attr:`hit_policy`)."""
-        return self.hit_policy.hashes_blocks
 
     @property
     def prefix_replay_tokens(self) -> int:
@@ -726,7 +736,7 @@ class AttentionSpec(KVCacheSpec):
 
 
 @attrs.frozen(kw_only=True, eq=True, hash=False)
-class UniformTypeKVCacheSpecs:
+class UniformTypeKVCacheSpecs(HitPolicyDerived):
     """The spec of one cache group whose layers share a grouping key (and so
     the same block size and token-slot needs) but may differ in page size.
 
@@ -779,14 +789,6 @@ class UniformTypeKVCacheSpecs:
         if HitPolicy.BLOCKS_HITS in policies:
             return HitPolicy.BLOCKS_HITS
         return HitPolicy.PREFIX
-
-    @property
-    def prefix_cacheable(self) -> bool:
-        return self.hit_policy.prefix_cacheable
-
-    @property
-    def hashes_blocks(self) -> bool:
-        return self.hit_policy.hashes_blocks
 
     @property
     def prefix_replay_tokens(self) -> int:
