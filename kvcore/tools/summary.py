@@ -163,14 +163,6 @@ class PlanSummary:
     notes: tuple[str, ...] = ()
 
     @property
-    def bytes_per_block(self) -> int:
-        return self.plan.bytes_per_block
-
-    @property
-    def num_blocks(self) -> int:
-        return self.plan.num_blocks
-
-    @property
     def hit_granularity(self) -> int | None:
         return plan_hit_granularity(self.plan)
 
@@ -181,7 +173,7 @@ class PlanSummary:
             f"group {widest.index} is the widest ({format_size(widest.packed_bytes)}"
             f" of pages)"
         )
-        padding = self.bytes_per_block - widest.packed_bytes
+        padding = self.plan.bytes_per_block - widest.packed_bytes
         if padding > 0:
             text += (
                 f", rounded up by {padding} B to the layout's alignment"
@@ -209,7 +201,9 @@ class PlanSummary:
     def to_dict(self) -> dict[str, Any]:
         return {
             **record(
-                self, "bytes_per_block num_blocks memory widest_group stride_alignment"
+                self,
+                "bytes_per_block=plan.bytes_per_block num_blocks=plan.num_blocks "
+                "memory widest_group stride_alignment",
             ),
             "stride_reason": self.stride_reason(),
             **record(self, "hit_granularity groups"),

@@ -173,8 +173,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 {
                     "policy": policy,
                     "groups": len(s.groups),
-                    "bytes_per_block": s.bytes_per_block,
-                    "num_blocks": s.num_blocks,
+                    "bytes_per_block": s.plan.bytes_per_block,
+                    "num_blocks": s.plan.num_blocks,
                     "capacity": [r.to_dict() for r in s.rows],
                 }
                 for policy, _, s in results
@@ -202,8 +202,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         cells = [
             policy,
             str(len(s.groups)),
-            format_size(s.bytes_per_block),
-            f"{s.num_blocks:,}",
+            format_size(s.plan.bytes_per_block),
+            f"{s.plan.num_blocks:,}",
         ]
         for row, base in zip(s.rows, baseline.rows, strict=True):
             cells.append(f"{row.concurrency} ({row.ratio:.3f})")

@@ -142,12 +142,14 @@ class SimulationResult(Record):
     mean_running: float = 0.0
     concurrency: tuple[ConcurrencySample, ...] = ()
 
+    def _of_looked_up(self, tokens: int) -> float:
+        looked_up = self.prompt_tokens_looked_up
+        return tokens / looked_up if looked_up else 0.0
+
     @property
     def prefix_hit_rate(self) -> float:
         """Hit tokens over looked-up tokens (0 when nothing was looked up)."""
-        if not self.prompt_tokens_looked_up:
-            return 0.0
-        return self.prefix_hit_tokens / self.prompt_tokens_looked_up
+        return self._of_looked_up(self.prefix_hit_tokens)
 
     @property
     def hit_rate(self) -> float:
@@ -158,9 +160,7 @@ class SimulationResult(Record):
     def bound_rate(self) -> float:
         """Token-bound tokens over looked-up tokens (0 when nothing was
         looked up): the hit rate a perfect token-level cache would reach."""
-        if not self.prompt_tokens_looked_up:
-            return 0.0
-        return self.token_bound_tokens / self.prompt_tokens_looked_up
+        return self._of_looked_up(self.token_bound_tokens)
 
     @property
     def peak_usage(self) -> float:
