@@ -1,22 +1,8 @@
 """Building kvcore's plugin manager.
 
 Nothing here runs at import time: call :func:`get_plugin_manager` (or
-:func:`kvcore.default_registry`) to load plugins.
-
-Environment variables, read when the manager is built:
-
-``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1``
-    load no third-party entry points (kvcore's built-in kinds still load).
-``KVCORE_DISABLE_PLUGINS=a,b``
-    block the named plugins (entry-point names, e.g. ``mamba``).
-``KVCORE_PLUGINS=module,other``
-    also import and register these modules as plugins (named by module),
-    to try a kind without installing its distribution.
-``KVCORE_TRACE_PLUGINS=1``
-    print every hook call and result to stderr.
-``KVCORE_OVERRIDE_KINDS=mamba``
-    let a later plugin replace these kinds of an earlier one (built-ins
-    register first); without it a kind name registered twice is an error.
+:func:`kvcore.default_registry`) to load plugins.  The ``KVCORE_*``
+environment variables it reads are listed in ``docs/plugins.md``.
 """
 
 from __future__ import annotations

@@ -717,10 +717,6 @@ class UniformTypeKVCacheSpecs(HitPolicyDerived):
                 raise InvalidSpecError(msg)
 
     @property
-    def first_spec(self) -> KVCacheSpec:
-        return next(iter(self.kv_cache_specs.values()))
-
-    @property
     def page_size_bytes(self) -> int:
         """Packed bytes of one block of this group: the sum of member pages."""
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
