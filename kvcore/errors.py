@@ -148,6 +148,14 @@ class PluginError(KvcoreValueError):
         return cls(msg, plugin_name=plugin, distribution=distribution)
 
 
+def collect(errors: list[KvcoreError] | None, error: KvcoreError) -> None:
+    """Raise ``error``, or add it to ``errors`` where the caller collects
+    every broken plugin's error instead (``kvcore plugins``)."""
+    if errors is None:
+        raise error
+    errors.append(error)
+
+
 class SerializationError(KvcoreValueError):
     """A JSON document does not describe a valid spec, group or config."""
 

@@ -17,7 +17,7 @@ from typing import Any
 import pluggy
 
 from kvcore import hookspecs
-from kvcore.errors import KvcoreError, PluginError
+from kvcore.errors import KvcoreError, PluginError, collect
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -87,9 +87,7 @@ def get_plugin_manager(
         try:
             _register(pm, name, load, distribution)
         except PluginError as exc:
-            if errors is None:
-                raise
-            errors.append(exc)
+            collect(errors, exc)
 
     entry_points = _entry_points()
     own = [ep for ep in entry_points if _is_own(ep)]
@@ -141,10 +139,8 @@ def get_plugin_manager(
                 f"KVCORE_DISABLE_PLUGINS={plugin_name}"
             )
             error = PluginError(msg, plugin_name=plugin_name, distribution=distribution)
-            if errors is None:
-                raise error from exc
             error.__cause__ = exc
-            errors.append(error)
+            collect(errors, error)
             pm.unregister(exc.plugin)
     if _truthy(os.environ.get("KVCORE_TRACE_PLUGINS")):
         pm.trace.root.setwriter(lambda text: sys.stderr.write(text))

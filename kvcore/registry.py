@@ -15,6 +15,7 @@ from kvcore.errors import (
     PluginError,
     PluginResultError,
     UnknownKindError,
+    collect,
     did_you_mean,
 )
 from kvcore.kinds import CacheKind
@@ -134,9 +135,7 @@ class KindRegistry(Mapping[str, CacheKind]):
             try:
                 _check_kind(kind, owner, dists.get(owner))
             except PluginError as exc:
-                if errors is None:
-                    raise
-                errors.append(exc)
+                collect(errors, exc)
                 continue
             if kind.name in by_name:
                 first = owners[kind.name]
@@ -155,9 +154,7 @@ class KindRegistry(Mapping[str, CacheKind]):
                     duplicate = DuplicateKindError(
                         msg, kind=kind.name, first=first, second=owner
                     )
-                    if errors is None:
-                        raise duplicate
-                    errors.append(duplicate)
+                    collect(errors, duplicate)
                     continue
             by_name[kind.name] = kind
             owners[kind.name] = owner
@@ -209,9 +206,7 @@ class KindRegistry(Mapping[str, CacheKind]):
             try:
                 kinds = _registered_kinds(impl.function, name, shown)
             except PluginError as exc:
-                if errors is None:
-                    raise
-                errors.append(exc)
+                collect(errors, exc)
                 continue
             collected.extend((kind, name) for kind in kinds)
         return cls(
