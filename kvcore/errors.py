@@ -13,7 +13,7 @@ import reprlib
 from collections.abc import Callable, Iterable
 from typing import Self
 
-from kvcore.limits import MAX_ECHO_CHARS, MAX_MESSAGE_CHARS
+from kvcore.limits import MAX_ECHO_CHARS
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel = 3
@@ -41,15 +41,6 @@ def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
     characters with ``...``, so a two-million-item field gives a readable
     line, not megabytes."""
     text = escape_controls(_REPR.repr(value))
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text
-
-
-def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """An error message as one escaped line of at most ``limit`` characters
-    (what the command line prints)."""
-    text = escape_controls(message)
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return text

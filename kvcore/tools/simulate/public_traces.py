@@ -44,7 +44,8 @@ from typing import Any, ClassVar, NoReturn
 
 import attrs
 
-from kvcore.limits import (
+from kvcore.tools.choices import TRACE_FORMATS
+from kvcore.tools.limits import (
     MAX_TRACE_BLOCK_TOKENS,
     MAX_TRACE_HASH_ID,
     MAX_TRACE_LINE_CHARS,
@@ -52,7 +53,6 @@ from kvcore.limits import (
     MAX_TRACE_TOTAL_TOKENS,
     MAX_WORKLOAD_REQUESTS,
 )
-from kvcore.tools.choices import TRACE_FORMATS
 from kvcore.tools.records import Record
 from kvcore.tools.simulate.trace import TraceError, parse_trace, read_trace_lines
 from kvcore.tools.simulate.workload import (
