@@ -85,6 +85,12 @@ def spec_plugin_error(
     return error(msg, plugin_name=plugin, distribution=distribution)
 
 
+def declared(spec: object, name: str) -> object:
+    """``spec``'s attribute ``name`` (a property is plugin code), read
+    through :func:`call_plugin`."""
+    return call_plugin(spec, name, lambda: getattr(spec, name))
+
+
 def call_plugin(spec: object, what: str, fn: Callable[[], _T]) -> _T:
     """Run plugin code ``what`` of ``spec``'s kind; an exception that is not a
     kvcore error (which plugins raise on purpose) is wrapped in a
