@@ -24,11 +24,11 @@ from kvcore.errors import InvalidSpecError, KvcoreError, PluginError
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import get_kv_cache_config_from_groups
-from kvcore.pool import KVCachePool
 from kvcore.registry import KindRegistry
 from kvcore.serialize import make_converter
 from kvcore.spec import KVCacheSpec, cdiv
 from kvcore.structs import KVCacheGroupSpec
+from kvcore.testing.conformance import two_layer_pool
 
 __all__ = ["ConformanceError", "check_kind"]
 
@@ -101,19 +101,13 @@ def check_kind(
         "the spec round-trips through JSON",
     )
 
-    config = EngineConfig(cache_config=CacheConfig(kv_cache_layout=KVCacheLayout.BLHNC))
-    group = KVCacheGroupSpec(["layer.0", "layer.1"], spec)
-    plan = get_kv_cache_config_from_groups(
-        config, [group], 3 * 2 * spec.page_size_bytes * 8
-    )
     try:
-        pool = KVCachePool(plan, "cpu", registry=registry)
+        plan, pool = two_layer_pool(spec, registry)
     except PluginError as exc:
         msg = f"cache kind {kind.name!r}: binding its views failed: {exc}"
         raise ConformanceError(msg) from exc
     storage = pool.buffer.untyped_storage().data_ptr()
-    for name in group.layer_names:
-        view = pool.views[name]
+    for view in pool.views.values():
         for tensor in view if isinstance(view, tuple) else (view,):
             _require(
                 tensor.untyped_storage().data_ptr() == storage,

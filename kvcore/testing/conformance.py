@@ -197,7 +197,7 @@ class KindConformance:
         self, kvcore_case: ConformanceCase
     ) -> None:
         spec = kvcore_case.sample()
-        plan, pool = _pool(spec, kvcore_case.registry)
+        plan, pool = two_layer_pool(spec, kvcore_case.registry)
         pool.buffer.fill_(0xFF)
         block = 1
         for tensor in _tensors(pool.views["layer.0"]):
@@ -225,7 +225,7 @@ class KindConformance:
         self, kvcore_case: ConformanceCase
     ) -> None:
         spec = kvcore_case.sample()
-        plan, pool = _pool(spec, kvcore_case.registry)
+        plan, pool = two_layer_pool(spec, kvcore_case.registry)
         storage = pool.buffer.untyped_storage().data_ptr()
         tensor = plan.kv_cache_tensors[0]
         raws = pool._raw_views(pool.buffer, tensor, spec, plan.num_blocks, None)
@@ -325,7 +325,7 @@ def _tensors(view: LayerView) -> tuple[torch.Tensor, ...]:
     return view if isinstance(view, tuple) else (view,)
 
 
-def _pool(
+def two_layer_pool(
     spec: KVCacheSpec, registry: KindRegistry
 ) -> tuple[KVCacheConfig, KVCachePool]:
     """Two layers of ``spec`` in one group, in a block-outermost layout, four
