@@ -300,7 +300,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         driver = Driver(
             planned.plan,
             registry=planned.registry,
-            max_num_batched_tokens=planned.max_num_batched_tokens,
+            max_num_batched_tokens=planned.config.max_num_batched_tokens,
             keep_finished=args.keep_finished,
             max_steps=max_steps,
             validate=args.validate,
