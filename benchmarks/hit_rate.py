@@ -180,7 +180,7 @@ def replay(
     driver = Driver(
         planned.plan,
         registry=registry,
-        max_num_batched_tokens=planned.max_num_batched_tokens,
+        max_num_batched_tokens=planned.config.max_num_batched_tokens,
         validate=True,
         cache_sample_every=CACHE_SAMPLE_EVERY,
     )

@@ -142,67 +142,38 @@ __all__ = [
 #: torch), so ``kvcore --help`` starts fast; the first use of a name imports
 #: its module (PEP 562).
 _LAZY: dict[str, str] = {
-    "CHECKPOINT_POLICIES": "kvcore.checkpoints",
-    "CheckpointPolicy": "kvcore.checkpoints",
-    "CacheConfig": "kvcore.config",
-    "EngineConfig": "kvcore.config",
-    "ParallelConfig": "kvcore.config",
-    "BlockSizeError": "kvcore.errors",
-    "DuplicateKindError": "kvcore.errors",
-    "InvalidRequestError": "kvcore.errors",
-    "InvalidRequestTypeError": "kvcore.errors",
-    "InvalidSpecError": "kvcore.errors",
-    "KvcoreError": "kvcore.errors",
-    "KvcoreKeyError": "kvcore.errors",
-    "KvcoreTypeError": "kvcore.errors",
-    "KvcoreValueError": "kvcore.errors",
-    "LayoutError": "kvcore.errors",
-    "MergeError": "kvcore.errors",
-    "NoFreeBlocksError": "kvcore.errors",
-    "PlanError": "kvcore.errors",
-    "PluginError": "kvcore.errors",
-    "ReentrantCallError": "kvcore.errors",
-    "SerializationError": "kvcore.errors",
-    "UnknownKindError": "kvcore.errors",
-    "UnknownRequestError": "kvcore.errors",
-    "UnsafePlanError": "kvcore.errors",
-    "hookimpl": "kvcore.hookspecs",
-    "hookspec": "kvcore.hookspecs",
-    "AttentionKind": "kvcore.kinds",
-    "CacheKind": "kvcore.kinds",
-    "LayerView": "kvcore.kinds",
-    "KVCacheLayout": "kvcore.layout",
-    "compute_layout_strides": "kvcore.layout",
-    "approximate_gcd": "kvcore.plan",
-    "build_kv_cache_tensors": "kvcore.plan",
-    "generate_scheduler_kv_cache_config": "kvcore.plan",
-    "get_kv_cache_config_from_groups": "kvcore.plan",
-    "get_kv_cache_groups": "kvcore.plan",
-    "get_packed_kv_cache_groups": "kvcore.plan",
-    "kv_cache_bytes_per_block": "kvcore.plan",
-    "plan_kv_cache": "kvcore.plan",
-    "resolve_kv_cache_block_sizes": "kvcore.plan",
-    "validate_kv_cache_layout": "kvcore.plan",
-    "Capacity": "kvcore.plan.capacity",
-    "ideal_concurrency": "kvcore.plan.capacity",
-    "plan_capacity": "kvcore.plan.capacity",
-    "get_plugin_manager": "kvcore.plugins",
-    "KVCachePool": "kvcore.pool",
-    "allocate_kv_cache": "kvcore.pool",
-    "KindRegistry": "kvcore.registry",
-    "default_registry": "kvcore.registry",
-    "ServingChoices": "kvcore.serving",
-    "apply_serving_choices": "kvcore.serving",
-    "parse_cache_dtype": "kvcore.serving",
-    "AttentionSpec": "kvcore.spec",
-    "HitPolicy": "kvcore.spec",
-    "KVCacheSpec": "kvcore.spec",
-    "PackingRole": "kvcore.spec",
-    "UniformTypeKVCacheSpecs": "kvcore.spec",
-    "iter_layer_specs": "kvcore.spec",
-    "KVCacheConfig": "kvcore.structs",
-    "KVCacheGroupSpec": "kvcore.structs",
-    "KVCacheTensor": "kvcore.structs",
+    name: f"kvcore.{module}"
+    for module, names in {
+        "checkpoints": "CHECKPOINT_POLICIES CheckpointPolicy",
+        "config": "CacheConfig EngineConfig ParallelConfig",
+        "errors": (
+            "BlockSizeError DuplicateKindError InvalidRequestError "
+            "InvalidRequestTypeError InvalidSpecError KvcoreError KvcoreKeyError "
+            "KvcoreTypeError KvcoreValueError LayoutError MergeError "
+            "NoFreeBlocksError PlanError PluginError ReentrantCallError "
+            "SerializationError UnknownKindError UnknownRequestError UnsafePlanError"
+        ),
+        "hookspecs": "hookimpl hookspec",
+        "kinds": "AttentionKind CacheKind LayerView",
+        "layout": "KVCacheLayout compute_layout_strides",
+        "plan": (
+            "approximate_gcd build_kv_cache_tensors "
+            "generate_scheduler_kv_cache_config get_kv_cache_config_from_groups "
+            "get_kv_cache_groups get_packed_kv_cache_groups kv_cache_bytes_per_block "
+            "plan_kv_cache resolve_kv_cache_block_sizes validate_kv_cache_layout"
+        ),
+        "plan.capacity": "Capacity ideal_concurrency plan_capacity",
+        "plugins": "get_plugin_manager",
+        "pool": "KVCachePool allocate_kv_cache",
+        "registry": "KindRegistry default_registry",
+        "serving": "ServingChoices apply_serving_choices parse_cache_dtype",
+        "spec": (
+            "AttentionSpec HitPolicy KVCacheSpec PackingRole UniformTypeKVCacheSpecs "
+            "iter_layer_specs"
+        ),
+        "structs": "KVCacheConfig KVCacheGroupSpec KVCacheTensor",
+    }.items()
+    for name in names.split()
 }
 
 

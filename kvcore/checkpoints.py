@@ -1,49 +1,11 @@
 """Where a recurrent-state group keeps its states for later requests.
 
-A state kind (Mamba, linear attention) can serve a prefix hit only from a
-state saved exactly at the hit's end, and every saved state costs a whole
-block.  A :class:`CheckpointPolicy` says which states are worth a block: the
-positions later requests are likely to resume from.
-
-- **prompt end**: the last hit boundary at or below the end of the prompt
-  (the same prompt sent again, or the same prompt with another answer);
-- **output end**: the last hit boundary a request reaches before it
-  finishes (the next turn of a chat extends exactly that).  While the
-  request decodes, each boundary it reaches replaces the one before, which
-  leaves the cache unless another request holds it;
-- **branch points**: where the prefix a request shares with earlier ones
-  ends, as its admission lookup found it (the other groups hold that
-  prefix, this group had no state there); the next request sharing the
-  prefix resumes there;
-- **interval**: every ``interval`` tokens of the part of a prompt no
-  earlier request shared (at most ``interval_per_step`` inside one step,
-  evenly spread), so the first request that shares a new prefix with it
-  resumes within ``interval`` tokens of where they part, where a branch
-  point serves only the requests after that one.  These states are not
-  moved back in the eviction order: they are evicted where their release
-  put them (a chunked prefill releases each after the step that passed
-  it, ahead of the prefix it sits in);
-- **every step**: every state a step leaves on a hit boundary, all kept
-  (the most resume points, the most blocks).
-
-With ``hold_shared``, a running request keeps holding the state its hit
-resumed from, the branch point it kept, and the longest *shared* state
-below its hit on its prompt's path (a branch point, or a state more than
-one request resumed from: a long tool preamble or system prompt), as
-running requests hold the attention blocks of a prefix they share.  Under
-pressure the pool evicts states no running request shares first, and a
-request whose own states were evicted still resumes at the shared prefix
-instead of recomputing it, with its attention blocks, from token 0.
-
-With EAGLE every hit drops its last block (the draft model recomputes it),
-so a hit may end a block before the state the same lookup would have
-found: the prompt end keeps the last boundary before its final token and
-the one before that (instead of the prompt's own end), and a request keeps
-the step-end state before its newest one too (the next turn resumes there
-when its hit reaches the newest).
-
-States at positions no hit can end at (not a multiple of the hit unit) are
-never kept.
+A state kind (Mamba, linear attention) serves a prefix hit only from a state
+saved exactly at the hit's end, and every saved state costs a whole block.
+A :class:`CheckpointPolicy` says which states are worth a block: prompt ends,
+output ends, branch points, an interval, or every step end.  What each keeps,
+how running requests hold shared states, and the EAGLE and alignment rules
+are in ``docs/coordinator.md`` and ``docs/plugins.md`` ("State checkpoints").
 """
 
 from __future__ import annotations

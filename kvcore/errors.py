@@ -11,8 +11,9 @@ from __future__ import annotations
 import difflib
 import reprlib
 from collections.abc import Callable, Iterable
+from typing import Self
 
-from kvcore.limits import MAX_ECHO_CHARS, MAX_MESSAGE_CHARS
+from kvcore.limits import MAX_ECHO_CHARS
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel = 3
@@ -40,15 +41,6 @@ def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
     characters with ``...``, so a two-million-item field gives a readable
     line, not megabytes."""
     text = escape_controls(_REPR.repr(value))
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text
-
-
-def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """An error message as one escaped line of at most ``limit`` characters
-    (what the command line prints)."""
-    text = escape_controls(message)
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return text
@@ -136,6 +128,23 @@ class PluginError(KvcoreValueError):
         super().__init__(message)
         self.plugin_name = plugin_name
         self.distribution = distribution
+
+    @classmethod
+    def blockable(
+        cls, text: str, plugin: str, distribution: str | None, fix: str = ""
+    ) -> Self:
+        """``text``, then how to block ``plugin`` (after ``fix``, another remedy
+        worded to lead into it: ``"fix or uninstall it, or "``)."""
+        msg = f"{text}; {fix}block it with KVCORE_DISABLE_PLUGINS={plugin}"
+        return cls(msg, plugin_name=plugin, distribution=distribution)
+
+
+def collect(errors: list[KvcoreError] | None, error: KvcoreError) -> None:
+    """Raise ``error``, or add it to ``errors`` where the caller collects
+    every broken plugin's error instead (``kvcore plugins``)."""
+    if errors is None:
+        raise error
+    errors.append(error)
 
 
 class SerializationError(KvcoreValueError):

@@ -7,7 +7,7 @@ planning, never per block.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -21,13 +21,24 @@ if TYPE_CHECKING:
     from kvcore.spec import KVCacheSpec
     from kvcore.structs import KVCacheGroupSpec, ModelFile
 
-__all__ = ["hookimpl", "hookspec"]
+__all__ = ["hookimpl", "hookspec", "kinds_impl"]
 
 PROJECT = "kvcore"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 #: Marker to be imported and used in plugins.
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+def kinds_impl(*kinds: CacheKind) -> Callable[[], list[CacheKind]]:
+    """A :func:`kvcore_register_kinds` implementation returning ``kinds``, for
+    a plugin whose kinds are fixed: ``kvcore_register_kinds = kinds_impl(K())``."""
+
+    @hookimpl
+    def kvcore_register_kinds() -> list[CacheKind]:
+        return list(kinds)
+
+    return kvcore_register_kinds
 
 
 # ---------------------------------------------------------------------------

@@ -29,16 +29,23 @@ LayerView = torch.Tensor | tuple[torch.Tensor, ...]
 class CacheKind:
     """Base class of a cache kind.
 
-    Subclasses set :attr:`name`, :attr:`spec_type` and, for the coordinator,
+    Subclasses set :attr:`spec_type` and, for the coordinator,
     :attr:`manager_type`, and may override :meth:`bind_view`.
     """
 
-    #: Registry name, also the ``kind`` tag of the spec in JSON.
+    #: Registry name, also the ``kind`` tag of the spec in JSON; by default
+    #: the spec class's ``kind``, which the registry requires it to equal.
     name: ClassVar[str]
     #: The spec class this kind owns.
     spec_type: ClassVar[type[KVCacheSpec]]
     #: The block manager class for groups of this kind.
     manager_type: ClassVar[type[SingleTypeManager] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        tag = getattr(cls.__dict__.get("spec_type"), "kind", None)
+        if "name" not in cls.__dict__ and isinstance(tag, str) and tag:
+            cls.name = tag
 
     def bind_view(self, spec: Any, raw: torch.Tensor) -> LayerView:
         """Turn one layer's raw bytes into its typed view.

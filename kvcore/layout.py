@@ -78,11 +78,6 @@ class KVCacheLayout(enum.Enum):
         """The innermost three axes are H, N, C in that order."""
         return self.value[2:] == (AXIS_H, AXIS_N, AXIS_C)
 
-    @property
-    def layer_view_order(self) -> tuple[int, ...]:
-        """The physical order of one layer's ``[B, H, N, C]`` view."""
-        return tuple(axis - 1 for axis in self.value if axis != AXIS_L)
-
 
 def compute_layout_strides(
     layout: KVCacheLayout,

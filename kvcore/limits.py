@@ -15,22 +15,14 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_FILE_BYTES",
     "MAX_JSON_INT_DIGITS",
-    "MAX_MESSAGE_CHARS",
     "MAX_NAME_CHARS",
     "MAX_NUM_BLOCKS",
     "MAX_BYTE_OFFSET",
     "BLOCK_STATE_BYTES",
     "TOKEN_ID_LIMIT",
-    "MAX_WORKLOAD_REQUESTS",
     "MAX_NUM_LAYERS",
     "HUB_CONNECT_TIMEOUT_S",
     "HUB_FETCH_TIMEOUT_S",
-    "MAX_WORKLOAD_PREFIX_TOKENS",
-    "MAX_TRACE_BLOCK_TOKENS",
-    "MAX_TRACE_HASH_ID",
-    "MAX_TRACE_LINE_CHARS",
-    "MAX_TRACE_REQUEST_TOKENS",
-    "MAX_TRACE_TOTAL_TOKENS",
     "available_memory_bytes",
 ]
 
@@ -69,34 +61,6 @@ BLOCK_STATE_BYTES = 160
 #: hashed as 4-byte unsigned ints.
 TOKEN_ID_LIMIT = 2**32
 
-#: The most requests one simulated workload draws (a million requests is
-#: hours of replay on one core; a larger count is a typo).
-MAX_WORKLOAD_REQUESTS = 10**6
-
-#: The most tokens of shared system prefixes a synthetic workload builds
-#: (``shared_prefixes * prefix_len``; 2**26 tokens hold half a GiB).
-MAX_WORKLOAD_PREFIX_TOKENS = 2**26
-
-#: The longest prompt or output one line of a public trace (Mooncake,
-#: Qwen-Bailian) may give (2**24 tokens, 16 times the longest context any
-#: shipped model serves).
-MAX_TRACE_REQUEST_TOKENS = 2**24
-
-#: The most tokens, prompts and outputs together, a replayed public trace
-#: may hold (2**31; the tokens of its distinct blocks are kept at 4 bytes
-#: each, so a typo'd length cannot take the machine's memory).
-MAX_TRACE_TOTAL_TOKENS = 2**31
-
-#: The longest line of a trace file (2**24 characters: the hash ids of a
-#: request of MAX_TRACE_REQUEST_TOKENS tokens in 16-token blocks fit).
-MAX_TRACE_LINE_CHARS = 2**24
-
-#: Hash ids of a public trace are ints in ``[0, MAX_TRACE_HASH_ID)``.
-MAX_TRACE_HASH_ID = 2**63
-
-#: The most tokens one hash id of a public trace may stand for.
-MAX_TRACE_BLOCK_TOKENS = 2**16
-
 #: The most layers a model configuration may declare (real models have a
 #: few hundred; a config.json claiming ten million is refused before any
 #: layer is built).
@@ -112,9 +76,6 @@ HUB_CONNECT_TIMEOUT_S = 3.0
 
 #: The most characters of one value echoed in an error message.
 MAX_ECHO_CHARS = 200
-
-#: The most characters of one error line the command line prints.
-MAX_MESSAGE_CHARS = 2000
 
 
 def available_memory_bytes() -> int | None:

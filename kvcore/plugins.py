@@ -1,22 +1,8 @@
 """Building kvcore's plugin manager.
 
 Nothing here runs at import time: call :func:`get_plugin_manager` (or
-:func:`kvcore.default_registry`) to load plugins.
-
-Environment variables, read when the manager is built:
-
-``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1``
-    load no third-party entry points (kvcore's built-in kinds still load).
-``KVCORE_DISABLE_PLUGINS=a,b``
-    block the named plugins (entry-point names, e.g. ``mamba``).
-``KVCORE_PLUGINS=module,other``
-    also import and register these modules as plugins (named by module),
-    to try a kind without installing its distribution.
-``KVCORE_TRACE_PLUGINS=1``
-    print every hook call and result to stderr.
-``KVCORE_OVERRIDE_KINDS=mamba``
-    let a later plugin replace these kinds of an earlier one (built-ins
-    register first); without it a kind name registered twice is an error.
+:func:`kvcore.default_registry`) to load plugins.  The ``KVCORE_*``
+environment variables it reads are listed in ``docs/plugins.md``.
 """
 
 from __future__ import annotations
@@ -31,7 +17,7 @@ from typing import Any
 import pluggy
 
 from kvcore import hookspecs
-from kvcore.errors import KvcoreError, PluginError
+from kvcore.errors import KvcoreError, PluginError, collect
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -102,9 +88,7 @@ def get_plugin_manager(
         try:
             _register(pm, name, load, distribution)
         except PluginError as exc:
-            if errors is None:
-                raise
-            errors.append(exc)
+            collect(errors, exc)
 
     entry_points = _entry_points()
     own = [ep for ep in entry_points if _is_own(ep)]
@@ -156,10 +140,8 @@ def get_plugin_manager(
                 f"KVCORE_DISABLE_PLUGINS={plugin_name}"
             )
             error = PluginError(msg, plugin_name=plugin_name, distribution=distribution)
-            if errors is None:
-                raise error from exc
             error.__cause__ = exc
-            errors.append(error)
+            collect(errors, error)
             pm.unregister(exc.plugin)
     if _truthy(os.environ.get("KVCORE_TRACE_PLUGINS")):
         pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
@@ -193,20 +175,15 @@ def _register(
     try:
         plugin = load()
     except Exception as exc:
-        msg = (
-            f"kvcore plugin {name!r}{where} failed to import: "
-            f"{type(exc).__name__}: {exc}; fix or uninstall it, or block it with "
-            f"KVCORE_DISABLE_PLUGINS={name}"
-        )
-        raise PluginError(msg, plugin_name=name, distribution=distribution) from exc
+        text = f"kvcore plugin {name!r}{where} failed to import: "
+        text += f"{type(exc).__name__}: {exc}"
+        fix = "fix or uninstall it, or "
+        raise PluginError.blockable(text, name, distribution, fix) from exc
     try:
         pm.register(plugin, name=name)
     except (ValueError, pluggy.PluginValidationError) as exc:
-        msg = (
-            f"kvcore plugin {name!r}{where} could not be registered: {exc}; "
-            f"block it with KVCORE_DISABLE_PLUGINS={name}"
-        )
-        raise PluginError(msg, plugin_name=name, distribution=distribution) from exc
+        text = f"kvcore plugin {name!r}{where} could not be registered: {exc}"
+        raise PluginError.blockable(text, name, distribution) from exc
 
 
 def plugin_distribution(pm: pluggy.PluginManager, name: str) -> str | None:

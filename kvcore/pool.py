@@ -25,6 +25,7 @@ from kvcore.plan.validate import check_placement
 from kvcore.registry import (
     KindRegistry,
     call_plugin,
+    declared,
     default_registry,
     spec_plugin_error,
 )
@@ -71,20 +72,17 @@ class KVCachePool:
         registry: KindRegistry | None = None,
     ) -> None:
         _check_plan(config)
-        given_layout: object = layout
-        if given_layout is not None and not isinstance(given_layout, KVCacheLayout):
-            msg = (
-                f"KVCachePool: layout must be a KVCacheLayout or None, got "
-                f"{echo(given_layout)} ({type(given_layout).__name__})"
-            )
-            raise KvcoreTypeError(msg)
-        given_registry: object = registry
-        if given_registry is not None and not isinstance(given_registry, KindRegistry):
-            msg = (
-                f"KVCachePool: registry must be a KindRegistry or None, got "
-                f"{type(given_registry).__name__}"
-            )
-            raise KvcoreTypeError(msg)
+        given: dict[str, tuple[object, type]] = {
+            "layout": (layout, KVCacheLayout),
+            "registry": (registry, KindRegistry),
+        }
+        for what, (value, want) in given.items():
+            if value is not None and not isinstance(value, want):
+                msg = (
+                    f"KVCachePool: {what} must be a {want.__name__} or None, got "
+                    f"{echo(value)} ({type(value).__name__})"
+                )
+                raise KvcoreTypeError(msg)
         device = checked_device(device)
         registry = registry if registry is not None else default_registry()
         layout = layout if layout is not None else config.kv_cache_layout
@@ -358,38 +356,32 @@ def _declared_dtypes(spec: KVCacheSpec, count: int) -> list[torch.dtype] | None:
     """The dtype of each of a view's ``count`` tensors, as the spec declares
     them (:attr:`~kvcore.spec.KVCacheSpec.view_dtypes`), or None when it
     declares none."""
-    declared: object = call_plugin(
-        spec, "view_dtypes", functools.partial(_view_dtypes, spec)
-    )
-    if declared is None:
+    dtypes = declared(spec, "view_dtypes")
+    if dtypes is None:
         return None
     if (
-        not isinstance(declared, tuple)
-        or not declared
-        or not all(isinstance(d, torch.dtype) for d in declared)
+        not isinstance(dtypes, tuple)
+        or not dtypes
+        or not all(isinstance(d, torch.dtype) for d in dtypes)
     ):
-        text = repr(declared)
+        text = repr(dtypes)
         raise spec_plugin_error(
             spec,
             f"view_dtypes is {text if len(text) <= 120 else text[:117] + '...'}; "
             "it must be None or a non-empty tuple of torch dtypes, one per "
             "tensor its binder returns (or one for all of them)",
         )
-    if len(declared) == 1:
-        return [declared[0]] * count
-    if len(declared) != count:
+    if len(dtypes) == 1:
+        return [dtypes[0]] * count
+    if len(dtypes) != count:
         raise spec_plugin_error(
             spec,
             f"bind_view returned {count} tensor(s) but view_dtypes declares "
-            f"{len(declared)} dtypes; declare one dtype per tensor (or one for "
+            f"{len(dtypes)} dtypes; declare one dtype per tensor (or one for "
             "all of them)",
             error=PluginBindError,
         )
-    return list(declared)
-
-
-def _view_dtypes(spec: KVCacheSpec) -> object:
-    return spec.view_dtypes
+    return list(dtypes)
 
 
 def checked_view(

@@ -15,6 +15,7 @@ from kvcore.errors import (
     PluginError,
     PluginResultError,
     UnknownKindError,
+    collect,
     did_you_mean,
 )
 from kvcore.kinds import CacheKind
@@ -85,6 +86,12 @@ def spec_plugin_error(
     return error(msg, plugin_name=plugin, distribution=distribution)
 
 
+def declared(spec: object, name: str) -> object:
+    """``spec``'s attribute ``name`` (a property is plugin code), read
+    through :func:`call_plugin`."""
+    return call_plugin(spec, name, lambda: getattr(spec, name))
+
+
 def call_plugin(spec: object, what: str, fn: Callable[[], _T]) -> _T:
     """Run plugin code ``what`` of ``spec``'s kind; an exception that is not a
     kvcore error (which plugins raise on purpose) is wrapped in a
@@ -135,9 +142,7 @@ class KindRegistry(Mapping[str, CacheKind]):
             try:
                 _check_kind(kind, owner, dists.get(owner))
             except PluginError as exc:
-                if errors is None:
-                    raise
-                errors.append(exc)
+                collect(errors, exc)
                 continue
             if kind.name in by_name:
                 first = owners[kind.name]
@@ -156,9 +161,7 @@ class KindRegistry(Mapping[str, CacheKind]):
                     duplicate = DuplicateKindError(
                         msg, kind=kind.name, first=first, second=owner
                     )
-                    if errors is None:
-                        raise duplicate
-                    errors.append(duplicate)
+                    collect(errors, duplicate)
                     continue
             by_name[kind.name] = kind
             owners[kind.name] = owner
@@ -210,9 +213,7 @@ class KindRegistry(Mapping[str, CacheKind]):
             try:
                 kinds = _registered_kinds(impl.function, name, shown)
             except PluginError as exc:
-                if errors is None:
-                    raise
-                errors.append(exc)
+                collect(errors, exc)
                 continue
             collected.extend((kind, name) for kind in kinds)
         return cls(
@@ -382,12 +383,9 @@ def _registered_kinds(
     try:
         kinds = function()
     except Exception as exc:
-        msg = (
-            f"kvcore {who} raised in kvcore_register_kinds: "
-            f"{type(exc).__name__}: {exc}; block it with "
-            f"KVCORE_DISABLE_PLUGINS={owner}"
-        )
-        raise PluginError(msg, plugin_name=owner, distribution=distribution) from exc
+        text = f"kvcore {who} raised in kvcore_register_kinds: "
+        text += f"{type(exc).__name__}: {exc}"
+        raise PluginError.blockable(text, owner, distribution) from exc
     if not isinstance(kinds, list | tuple):
         msg = (
             f"kvcore {who}: kvcore_register_kinds returned {_short(kinds)} "
@@ -408,8 +406,8 @@ def _check_kind(kind: Any, owner: str, distribution: str | None = None) -> None:
     problem = _kind_problem(kind)
     if problem is not None:
         who = describe_plugin(owner, distribution)
-        msg = f"kvcore {who}: {problem}; block it with KVCORE_DISABLE_PLUGINS={owner}"
-        raise PluginResultError(msg, plugin_name=owner, distribution=distribution)
+        msg = f"kvcore {who}: {problem}"
+        raise PluginResultError.blockable(msg, owner, distribution)
 
 
 def _kind_problem(kind: Any) -> str | None:

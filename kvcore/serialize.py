@@ -528,6 +528,13 @@ def config_from_data(
     return config
 
 
+#: A model file's optional counts: key, least value, and what it must be.
+_OPTIONAL_COUNTS = (
+    ("weights_bytes", 0, "a non-negative int of bytes"),
+    ("max_position_embeddings", 1, "a positive int of tokens"),
+)
+
+
 def load_model_file(
     source: str | os.PathLike[str] | Mapping[str, Any],
     registry: KindRegistry | None = None,
@@ -577,20 +584,11 @@ def load_model_file(
         if "name" in data
         else default_name
     )
-    weights = data.get("weights_bytes")
-    if weights is not None and (type(weights) is not int or weights < 0):
-        msg = (
-            f"{where}: weights_bytes must be a non-negative int of bytes, "
-            f"got {echo(weights)}"
-        )
-        raise SerializationError(msg)
-    positions = data.get("max_position_embeddings")
-    if positions is not None and (type(positions) is not int or positions < 1):
-        msg = (
-            f"{where}: max_position_embeddings must be a positive int of tokens, "
-            f"got {echo(positions)}"
-        )
-        raise SerializationError(msg)
+    for key, least, what in _OPTIONAL_COUNTS:
+        value = data.get(key)
+        if value is not None and (type(value) is not int or value < least):
+            msg = f"{where}: {key} must be {what}, got {echo(value)}"
+            raise SerializationError(msg)
     notes = data.get("notes", "")
     if type(notes) is not str:
         msg = f"{where}: 'notes' must be a string, got {echo(notes)}"
@@ -612,8 +610,8 @@ def load_model_file(
         layers=layers,
         notes=notes,
         sources=tuple(sources),
-        weights_bytes=weights,
-        max_position_embeddings=positions,
+        weights_bytes=data.get("weights_bytes"),
+        max_position_embeddings=data.get("max_position_embeddings"),
     )
 
 
@@ -627,10 +625,9 @@ def dump_model_file(model: ModelFile, registry: KindRegistry | None = None) -> s
         data["notes"] = model.notes
     if model.sources:
         data["sources"] = list(model.sources)
-    if model.weights_bytes is not None:
-        data["weights_bytes"] = model.weights_bytes
-    if model.max_position_embeddings is not None:
-        data["max_position_embeddings"] = model.max_position_embeddings
+    for key, _, _ in _OPTIONAL_COUNTS:
+        if getattr(model, key) is not None:
+            data[key] = getattr(model, key)
     data["layers"] = {
         name: converter.unstructure_spec(spec) for name, spec in model.layers.items()
     }

@@ -228,6 +228,28 @@ def replicate(spec: KVCacheSpec, tp_size: int, what: str) -> Sharded:
     return Sharded(spec=spec, replicas=tp, note=f"{what} replicated on all {tp} ranks")
 
 
+class HitPolicyDerived:
+    """What a layer spec (or a group's) derives from its :attr:`hit_policy`."""
+
+    __slots__ = ()
+
+    @property
+    def hit_policy(self) -> HitPolicy:
+        raise NotImplementedError
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether the state depends on the prefix and is shared through
+        prefix caching."""
+        return self.hit_policy.prefix_cacheable
+
+    @property
+    def hashes_blocks(self) -> bool:
+        """Whether the kind's manager hashes the blocks when prefix caching
+        is on, so its block must be a multiple of the hash block."""
+        return self.hit_policy.hashes_blocks
+
+
 class PackingRole(enum.Enum):
     """How the packer may split a bucket of equal-keyed layers into groups.
 
@@ -244,7 +266,7 @@ class PackingRole(enum.Enum):
 
 
 @attrs.frozen(kw_only=True)
-class KVCacheSpec:
+class KVCacheSpec(HitPolicyDerived):
     """Base of every layer spec.
 
     :param block_size: tokens per block (for a ring, its capacity).
@@ -291,44 +313,27 @@ class KVCacheSpec:
 
     @property
     def element_size(self) -> int:
-        """Bytes per element of the layer's typed view: its page must start,
-        and every stride must be, a multiple of this."""
+        """Bytes per element of the typed view; the page and every stride are
+        multiples of it (see docs/plugins.md)."""
         return 1
 
     @property
     def view_dtypes(self) -> tuple[torch.dtype, ...] | None:
-        """The dtype of each tensor the kind's binder returns, in order (one
-        entry stands for every tensor), which the pool checks as it binds the
-        layer's views.  ``None`` (the default): the pool checks no dtype.  A
-        non-empty tuple of torch dtypes or ``None``; the pool refuses
-        anything else with a :class:`~kvcore.errors.PluginError` naming the
-        kind."""
+        """The dtype of each tensor the binder returns (one entry stands for
+        all), checked by the pool; ``None``: none checked (docs/plugins.md)."""
         return None
 
     # -- planning ---------------------------------------------------------
     def grown(self, factor: int) -> Self | None:
-        """This spec with ``factor`` times the block size, or ``None`` if the
-        kind's block size may not grow by ``factor``.
-
-        A planner may grow a paged kind's block so that its pages fill a
-        stride that other groups (a large recurrent state) force; the file's
-        block size is the kernel's block, and a grown block is a whole number
-        of it.  The worker's attention kernel must then take the grown block
-        size itself (a packed block cannot be split back into the file's
-        blocks); ``CacheConfig.max_block_growth=1`` keeps the file's sizes.
-        Kinds that allow growth set :attr:`max_block_growth`.
-        """
+        """This spec with ``factor`` times the block size, or ``None`` if its
+        block may not grow by ``factor``; see :attr:`max_block_growth` and
+        "Planning declarations" in docs/plugins.md."""
         return self if factor == 1 else None
 
     # -- serving choices ------------------------------------------------
     def with_cache_dtype(self, dtype: torch.dtype) -> Self | None:
-        """This spec stored as ``dtype`` (an engine's ``--kv-cache-dtype``), or
-        ``None`` if the kind keeps its own dtype.
-
-        Default ``None``: only a kind whose pages hold the model's keys and
-        values as plain floats follows the engine's cache dtype; recurrent
-        states, rings and byte buffers have their own precision.
-        """
+        """This spec stored as ``dtype`` (the engine's ``--kv-cache-dtype``), or
+        ``None`` if the kind keeps its own dtype (the default)."""
         return None
 
     def with_state_dtype(self, dtype: torch.dtype) -> Self | None:
@@ -338,14 +343,9 @@ class KVCacheSpec:
         return None
 
     def with_block_size(self, block_size: int) -> Self | None:
-        """This spec with ``block_size`` tokens per block (an engine's
-        ``--block-size``), or ``None`` if the kind keeps its own block.
-
-        Default ``None``: the block of a state, ring or buffer is not a page
-        of tokens, so the engine's block size does not apply.  Raise
-        :class:`InvalidSpecError` when the kind pages tokens but cannot take
-        this size.
-        """
+        """This spec with ``block_size`` tokens per block (the engine's
+        ``--block-size``), or ``None`` if the kind keeps its own block (the
+        default); :class:`InvalidSpecError` if it pages tokens but cannot."""
         return None
 
     def resolve_defaults(
@@ -369,9 +369,7 @@ class KVCacheSpec:
 
     @property
     def checkpoint_policy_name(self) -> str | None:
-        """The named checkpoint policy this spec's states are kept under
-        (what the plan reports), or ``None`` where none applies.  Default
-        ``None``."""
+        """The named checkpoint policy the states are kept under, or ``None``."""
         return None
 
     def with_state_cache_mode(self, mode: str) -> Self | None:
@@ -383,22 +381,14 @@ class KVCacheSpec:
     @property
     def state_cache_mode(self) -> str | None:
         """The recurrent-state caching mode (``none``, ``align`` or ``all``)
-        this spec runs under, once its defaults are resolved; planning
-        refuses a spec whose mode differs from the engine's
-        ``CacheConfig.mamba_cache_mode``.  ``None`` (the default): the kind
-        keeps no recurrent state.  A str or ``None``; planning refuses
-        anything else with a :class:`~kvcore.errors.PluginError` naming the
-        kind."""
+        once defaults are resolved, or ``None`` for a kind with no such state;
+        planning checks it against ``CacheConfig.mamba_cache_mode``."""
         return None
 
     def sharded(self, tp_size: int) -> Sharded:
         """What one of ``tp_size`` tensor-parallel ranks keeps of this layer.
-
-        Default: at size 1 the spec itself; any other size raises
-        :class:`InvalidSpecError`, since only the kind knows which of its
-        dimensions the ranks split and a guess would misstate every rank's
-        memory.  The model file holds whole-model (size 1) specs.
-        """
+        Default: the spec itself at size 1; :class:`InvalidSpecError` at any
+        other, since only the kind knows what its ranks split."""
         if check_tp_size(tp_size) == 1:
             return Sharded(spec=self)
         msg = (
@@ -417,12 +407,8 @@ class KVCacheSpec:
         self, num_computed_tokens: int, num_tokens: int, block_size: int
     ) -> int:
         """Blocks a request holds while it covers ``num_tokens`` tokens, the
-        first ``num_computed_tokens`` of them computed (and their skipped
-        blocks released), at ``block_size`` tokens per block.
-
-        The capacity model reads this; a kind's manager must hold exactly
-        this many (``kvcore.testing.check_kind`` checks it).
-        """
+        first ``num_computed_tokens`` computed, at ``block_size`` tokens per
+        block; the manager must hold exactly this many (docs/plugins.md)."""
         return cdiv(num_tokens, block_size) - (
             self.skipped_tokens(num_computed_tokens) // block_size
         )
@@ -431,21 +417,9 @@ class KVCacheSpec:
     @property
     def hit_policy(self) -> HitPolicy:
         """How this layer takes part in prefix caching; kinds override this
-        one declaration (the two properties below derive from it)."""
+        one declaration (:attr:`prefix_cacheable` and :attr:`hashes_blocks`
+        derive from it)."""
         return HitPolicy.PREFIX
-
-    @property
-    def prefix_cacheable(self) -> bool:
-        """Whether this layer's state depends on the prefix and is shared
-        through prefix caching (derived from :attr:`hit_policy`)."""
-        return self.hit_policy.prefix_cacheable
-
-    @property
-    def hashes_blocks(self) -> bool:
-        """Whether the kind's manager hashes this layer's blocks when prefix
-        caching is on, so its block must be a multiple of the hash block
-        (derived from :attr:`hit_policy`)."""
-        return self.hit_policy.hashes_blocks
 
     @property
     def prefix_replay_tokens(self) -> int:
@@ -454,14 +428,10 @@ class KVCacheSpec:
 
     @property
     def event_window(self) -> int | None:
-        """The window in tokens this layer's KV-cache events tell a KV-aware
-        router (:attr:`BlockStored.sliding_window
-        <kvcore.coordinator.BlockStored.sliding_window>`): a hit then needs
-        only the cached blocks of the last ``event_window`` tokens, as for a
-        sliding window.  ``None`` (the default): the router counts a hit only
-        over cached blocks of the whole prefix.  A positive int or ``None``;
-        the coordinator refuses anything else with a
-        :class:`~kvcore.errors.PluginError` naming the kind."""
+        """The window in tokens this layer's KV-cache events tell a router
+        (:attr:`BlockStored.sliding_window
+        <kvcore.coordinator.BlockStored.sliding_window>`); ``None`` (the
+        default): a hit counts over the whole prefix."""
         return None
 
     @property
@@ -483,22 +453,15 @@ class KVCacheSpec:
 
     @property
     def copies_partial_block_hits(self) -> bool:
-        """Whether a hit may end inside this layer's block by copy-on-write:
-        the new request gets a fresh block at that position and the engine
-        copies the cached block into it (see :class:`kvcore.coordinator.BlockCopy`).
-        Only for append-only, position-indexed caches whose content for
-        positions below ``P`` does not depend on later tokens, and only at
-        multiples of :attr:`tokens_per_state` (never a recurrent state or
-        fixed blocks).  Default False."""
+        """Whether a hit may end inside this layer's block by copy-on-write
+        (:class:`kvcore.coordinator.BlockCopy`): only for append-only,
+        position-indexed caches (docs/plugins.md).  Default False."""
         return False
 
     @property
     def checkpoint_blocks_per_step(self) -> int:
-        """Blocks a request may hold on top of :meth:`num_blocks_held`:
-        states a state kind keeps for later requests (see
-        :mod:`kvcore.checkpoints`), inside a step (released after it, kept
-        in the prefix cache) or while the request runs (the state its hit
-        resumed from, its branch point).  Default 0."""
+        """Blocks a request may hold on top of :meth:`num_blocks_held` for the
+        states its kind keeps (see :mod:`kvcore.checkpoints`).  Default 0."""
         return 0
 
     def max_num_blocks_per_request(self, max_model_len: int) -> int:
@@ -541,15 +504,10 @@ class KVCacheSpec:
 
     @classmethod
     def merge_group(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
-        """The spec a group's manager runs on, from the group's members.
-
-        Members of one group share a grouping key, which carries everything
-        a manager reads (block size, window, mode); they may still differ in
-        page shape.  The default rule: their :meth:`merge` when they merge,
-        else the first member's spec, after checking every member shares its
-        grouping key.  A kind whose manager reads more (a flag to OR, sizes
-        to combine) overrides this.
-        """
+        """The spec a group's manager runs on, from the group's members:
+        their :meth:`merge` when they merge, else the first member's spec once
+        every member is checked to share its grouping key.  A kind whose
+        manager reads more (a flag to OR, sizes to combine) overrides this."""
         try:
             return cls.merge(specs)
         except MergeError:
@@ -726,7 +684,7 @@ class AttentionSpec(KVCacheSpec):
 
 
 @attrs.frozen(kw_only=True, eq=True, hash=False)
-class UniformTypeKVCacheSpecs:
+class UniformTypeKVCacheSpecs(HitPolicyDerived):
     """The spec of one cache group whose layers share a grouping key (and so
     the same block size and token-slot needs) but may differ in page size.
 
@@ -759,10 +717,6 @@ class UniformTypeKVCacheSpecs:
                 raise InvalidSpecError(msg)
 
     @property
-    def first_spec(self) -> KVCacheSpec:
-        return next(iter(self.kv_cache_specs.values()))
-
-    @property
     def page_size_bytes(self) -> int:
         """Packed bytes of one block of this group: the sum of member pages."""
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
@@ -779,14 +733,6 @@ class UniformTypeKVCacheSpecs:
         if HitPolicy.BLOCKS_HITS in policies:
             return HitPolicy.BLOCKS_HITS
         return HitPolicy.PREFIX
-
-    @property
-    def prefix_cacheable(self) -> bool:
-        return self.hit_policy.prefix_cacheable
-
-    @property
-    def hashes_blocks(self) -> bool:
-        return self.hit_policy.hashes_blocks
 
     @property
     def prefix_replay_tokens(self) -> int:

@@ -973,7 +973,8 @@ anything: a subclass of `kvcore.KvcoreError` (and of the builtin
 file, field or layer, the rule broken and the fix.  The command line prints
 it as `kvcore: error: ...` and exits with status 2.
 
-The limits live in `kvcore.limits`:
+The limits live in `kvcore.limits` (the simulator's and the command line's
+in `kvcore.tools.limits`):
 
 | limit | value |
 |---|---|

@@ -13,11 +13,11 @@ import kvcore
 import kvcore.tools.zoo
 from kvcore.coordinator import Request
 from kvcore.errors import KvcoreValueError
-from kvcore.limits import MAX_TRACE_REQUEST_TOKENS
 from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.serialize import load_model_file
 from kvcore.structs import KVCacheConfig
 from kvcore.tools.cli import main
+from kvcore.tools.limits import MAX_TRACE_REQUEST_TOKENS
 from kvcore.tools.simulate import Driver, TraceError
 from kvcore.tools.simulate.public_traces import (
     block_tokens_of,

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvcore.errors import PluginError
-from kvcore.registry import call_plugin, spec_plugin_error
+from kvcore.registry import call_plugin, declared, spec_plugin_error
 from kvcore.spec import KVCacheSpec
 
 __all__ = [
@@ -38,9 +38,7 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
         if id(spec) in seen:
             continue
         seen.add(id(spec))
-        grid: object = call_plugin(
-            spec, "page_grid", functools.partial(_page_grid, spec)
-        )
+        grid = declared(spec, "page_grid")
         if (
             not isinstance(grid, tuple)
             or len(grid) != 3
@@ -51,9 +49,7 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                 f"page_grid is {_short(grid)}; it must be a tuple of three positive "
                 "ints (heads, states per block, bytes per state)",
             )
-        page: object = call_plugin(
-            spec, "page_size_bytes", functools.partial(_page_size, spec)
-        )
+        page = declared(spec, "page_size_bytes")
         if type(page) is not int or page <= 0:
             raise spec_plugin_error(
                 spec,
@@ -107,14 +103,6 @@ def resolved_defaults(
             memo[id(spec)] = done
         out[name] = done
     return out
-
-
-def _page_size(spec: KVCacheSpec) -> object:
-    return spec.page_size_bytes
-
-
-def _page_grid(spec: KVCacheSpec) -> object:
-    return spec.page_grid
 
 
 def _check_hashable(spec: KVCacheSpec, subject: str, value: object) -> None:
@@ -194,9 +182,7 @@ def checked_blocks_held(
 def checked_event_window(spec: KVCacheSpec) -> int | None:
     """``spec.event_window`` (what its KV-cache events tell a router), which
     must be ``None`` or a positive int."""
-    window: object = call_plugin(
-        spec, "event_window", functools.partial(_event_window, spec)
-    )
+    window = declared(spec, "event_window")
     if window is not None and (type(window) is not int or window < 1):
         raise spec_plugin_error(
             spec,
@@ -207,16 +193,10 @@ def checked_event_window(spec: KVCacheSpec) -> int | None:
     return window
 
 
-def _event_window(spec: KVCacheSpec) -> object:
-    return spec.event_window
-
-
 def checked_state_cache_mode(spec: KVCacheSpec) -> str | None:
     """``spec.state_cache_mode`` (the recurrent-state caching mode it runs
     under), which must be ``None`` or a str."""
-    mode: object = call_plugin(
-        spec, "state_cache_mode", functools.partial(_state_cache_mode, spec)
-    )
+    mode = declared(spec, "state_cache_mode")
     if mode is not None and type(mode) is not str:
         raise spec_plugin_error(
             spec,
@@ -225,10 +205,6 @@ def checked_state_cache_mode(spec: KVCacheSpec) -> str | None:
             "mode its states are cached under ('none', 'align' or 'all')",
         )
     return mode
-
-
-def _state_cache_mode(spec: KVCacheSpec) -> object:
-    return spec.state_cache_mode
 
 
 def checked_positive(spec: KVCacheSpec, what: str, value: object) -> int:

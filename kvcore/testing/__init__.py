@@ -11,24 +11,28 @@ Opt-in: nothing here is loaded unless imported.
 
 from __future__ import annotations
 
-import json
-
-import attrs
+import contextlib
+from collections.abc import Iterator
 
 from kvcore.config import CacheConfig, EngineConfig
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.kv_cache_manager import KVCacheManager
 from kvcore.coordinator.manager import HitQuery
 from kvcore.coordinator.request import Request
-from kvcore.errors import InvalidSpecError, KvcoreError, PluginError
+from kvcore.errors import KvcoreError, PluginError
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import get_kv_cache_config_from_groups
-from kvcore.pool import KVCachePool
 from kvcore.registry import KindRegistry
-from kvcore.serialize import make_converter
 from kvcore.spec import KVCacheSpec, cdiv
 from kvcore.structs import KVCacheGroupSpec
+from kvcore.testing.conformance import (
+    check_evolve_revalidates,
+    check_json_round_trip,
+    check_merge_of_one,
+    check_sample,
+    two_layer_pool,
+)
 
 __all__ = ["ConformanceError", "check_kind"]
 
@@ -41,6 +45,19 @@ def _require(ok: bool, kind: CacheKind, rule: str) -> None:
     if not ok:
         msg = f"cache kind {getattr(kind, 'name', kind)!r}: {rule}"
         raise ConformanceError(msg)
+
+
+@contextlib.contextmanager
+def _suite_rules(kind: CacheKind) -> Iterator[None]:
+    """The conformance suite's rules, broken, as a :class:`ConformanceError`
+    naming the kind."""
+    try:
+        yield
+    except ConformanceError:
+        raise
+    except AssertionError as exc:
+        msg = f"cache kind {getattr(kind, 'name', kind)!r}: {exc}"
+        raise ConformanceError(msg) from None
 
 
 def check_kind(
@@ -64,56 +81,27 @@ def check_kind(
         except PluginError as exc:
             msg = f"cache kind {getattr(kind, 'name', kind)!r}: {exc}"
             raise ConformanceError(msg) from exc
-    _require(
-        type(spec) is kind.spec_type, kind, "the sample spec must be its spec_type"
-    )
-    _require(kind.spec_type.kind == kind.name, kind, "spec_type.kind must equal name")
-    _require(
-        registry.kind_for(spec) is kind, kind, "the registry must map the spec to it"
-    )
-    h, n, c = spec.page_grid
-    _require(h * n * c > 0, kind, "page_grid must be positive")
-    _require(spec.page_size_bytes >= h * n * c, kind, "a padded page is never smaller")
-    key = spec.group_key()
-    _require(hash(key) == hash(spec.group_key()), kind, "group_key must be stable")
-    _require(type(spec).merge([spec]) == spec, kind, "merge([spec]) must be spec")
-    try:
-        attrs.evolve(spec, block_size=0)
-    except InvalidSpecError:
-        pass
-    else:
+    with _suite_rules(kind):
+        check_sample(kind, spec, registry)
+        h, n, c = spec.page_grid
+        _require(h * n * c > 0, kind, "page_grid must be positive")
         _require(
-            False, kind, "attrs.evolve(spec, block_size=0) must raise InvalidSpecError"
+            spec.page_size_bytes >= h * n * c, kind, "a padded page is never smaller"
         )
-    _require(
-        type(spec).merge_group([spec]) == spec,
-        kind,
-        "merge_group([spec]) must be spec (the spec a one-layer group's manager "
-        "runs on)",
-    )
-    _check_planning_declarations(kind, spec)
-    converter = make_converter(registry)
-    data = json.loads(json.dumps(converter.unstructure(spec)))
-    _require(data.get("kind") == kind.name, kind, "JSON carries the kind tag")
-    _require(
-        converter.structure_spec(data) == spec,
-        kind,
-        "the spec round-trips through JSON",
-    )
+        key = spec.group_key()
+        _require(hash(key) == hash(spec.group_key()), kind, "group_key must be stable")
+        check_merge_of_one(spec)
+        check_evolve_revalidates(spec)
+        _check_planning_declarations(kind, spec)
+        check_json_round_trip(kind, spec, registry)
 
-    config = EngineConfig(cache_config=CacheConfig(kv_cache_layout=KVCacheLayout.BLHNC))
-    group = KVCacheGroupSpec(["layer.0", "layer.1"], spec)
-    plan = get_kv_cache_config_from_groups(
-        config, [group], 3 * 2 * spec.page_size_bytes * 8
-    )
     try:
-        pool = KVCachePool(plan, "cpu", registry=registry)
+        plan, pool = two_layer_pool(spec, registry)
     except PluginError as exc:
         msg = f"cache kind {kind.name!r}: binding its views failed: {exc}"
         raise ConformanceError(msg) from exc
     storage = pool.buffer.untyped_storage().data_ptr()
-    for name in group.layer_names:
-        view = pool.views[name]
+    for view in pool.views.values():
         for tensor in view if isinstance(view, tuple) else (view,):
             _require(
                 tensor.untyped_storage().data_ptr() == storage,
@@ -216,20 +204,10 @@ def _check_blocks_held(
     total = 16 * bs
     # Enough blocks for the whole request however the kind holds them.
     num_blocks = max(cdiv(total, bs), spec.max_num_blocks_per_request(total)) + 4
-    config = EngineConfig(
-        cache_config=CacheConfig(
-            kv_cache_layout=KVCacheLayout.BLHNC, num_gpu_blocks_override=num_blocks
-        ),
-        max_model_len=total,
-    )
-    group = KVCacheGroupSpec(["layer.0"], spec)
-    plan = get_kv_cache_config_from_groups(
-        config, [group], num_blocks * spec.page_size_bytes
-    )
-    manager = KVCacheManager.from_plan(plan, registry=registry)
+    manager = _one_layer_manager(spec, registry, num_blocks, total, caching=False)
     block_size = manager.coordinator.single_type_managers[0].block_size
     pool = manager.block_pool
-    usable = plan.num_blocks - 1
+    usable = pool.num_blocks - 1
     rid = "check_kind"
     fix = (
         "make the manager and num_blocks_held agree (the capacity model "
@@ -237,8 +215,7 @@ def _check_blocks_held(
     )
 
     def compare(step: str, computed: int, covered: int) -> None:
-        table = manager.coordinator.get_blocks(rid)[0]
-        in_table = len({b.block_id for b in table if not b.is_null})
+        in_table = _held(manager, rid)
         taken = usable - pool.free_queue.num_free
         _require(
             in_table == taken,
@@ -281,6 +258,33 @@ def _check_blocks_held(
     )
 
 
+def _one_layer_manager(
+    spec: KVCacheSpec,
+    registry: KindRegistry,
+    num_blocks: int,
+    max_model_len: int,
+    *,
+    caching: bool,
+) -> KVCacheManager:
+    """A manager for one layer of ``spec`` with ``num_blocks`` blocks."""
+    cache = CacheConfig(
+        kv_cache_layout=KVCacheLayout.BLHNC,
+        num_gpu_blocks_override=num_blocks,
+        enable_prefix_caching=caching,
+    )
+    config = EngineConfig(cache_config=cache, max_model_len=max_model_len)
+    group = KVCacheGroupSpec(["layer.0"], spec)
+    size = num_blocks * spec.page_size_bytes
+    plan = get_kv_cache_config_from_groups(config, [group], size)
+    return KVCacheManager.from_plan(plan, registry=registry)
+
+
+def _held(manager: KVCacheManager, rid: str) -> int:
+    """Distinct real blocks in the request's table of group 0."""
+    table = manager.coordinator.get_blocks(rid)[0]
+    return len({b.block_id for b in table if not b.is_null})
+
+
 def _check_hit_cycle(
     kind: CacheKind, spec: KVCacheSpec, registry: KindRegistry
 ) -> None:
@@ -295,33 +299,13 @@ def _check_hit_cycle(
     total = prompt + decode
     bound = spec.max_num_blocks_per_request(total)
     num_blocks = 2 * max(cdiv(total, bs), bound) + 8
-    config = EngineConfig(
-        cache_config=CacheConfig(
-            kv_cache_layout=KVCacheLayout.BLHNC,
-            num_gpu_blocks_override=num_blocks,
-            enable_prefix_caching=True,
-        ),
-        max_model_len=total,
-    )
-    plan = get_kv_cache_config_from_groups(
-        config, [KVCacheGroupSpec(["layer.0"], spec)], num_blocks * spec.page_size_bytes
-    )
-    manager = KVCacheManager.from_plan(plan, registry=registry)
+    manager = _one_layer_manager(spec, registry, num_blocks, total, caching=True)
     pool = manager.block_pool
-    usable = plan.num_blocks - 1
+    usable = pool.num_blocks - 1
     hash_size = manager.hash_block_size if manager.enable_caching else None
     tokens = [7 + i % 97 for i in range(prompt)]
 
-    def held(rid: str) -> int:
-        return len(
-            {
-                b.block_id
-                for b in manager.coordinator.get_blocks(rid)[0]
-                if not b.is_null
-            }
-        )
-
-    def run(request: Request, what: str, hit_tokens: int) -> None:
+    def run(request: Request, what: str) -> None:
         computed = request.num_computed_tokens
         # Whole-block chunks, so kinds that keep a state only where a step
         # ends (Mamba ``align``) have states a later request can hit.
@@ -337,10 +321,10 @@ def _check_hit_cycle(
             need = spec.num_blocks_held(computed, computed + size, bs)
             extra = spec.checkpoint_blocks_per_step
             _require(
-                held(request.request_id) <= need + extra,
+                _held(manager, request.request_id) <= need + extra,
                 kind,
                 f"{what}: prefilling tokens {computed}..{computed + size} the "
-                f"request holds {held(request.request_id)} blocks, more than "
+                f"request holds {_held(manager, request.request_id)} blocks, more than "
                 f"spec.num_blocks_held says ({need}) plus "
                 f"spec.checkpoint_blocks_per_step ({extra})",
             )
@@ -358,15 +342,14 @@ def _check_hit_cycle(
             )
             request.num_computed_tokens += 1
             _require(
-                held(request.request_id) <= bound,
+                _held(manager, request.request_id) <= bound,
                 kind,
-                f"{what}: decoding, the request holds {held(request.request_id)} "
+                f"{what}: decoding, the request holds {_held(manager, request.request_id)} "
                 f"blocks, more than max_num_blocks_per_request({total}) = {bound}",
             )
-        del hit_tokens
 
     first = Request("cycle-1", tokens, hash_block_size=hash_size)
-    run(first, "the first request", 0)
+    run(first, "the first request")
     manager.free(first)
     second = Request("cycle-2", tokens, hash_block_size=hash_size)
     hit, length = manager.get_computed_blocks(second)
@@ -398,7 +381,7 @@ def _check_hit_cycle(
             "admitting the second request with its hit was refused",
         )
         second.num_computed_tokens = prompt
-    run(second, "the second request", length)
+    run(second, "the second request")
     # Preempt it mid-flight, then admit it again from its prompt.
     manager.free(second)
     again = Request("cycle-3", tokens, hash_block_size=hash_size)
@@ -411,7 +394,7 @@ def _check_hit_cycle(
             blocks is not None, kind, "re-admitting a preempted request was refused"
         )
         again.num_computed_tokens = prompt
-    run(again, "the re-admitted request", length)
+    run(again, "the re-admitted request")
     manager.free(again)
     _require(
         pool.free_queue.num_free == usable,

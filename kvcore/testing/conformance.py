@@ -119,45 +119,17 @@ class KindConformance:
 
     # -- the tests ----------------------------------------------------------
     def test_sample_is_the_kinds_spec(self, kvcore_case: ConformanceCase) -> None:
-        spec = kvcore_case.sample()
-        _check(
-            type(spec) is kvcore_case.kind.spec_type,
-            f"the sample is a {type(spec).__name__}, not the kind's spec_type "
-            f"{kvcore_case.kind.spec_type.__name__}",
-        )
-        _check(
-            kvcore_case.registry.kind_for(spec) is kvcore_case.kind,
-            "the registry does not map the sample to its kind",
-        )
+        check_sample(kvcore_case.kind, kvcore_case.sample(), kvcore_case.registry)
 
     def test_json_round_trip(self, kvcore_case: ConformanceCase) -> None:
         spec = kvcore_case.sample()
-        converter = make_converter(kvcore_case.registry)
-        data = json.loads(json.dumps(converter.unstructure(spec)))
-        _check(
-            data.get("kind") == kvcore_case.name,
-            f"the spec's JSON carries kind {data.get('kind')!r}, not "
-            f"{kvcore_case.name!r}",
-        )
-        back = converter.structure_spec(data)
-        _check(back == spec, f"the JSON round trip gives {back!r}, not {spec!r}")
+        check_json_round_trip(kvcore_case.kind, spec, kvcore_case.registry)
 
     def test_evolve_revalidates(self, kvcore_case: ConformanceCase) -> None:
-        spec = kvcore_case.sample()
-        try:
-            attrs.evolve(spec, block_size=0)
-        except InvalidSpecError:
-            return
-        _check(False, "attrs.evolve(spec, block_size=0) must raise InvalidSpecError")
+        check_evolve_revalidates(kvcore_case.sample())
 
     def test_merge_of_one_is_itself(self, kvcore_case: ConformanceCase) -> None:
-        spec = kvcore_case.sample()
-        merged = type(spec).merge([spec])
-        _check(merged == spec, f"merge([spec]) is {merged!r}, not the spec")
-        _check(
-            type(spec).merge_group([spec]) == spec,
-            "merge_group([spec]) is not the spec",
-        )
+        check_merge_of_one(kvcore_case.sample())
 
     def test_merging_unequal_specs_raises(self, kvcore_case: ConformanceCase) -> None:
         spec = kvcore_case.sample()
@@ -197,7 +169,7 @@ class KindConformance:
         self, kvcore_case: ConformanceCase
     ) -> None:
         spec = kvcore_case.sample()
-        plan, pool = _pool(spec, kvcore_case.registry)
+        plan, pool = two_layer_pool(spec, kvcore_case.registry)
         pool.buffer.fill_(0xFF)
         block = 1
         for tensor in _tensors(pool.views["layer.0"]):
@@ -225,7 +197,7 @@ class KindConformance:
         self, kvcore_case: ConformanceCase
     ) -> None:
         spec = kvcore_case.sample()
-        plan, pool = _pool(spec, kvcore_case.registry)
+        plan, pool = two_layer_pool(spec, kvcore_case.registry)
         storage = pool.buffer.untyped_storage().data_ptr()
         tensor = plan.kv_cache_tensors[0]
         raws = pool._raw_views(pool.buffer, tensor, spec, plan.num_blocks, None)
@@ -302,6 +274,55 @@ class KindConformance:
         return results
 
 
+# -- the rules check_kind shares -----------------------------------------------
+def check_sample(kind: CacheKind, spec: KVCacheSpec, registry: KindRegistry) -> None:
+    """The sample is the kind's spec class, and the registry maps it there."""
+    _check(
+        type(spec) is kind.spec_type,
+        f"the sample spec must be its spec_type (it is a {type(spec).__name__}, "
+        f"not {kind.spec_type.__name__})",
+    )
+    _check(kind.spec_type.kind == kind.name, "spec_type.kind must equal name")
+    _check(
+        registry.kind_for(spec) is kind,
+        "the registry does not map the sample to its kind",
+    )
+
+
+def check_json_round_trip(
+    kind: CacheKind, spec: KVCacheSpec, registry: KindRegistry
+) -> None:
+    """The spec's JSON carries the kind's tag and reads back as the spec."""
+    converter = make_converter(registry)
+    data = json.loads(json.dumps(converter.unstructure(spec)))
+    _check(
+        data.get("kind") == kind.name,
+        f"the spec's JSON carries kind {data.get('kind')!r}, not {kind.name!r}",
+    )
+    back = converter.structure_spec(data)
+    _check(back == spec, f"the JSON round trip gives {back!r}, not {spec!r}")
+
+
+def check_evolve_revalidates(spec: KVCacheSpec) -> None:
+    """``attrs.evolve`` runs the spec's validators again."""
+    try:
+        attrs.evolve(spec, block_size=0)
+    except InvalidSpecError:
+        return
+    _check(False, "attrs.evolve(spec, block_size=0) must raise InvalidSpecError")
+
+
+def check_merge_of_one(spec: KVCacheSpec) -> None:
+    """``merge([spec])`` and ``merge_group([spec])`` are the spec."""
+    merged = type(spec).merge([spec])
+    _check(merged == spec, f"merge([spec]) is {merged!r}, not the spec")
+    _check(
+        type(spec).merge_group([spec]) == spec,
+        "merge_group([spec]) is not the spec (the spec a one-layer group's "
+        "manager runs on)",
+    )
+
+
 def _import_root(cls: type) -> str | None:
     """The folder to put on ``sys.path`` so ``cls``'s module imports (a plugin
     imported from a path that is no longer on ``sys.path``)."""
@@ -325,7 +346,7 @@ def _tensors(view: LayerView) -> tuple[torch.Tensor, ...]:
     return view if isinstance(view, tuple) else (view,)
 
 
-def _pool(
+def two_layer_pool(
     spec: KVCacheSpec, registry: KindRegistry
 ) -> tuple[KVCacheConfig, KVCachePool]:
     """Two layers of ``spec`` in one group, in a block-outermost layout, four

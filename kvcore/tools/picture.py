@@ -547,27 +547,22 @@ def _draw_capacity(
     ideal = [c.ideal_concurrency for c in points]
     smooth = bool(line)
     marker = None if smooth else "o"
-    (plan_line,) = ax.plot(
-        contexts,
-        real,
-        color="C0",
-        linewidth=1.8,
-        label="this plan",
-        marker=marker,
-        markersize=4,
-    )
-    plan_line.set_gid("capacity:plan")
-    (ideal_line,) = ax.plot(
-        contexts,
-        ideal,
-        color="C3",
-        linestyle="--",
-        linewidth=1.4,
-        label="physical limit (every layer's own pages, nothing reserved)",
-        marker=marker,
-        markersize=4,
-    )
-    ideal_line.set_gid("capacity:ideal")
+    physical = "physical limit (every layer's own pages, nothing reserved)"
+    for gid, values, color, dashes, width, label in (
+        ("plan", real, "C0", "-", 1.8, "this plan"),
+        ("ideal", ideal, "C3", "--", 1.4, physical),
+    ):
+        (drawn,) = ax.plot(
+            contexts,
+            values,
+            color=color,
+            linestyle=dashes,
+            linewidth=width,
+            label=label,
+            marker=marker,
+            markersize=4,
+        )
+        drawn.set_gid(f"capacity:{gid}")
     ax.fill_between(
         contexts, real, ideal, color="C3", alpha=0.08, linewidth=0, label="gap"
     )

@@ -167,9 +167,9 @@ def render_summary(summary: PlanSummary, *, width: int | None = None) -> Rendera
             else ""
         )
         + f", layout {layout}, {len(summary.groups)} groups",
-        f"stride {format_size(summary.bytes_per_block)} ({summary.bytes_per_block} B): "
+        f"stride {format_size(plan.bytes_per_block)} ({plan.bytes_per_block} B): "
         f"{summary.stride_reason()}",
-        f"{summary.num_blocks:,} blocks in {format_size(summary.memory)} "
+        f"{plan.num_blocks:,} blocks in {format_size(summary.memory)} "
         f"(block 0 is the null block)",
     ]
     hits = summary.hit_granularity

@@ -12,7 +12,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -25,6 +25,7 @@ from kvcore.plan.capacity import (
 from kvcore.plan.declarations import layer_alignment
 from kvcore.spec import HitPolicy, KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
+from kvcore.tools.records import Record, record
 from kvcore.tools.units import format_size, format_tokens
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def compact_layer_names(names: Iterable[str]) -> list[str]:
 
 
 @attrs.frozen
-class GroupSummary:
+class GroupSummary(Record):
     """One cache group as a person reads it."""
 
     index: int
@@ -100,21 +101,14 @@ class GroupSummary:
         """``cacheable`` (its blocks serve prefix hits) or ``scratch``."""
         return "cacheable" if self.prefix_cacheable else "scratch"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "layers": list(self.layer_names),
-            "layer_ranges": list(self.layer_ranges),
-            "kinds": dict(self.kinds),
-            "block_size": self.block_size,
-            "packed_bytes": self.packed_bytes,
-            "fill": self.fill,
-            "prefix_cacheable": self.prefix_cacheable,
-        }
+    json_fields: ClassVar[str] = (
+        "index layers=layer_names layer_ranges kinds block_size packed_bytes "
+        "fill prefix_cacheable"
+    )
 
 
 @attrs.frozen
-class CapacityRow:
+class CapacityRow(Record):
     """Requests of one length the plan holds, beside the physical limit."""
 
     capacity: Capacity
@@ -143,22 +137,15 @@ class CapacityRow:
     def fits(self) -> bool:
         return self.concurrency > 0
 
-    def to_dict(self) -> dict[str, Any]:
-        c = self.capacity
-        return {
-            "context": c.context,
-            "concurrency": c.concurrency,
-            "tokens": c.tokens,
-            "physical_limit": c.ideal_concurrency,
-            "physical_limit_requests": self.limit,
-            "ratio": self.ratio,
-            "unreserved_concurrency": c.unreserved_concurrency,
-            "blocks_per_request": c.blocks_per_request,
-            "bytes_per_request": c.bytes_per_request,
-            "prefill_peak_blocks": c.prefill_peak_blocks,
-            "fits": self.fits,
-            "bytes_for_one_request": self.bytes_for_one,
-        }
+    json_fields: ClassVar[str] = (
+        "context concurrency tokens=capacity.tokens "
+        "physical_limit=capacity.ideal_concurrency physical_limit_requests=limit "
+        "ratio unreserved_concurrency=capacity.unreserved_concurrency "
+        "blocks_per_request=capacity.blocks_per_request "
+        "bytes_per_request=capacity.bytes_per_request "
+        "prefill_peak_blocks=capacity.prefill_peak_blocks fits "
+        "bytes_for_one_request=bytes_for_one"
+    )
 
 
 @attrs.frozen
@@ -176,14 +163,6 @@ class PlanSummary:
     notes: tuple[str, ...] = ()
 
     @property
-    def bytes_per_block(self) -> int:
-        return self.plan.bytes_per_block
-
-    @property
-    def num_blocks(self) -> int:
-        return self.plan.num_blocks
-
-    @property
     def hit_granularity(self) -> int | None:
         return plan_hit_granularity(self.plan)
 
@@ -194,7 +173,7 @@ class PlanSummary:
             f"group {widest.index} is the widest ({format_size(widest.packed_bytes)}"
             f" of pages)"
         )
-        padding = self.bytes_per_block - widest.packed_bytes
+        padding = self.plan.bytes_per_block - widest.packed_bytes
         if padding > 0:
             text += (
                 f", rounded up by {padding} B to the layout's alignment"
@@ -221,14 +200,13 @@ class PlanSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "bytes_per_block": self.bytes_per_block,
-            "num_blocks": self.num_blocks,
-            "memory": self.memory,
-            "widest_group": self.widest_group,
-            "stride_alignment": self.stride_alignment,
+            **record(
+                self,
+                "bytes_per_block=plan.bytes_per_block num_blocks=plan.num_blocks "
+                "memory widest_group stride_alignment",
+            ),
             "stride_reason": self.stride_reason(),
-            "hit_granularity": self.hit_granularity,
-            "groups": [g.to_dict() for g in self.groups],
+            **record(self, "hit_granularity groups"),
             "verdict": self.verdict(),
         }
 

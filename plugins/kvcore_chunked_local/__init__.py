@@ -17,8 +17,8 @@ from typing import ClassVar
 import attrs
 
 from kvcore.errors import InvalidSpecError
-from kvcore.hookspecs import hookimpl
-from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.hookspecs import kinds_impl
+from kvcore.kinds import AttentionKind
 from kvcore.spec import AttentionSpec, HitPolicy, PackingRole, cdiv, positive_int
 from kvcore_chunked_local.manager import ChunkedLocalManager
 
@@ -82,11 +82,8 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
 
 class ChunkedLocalAttention(AttentionKind):
-    name: ClassVar[str] = "chunked_local_attention"
     spec_type = ChunkedLocalAttentionSpec
     manager_type = ChunkedLocalManager
 
 
-@hookimpl
-def kvcore_register_kinds() -> list[CacheKind]:
-    return [ChunkedLocalAttention()]
+kvcore_register_kinds = kinds_impl(ChunkedLocalAttention())

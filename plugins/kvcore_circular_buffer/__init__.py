@@ -14,8 +14,8 @@ from typing import ClassVar
 import attrs
 import torch
 
-from kvcore.hookspecs import hookimpl
-from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.hookspecs import kinds_impl
+from kvcore.kinds import AttentionKind
 from kvcore.spec import AttentionSpec, HitPolicy, PackingRole
 from kvcore_circular_buffer.manager import CircularBufferManager
 
@@ -58,11 +58,8 @@ class CircularBufferSpec(AttentionSpec):
 
 
 class CircularBuffer(AttentionKind):
-    name: ClassVar[str] = "circular_buffer"
     spec_type = CircularBufferSpec
     manager_type = CircularBufferManager
 
 
-@hookimpl
-def kvcore_register_kinds() -> list[CacheKind]:
-    return [CircularBuffer()]
+kvcore_register_kinds = kinds_impl(CircularBuffer())

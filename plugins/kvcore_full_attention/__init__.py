@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import attrs
 
-from kvcore.hookspecs import hookimpl
-from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.hookspecs import kinds_impl
+from kvcore.kinds import AttentionKind
 from kvcore.spec import AttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
 
@@ -42,11 +42,8 @@ class FullAttentionSpec(AttentionSpec):
 
 
 class FullAttention(AttentionKind):
-    name: ClassVar[str] = "full_attention"
     spec_type = FullAttentionSpec
     manager_type = FullAttentionManager
 
 
-@hookimpl
-def kvcore_register_kinds() -> list[CacheKind]:
-    return [FullAttention()]
+kvcore_register_kinds = kinds_impl(FullAttention())

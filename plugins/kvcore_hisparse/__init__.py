@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import attrs
 
-from kvcore.hookspecs import hookimpl
+from kvcore.hookspecs import kinds_impl
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import (
@@ -84,7 +84,6 @@ class HiSparseHotSpec(KVCacheSpec):
 class HiSparseHot(CacheKind):
     """Hot pages stay raw bytes ``[num_blocks, 1, 1, page_size]``."""
 
-    name: ClassVar[str] = "hisparse_hot"
     spec_type = HiSparseHotSpec
     manager_type = HiSparseHotManager
 
@@ -116,6 +115,4 @@ def build_hisparse_kv_cache_tensors(
     )
 
 
-@hookimpl
-def kvcore_register_kinds() -> list[CacheKind]:
-    return [HiSparseHot()]
+kvcore_register_kinds = kinds_impl(HiSparseHot())

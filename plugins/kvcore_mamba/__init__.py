@@ -21,7 +21,7 @@ from kvcore.checkpoints import (
 )
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.errors import InvalidSpecError, LayoutError
-from kvcore.hookspecs import hookimpl
+from kvcore.hookspecs import kinds_impl
 from kvcore.kinds import CacheKind, LayerView, view_as_dtype
 from kvcore.spec import (
     HitPolicy,
@@ -449,7 +449,6 @@ class Mamba(CacheKind):
     """Binds each layer to a tuple of typed state tensors ``[num_blocks,
     *shape]``, one per state shape, back to back inside the page."""
 
-    name: ClassVar[str] = "mamba"
     spec_type = MambaSpec
     manager_type = MambaManager
 
@@ -481,6 +480,4 @@ class Mamba(CacheKind):
         return tuple(views)
 
 
-@hookimpl
-def kvcore_register_kinds() -> list[CacheKind]:
-    return [Mamba()]
+kvcore_register_kinds = kinds_impl(Mamba())

@@ -12,8 +12,8 @@ from typing import ClassVar
 import attrs
 
 from kvcore.coordinator.managers import PrefixManager
-from kvcore.hookspecs import hookimpl
-from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.hookspecs import kinds_impl
+from kvcore.kinds import AttentionKind
 from kvcore.spec import Sharded, non_negative_int, replicate
 from kvcore_full_attention import FullAttentionSpec
 
@@ -41,12 +41,9 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 class MLA(AttentionKind):
-    name: ClassVar[str] = "mla"
     spec_type = MLAAttentionSpec
     # An MLA layer keeps every state of the request, like full attention.
     manager_type = PrefixManager
 
 
-@hookimpl
-def kvcore_register_kinds() -> list[CacheKind]:
-    return [MLA()]
+kvcore_register_kinds = kinds_impl(MLA())

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import attrs
 
-from kvcore.hookspecs import hookimpl
-from kvcore.kinds import AttentionKind, CacheKind
+from kvcore.hookspecs import kinds_impl
+from kvcore.kinds import AttentionKind
 from kvcore.spec import (
     AttentionSpec,
     HitPolicy,
@@ -103,17 +103,13 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 
 
 class SlidingWindow(AttentionKind):
-    name: ClassVar[str] = "sliding_window"
     spec_type = SlidingWindowSpec
     manager_type = SlidingWindowManager
 
 
 class SlidingWindowMLA(AttentionKind):
-    name: ClassVar[str] = "sliding_window_mla"
     spec_type = SlidingWindowMLASpec
     manager_type = SlidingWindowManager
 
 
-@hookimpl
-def kvcore_register_kinds() -> list[CacheKind]:
-    return [SlidingWindow(), SlidingWindowMLA()]
+kvcore_register_kinds = kinds_impl(SlidingWindow(), SlidingWindowMLA())

@@ -19,10 +19,17 @@ import traceback
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
-from kvcore.errors import KvcoreError, did_you_mean, one_line
+from kvcore.errors import KvcoreError, did_you_mean, escape_controls
 from kvcore.tools.cli.parsers import COMMANDS
+from kvcore.tools.limits import MAX_MESSAGE_CHARS
 
 __all__ = ["build_parser", "main"]
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """An error message as one escaped line of at most ``limit`` characters."""
+    text = escape_controls(message)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _Parser(argparse.ArgumentParser):

@@ -162,10 +162,6 @@ class Planned:
         return not isinstance(self.source, Path)
 
     @property
-    def max_num_batched_tokens(self) -> int:
-        return self.config.max_num_batched_tokens
-
-    @property
     def specs(self) -> dict[str, Any]:
         """The layers as one rank serves them (the plan's input)."""
         if self.stage_layers is not None:

@@ -245,8 +245,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             {
                 "policy": policy,
                 "groups": len(s.groups),
-                "bytes_per_block": s.bytes_per_block,
-                "num_blocks": s.num_blocks,
+                "bytes_per_block": s.plan.bytes_per_block,
+                "num_blocks": s.plan.num_blocks,
                 "capacity": [
                     {
                         **r.to_dict(),
@@ -289,8 +289,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         cells = [
             policy,
             str(len(s.groups)),
-            format_size(s.bytes_per_block),
-            f"{s.num_blocks:,}",
+            format_size(s.plan.bytes_per_block),
+            f"{s.plan.num_blocks:,}",
         ]
         for row in s.rows:
             cells.append(f"{row.concurrency} ({row.ratio:.3f})")

@@ -23,7 +23,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from kvcore.limits import MAX_WORKLOAD_REQUESTS
 from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.tools.choices import DEFAULT_DECODE_RATE, DEFAULT_PREFILL_RATE
 from kvcore.tools.cli.console import make_console
@@ -33,6 +32,7 @@ from kvcore.tools.cli.options import (
     plan_from_args,
 )
 from kvcore.tools.cli.parsers import SIMULATE_SCHEMA_VERSION
+from kvcore.tools.limits import MAX_WORKLOAD_REQUESTS
 from kvcore.tools.simulate import (
     NAMED_WORKLOADS,
     Driver,
@@ -300,7 +300,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         driver = Driver(
             planned.plan,
             registry=planned.registry,
-            max_num_batched_tokens=planned.max_num_batched_tokens,
+            max_num_batched_tokens=planned.config.max_num_batched_tokens,
             keep_finished=args.keep_finished,
             max_steps=max_steps,
             validate=args.validate,

@@ -40,11 +40,12 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import attrs
 
-from kvcore.limits import (
+from kvcore.tools.choices import TRACE_FORMATS
+from kvcore.tools.limits import (
     MAX_TRACE_BLOCK_TOKENS,
     MAX_TRACE_HASH_ID,
     MAX_TRACE_LINE_CHARS,
@@ -52,7 +53,7 @@ from kvcore.limits import (
     MAX_TRACE_TOTAL_TOKENS,
     MAX_WORKLOAD_REQUESTS,
 )
-from kvcore.tools.choices import TRACE_FORMATS
+from kvcore.tools.records import Record
 from kvcore.tools.simulate.trace import TraceError, parse_trace, read_trace_lines
 from kvcore.tools.simulate.workload import (
     TokenRun,
@@ -108,7 +109,7 @@ def _own_tokens(key: str, count: int) -> bytes:
 
 
 @attrs.frozen
-class TraceCeiling:
+class TraceCeiling(Record):
     """What an unbounded prefix cache could serve of a trace's prompts,
     from its hash ids alone (see the module docs)."""
 
@@ -129,15 +130,10 @@ class TraceCeiling:
     def aligned_rate(self) -> float:
         return self.aligned_tokens / self.input_tokens if self.input_tokens else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "input_tokens": self.input_tokens,
-            "ceiling_tokens": self.ceiling_tokens,
-            "ceiling_rate": self.rate,
-            "granularity": self.granularity,
-            "aligned_tokens": self.aligned_tokens,
-            "aligned_rate": self.aligned_rate,
-        }
+    json_fields: ClassVar[str] = (
+        "input_tokens ceiling_tokens ceiling_rate=rate granularity "
+        "aligned_tokens aligned_rate"
+    )
 
 
 @attrs.frozen

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 import attrs
+
+from kvcore.tools.records import Record
 
 __all__ = ["ConcurrencySample", "GroupUsage", "SimulationResult", "Unserved"]
 
 
 @attrs.frozen
-class ConcurrencySample:
+class ConcurrencySample(Record):
     """Requests holding blocks over a span of working steps (counted after
     each step's allocation; kept finished requests included).
 
@@ -25,18 +27,11 @@ class ConcurrencySample:
     mean: float
     peak: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "first_step": self.first_step,
-            "last_step": self.last_step,
-            "clock_s": self.clock_s,
-            "mean": self.mean,
-            "peak": self.peak,
-        }
+    json_fields: ClassVar[str] = "first_step last_step clock_s mean peak"
 
 
 @attrs.frozen
-class GroupUsage:
+class GroupUsage(Record):
     """One cache group's blocks over the run: distinct blocks its requests'
     tables hold (blocks shared by a prefix hit count once; the null block
     never), sampled at every step after allocation.
@@ -57,31 +52,24 @@ class GroupUsage:
     peak_cached_blocks: int = 0
     mean_cached_blocks: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "kinds": list(self.kinds),
-            "block_size": self.block_size,
-            "peak_blocks": self.peak_blocks,
-            "mean_blocks": self.mean_blocks,
-            "peak_cached_blocks": self.peak_cached_blocks,
-            "mean_cached_blocks": self.mean_cached_blocks,
-        }
+    json_fields: ClassVar[str] = (
+        "group kinds block_size peak_blocks mean_blocks peak_cached_blocks "
+        "mean_cached_blocks"
+    )
 
 
 @attrs.frozen
-class Unserved:
+class Unserved(Record):
     """A request the simulator gave up on, and why."""
 
     id: str
     reason: str
 
-    def to_dict(self) -> dict[str, str]:
-        return {"id": self.id, "reason": self.reason}
+    json_fields: ClassVar[str] = "id reason"
 
 
 @attrs.frozen
-class SimulationResult:
+class SimulationResult(Record):
     """The figures of one run.
 
     :param steps: scheduler steps from step 0 to the last one that did work
@@ -154,12 +142,14 @@ class SimulationResult:
     mean_running: float = 0.0
     concurrency: tuple[ConcurrencySample, ...] = ()
 
+    def _of_looked_up(self, tokens: int) -> float:
+        looked_up = self.prompt_tokens_looked_up
+        return tokens / looked_up if looked_up else 0.0
+
     @property
     def prefix_hit_rate(self) -> float:
         """Hit tokens over looked-up tokens (0 when nothing was looked up)."""
-        if not self.prompt_tokens_looked_up:
-            return 0.0
-        return self.prefix_hit_tokens / self.prompt_tokens_looked_up
+        return self._of_looked_up(self.prefix_hit_tokens)
 
     @property
     def hit_rate(self) -> float:
@@ -170,9 +160,7 @@ class SimulationResult:
     def bound_rate(self) -> float:
         """Token-bound tokens over looked-up tokens (0 when nothing was
         looked up): the hit rate a perfect token-level cache would reach."""
-        if not self.prompt_tokens_looked_up:
-            return 0.0
-        return self.token_bound_tokens / self.prompt_tokens_looked_up
+        return self._of_looked_up(self.token_bound_tokens)
 
     @property
     def peak_usage(self) -> float:
@@ -180,39 +168,13 @@ class SimulationResult:
         usable = self.num_blocks - 1
         return self.peak_blocks_in_use / usable if usable else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "completed": self.completed,
-            "steps": self.steps,
-            "tokens_generated": self.tokens_generated,
-            "computed_tokens": self.computed_tokens,
-            "prompt_tokens_looked_up": self.prompt_tokens_looked_up,
-            "prefix_hit_tokens": self.prefix_hit_tokens,
-            "prefix_hit_rate": self.prefix_hit_rate,
-            "token_bound_tokens": self.token_bound_tokens,
-            "bound_rate": self.bound_rate,
-            "refused_steps": self.refused_steps,
-            "preemptions": self.preemptions,
-            "admission_refusals": self.admission_refusals,
-            "peak_running": self.peak_running,
-            "num_blocks": self.num_blocks,
-            "peak_blocks_in_use": self.peak_blocks_in_use,
-            "mean_blocks_in_use": self.mean_blocks_in_use,
-            "peak_usage": self.peak_usage,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "groups": [g.to_dict() for g in self.groups],
-            "unserved": [u.to_dict() for u in self.unserved],
-            "unfinished": list(self.unfinished),
-            "evictions": self.evictions,
-            "peak_cached_blocks": self.peak_cached_blocks,
-            "peak_cached_state_blocks": self.peak_cached_state_blocks,
-            "validated": self.validated,
-            "checked_hits": self.checked_hits,
-            "invalid_hits": self.invalid_hits,
-            "invalid_hit_reports": list(self.invalid_hit_reports),
-            "timed": self.timed,
-            "clock_s": self.clock_s,
-            "mean_running": self.mean_running,
-            "concurrency": [c.to_dict() for c in self.concurrency],
-        }
+    json_fields: ClassVar[str] = (
+        "requests completed steps tokens_generated computed_tokens "
+        "prompt_tokens_looked_up prefix_hit_tokens prefix_hit_rate "
+        "token_bound_tokens bound_rate refused_steps preemptions "
+        "admission_refusals peak_running num_blocks peak_blocks_in_use "
+        "mean_blocks_in_use peak_usage max_num_batched_tokens groups unserved "
+        "unfinished evictions peak_cached_blocks peak_cached_state_blocks "
+        "validated checked_hits invalid_hits invalid_hit_reports timed clock_s "
+        "mean_running concurrency"
+    )

@@ -32,6 +32,7 @@ from typing import NoReturn
 
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT
 from kvcore.errors import KvcoreValueError
+from kvcore.tools.limits import MAX_TRACE_REQUEST_TOKENS
 from kvcore.tools.simulate.workload import (
     Workload,
     WorkloadRequest,
@@ -51,9 +52,6 @@ FIELDS = (
     "parent",
     "output_len",
 )
-
-#: The longest prompt, prefix or output a trace line may ask for.
-MAX_TRACE_TOKENS = 2**24
 
 
 class TraceError(KvcoreValueError):
@@ -135,8 +133,8 @@ def _parse_line(
         value = data.get(field, default)
         if type(value) is not int or value < low:
             fail(field, f"must be an int >= {low}, got {value!r}")
-        if value > MAX_TRACE_TOKENS:
-            fail(field, f"must be at most {MAX_TRACE_TOKENS:,}, got {value!r}")
+        if value > MAX_TRACE_REQUEST_TOKENS:
+            fail(field, f"must be at most {MAX_TRACE_REQUEST_TOKENS:,}, got {value!r}")
         return value
 
     def name(field: str) -> str | None:

@@ -19,8 +19,8 @@ import attrs
 import numpy as np
 
 from kvcore.errors import KvcoreValueError
-from kvcore.limits import MAX_WORKLOAD_PREFIX_TOKENS, MAX_WORKLOAD_REQUESTS
 from kvcore.tools.choices import NAMED_WORKLOADS
+from kvcore.tools.limits import MAX_WORKLOAD_PREFIX_TOKENS, MAX_WORKLOAD_REQUESTS
 from kvcore.tools.simulate.lengths import Distribution, parse_distribution
 
 __all__ = [
