@@ -194,9 +194,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     table.add_column("stride", justify="right")
     table.add_column("blocks", justify="right")
     for context in results[0][1].contexts:
-        table.add_column(
-            f"{format_tokens(context)}: requests (of limit)", justify="right"
-        )
+        table.add_column(f"{format_tokens(context)}: requests (ratio)", justify="right")
         table.add_column("vs seed", justify="right")
     for policy, _, s in results:
         cells = [
