@@ -153,14 +153,20 @@ def _distinct(specs: Mapping[str, KVCacheSpec]) -> list[KVCacheSpec]:
 def _grown_bucket(bucket: Bucket, factor: int) -> Bucket:
     if factor == 1:
         return bucket
-    cache: dict[int, KVCacheSpec] = {}
+    # Each distinct spec grows once (layers share equal specs, often one
+    # object), so the grown bucket costs a look-up a layer.
+    by_spec: dict[KVCacheSpec, KVCacheSpec] = {}
+    for spec in bucket.counts:
+        g = checked_grown(spec, factor)
+        if g is None:  # pragma: no cover - the search only offers valid factors
+            msg = f"{spec.kind} cannot grow by {factor}"
+            raise AssertionError(msg)
+        by_spec[spec] = g
+    by_id: dict[int, KVCacheSpec] = {}
     grown: dict[str, KVCacheSpec] = {}
     for name, spec in bucket.specs.items():
-        if id(spec) not in cache:
-            g = checked_grown(spec, factor)
-            if g is None:  # pragma: no cover - the search only offers valid factors
-                msg = f"{spec.kind} cannot grow by {factor}"
-                raise AssertionError(msg)
-            cache[id(spec)] = g
-        grown[name] = cache[id(spec)]
+        g = by_id.get(id(spec))
+        if g is None:
+            g = by_id[id(spec)] = by_spec[spec]
+        grown[name] = g
     return Bucket(grown)
