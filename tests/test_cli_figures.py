@@ -97,3 +97,14 @@ def test_the_limit_column_rounds_down() -> None:
     assert _limit_text(47.96) == "47.9"
     assert _limit_text(48.0) == "48.0"
     assert _limit_text(0.99) == "0.9"
+
+
+def test_weights_just_past_the_budget_read_apart() -> None:
+    # One byte more weights than H100 x 0.90 leaves: "72.0 GiB of weights
+    # leave no KV cache in ... = 72.0 GiB" before.
+    proc = run("plan", "llama-3-1-8b", "--gpu", "H100", "--weights", "77309411329")
+    assert proc.returncode != 0
+    assert (
+        "77,309,411,329 B of weights per rank leave no KV cache in H100 80GB x "
+        "0.90 = 77,309,411,328 B"
+    ) in proc.stderr
