@@ -8,6 +8,7 @@ error naming the kind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -109,10 +110,9 @@ def resolved_defaults(
                     f"resolve_defaults() returned {_short(answer)}; it must return "
                     f"a {type(spec).__name__} or None",
                 )
-            try:
+            # An unhashable spec stays as it is: check_spec_answers refuses it.
+            with contextlib.suppress(TypeError):
                 done = canonical.setdefault(done, done)
-            except TypeError:
-                pass  # an unhashable spec: check_spec_answers refuses it
             memo[id(spec)] = done
         out[name] = done
     return out

@@ -346,18 +346,18 @@ def _walk(
     floor = max(f[0].width for f in frontiers)
     # Each bucket's frontier by stride: (strides, options), cheaper as wider.
     strides = [[max(o.width, floor) for o in f] for f in frontiers]
-    # Every option's stride is a candidate (a wider option off the frontier
-    # may be the one with few enough groups); only frontier options change
-    # the unconstrained sums.
-    events = sorted(
-        [(st, b, i) for b, ss in enumerate(strides) for i, st in enumerate(ss)]
-        + [
+    # Where some unconstrained plan may pass the cap, every option's stride
+    # is a candidate (a wider option off the frontier may be the one with
+    # few enough groups); only frontier options change the sums.
+    events = [(st, b, i) for b, ss in enumerate(strides) for i, st in enumerate(ss)]
+    if sum(max(o.groups for o in f) for f in frontiers) > cap:
+        events += [
             (max(w, floor), -1, -1)
             for bucket in stairs
             for s in bucket
             for w in s.widths
         ]
-    )
+    events.sort()
     at = [-1] * len(stairs)
     cost = groups = 0
     sweep: list[tuple[int, int, int]] = []  # unconstrained (bytes, groups, stride)
