@@ -92,7 +92,10 @@ class CacheConfig:
     :param target_context: the request length ``min_waste`` plans for
         (default: the engine's ``max_model_len``, else 32768).
     :param max_kv_cache_groups: the most groups ``min_waste`` may plan (each
-        costs the scheduler a block table and a manager per step).
+        costs the scheduler a block table and a manager per step); a model
+        with more buckets gets one group a bucket, and where ``seed`` plans
+        more groups, ``min_waste`` may plan as many (it never holds fewer
+        requests than ``seed``).
     :param max_block_growth: the largest factor ``min_waste`` may grow a
         kind's block size by (1: keep the model's block sizes).  Larger blocks
         fill strides that large states force, but prefix hits become

@@ -140,7 +140,8 @@ def test_llama_uniform_hand_worked() -> None:
     # layers makes a 2 MiB stride; 40 GiB hold 20480 blocks.  A 32k request
     # holds 2048 blocks; the null block leaves 20479, so 1 + (20479 - 2048)
     # // 2048 = 9 requests.  The limit: 32 * 8 * 128 * 2 * 2 = 128 KiB a
-    # token, 40 GiB / (32768 * 128 KiB) = 10.0 requests.
+    # token, 40 GiB / (32768 * 128 KiB) = 10.0 requests.  The plan packs
+    # exactly (unreserved 20480 / 2048 = 10.0), so its ratio is 1.00.
     doc = plan_json("llama-3-1-8b", "--memory", "40GiB", "--context", "32K")
     s, row = doc["summary"], doc["capacity"][0]
     assert (s["bytes_per_block"], s["num_blocks"]) == (2 * 2**20, 20480)
@@ -149,7 +150,7 @@ def test_llama_uniform_hand_worked() -> None:
     assert row["physical_limit"] == pytest.approx(10.0)
     assert doc["verdict"] == (
         "Llama-3.1-8B in 40.0 GiB of KV cache: 9 requests of 32K tokens "
-        "(limit 10, 0.90)"
+        "(limit 10, 1.00)"
     )
 
 
@@ -219,8 +220,12 @@ def test_gemma_hybrid_on_h100_tp2_fp8_hand_worked() -> None:
     assert row["physical_limit"] == pytest.approx(49809411328 / 780140544)
     assert doc["verdict"] == (
         "Gemma-3-27B on 2x H100 80GB (TP 2), fp8 KV cache: 62 requests of 32K "
-        "tokens (limit 63, 0.98)"
+        "tokens (limit 63, 1.00)"
     )
+    # 5952 blocks of 128 KiB are the limit's 780140544 B a request: the
+    # packing reaches the limit (ratio 1.00); the reservation and rounding
+    # to whole requests take 62 of 63.85.
+    assert row["ratio"] == pytest.approx(1.0)
 
 
 def test_memory_units_agree() -> None:

@@ -24,10 +24,18 @@ def bucket_key(spec: KVCacheSpec) -> Hashable:
 
 
 def bucket_layers(specs: Mapping[str, KVCacheSpec]) -> list[Bucket]:
-    """The model's buckets, in order of each bucket's first layer."""
+    """The model's buckets, in order of each bucket's first layer.
+
+    Each distinct spec is asked for its key once: layers sharing a spec
+    object (or an equal one) cost a dictionary look-up, so a model of many
+    repeated layers buckets in time linear in its layers."""
     buckets: dict[Hashable, dict[str, KVCacheSpec]] = {}
+    keys: dict[int, Hashable] = {}
     for name, spec in specs.items():
-        buckets.setdefault(bucket_key(spec), {})[name] = spec
+        key = keys.get(id(spec))
+        if key is None:
+            key = keys[id(spec)] = bucket_key(spec)
+        buckets.setdefault(key, {})[name] = spec
     return [Bucket(b) for b in buckets.values()]
 
 
@@ -60,15 +68,28 @@ class Bucket:
     :param specs: layer name to spec, in model order.
     """
 
-    __slots__ = ("_desc", "by_page", "pages", "role", "specs")
+    __slots__ = ("_desc", "by_page", "counts", "pages", "role", "specs")
 
     def __init__(self, specs: dict[str, KVCacheSpec]) -> None:
         self.specs = specs
-        self.pages = {name: spec.page_size_bytes for name, spec in specs.items()}
+        #: distinct spec -> its layers (the bucket as counts, in
+        #: first-appearance order); each distinct spec's page is asked once
+        self.counts: dict[KVCacheSpec, int] = {}
+        page_of: dict[int, int] = {}
+        objects: dict[int, tuple[KVCacheSpec, int]] = {}
+        self.pages: dict[str, int] = {}
         #: page size -> layer names, in first-appearance order
         self.by_page: dict[int, list[str]] = {}
-        for name, page in self.pages.items():
+        for name, spec in specs.items():
+            page = page_of.get(id(spec))
+            if page is None:
+                page = page_of[id(spec)] = spec.page_size_bytes
+            held = objects.get(id(spec))
+            objects[id(spec)] = (spec, 1 if held is None else held[1] + 1)
+            self.pages[name] = page
             self.by_page.setdefault(page, []).append(name)
+        for spec, count in objects.values():
+            self.counts[spec] = self.counts.get(spec, 0) + count
         self.role: PackingRole = next(iter(specs.values())).packing_role
         # pages from the widest down, for the round-robin deal
         self._desc = sorted(self.by_page, reverse=True)

@@ -16,7 +16,17 @@ Block 0 is the null block.  So with ``U = num_blocks - 1`` usable blocks,
 
 The physical limit keeps every layer's own pages at its model-file block
 size, each without its alignment padding, with no stride, no padding to a
-common page, no reservation and no null block, so no plan exceeds it.
+common page, no reservation and no null block, so no plan exceeds it.  The
+layers are counted as the plan runs them: a spec whose defaults depend on
+the engine (a recurrent state's caching mode, ``auto`` in a model file) is
+resolved for the plan's prefix caching and state-cache mode first, so the
+limit never counts a state that mode does not keep.
+
+``ratio`` is ``unreserved_concurrency / ideal_concurrency``: the bytes the
+limit holds a request in over the bytes the plan holds it in, unrounded and
+with nothing reserved (1.0 is the limit).  It is one figure everywhere:
+:attr:`Capacity.ratio`, the ``ratio`` of ``kvcore plan`` and ``kvcore
+compare`` and of their JSON documents.
 """
 
 from __future__ import annotations
@@ -27,7 +37,11 @@ import attrs
 
 from kvcore.errors import PlanError, require_instance
 from kvcore.plan.block_sizes import effective_block_size
-from kvcore.plan.declarations import checked_blocks_held
+from kvcore.plan.declarations import (
+    checked_blocks_held,
+    checked_state_cache_mode,
+    resolved_defaults,
+)
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
@@ -91,7 +105,9 @@ class Capacity:
 
     @property
     def ratio(self) -> float:
-        """Unreserved concurrency over the physical limit (1.0 is perfect)."""
+        """``unreserved_concurrency / ideal_concurrency``: the share of the
+        physical limit the plan's packing reaches, before rounding and the
+        prefill reservation (1.0 is the limit)."""
         if not self.ideal_concurrency:
             return 0.0
         return self.unreserved_concurrency / self.ideal_concurrency
@@ -188,6 +204,32 @@ def ideal_concurrency(
     return memory / per_request if per_request else 0.0
 
 
+def as_planned(
+    specs: Mapping[str, KVCacheSpec], plan: KVCacheConfig
+) -> dict[str, KVCacheSpec]:
+    """``specs`` with their engine-dependent defaults settled as ``plan``
+    settled them: its prefix caching, and the state-cache mode its own
+    specs of each layer run (a layer it does not hold takes the default for
+    its prefix caching)."""
+    modes: dict[str, str | None] = {}
+    for group in plan.kv_cache_groups:
+        for name in group.layer_names:
+            modes[name] = checked_state_cache_mode(group.layer_spec(name))
+    by_mode: dict[str | None, dict[str, KVCacheSpec]] = {}
+    for name, spec in specs.items():
+        by_mode.setdefault(modes.get(name), {})[name] = spec
+    resolved: dict[str, KVCacheSpec] = {}
+    for mode, some in by_mode.items():
+        resolved.update(
+            resolved_defaults(
+                some,
+                prefix_caching=plan.enable_prefix_caching,
+                state_cache_mode=mode,
+            )
+        )
+    return {name: resolved[name] for name in specs}
+
+
 def plan_capacity(
     plan: KVCacheConfig,
     context: int,
@@ -201,9 +243,11 @@ def plan_capacity(
     :param max_num_batched_tokens: tokens a prefill step may hold (default:
         the plan's, else 8192).
     :param specs: the model's layer specs at their file block sizes, for the
-        physical limit (default: the plan's own layer specs).
+        physical limit (default: the plan's own layer specs); their
+        engine-dependent defaults are settled as the plan's were
+        (:func:`as_planned`).
     :param memory: the bytes compared (default: the memory the plan was
-        sized for, else its pool).
+        sized for, or its pool's bytes where an override made it larger).
     """
     require_instance(plan, KVCacheConfig, "plan_capacity: plan")
     if type(context) is not int or context < 1:
@@ -228,8 +272,12 @@ def plan_capacity(
     dcp = plan.decode_context_parallel_size
     if specs is None:
         specs = {n: g.layer_spec(n) for g in groups for n in g.layer_names}
+    else:
+        specs = as_planned(specs, plan)
     if memory is None:
-        memory = plan.available_memory or plan.num_blocks * plan.bytes_per_block
+        # The pool's own bytes where an override gave it more blocks than
+        # its memory holds: the limit bounds what the pool holds.
+        memory = max(plan.available_memory or 0, plan.num_blocks * plan.bytes_per_block)
     per_group = steady_blocks(groups, context, dcp=dcp)
     steady = sum(per_group)
     peak = prefill_peak_blocks(groups, context, max_num_batched_tokens, dcp=dcp)
@@ -282,4 +330,4 @@ def min_blocks_for_one_request(
     )
 
 
-__all__ += ["min_blocks_for_one_request"]
+__all__ += ["as_planned", "min_blocks_for_one_request"]

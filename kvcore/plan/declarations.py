@@ -8,6 +8,7 @@ error naming the kind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -75,9 +76,14 @@ def resolved_defaults(
 ) -> dict[str, KVCacheSpec]:
     """Every layer's spec with its engine-dependent defaults settled (see
     :meth:`KVCacheSpec.resolve_defaults`), checked: the same kind's spec,
-    or ``None`` for no change."""
+    or ``None`` for no change.
+
+    Equal specs come back as one object, so everything planning asks of
+    each distinct spec (keyed by object) is asked once however many layers
+    share it: a model file's layers are separate but equal objects."""
     out: dict[str, KVCacheSpec] = {}
     memo: dict[int, KVCacheSpec] = {}
+    canonical: dict[KVCacheSpec, KVCacheSpec] = {}
     for name, spec in specs.items():
         done = memo.get(id(spec))
         if done is None:
@@ -100,6 +106,9 @@ def resolved_defaults(
                     f"resolve_defaults() returned {_short(answer)}; it must return "
                     f"a {type(spec).__name__} or None",
                 )
+            # An unhashable spec stays as it is: check_spec_answers refuses it.
+            with contextlib.suppress(TypeError):
+                done = canonical.setdefault(done, done)
             memo[id(spec)] = done
         out[name] = done
     return out

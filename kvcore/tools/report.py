@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -12,7 +13,7 @@ from rich.text import Text
 from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.structs import KVCacheConfig
 from kvcore.tools.summary import GroupSummary, PlanSummary
-from kvcore.tools.units import format_size, format_tokens
+from kvcore.tools.units import format_size, format_sizes, format_tokens
 
 #: Why each built-in policy is chosen, for the plan's report.
 POLICY_REASONS = {
@@ -124,6 +125,12 @@ def _groups_table(summary: PlanSummary) -> Table:
     return table
 
 
+def _limit_text(limit: float) -> str:
+    """The physical limit to one decimal, rounded down: 47.96 is ``47.9``,
+    never ``48.0`` beside a verdict whose whole-request limit is 47."""
+    return f"{math.floor(limit * 10 * (1 + 1e-12)) / 10:.1f}"
+
+
 def _capacity_table(summary: PlanSummary) -> Table:
     table = _table("capacity (limit: every layer's own pages, no padding, no reserve)")
     for name in ("context", "requests", "tokens", "limit", "ratio", "per request"):
@@ -131,20 +138,21 @@ def _capacity_table(summary: PlanSummary) -> Table:
     for row in summary.rows:
         c = row.capacity
         if not row.fits:
+            _, need = format_sizes(summary.memory, row.bytes_for_one)
             table.add_row(
                 format_tokens(c.context),
                 "0",
                 "0",
-                f"{c.ideal_concurrency:.1f}",
+                _limit_text(c.ideal_concurrency),
                 "-",
-                f"needs {format_size(row.bytes_for_one)} for one",
+                f"needs {need} for one",
             )
             continue
         table.add_row(
             format_tokens(c.context),
             str(c.concurrency),
             f"{c.tokens:,}",
-            f"{c.ideal_concurrency:.1f}",
+            _limit_text(c.ideal_concurrency),
             f"{row.ratio:.3f}",
             f"{c.blocks_per_request} blocks, {format_size(c.bytes_per_request)}",
         )

@@ -26,7 +26,7 @@ from kvcore.plan.declarations import layer_alignment
 from kvcore.spec import HitPolicy, KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 from kvcore.tools.records import Record, record
-from kvcore.tools.units import format_size, format_tokens
+from kvcore.tools.units import format_size, format_sizes, format_tokens
 
 if TYPE_CHECKING:
     from kvcore.registry import KindRegistry
@@ -129,9 +129,9 @@ class CapacityRow(Record):
 
     @property
     def ratio(self) -> float:
-        """Requests held over the whole requests the physical limit holds
-        (1.0 is the limit)."""
-        return self.concurrency / self.limit if self.limit else 0.0
+        """:attr:`Capacity.ratio <kvcore.plan.capacity.Capacity.ratio>`:
+        ``unreserved_concurrency / ideal_concurrency`` (1.0 is the limit)."""
+        return self.capacity.ratio
 
     @property
     def fits(self) -> bool:
@@ -187,10 +187,10 @@ class PlanSummary:
         row = self.rows[0]
         head = f"{self.model_name}{self.setting}"
         if not row.fits:
+            have, need = format_sizes(self.memory, row.bytes_for_one)
             return (
                 f"{head}: no request of {format_tokens(row.context)} tokens fits in "
-                f"{format_size(self.memory)}; one needs "
-                f"{format_size(row.bytes_for_one)}"
+                f"{have}; one needs {need}"
             )
         plural = "request" if row.concurrency == 1 else "requests"
         return (

@@ -28,6 +28,7 @@ from kvcore.limits import MAX_BYTE_OFFSET, TOKEN_ID_LIMIT
 __all__ = [
     "UnitError",
     "format_size",
+    "format_sizes",
     "format_tokens",
     "parse_size",
     "parse_tokens",
@@ -204,6 +205,33 @@ def format_size(n: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def format_sizes(*sizes: int) -> tuple[str, ...]:
+    """Sizes set side by side, written so that unequal ones never read the
+    same: :func:`format_size`'s one decimal, more decimals (up to three)
+    where two unequal sizes would round to one text, and exact byte counts
+    (``4,294,975,488 B``) where three decimals still do not tell them apart.
+    ``format_sizes(2**32, 2**32 + 8192)`` is ``("4,294,967,296 B",
+    "4,294,975,488 B")``, never ``"4.0 GiB"`` twice."""
+
+    def written(n: int, digits: int) -> str:
+        value = float(n)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(value) < 1024 or unit == "TiB":
+                return (
+                    f"{value:.0f} {unit}"
+                    if unit == "B"
+                    else f"{value:.{digits}f} {unit}"
+                )
+            value /= 1024
+        return f"{value:.{digits}f} TiB"  # pragma: no cover
+
+    for digits in (1, 2, 3):
+        texts = tuple(written(n, digits) for n in sizes)
+        if len(set(texts)) == len(set(sizes)):
+            return texts
+    return tuple(f"{n:,} B" for n in sizes)
 
 
 def format_tokens(n: int) -> str:

@@ -48,7 +48,13 @@ from kvcore.tools.cli.parsers import (
     DEFAULT_MODEL,
     add_model_options,
 )
-from kvcore.tools.units import format_size, parse_fraction, parse_size, parse_tokens
+from kvcore.tools.units import (
+    format_size,
+    format_sizes,
+    parse_fraction,
+    parse_size,
+    parse_tokens,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -432,9 +438,10 @@ def _budget(
     usable = int(gpu.memory_bytes * utilization)
     kv = usable - per_rank
     if kv <= 0:
+        weights_text, usable_text = format_sizes(per_rank, usable)
         msg = (
-            f"{format_size(per_rank)} of weights per rank leave no KV cache in "
-            f"{gpu.name} x {utilization:.2f} = {format_size(usable)}; use more "
+            f"{weights_text} of weights per rank leave no KV cache in "
+            f"{gpu.name} x {utilization:.2f} = {usable_text}; use more "
             "ranks (--tp), a larger device or a higher --gpu-memory-utilization"
         )
         raise CliUsageError(msg)

@@ -279,9 +279,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     table.add_column("blocks", justify="right")
     contexts = results[0][1].contexts
     for context in contexts:
-        table.add_column(
-            f"{format_tokens(context)}: requests (of limit)", justify="right"
-        )
+        table.add_column(f"{format_tokens(context)}: requests (ratio)", justify="right")
         table.add_column("vs vllm", justify="right")
     if estimate is not None:
         table.add_row(*_vllm_cells(estimate, contexts))
