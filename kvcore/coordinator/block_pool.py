@@ -345,6 +345,7 @@ class BlockPool:
         "kv_events_medium",
         "null_block",
         "num_blocks",
+        "transactions",
     )
 
     def __init__(
@@ -414,6 +415,10 @@ class BlockPool:
         self._events: list[KVCacheEvent] = []
         #: Undo records of the open transaction (see :meth:`begin`), else None.
         self._journal: list[_Undo] | None = None
+        #: Transactions begun so far: state kept beside the pool records
+        #: its undo once per transaction (see
+        #: SingleTypeManager.record_request_state).
+        self.transactions = 0
         self._events_mark = 0
         #: Prefix-cache keys dropped so far (evictions and resets): a hit
         #: looked up when this was ``n`` still holds its keys while it is ``n``.
@@ -441,6 +446,7 @@ class BlockPool:
             )
             raise ReentrantCallError(msg)
         self._journal = []
+        self.transactions += 1
         self._events_mark = len(self._events)
 
     def commit(self) -> None:

@@ -552,7 +552,6 @@ class KVCacheManager:
         # Every step is a transaction: a manager that raises leaves the
         # pool, the tables, the keys and the events as they were.
         pool = self.block_pool
-        states = coordinator.request_state(rid)
         pool.begin()
         try:
             new_blocks = step(
@@ -562,7 +561,6 @@ class KVCacheManager:
             # A manager that raised is reported as a PluginError naming it
             # (see KVCacheCoordinator.plugin_error); the step is undone first.
             pool.rollback()
-            coordinator.restore_request_state(rid, states)
             if shed is not None:
                 # The states were recorded after the shed.
                 coordinator.restore_checkpoints(rid, shed)
@@ -979,7 +977,6 @@ class KVCacheManager:
             self._require_live(rid)
         coordinator = self.coordinator
         pool = self.block_pool
-        states = coordinator.request_state(rid)
         pool.begin()
         try:
             coordinator.free(rid)
@@ -987,7 +984,6 @@ class KVCacheManager:
             # A manager that raised is reported as a PluginError naming it
             # (see KVCacheCoordinator.plugin_error); the step is undone first.
             pool.rollback()
-            coordinator.restore_request_state(rid, states)
             raise
         pool.commit()
         if coordinator.partial is not None:

@@ -117,8 +117,9 @@ class SingleTypeManager:
     partial_copy_hits: ClassVar[bool] = False
     #: Whether the manager keeps per-request state beyond the table, the
     #: hashed count and the released count (it extends
-    #: :meth:`request_state` and :meth:`restore_request_state`): the
-    #: coordinator then records that state at the start of every step.
+    #: :meth:`request_state` and :meth:`restore_request_state`, and calls
+    #: :meth:`record_request_state` before changing that state): a step
+    #: records it on its first change to the request.
     keeps_request_state: ClassVar[bool] = False
 
     def __init__(
@@ -158,6 +159,9 @@ class SingleTypeManager:
         #: holding while it runs (a state kind's hit state and branch point,
         #: see CheckpointManager): skipping passes over them.
         self.pinned: dict[str, list[int]] = {}
+        #: The transaction and the requests whose :meth:`request_state` it
+        #: recorded (see :meth:`record_request_state`).
+        self._recorded: tuple[int, set[str]] = (-1, set())
 
     # -- the release rule -----------------------------------------------------
 
@@ -370,48 +374,53 @@ class SingleTypeManager:
         that changes them calls it first, so a step pays only for what it
         changes.  ``whole``: the change rewrites table positions (the table
         is copied); otherwise it only appends (its length is kept).  A
-        subclass that changes them itself calls it first too; one that keeps
-        more per-request state extends :meth:`request_state` and
-        :meth:`restore_request_state` (the coordinator then records those
-        at the start of every step)."""
-        journal = self.block_pool._journal
-        if journal is not None:
-            blocks = self.req_to_blocks.get(request_id)
-            table = (
-                None
-                if blocks is None
-                else (blocks, list(blocks) if whole else len(blocks))
+        subclass that changes them itself calls it first too.  One that
+        keeps more per-request state (:attr:`keeps_request_state`) calls it
+        before changing that state as well: the first call of a step also
+        records :meth:`request_state`."""
+        pool = self.block_pool
+        journal = pool._journal
+        if journal is None:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        table = (
+            None if blocks is None else (blocks, list(blocks) if whole else len(blocks))
+        )
+        journal.append(
+            partial(
+                _put_back,
+                self,
+                request_id,
+                table,
+                self.num_cached_block.get(request_id),
+                self.num_released.get(request_id),
             )
+        )
+        if not self.keeps_request_state:
+            return
+        recorded = self._recorded
+        if recorded[0] != pool.transactions:
+            recorded = self._recorded = (pool.transactions, set())
+        if request_id not in recorded[1]:
+            recorded[1].add(request_id)
             journal.append(
                 partial(
-                    _put_back,
-                    self,
+                    self.restore_request_state,
                     request_id,
-                    table,
-                    self.num_cached_block.get(request_id),
-                    self.num_released.get(request_id),
+                    self.request_state(request_id),
                 )
             )
 
     def request_state(self, request_id: str) -> Any:
-        """What :meth:`restore_request_state` needs to put the request's
-        per-request state back as it is now (the table copied).  The
-        coordinator records it at the start of every step for a manager
-        class that extends it (per-request state beyond the table, the
-        hashed count and the released count, which
-        :meth:`record_request_state` covers)."""
-        blocks = self.req_to_blocks.get(request_id)
-        table = None if blocks is None else (blocks, list(blocks))
-        return (
-            table,
-            self.num_cached_block.get(request_id),
-            self.num_released.get(request_id),
-        )
+        """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
+        needs to put the request's state beyond its table and counts back as
+        it is now, recorded on a step's first :meth:`record_request_state`
+        for the request; nothing by default."""
+        return None
 
     def restore_request_state(self, request_id: str, state: Any) -> None:
-        """Put back what :meth:`request_state` recorded (the table list is
-        the same object, so views of it handed out stay valid)."""
-        _put_back(self, request_id, *state)
+        """Put back what :meth:`request_state` recorded (the step is undone);
+        nothing by default."""
 
     # -- releasing ------------------------------------------------------------
 

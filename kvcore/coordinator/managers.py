@@ -530,13 +530,15 @@ class CheckpointManager(SingleTypeManager):
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> list[KVCacheBlock]:
-        self.record_request_state(request_id)
         held = self.req_to_blocks.get(request_id)
-        if held is None:
-            held = self.req_to_blocks[request_id] = []
-        start = len(held)
+        start = 0 if held is None else len(held)
         end = cdiv(num_tokens, self.block_size)
         missing = end - start
+        if held is not None and missing <= 0:
+            return []
+        self.record_request_state(request_id)
+        if held is None:
+            held = self.req_to_blocks[request_id] = []
         if missing <= 0:
             return []
         if self.keep_all:
@@ -566,7 +568,8 @@ class CheckpointManager(SingleTypeManager):
         unit = self.unit
         targets = self.targets.get(rid)
         reached = -1
-        if targets:
+        if targets and targets[0] <= num_tokens:
+            self.record_request_state(rid)
             grid = self.grid.get(rid)
             while targets and targets[0] <= num_tokens:
                 reached = targets.pop(0)
@@ -594,6 +597,7 @@ class CheckpointManager(SingleTypeManager):
             return
         if num_tokens % unit or num_tokens == reached:
             return
+        self.record_request_state(rid)
         pos = num_tokens // block_size - 1
         block = self._keep(request, blocks, pos, kept=not self._replaces)
         if block is None or not self._replaces:
@@ -660,6 +664,7 @@ class CheckpointManager(SingleTypeManager):
                     token_ids=request.all_token_ids,
                 )
         if self.num_cached_block.get(rid, 0) <= pos:
+            self.record_request_state(rid)
             self.num_cached_block[rid] = pos + 1
         if kept and newly and not self.keep_all:
             self.kept.setdefault(rid, []).append((block, block.key_hash))
@@ -711,6 +716,7 @@ class CheckpointManager(SingleTypeManager):
             pos = tokens // self.block_size - 1
             table = self.req_to_blocks[request_id]
             if pos < len(table) - 1 and table[pos].is_null and self._holds(block, key):
+                self.record_request_state(request_id, whole=True)
                 self.block_pool.touch((block,))
                 table[pos] = block
                 pinned.insert(0, pos)
@@ -791,6 +797,7 @@ class CheckpointManager(SingleTypeManager):
         return None
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        self.record_request_state(request_id)
         self.on_path.pop(request_id, None)
         self.targets.pop(request_id, None)
         self.pinned.pop(request_id, None)
@@ -832,7 +839,6 @@ class CheckpointManager(SingleTypeManager):
         kept = self.kept.get(request_id)
         pinned = self.pinned.get(request_id)
         return (
-            super().request_state(request_id),
             None if targets is None else list(targets),
             self.step_end.get(request_id),
             None if kept is None else list(kept),
@@ -840,21 +846,21 @@ class CheckpointManager(SingleTypeManager):
             self.branch.get(request_id),
             self.grid.get(request_id),
             self.step_before.get(request_id),
+            self.on_path.get(request_id),
         )
 
     def restore_request_state(self, request_id: str, state: Any) -> None:
-        base, targets, step_end, kept, pinned, branch, grid, step_before = state
-        super().restore_request_state(request_id, base)
-        stores: tuple[tuple[dict[str, Any], Any], ...] = (
-            (self.targets, targets),
-            (self.step_end, step_end),
-            (self.step_before, step_before),
-            (self.kept, kept),
-            (self.pinned, pinned),
-            (self.branch, branch),
-            (self.grid, grid),
+        stores: tuple[dict[str, Any], ...] = (
+            self.targets,
+            self.step_end,
+            self.kept,
+            self.pinned,
+            self.branch,
+            self.grid,
+            self.step_before,
+            self.on_path,
         )
-        for store, value in stores:
+        for store, value in zip(stores, state, strict=True):
             if value is None:
                 store.pop(request_id, None)
             else:
