@@ -392,47 +392,18 @@ class KVCacheManager:
         rid = request.request_id
         # The engine keywords travel in a dict so a step without them pays
         # for no keyword-only defaults.
-        num_external_computed_tokens = 0
-        full_sequence_must_fit = False
-        if engine:
-            num_external_computed_tokens, full_sequence_must_fit = (
-                self._check_engine_keywords(request, engine)
-            )
-        if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
-            num_new_tokens == 0
-            and type(num_new_tokens) is int
-            and num_external_computed_tokens
-        ):
-            msg = (
-                f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
-                "tokens; schedule a positive int number of tokens"
-            )
-            raise _wrong(num_new_tokens, msg)
-        if (
-            type(num_new_computed_tokens) is not int
-            or num_new_computed_tokens < 0
-            or type(num_lookahead_tokens) is not int
-            or num_lookahead_tokens < 0
-        ):
-            _check_counts(rid, num_new_computed_tokens, num_lookahead_tokens)
-        hit: object = new_computed_blocks  # checked: engines pass anything
-        if hit is not None and not isinstance(hit, KVCacheBlocks):
-            msg = (
-                f"allocate_slots for request {rid!r}: new_computed_blocks must be "
-                f"the KVCacheBlocks get_computed_blocks returned, or None, got "
-                f"{type(hit).__name__}"
-            )
-            raise KvcoreTypeError(msg)
-        coordinator = self.coordinator
-        computed = (
-            new_computed_blocks.blocks if new_computed_blocks is not None else None
+        num_external_computed_tokens, full_sequence_must_fit = (
+            self._check_engine_keywords(request, engine) if engine else (0, False)
         )
-        if computed is not None and not any(computed):
-            computed = None
-        if num_new_computed_tokens or computed is not None:
-            self._check_hit(
-                request, new_computed_blocks, computed, num_new_computed_tokens
-            )
+        computed = self._checked_hit(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+        )
+        coordinator = self.coordinator
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         if num_external_computed_tokens:
             num_computed += num_external_computed_tokens
@@ -544,6 +515,29 @@ class KVCacheManager:
                 if not running and coordinator.planning:
                     coordinator.forget_checkpoints(rid)
                 return None
+        return self._run_step(
+            request,
+            held,
+            (running, skipping, attach, num_computed, num_tokens, cache_to),
+            sources,
+            shed,
+            request.num_computed_tokens + num_new_computed_tokens,
+        )
+
+    def _run_step(
+        self,
+        request: Request,
+        held: Request | None,
+        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int],
+        sources: list[tuple[int, KVCacheBlock, int]] | None,
+        shed: list[Any] | None,
+        num_hit_tokens: int,
+    ) -> KVCacheBlocks:
+        """Run a step that fits (``args``: :meth:`_step`'s after the
+        request) as a transaction and hand out its new blocks."""
+        rid = request.request_id
+        running = args[0]
+        coordinator = self.coordinator
         step = (
             self._step
             if sources is None
@@ -554,9 +548,7 @@ class KVCacheManager:
         pool = self.block_pool
         pool.begin()
         try:
-            new_blocks = step(
-                request, running, skipping, attach, num_computed, num_tokens, cache_to
-            )
+            new_blocks = step(request, *args)
         except BaseException:
             # A manager that raised is reported as a PluginError naming it
             # (see KVCacheCoordinator.plugin_error); the step is undone first.
@@ -573,9 +565,7 @@ class KVCacheManager:
         if held is not request:
             self._requests[rid] = request
         if sources is not None:
-            copies = self._copies(
-                rid, sources, request.num_computed_tokens + num_new_computed_tokens
-            )
+            copies = self._copies(rid, sources, num_hit_tokens)
             return KVCacheBlocks(
                 new_blocks
                 if new_blocks is not None
@@ -585,6 +575,52 @@ class KVCacheManager:
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _checked_hit(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external: int,
+    ) -> tuple[Sequence[KVCacheBlock], ...] | None:
+        """allocate_slots' counts and hit, checked: the hit's block lists,
+        or None when it attaches no block."""
+        rid = request.request_id
+        if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
+            num_new_tokens == 0 and type(num_new_tokens) is int and num_external
+        ):
+            msg = (
+                f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
+                "tokens; schedule a positive int number of tokens"
+            )
+            raise _wrong(num_new_tokens, msg)
+        if (
+            type(num_new_computed_tokens) is not int
+            or num_new_computed_tokens < 0
+            or type(num_lookahead_tokens) is not int
+            or num_lookahead_tokens < 0
+        ):
+            _check_counts(rid, num_new_computed_tokens, num_lookahead_tokens)
+        hit: object = new_computed_blocks  # checked: engines pass anything
+        if hit is not None and not isinstance(hit, KVCacheBlocks):
+            msg = (
+                f"allocate_slots for request {rid!r}: new_computed_blocks must be "
+                f"the KVCacheBlocks get_computed_blocks returned, or None, got "
+                f"{type(hit).__name__}"
+            )
+            raise KvcoreTypeError(msg)
+        computed = (
+            new_computed_blocks.blocks if new_computed_blocks is not None else None
+        )
+        if computed is not None and not any(computed):
+            computed = None
+        if num_new_computed_tokens or computed is not None:
+            self._check_hit(
+                request, new_computed_blocks, computed, num_new_computed_tokens
+            )
+        return computed
 
     def _copy_step(
         self,
