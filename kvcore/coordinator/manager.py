@@ -159,9 +159,9 @@ class SingleTypeManager:
         #: holding while it runs (a state kind's hit state and branch point,
         #: see CheckpointManager): skipping passes over them.
         self.pinned: dict[str, list[int]] = {}
-        #: The transaction and the requests whose :meth:`request_state` it
-        #: recorded (see :meth:`record_request_state`).
-        self._recorded: tuple[int, set[str]] = (-1, set())
+        #: The transaction and the requests it recorded, each with whether
+        #: their whole table was (see :meth:`record_request_state`).
+        self._recorded: tuple[int, dict[str, bool]] = (-1, {})
 
     # -- the release rule -----------------------------------------------------
 
@@ -370,18 +370,27 @@ class SingleTypeManager:
     def record_request_state(self, request_id: str, *, whole: bool = False) -> None:
         """Inside a step (a transaction open on the pool): record what a
         rollback needs to put the request's table, hashed count and released
-        count back as they are now; nothing outside one.  Every method here
-        that changes them calls it first, so a step pays only for what it
+        count back as they were before the step; nothing outside one, and
+        nothing after the step's first call for the request (unless
+        ``whole`` asks for more than it recorded).  Every method here that
+        changes them calls it first, so a step pays only for what it
         changes.  ``whole``: the change rewrites table positions (the table
         is copied); otherwise it only appends (its length is kept).  A
         subclass that changes them itself calls it first too.  One that
         keeps more per-request state (:attr:`keeps_request_state`) calls it
-        before changing that state as well: the first call of a step also
+        before changing that state as well: the step's first call also
         records :meth:`request_state`."""
         pool = self.block_pool
         journal = pool._journal
         if journal is None:
             return
+        recorded = self._recorded
+        if recorded[0] != pool.transactions:
+            recorded = self._recorded = (pool.transactions, {})
+        seen = recorded[1].get(request_id)
+        if seen is not None and (seen or not whole):
+            return
+        recorded[1][request_id] = whole
         blocks = self.req_to_blocks.get(request_id)
         table = (
             None if blocks is None else (blocks, list(blocks) if whole else len(blocks))
@@ -396,13 +405,7 @@ class SingleTypeManager:
                 self.num_released.get(request_id),
             )
         )
-        if not self.keeps_request_state:
-            return
-        recorded = self._recorded
-        if recorded[0] != pool.transactions:
-            recorded = self._recorded = (pool.transactions, set())
-        if request_id not in recorded[1]:
-            recorded[1].add(request_id)
+        if seen is None and self.keeps_request_state:
             journal.append(
                 partial(
                     self.restore_request_state,
@@ -463,17 +466,20 @@ class SingleTypeManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        positions = self._skipped(request_id, num_computed_tokens)
         last = min(self._skip(num_computed_tokens), len(blocks))
-        if last > self.num_released.get(request_id, 0):
-            self.record_request_state(request_id, whole=bool(positions))
-            self.num_released[request_id] = last
+        if last <= self.num_released.get(request_id, 0):
+            return
+        positions = self._skipped(request_id, num_computed_tokens)
+        self.record_request_state(request_id)
+        self.num_released[request_id] = last
         if not positions:
             return
         removed = [blocks[i] for i in positions]
         for i in positions:
             blocks[i] = self.null_block
-        self.block_pool.free_blocks(removed)
+        pool = self.block_pool
+        pool.record_undo(partial(_put_at, blocks, positions, removed))
+        pool.free_blocks(removed)
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
@@ -500,6 +506,16 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
+
+
+def _put_at(
+    blocks: list[KVCacheBlock],
+    positions: Sequence[int],
+    removed: Sequence[KVCacheBlock],
+) -> None:
+    """Put released blocks back at their table positions."""
+    for i, block in zip(positions, removed, strict=True):
+        blocks[i] = block
 
 
 def _put_back(

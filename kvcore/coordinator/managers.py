@@ -252,7 +252,6 @@ class CheckpointManager(SingleTypeManager):
     than the hash block is fine: the unit is a multiple of the hash block.
     """
 
-    keeps_request_state: ClassVar[bool] = True
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.CHECKPOINT})
     skips_blocks: ClassVar[bool] = True
     # The state is written at the last computed position; slots past it for
@@ -569,7 +568,8 @@ class CheckpointManager(SingleTypeManager):
         targets = self.targets.get(rid)
         reached = -1
         if targets and targets[0] <= num_tokens:
-            self.record_request_state(rid)
+            self._save(self.targets, rid)
+            self._save(self.grid, rid)
             grid = self.grid.get(rid)
             while targets and targets[0] <= num_tokens:
                 reached = targets.pop(0)
@@ -579,6 +579,7 @@ class CheckpointManager(SingleTypeManager):
                 if block is not None and self.branch.get(rid) == reached:
                     self._mark_shared(reached, block)
                     if self._holds_shared:
+                        self._save(self.pinned, rid)
                         self.pinned.setdefault(rid, []).append(pos)
             if not targets:
                 del self.targets[rid]
@@ -597,12 +598,12 @@ class CheckpointManager(SingleTypeManager):
             return
         if num_tokens % unit or num_tokens == reached:
             return
-        self.record_request_state(rid)
         pos = num_tokens // block_size - 1
         block = self._keep(request, blocks, pos, kept=not self._replaces)
         if block is None or not self._replaces:
             return
         previous = self.step_end.get(rid)
+        self._save(self.step_end, rid)
         self.step_end[rid] = (pos, block, block.key_hash)
         if previous is None or previous[1] is block:
             return
@@ -610,6 +611,7 @@ class CheckpointManager(SingleTypeManager):
             # A hit that drops a block may end at the state before the
             # newest: that one is kept, and the one before it replaced.
             replaced = self.step_before.get(rid)
+            self._save(self.step_before, rid)
             self.step_before[rid] = previous
             if replaced is None:
                 return
@@ -667,6 +669,7 @@ class CheckpointManager(SingleTypeManager):
             self.record_request_state(rid)
             self.num_cached_block[rid] = pos + 1
         if kept and newly and not self.keep_all:
+            self._save(self.kept, rid)
             self.kept.setdefault(rid, []).append((block, block.key_hash))
         return block
 
@@ -720,6 +723,7 @@ class CheckpointManager(SingleTypeManager):
                 self.block_pool.touch((block,))
                 table[pos] = block
                 pinned.insert(0, pos)
+        self._save(self.pinned, request_id)
         self.pinned[request_id] = pinned
 
     def _uncount(
@@ -797,7 +801,14 @@ class CheckpointManager(SingleTypeManager):
         return None
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
-        self.record_request_state(request_id)
+        if self.block_pool._journal is not None:
+            self.block_pool.record_undo(
+                partial(
+                    self.restore_request_state,
+                    request_id,
+                    self.request_state(request_id),
+                )
+            )
         self.on_path.pop(request_id, None)
         self.targets.pop(request_id, None)
         self.pinned.pop(request_id, None)
@@ -824,6 +835,15 @@ class CheckpointManager(SingleTypeManager):
         if not kept:
             return []
         return [b for b, key in kept if b.ref_cnt == 0 and self._holds(b, key)]
+
+    def _save(self, store: dict[str, Any], request_id: str) -> None:
+        """Inside a step: record ``store``'s entry for the request (a list
+        copied) for a rollback to put back, before the step changes it."""
+        if self.block_pool._journal is not None:
+            value = store.get(request_id)
+            if type(value) is list:
+                value = list(value)
+            self.block_pool.record_undo(partial(_put_entry, store, request_id, value))
 
     def _holds(self, block: KVCacheBlock, key: Any) -> bool:
         """Whether ``block`` is still cached as the state this group kept
@@ -887,6 +907,13 @@ class CheckpointManager(SingleTypeManager):
                 return [[*pad, block] for block in cached]
             end -= step
         return [[] for _ in query.group_ids]
+
+
+def _put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
+    if value is None:
+        store.pop(request_id, None)
+    else:
+        store[request_id] = value
 
 
 class _ChunkEnds(Sequence[KVCacheBlock]):
