@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import attrs
 
@@ -247,7 +247,7 @@ class KVCacheCoordinator:
                     monotone=policies[gid] is HitPolicy.PREFIX,
                     states=policies[gid] is HitPolicy.CHECKPOINT,
                     partial_unit=partial_units.get(gid, 0)
-                    if _takes_partial(type(manager))
+                    if type(manager).partial_copy_hits is True
                     else 0,
                 )
         # Left-to-right searches first (they bound the others), states last:
@@ -300,9 +300,13 @@ class KVCacheCoordinator:
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
-        #: Classes of two or more twin groups (see _twin_key): their state
-        #: managers agree on one checkpoint path (see :meth:`plan_checkpoints`).
-        self._twin_classes = _twin_classes(managers)
+        #: Classes of two or more twin state groups (see _twin_key): they
+        #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
+        twins: dict[Any, list[CheckpointManager]] = {}
+        for m in self.planning:
+            if isinstance(m, CheckpointManager):
+                twins.setdefault(_twin_key(m), []).append(m)
+        self._path_twins = tuple(c for c in twins.values() if len(c) > 1)
 
     def __getstate__(self) -> dict[str, Any]:
         """The coordinator's state without the plugin manager, which holds
@@ -514,15 +518,14 @@ class KVCacheCoordinator:
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
-        total = 0
-        gid = -1
-        try:
-            for manager in self.skipping:
-                gid = manager.kv_cache_group_id
-                total += manager.count_freeable_skipped(request_id, num_computed_tokens)
-        except Exception as exc:
-            raise self.plugin_error(gid, "count_freeable_skipped", exc) from exc
-        return total
+        return sum(
+            self._each(
+                self.skipping,
+                "count_freeable_skipped",
+                request_id,
+                num_computed_tokens,
+            )
+        )
 
     def admission_blocks(
         self,
@@ -585,15 +588,14 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens``."""
-        out: list[list[KVCacheBlock]] = []
-        gid = 0
-        try:
-            for manager in self.single_type_managers:
-                gid = manager.kv_cache_group_id
-                out.append(manager.allocate_new_blocks(request_id, num_tokens))
-        except Exception as exc:
-            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
-        return tuple(out)
+        return tuple(
+            self._each(
+                self.single_type_managers,
+                "allocate_new_blocks",
+                request_id,
+                num_tokens,
+            )
+        )
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``:
@@ -654,24 +656,22 @@ class KVCacheCoordinator:
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the
         back of the eviction order with its other blocks."""
-        gid = 0
-        try:
-            for manager in self._evicting_last:
-                gid = manager.kv_cache_group_id
-                blocks = manager.take_released_checkpoints(request_id)
-                if blocks:
-                    self.block_pool.requeue_at_back(blocks)
-        except Exception as exc:
-            raise self.plugin_error(gid, "take_released_checkpoints", exc) from exc
+        for blocks in self._each(
+            self._evicting_last, "take_released_checkpoints", request_id
+        ):
+            if blocks:
+                self.block_pool.requeue_at_back(blocks)
 
-    def _each_planning(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every state group's manager, in order, and
-        return what each returned; a manager that raises is reported as a
-        PluginError naming it."""
+    def _each(
+        self, managers: Sequence[SingleTypeManager], method: str, *args: Any
+    ) -> list[Any]:
+        """Call ``method`` on each of ``managers``, in order, and return what
+        each returned; a manager that raises is reported as a PluginError
+        naming it."""
         results = []
         gid = 0
         try:
-            for manager in self.planning:
+            for manager in managers:
                 gid = manager.kv_cache_group_id
                 results.append(getattr(manager, method)(*args))
         except Exception as exc:
@@ -681,21 +681,16 @@ class KVCacheCoordinator:
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """Let every state group choose where to keep checkpoints for a
         request being admitted."""
-        self._each_planning("plan_checkpoints", request, num_computed_tokens)
-        managers = self.single_type_managers
-        for gids in self._twin_classes:
-            first = managers[gids[0]]
-            if isinstance(first, CheckpointManager):
-                CheckpointManager.agree_on_path(
-                    [cast(CheckpointManager, managers[g]) for g in gids], request
-                )
+        self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
+        for twins in self._path_twins:
+            CheckpointManager.agree_on_path(twins, request)
 
     def shed_checkpoints(self, request_id: str) -> list[Any] | None:
         """Let every state group give up the request's optional checkpoints
         (for a step that does not fit with them); what
         :meth:`restore_checkpoints` needs to undo it, or None when there was
         nothing to give up."""
-        saved = self._each_planning("shed_checkpoints", request_id)
+        saved = self._each(self.planning, "shed_checkpoints", request_id)
         return saved if any(state is not None for state in saved) else None
 
     def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
@@ -706,7 +701,7 @@ class KVCacheCoordinator:
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""
-        self._each_planning("forget_checkpoints", request_id)
+        self._each(self.planning, "forget_checkpoints", request_id)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
@@ -770,16 +765,6 @@ def _twin_key(manager: SingleTypeManager) -> Any:
     return key
 
 
-def _twin_classes(
-    managers: Sequence[SingleTypeManager],
-) -> tuple[tuple[int, ...], ...]:
-    """Group ids of each set of two or more twin groups (see _twin_key)."""
-    classes: dict[Any, list[int]] = {}
-    for manager in managers:
-        classes.setdefault(_twin_key(manager), []).append(manager.kv_cache_group_id)
-    return tuple(tuple(gids) for gids in classes.values() if len(gids) > 1)
-
-
 #: Runs of consecutive twin groups, each with its class's first group id.
 _Runs = tuple[tuple[int, tuple[SingleTypeManager, ...]], ...]
 
@@ -812,19 +797,14 @@ def _partial_units(
         if not spec.hashes_blocks or spec.hit_policy is not HitPolicy.PREFIX:
             continue
         kind = registry.kind_for(spec, layer=group.layer_names[0])
-        if kind.manager_type is None or not _takes_partial(kind.manager_type):
+        # A class that replaces PrefixManager's search (which the partial
+        # search extends) says no.
+        if kind.manager_type is None or kind.manager_type.partial_copy_hits is not True:
             continue
         unit = group_hit_unit(group, effective_block_size(group, dcp), hash_block_size)
         if unit is not None:
             out[gid] = unit
     return out
-
-
-def _takes_partial(manager_type: type[SingleTypeManager]) -> bool:
-    """Whether a manager class takes copy-on-write hits: it says so
-    (:attr:`~SingleTypeManager.partial_copy_hits`; a class that replaces
-    PrefixManager's search, which the partial search extends, says no)."""
-    return manager_type.partial_copy_hits is True
 
 
 def _count(value: object) -> int:
