@@ -332,6 +332,91 @@ def test_a_failing_running_step_restores_the_tables(
     assert out.get_block_ids() == ([5, 6], [7, 8])
 
 
+@attrs.frozen(kw_only=True)
+class CountingSpec(AttentionSpec):
+    kind: ClassVar[str] = "counting"
+
+
+class CountingManager(FullAttentionManager):
+    """A plugin's manager with per-request state of its own (how many steps
+    grew each request's table), recorded before it changes it."""
+
+    keeps_request_state: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grown: dict[str, int] = {}
+        self.snapshots = 0
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> list[KVCacheBlock]:
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        if new:
+            self.record_request_state(request_id)  # recorded by super already
+            self.grown[request_id] = self.grown.get(request_id, 0) + 1
+        return new
+
+    def request_state(self, request_id: str) -> Any:
+        self.snapshots += 1
+        return self.grown.get(request_id)
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        if state is None:
+            self.grown.pop(request_id, None)
+        else:
+            self.grown[request_id] = state
+
+
+class Counting(AttentionKind):
+    name: ClassVar[str] = "counting"
+    spec_type = CountingSpec
+    manager_type = CountingManager
+
+
+class CountingPlugin:
+    @kvcore.hookimpl
+    def kvcore_register_kinds(self) -> list[kvcore.CacheKind]:
+        return [Counting(), Bad()]
+
+
+def test_a_plugins_own_request_state_is_recorded_once_and_put_back() -> None:
+    pm = kvcore.get_plugin_manager(load_entrypoints=False)
+    pm.register(CountingPlugin(), name="counting")
+    registry = KindRegistry.from_plugin_manager(pm)
+    specs = [
+        CountingSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16),
+        BadSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16),
+    ]
+    mgr = manager(specs, 32, registry=registry)
+    counting = mgr.coordinator.single_type_managers[0]
+    assert isinstance(counting, CountingManager)
+    r = Request("r", list(range(16)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 6) is not None
+    r.num_computed_tokens = 6
+    # The step recorded the request's state once, on its first change,
+    # however many changes followed (its table, its hashed count, its own).
+    assert (counting.grown, counting.snapshots) == ({"r": 1}, 1)
+    # A step that changes nothing of the request records nothing.
+    assert mgr.allocate_slots(r, 1) is mgr.empty_kv_cache_blocks
+    r.num_computed_tokens = 7
+    assert (counting.grown, counting.snapshots) == ({"r": 1}, 1)
+    before = pool_state(mgr)
+    try:
+        BadManager.fail = "allocate_new_blocks"
+        with pytest.raises(kvcore.PluginError, match="allocate_new_blocks"):
+            mgr.allocate_slots(r, 5)
+    finally:
+        BadManager.fail = ""
+    # The plugin's own state is put back with the pool and the tables.
+    assert counting.grown == {"r": 1}
+    assert pool_state(mgr) == before
+    assert mgr.get_block_ids("r") == ([1, 2], [3, 4])
+    assert mgr.allocate_slots(r, 5) is not None
+    assert (counting.grown, counting.snapshots) == ({"r": 2}, 3)
+    assert mgr.get_block_ids("r") == ([1, 2, 5], [3, 4, 6])
+
+
 def test_a_failing_free_leaves_the_request_held(bad_manager: KVCacheManager) -> None:
     mgr = bad_manager
     r = Request("r", list(range(8)), hash_block_size=4)

@@ -17,17 +17,23 @@ dropped with the block's full key, and raise no events (``BlockStored`` and
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
+from kvcore.coordinator.blocks import (
+    BlockHashWithGroupId,
+    FreeBlockQueue,
+    KVCacheBlock,
+)
 from kvcore.coordinator.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    GroupEventInfo,
     KVCacheEvent,
+    check_event_groups,
+    check_event_inputs,
+    stored_events,
 )
 from kvcore.coordinator.hashing import BlockHash
 from kvcore.errors import (
@@ -50,264 +56,6 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheEvent",
 ]
-
-BlockHashWithGroupId: TypeAlias = tuple[BlockHash, int]
-"""Prefix-cache key: the block's chained hash and its cache group id."""
-
-
-class KVCacheBlock:
-    """Metadata of one physical block (the data lives in the pool's tensors)."""
-
-    # Slots are laid out in this order: the fields freeing and allocating
-    # touch come first, next to the object header, so that a block's hot
-    # fields share a cache line more often (freeing a request's blocks is
-    # bound by cache misses).
-    __slots__ = (  # noqa: RUF023
-        "ref_cnt",
-        "key_hash",
-        "prev_free",
-        "next_free",
-        "partial_keys",
-        "is_null",
-        "block_id",
-        "key_group",
-        "partial_group",
-    )
-
-    block_id: int
-    ref_cnt: int
-    key_hash: BlockHash | None
-    key_group: int
-    prev_free: KVCacheBlock | None
-    next_free: KVCacheBlock | None
-    is_null: bool
-    partial_keys: list[BlockHash] | None
-    partial_group: int
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        #: The prefix-cache key's two parts, stored apart (no tuple per cached
-        #: block): its hash while the block is registered, else None, and its
-        #: group id (meaningful only while ``key_hash`` is not None).
-        self.key_hash = None
-        self.key_group = 0
-        #: Free-queue links; both None while the block is not in a queue.
-        self.prev_free = None
-        self.next_free = None
-        #: True only for the pool's placeholder block (id 0).
-        self.is_null = False
-        #: Partial keys: the chunk hashes of the prefixes that end inside
-        #: this block (a copy-on-write hit source, see
-        #: :meth:`BlockPool.add_partial_key`), else None; and their group.
-        self.partial_keys = None
-        self.partial_group = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        """The block's fields (a subclass's too) but its free-queue links:
-        the queue relinks its blocks (see :meth:`FreeBlockQueue.__setstate__`),
-        so copying or pickling a pool never recurses along the queue."""
-        state = {
-            name: getattr(self, name)
-            for name in _copied_fields(type(self))
-            if hasattr(self, name)
-        }
-        state.update(getattr(self, "__dict__", ()))
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.prev_free = self.next_free = None
-        for name, value in state.items():
-            setattr(self, name, value)
-
-    @property
-    def block_hash(self) -> BlockHashWithGroupId | None:
-        """Prefix-cache key ``(block hash, group id)`` while registered, else
-        None (built on each read)."""
-        h = self.key_hash
-        return None if h is None else (h, self.key_group)
-
-    def __repr__(self) -> str:
-        key = None if self.key_hash is None else self.key_hash.hex()[:12]
-        null = ", null" if self.is_null else ""
-        return (
-            f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={key}{null})"
-        )
-
-
-def _copied_fields(cls: type) -> tuple[str, ...]:
-    """The slots of a block class that a copy keeps: all but the links."""
-    fields = _COPIED_FIELDS.get(cls)
-    if fields is None:
-        fields = _COPIED_FIELDS[cls] = tuple(
-            name
-            for klass in cls.__mro__
-            for name in getattr(klass, "__slots__", ())
-            if name not in ("prev_free", "next_free", "__dict__", "__weakref__")
-        )
-    return fields
-
-
-_COPIED_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-# ---------------------------------------------------------------------------
-# Free queue
-# ---------------------------------------------------------------------------
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks threaded through the blocks themselves.
-
-    The front is evicted (handed out) first.  Every operation is O(1) per block;
-    ``remove`` takes a block out of the middle, which is how a prefix-cache hit
-    revives a free block.  Sentinel head and tail blocks (id -1) remove all
-    end-of-list special cases.
-    """
-
-    __slots__ = ("_back", "_front", "_head", "_tail", "num_free")
-
-    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        #: Scratch ends of the two chains a release builds before it splices
-        #: them in (see BlockPool._release); unlinked between calls.
-        self._front = KVCacheBlock(-1)
-        self._back = KVCacheBlock(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self.num_free = 0
-        self.append_n(list(blocks))
-
-    def __len__(self) -> int:
-        return self.num_free
-
-    def __getstate__(self) -> dict[str, Any]:
-        """The queue as its blocks, front first (the links are not copied:
-        a copy of a long queue would recurse along them)."""
-        return {"order": self.get_all_free_blocks()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        FreeBlockQueue.__init__(self, state["order"])
-
-    def popleft(self) -> KVCacheBlock:
-        """Take the front block."""
-        block = self._head.next_free
-        if block is self._tail or block is None:
-            msg = "the free block queue is empty; free blocks before taking one"
-            raise NoFreeBlocksError(msg)
-        nxt = block.next_free
-        assert nxt is not None  # internal invariant: linked blocks have links
-        self._head.next_free = nxt
-        nxt.prev_free = self._head
-        block.prev_free = block.next_free = None
-        self.num_free -= 1
-        return block
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Take the ``n`` front blocks, front first."""
-        if n > self.num_free or n < 0:
-            msg = (
-                f"asked the free block queue for {n} blocks but it holds "
-                f"{self.num_free}; ask for between 0 and {self.num_free}"
-            )
-            raise NoFreeBlocksError(msg)
-        out: list[KVCacheBlock] = []
-        if n == 0:
-            return out
-        append = out.append
-        block = self._head.next_free
-        for _ in range(n):
-            assert block is not None
-            append(block)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block = nxt
-        assert block is not None
-        self._head.next_free = block
-        block.prev_free = self._head
-        self.num_free -= n
-        return out
-
-    def remove(self, block: KVCacheBlock) -> None:
-        """Unlink ``block`` from wherever it is in the queue."""
-        prev = block.prev_free
-        nxt = block.next_free
-        if prev is None or nxt is None:
-            msg = (
-                f"block {block.block_id} is not in the free block queue; only a "
-                "free block (reference count 0) can be removed from it"
-            )
-            raise KvcoreValueError(msg)
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.num_free -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        """Put ``block`` at the back (evicted last)."""
-        if block.prev_free is not None:
-            raise _already_queued(block)
-        tail = self._tail
-        last = tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = tail
-        tail.prev_free = block
-        self.num_free += 1
-
-    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put ``blocks`` at the back, in order (the first given leaves first)."""
-        if not blocks:
-            return
-        tail = self._tail
-        last = tail.prev_free
-        assert last is not None
-        self._link_after(last, tail, blocks)
-
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put ``blocks`` at the front, in order (the first given leaves first)."""
-        if not blocks:
-            return
-        head = self._head
-        first = head.next_free
-        assert first is not None
-        self._link_after(head, first, blocks)
-
-    def _link_after(
-        self, left: KVCacheBlock, right: KVCacheBlock, blocks: Sequence[KVCacheBlock]
-    ) -> None:
-        for block in blocks:
-            if block.prev_free is not None:
-                raise _already_queued(block)
-        prev = left
-        for block in blocks:
-            prev.next_free = block
-            block.prev_free = prev
-            prev = block
-        prev.next_free = right
-        right.prev_free = prev
-        self.num_free += len(blocks)
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """All free blocks, front first (O(n); for tests and debugging)."""
-        out = []
-        block = self._head.next_free
-        tail = self._tail
-        while block is not tail and block is not None:
-            out.append(block)
-            block = block.next_free
-        return out
-
-
-def _already_queued(block: KVCacheBlock) -> KvcoreValueError:
-    msg = (
-        f"block {block.block_id} is already in the free block queue; a block can "
-        "be queued once (take it out with remove() or popleft() first)"
-    )
-    return KvcoreValueError(msg)
-
 
 # ---------------------------------------------------------------------------
 # Block pool
@@ -345,6 +93,7 @@ class BlockPool:
         "kv_events_medium",
         "null_block",
         "num_blocks",
+        "transactions",
     )
 
     def __init__(
@@ -393,7 +142,7 @@ class BlockPool:
         self.enable_caching = bool(enable_caching)
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
-        self._event_groups = _check_event_groups(event_groups)
+        self._event_groups = check_event_groups(event_groups)
         if type(kv_events_medium) is not str or not kv_events_medium:
             msg = (
                 f"kv_events_medium must be a non-empty str such as 'GPU' or "
@@ -414,6 +163,10 @@ class BlockPool:
         self._events: list[KVCacheEvent] = []
         #: Undo records of the open transaction (see :meth:`begin`), else None.
         self._journal: list[_Undo] | None = None
+        #: Transactions begun so far: state kept beside the pool records
+        #: its undo once per transaction (see
+        #: SingleTypeManager.record_request_state).
+        self.transactions = 0
         self._events_mark = 0
         #: Prefix-cache keys dropped so far (evictions and resets): a hit
         #: looked up when this was ``n`` still holds its keys while it is ``n``.
@@ -441,16 +194,12 @@ class BlockPool:
             )
             raise ReentrantCallError(msg)
         self._journal = []
+        self.transactions += 1
         self._events_mark = len(self._events)
 
     def commit(self) -> None:
         """Keep the open transaction's changes."""
         self._journal = None
-
-    @property
-    def in_transaction(self) -> bool:
-        """Whether a transaction is open (see :meth:`begin`)."""
-        return self._journal is not None
 
     def rollback(self) -> None:
         """Undo every change since :meth:`begin`, newest first: reference
@@ -785,20 +534,6 @@ class BlockPool:
 
     # -- prefix cache ---------------------------------------------------------
 
-    @property
-    def cached_blocks(
-        self,
-    ) -> dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]]:
-        """A snapshot of the prefix cache (O(n); built on each read): key
-        ``(block hash, group id)`` -> the block holding it, or ``{block_id:
-        block}`` when several do.  Hit searches read the live per-group map
-        of :meth:`cached_blocks_of` instead."""
-        return {
-            (h, gid): dict(e) if isinstance(e, dict) else e
-            for gid, group in self._cached.items()
-            for h, e in group.items()
-        }
-
     def cached_blocks_of(self, group_id: int) -> dict[BlockHash, _Entry]:
         """The live prefix cache of one group, for hit searches to read
         (never change it): block hash -> the block holding it, or
@@ -809,14 +544,9 @@ class BlockPool:
         return group
 
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
-        """The cached block of one group for ``block_hash``, or None (fast path)."""
-        group = self._cached.get(group_id)
-        if group is None:
-            return None
-        entry = group.get(block_hash)
-        if isinstance(entry, dict):
-            return next(iter(entry.values()))
-        return entry
+        """The cached block of one group for ``block_hash``, or None."""
+        hit = _one_per_group(self._cached, block_hash, (group_id,))
+        return None if hit is None else hit[0]
 
     def get_cached_block(
         self, block_hash: BlockHash, group_ids: Sequence[int]
@@ -867,7 +597,7 @@ class BlockPool:
         #: blocks not yet keyed.
         unkeyed: list[int] | None = None
         if self.enable_kv_cache_events:
-            self._check_event_inputs(group_id, token_ids, num_full_blocks)
+            check_event_inputs(self._event_groups, group_id, token_ids, num_full_blocks)
             unkeyed = [
                 pos
                 for pos, block in enumerate(new_blocks, num_cached_blocks)
@@ -898,70 +628,16 @@ class BlockPool:
             stored = [
                 pos for pos in unkeyed if blocks[pos].key_hash is block_hashes[pos]
             ]
-            assert token_ids is not None  # checked by _check_event_inputs
-            self._record_stored(group_id, block_hashes, blocks, token_ids, stored)
-
-    def _check_event_inputs(
-        self, group_id: int, token_ids: Sequence[int] | None, num_full_blocks: int
-    ) -> None:
-        """Refuse, before anything changes, a store whose event cannot be
-        built."""
-        groups = self._event_groups
-        if not 0 <= group_id < len(groups):
-            msg = (
-                f"cache_full_blocks: KV cache events are on but cache group "
-                f"{group_id} has no event facts ({len(groups)} given); build the "
-                "BlockPool with event_groups=[(block_size, kind, sliding_window), "
-                "...], one per group id (KVCacheCoordinator does)"
+            assert token_ids is not None  # checked by check_event_inputs
+            self._events += stored_events(
+                self._event_groups[group_id],
+                group_id,
+                block_hashes,
+                blocks,
+                token_ids,
+                stored,
+                self.kv_events_medium,
             )
-            raise InvalidRequestError(msg)
-        need = num_full_blocks * groups[group_id].block_size
-        if token_ids is None or len(token_ids) < need:
-            got = "none" if token_ids is None else str(len(token_ids))
-            msg = (
-                f"cache_full_blocks for group {group_id}: KV cache events are on, "
-                f"so token_ids must hold the {need} tokens of the "
-                f"{num_full_blocks} full blocks, got {got}; pass "
-                "token_ids=request.all_token_ids"
-            )
-            raise InvalidRequestError(msg)
-
-    def _record_stored(
-        self,
-        group_id: int,
-        block_hashes: Sequence[BlockHash],
-        blocks: Sequence[KVCacheBlock],
-        token_ids: Sequence[int],
-        stored: list[int],
-    ) -> None:
-        """One :class:`BlockStored` per unbroken run of stored positions, so
-        each event's parent hash is the block right before its first."""
-        info = self._event_groups[group_id]
-        size = info.block_size
-        medium = self.kv_events_medium
-        append = self._events.append
-        start = prev = stored[0]
-        for pos in (*stored[1:], -1):
-            if pos == prev + 1:
-                prev = pos
-                continue
-            end = prev + 1
-            append(
-                BlockStored(
-                    tuple(block_hashes[start:end]),
-                    block_hashes[start - 1] if start else None,
-                    # Plain ints, whatever int-like ids (numpy ints) the
-                    # engine passed: the wire form takes only ints.
-                    tuple(map(operator.index, token_ids[start * size : end * size])),
-                    size,
-                    group_id,
-                    info.kind,
-                    info.sliding_window,
-                    tuple(b.block_id for b in blocks[start:end]),
-                    medium,
-                )
-            )
-            start = prev = pos
 
     # -- partial keys (copy-on-write hit sources) --------------------------------
 
@@ -1122,31 +798,6 @@ def _nothing() -> None:
 
 
 _Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
-
-
-def _check_event_groups(
-    groups: Sequence[tuple[int, str, int | None]],
-) -> tuple[GroupEventInfo, ...]:
-    out = []
-    for gid, item in enumerate(groups):
-        given: object = item  # checked: callers pass anything
-        ok = isinstance(given, tuple) and len(given) == 3
-        if ok:
-            size, kind, window = item
-            ok = (
-                type(size) is int
-                and size > 0
-                and type(kind) is str
-                and (window is None or (type(window) is int and window > 0))
-            )
-        if not ok:
-            msg = (
-                f"event_groups[{gid}] must be (block_size: positive int, kind: "
-                f"str, sliding_window: positive int or None), got {item!r}"
-            )
-            raise KvcoreTypeError(msg)
-        out.append(GroupEventInfo(size, kind, window))
-    return tuple(out)
 
 
 def _num_entries(group: dict[BlockHash, _Entry]) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import attrs
 
@@ -204,9 +204,6 @@ class KVCacheCoordinator:
                 raise BlockSizeError(msg)
             managers.append(manager)
         self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
-        #: Managers whose class keeps per-request state beyond the base's
-        #: (it declares keeps_request_state): recorded at each step's start.
-        self._snapshotting = tuple(m for m in managers if m.keeps_request_state)
         self._owners = tuple(owners)
         self._plugin_manager = getattr(registry, "_pm", None)
         #: Each plugin's distribution, kept by a copy (which drops the
@@ -214,24 +211,23 @@ class KVCacheCoordinator:
         self._distributions: dict[str, str | None] = {}
         #: Managers that release blocks a request no longer reads.
         self.skipping = tuple(m for m in managers if m.skips_blocks)
-        self._caching = tuple(m for m in managers if m.caching)
-        # Managers whose tables grow with the request; fixed-block managers
-        # are settled at a request's first allocation.
-        self._growing = tuple(
-            (gid, m) for gid, m in enumerate(managers) if m.position_indexed
+        # Twin groups (see _twin_key) hold equal tables and per-request
+        # state, so a step that changes nothing for the first of them (its
+        # manager records nothing in the step's journal) changes nothing
+        # for the others: each step runs over these runs of consecutive
+        # twins in group order and passes over a class once its first
+        # group was idle.
+        self._skip_runs = _twin_runs(managers, "skips_blocks")
+        self._cache_runs = _twin_runs(managers, "caching")
+        self._grow_runs = _twin_runs(managers, "position_indexed")
+        #: Each class of growing twins' first manager and size: a running
+        #: request's growth is counted once per class.
+        sizes: dict[int, int] = {}
+        for first, members in self._grow_runs:
+            sizes[first] = sizes.get(first, 0) + len(members)
+        self._grow_classes = tuple(
+            (managers[first], size) for first, size in sizes.items()
         )
-        self._growing_managers = tuple(m for _, m in self._growing)
-        #: The growing groups as sets of twins (see _twin_classes; groups
-        #: that plan checkpoints each on their own), in group order of each
-        #: set's first: a running request's growth is decided once per set.
-        self._growing_twins = _growing_twins(self._growing)
-        #: ``(group id, manager, its set's first group id)`` in group order.
-        self._growing_led = tuple(
-            (gid, manager, twins[0][0])
-            for twins in self._growing_twins
-            for gid, manager in twins
-        )
-        self._growing_led = tuple(sorted(self._growing_led, key=lambda t: t[0]))
 
         # Prefix-cacheable groups with equal specs are searched together;
         # monotone (left-to-right) searches go first: they bound the others.
@@ -251,7 +247,7 @@ class KVCacheCoordinator:
                     monotone=policies[gid] is HitPolicy.PREFIX,
                     states=policies[gid] is HitPolicy.CHECKPOINT,
                     partial_unit=partial_units.get(gid, 0)
-                    if _takes_partial(type(manager))
+                    if type(manager).partial_copy_hits is True
                     else 0,
                 )
         # Left-to-right searches first (they bound the others), states last:
@@ -304,10 +300,13 @@ class KVCacheCoordinator:
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
-        #: Groups of one manager class with equal merged specs, block sizes,
-        #: caching and hit alignment (two or more): their state managers
+        #: Classes of two or more twin state groups (see _twin_key): they
         #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
-        self._twin_classes = _twin_classes(managers)
+        twins: dict[Any, list[CheckpointManager]] = {}
+        for m in self.planning:
+            if isinstance(m, CheckpointManager):
+                twins.setdefault(_twin_key(m), []).append(m)
+        self._path_twins = tuple(c for c in twins.values() if len(c) > 1)
 
     def __getstate__(self) -> dict[str, Any]:
         """The coordinator's state without the plugin manager, which holds
@@ -482,26 +481,51 @@ class KVCacheCoordinator:
     # group, so a manager that raises is reported as its plugin's failure
     # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def _run_twins(
+        self, runs: _Runs, method: str, *args: Any
+    ) -> list[list[KVCacheBlock]] | None:
+        """Call ``method`` on each manager of ``runs`` in group order,
+        passing over a class of twins whose first group changed nothing
+        (recorded nothing in the open transaction, or returned no block);
+        what each call returned that holds blocks, by group id."""
+        journal = self.block_pool._journal
+        idle: list[int] = []
+        out: list[list[KVCacheBlock]] | None = None
         gid = -1
         try:
-            for manager in self.skipping:
-                gid = manager.kv_cache_group_id
-                manager.remove_skipped_blocks(request_id, num_computed_tokens)
+            for first, members in runs:
+                if first in idle:
+                    continue
+                for manager in members:
+                    gid = manager.kv_cache_group_id
+                    mark = -1 if journal is None else len(journal)
+                    new = getattr(manager, method)(*args)
+                    if new:
+                        if out is None:
+                            out = [[] for _ in range(self.num_groups)]
+                        out[gid] = new
+                    elif gid == first and mark == len(journal or ()):
+                        idle.append(first)
+                        break
         except Exception as exc:
-            raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
+            raise self.plugin_error(gid, method, exc) from exc
+        return out
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        self._run_twins(
+            self._skip_runs, "remove_skipped_blocks", request_id, num_computed_tokens
+        )
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
-        total = 0
-        gid = -1
-        try:
-            for manager in self.skipping:
-                gid = manager.kv_cache_group_id
-                total += manager.count_freeable_skipped(request_id, num_computed_tokens)
-        except Exception as exc:
-            raise self.plugin_error(gid, "count_freeable_skipped", exc) from exc
-        return total
+        return sum(
+            self._each(
+                self.skipping,
+                "count_freeable_skipped",
+                request_id,
+                num_computed_tokens,
+            )
+        )
 
     def admission_blocks(
         self,
@@ -564,31 +588,29 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens``."""
-        out: list[list[KVCacheBlock]] = []
-        gid = 0
-        try:
-            for manager in self.single_type_managers:
-                gid = manager.kv_cache_group_id
-                out.append(manager.allocate_new_blocks(request_id, num_tokens))
-        except Exception as exc:
-            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
-        return tuple(out)
+        return tuple(
+            self._each(
+                self.single_type_managers,
+                "allocate_new_blocks",
+                request_id,
+                num_tokens,
+            )
+        )
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``:
-        one count per set of growing twins (their tables have one length,
-        so they need as many blocks each), times the set's size."""
+        one count per class of growing twins (their tables have one length,
+        so they need as many blocks each), times the class's size."""
         total = 0
-        gid = 0
+        manager = None
         try:
-            for twins in self._growing_twins:
-                manager = twins[0][1]
-                gid = manager.kv_cache_group_id
+            for manager, size in self._grow_classes:
                 need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
                 if type(need) is not int or need < 0:
                     _count(need)
-                total += need * len(twins)
+                total += need * size
         except Exception as exc:
+            gid = 0 if manager is None else manager.kv_cache_group_id
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
 
@@ -596,36 +618,14 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables, in group order; ``None`` if no
-        block was added.  A set of growing twins grows together: when its
-        first group takes no block, no other does (their tables have one
-        length), and they are passed over."""
-        out: list[list[KVCacheBlock]] | None = None
-        gid = 0
-        idle: list[int] = []
-        try:
-            for gid, manager, first in self._growing_led:
-                if first != gid and first in idle:
-                    continue
-                new = manager.allocate_new_blocks(request_id, num_tokens)
-                if not new:
-                    if first == gid:
-                        idle.append(gid)
-                    continue
-                if out is None:
-                    out = [[] for _ in range(self.num_groups)]
-                out[gid] = new
-        except Exception as exc:
-            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
-        return tuple(out) if out is not None else None
+        block was added."""
+        out = self._run_twins(
+            self._grow_runs, "allocate_new_blocks", request_id, num_tokens
+        )
+        return None if out is None else tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        gid = -1
-        try:
-            for manager in self._caching:
-                gid = manager.kv_cache_group_id
-                manager.cache_blocks(request, num_tokens)
-        except Exception as exc:
-            raise self.plugin_error(gid, "cache_blocks", exc) from exc
+        self._run_twins(self._cache_runs, "cache_blocks", request, num_tokens)
         if self.partial is not None:
             self.partial.register(request, num_tokens)
 
@@ -656,24 +656,22 @@ class KVCacheCoordinator:
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the
         back of the eviction order with its other blocks."""
-        gid = 0
-        try:
-            for manager in self._evicting_last:
-                gid = manager.kv_cache_group_id
-                blocks = manager.take_released_checkpoints(request_id)
-                if blocks:
-                    self.block_pool.requeue_at_back(blocks)
-        except Exception as exc:
-            raise self.plugin_error(gid, "take_released_checkpoints", exc) from exc
+        for blocks in self._each(
+            self._evicting_last, "take_released_checkpoints", request_id
+        ):
+            if blocks:
+                self.block_pool.requeue_at_back(blocks)
 
-    def _each_planning(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every state group's manager, in order, and
-        return what each returned; a manager that raises is reported as a
-        PluginError naming it."""
+    def _each(
+        self, managers: Sequence[SingleTypeManager], method: str, *args: Any
+    ) -> list[Any]:
+        """Call ``method`` on each of ``managers``, in order, and return what
+        each returned; a manager that raises is reported as a PluginError
+        naming it."""
         results = []
         gid = 0
         try:
-            for manager in self.planning:
+            for manager in managers:
                 gid = manager.kv_cache_group_id
                 results.append(getattr(manager, method)(*args))
         except Exception as exc:
@@ -683,21 +681,16 @@ class KVCacheCoordinator:
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """Let every state group choose where to keep checkpoints for a
         request being admitted."""
-        self._each_planning("plan_checkpoints", request, num_computed_tokens)
-        managers = self.single_type_managers
-        for gids in self._twin_classes:
-            first = managers[gids[0]]
-            if isinstance(first, CheckpointManager):
-                CheckpointManager.agree_on_path(
-                    [cast(CheckpointManager, managers[g]) for g in gids], request
-                )
+        self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
+        for twins in self._path_twins:
+            CheckpointManager.agree_on_path(twins, request)
 
     def shed_checkpoints(self, request_id: str) -> list[Any] | None:
         """Let every state group give up the request's optional checkpoints
         (for a step that does not fit with them); what
         :meth:`restore_checkpoints` needs to undo it, or None when there was
         nothing to give up."""
-        saved = self._each_planning("shed_checkpoints", request_id)
+        saved = self._each(self.planning, "shed_checkpoints", request_id)
         return saved if any(state is not None for state in saved) else None
 
     def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
@@ -708,7 +701,7 @@ class KVCacheCoordinator:
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""
-        self._each_planning("forget_checkpoints", request_id)
+        self._each(self.planning, "forget_checkpoints", request_id)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
@@ -716,28 +709,6 @@ class KVCacheCoordinator:
         )
 
     # -- transactions -------------------------------------------------------------
-
-    def request_state(self, request_id: str) -> list[Any]:
-        """The per-request state of the groups whose manager class extends
-        :meth:`SingleTypeManager.request_state` (state beyond what its
-        methods record as they change it, see
-        :meth:`SingleTypeManager.record_request_state`), for
-        :meth:`restore_request_state`; empty for every other plan."""
-        if not self._snapshotting:
-            return []
-        gid = 0
-        try:
-            out = []
-            for manager in self._snapshotting:
-                gid = manager.kv_cache_group_id
-                out.append(manager.request_state(request_id))
-        except Exception as exc:
-            raise self.plugin_error(gid, "request_state", exc) from exc
-        return out
-
-    def restore_request_state(self, request_id: str, states: list[Any]) -> None:
-        for manager, state in zip(self._snapshotting, states, strict=True):
-            manager.restore_request_state(request_id, state)
 
     def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
         """The error for group ``gid``'s manager raising ``exc`` in ``method``
@@ -776,51 +747,42 @@ class KVCacheCoordinator:
         return shown.rsplit(" ", 1)[0] if shown else None
 
 
-def _twin_classes(
-    managers: Sequence[SingleTypeManager],
-) -> tuple[tuple[int, ...], ...]:
-    """Group ids of each set of two or more twin groups: managers of one
-    class with equal merged specs, block sizes, caching and hit alignment
-    (a spec that cannot be hashed makes its group a class of its own)."""
-    classes: dict[Any, list[int]] = {}
+def _twin_key(manager: SingleTypeManager) -> Any:
+    """What twin groups share: one manager class, equal merged specs, block
+    sizes, caching and hit alignment (a spec that cannot be hashed makes
+    its group a class of its own)."""
+    key = (
+        type(manager),
+        manager.kv_cache_spec,
+        manager.block_size,
+        manager.caching,
+        manager.hit_alignment,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return manager.kv_cache_group_id
+    return key
+
+
+#: Runs of consecutive twin groups, each with its class's first group id.
+_Runs = tuple[tuple[int, tuple[SingleTypeManager, ...]], ...]
+
+
+def _twin_runs(managers: Sequence[SingleTypeManager], flag: str) -> _Runs:
+    """The managers whose ``flag`` is set, in group order, cut into runs of
+    consecutive twins (see _twin_key), each with its class's first group."""
+    firsts: dict[Any, int] = {}
+    runs: list[tuple[int, list[SingleTypeManager]]] = []
     for manager in managers:
-        key = (
-            type(manager),
-            manager.kv_cache_spec,
-            manager.block_size,
-            manager.caching,
-            manager.hit_alignment,
-        )
-        try:
-            members = classes.setdefault(key, [])
-        except TypeError:
+        if not getattr(manager, flag):
             continue
-        members.append(manager.kv_cache_group_id)
-    return tuple(tuple(gids) for gids in classes.values() if len(gids) > 1)
-
-
-def _growing_twins(
-    growing: Sequence[tuple[int, SingleTypeManager]],
-) -> tuple[tuple[tuple[int, SingleTypeManager], ...], ...]:
-    """``growing`` as sets of twin groups (one class, equal merged specs,
-    block sizes, caching and hit alignment) that plan no checkpoints."""
-    sets: dict[Any, list[tuple[int, SingleTypeManager]]] = {}
-    for gid, manager in growing:
-        key: Any = (
-            type(manager),
-            manager.kv_cache_spec,
-            manager.block_size,
-            manager.caching,
-            manager.hit_alignment,
-        )
-        if manager.plans_checkpoints:
-            key = gid
-        try:
-            members = sets.setdefault(key, [])
-        except TypeError:
-            members = sets.setdefault(gid, [])
-        members.append((gid, manager))
-    return tuple(tuple(members) for members in sets.values())
+        first = firsts.setdefault(_twin_key(manager), manager.kv_cache_group_id)
+        if runs and runs[-1][0] == first:
+            runs[-1][1].append(manager)
+        else:
+            runs.append((first, [manager]))
+    return tuple((first, tuple(members)) for first, members in runs)
 
 
 def _partial_units(
@@ -835,19 +797,14 @@ def _partial_units(
         if not spec.hashes_blocks or spec.hit_policy is not HitPolicy.PREFIX:
             continue
         kind = registry.kind_for(spec, layer=group.layer_names[0])
-        if kind.manager_type is None or not _takes_partial(kind.manager_type):
+        # A class that replaces PrefixManager's search (which the partial
+        # search extends) says no.
+        if kind.manager_type is None or kind.manager_type.partial_copy_hits is not True:
             continue
         unit = group_hit_unit(group, effective_block_size(group, dcp), hash_block_size)
         if unit is not None:
             out[gid] = unit
     return out
-
-
-def _takes_partial(manager_type: type[SingleTypeManager]) -> bool:
-    """Whether a manager class takes copy-on-write hits: it says so
-    (:attr:`~SingleTypeManager.partial_copy_hits`; a class that replaces
-    PrefixManager's search, which the partial search extends, says no)."""
-    return manager_type.partial_copy_hits is True
 
 
 def _count(value: object) -> int:

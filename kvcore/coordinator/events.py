@@ -15,12 +15,14 @@ Their wire form and a ZeroMQ publisher are an integration
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import NamedTuple, Protocol, Self, TypeAlias
+from typing import Any, NamedTuple, Protocol, Self, TypeAlias
 
 from kvcore.coordinator.hashing import BlockHash
+from kvcore.errors import InvalidRequestError, KvcoreTypeError
 
 __all__ = [
     "MEDIUM_GPU",
@@ -146,3 +148,98 @@ class NullEventPublisher(ClosingPublisher):
     ) -> int | None:
         """Drop ``events``; returns None (no sequence number)."""
         return None
+
+
+# -- what the block pool records ------------------------------------------------
+
+
+def check_event_groups(
+    groups: Sequence[tuple[int, str, int | None]],
+) -> tuple[GroupEventInfo, ...]:
+    out = []
+    for gid, item in enumerate(groups):
+        given: object = item  # checked: callers pass anything
+        ok = isinstance(given, tuple) and len(given) == 3
+        if ok:
+            size, kind, window = item
+            ok = (
+                type(size) is int
+                and size > 0
+                and type(kind) is str
+                and (window is None or (type(window) is int and window > 0))
+            )
+        if not ok:
+            msg = (
+                f"event_groups[{gid}] must be (block_size: positive int, kind: "
+                f"str, sliding_window: positive int or None), got {item!r}"
+            )
+            raise KvcoreTypeError(msg)
+        out.append(GroupEventInfo(size, kind, window))
+    return tuple(out)
+
+
+def check_event_inputs(
+    groups: Sequence[GroupEventInfo],
+    group_id: int,
+    token_ids: Sequence[int] | None,
+    num_full_blocks: int,
+) -> None:
+    """Refuse, before anything changes, a store whose event cannot be
+    built."""
+    if not 0 <= group_id < len(groups):
+        msg = (
+            f"cache_full_blocks: KV cache events are on but cache group "
+            f"{group_id} has no event facts ({len(groups)} given); build the "
+            "BlockPool with event_groups=[(block_size, kind, sliding_window), "
+            "...], one per group id (KVCacheCoordinator does)"
+        )
+        raise InvalidRequestError(msg)
+    need = num_full_blocks * groups[group_id].block_size
+    if token_ids is None or len(token_ids) < need:
+        got = "none" if token_ids is None else str(len(token_ids))
+        msg = (
+            f"cache_full_blocks for group {group_id}: KV cache events are on, "
+            f"so token_ids must hold the {need} tokens of the "
+            f"{num_full_blocks} full blocks, got {got}; pass "
+            "token_ids=request.all_token_ids"
+        )
+        raise InvalidRequestError(msg)
+
+
+def stored_events(
+    info: GroupEventInfo,
+    group_id: int,
+    block_hashes: Sequence[BlockHash],
+    blocks: Sequence[Any],
+    token_ids: Sequence[int],
+    stored: list[int],
+    medium: str,
+) -> list[BlockStored]:
+    """One :class:`BlockStored` per unbroken run of ``stored`` positions of
+    ``blocks`` (the pool's blocks), so each event's parent hash is the block
+    right before its first."""
+    size = info.block_size
+    out = []
+    start = prev = stored[0]
+    for pos in (*stored[1:], -1):
+        if pos == prev + 1:
+            prev = pos
+            continue
+        end = prev + 1
+        out.append(
+            BlockStored(
+                tuple(block_hashes[start:end]),
+                block_hashes[start - 1] if start else None,
+                # Plain ints, whatever int-like ids (numpy ints) the
+                # engine passed: the wire form takes only ints.
+                tuple(map(operator.index, token_ids[start * size : end * size])),
+                size,
+                group_id,
+                info.kind,
+                info.sliding_window,
+                tuple(b.block_id for b in blocks[start:end]),
+                medium,
+            )
+        )
+        start = prev = pos
+    return out

@@ -5,16 +5,29 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypedDict, Unpack, cast
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Unpack
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
+from kvcore.coordinator.blocks import KVCacheBlocks
+from kvcore.coordinator.checks import (
+    EngineStepKeywords,
+    check_counts,
+    check_engine_keywords,
+    check_external,
+    check_hashing,
+    check_same_request,
+    check_tokens,
+    checked_hit,
+    not_a_request,
+    positive_int,
+    require_type,
+)
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
-from kvcore.coordinator.partial import BlockCopy, copy_source_valid, split_copy_sources
+from kvcore.coordinator.partial import BlockCopy, split_copy_sources
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import (
     InvalidRequestError,
-    InvalidRequestTypeError,
     KvcoreTypeError,
     UnknownRequestError,
 )
@@ -30,45 +43,6 @@ __all__ = [
 ]
 
 
-class KVCacheBlocks:
-    """Blocks of one request step: ``blocks[group]`` is that group's list.
-
-    ``copies`` are the block copies the engine runs before the step's
-    forward pass, in order (copy-on-write partial hits, see
-    :class:`~kvcore.coordinator.BlockCopy`); empty unless
-    :meth:`KVCacheManager.allocate_slots` admitted a request whose hit ends
-    inside a block.
-    """
-
-    __slots__ = ("_lookup", "blocks", "copies")
-
-    def __init__(
-        self,
-        blocks: tuple[Sequence[KVCacheBlock], ...],
-        copies: tuple[BlockCopy, ...] = (),
-    ) -> None:
-        self.blocks = blocks
-        self.copies = copies
-        #: Set by KVCacheManager.get_computed_blocks on the hit it returns:
-        #: (its pool, the pool's eviction count then, the request, ``blocks``).
-        self._lookup: tuple[object, int, object, object] | None = None
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
-
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(
-            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)),
-            self.copies + other.copies,
-        )
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlocks({self.get_block_ids()})"
-
-
 class PrefixCacheStats:
     """Lookups since the last reset: requests, queried and hit tokens."""
 
@@ -82,20 +56,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-class EngineStepKeywords(TypedDict, total=False):
-    """The keywords an engine may pass to :meth:`KVCacheManager.allocate_slots`
-    besides its positional parameters (each described there)."""
-
-    num_external_computed_tokens: int
-    num_encoder_tokens: int
-    full_sequence_must_fit: bool
-
-
-_ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
-#: Read on every free (an enum member lookup costs more than a global).
-_FINISHED = RequestStatus.FINISHED
 
 
 class GroupPrefixCacheStats(NamedTuple):
@@ -158,7 +118,7 @@ class KVCacheManager:
         thread_safe: bool = False,
         enable_partial_hits: bool = True,
     ) -> None:
-        _require_type(
+        require_type(
             "kv_cache_config",
             kv_cache_config,
             KVCacheConfig,
@@ -172,7 +132,7 @@ class KVCacheManager:
             ("hash_block_size", hash_block_size),
             ("dcp", dcp),
         ):
-            _positive_int(name, value)
+            positive_int(name, value)
         for name, flag in (
             ("enable_caching", enable_caching),
             ("use_eagle", use_eagle),
@@ -180,8 +140,8 @@ class KVCacheManager:
             ("thread_safe", thread_safe),
             ("enable_partial_hits", enable_partial_hits),
         ):
-            _require_type(name, flag, bool, "a bool (True or False)", exact=True)
-        _require_type(
+            require_type(name, flag, bool, "a bool (True or False)", exact=True)
+        require_type(
             "kv_events_medium", kv_events_medium, str, "a str such as 'GPU'", exact=True
         )
         if not kv_events_medium:
@@ -191,7 +151,7 @@ class KVCacheManager:
             )
             raise InvalidRequestError(msg)
         if registry is not None:
-            _require_type(
+            require_type(
                 "registry",
                 registry,
                 KindRegistry,
@@ -311,11 +271,11 @@ class KVCacheManager:
         """The request's prefix hit (blocks, tokens); the last prompt token is
         always recomputed so the step yields logits."""
         if not isinstance(request, Request):
-            raise _not_a_request(request)
+            raise not_a_request(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         coordinator = self.coordinator
-        self._check_hashing(request)
+        check_hashing(self, request)
         blocks, length = coordinator.find_longest_cache_hit(
             request.block_hashes, len(request.all_token_ids) - 1
         )
@@ -331,18 +291,6 @@ class KVCacheManager:
         pool = self.block_pool
         out._lookup = (pool, pool.evictions, request, blocks)
         return out, length
-
-    def _check_hashing(self, request: Request) -> None:
-        if request.hash_block_size != self.hash_block_size:
-            msg = (
-                f"request {request.request_id!r} is hashed at "
-                f"{request.hash_block_size} tokens per chunk but the manager hashes "
-                f"at {self.hash_block_size}; build requests with "
-                f"hash_block_size={self.hash_block_size}"
-            )
-            raise InvalidRequestError(msg)
-
-    # -- allocation -------------------------------------------------------------
 
     def allocate_slots(
         self,
@@ -388,51 +336,23 @@ class KVCacheManager:
             ``RUNNING``.
         """
         if not isinstance(request, Request):
-            raise _not_a_request(request)
+            raise not_a_request(request)
         rid = request.request_id
         # The engine keywords travel in a dict so a step without them pays
         # for no keyword-only defaults.
-        num_external_computed_tokens = 0
-        full_sequence_must_fit = False
-        if engine:
-            num_external_computed_tokens, full_sequence_must_fit = (
-                self._check_engine_keywords(request, engine)
-            )
-        if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
-            num_new_tokens == 0
-            and type(num_new_tokens) is int
-            and num_external_computed_tokens
-        ):
-            msg = (
-                f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
-                "tokens; schedule a positive int number of tokens"
-            )
-            raise _wrong(num_new_tokens, msg)
-        if (
-            type(num_new_computed_tokens) is not int
-            or num_new_computed_tokens < 0
-            or type(num_lookahead_tokens) is not int
-            or num_lookahead_tokens < 0
-        ):
-            _check_counts(rid, num_new_computed_tokens, num_lookahead_tokens)
-        hit: object = new_computed_blocks  # checked: engines pass anything
-        if hit is not None and not isinstance(hit, KVCacheBlocks):
-            msg = (
-                f"allocate_slots for request {rid!r}: new_computed_blocks must be "
-                f"the KVCacheBlocks get_computed_blocks returned, or None, got "
-                f"{type(hit).__name__}"
-            )
-            raise KvcoreTypeError(msg)
-        coordinator = self.coordinator
-        computed = (
-            new_computed_blocks.blocks if new_computed_blocks is not None else None
+        num_external_computed_tokens, full_sequence_must_fit = (
+            check_engine_keywords(self, request, engine) if engine else (0, False)
         )
-        if computed is not None and not any(computed):
-            computed = None
-        if num_new_computed_tokens or computed is not None:
-            self._check_hit(
-                request, new_computed_blocks, computed, num_new_computed_tokens
-            )
+        computed = checked_hit(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+        )
+        coordinator = self.coordinator
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         if num_external_computed_tokens:
             num_computed += num_external_computed_tokens
@@ -461,7 +381,7 @@ class KVCacheManager:
                 num_tokens = self.max_model_len
         held = self._requests.get(rid)
         if held is not request and held is not None:
-            self._check_same_request(held, request)
+            check_same_request(self, held, request)
         # A live request (held) with no new hit grows; any other is admitted.
         running = computed is None and held is not None
         # Every group's table is sized by one rule at num_computed tokens:
@@ -476,7 +396,7 @@ class KVCacheManager:
             need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
         else:
             if self.enable_caching:
-                self._check_hashing(request)
+                check_hashing(self, request)
             if computed is not None and coordinator.partial_groups:
                 # A hit that ends inside a block of a partial-hit group: its
                 # last block is copied into a fresh one, not attached.
@@ -544,6 +464,29 @@ class KVCacheManager:
                 if not running and coordinator.planning:
                     coordinator.forget_checkpoints(rid)
                 return None
+        return self._run_step(
+            request,
+            held,
+            (running, skipping, attach, num_computed, num_tokens, cache_to),
+            sources,
+            shed,
+            request.num_computed_tokens + num_new_computed_tokens,
+        )
+
+    def _run_step(
+        self,
+        request: Request,
+        held: Request | None,
+        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int],
+        sources: list[tuple[int, KVCacheBlock, int]] | None,
+        shed: list[Any] | None,
+        num_hit_tokens: int,
+    ) -> KVCacheBlocks:
+        """Run a step that fits (``args``: :meth:`_step`'s after the
+        request) as a transaction and hand out its new blocks."""
+        rid = request.request_id
+        running = args[0]
+        coordinator = self.coordinator
         step = (
             self._step
             if sources is None
@@ -552,17 +495,13 @@ class KVCacheManager:
         # Every step is a transaction: a manager that raises leaves the
         # pool, the tables, the keys and the events as they were.
         pool = self.block_pool
-        states = coordinator.request_state(rid)
         pool.begin()
         try:
-            new_blocks = step(
-                request, running, skipping, attach, num_computed, num_tokens, cache_to
-            )
+            new_blocks = step(request, *args)
         except BaseException:
             # A manager that raised is reported as a PluginError naming it
             # (see KVCacheCoordinator.plugin_error); the step is undone first.
             pool.rollback()
-            coordinator.restore_request_state(rid, states)
             if shed is not None:
                 # The states were recorded after the shed.
                 coordinator.restore_checkpoints(rid, shed)
@@ -575,9 +514,7 @@ class KVCacheManager:
         if held is not request:
             self._requests[rid] = request
         if sources is not None:
-            copies = self._copies(
-                rid, sources, request.num_computed_tokens + num_new_computed_tokens
-            )
+            copies = self._copies(rid, sources, num_hit_tokens)
             return KVCacheBlocks(
                 new_blocks
                 if new_blocks is not None
@@ -626,65 +563,6 @@ class KVCacheManager:
             dst = manager.req_to_blocks[rid][num_hit_tokens // manager.block_size]
             out.append(BlockCopy(gid, src.block_id, dst.block_id, num_tokens))
         return tuple(out)
-
-    def _check_engine_keywords(
-        self, request: Request, engine: Mapping[str, object]
-    ) -> tuple[int, bool]:
-        """The checked engine keywords: (external tokens, full sequence)."""
-        unknown = sorted(set(engine) - _ENGINE_KEYWORDS)
-        if unknown:
-            msg = (
-                f"allocate_slots got unexpected keyword argument(s) "
-                f"{', '.join(unknown)}; the engine keywords are "
-                f"{', '.join(sorted(_ENGINE_KEYWORDS))}"
-            )
-            raise KvcoreTypeError(msg)
-        num_external = engine.get("num_external_computed_tokens", 0)
-        num_encoder = engine.get("num_encoder_tokens", 0)
-        full_sequence_must_fit = engine.get("full_sequence_must_fit", False)
-        self._check_external(request, num_external, num_encoder, full_sequence_must_fit)
-        return cast(int, num_external), cast(bool, full_sequence_must_fit)
-
-    def _check_external(
-        self,
-        request: Request,
-        num_external: object,
-        num_encoder: object,
-        full_sequence_must_fit: object,
-    ) -> None:
-        rid = request.request_id
-        if type(num_external) is not int or num_external < 0:
-            msg = (
-                f"allocate_slots for request {rid!r}: num_external_computed_tokens "
-                f"must be a non-negative int, got {num_external!r}"
-            )
-            raise InvalidRequestError(msg)
-        if type(num_encoder) is not int or num_encoder < 0:
-            msg = (
-                f"allocate_slots for request {rid!r}: num_encoder_tokens must be a "
-                f"non-negative int, got {num_encoder!r}"
-            )
-            raise InvalidRequestError(msg)
-        if num_encoder:
-            msg = (
-                f"allocate_slots for request {rid!r}: {num_encoder} encoder tokens, "
-                "but kvcore has no cross-attention kind to hold them; pass "
-                "num_encoder_tokens=0 (decoder-only plans)"
-            )
-            raise InvalidRequestError(msg)
-        if type(full_sequence_must_fit) is not bool:
-            msg = (
-                f"allocate_slots for request {rid!r}: full_sequence_must_fit must "
-                f"be a bool, got {full_sequence_must_fit!r}"
-            )
-            raise InvalidRequestError(msg)
-        if num_external and request.request_id in self._requests:
-            msg = (
-                f"allocate_slots for request {rid!r}: {num_external} external "
-                "computed tokens, but the request already holds blocks; a KV "
-                "connector's tokens attach only when the request is admitted"
-            )
-            raise InvalidRequestError(msg)
 
     def _full_sequence_blocks(
         self,
@@ -741,7 +619,7 @@ class KVCacheManager:
         applies; it does not include the current step's lookahead slots.
         """
         if not isinstance(request, Request):
-            raise _not_a_request(request)
+            raise not_a_request(request)
         rid = request.request_id
         if num_tokens is None:
             num_tokens = request.num_tokens
@@ -751,9 +629,10 @@ class KVCacheManager:
                 f"positive int, got {num_tokens!r}"
             )
             raise InvalidRequestError(msg)
-        _check_counts(rid, num_new_computed_tokens, 0)
-        self._check_external(request, num_external_computed_tokens, 0, False)
+        check_counts(rid, num_new_computed_tokens, 0)
+        check_external(self, request, num_external_computed_tokens, 0, False)
         attach: tuple[list[KVCacheBlock], ...] = ()
+        held = 0
         if rid not in self._requests:
             hit = (
                 new_computed_blocks.blocks
@@ -766,7 +645,6 @@ class KVCacheManager:
                     f"{len(hit)} block lists for {self.num_kv_cache_groups} groups"
                 )
                 raise InvalidRequestError(msg)
-            held = 0
             if self.coordinator.partial_groups and num_new_computed_tokens:
                 # A copy-on-write source is not attached (a fresh block takes
                 # its place) but is held while the step runs.
@@ -783,8 +661,6 @@ class KVCacheManager:
                 "holds blocks; a prefix hit attaches only at admission"
             )
             raise InvalidRequestError(msg)
-        else:
-            held = 0
         full = min(num_tokens, self.max_model_len)
         need = self._full_sequence_blocks(request, full, attach) + held
         return need <= self.block_pool.free_queue.num_free
@@ -814,149 +690,11 @@ class KVCacheManager:
             coordinator.cache_blocks(request, cache_to)
         return new_blocks
 
-    def _check_same_request(self, held: Request, request: Request) -> None:
-        """A live request id belongs to the request that holds its blocks; a
-        request object with the same id and the same tokens stands for it,
-        one with other tokens is refused."""
-        if (
-            held.all_token_ids == request.all_token_ids
-            and held.cache_salt == request.cache_salt
-            and held.lora_name == request.lora_name
-        ):
-            return
-        rid = request.request_id
-        msg = (
-            f"request id {rid!r} already holds blocks for another request (other "
-            "tokens, cache salt or LoRA); free it before reusing its id, or give "
-            "the new request its own id"
-        )
-        raise InvalidRequestError(msg)
-
-    def _check_hit(
-        self,
-        request: Request,
-        hit: KVCacheBlocks | None,
-        computed: tuple[Sequence[KVCacheBlock], ...] | None,
-        num_tokens: int,
-    ) -> None:
-        """A prefix hit may attach only to a new request, as one block list
-        per group covering exactly ``num_tokens`` tokens, with every block
-        still holding this request's prefix (a hit looked up earlier may
-        have been evicted since).  The hit this manager's lookup returned
-        for the request, with no key dropped from the pool since, is known
-        to hold it: its blocks are not checked one by one."""
-        rid = request.request_id
-        pool = self.block_pool
-        lookup = None if hit is None else hit._lookup
-        fresh = (
-            lookup is not None
-            and lookup[0] is pool
-            and lookup[1] == pool.evictions
-            and lookup[2] is request
-            and lookup[3] is computed
-        )
-        coordinator = self.coordinator
-        if rid in self._requests:
-            msg = (
-                f"request {rid!r} already holds blocks; prefix hits attach only "
-                "when a request is first scheduled"
-            )
-            raise InvalidRequestError(msg)
-        if num_tokens % coordinator.cache_hit_alignment:
-            msg = (
-                f"request {rid!r}: {num_tokens} computed tokens break the cache-hit "
-                f"alignment of {coordinator.cache_hit_alignment} tokens; pass the hit "
-                "length get_computed_blocks returned"
-            )
-            raise InvalidRequestError(msg)
-        if computed is None or len(computed) != self.num_kv_cache_groups:
-            got = "no blocks" if computed is None else f"{len(computed)} block lists"
-            msg = (
-                f"request {rid!r}: a hit of {num_tokens} tokens came with {got}; pass "
-                f"the blocks get_computed_blocks returned (one list per each of the "
-                f"{self.num_kv_cache_groups} groups)"
-            )
-            raise InvalidRequestError(msg)
-        self._check_hashing(request)
-        own = pool.blocks
-        for gid, blocks in enumerate(() if fresh else computed):
-            for block in blocks:
-                if not _owned(own, block):
-                    msg = (
-                        f"request {rid!r}: the hit's blocks for group {gid} do not "
-                        "belong to this manager's block pool (they came from another "
-                        "KVCacheManager, or were built by hand); attach only the hit "
-                        "this manager's get_computed_blocks returned"
-                    )
-                    raise InvalidRequestError(msg)
-        for gid, (manager, blocks) in enumerate(
-            zip(self._managers, computed, strict=True)
-        ):
-            if not manager.caching:
-                if blocks:
-                    msg = (
-                        f"request {rid!r}: group {gid} is not prefix-cacheable but "
-                        f"the hit holds {len(blocks)} blocks for it"
-                    )
-                    raise InvalidRequestError(msg)
-                continue
-            # A partial-hit group's hit may end inside its last block, a
-            # copy source.
-            partial = gid in coordinator.partial_units and bool(
-                num_tokens % manager.block_size
-            )
-            expected = -(-num_tokens // manager.block_size)
-            if len(blocks) * manager.block_size != num_tokens and not (
-                partial and len(blocks) == expected
-            ):
-                msg = (
-                    f"request {rid!r}: the hit covers {num_tokens} tokens but group "
-                    f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
-                )
-                raise InvalidRequestError(msg)
-            if not manager.hit_serves(blocks):
-                msg = (
-                    f"request {rid!r}: the hit's blocks for group {gid} "
-                    f"({manager.kv_cache_spec.kind}) lack what the next token reads "
-                    "(a window or state cut off by truncation); attach the hit "
-                    "get_computed_blocks returned, uncut"
-                )
-                raise InvalidRequestError(msg)
-            if fresh:
-                continue
-            chunks = request.block_hashes
-            key_of = manager.block_hash
-            for i, block in enumerate(blocks):
-                if block.is_null:
-                    continue
-                if partial and i == expected - 1:
-                    end = num_tokens // self.hash_block_size - 1
-                    chunk = chunks[end] if 0 <= end < len(chunks) else None
-                    if copy_source_valid(
-                        self.block_pool, block, gid, key_of(chunks, i), chunk
-                    ):
-                        continue
-                    msg = (
-                        f"request {rid!r}: the copy source block {block.block_id} "
-                        f"of group {gid} no longer holds this request's prefix (it "
-                        "was evicted after the lookup); call get_computed_blocks "
-                        "again right before allocate_slots"
-                    )
-                    raise InvalidRequestError(msg)
-                if block.key_group != gid or block.key_hash != key_of(chunks, i):
-                    msg = (
-                        f"request {rid!r}: hit block {block.block_id} of group {gid} "
-                        "no longer holds this request's prefix (it was evicted after "
-                        "the lookup); call get_computed_blocks again right before "
-                        "allocate_slots"
-                    )
-                    raise InvalidRequestError(msg)
-
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Hash the request's blocks filled by ``num_computed_tokens``."""
         if not isinstance(request, Request):
-            raise _not_a_request(request)
-        _check_tokens(
+            raise not_a_request(request)
+        check_tokens(
             f"cache_blocks for request {request.request_id!r}: num_computed_tokens",
             num_computed_tokens,
         )
@@ -972,14 +710,13 @@ class KVCacheManager:
         elif isinstance(request, Request):
             rid = request.request_id
         else:
-            raise _not_a_request(request)
+            raise not_a_request(request)
         requests = self._requests
         held = requests.get(rid)
         if held is None:
             self._require_live(rid)
         coordinator = self.coordinator
         pool = self.block_pool
-        states = coordinator.request_state(rid)
         pool.begin()
         try:
             coordinator.free(rid)
@@ -987,16 +724,15 @@ class KVCacheManager:
             # A manager that raised is reported as a PluginError naming it
             # (see KVCacheCoordinator.plugin_error); the step is undone first.
             pool.rollback()
-            coordinator.restore_request_state(rid, states)
             raise
         pool.commit()
         if coordinator.partial is not None:
             coordinator.partial.forget(rid)
         del requests[rid]
         assert held is not None
-        held.status = _FINISHED
+        held.status = RequestStatus.FINISHED
         if request is not held and isinstance(request, Request):
-            request.status = _FINISHED
+            request.status = RequestStatus.FINISHED
 
     def _require_live(self, rid: str) -> None:
         if rid not in self._requests:
@@ -1029,7 +765,7 @@ class KVCacheManager:
                 f"get_computed_blocks returned, got {type(given).__name__}"
             )
             raise KvcoreTypeError(msg)
-        _check_tokens(
+        check_tokens(
             "truncate_computed_blocks: num_computed_tokens", num_computed_tokens
         )
         out: list[list[KVCacheBlock]] = []
@@ -1159,73 +895,3 @@ def _locked(method: Callable[..., Any], lock: threading.RLock) -> Callable[..., 
             return method(*args, **kwargs)
 
     return run
-
-
-def _owned(own: list[KVCacheBlock], block: object) -> bool:
-    """Whether ``block`` is one of the pool's own block objects."""
-    if not isinstance(block, KVCacheBlock):
-        return False
-    bid = block.block_id
-    return 0 <= bid < len(own) and own[bid] is block
-
-
-def _check_counts(
-    rid: str, num_new_computed_tokens: object, num_lookahead: object
-) -> None:
-    for name, value in (
-        ("num_new_computed_tokens", num_new_computed_tokens),
-        ("num_lookahead_tokens", num_lookahead),
-    ):
-        if type(value) is not int or value < 0:
-            msg = (
-                f"allocate_slots for request {rid!r}: {name} must be a "
-                f"non-negative int, got {value!r}"
-            )
-            raise _wrong(value, msg)
-
-
-def _wrong(value: object, msg: str) -> InvalidRequestError:
-    """The error for a count that breaks the rule: a TypeError as well when
-    it is no int at all (a float, a bool, a string)."""
-    if type(value) is int:
-        return InvalidRequestError(msg)
-    return InvalidRequestTypeError(msg)
-
-
-def _check_tokens(what: str, value: object) -> None:
-    """A token count argument: a non-negative int."""
-    if type(value) is not int or value < 0:
-        msg = f"{what} must be a non-negative int number of tokens, got {value!r}"
-        raise _wrong(value, msg)
-
-
-def _require_type(
-    name: str, value: object, expected: type, what: str, *, exact: bool = False
-) -> None:
-    ok = type(value) is expected if exact else isinstance(value, expected)
-    if not ok:
-        shown = repr(value)
-        if len(shown) > 60:
-            shown = "a value"
-        msg = f"KVCacheManager: {name} must be {what}, got {shown} ({type(value).__name__})"
-        raise KvcoreTypeError(msg)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if type(value) is not int:
-        msg = (
-            f"KVCacheManager: {name} must be a positive int, got {value!r} "
-            f"({type(value).__name__})"
-        )
-        raise KvcoreTypeError(msg)
-    if value < 1:
-        msg = f"KVCacheManager: {name} must be a positive int, got {value!r}"
-        raise InvalidRequestError(msg)
-
-
-def _not_a_request(value: object) -> KvcoreTypeError:
-    msg = (
-        f"expected a kvcore.coordinator.Request, got {type(value).__name__}; build "
-        "requests with Request(request_id, prompt_token_ids, hash_block_size=...)"
-    )
-    return KvcoreTypeError(msg)

@@ -117,8 +117,9 @@ class SingleTypeManager:
     partial_copy_hits: ClassVar[bool] = False
     #: Whether the manager keeps per-request state beyond the table, the
     #: hashed count and the released count (it extends
-    #: :meth:`request_state` and :meth:`restore_request_state`): the
-    #: coordinator then records that state at the start of every step.
+    #: :meth:`request_state` and :meth:`restore_request_state`, and calls
+    #: :meth:`record_request_state` before changing that state): a step
+    #: records it on its first change to the request.
     keeps_request_state: ClassVar[bool] = False
 
     def __init__(
@@ -158,6 +159,9 @@ class SingleTypeManager:
         #: holding while it runs (a state kind's hit state and branch point,
         #: see CheckpointManager): skipping passes over them.
         self.pinned: dict[str, list[int]] = {}
+        #: The transaction and the requests it recorded, each with whether
+        #: their whole table was (see :meth:`record_request_state`).
+        self._recorded: tuple[int, dict[str, bool]] = (-1, {})
 
     # -- the release rule -----------------------------------------------------
 
@@ -366,52 +370,60 @@ class SingleTypeManager:
     def record_request_state(self, request_id: str, *, whole: bool = False) -> None:
         """Inside a step (a transaction open on the pool): record what a
         rollback needs to put the request's table, hashed count and released
-        count back as they are now; nothing outside one.  Every method here
-        that changes them calls it first, so a step pays only for what it
+        count back as they were before the step; nothing outside one, and
+        nothing after the step's first call for the request (unless
+        ``whole`` asks for more than it recorded).  Every method here that
+        changes them calls it first, so a step pays only for what it
         changes.  ``whole``: the change rewrites table positions (the table
         is copied); otherwise it only appends (its length is kept).  A
-        subclass that changes them itself calls it first too; one that keeps
-        more per-request state extends :meth:`request_state` and
-        :meth:`restore_request_state` (the coordinator then records those
-        at the start of every step)."""
-        journal = self.block_pool._journal
-        if journal is not None:
-            blocks = self.req_to_blocks.get(request_id)
-            table = (
-                None
-                if blocks is None
-                else (blocks, list(blocks) if whole else len(blocks))
+        subclass that changes them itself calls it first too.  One that
+        keeps more per-request state (:attr:`keeps_request_state`) calls it
+        before changing that state as well: the step's first call also
+        records :meth:`request_state`."""
+        pool = self.block_pool
+        journal = pool._journal
+        if journal is None:
+            return
+        recorded = self._recorded
+        if recorded[0] != pool.transactions:
+            recorded = self._recorded = (pool.transactions, {})
+        seen = recorded[1].get(request_id)
+        if seen is not None and (seen or not whole):
+            return
+        recorded[1][request_id] = whole
+        blocks = self.req_to_blocks.get(request_id)
+        table = (
+            None if blocks is None else (blocks, list(blocks) if whole else len(blocks))
+        )
+        journal.append(
+            partial(
+                _put_back,
+                self,
+                request_id,
+                table,
+                self.num_cached_block.get(request_id),
+                self.num_released.get(request_id),
             )
+        )
+        if seen is None and self.keeps_request_state:
             journal.append(
                 partial(
-                    _put_back,
-                    self,
+                    self.restore_request_state,
                     request_id,
-                    table,
-                    self.num_cached_block.get(request_id),
-                    self.num_released.get(request_id),
+                    self.request_state(request_id),
                 )
             )
 
     def request_state(self, request_id: str) -> Any:
-        """What :meth:`restore_request_state` needs to put the request's
-        per-request state back as it is now (the table copied).  The
-        coordinator records it at the start of every step for a manager
-        class that extends it (per-request state beyond the table, the
-        hashed count and the released count, which
-        :meth:`record_request_state` covers)."""
-        blocks = self.req_to_blocks.get(request_id)
-        table = None if blocks is None else (blocks, list(blocks))
-        return (
-            table,
-            self.num_cached_block.get(request_id),
-            self.num_released.get(request_id),
-        )
+        """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
+        needs to put the request's state beyond its table and counts back as
+        it is now, recorded on a step's first :meth:`record_request_state`
+        for the request; nothing by default."""
+        return None
 
     def restore_request_state(self, request_id: str, state: Any) -> None:
-        """Put back what :meth:`request_state` recorded (the table list is
-        the same object, so views of it handed out stay valid)."""
-        _put_back(self, request_id, *state)
+        """Put back what :meth:`request_state` recorded (the step is undone);
+        nothing by default."""
 
     # -- releasing ------------------------------------------------------------
 
@@ -454,17 +466,20 @@ class SingleTypeManager:
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        positions = self._skipped(request_id, num_computed_tokens)
         last = min(self._skip(num_computed_tokens), len(blocks))
-        if last > self.num_released.get(request_id, 0):
-            self.record_request_state(request_id, whole=bool(positions))
-            self.num_released[request_id] = last
+        if last <= self.num_released.get(request_id, 0):
+            return
+        positions = self._skipped(request_id, num_computed_tokens)
+        self.record_request_state(request_id)
+        self.num_released[request_id] = last
         if not positions:
             return
         removed = [blocks[i] for i in positions]
         for i in positions:
             blocks[i] = self.null_block
-        self.block_pool.free_blocks(removed)
+        pool = self.block_pool
+        pool.record_undo(partial(_put_at, blocks, positions, removed))
+        pool.free_blocks(removed)
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
@@ -491,6 +506,16 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
+
+
+def _put_at(
+    blocks: list[KVCacheBlock],
+    positions: Sequence[int],
+    removed: Sequence[KVCacheBlock],
+) -> None:
+    """Put released blocks back at their table positions."""
+    for i, block in zip(positions, removed, strict=True):
+        blocks[i] = block
 
 
 def _put_back(

@@ -32,9 +32,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import attrs
-
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.blocks import BlockCopy
 from kvcore.coordinator.manager import HitQuery
 from kvcore.coordinator.managers import prefix_hit
 from kvcore.coordinator.request import Request
@@ -48,20 +47,6 @@ __all__ = [
     "partial_prefix_hit",
     "split_copy_sources",
 ]
-
-
-@attrs.frozen
-class BlockCopy:
-    """One block copy the engine runs before the step's forward pass: the
-    first ``num_tokens`` slots of block ``src_block_id`` of cache group
-    ``group_id`` into block ``dst_block_id`` (copying the whole block is as
-    good: the request overwrites the slots past ``num_tokens``).  Every layer
-    of the group is copied (:meth:`kvcore.KVCachePool.copy_blocks`)."""
-
-    group_id: int
-    src_block_id: int
-    dst_block_id: int
-    num_tokens: int
 
 
 def partial_prefix_hit(

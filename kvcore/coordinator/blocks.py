@@ -1,0 +1,332 @@
+"""Blocks: the pool's per-block metadata (:class:`KVCacheBlock`), the free
+queue threaded through it (:class:`FreeBlockQueue`), and the per-group block
+lists a step hands the engine (:class:`KVCacheBlocks`) with the block
+copies it runs first (:class:`BlockCopy`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias
+
+import attrs
+
+from kvcore.coordinator.hashing import BlockHash
+from kvcore.errors import KvcoreValueError, NoFreeBlocksError
+
+__all__ = [
+    "BlockCopy",
+    "BlockHashWithGroupId",
+    "FreeBlockQueue",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+]
+
+BlockHashWithGroupId: TypeAlias = tuple[BlockHash, int]
+"""Prefix-cache key: the block's chained hash and its cache group id."""
+
+
+class KVCacheBlock:
+    """Metadata of one physical block (the data lives in the pool's tensors)."""
+
+    # Slots are laid out in this order: the fields freeing and allocating
+    # touch come first, next to the object header, so that a block's hot
+    # fields share a cache line more often (freeing a request's blocks is
+    # bound by cache misses).
+    __slots__ = (  # noqa: RUF023
+        "ref_cnt",
+        "key_hash",
+        "prev_free",
+        "next_free",
+        "partial_keys",
+        "is_null",
+        "block_id",
+        "key_group",
+        "partial_group",
+    )
+
+    block_id: int
+    ref_cnt: int
+    key_hash: BlockHash | None
+    key_group: int
+    prev_free: KVCacheBlock | None
+    next_free: KVCacheBlock | None
+    is_null: bool
+    partial_keys: list[BlockHash] | None
+    partial_group: int
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        #: The prefix-cache key's two parts, stored apart (no tuple per cached
+        #: block): its hash while the block is registered, else None, and its
+        #: group id (meaningful only while ``key_hash`` is not None).
+        self.key_hash = None
+        self.key_group = 0
+        #: Free-queue links; both None while the block is not in a queue.
+        self.prev_free = None
+        self.next_free = None
+        #: True only for the pool's placeholder block (id 0).
+        self.is_null = False
+        #: Partial keys: the chunk hashes of the prefixes that end inside
+        #: this block (a copy-on-write hit source, see
+        #: :meth:`BlockPool.add_partial_key`), else None; and their group.
+        self.partial_keys = None
+        self.partial_group = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The block's fields (a subclass's too) but its free-queue links:
+        the queue relinks its blocks (see :meth:`FreeBlockQueue.__setstate__`),
+        so copying or pickling a pool never recurses along the queue."""
+        state = {
+            name: getattr(self, name)
+            for name in _copied_fields(type(self))
+            if hasattr(self, name)
+        }
+        state.update(getattr(self, "__dict__", ()))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.prev_free = self.next_free = None
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    @property
+    def block_hash(self) -> BlockHashWithGroupId | None:
+        """Prefix-cache key ``(block hash, group id)`` while registered, else
+        None (built on each read)."""
+        h = self.key_hash
+        return None if h is None else (h, self.key_group)
+
+    def __repr__(self) -> str:
+        key = None if self.key_hash is None else self.key_hash.hex()[:12]
+        null = ", null" if self.is_null else ""
+        return (
+            f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={key}{null})"
+        )
+
+
+def _copied_fields(cls: type) -> tuple[str, ...]:
+    """The slots of a block class that a copy keeps: all but the links."""
+    fields = _COPIED_FIELDS.get(cls)
+    if fields is None:
+        fields = _COPIED_FIELDS[cls] = tuple(
+            name
+            for klass in cls.__mro__
+            for name in getattr(klass, "__slots__", ())
+            if name not in ("prev_free", "next_free", "__dict__", "__weakref__")
+        )
+    return fields
+
+
+_COPIED_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+# ---------------------------------------------------------------------------
+# Free queue
+# ---------------------------------------------------------------------------
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks threaded through the blocks themselves.
+
+    The front is evicted (handed out) first.  Every operation is O(1) per block;
+    ``remove`` takes a block out of the middle, which is how a prefix-cache hit
+    revives a free block.  Sentinel head and tail blocks (id -1) remove all
+    end-of-list special cases.
+    """
+
+    __slots__ = ("_back", "_front", "_head", "_tail", "num_free")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        #: Scratch ends of the two chains a release builds before it splices
+        #: them in (see BlockPool._release); unlinked between calls.
+        self._front = KVCacheBlock(-1)
+        self._back = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        self.append_n(list(blocks))
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The queue as its blocks, front first (the links are not copied:
+        a copy of a long queue would recurse along them)."""
+        return {"order": self.get_all_free_blocks()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        FreeBlockQueue.__init__(self, state["order"])
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the front block."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            msg = "the free block queue is empty; free blocks before taking one"
+            raise NoFreeBlocksError(msg)
+        nxt = block.next_free
+        assert nxt is not None  # internal invariant: linked blocks have links
+        self._head.next_free = nxt
+        nxt.prev_free = self._head
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take the ``n`` front blocks, front first."""
+        if n > self.num_free or n < 0:
+            msg = (
+                f"asked the free block queue for {n} blocks but it holds "
+                f"{self.num_free}; ask for between 0 and {self.num_free}"
+            )
+            raise NoFreeBlocksError(msg)
+        out: list[KVCacheBlock] = []
+        if n == 0:
+            return out
+        append = out.append
+        block = self._head.next_free
+        for _ in range(n):
+            assert block is not None
+            append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from wherever it is in the queue."""
+        prev = block.prev_free
+        nxt = block.next_free
+        if prev is None or nxt is None:
+            msg = (
+                f"block {block.block_id} is not in the free block queue; only a "
+                "free block (reference count 0) can be removed from it"
+            )
+            raise KvcoreValueError(msg)
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the back (evicted last)."""
+        if block.prev_free is not None:
+            raise _already_queued(block)
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = tail
+        tail.prev_free = block
+        self.num_free += 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the back, in order (the first given leaves first)."""
+        if not blocks:
+            return
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        self._link_after(last, tail, blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, in order (the first given leaves first)."""
+        if not blocks:
+            return
+        head = self._head
+        first = head.next_free
+        assert first is not None
+        self._link_after(head, first, blocks)
+
+    def _link_after(
+        self, left: KVCacheBlock, right: KVCacheBlock, blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        for block in blocks:
+            if block.prev_free is not None:
+                raise _already_queued(block)
+        prev = left
+        for block in blocks:
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = right
+        right.prev_free = prev
+        self.num_free += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks, front first (O(n); for tests and debugging)."""
+        out = []
+        block = self._head.next_free
+        tail = self._tail
+        while block is not tail and block is not None:
+            out.append(block)
+            block = block.next_free
+        return out
+
+
+def _already_queued(block: KVCacheBlock) -> KvcoreValueError:
+    msg = (
+        f"block {block.block_id} is already in the free block queue; a block can "
+        "be queued once (take it out with remove() or popleft() first)"
+    )
+    return KvcoreValueError(msg)
+
+
+@attrs.frozen
+class BlockCopy:
+    """One block copy the engine runs before the step's forward pass: the
+    first ``num_tokens`` slots of block ``src_block_id`` of cache group
+    ``group_id`` into block ``dst_block_id`` (copying the whole block is as
+    good: the request overwrites the slots past ``num_tokens``).  Every layer
+    of the group is copied (:meth:`kvcore.KVCachePool.copy_blocks`)."""
+
+    group_id: int
+    src_block_id: int
+    dst_block_id: int
+    num_tokens: int
+
+
+class KVCacheBlocks:
+    """Blocks of one request step: ``blocks[group]`` is that group's list.
+
+    ``copies`` are the block copies the engine runs before the step's
+    forward pass, in order (copy-on-write partial hits, see
+    :class:`~kvcore.coordinator.BlockCopy`); empty unless
+    :meth:`KVCacheManager.allocate_slots` admitted a request whose hit ends
+    inside a block.
+    """
+
+    __slots__ = ("_lookup", "blocks", "copies")
+
+    def __init__(
+        self,
+        blocks: tuple[Sequence[KVCacheBlock], ...],
+        copies: tuple[BlockCopy, ...] = (),
+    ) -> None:
+        self.blocks = blocks
+        self.copies = copies
+        #: Set by KVCacheManager.get_computed_blocks on the hit it returns:
+        #: (its pool, the pool's eviction count then, the request, ``blocks``).
+        self._lookup: tuple[object, int, object, object] | None = None
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(
+            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)),
+            self.copies + other.copies,
+        )
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()})"

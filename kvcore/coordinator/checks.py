@@ -1,0 +1,360 @@
+"""The checks of :class:`~kvcore.coordinator.KVCacheManager`'s arguments:
+each refuses, before a step changes anything, what an engine passed that
+breaks the rules, naming the request, the argument, the rule and the fix.
+Each takes the ``KVCacheManager`` (typed ``Any``: this module is imported by
+``kv_cache_manager``) first."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict, cast
+
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.blocks import KVCacheBlocks
+from kvcore.coordinator.partial import copy_source_valid
+from kvcore.coordinator.request import Request
+from kvcore.errors import (
+    InvalidRequestError,
+    InvalidRequestTypeError,
+    KvcoreTypeError,
+)
+
+
+class EngineStepKeywords(TypedDict, total=False):
+    """The keywords an engine may pass to :meth:`KVCacheManager.allocate_slots`
+    besides its positional parameters (each described there)."""
+
+    num_external_computed_tokens: int
+    num_encoder_tokens: int
+    full_sequence_must_fit: bool
+
+
+_ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
+
+
+def checked_hit(
+    manager: Any,
+    request: Request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    new_computed_blocks: KVCacheBlocks | None,
+    num_lookahead_tokens: int,
+    num_external: int,
+) -> tuple[Sequence[KVCacheBlock], ...] | None:
+    """allocate_slots' counts and hit, checked: the hit's block lists,
+    or None when it attaches no block."""
+    rid = request.request_id
+    if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
+        num_new_tokens == 0 and type(num_new_tokens) is int and num_external
+    ):
+        msg = (
+            f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
+            "tokens; schedule a positive int number of tokens"
+        )
+        raise wrong(num_new_tokens, msg)
+    if (
+        type(num_new_computed_tokens) is not int
+        or num_new_computed_tokens < 0
+        or type(num_lookahead_tokens) is not int
+        or num_lookahead_tokens < 0
+    ):
+        check_counts(rid, num_new_computed_tokens, num_lookahead_tokens)
+    hit: object = new_computed_blocks  # checked: engines pass anything
+    if hit is not None and not isinstance(hit, KVCacheBlocks):
+        msg = (
+            f"allocate_slots for request {rid!r}: new_computed_blocks must be "
+            f"the KVCacheBlocks get_computed_blocks returned, or None, got "
+            f"{type(hit).__name__}"
+        )
+        raise KvcoreTypeError(msg)
+    computed = new_computed_blocks.blocks if new_computed_blocks is not None else None
+    if computed is not None and not any(computed):
+        computed = None
+    if num_new_computed_tokens or computed is not None:
+        check_hit(
+            manager, request, new_computed_blocks, computed, num_new_computed_tokens
+        )
+    return computed
+
+
+def check_engine_keywords(
+    manager: Any, request: Request, engine: Mapping[str, object]
+) -> tuple[int, bool]:
+    """The checked engine keywords: (external tokens, full sequence)."""
+    unknown = sorted(set(engine) - _ENGINE_KEYWORDS)
+    if unknown:
+        msg = (
+            f"allocate_slots got unexpected keyword argument(s) "
+            f"{', '.join(unknown)}; the engine keywords are "
+            f"{', '.join(sorted(_ENGINE_KEYWORDS))}"
+        )
+        raise KvcoreTypeError(msg)
+    num_external = engine.get("num_external_computed_tokens", 0)
+    num_encoder = engine.get("num_encoder_tokens", 0)
+    full_sequence_must_fit = engine.get("full_sequence_must_fit", False)
+    check_external(manager, request, num_external, num_encoder, full_sequence_must_fit)
+    return cast(int, num_external), cast(bool, full_sequence_must_fit)
+
+
+def check_external(
+    manager: Any,
+    request: Request,
+    num_external: object,
+    num_encoder: object,
+    full_sequence_must_fit: object,
+) -> None:
+    rid = request.request_id
+    if type(num_external) is not int or num_external < 0:
+        msg = (
+            f"allocate_slots for request {rid!r}: num_external_computed_tokens "
+            f"must be a non-negative int, got {num_external!r}"
+        )
+        raise InvalidRequestError(msg)
+    if type(num_encoder) is not int or num_encoder < 0:
+        msg = (
+            f"allocate_slots for request {rid!r}: num_encoder_tokens must be a "
+            f"non-negative int, got {num_encoder!r}"
+        )
+        raise InvalidRequestError(msg)
+    if num_encoder:
+        msg = (
+            f"allocate_slots for request {rid!r}: {num_encoder} encoder tokens, "
+            "but kvcore has no cross-attention kind to hold them; pass "
+            "num_encoder_tokens=0 (decoder-only plans)"
+        )
+        raise InvalidRequestError(msg)
+    if type(full_sequence_must_fit) is not bool:
+        msg = (
+            f"allocate_slots for request {rid!r}: full_sequence_must_fit must "
+            f"be a bool, got {full_sequence_must_fit!r}"
+        )
+        raise InvalidRequestError(msg)
+    if num_external and request.request_id in manager._requests:
+        msg = (
+            f"allocate_slots for request {rid!r}: {num_external} external "
+            "computed tokens, but the request already holds blocks; a KV "
+            "connector's tokens attach only when the request is admitted"
+        )
+        raise InvalidRequestError(msg)
+
+
+def check_same_request(manager: Any, held: Request, request: Request) -> None:
+    """A live request id belongs to the request that holds its blocks; a
+    request object with the same id and the same tokens stands for it,
+    one with other tokens is refused."""
+    if (
+        held.all_token_ids == request.all_token_ids
+        and held.cache_salt == request.cache_salt
+        and held.lora_name == request.lora_name
+    ):
+        return
+    rid = request.request_id
+    msg = (
+        f"request id {rid!r} already holds blocks for another request (other "
+        "tokens, cache salt or LoRA); free it before reusing its id, or give "
+        "the new request its own id"
+    )
+    raise InvalidRequestError(msg)
+
+
+def check_hit(
+    kv: Any,
+    request: Request,
+    hit: KVCacheBlocks | None,
+    computed: tuple[Sequence[KVCacheBlock], ...] | None,
+    num_tokens: int,
+) -> None:
+    """A prefix hit may attach only to a new request, as one block list
+    per group covering exactly ``num_tokens`` tokens, with every block
+    still holding this request's prefix (a hit looked up earlier may
+    have been evicted since).  The hit this manager's lookup returned
+    for the request, with no key dropped from the pool since, is known
+    to hold it: its blocks are not checked one by one."""
+    rid = request.request_id
+    pool: BlockPool = kv.block_pool
+    lookup = None if hit is None else hit._lookup
+    fresh = (
+        lookup is not None
+        and lookup[0] is pool
+        and lookup[1] == pool.evictions
+        and lookup[2] is request
+        and lookup[3] is computed
+    )
+    coordinator = kv.coordinator
+    if rid in kv._requests:
+        msg = (
+            f"request {rid!r} already holds blocks; prefix hits attach only "
+            "when a request is first scheduled"
+        )
+        raise InvalidRequestError(msg)
+    if num_tokens % coordinator.cache_hit_alignment:
+        msg = (
+            f"request {rid!r}: {num_tokens} computed tokens break the cache-hit "
+            f"alignment of {coordinator.cache_hit_alignment} tokens; pass the hit "
+            "length get_computed_blocks returned"
+        )
+        raise InvalidRequestError(msg)
+    if computed is None or len(computed) != kv.num_kv_cache_groups:
+        got = "no blocks" if computed is None else f"{len(computed)} block lists"
+        msg = (
+            f"request {rid!r}: a hit of {num_tokens} tokens came with {got}; pass "
+            f"the blocks get_computed_blocks returned (one list per each of the "
+            f"{kv.num_kv_cache_groups} groups)"
+        )
+        raise InvalidRequestError(msg)
+    check_hashing(kv, request)
+    own = pool.blocks
+    for gid, blocks in enumerate(() if fresh else computed):
+        for block in blocks:
+            if not owned(own, block):
+                msg = (
+                    f"request {rid!r}: the hit's blocks for group {gid} do not "
+                    "belong to this manager's block pool (they came from another "
+                    "KVCacheManager, or were built by hand); attach only the hit "
+                    "this manager's get_computed_blocks returned"
+                )
+                raise InvalidRequestError(msg)
+    for gid, (manager, blocks) in enumerate(zip(kv._managers, computed, strict=True)):
+        if not manager.caching:
+            if blocks:
+                msg = (
+                    f"request {rid!r}: group {gid} is not prefix-cacheable but "
+                    f"the hit holds {len(blocks)} blocks for it"
+                )
+                raise InvalidRequestError(msg)
+            continue
+        # A partial-hit group's hit may end inside its last block, a
+        # copy source.
+        partial = gid in coordinator.partial_units and bool(
+            num_tokens % manager.block_size
+        )
+        expected = -(-num_tokens // manager.block_size)
+        if len(blocks) * manager.block_size != num_tokens and not (
+            partial and len(blocks) == expected
+        ):
+            msg = (
+                f"request {rid!r}: the hit covers {num_tokens} tokens but group "
+                f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
+            )
+            raise InvalidRequestError(msg)
+        if not manager.hit_serves(blocks):
+            msg = (
+                f"request {rid!r}: the hit's blocks for group {gid} "
+                f"({manager.kv_cache_spec.kind}) lack what the next token reads "
+                "(a window or state cut off by truncation); attach the hit "
+                "get_computed_blocks returned, uncut"
+            )
+            raise InvalidRequestError(msg)
+        if fresh:
+            continue
+        chunks = request.block_hashes
+        key_of = manager.block_hash
+        for i, block in enumerate(blocks):
+            if block.is_null:
+                continue
+            if partial and i == expected - 1:
+                end = num_tokens // kv.hash_block_size - 1
+                chunk = chunks[end] if 0 <= end < len(chunks) else None
+                if copy_source_valid(
+                    kv.block_pool, block, gid, key_of(chunks, i), chunk
+                ):
+                    continue
+                msg = (
+                    f"request {rid!r}: the copy source block {block.block_id} "
+                    f"of group {gid} no longer holds this request's prefix (it "
+                    "was evicted after the lookup); call get_computed_blocks "
+                    "again right before allocate_slots"
+                )
+                raise InvalidRequestError(msg)
+            if block.key_group != gid or block.key_hash != key_of(chunks, i):
+                msg = (
+                    f"request {rid!r}: hit block {block.block_id} of group {gid} "
+                    "no longer holds this request's prefix (it was evicted after "
+                    "the lookup); call get_computed_blocks again right before "
+                    "allocate_slots"
+                )
+                raise InvalidRequestError(msg)
+
+
+def check_hashing(manager: Any, request: Request) -> None:
+    if request.hash_block_size != manager.hash_block_size:
+        msg = (
+            f"request {request.request_id!r} is hashed at "
+            f"{request.hash_block_size} tokens per chunk but the manager hashes "
+            f"at {manager.hash_block_size}; build requests with "
+            f"hash_block_size={manager.hash_block_size}"
+        )
+        raise InvalidRequestError(msg)
+
+
+# -- allocation -------------------------------------------------------------
+
+
+def owned(own: list[KVCacheBlock], block: object) -> bool:
+    """Whether ``block`` is one of the pool's own block objects."""
+    if not isinstance(block, KVCacheBlock):
+        return False
+    bid = block.block_id
+    return 0 <= bid < len(own) and own[bid] is block
+
+
+def check_counts(
+    rid: str, num_new_computed_tokens: object, num_lookahead: object
+) -> None:
+    for name, value in (
+        ("num_new_computed_tokens", num_new_computed_tokens),
+        ("num_lookahead_tokens", num_lookahead),
+    ):
+        if type(value) is not int or value < 0:
+            msg = (
+                f"allocate_slots for request {rid!r}: {name} must be a "
+                f"non-negative int, got {value!r}"
+            )
+            raise wrong(value, msg)
+
+
+def wrong(value: object, msg: str) -> InvalidRequestError:
+    """The error for a count that breaks the rule: a TypeError as well when
+    it is no int at all (a float, a bool, a string)."""
+    if type(value) is int:
+        return InvalidRequestError(msg)
+    return InvalidRequestTypeError(msg)
+
+
+def check_tokens(what: str, value: object) -> None:
+    """A token count argument: a non-negative int."""
+    if type(value) is not int or value < 0:
+        msg = f"{what} must be a non-negative int number of tokens, got {value!r}"
+        raise wrong(value, msg)
+
+
+def require_type(
+    name: str, value: object, expected: type, what: str, *, exact: bool = False
+) -> None:
+    ok = type(value) is expected if exact else isinstance(value, expected)
+    if not ok:
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = "a value"
+        msg = f"KVCacheManager: {name} must be {what}, got {shown} ({type(value).__name__})"
+        raise KvcoreTypeError(msg)
+
+
+def positive_int(name: str, value: object) -> None:
+    if type(value) is not int:
+        msg = (
+            f"KVCacheManager: {name} must be a positive int, got {value!r} "
+            f"({type(value).__name__})"
+        )
+        raise KvcoreTypeError(msg)
+    if value < 1:
+        msg = f"KVCacheManager: {name} must be a positive int, got {value!r}"
+        raise InvalidRequestError(msg)
+
+
+def not_a_request(value: object) -> KvcoreTypeError:
+    msg = (
+        f"expected a kvcore.coordinator.Request, got {type(value).__name__}; build "
+        "requests with Request(request_id, prompt_token_ids, hash_block_size=...)"
+    )
+    return KvcoreTypeError(msg)

@@ -1,0 +1,732 @@
+"""The generic manager of recurrent states: :class:`CheckpointManager`
+(Mamba and linear-attention states), a state kept at block boundaries where
+later requests are likely to resume; a hit is one saved state.  Exported by
+:mod:`kvcore.coordinator.managers` with the other generic managers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any, ClassVar
+
+from kvcore.checkpoints import (
+    CHECKPOINT_POLICIES,
+    DEFAULT_CHECKPOINT_POLICY,
+    CheckpointPolicy,
+    CheckpointPolicyError,
+)
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.hashing import hashes_at_block_size
+from kvcore.coordinator.manager import HitQuery, SingleTypeManager
+from kvcore.coordinator.request import Request
+from kvcore.spec import HitPolicy, cdiv
+
+__all__ = ["CheckpointManager"]
+
+
+class CheckpointManager(SingleTypeManager):
+    """A recurrent state, kept where later requests are likely to resume.
+
+    The table is indexed by position: the block at position ``i`` holds the
+    state after the tokens up to the end of block ``i`` (or up to the step's
+    last token, for the step's last position).  A step writes its final
+    state into its last position and, at every other position of the step
+    that holds a real block, the state at that block's end; every other
+    position is the null block.  Only the newest state is read again, so
+    older positions are released after each step, unless
+    :meth:`keeps_every_state` says to keep them all.
+
+    With prefix caching on, the group's :meth:`checkpoint_policy` chooses
+    which states are hashed for later requests (see
+    :mod:`kvcore.checkpoints`): only states on a multiple of the
+    hit unit (:attr:`unit`), since a hit ends only there.  A block finer
+    than the hash block is fine: the unit is a multiple of the hash block.
+    """
+
+    hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.CHECKPOINT})
+    skips_blocks: ClassVar[bool] = True
+    # The state is written at the last computed position; slots past it for
+    # speculative tokens would move it.
+    supports_lookahead: ClassVar[bool] = False
+    accepts_coarse_hashes: ClassVar[bool] = True
+    plans_checkpoints: ClassVar[bool] = True
+    evicts_last: ClassVar[bool] = True
+
+    def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
+        super().__init__(spec, block_pool, **kwargs)
+        self.keep_all = self.keeps_every_state(spec)
+        policy: object = self.checkpoint_policy(spec)
+        if not isinstance(policy, CheckpointPolicy):
+            msg = (
+                f"{type(self).__name__}.checkpoint_policy returned {policy!r}; it "
+                "must return a kvcore.coordinator.CheckpointPolicy"
+            )
+            raise CheckpointPolicyError(msg)
+        self.policy = policy
+        #: Hits end on multiples of this many tokens, so only states there
+        #: are worth keeping.
+        self.unit = math.lcm(self.block_size, self.hit_alignment, self.hash_block_size)
+        self._targets_on = self.caching and not self.keep_all and policy.places_targets
+        self._step_ends = self.caching and (self.keep_all or policy.keeps_step_ends)
+        self._replaces = not (self.keep_all or policy.every_step)
+        self._holds_shared = self.caching and not self.keep_all and policy.hold_shared
+        #: request id -> token positions still to checkpoint, ascending.
+        self.targets: dict[str, list[int]] = {}
+        #: request id -> (position, block, key) of its newest step-end
+        #: state, which the next one replaces.
+        self.step_end: dict[str, tuple[int, KVCacheBlock, Any]] = {}
+        #: With EAGLE: request id -> the step-end state before the newest,
+        #: kept too (a hit drops a block, so it may end there).
+        self.step_before: dict[str, tuple[int, KVCacheBlock, Any]] = {}
+        #: request id -> checkpoint blocks it kept (refreshed in the
+        #: eviction order when the request is freed).
+        #: Each with the key it was cached under: a block evicted since may
+        #: hold another request's content.
+        self.kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
+        #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
+        #: hands the coordinator once.
+        self._released_kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
+        #: request id -> the branch-point target planned at admission.
+        self.branch: dict[str, int] = {}
+        #: request id -> its targets that only the interval placed (thinned
+        #: per step, and not moved back in the eviction order when kept).
+        self.grid: dict[str, frozenset[int]] = {}
+        #: Shared states (branch points, and states more than one request
+        #: resumed from) by the tokens they resume after: key -> block.
+        #: Entries evicted since are skipped, and pruned with hit_counts.
+        self.shared_states: dict[int, dict[Any, KVCacheBlock]] = {}
+        self._num_shared = 0
+        #: State block -> (the key it was hit under, hits under that key).
+        self.hit_counts: dict[KVCacheBlock, tuple[Any, int]] = {}
+        #: request id -> (tokens, block, key) of the longest shared state
+        #: below its hit on its prompt's path, found at admission: the
+        #: request holds it while it runs.
+        self.on_path: dict[str, tuple[int, KVCacheBlock, Any]] = {}
+
+    def keeps_every_state(self, spec: Any) -> bool:
+        """Whether every block-boundary state stays for the request's life
+        (more blocks held, more resume points); only the newest by default."""
+        return False
+
+    def checkpoint_policy(self, spec: Any) -> CheckpointPolicy:
+        """Which states are kept for later requests; the default policy
+        (``turns``: prompt end, output end, branch points) unless a kind's
+        manager chooses another, for example from a field of its spec."""
+        return CHECKPOINT_POLICIES[DEFAULT_CHECKPOINT_POLICY]
+
+    # -- where the checkpoints go -----------------------------------------------
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """At admission: the positions inside the request's coming steps
+        whose states the policy keeps (after ``num_computed_tokens``, the
+        hit included)."""
+        rid = request.request_id
+        path = None
+        if self._holds_shared and self.shared_states:
+            path = self._shared_on_path(request, num_computed_tokens - 1)
+        if path is not None:
+            self.on_path[rid] = path
+        else:
+            self.on_path.pop(rid, None)
+        if not self._targets_on:
+            return
+        policy = self.policy
+        unit = self.unit
+        prompt = request.num_prompt_tokens
+        marks: set[int] = set()
+        if policy.prompt_end:
+            # The prompt extended (a longer prompt, the next turn) resumes at
+            # its last boundary; the same prompt again at the last boundary
+            # before its final token, which is always recomputed.
+            last = (prompt - 1) - (prompt - 1) % unit
+            marks.add(last)
+            if self.use_eagle:
+                # Every hit drops a block: a lookup reaching ``last`` ends a
+                # block earlier when the state's own block bounds it, so the
+                # boundary before is kept too (instead of the prompt's end,
+                # which only a longer prompt reaches).
+                marks.add(last - unit)
+            else:
+                marks.add(prompt - prompt % unit)
+        branch = -1
+        if policy.branch_points:
+            shared = min(request.shared_prefix_tokens, prompt)
+            branch = shared - shared % unit
+            marks.add(branch)
+        grid: set[int] = set()
+        if policy.interval:
+            # Only the part of the prompt no earlier request shared: a
+            # shared part has its branch point.
+            every = cdiv(policy.interval, unit) * unit
+            start = max(num_computed_tokens, branch)
+            grid.update(range(start - start % every + every, prompt + 1, every))
+            grid -= marks
+        targets = sorted(t for t in marks | grid if t > num_computed_tokens)
+        if targets:
+            self.targets[rid] = targets
+        else:
+            self.targets.pop(rid, None)
+        if grid:
+            self.grid[rid] = frozenset(grid)
+        else:
+            self.grid.pop(rid, None)
+        if branch > num_computed_tokens:
+            self.branch[rid] = branch
+        else:
+            self.branch.pop(rid, None)
+
+    @staticmethod
+    def agree_on_path(twins: Sequence[CheckpointManager], request: Request) -> None:
+        """Make twin groups hold the shared state at one position for an
+        admission (the longest every twin holds, or none): each twin's own
+        search may find a different one where one twin's state was evicted
+        and another's not, and twins keep equal tables."""
+        found = [t.on_path.get(request.request_id) for t in twins]
+        if all(f is None for f in found):
+            return
+        while True:
+            if any(f is None for f in found):
+                for twin in twins:
+                    twin.on_path.pop(request.request_id, None)
+                return
+            lowest = min(f[0] for f in found if f is not None)
+            if all(f is not None and f[0] == lowest for f in found):
+                break
+            found = [
+                f
+                if f is not None and f[0] == lowest
+                else t._shared_on_path(request, lowest)
+                for t, f in zip(twins, found, strict=True)
+            ]
+        for twin, f in zip(twins, found, strict=True):
+            if f is not None:
+                twin.on_path[request.request_id] = f
+
+    def shed_checkpoints(self, request_id: str) -> Any:
+        targets = self.targets.get(request_id)
+        pinned = self.pinned.get(request_id)
+        path = self.on_path.get(request_id)
+        if not targets and not pinned and path is None:
+            return None
+        released = self.num_released.get(request_id)
+        state = (
+            None if targets is None else list(targets),
+            None if pinned is None else list(pinned),
+            self.branch.get(request_id),
+            released,
+            self.grid.get(request_id),
+            path,
+        )
+        # No checkpoint inside the coming steps; the states it holds for
+        # others become ordinary old states, released before the step (the
+        # release scan starts again at the lowest of them).
+        if pinned and released is not None:
+            self.num_released[request_id] = min(released, *pinned)
+        self.targets.pop(request_id, None)
+        self.pinned.pop(request_id, None)
+        self.branch.pop(request_id, None)
+        self.grid.pop(request_id, None)
+        self.on_path.pop(request_id, None)
+        return state
+
+    def restore_checkpoints(self, request_id: str, state: Any) -> None:
+        targets, pinned, branch, released, grid, path = state
+        stores: tuple[tuple[dict[str, Any], Any], ...] = (
+            (self.targets, targets),
+            (self.pinned, pinned),
+            (self.branch, branch),
+            (self.grid, grid),
+            (self.on_path, path),
+        )
+        for store, value in stores:
+            if value is not None:
+                store[request_id] = value
+        if released is not None:
+            self.num_released[request_id] = released
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        """Drop what :meth:`plan_checkpoints` planned for a request that was
+        not admitted after all (it holds no blocks)."""
+        if request_id not in self.req_to_blocks:
+            self.targets.pop(request_id, None)
+            self.branch.pop(request_id, None)
+            self.grid.pop(request_id, None)
+            self.on_path.pop(request_id, None)
+
+    def _inner_targets(self, request_id: str, start: int, end: int) -> list[int]:
+        """Table positions in ``[start, end - 1)`` that a target state
+        ends: they take a block besides the step's last position.  Of the
+        interval targets, at most ``interval_per_step``: every k-th, counted
+        from the step's end."""
+        targets = self.targets.get(request_id)
+        if not targets:
+            return []
+        block_size = self.block_size
+        grid = self.grid.get(request_id)
+        out = []
+        spaced = []
+        for t in targets:
+            pos = t // block_size - 1
+            if pos >= end - 1:
+                break
+            if pos >= start:
+                if grid is not None and t in grid:
+                    spaced.append(pos)
+                else:
+                    out.append(pos)
+        if spaced:
+            cap = self.policy.interval_per_step
+            if len(spaced) > cap:
+                spaced = spaced[::-1][:: cdiv(len(spaced), cap)]
+            out = sorted(out + spaced)
+        return out
+
+    # -- allocation -------------------------------------------------------------
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+    ) -> int:
+        held = self.req_to_blocks.get(request_id)
+        have = len(new_computed_blocks) + (len(held) if held is not None else 0)
+        target = cdiv(num_tokens, self.block_size)
+        # Every missing position gets a state block, or only the newest and
+        # the checkpoints inside the step.
+        if self.keep_all:
+            need = max(target - have, 0)
+        elif target > have:
+            need = 1
+            if self.targets:
+                need += len(self._inner_targets(request_id, have, target))
+        else:
+            need = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                need += 1
+        if (
+            held is None
+            and self.on_path
+            and new_computed_blocks
+            and not new_computed_blocks[-1].is_null
+        ):
+            # Held with a hit's state (see add_computed_blocks).
+            path = self.on_path.get(request_id)
+            if path is not None and path[1].ref_cnt == 0:
+                need += 1  # the shared state it will hold leaves the free queue
+        return need
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> list[KVCacheBlock]:
+        held = self.req_to_blocks.get(request_id)
+        start = 0 if held is None else len(held)
+        end = cdiv(num_tokens, self.block_size)
+        missing = end - start
+        if held is not None and missing <= 0:
+            return []
+        self.record_request_state(request_id)
+        if held is None:
+            held = self.req_to_blocks[request_id] = []
+        if missing <= 0:
+            return []
+        if self.keep_all:
+            new = self.block_pool.get_new_blocks(missing)
+            held.extend(new)
+            return new
+        inner = self._inner_targets(request_id, start, end) if self.targets else []
+        new = self.block_pool.get_new_blocks(1 + len(inner))
+        extension = [self.null_block] * missing
+        for pos, block in zip(inner, new, strict=False):
+            extension[pos - start] = block
+        # The step's final state is written at its last position.
+        extension[-1] = new[-1]
+        held.extend(extension)
+        return new
+
+    # -- caching ----------------------------------------------------------------
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.caching:
+            return
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not blocks:
+            return
+        block_size = self.block_size
+        unit = self.unit
+        targets = self.targets.get(rid)
+        reached = -1
+        if targets and targets[0] <= num_tokens:
+            self._save(self.targets, rid)
+            self._save(self.grid, rid)
+            grid = self.grid.get(rid)
+            while targets and targets[0] <= num_tokens:
+                reached = targets.pop(0)
+                pos = reached // block_size - 1
+                spaced = grid is not None and reached in grid
+                block = self._keep(request, blocks, pos, kept=not spaced)
+                if block is not None and self.branch.get(rid) == reached:
+                    self._mark_shared(reached, block)
+                    if self._holds_shared:
+                        self._save(self.pinned, rid)
+                        self.pinned.setdefault(rid, []).append(pos)
+            if not targets:
+                del self.targets[rid]
+                self.grid.pop(rid, None)
+        if not self._step_ends:
+            return
+        if self.keep_all:
+            # Every state is held: key each one on a hit boundary.
+            first = self.num_cached_block.get(rid, 0)
+            per_unit = unit // block_size
+            pos = cdiv(first + 1, per_unit) * per_unit - 1
+            last = num_tokens // block_size - 1
+            while pos <= last:
+                self._keep(request, blocks, pos, kept=False)
+                pos += per_unit
+            return
+        if num_tokens % unit or num_tokens == reached:
+            return
+        pos = num_tokens // block_size - 1
+        block = self._keep(request, blocks, pos, kept=not self._replaces)
+        if block is None or not self._replaces:
+            return
+        previous = self.step_end.get(rid)
+        self._save(self.step_end, rid)
+        self.step_end[rid] = (pos, block, block.key_hash)
+        if previous is None or previous[1] is block:
+            return
+        if self.use_eagle:
+            # A hit that drops a block may end at the state before the
+            # newest: that one is kept, and the one before it replaced.
+            replaced = self.step_before.get(rid)
+            self._save(self.step_before, rid)
+            self.step_before[rid] = previous
+            if replaced is None:
+                return
+            previous = replaced
+        # The newer state replaces the older one for the next turn; it
+        # leaves the cache unless another request holds it.
+        old_pos, old, key = previous
+        in_table = old_pos < len(blocks) and blocks[old_pos] is old
+        if old.ref_cnt == (1 if in_table else 0) and self._holds(old, key):
+            self.block_pool.drop_from_cache(old)
+
+    def _keep(
+        self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool
+    ) -> KVCacheBlock | None:
+        """Hash the state at table position ``pos``; the block, or None when
+        there is no real block there or its prefix is not hashed yet."""
+        if pos < 0 or pos >= len(blocks):
+            return None
+        block = blocks[pos]
+        if block.is_null:
+            return None
+        rid = request.request_id
+        chunks = request.block_hashes
+        if self.block_hash(chunks, pos) is None:
+            return None
+        newly = block.key_hash is None
+        if newly:
+            if self.block_size % self.hash_block_size:
+                # Finer than the hash block: the table is seen one position
+                # per hash chunk (the state at each chunk's end), so the key,
+                # its parent and the event's tokens all describe whole chunks.
+                ratio = self.hash_block_size // self.block_size
+                view: Sequence[KVCacheBlock] = _ChunkEnds(blocks, ratio)
+                index = (pos + 1) // ratio - 1
+                self.block_pool.cache_full_blocks(
+                    block_hashes=chunks,
+                    blocks=view,
+                    num_cached_blocks=index,
+                    num_full_blocks=index + 1,
+                    group_id=self.kv_cache_group_id,
+                    token_ids=request.all_token_ids,
+                )
+            else:
+                self.block_pool.cache_full_blocks(
+                    block_hashes=hashes_at_block_size(
+                        chunks, self.hash_block_size, self.block_size
+                    ),
+                    blocks=blocks,
+                    num_cached_blocks=pos,
+                    num_full_blocks=pos + 1,
+                    group_id=self.kv_cache_group_id,
+                    token_ids=request.all_token_ids,
+                )
+        if self.num_cached_block.get(rid, 0) <= pos:
+            self.record_request_state(rid)
+            self.num_cached_block[rid] = pos + 1
+        if kept and newly and not self.keep_all:
+            self._save(self.kept, rid)
+            self.kept.setdefault(rid, []).append((block, block.key_hash))
+        return block
+
+    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+        # The next token reads the state at the hit's last position.
+        return not blocks or not blocks[-1].is_null
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        # Only the state after the last computed token is read again.
+        if self.keep_all or num_computed_tokens <= 0:
+            return 0
+        return (num_computed_tokens - 1) // self.block_size
+
+    # -- freeing ----------------------------------------------------------------
+
+    def add_computed_blocks(
+        self, request_id: str, blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        super().add_computed_blocks(request_id, blocks)
+        if not blocks or blocks[-1].is_null:
+            return
+        hit = blocks[-1]
+        key = hit.key_hash
+        counted = self.hit_counts.get(hit)
+        # Keyed by block: at most one entry per block, a stale key replaced
+        # when the block is hit again.
+        hits = counted[1] + 1 if counted is not None and counted[0] == key else 1
+        self.hit_counts[hit] = (key, hits)
+        tokens = len(blocks) * self.block_size
+        shared_before = self.shared_states.get(tokens, {}).get(key)
+        if hits == 2:
+            # A second request resumes here: the prefix is shared.
+            self._mark_shared(tokens, hit)
+        self.block_pool.record_undo(
+            partial(self._uncount, hit, counted, tokens, key, shared_before)
+        )
+        if not self._holds_shared:
+            return
+        # The hit's state stays held while the request runs, and so does the
+        # longest shared state below it on its path (as the attention
+        # blocks of a shared prefix are): a later request on that prefix
+        # resumes there even once this request's own states are evicted.
+        pinned = [len(blocks) - 1]
+        path = self.on_path.get(request_id)
+        if path is not None:
+            tokens, block, key = path
+            pos = tokens // self.block_size - 1
+            table = self.req_to_blocks[request_id]
+            if pos < len(table) - 1 and table[pos].is_null and self._holds(block, key):
+                self.record_request_state(request_id, whole=True)
+                self.block_pool.touch((block,))
+                table[pos] = block
+                pinned.insert(0, pos)
+        self._save(self.pinned, request_id)
+        self.pinned[request_id] = pinned
+
+    def _uncount(
+        self,
+        hit: KVCacheBlock,
+        counted: tuple[Any, int] | None,
+        tokens: int,
+        key: Any,
+        shared_before: KVCacheBlock | None,
+    ) -> None:
+        """Undo one hit's count (its step rolled back)."""
+        if counted is None:
+            self.hit_counts.pop(hit, None)
+        else:
+            self.hit_counts[hit] = counted
+        states = self.shared_states.get(tokens)
+        if states is None:
+            return
+        if shared_before is not None:
+            states[key] = shared_before
+        elif states.pop(key, None) is not None:
+            self._num_shared -= 1
+            if not states:
+                del self.shared_states[tokens]
+
+    def _mark_shared(self, tokens: int, block: KVCacheBlock) -> None:
+        states = self.shared_states.setdefault(tokens, {})
+        if block.key_hash not in states:
+            self._num_shared += 1
+            if self._num_shared > 2 * self.block_pool.num_blocks:
+                self._prune_shared()
+        states[block.key_hash] = block
+
+    def _prune_shared(self) -> None:
+        """Forget the states evicted since they were hit or marked shared."""
+        group = self.kv_cache_group_id
+        self.hit_counts = {
+            b: v
+            for b, v in self.hit_counts.items()
+            if b.key_hash == v[0] and b.key_group == group
+        }
+        self._num_shared = 0
+        for tokens, states in list(self.shared_states.items()):
+            live = {k: b for k, b in states.items() if self._holds(b, k)}
+            if live:
+                self.shared_states[tokens] = live
+                self._num_shared += len(live)
+            else:
+                del self.shared_states[tokens]
+
+    def _shared_on_path(
+        self, request: Request, limit: int
+    ) -> tuple[int, KVCacheBlock, Any] | None:
+        """The longest shared state at or below ``limit`` tokens that
+        ``request``'s prompt passes through (probing whichever is fewer:
+        the positions shared states sit at, or the request's boundaries)."""
+        shared = self.shared_states
+        unit = self.unit
+        limit -= limit % unit
+        candidates: Iterable[int]
+        if len(shared) <= limit // unit:
+            candidates = sorted((t for t in shared if t <= limit), reverse=True)
+        else:
+            candidates = range(limit, 0, -unit)
+        chunks = request.block_hashes
+        size = self.block_size
+        for tokens in candidates:
+            states = shared.get(tokens)
+            if not states:
+                continue
+            key = self.block_hash(chunks, tokens // size - 1)
+            block = states.get(key)
+            if block is not None and self._holds(block, key):
+                return (tokens, block, key)
+        return None
+
+    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        if self.block_pool._journal is not None:
+            self.block_pool.record_undo(
+                partial(
+                    self.restore_request_state,
+                    request_id,
+                    self.request_state(request_id),
+                )
+            )
+        self.on_path.pop(request_id, None)
+        self.targets.pop(request_id, None)
+        self.pinned.pop(request_id, None)
+        self.branch.pop(request_id, None)
+        self.grid.pop(request_id, None)
+        step_end = self.step_end.pop(request_id, None)
+        step_before = self.step_before.pop(request_id, None)
+        kept = self.kept.pop(request_id, None)
+        blocks = super().pop_blocks(request_id)
+        if step_before is not None:
+            kept = [*(kept or ()), step_before[1:]]
+        if step_end is not None:
+            kept = [*(kept or ()), step_end[1:]]
+        if kept:
+            self._released_kept[request_id] = kept
+        return blocks
+
+    def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+        """The states the freed request kept for later requests that sit
+        free in the pool already (released after their step): the
+        coordinator moves them to the back of the eviction order with the
+        request's other blocks, since a hit needs its state."""
+        kept = self._released_kept.pop(request_id, None)
+        if not kept:
+            return []
+        return [b for b, key in kept if b.ref_cnt == 0 and self._holds(b, key)]
+
+    def _save(self, store: dict[str, Any], request_id: str) -> None:
+        """Inside a step: record ``store``'s entry for the request (a list
+        copied) for a rollback to put back, before the step changes it."""
+        if self.block_pool._journal is not None:
+            value = store.get(request_id)
+            if type(value) is list:
+                value = list(value)
+            self.block_pool.record_undo(partial(_put_entry, store, request_id, value))
+
+    def _holds(self, block: KVCacheBlock, key: Any) -> bool:
+        """Whether ``block`` is still cached as the state this group kept
+        under ``key`` (not evicted and reused since)."""
+        return (
+            key is not None
+            and block.key_hash == key
+            and block.key_group == self.kv_cache_group_id
+        )
+
+    def request_state(self, request_id: str) -> Any:
+        targets = self.targets.get(request_id)
+        kept = self.kept.get(request_id)
+        pinned = self.pinned.get(request_id)
+        return (
+            None if targets is None else list(targets),
+            self.step_end.get(request_id),
+            None if kept is None else list(kept),
+            None if pinned is None else list(pinned),
+            self.branch.get(request_id),
+            self.grid.get(request_id),
+            self.step_before.get(request_id),
+            self.on_path.get(request_id),
+        )
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        stores: tuple[dict[str, Any], ...] = (
+            self.targets,
+            self.step_end,
+            self.kept,
+            self.pinned,
+            self.branch,
+            self.grid,
+            self.step_before,
+            self.on_path,
+        )
+        for store, value in zip(stores, state, strict=True):
+            if value is None:
+                store.pop(request_id, None)
+            else:
+                store[request_id] = value
+        self._released_kept.pop(request_id, None)
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+        """The latest cached state at an aligned block end that is also a
+        hash boundary."""
+        block_size = query.block_size
+        hash_size = query.hash_block_size
+        chunks = query.chunk_hashes
+        step = math.lcm(block_size, query.alignment, hash_size)
+        end = min(query.max_length, len(chunks) * hash_size)
+        end -= end % step
+        pool = query.block_pool
+        while end > 0:
+            cached = pool.get_cached_block(
+                chunks[end // hash_size - 1], query.group_ids
+            )
+            if cached is not None:
+                pad = [pool.null_block] * (end // block_size - 1)
+                return [[*pad, block] for block in cached]
+            end -= step
+        return [[] for _ in query.group_ids]
+
+
+def _put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
+    if value is None:
+        store.pop(request_id, None)
+    else:
+        store[request_id] = value
+
+
+class _ChunkEnds(Sequence[KVCacheBlock]):
+    """A checkpoint table finer than the hash block, one entry per hash
+    chunk: the block holding the state at the chunk's end."""
+
+    def __init__(self, blocks: Sequence[KVCacheBlock], ratio: int) -> None:
+        self._blocks = blocks
+        self._ratio = ratio
+        self._len = len(blocks) // ratio
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._len))]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            msg = f"chunk {index} out of range for {self._len} chunks"
+            raise IndexError(msg)
+        return self._blocks[(index + 1) * self._ratio - 1]
