@@ -416,7 +416,7 @@ def test_plan_from_a_config_json_matches_the_shipped_file(
     mapped = capsys.readouterr().out.splitlines()[0]
     assert main(["plan", "gemma-3-27b", *args]) == 0
     shipped = capsys.readouterr().out.splitlines()[0]
-    assert mapped.endswith(": 62 requests of 32K tokens (limit 63, 0.98)")
+    assert mapped.endswith(": 62 requests of 32K tokens (limit 63, 1.00)")
     assert mapped.split(" on ", 1)[1] == shipped.split(" on ", 1)[1]
 
 
