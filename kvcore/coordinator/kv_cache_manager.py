@@ -1126,6 +1126,14 @@ class KVCacheManager:
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-hit statistics since the last call (or since the
+        manager was built, or its prefix cache reset), and start counting
+        afresh: an engine reads one interval's hit rate per call."""
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only while no request holds blocks."""
         ok = self.block_pool.reset_prefix_cache()
