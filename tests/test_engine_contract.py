@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import coordinator_setup as setup
+import pytest
 
 from kvcore.coordinator import KVCacheManager, Request
+from kvcore.errors import InvalidRequestError, UnknownRequestError
 
 
 def manager(
@@ -54,3 +56,80 @@ def test_take_prefix_cache_stats_reads_one_interval_and_resets() -> None:
     second = mgr.take_prefix_cache_stats()
     assert (second.requests, second.queries, second.hits) == (1, 5, 4)
     assert mgr.prefix_cache_stats.requests == 0
+
+
+# -- releases on a processed-tokens basis -------------------------------------------
+
+
+def _prefilled_window_request() -> tuple[KVCacheManager, Request]:
+    """A window-8 group of 4-token blocks; A's 20-token prefill holds blocks
+    1-5 and its first output token is scheduled next."""
+    mgr = manager([setup.sw(4, 8)], 20)
+    a = req("A", range(1, 21))
+    assert mgr.allocate_slots(a, 20) is not None
+    a.num_computed_tokens = 20
+    a.append_output_token_ids(7)
+    return mgr, a
+
+
+def test_synchronous_step_releases_blocks_out_of_the_window() -> None:
+    mgr, a = _prefilled_window_request()
+    out = mgr.allocate_slots(a, 1)
+    assert out is not None
+    assert out.get_block_ids() == ([6],)
+    # Token 20 reads tokens 13-20: blocks 1-3 (tokens 0-11) go back.
+    assert mgr.get_block_ids("A") == ([0, 0, 0, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 16
+
+
+def test_no_block_an_in_flight_step_reads_is_released() -> None:
+    mgr, a = _prefilled_window_request()
+    # Asynchronous scheduling: the decode step is scheduled while the
+    # prefill (all 20 computed tokens) is still in flight and reads blocks 1-5.
+    out = mgr.allocate_slots(a, 1, num_in_flight_tokens=20)
+    assert out is not None
+    assert out.get_block_ids() == ([6],)
+    assert mgr.get_block_ids("A") == ([1, 2, 3, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 13
+    # The prefill completes: the engine releases on what is processed now.
+    mgr.remove_skipped_blocks(a, 20)
+    assert mgr.get_block_ids("A") == ([0, 0, 0, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 16
+
+
+def test_in_flight_tokens_release_only_below_the_processed_tokens() -> None:
+    mgr, a = _prefilled_window_request()
+    # 8 of the 20 tokens still in flight: 12 processed, token 12 reads
+    # tokens 5-12, so only block 1 (tokens 0-3) is unread.
+    out = mgr.allocate_slots(a, 1, num_in_flight_tokens=8)
+    assert out is not None
+    assert mgr.get_block_ids("A") == ([0, 2, 3, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 14
+
+
+def test_remove_skipped_blocks_checks_its_request_and_count() -> None:
+    mgr, a = _prefilled_window_request()
+    with pytest.raises(UnknownRequestError, match="'B' holds no blocks"):
+        mgr.remove_skipped_blocks("B", 4)
+    with pytest.raises(InvalidRequestError, match="num_tokens must be a non-negative"):
+        mgr.remove_skipped_blocks(a, -1)
+    with pytest.raises(InvalidRequestError, match="num_in_flight_tokens must be"):
+        mgr.allocate_slots(a, 1, num_in_flight_tokens=-1)
+    assert mgr.get_block_ids("A") == ([1, 2, 3, 4, 5],)
+
+
+# -- reserved blocks ------------------------------------------------------------------
+
+
+def test_reserved_blocks_stay_free() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    # 9 usable blocks; A needs 3 (12 tokens).
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12, reserved_blocks=7) is None
+    assert mgr.get_num_free_blocks() == 9
+    with pytest.raises(UnknownRequestError):
+        mgr.get_block_ids("A")
+    out = mgr.allocate_slots(a, 12, reserved_blocks=6)
+    assert out is not None
+    assert out.get_block_ids() == ([1, 2, 3],)
+    assert mgr.get_num_free_blocks() == 6

@@ -91,6 +91,8 @@ class EngineStepKeywords(TypedDict, total=False):
     num_external_computed_tokens: int
     num_encoder_tokens: int
     full_sequence_must_fit: bool
+    num_in_flight_tokens: int
+    reserved_blocks: int
 
 
 _ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
@@ -382,6 +384,15 @@ class KVCacheManager:
             ``max_model_len``) as well as this step, so chunked prefill does
             not admit a request whose later chunks cannot fit (see
             :meth:`can_fit_full_sequence`).
+        :param num_in_flight_tokens: tokens of ``request.num_computed_tokens``
+            that a step still in flight computes (asynchronous scheduling,
+            pipeline parallelism).  Blocks the request no longer reads are
+            released only below ``num_computed_tokens - num_in_flight_tokens``,
+            so none that an in-flight step reads returns to the pool; call
+            :meth:`remove_skipped_blocks` once the step has completed.
+        :param reserved_blocks: free blocks the step must leave free (for
+            other requests already in flight, or a watermark); the step is
+            refused when it would need them.
         :returns: the newly allocated blocks per group, or ``None`` when the
             pool cannot satisfy the step (nothing is changed then, the
             request's status included); on success the request's status is
@@ -394,10 +405,12 @@ class KVCacheManager:
         # for no keyword-only defaults.
         num_external_computed_tokens = 0
         full_sequence_must_fit = False
+        num_in_flight = reserved = 0
         if engine:
             num_external_computed_tokens, full_sequence_must_fit = (
                 self._check_engine_keywords(request, engine)
             )
+            num_in_flight, reserved = _step_limits(rid, engine)
         if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
             num_new_tokens == 0
             and type(num_new_tokens) is int
@@ -512,12 +525,16 @@ class KVCacheManager:
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
-        skipping = running and bool(coordinator.skipping) and num_computed > 0
+        # Released only below the tokens no step in flight still computes.
+        processed = num_computed - num_in_flight if num_in_flight else num_computed
+        skipping = running and bool(coordinator.skipping) and processed > 0
         free = self.block_pool.free_queue.num_free
+        if reserved:
+            free -= reserved
         shed = None
         if need > free and (
             not skipping
-            or need > free + coordinator.count_freeable_skipped(rid, num_computed)
+            or need > free + coordinator.count_freeable_skipped(rid, processed)
         ):
             # Checkpoints are optional: a step that fits without them runs
             # without them (the request gives up the states it would keep
@@ -535,8 +552,7 @@ class KVCacheManager:
                 need > free
                 and (
                     not skipping
-                    or need
-                    > free + coordinator.count_freeable_skipped(rid, num_computed)
+                    or need > free + coordinator.count_freeable_skipped(rid, processed)
                 )
             ):
                 if shed is not None:
@@ -556,7 +572,7 @@ class KVCacheManager:
         pool.begin()
         try:
             new_blocks = step(
-                request, running, skipping, attach, num_computed, num_tokens, cache_to
+                request, running, skipping, attach, processed, num_tokens, cache_to
             )
         except BaseException:
             # A manager that raised is reported as a PluginError naming it
@@ -799,7 +815,8 @@ class KVCacheManager:
         num_tokens: int,
         cache_to: int,
     ) -> tuple[list[KVCacheBlock], ...] | None:
-        """The changes of one validated allocate_slots step."""
+        """The changes of one validated allocate_slots step (``num_computed``:
+        the processed tokens, below which skipped blocks are released)."""
         coordinator = self.coordinator
         rid = request.request_id
         if skipping:
@@ -998,6 +1015,31 @@ class KVCacheManager:
         if request is not held and isinstance(request, Request):
             request.status = _FINISHED
 
+    def remove_skipped_blocks(self, request: Request | str, num_tokens: int) -> None:
+        """Release the blocks the request no longer reads below
+        ``num_tokens`` processed tokens (those no step in flight computes),
+        e.g. once an asynchronous step has completed; the positions become
+        the null block.  Releases nothing for plans with no window or
+        state group."""
+        rid = request if isinstance(request, str) else request.request_id
+        _check_tokens(
+            f"remove_skipped_blocks for request {rid!r}: num_tokens", num_tokens
+        )
+        self._require_live(rid)
+        coordinator = self.coordinator
+        if not coordinator.skipping or not num_tokens:
+            return
+        pool = self.block_pool
+        states = coordinator.request_state(rid)
+        pool.begin()
+        try:
+            coordinator.remove_skipped_blocks(rid, num_tokens)
+        except BaseException:
+            pool.rollback()
+            coordinator.restore_request_state(rid, states)
+            raise
+        pool.commit()
+
     def _require_live(self, rid: str) -> None:
         if rid not in self._requests:
             msg = (
@@ -1190,6 +1232,21 @@ def _check_counts(
                 f"non-negative int, got {value!r}"
             )
             raise _wrong(value, msg)
+
+
+def _step_limits(rid: str, engine: Mapping[str, object]) -> tuple[int, int]:
+    """The checked ``num_in_flight_tokens`` and ``reserved_blocks``."""
+    out = []
+    for name in ("num_in_flight_tokens", "reserved_blocks"):
+        value = engine.get(name, 0)
+        if type(value) is not int or value < 0:
+            msg = (
+                f"allocate_slots for request {rid!r}: {name} must be a "
+                f"non-negative int, got {value!r}"
+            )
+            raise _wrong(value, msg)
+        out.append(value)
+    return out[0], out[1]
 
 
 def _wrong(value: object, msg: str) -> InvalidRequestError:
