@@ -59,7 +59,14 @@ TEST_FILES = (
 
 #: Tests that read vLLM's private bookkeeping rather than the manager's
 #: contract (test id prefix -> why).  At most 7.
-EXCLUDED: dict[str, str] = {}
+EXCLUDED: dict[str, str] = {
+    "tests/v1/core/test_deferred_block_free.py::"
+    "test_cow_retentions_deferred_until_copy_step_processed": (
+        "injects a block copy into vLLM's private "
+        "single_type_managers[0]._pending_cow_copies list; kvcore hands its "
+        "copy-on-write copies out through the KVCacheBlocks a step returns"
+    ),
+}
 
 KNOWN_GAPS = HERE / "vllm_known_gaps.txt"
 

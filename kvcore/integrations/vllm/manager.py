@@ -47,6 +47,7 @@ class BlockPoolView:
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
+        self.hash_block_size = pool.hash_block_size
         self.null_block = pool.null_block
         self.num_gpu_blocks = pool.num_blocks
         self.free_block_queue = _FreeQueueView(pool)
@@ -64,6 +65,18 @@ class BlockPoolView:
             raise
         pool.commit()
 
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """``num_blocks`` free blocks, each with one reference."""
+        pool = self.pool
+        pool.begin()
+        try:
+            blocks = pool.get_new_blocks(num_blocks)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+        return blocks
+
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop the prefix-cache key of each block (a block in use stays with
         its holders; a free one is reused first)."""
@@ -73,6 +86,12 @@ class BlockPoolView:
             if 0 <= bid < len(pool.blocks):
                 pool.drop_from_cache(pool.blocks[bid])
         pool.commit()
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group for ``block_hash``, or None."""
+        return self.pool.get_cached_block(block_hash, kv_cache_group_ids)
 
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
@@ -88,12 +107,18 @@ class BlockPoolView:
 
 
 class _ManagerView:
-    """What vLLM's scheduler reads of one group's manager."""
+    """What vLLM's scheduler (and its tests) read of one group's manager:
+    its group, block size and vLLM spec, and the request tables, which are
+    kvcore's own (the null block at positions a request no longer reads)."""
 
-    def __init__(self, group: int, block_size: int, spec: Any) -> None:
-        self.kv_cache_group_id = group
-        self.block_size = block_size
+    def __init__(self, manager: Any, spec: Any, pool: BlockPoolView) -> None:
+        self.kv_cache_group_id = manager.kv_cache_group_id
+        self.block_size = manager.block_size
         self.kv_cache_spec = spec
+        self.block_pool = pool
+        self.req_to_blocks = manager.req_to_blocks
+        self.num_cached_block = manager.num_cached_block
+        self._null_block = pool.null_block
 
 
 class CoordinatorView:
@@ -105,13 +130,11 @@ class CoordinatorView:
         self._owner = owner
         self.coordinator = owner.kvcore
         self.single_type_managers = tuple(
-            _ManagerView(gid, manager.block_size, vllm_group.kv_cache_spec)
-            for gid, (manager, vllm_group) in enumerate(
-                zip(
-                    owner.kvcore.single_type_managers,
-                    vllm_config.kv_cache_groups,
-                    strict=True,
-                )
+            _ManagerView(manager, vllm_group.kv_cache_spec, owner.block_pool)
+            for manager, vllm_group in zip(
+                owner.kvcore.single_type_managers,
+                vllm_config.kv_cache_groups,
+                strict=True,
             )
         )
 
@@ -198,6 +221,21 @@ class KVCacheManager:
         )
         #: Ids of the requests that hold blocks.
         self._live: set[str] = set()
+        # vLLM's workers zero new blocks of attention groups (not rings)
+        # when the config asks; the scheduler drains their ids each step.
+        from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
+
+        self._zeroed_groups: tuple[int, ...] = (
+            tuple(
+                gid
+                for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+                if isinstance(group.kv_cache_spec, AttentionSpec)
+                and not isinstance(group.kv_cache_spec, CircularBufferSpec)
+            )
+            if getattr(kv_cache_config, "needs_kv_cache_zeroing", False)
+            else ()
+        )
+        self._new_block_ids: list[int] = []
 
     # -- stats ------------------------------------------------------------------
 
@@ -350,6 +388,7 @@ class KVCacheManager:
         cache_to = -1
         if self.enable_caching and not delay_cache_blocks:
             cache_to = min(num_main, request.num_tokens)
+        before = self._held_ids(rid, hit) if self._zeroed_groups else None
         pool.begin()
         try:
             if running:
@@ -364,9 +403,37 @@ class KVCacheManager:
             raise
         pool.commit()
         self._live.add(rid)
+        if before is not None:
+            self._record_zeroing(rid, before, total, skip_zeroing_group_ids)
         if new is None or not any(new):
             return self.empty_kv_cache_blocks
         return self._blocks_cls(new)
+
+    def _held_ids(
+        self, rid: str, hit: Sequence[Sequence[KVCacheBlock]]
+    ) -> list[set[int]]:
+        """Per zeroed group, the blocks the request holds or attaches now."""
+        managers = self.kvcore.single_type_managers
+        out = []
+        for gid in self._zeroed_groups:
+            ids = {b.block_id for b in managers[gid].req_to_blocks.get(rid, ())}
+            ids.update(b.block_id for b in hit[gid])
+            out.append(ids)
+        return out
+
+    def _record_zeroing(
+        self, rid: str, before: list[set[int]], total: int, skip: tuple[int, ...]
+    ) -> None:
+        """Record the step's fresh blocks for zeroing; a group a KV load
+        fills (``skip``) keeps its blocks below ``total`` tokens unzeroed."""
+        managers = self.kvcore.single_type_managers
+        for gid, held in zip(self._zeroed_groups, before, strict=True):
+            manager = managers[gid]
+            loaded_to = -(-total // manager.block_size) if gid in skip else 0
+            for pos, block in enumerate(manager.req_to_blocks.get(rid, ())):
+                if block.is_null or block.block_id in held or pos < loaded_to:
+                    continue
+                self._new_block_ids.append(block.block_id)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching and request.request_id in self._live:
@@ -503,10 +570,25 @@ class KVCacheManager:
     # -- engine hooks kvcore has nothing for yet --------------------------------
 
     def take_new_block_ids(self) -> list[int]:
-        return []
+        """The ids of blocks to zero since the last call (drained)."""
+        ids = self._new_block_ids
+        self._new_block_ids = []
+        return ids
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        return None
+        """Zero the request's blocks from ``start_token`` on again (a failed
+        load left them unwritten)."""
+        if request_id not in self._live:
+            return
+        managers = self.kvcore.single_type_managers
+        for gid in self._zeroed_groups:
+            manager = managers[gid]
+            start = start_token // manager.block_size
+            self._new_block_ids.extend(
+                b.block_id
+                for b in manager.req_to_blocks[request_id][start:]
+                if not b.is_null
+            )
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
         return [], []

@@ -20,7 +20,10 @@ __all__ = ["SUPPORTED_SPECS", "to_kvcore_config", "to_kvcore_spec"]
 #: vLLM spec classes (by name) that convert, and the kvcore kind each becomes.
 SUPPORTED_SPECS = {
     "FullAttentionSpec": "full_attention",
+    "MLAAttentionSpec": "mla",
     "SlidingWindowSpec": "sliding_window",
+    "SlidingWindowMLASpec": "sliding_window_mla",
+    "ChunkedLocalAttentionSpec": "chunked_local_attention",
 }
 
 
@@ -47,12 +50,24 @@ def to_kvcore_spec(
     }
     kinds = registry if registry is not None else default_registry()
     spec_type: Any = kinds[SUPPORTED_SPECS[name]].spec_type
-    if name == "SlidingWindowSpec":
+    if name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
         return spec_type(  # type: ignore[no-any-return]
             **common,
             sliding_window=spec.sliding_window,
             extra_retained_tokens=spec.extra_retained_tokens,
+            bounded_replay=bool(getattr(spec, "bounded_replay", False)),
         )
+    if name == "ChunkedLocalAttentionSpec":
+        return spec_type(  # type: ignore[no-any-return]
+            **common, attention_chunk_size=spec.attention_chunk_size
+        )
+    if name == "MLAAttentionSpec" and getattr(spec, "model_version", None):
+        msg = (
+            f"kvcore.integrations.vllm: cache group {group}'s MLAAttentionSpec "
+            f"is a {spec.model_version} sparse-attention cache, which kvcore "
+            "does not manage for vLLM yet; unset KVCORE_VLLM for this model"
+        )
+        raise InvalidSpecError(msg)
     if getattr(spec, "attention_chunk_size", None) or getattr(
         spec, "non_causal", False
     ):
