@@ -133,3 +133,58 @@ def test_reserved_blocks_stay_free() -> None:
     assert out is not None
     assert out.get_block_ids() == ([1, 2, 3],)
     assert mgr.get_num_free_blocks() == 6
+
+
+# -- evicting chosen cached blocks ------------------------------------------------
+
+
+def test_evict_blocks_drops_the_chosen_keys_only() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12) is not None
+    mgr.free(a)
+    # Blocks 1-3 hold A's three full blocks; B's lookup hits 8 of 12 tokens.
+    assert mgr.get_computed_blocks(req("B", range(1, 13)))[1] == 8
+    # Block 2 (tokens 4-7) is stale: the hit now stops before it.
+    assert mgr.evict_blocks({2, 0}) == 1
+    blocks, hit = mgr.get_computed_blocks(req("C", range(1, 13)))
+    assert (blocks.get_block_ids(), hit) == (([1],), 4)
+    # A block without a key (evicted already) is passed over.
+    assert mgr.evict_blocks([2]) == 0
+    assert mgr.get_num_free_blocks() == 9
+
+
+def test_evict_blocks_refuses_ids_outside_the_pool() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 9))
+    assert mgr.allocate_slots(a, 8) is not None
+    with pytest.raises(InvalidRequestError, match=r"block ids \[10\] are not blocks"):
+        mgr.evict_blocks([1, 10])
+    # Nothing changed: block 1 still serves the hit.
+    assert mgr.get_computed_blocks(req("B", range(1, 10)))[1] == 8
+
+
+# -- admitting a hit with no new tokens ---------------------------------------------
+
+
+def test_a_hit_is_admitted_with_no_new_tokens() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12) is not None
+    b = req("B", range(1, 13))
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8
+    # A chunk that only adopts the hit: no slot of its own.
+    out = mgr.allocate_slots(b, 0, num_hit, hit)
+    assert out is not None
+    assert out.get_block_ids() == ([],)
+    assert mgr.get_block_ids("B") == ([1, 2],)
+    assert mgr.get_num_free_blocks() == 6
+    # The next chunk computes the rest.
+    b.num_computed_tokens = 8
+    out = mgr.allocate_slots(b, 4)
+    assert out is not None
+    assert out.get_block_ids() == ([4],)
+    # Without a hit, zero new tokens is still refused.
+    with pytest.raises(InvalidRequestError, match="asks for 0 new tokens"):
+        mgr.allocate_slots(req("C", range(50, 60)), 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict, Unpack, cast
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
@@ -375,7 +375,9 @@ class KVCacheManager:
             they count as computed: positions before them that a kind skips
             are not allocated.  Only when the request is admitted (it holds no
             blocks); ``num_new_tokens`` may then be 0 (a load that completes
-            in a later step).
+            in a later step).  With a prefix hit attached
+            (``num_new_computed_tokens``), ``num_new_tokens`` may be 0 too:
+            a chunk that only adopts the hit.
         :param num_encoder_tokens: encoder tokens for cross-attention groups.
             kvcore has no cross-attention kind, so a nonzero value is refused
             (reserving nothing would leave the encoder's KV without slots).
@@ -414,7 +416,7 @@ class KVCacheManager:
         if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
             num_new_tokens == 0
             and type(num_new_tokens) is int
-            and num_external_computed_tokens
+            and (num_external_computed_tokens or num_new_computed_tokens)
         ):
             msg = (
                 f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
@@ -1167,6 +1169,33 @@ class KVCacheManager:
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> int:
+        """Drop the prefix-cache key of each chosen block (content an engine
+        knows is stale, e.g. a failed load); returns how many keys went.  A
+        block in use stays with its holders, a free one is reused first; a
+        block without a key or the null block is passed over.  Ids outside
+        the pool are refused before anything changes."""
+        pool = self.block_pool
+        ids = list(dict.fromkeys(block_ids))
+        bad = [b for b in ids if type(b) is not int or not 0 <= b < pool.num_blocks]
+        if bad:
+            msg = (
+                f"evict_blocks: block ids {bad[:5]} are not blocks of this pool "
+                f"(0 to {pool.num_blocks - 1}); pass ids the manager handed out"
+            )
+            raise InvalidRequestError(msg)
+        blocks = pool.blocks
+        before = pool.evictions
+        pool.begin()
+        try:
+            for bid in ids:
+                pool.drop_from_cache(blocks[bid])
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+        return pool.evictions - before
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-hit statistics since the last call (or since the
