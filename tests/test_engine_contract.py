@@ -15,7 +15,7 @@ from typing import Any
 import coordinator_setup as setup
 import pytest
 
-from kvcore.coordinator import KVCacheManager, Request
+from kvcore.coordinator import KVCacheManager, Request, RequestStatus
 from kvcore.errors import InvalidRequestError, UnknownRequestError
 
 
@@ -188,3 +188,31 @@ def test_a_hit_is_admitted_with_no_new_tokens() -> None:
     # Without a hit, zero new tokens is still refused.
     with pytest.raises(InvalidRequestError, match="asks for 0 new tokens"):
         mgr.allocate_slots(req("C", range(50, 60)), 0)
+
+
+# -- deferred frees -------------------------------------------------------------------
+
+
+def test_deferred_free_holds_blocks_until_released() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12) is not None
+    # A finishes while the step that computed it is still in flight.
+    blocks = mgr.pop_blocks_for_free(a)
+    assert [b.block_id for b in blocks] == [1, 2, 3]
+    assert a.status is RequestStatus.FINISHED
+    assert mgr.get_num_free_blocks() == 6
+    # Nobody is given A's blocks meanwhile: B takes the other six only.
+    b = req("B", range(100, 125))
+    assert mgr.allocate_slots(b, 25) is None
+    out = mgr.allocate_slots(b, 24)
+    assert out is not None
+    assert set(out.get_block_ids()[0]).isdisjoint({1, 2, 3})
+    mgr.free(b)
+    # The step completes: the blocks come back, A's prefix still cached.
+    mgr.release_blocks(blocks)
+    assert mgr.get_num_free_blocks() == 9
+    assert mgr.get_computed_blocks(req("C", range(1, 13)))[1] == 8
+    with pytest.raises(InvalidRequestError):
+        mgr.release_blocks(blocks)
+    assert mgr.get_num_free_blocks() == 9

@@ -653,6 +653,27 @@ class KVCacheCoordinator:
         if self._evicting_last:
             self._refresh_checkpoints(request_id)
 
+    def pop_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and hand back every group's blocks, still
+        held, in the order :meth:`BlockPool.free_table` frees as
+        :meth:`free` would (each group's tail first, groups in free order)."""
+        tables: list[list[KVCacheBlock]] = []
+        gid = 0
+        try:
+            for manager in self._free_order:
+                gid = manager.kv_cache_group_id
+                blocks = manager.pop_blocks(request_id)
+                if blocks:
+                    tables.append(blocks)
+        except Exception as exc:
+            raise self.plugin_error(gid, "pop_blocks", exc) from exc
+        freed: list[KVCacheBlock] = []
+        for blocks in reversed(tables):
+            freed += blocks
+        if self._evicting_last:
+            self._refresh_checkpoints(request_id)
+        return freed
+
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the
         back of the eviction order with its other blocks."""

@@ -1042,6 +1042,62 @@ class KVCacheManager:
             raise
         pool.commit()
 
+    def pop_blocks_for_free(self, request: Request | str) -> list[KVCacheBlock]:
+        """Finish the request (``FINISHED``, its id free for reuse) but keep
+        its blocks out of the pool: a step still in flight may read them.
+        Pass the list to :meth:`release_blocks` once that step completes;
+        until then no other request can be given them."""
+        if isinstance(request, str):
+            rid = request
+        elif isinstance(request, Request):
+            rid = request.request_id
+        else:
+            raise _not_a_request(request)
+        held = self._requests.get(rid)
+        if held is None:
+            self._require_live(rid)
+        coordinator = self.coordinator
+        pool = self.block_pool
+        states = coordinator.request_state(rid)
+        pool.begin()
+        try:
+            blocks = coordinator.pop_for_free(rid)
+        except BaseException:
+            pool.rollback()
+            coordinator.restore_request_state(rid, states)
+            raise
+        pool.commit()
+        if coordinator.partial is not None:
+            coordinator.partial.forget(rid)
+        del self._requests[rid]
+        assert held is not None
+        held.status = _FINISHED
+        if request is not held and isinstance(request, Request):
+            request.status = _FINISHED
+        return blocks
+
+    def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Return the blocks :meth:`pop_blocks_for_free` handed out to the
+        pool, each list once (tail first; cached prefixes stay cached).  A
+        block released twice is refused and nothing changes."""
+        given: object = blocks  # checked: engines pass anything
+        if not isinstance(given, (list, tuple)) or not all(
+            _owned(self.block_pool.blocks, b) for b in given
+        ):
+            msg = (
+                "release_blocks: pass the list pop_blocks_for_free returned "
+                "(blocks of this manager's pool)"
+            )
+            raise KvcoreTypeError(msg)
+        pool = self.block_pool
+        pool.begin()
+        try:
+            pool.free_table(blocks)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+
     def _require_live(self, rid: str) -> None:
         if rid not in self._requests:
             msg = (
