@@ -186,6 +186,28 @@ def write_model_files(work: Path) -> Path:
     return home
 
 
+def _env(hf_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_LOGGING_LEVEL="ERROR",
+    )
+    env.pop("KVCORE_VLLM", None)
+    return env
+
+
+def run_bench(python: Path, root: Path, hf_home: Path, extra: list[str]) -> int:
+    """scheduler_bench.py: vLLM's scheduler per step on both managers."""
+    env = _env(hf_home)
+    env["PYTHONPATH"] = os.pathsep.join((str(root), str(HERE)))
+    cmd = [str(python), str(HERE / "scheduler_bench.py"), *extra]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
+
+
 def run_suite(
     python: Path,
     root: Path,
@@ -196,15 +218,7 @@ def run_suite(
     extra: list[str],
 ) -> dict[str, str]:
     """Each test id's outcome: passed, failed, error or skipped."""
-    env = dict(os.environ)
-    env.update(
-        VLLM_TARGET_DEVICE="cpu",
-        HF_HOME=str(hf_home),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_LOGGING_LEVEL="ERROR",
-    )
-    env.pop("KVCORE_VLLM", None)
+    env = _env(hf_home)
     cmd = [str(python), "-m", "pytest", *TEST_FILES, "-q", "-p", "no:cacheprovider"]
     cmd += [f"--junitxml={out}", *extra]
     if kvcore:
@@ -335,7 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="run one side only (reuses the other side's last results)",
     )
-    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest")
+    parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="time the scheduler per step on vLLM's manager and on kvcore's "
+        "(scheduler_bench.py) instead of running the tests",
+    )
+    parser.add_argument(
+        "pytest_args", nargs="*", help="passed on to pytest (or the benchmark)"
+    )
     args = parser.parse_args(argv)
     work: Path = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -343,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     python = ensure_venv(venv, args.base_venv, args.requirements)
     root = ensure_tests(python, work)
     hf_home = write_model_files(work)
+    if args.bench:
+        return run_bench(python, root, hf_home, args.pytest_args)
     results = {}
     for side in ("plain", "kvcore"):
         junit = work / f"{side}.xml"
