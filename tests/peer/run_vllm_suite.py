@@ -13,9 +13,9 @@ run: it needs the network (PyPI) and vLLM.  The stage
 2. downloads vLLM |VLLM|'s source distribution with pip and unpacks its
    ``tests/`` and ``pyproject.toml`` under the work folder (vLLM's tests are
    never copied into this repository);
-3. writes the one model file those tests name (``facebook/opt-125m``'s
-   ``config.json``; no hub is reachable, and the scheduler reads nothing
-   else of the model) into a local Hugging Face cache;
+3. writes the model files those tests name (``facebook/opt-125m``'s and
+   ``opt-350m``'s ``config.json``; no hub is reachable, and the scheduler
+   reads nothing else of the model) into a local Hugging Face cache;
 4. runs the test files twice, plain and with ``KVCORE_VLLM=1`` (the setting
    that switches a vLLM process onto kvcore; the pytest plugin
    ``kvcore_vllm_peer`` refuses to run if the scheduler is not on kvcore
@@ -70,8 +70,9 @@ EXCLUDED: dict[str, str] = {
 
 KNOWN_GAPS = HERE / "vllm_known_gaps.txt"
 
-#: facebook/opt-125m's public config.json: the only model file the chosen
-#: tests read (the scheduler needs the layer count, heads, lengths, dtype).
+#: facebook/opt-125m's public config.json: the model file most of the
+#: chosen tests read (the scheduler needs the layer count, heads, lengths,
+#: dtype; no weights, no tokenizer).
 OPT_125M_CONFIG = {
     "activation_dropout": 0.0,
     "activation_function": "relu",
@@ -174,15 +175,36 @@ def ensure_tests(python: Path, work: Path) -> Path:
     return root
 
 
+#: facebook/opt-350m's, which differs in size and in its projection.
+OPT_350M_CONFIG = {
+    **OPT_125M_CONFIG,
+    "do_layer_norm_before": False,
+    "ffn_dim": 4096,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "word_embed_proj_dim": 512,
+}
+
+#: The model files written into the local Hugging Face cache.  Tests that
+#: name other models (multimodal ones, which need processor and tokenizer
+#: files) fail the same way on both sides and are counted on neither.
+MODEL_FILES = {
+    "facebook/opt-125m": OPT_125M_CONFIG,
+    "facebook/opt-350m": OPT_350M_CONFIG,
+}
+
+
 def write_model_files(work: Path) -> Path:
     home = work / "hf"
-    repo = home / "hub" / "models--facebook--opt-125m"
     rev = "0" * 40
-    snap = repo / "snapshots" / rev
-    snap.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(rev)
-    (snap / "config.json").write_text(json.dumps(OPT_125M_CONFIG, indent=1))
+    for name, config in MODEL_FILES.items():
+        repo = home / "hub" / f"models--{name.replace('/', '--')}"
+        snap = repo / "snapshots" / rev
+        snap.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(rev)
+        (snap / "config.json").write_text(json.dumps(config, indent=1))
     return home
 
 
