@@ -216,3 +216,19 @@ def test_deferred_free_holds_blocks_until_released() -> None:
     with pytest.raises(InvalidRequestError):
         mgr.release_blocks(blocks)
     assert mgr.get_num_free_blocks() == 9
+
+
+# -- bounded lookups ------------------------------------------------------------------
+
+
+def test_lookup_bounded_by_a_maximum_hit_length() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 14))
+    assert mgr.allocate_slots(a, 13) is not None
+    assert mgr.get_computed_blocks(req("B", range(1, 14)))[1] == 12
+    # Bounded at 10 tokens: the hit ends on the block boundary below it.
+    blocks, hit = mgr.get_computed_blocks(req("C", range(1, 14)), 10)
+    assert (blocks.get_block_ids(), hit) == (([1, 2],), 8)
+    assert mgr.get_computed_blocks(req("D", range(1, 14)), 0)[1] == 0
+    with pytest.raises(InvalidRequestError, match="max_cache_hit_length must be"):
+        mgr.get_computed_blocks(req("E", range(1, 14)), -1)

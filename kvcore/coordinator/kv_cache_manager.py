@@ -309,18 +309,26 @@ class KVCacheManager:
 
     # -- lookups ----------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int]:
         """The request's prefix hit (blocks, tokens); the last prompt token is
-        always recomputed so the step yields logits."""
+        always recomputed so the step yields logits.  ``max_cache_hit_length``
+        bounds the hit further (a scheduler that must recompute from some
+        token on); the hit returned still ends on the hit alignment."""
         if not isinstance(request, Request):
             raise _not_a_request(request)
+        bound = len(request.all_token_ids) - 1
+        if max_cache_hit_length is not None:
+            _check_tokens(
+                "get_computed_blocks: max_cache_hit_length", max_cache_hit_length
+            )
+            bound = min(bound, max_cache_hit_length)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         coordinator = self.coordinator
         self._check_hashing(request)
-        blocks, length = coordinator.find_longest_cache_hit(
-            request.block_hashes, len(request.all_token_ids) - 1
-        )
+        blocks, length = coordinator.find_longest_cache_hit(request.block_hashes, bound)
         if coordinator.planning:
             request.shared_prefix_tokens = max(coordinator.last_shared_prefix, length)
         stats = self.prefix_cache_stats
