@@ -114,6 +114,11 @@ def _site_packages(venv: Path) -> Path:
 def ensure_venv(venv: Path, base: Path | None, requirements: Path) -> Path:
     """The peer environment's interpreter: vLLM, kvcore and tblib in it."""
     python = venv / "bin" / "python"
+    if not python.exists() and base is None and not requirements.exists():
+        raise SystemExit(
+            f"{requirements} is missing: pass --requirements (the pinned "
+            "vLLM 0.33 CPU dependency list) or --base-venv"
+        )
     if not python.exists():
         maker = str(base / "bin" / "python") if base else sys.executable
         _run([maker, "-m", "venv", str(venv)])
