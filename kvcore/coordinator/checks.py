@@ -27,6 +27,8 @@ class EngineStepKeywords(TypedDict, total=False):
     num_external_computed_tokens: int
     num_encoder_tokens: int
     full_sequence_must_fit: bool
+    num_in_flight_tokens: int
+    reserved_blocks: int
 
 
 _ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
@@ -45,7 +47,9 @@ def checked_hit(
     or None when it attaches no block."""
     rid = request.request_id
     if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
-        num_new_tokens == 0 and type(num_new_tokens) is int and num_external
+        num_new_tokens == 0
+        and type(num_new_tokens) is int
+        and (num_external or num_new_computed_tokens)
     ):
         msg = (
             f"allocate_slots for request {rid!r} asks for {num_new_tokens!r} new "
@@ -94,6 +98,21 @@ def check_engine_keywords(
     full_sequence_must_fit = engine.get("full_sequence_must_fit", False)
     check_external(manager, request, num_external, num_encoder, full_sequence_must_fit)
     return cast(int, num_external), cast(bool, full_sequence_must_fit)
+
+
+def check_step_limits(rid: str, engine: Mapping[str, object]) -> tuple[int, int]:
+    """The checked ``num_in_flight_tokens`` and ``reserved_blocks``."""
+    out = []
+    for name in ("num_in_flight_tokens", "reserved_blocks"):
+        value = engine.get(name, 0)
+        if type(value) is not int or value < 0:
+            msg = (
+                f"allocate_slots for request {rid!r}: {name} must be a "
+                f"non-negative int, got {value!r}"
+            )
+            raise wrong(value, msg)
+        out.append(value)
+    return out[0], out[1]
 
 
 def check_external(

@@ -631,27 +631,28 @@ class KVCacheCoordinator:
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""
-        tables: list[list[KVCacheBlock]] = []
-        gid = 0
-        try:
-            for manager in self._free_order:
-                gid = manager.kv_cache_group_id
-                blocks = manager.pop_blocks(request_id)
-                if blocks:
-                    tables.append(blocks)
-        except Exception as exc:
-            raise self.plugin_error(gid, "pop_blocks", exc) from exc
-        if len(tables) == 1:
-            self.block_pool.free_table(tables[0])
-        elif tables:
-            # Each group's table tail first, the groups in free order: the
-            # tables joined last group first, freed as one table.
-            freed: list[KVCacheBlock] = []
-            for blocks in reversed(tables):
-                freed += blocks
+        freed = self._pop_tables(request_id)
+        if freed:
             self.block_pool.free_table(freed)
         if self._evicting_last:
             self._refresh_checkpoints(request_id)
+
+    def pop_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and hand back every group's blocks, still
+        held, in the order :meth:`free` would free them."""
+        freed = self._pop_tables(request_id)
+        if self._evicting_last:
+            self._refresh_checkpoints(request_id)
+        return freed
+
+    def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
+        """Every group's blocks of the request, each group's tail first, the
+        groups in free order (the tables joined last group first)."""
+        freed: list[KVCacheBlock] = []
+        for blocks in reversed(self._each(self._free_order, "pop_blocks", request_id)):
+            if blocks:
+                freed += blocks
+        return freed
 
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the

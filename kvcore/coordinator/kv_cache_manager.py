@@ -6,7 +6,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Unpack
+from typing import Any, Unpack
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.blocks import KVCacheBlocks
@@ -17,6 +17,7 @@ from kvcore.coordinator.checks import (
     check_external,
     check_hashing,
     check_same_request,
+    check_step_limits,
     check_tokens,
     checked_hit,
     not_a_request,
@@ -24,12 +25,16 @@ from kvcore.coordinator.checks import (
     require_type,
 )
 from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
+from kvcore.coordinator.engine_calls import (
+    EngineCalls,
+    GroupPrefixCacheStats,
+    PrefixCacheStats,
+)
 from kvcore.coordinator.partial import BlockCopy, split_copy_sources
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import (
     InvalidRequestError,
     KvcoreTypeError,
-    UnknownRequestError,
 )
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
@@ -43,40 +48,7 @@ __all__ = [
 ]
 
 
-class PrefixCacheStats:
-    """Lookups since the last reset: requests, queried and hit tokens."""
-
-    __slots__ = ("hits", "queries", "requests")
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.queries = 0
-        self.hits = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-class GroupPrefixCacheStats(NamedTuple):
-    """One group's view of the prefix-hit statistics (see
-    :meth:`KVCacheManager.group_prefix_cache_stats`)."""
-
-    group_id: int
-    kind: str
-    block_size: int
-    prefix_cacheable: bool
-    requests: int
-    queries: int
-    hits: int
-    hit_blocks: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-class KVCacheManager:
+class KVCacheManager(EngineCalls):
     """Allocates, caches and frees every group's blocks for each request.
 
     :param kv_cache_config: the scheduler's view of the plan
@@ -267,18 +239,26 @@ class KVCacheManager:
 
     # -- lookups ----------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int]:
         """The request's prefix hit (blocks, tokens); the last prompt token is
-        always recomputed so the step yields logits."""
+        always recomputed so the step yields logits.  ``max_cache_hit_length``
+        bounds the hit further (a scheduler that must recompute from some
+        token on); the hit returned still ends on the hit alignment."""
         if not isinstance(request, Request):
             raise not_a_request(request)
+        bound = len(request.all_token_ids) - 1
+        if max_cache_hit_length is not None:
+            check_tokens(
+                "get_computed_blocks: max_cache_hit_length", max_cache_hit_length
+            )
+            bound = min(bound, max_cache_hit_length)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         coordinator = self.coordinator
         check_hashing(self, request)
-        blocks, length = coordinator.find_longest_cache_hit(
-            request.block_hashes, len(request.all_token_ids) - 1
-        )
+        blocks, length = coordinator.find_longest_cache_hit(request.block_hashes, bound)
         if coordinator.planning:
             request.shared_prefix_tokens = max(coordinator.last_shared_prefix, length)
         stats = self.prefix_cache_stats
@@ -321,7 +301,9 @@ class KVCacheManager:
             they count as computed: positions before them that a kind skips
             are not allocated.  Only when the request is admitted (it holds no
             blocks); ``num_new_tokens`` may then be 0 (a load that completes
-            in a later step).
+            in a later step).  With a prefix hit attached
+            (``num_new_computed_tokens``), ``num_new_tokens`` may be 0 too:
+            a chunk that only adopts the hit.
         :param num_encoder_tokens: encoder tokens for cross-attention groups.
             kvcore has no cross-attention kind, so a nonzero value is refused
             (reserving nothing would leave the encoder's KV without slots).
@@ -330,6 +312,15 @@ class KVCacheManager:
             ``max_model_len``) as well as this step, so chunked prefill does
             not admit a request whose later chunks cannot fit (see
             :meth:`can_fit_full_sequence`).
+        :param num_in_flight_tokens: tokens of ``request.num_computed_tokens``
+            that a step still in flight computes (asynchronous scheduling,
+            pipeline parallelism).  Blocks the request no longer reads are
+            released only below ``num_computed_tokens - num_in_flight_tokens``,
+            so none that an in-flight step reads returns to the pool; call
+            :meth:`remove_skipped_blocks` once the step has completed.
+        :param reserved_blocks: free blocks the step must leave free (for
+            other requests already in flight, or a watermark); the step is
+            refused when it would need them.
         :returns: the newly allocated blocks per group, or ``None`` when the
             pool cannot satisfy the step (nothing is changed then, the
             request's status included); on success the request's status is
@@ -343,6 +334,7 @@ class KVCacheManager:
         num_external_computed_tokens, full_sequence_must_fit = (
             check_engine_keywords(self, request, engine) if engine else (0, False)
         )
+        num_in_flight, reserved = check_step_limits(rid, engine) if engine else (0, 0)
         computed = checked_hit(
             self,
             request,
@@ -432,12 +424,14 @@ class KVCacheManager:
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
-        skipping = running and bool(coordinator.skipping) and num_computed > 0
-        free = self.block_pool.free_queue.num_free
+        # Released only below the tokens no step in flight still computes.
+        processed = num_computed - num_in_flight
+        skipping = running and bool(coordinator.skipping) and processed > 0
+        free = self.block_pool.free_queue.num_free - reserved
         shed = None
         if need > free and (
             not skipping
-            or need > free + coordinator.count_freeable_skipped(rid, num_computed)
+            or need > free + coordinator.count_freeable_skipped(rid, processed)
         ):
             # Checkpoints are optional: a step that fits without them runs
             # without them (the request gives up the states it would keep
@@ -455,8 +449,7 @@ class KVCacheManager:
                 need > free
                 and (
                     not skipping
-                    or need
-                    > free + coordinator.count_freeable_skipped(rid, num_computed)
+                    or need > free + coordinator.count_freeable_skipped(rid, processed)
                 )
             ):
                 if shed is not None:
@@ -467,7 +460,7 @@ class KVCacheManager:
         return self._run_step(
             request,
             held,
-            (running, skipping, attach, num_computed, num_tokens, cache_to),
+            (running, skipping, attach, processed, num_tokens, cache_to),
             sources,
             shed,
             request.num_computed_tokens + num_new_computed_tokens,
@@ -733,14 +726,6 @@ class KVCacheManager:
         held.status = RequestStatus.FINISHED
         if request is not held and isinstance(request, Request):
             request.status = RequestStatus.FINISHED
-
-    def _require_live(self, rid: str) -> None:
-        if rid not in self._requests:
-            msg = (
-                f"request {rid!r} holds no blocks: it was never allocated or was "
-                "already freed"
-            )
-            raise UnknownRequestError(msg)
 
     # -- block lists ------------------------------------------------------------
 

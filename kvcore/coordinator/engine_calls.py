@@ -1,0 +1,174 @@
+"""What an engine calls besides the step: deferred frees, releases and
+the prefix-hit statistics it reads per interval.
+
+Under asynchronous scheduling a step in flight may still read blocks the
+scheduler is done with; these calls let the engine hand blocks back to the
+pool only once the step reading them has completed, and drop cached
+content it knows is stale.  Each is a transaction: a manager that raises
+leaves the pool, the tables and the keys as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvcore.coordinator.block_pool import KVCacheBlock
+from kvcore.coordinator.checks import check_tokens, not_a_request, owned
+from kvcore.coordinator.request import Request, RequestStatus
+from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.block_pool import BlockPool
+    from kvcore.coordinator.coordinator import KVCacheCoordinator
+
+
+class PrefixCacheStats:
+    """Lookups since the last reset: requests, queried and hit tokens."""
+
+    __slots__ = ("hits", "queries", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class GroupPrefixCacheStats(NamedTuple):
+    """One group's view of the prefix-hit statistics (see
+    :meth:`KVCacheManager.group_prefix_cache_stats`)."""
+
+    group_id: int
+    kind: str
+    block_size: int
+    prefix_cacheable: bool
+    requests: int
+    queries: int
+    hits: int
+    hit_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class EngineCalls:
+    """The engine-contract calls of :class:`KVCacheManager` (a base class;
+    the manager supplies the pool, the coordinator and its live requests)."""
+
+    block_pool: BlockPool
+    coordinator: KVCacheCoordinator
+    _requests: dict[str, Request]
+    prefix_cache_stats: PrefixCacheStats
+
+    def _require_live(self, rid: str) -> None:
+        if rid not in self._requests:
+            msg = (
+                f"request {rid!r} holds no blocks: it was never allocated or was "
+                "already freed"
+            )
+            raise UnknownRequestError(msg)
+
+    def _guarded(self, call: Any, *args: Any) -> Any:
+        """Run ``call`` as a transaction: on failure the pool, the tables,
+        the keys and the managers' own state are put back."""
+        pool = self.block_pool
+        pool.begin()
+        try:
+            out = call(*args)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+        return out
+
+    def remove_skipped_blocks(self, request: Request | str, num_tokens: int) -> None:
+        """Release the blocks the request no longer reads below
+        ``num_tokens`` processed tokens (those no step in flight computes),
+        e.g. once an asynchronous step has completed; the positions become
+        the null block.  Releases nothing for plans with no window or
+        state group."""
+        rid = request if isinstance(request, str) else request.request_id
+        check_tokens(
+            f"remove_skipped_blocks for request {rid!r}: num_tokens", num_tokens
+        )
+        self._require_live(rid)
+        coordinator = self.coordinator
+        if not coordinator.skipping or not num_tokens:
+            return
+        self._guarded(coordinator.remove_skipped_blocks, rid, num_tokens)
+
+    def pop_blocks_for_free(self, request: Request | str) -> list[KVCacheBlock]:
+        """Finish the request (``FINISHED``, its id free for reuse) but keep
+        its blocks out of the pool: a step still in flight may read them.
+        Pass the list to :meth:`release_blocks` once that step completes;
+        until then no other request can be given them."""
+        if isinstance(request, str):
+            rid = request
+        elif isinstance(request, Request):
+            rid = request.request_id
+        else:
+            raise not_a_request(request)
+        self._require_live(rid)
+        held = self._requests[rid]
+        coordinator = self.coordinator
+        blocks: list[KVCacheBlock] = self._guarded(coordinator.pop_for_free, rid)
+        if coordinator.partial is not None:
+            coordinator.partial.forget(rid)
+        del self._requests[rid]
+        held.status = RequestStatus.FINISHED
+        if request is not held and isinstance(request, Request):
+            request.status = RequestStatus.FINISHED
+        return blocks
+
+    def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Return the blocks :meth:`pop_blocks_for_free` handed out to the
+        pool, each list once (tail first; cached prefixes stay cached).  A
+        block released twice is refused and nothing changes."""
+        given: object = blocks  # checked: engines pass anything
+        if not isinstance(given, (list, tuple)) or not all(
+            owned(self.block_pool.blocks, b) for b in given
+        ):
+            msg = (
+                "release_blocks: pass the list pop_blocks_for_free returned "
+                "(blocks of this manager's pool)"
+            )
+            raise KvcoreTypeError(msg)
+        self._guarded(self.block_pool.free_table, blocks)
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-hit statistics since the last call (or since the
+        manager was built, or its prefix cache reset), and start counting
+        afresh: an engine reads one interval's hit rate per call."""
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> int:
+        """Drop the prefix-cache key of each chosen block (content an engine
+        knows is stale, e.g. a failed load); returns how many keys went.  A
+        block in use stays with its holders, a free one is reused first; a
+        block without a key or the null block is passed over.  Ids outside
+        the pool are refused before anything changes."""
+        pool = self.block_pool
+        ids = list(dict.fromkeys(block_ids))
+        bad = [b for b in ids if type(b) is not int or not 0 <= b < pool.num_blocks]
+        if bad:
+            msg = (
+                f"evict_blocks: block ids {bad[:5]} are not blocks of this pool "
+                f"(0 to {pool.num_blocks - 1}); pass ids the manager handed out"
+            )
+            raise InvalidRequestError(msg)
+        blocks = pool.blocks
+        before = pool.evictions
+
+        def drop() -> None:
+            for bid in ids:
+                pool.drop_from_cache(blocks[bid])
+
+        self._guarded(drop)
+        return pool.evictions - before

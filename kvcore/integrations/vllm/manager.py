@@ -1,0 +1,655 @@
+"""The KV-cache manager vLLM's scheduler uses as its own, on kvcore.
+
+vLLM's types go in and out: the scheduler's ``Request`` (read where it is:
+ids, block hashes, token counts; nothing is copied per request), vLLM's
+``KVCacheBlocks`` and ``PrefixCacheStats``.  kvcore's coordinator owns the
+blocks, the prefix cache and every group's table.
+
+Blocks are released on a processed-tokens basis: what a running request no
+longer reads is released at ``num_computed_tokens - num_in_flight_tokens``
+(or when the scheduler calls :meth:`KVCacheManager.remove_skipped_blocks`
+with its processed count), never on tokens a step in flight still computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.errors import InvalidRequestError
+from kvcore.integrations.vllm.specs import to_kvcore_config
+from kvcore.registry import default_registry
+
+__all__ = ["KVCacheManager"]
+
+
+class _FreeQueueView:
+    """vLLM's ``free_block_queue`` counters over kvcore's free queue."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.free_queue.num_free
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        return self._pool.free_queue.get_all_free_blocks()
+
+
+class BlockPoolView:
+    """The block-pool calls vLLM's scheduler makes (deferred frees, counts,
+    evictions), each one kvcore transaction."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.hash_block_size = pool.hash_block_size
+        self.null_block = pool.null_block
+        self.num_gpu_blocks = pool.num_blocks
+        self.free_block_queue = _FreeQueueView(pool)
+        self.blocks = pool.blocks
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block, tail first as given (vLLM's
+        deferred frees, once the step that read them has completed)."""
+        pool = self.pool
+        pool.begin()
+        try:
+            pool.free_blocks(list(ordered_blocks))
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """``num_blocks`` free blocks, each with one reference."""
+        pool = self.pool
+        pool.begin()
+        try:
+            blocks = pool.get_new_blocks(num_blocks)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+        return blocks
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the prefix-cache key of each block (a block in use stays with
+        its holders; a free one is reused first)."""
+        pool = self.pool
+        pool.begin()
+        for bid in sorted(block_ids):
+            if 0 <= bid < len(pool.blocks):
+                pool.drop_from_cache(pool.blocks[bid])
+        pool.commit()
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per group for ``block_hash``, or None."""
+        return self.pool.get_cached_block(block_hash, kv_cache_group_ids)
+
+    def get_num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def get_usage(self) -> float:
+        return self.pool.get_usage()
+
+    def take_events(self) -> list[Any]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+
+class _ManagerView:
+    """What vLLM's scheduler (and its tests) read of one group's manager:
+    its group, block size and vLLM spec, and the request tables, which are
+    kvcore's own (the null block at positions a request no longer reads)."""
+
+    def __init__(self, manager: Any, spec: Any, pool: BlockPoolView) -> None:
+        self.kv_cache_group_id = manager.kv_cache_group_id
+        self.block_size = manager.block_size
+        self.kv_cache_spec = spec
+        self.block_pool = pool
+        self.req_to_blocks = manager.req_to_blocks
+        self.num_cached_block = manager.num_cached_block
+        self._null_block = pool.null_block
+
+
+class CoordinatorView:
+    """The coordinator calls vLLM's scheduler makes directly."""
+
+    enable_partial_hash_hits = False
+
+    def __init__(self, owner: KVCacheManager, vllm_config: Any) -> None:
+        self._owner = owner
+        self.coordinator = owner.kvcore
+        self.single_type_managers = tuple(
+            _ManagerView(manager, vllm_group.kv_cache_spec, owner.block_pool)
+            for manager, vllm_group in zip(
+                owner.kvcore.single_type_managers,
+                vllm_config.kv_cache_groups,
+                strict=True,
+            )
+        )
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        **_: Any,
+    ) -> int:
+        return self._owner._blocks_needed(request_id, num_tokens, new_computed_blocks)
+
+
+def _to_vllm_events(events: list[Any], config: Any) -> list[Any]:
+    from vllm.distributed import kv_events as ev
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    from kvcore.coordinator import events as kv
+
+    groups = config.kv_cache_groups
+    out: list[Any] = []
+    for event in events:
+        if isinstance(event, kv.BlockStored):
+            spec = groups[event.group_id].kv_cache_spec
+            out.append(
+                ev.BlockStored(
+                    block_hashes=[ext(h) for h in event.block_hashes],
+                    parent_block_hash=None
+                    if event.parent_block_hash is None
+                    else ext(event.parent_block_hash),
+                    token_ids=list(event.token_ids),
+                    block_size=event.block_size,
+                    lora_id=None,
+                    medium=event.medium,
+                    lora_name=None,
+                    group_idx=event.group_id,
+                    kv_cache_spec_kind=get_kv_cache_spec_kind(spec).value,
+                    kv_cache_spec_sliding_window=get_kv_cache_spec_sliding_window(spec),
+                )
+            )
+        elif isinstance(event, kv.BlockRemoved):
+            out.append(
+                ev.BlockRemoved(
+                    block_hashes=[ext(h) for h in event.block_hashes],
+                    medium=event.medium,
+                    group_idx=event.group_id,
+                )
+            )
+        else:
+            out.append(ev.AllBlocksCleared())
+    return out
+
+
+class KVCacheManager:
+    """vLLM 0.33's ``KVCacheManager``, on kvcore (same constructor)."""
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
+        if pcp_world_size != 1:
+            msg = (
+                "kvcore.integrations.vllm: prefill context parallelism "
+                f"(pcp_world_size={pcp_world_size}) is not supported; unset "
+                "KVCORE_VLLM or run with pcp_world_size=1"
+            )
+            raise InvalidRequestError(msg)
+        if watermark < 0:
+            msg = f"KVCacheManager: watermark must be non-negative, got {watermark}"
+            raise InvalidRequestError(msg)
+        self._blocks_cls = KVCacheBlocks
+        self._stats_cls = PrefixCacheStats
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.kv_cache_config = kv_cache_config
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.kvcore = KVCacheCoordinator(
+            to_kvcore_config(
+                kv_cache_config,
+                scheduler_block_size=scheduler_block_size,
+                hash_block_size=hash_block_size,
+                max_model_len=max_model_len,
+                enable_caching=enable_caching,
+            ),
+            max_model_len=max_model_len,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            scheduler_block_size=scheduler_block_size,
+            registry=default_registry(),
+            dcp=dcp_world_size,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+            enable_partial_hits=False,
+        )
+        self.block_pool = BlockPoolView(self.kvcore.block_pool)
+        self.coordinator = CoordinatorView(self, kv_cache_config)
+        self.mamba_shared_prefix_checkpoint = False
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
+        #: Ids of the requests that hold blocks.
+        self._live: set[str] = set()
+        # vLLM's workers zero new blocks of attention groups (not rings)
+        # when the config asks; the scheduler drains their ids each step.
+        from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
+
+        self._zeroed_groups: tuple[int, ...] = (
+            tuple(
+                gid
+                for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+                if isinstance(group.kv_cache_spec, AttentionSpec)
+                and not isinstance(group.kv_cache_spec, CircularBufferSpec)
+            )
+            if getattr(kv_cache_config, "needs_kv_cache_zeroing", False)
+            else ()
+        )
+        self._new_block_ids: list[int] = []
+
+    # -- stats ------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.kvcore.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> Any:
+        """The prefix-cache stats since the last call (then reset)."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._stats_cls()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    # -- lookups ----------------------------------------------------------------
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[Any, int, int]:
+        """The prefix hit: (blocks, tokens, shared-prefix boundary, always 0)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, length = self.kvcore.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
+        )
+        if not length:
+            return self.empty_kv_cache_blocks, 0, 0
+        return self._blocks_cls(blocks), length, 0
+
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[Any, int, int, bool]:
+        # kvcore's hit is one length every group serves: never diverging.
+        return *self.get_computed_blocks(request, max_cache_hit_length), False
+
+    # -- allocation -------------------------------------------------------------
+
+    def _blocks_needed(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hit: Sequence[Sequence[KVCacheBlock]],
+        num_computed: int = 0,
+    ) -> int:
+        coordinator = self.kvcore
+        if request_id in self._live and not any(hit):
+            return coordinator.get_num_blocks_to_grow(request_id, num_tokens)
+        attach = coordinator.admission_blocks(hit, num_computed)
+        return coordinator.get_num_blocks_to_allocate(request_id, num_tokens, attach)
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
+        """Slots for ``num_new_tokens`` more tokens (vLLM's contract), or
+        None when the free blocks, less ``reserved_blocks`` and the
+        watermark, cannot hold them (nothing changes then)."""
+        from vllm.v1.request import RequestStatus
+
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
+            msg = (
+                f"allocate_slots for request {request.request_id!r}: no new "
+                "tokens and no computed tokens to adopt"
+            )
+            raise InvalidRequestError(msg)
+        if num_encoder_tokens:
+            msg = (
+                f"allocate_slots for request {request.request_id!r}: "
+                f"{num_encoder_tokens} encoder tokens, but kvcore has no "
+                "cross-attention kind for vLLM yet; unset KVCORE_VLLM for "
+                "encoder-decoder models"
+            )
+            raise InvalidRequestError(msg)
+        coordinator = self.kvcore
+        pool = coordinator.block_pool
+        rid = request.request_id
+        hit = (
+            new_computed_blocks.blocks
+            if new_computed_blocks is not None
+            else self.empty_kv_cache_blocks.blocks
+        )
+        has_hit = any(hit)
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total = min(num_local + num_external_computed_tokens, self.max_model_len)
+        watermark = 0
+        if has_scheduled_reqs and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        ):
+            watermark = self.watermark_blocks
+        running = rid in self._live and not has_hit and not num_external_computed_tokens
+        attach: tuple[list[KVCacheBlock], ...] = ()
+        if not running:
+            attach = coordinator.admission_blocks(hit, total)
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            need_full = (
+                coordinator.get_num_blocks_to_grow(rid, full)
+                if running
+                else coordinator.get_num_blocks_to_allocate(rid, full, attach)
+            )
+            if need_full + watermark > pool.get_num_free_blocks():
+                return None
+        num_main = total + num_new_tokens
+        num_slots = min(num_main + num_lookahead_tokens, self.max_model_len)
+        # Only what no step in flight reads: the processed tokens.
+        processed = max(0, total - request.num_in_flight_tokens)
+        if running and coordinator.skipping and processed:
+            pool.begin()
+            coordinator.remove_skipped_blocks(rid, processed)
+            pool.commit()
+        need = (
+            coordinator.get_num_blocks_to_grow(rid, num_slots)
+            if running
+            else coordinator.get_num_blocks_to_allocate(rid, num_slots, attach)
+        )
+        if need + watermark > pool.get_num_free_blocks() - reserved_blocks:
+            return None
+        cache_to = -1
+        if self.enable_caching and not delay_cache_blocks:
+            cache_to = min(num_main, request.num_tokens)
+        before = self._held_ids(rid, hit) if self._zeroed_groups else None
+        pool.begin()
+        try:
+            if running:
+                new = coordinator.grow(rid, num_slots)
+            else:
+                coordinator.add_computed_blocks(rid, attach)
+                new = coordinator.allocate_new_blocks(rid, num_slots)
+            if cache_to >= 0:
+                coordinator.cache_blocks(request, cache_to)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+        self._live.add(rid)
+        if before is not None:
+            self._record_zeroing(rid, before, total, skip_zeroing_group_ids)
+        if new is None or not any(new):
+            return self.empty_kv_cache_blocks
+        return self._blocks_cls(new)
+
+    def _held_ids(
+        self, rid: str, hit: Sequence[Sequence[KVCacheBlock]]
+    ) -> list[set[int]]:
+        """Per zeroed group, the blocks the request holds or attaches now."""
+        managers = self.kvcore.single_type_managers
+        out = []
+        for gid in self._zeroed_groups:
+            ids = {b.block_id for b in managers[gid].req_to_blocks.get(rid, ())}
+            ids.update(b.block_id for b in hit[gid])
+            out.append(ids)
+        return out
+
+    def _record_zeroing(
+        self, rid: str, before: list[set[int]], total: int, skip: tuple[int, ...]
+    ) -> None:
+        """Record the step's fresh blocks for zeroing; a group a KV load
+        fills (``skip``) keeps its blocks below ``total`` tokens unzeroed."""
+        managers = self.kvcore.single_type_managers
+        for gid, held in zip(self._zeroed_groups, before, strict=True):
+            manager = managers[gid]
+            loaded_to = -(-total // manager.block_size) if gid in skip else 0
+            for pos, block in enumerate(manager.req_to_blocks.get(rid, ())):
+                if block.is_null or block.block_id in held or pos < loaded_to:
+                    continue
+                self._new_block_ids.append(block.block_id)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if self.enable_caching and request.request_id in self._live:
+            pool = self.kvcore.block_pool
+            pool.begin()
+            try:
+                self.kvcore.cache_blocks(request, num_computed_tokens)
+            except BaseException:
+                pool.rollback()
+                raise
+            pool.commit()
+
+    def free(self, request: Any) -> None:
+        rid = request.request_id
+        if rid not in self._live:
+            return
+        pool = self.kvcore.block_pool
+        pool.begin()
+        try:
+            self.kvcore.free(rid)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+        self._live.discard(rid)
+
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
+        """The request's blocks, released from its tables but still held:
+        the scheduler frees them (tail first) once no step in flight reads
+        them."""
+        rid = request.request_id
+        if rid not in self._live:
+            return []
+        out: list[KVCacheBlock] = []
+        for manager in self.kvcore.single_type_managers:
+            out += manager.pop_blocks(rid) or ()
+        self._live.discard(rid)
+        return out
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Release what the request no longer reads below the processed
+        tokens (those no step in flight computes)."""
+        coordinator = self.kvcore
+        if request_id not in self._live or not coordinator.skipping:
+            return
+        pool = coordinator.block_pool
+        pool.begin()
+        try:
+            coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.kvcore.block_pool.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            assert self.prefix_cache_stats is not None
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def take_events(self) -> list[Any]:
+        """The KV-cache events since the last call, as vLLM's event types
+        (hashes in vLLM's external form, each stored block's group kind and
+        window as vLLM names them)."""
+        events = self.kvcore.block_pool.take_events()
+        if not events:
+            return []
+        return _to_vllm_events(events, self.kv_cache_config)
+
+    # -- block lists ------------------------------------------------------------
+
+    def get_blocks(self, request_id: str) -> Any:
+        if request_id not in self._live:
+            return self.empty_kv_cache_blocks
+        return self.create_kv_cache_blocks(self.kvcore.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()  # type: ignore[no-any-return]
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        ids = self.get_block_ids(request_id)
+        return tuple(
+            group[: -(-num_computed_tokens // manager.block_size)]
+            if manager.position_indexed
+            else group
+            for group, manager in zip(
+                ids, self.kvcore.single_type_managers, strict=True
+            )
+        )
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Tokens of the request's table that hold a prefix-cache key, the
+        least over cacheable groups."""
+        if request.request_id not in self._live:
+            return 0
+        least: int | None = None
+        for manager, blocks in zip(
+            self.kvcore.single_type_managers,
+            self.kvcore.get_blocks(request.request_id),
+            strict=True,
+        ):
+            if not manager.caching:
+                continue
+            keyed = 0
+            for i, block in enumerate(blocks):
+                if block.key_hash is not None:
+                    keyed = (i + 1) * manager.block_size
+            least = keyed if least is None else min(least, keyed)
+        return least or 0
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> Any:
+        return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        out = [
+            list(group)
+            if not manager.caching
+            else manager.truncate_hit(list(group), num_computed_tokens)
+            for group, manager in zip(
+                blocks.blocks, self.kvcore.single_type_managers, strict=True
+            )
+        ]
+        return self.create_kv_cache_blocks(tuple(out))
+
+    # -- engine hooks kvcore has nothing for yet --------------------------------
+
+    def take_new_block_ids(self) -> list[int]:
+        """The ids of blocks to zero since the last call (drained)."""
+        ids = self._new_block_ids
+        self._new_block_ids = []
+        return ids
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Zero the request's blocks from ``start_token`` on again (a failed
+        load left them unwritten)."""
+        if request_id not in self._live:
+            return
+        managers = self.kvcore.single_type_managers
+        for gid in self._zeroed_groups:
+            manager = managers[gid]
+            start = start_token // manager.block_size
+            self._new_block_ids.extend(
+                b.block_id
+                for b in manager.req_to_blocks[request_id][start:]
+                if not b.is_null
+            )
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def finalize_partial_tail_offloads(
+        self, request: Any
+    ) -> list[tuple[int, int, int]]:
+        return []
+
+    def new_step_starts(self) -> None:
+        return None

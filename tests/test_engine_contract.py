@@ -1,0 +1,234 @@
+"""The engine contract's newer pieces, engine-neutral (docs/coordinator.md,
+"The engine contract"): prefix-hit statistics read per interval, releases on
+a processed-tokens basis under asynchronous scheduling, a reserved-blocks
+floor, evicting chosen cached blocks and admitting a hit with no new tokens.
+
+Block ids come from the free queue, which starts in id order with block 0
+taken out as the null block; within a step groups allocate in group order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import coordinator_setup as setup
+import pytest
+
+from kvcore.coordinator import KVCacheManager, Request, RequestStatus
+from kvcore.errors import InvalidRequestError, UnknownRequestError
+
+
+def manager(
+    specs: Sequence[object], num_blocks: int, *, max_model_len: int = 64, **kw: Any
+) -> KVCacheManager:
+    return setup.manager_for(
+        specs,
+        num_blocks,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        max_model_len=max_model_len,
+        **kw,
+    )
+
+
+def req(rid: str, tokens: Sequence[int]) -> Request:
+    return Request(rid, list(tokens), hash_block_size=4)
+
+
+# -- prefix-hit statistics per interval ------------------------------------------
+
+
+def test_take_prefix_cache_stats_reads_one_interval_and_resets() -> None:
+    mgr = manager([setup.fa(4)], 20)
+    a = req("A", range(1, 10))
+    mgr.get_computed_blocks(a)
+    assert mgr.allocate_slots(a, 9) is not None
+    # B shares A's two full blocks: 8 of its 9 tokens hit.
+    mgr.get_computed_blocks(req("B", range(1, 10)))
+    first = mgr.take_prefix_cache_stats()
+    assert (first.requests, first.queries, first.hits) == (2, 18, 8)
+    assert first.hit_rate == 8 / 18
+    # The next interval starts at zero and counts only its own lookups.
+    empty = mgr.take_prefix_cache_stats()
+    assert (empty.requests, empty.queries, empty.hits) == (0, 0, 0)
+    mgr.get_computed_blocks(req("C", range(1, 6)))
+    second = mgr.take_prefix_cache_stats()
+    assert (second.requests, second.queries, second.hits) == (1, 5, 4)
+    assert mgr.prefix_cache_stats.requests == 0
+
+
+# -- releases on a processed-tokens basis -------------------------------------------
+
+
+def _prefilled_window_request() -> tuple[KVCacheManager, Request]:
+    """A window-8 group of 4-token blocks; A's 20-token prefill holds blocks
+    1-5 and its first output token is scheduled next."""
+    mgr = manager([setup.sw(4, 8)], 20)
+    a = req("A", range(1, 21))
+    assert mgr.allocate_slots(a, 20) is not None
+    a.num_computed_tokens = 20
+    a.append_output_token_ids(7)
+    return mgr, a
+
+
+def test_synchronous_step_releases_blocks_out_of_the_window() -> None:
+    mgr, a = _prefilled_window_request()
+    out = mgr.allocate_slots(a, 1)
+    assert out is not None
+    assert out.get_block_ids() == ([6],)
+    # Token 20 reads tokens 13-20: blocks 1-3 (tokens 0-11) go back.
+    assert mgr.get_block_ids("A") == ([0, 0, 0, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 16
+
+
+def test_no_block_an_in_flight_step_reads_is_released() -> None:
+    mgr, a = _prefilled_window_request()
+    # Asynchronous scheduling: the decode step is scheduled while the
+    # prefill (all 20 computed tokens) is still in flight and reads blocks 1-5.
+    out = mgr.allocate_slots(a, 1, num_in_flight_tokens=20)
+    assert out is not None
+    assert out.get_block_ids() == ([6],)
+    assert mgr.get_block_ids("A") == ([1, 2, 3, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 13
+    # The prefill completes: the engine releases on what is processed now.
+    mgr.remove_skipped_blocks(a, 20)
+    assert mgr.get_block_ids("A") == ([0, 0, 0, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 16
+
+
+def test_in_flight_tokens_release_only_below_the_processed_tokens() -> None:
+    mgr, a = _prefilled_window_request()
+    # 8 of the 20 tokens still in flight: 12 processed, token 12 reads
+    # tokens 5-12, so only block 1 (tokens 0-3) is unread.
+    out = mgr.allocate_slots(a, 1, num_in_flight_tokens=8)
+    assert out is not None
+    assert mgr.get_block_ids("A") == ([0, 2, 3, 4, 5, 6],)
+    assert mgr.get_num_free_blocks() == 14
+
+
+def test_remove_skipped_blocks_checks_its_request_and_count() -> None:
+    mgr, a = _prefilled_window_request()
+    with pytest.raises(UnknownRequestError, match="'B' holds no blocks"):
+        mgr.remove_skipped_blocks("B", 4)
+    with pytest.raises(InvalidRequestError, match="num_tokens must be a non-negative"):
+        mgr.remove_skipped_blocks(a, -1)
+    with pytest.raises(InvalidRequestError, match="num_in_flight_tokens must be"):
+        mgr.allocate_slots(a, 1, num_in_flight_tokens=-1)
+    assert mgr.get_block_ids("A") == ([1, 2, 3, 4, 5],)
+
+
+# -- reserved blocks ------------------------------------------------------------------
+
+
+def test_reserved_blocks_stay_free() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    # 9 usable blocks; A needs 3 (12 tokens).
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12, reserved_blocks=7) is None
+    assert mgr.get_num_free_blocks() == 9
+    with pytest.raises(UnknownRequestError):
+        mgr.get_block_ids("A")
+    out = mgr.allocate_slots(a, 12, reserved_blocks=6)
+    assert out is not None
+    assert out.get_block_ids() == ([1, 2, 3],)
+    assert mgr.get_num_free_blocks() == 6
+
+
+# -- evicting chosen cached blocks ------------------------------------------------
+
+
+def test_evict_blocks_drops_the_chosen_keys_only() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12) is not None
+    mgr.free(a)
+    # Blocks 1-3 hold A's three full blocks; B's lookup hits 8 of 12 tokens.
+    assert mgr.get_computed_blocks(req("B", range(1, 13)))[1] == 8
+    # Block 2 (tokens 4-7) is stale: the hit now stops before it.
+    assert mgr.evict_blocks({2, 0}) == 1
+    blocks, hit = mgr.get_computed_blocks(req("C", range(1, 13)))
+    assert (blocks.get_block_ids(), hit) == (([1],), 4)
+    # A block without a key (evicted already) is passed over.
+    assert mgr.evict_blocks([2]) == 0
+    assert mgr.get_num_free_blocks() == 9
+
+
+def test_evict_blocks_refuses_ids_outside_the_pool() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 9))
+    assert mgr.allocate_slots(a, 8) is not None
+    with pytest.raises(InvalidRequestError, match=r"block ids \[10\] are not blocks"):
+        mgr.evict_blocks([1, 10])
+    # Nothing changed: block 1 still serves the hit.
+    assert mgr.get_computed_blocks(req("B", range(1, 10)))[1] == 8
+
+
+# -- admitting a hit with no new tokens ---------------------------------------------
+
+
+def test_a_hit_is_admitted_with_no_new_tokens() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12) is not None
+    b = req("B", range(1, 13))
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8
+    # A chunk that only adopts the hit: no slot of its own.
+    out = mgr.allocate_slots(b, 0, num_hit, hit)
+    assert out is not None
+    assert out.get_block_ids() == ([],)
+    assert mgr.get_block_ids("B") == ([1, 2],)
+    assert mgr.get_num_free_blocks() == 6
+    # The next chunk computes the rest.
+    b.num_computed_tokens = 8
+    out = mgr.allocate_slots(b, 4)
+    assert out is not None
+    assert out.get_block_ids() == ([4],)
+    # Without a hit, zero new tokens is still refused.
+    with pytest.raises(InvalidRequestError, match="asks for 0 new tokens"):
+        mgr.allocate_slots(req("C", range(50, 60)), 0)
+
+
+# -- deferred frees -------------------------------------------------------------------
+
+
+def test_deferred_free_holds_blocks_until_released() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 13))
+    assert mgr.allocate_slots(a, 12) is not None
+    # A finishes while the step that computed it is still in flight.
+    blocks = mgr.pop_blocks_for_free(a)
+    assert [b.block_id for b in blocks] == [1, 2, 3]
+    assert a.status is RequestStatus.FINISHED
+    assert mgr.get_num_free_blocks() == 6
+    # Nobody is given A's blocks meanwhile: B takes the other six only.
+    b = req("B", range(100, 125))
+    assert mgr.allocate_slots(b, 25) is None
+    out = mgr.allocate_slots(b, 24)
+    assert out is not None
+    assert set(out.get_block_ids()[0]).isdisjoint({1, 2, 3})
+    mgr.free(b)
+    # The step completes: the blocks come back, A's prefix still cached.
+    mgr.release_blocks(blocks)
+    assert mgr.get_num_free_blocks() == 9
+    assert mgr.get_computed_blocks(req("C", range(1, 13)))[1] == 8
+    with pytest.raises(InvalidRequestError):
+        mgr.release_blocks(blocks)
+    assert mgr.get_num_free_blocks() == 9
+
+
+# -- bounded lookups ------------------------------------------------------------------
+
+
+def test_lookup_bounded_by_a_maximum_hit_length() -> None:
+    mgr = manager([setup.fa(4)], 10)
+    a = req("A", range(1, 14))
+    assert mgr.allocate_slots(a, 13) is not None
+    assert mgr.get_computed_blocks(req("B", range(1, 14)))[1] == 12
+    # Bounded at 10 tokens: the hit ends on the block boundary below it.
+    blocks, hit = mgr.get_computed_blocks(req("C", range(1, 14)), 10)
+    assert (blocks.get_block_ids(), hit) == (([1, 2],), 8)
+    assert mgr.get_computed_blocks(req("D", range(1, 14)), 0)[1] == 0
+    with pytest.raises(InvalidRequestError, match="max_cache_hit_length must be"):
+        mgr.get_computed_blocks(req("E", range(1, 14)), -1)
