@@ -65,13 +65,16 @@ class EngineCalls:
     _requests: dict[str, Request]
     prefix_cache_stats: PrefixCacheStats
 
-    def _require_live(self, rid: str) -> None:
-        if rid not in self._requests:
+    def _require_live(self, rid: str) -> Request:
+        """The live request of this id (it holds blocks), or a clear error."""
+        held = self._requests.get(rid)
+        if held is None:
             msg = (
                 f"request {rid!r} holds no blocks: it was never allocated or was "
                 "already freed"
             )
             raise UnknownRequestError(msg)
+        return held
 
     def _guarded(self, call: Any, *args: Any) -> Any:
         """Run ``call`` as a transaction: on failure the pool, the tables,
@@ -92,7 +95,7 @@ class EngineCalls:
         e.g. once an asynchronous step has completed; the positions become
         the null block.  Releases nothing for plans with no window or
         state group."""
-        rid = request if isinstance(request, str) else request.request_id
+        rid = _request_id(request)
         check_tokens(
             f"remove_skipped_blocks for request {rid!r}: num_tokens", num_tokens
         )
@@ -107,23 +110,25 @@ class EngineCalls:
         its blocks out of the pool: a step still in flight may read them.
         Pass the list to :meth:`release_blocks` once that step completes;
         until then no other request can be given them."""
-        if isinstance(request, str):
-            rid = request
-        elif isinstance(request, Request):
-            rid = request.request_id
-        else:
-            raise not_a_request(request)
-        self._require_live(rid)
-        held = self._requests[rid]
+        blocks: list[KVCacheBlock] = self._finish(
+            request, self.coordinator.pop_for_free
+        )
+        return blocks
+
+    def _finish(self, request: Request | str, call: Any) -> Any:
+        """Run ``call(request_id)`` as a transaction, then forget the request
+        and mark it ``FINISHED``; returns what ``call`` returned."""
+        rid = _request_id(request)
+        held = self._requests.get(rid) or self._require_live(rid)
+        out = self._guarded(call, rid)
         coordinator = self.coordinator
-        blocks: list[KVCacheBlock] = self._guarded(coordinator.pop_for_free, rid)
         if coordinator.partial is not None:
             coordinator.partial.forget(rid)
         del self._requests[rid]
         held.status = RequestStatus.FINISHED
         if request is not held and isinstance(request, Request):
             request.status = RequestStatus.FINISHED
-        return blocks
+        return out
 
     def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Return the blocks :meth:`pop_blocks_for_free` handed out to the
@@ -172,3 +177,12 @@ class EngineCalls:
 
         self._guarded(drop)
         return pool.evictions - before
+
+
+def _request_id(request: object) -> str:
+    """The id of a request given as a :class:`Request` or as its id."""
+    if isinstance(request, str):
+        return request
+    if isinstance(request, Request):
+        return request.request_id
+    raise not_a_request(request)

@@ -698,34 +698,7 @@ class KVCacheManager(EngineCalls):
     def free(self, request: Request | str) -> None:
         """Release every block the request holds (tail blocks evicted first)
         and mark the request ``FINISHED``."""
-        if isinstance(request, str):
-            rid = request
-        elif isinstance(request, Request):
-            rid = request.request_id
-        else:
-            raise not_a_request(request)
-        requests = self._requests
-        held = requests.get(rid)
-        if held is None:
-            self._require_live(rid)
-        coordinator = self.coordinator
-        pool = self.block_pool
-        pool.begin()
-        try:
-            coordinator.free(rid)
-        except BaseException:
-            # A manager that raised is reported as a PluginError naming it
-            # (see KVCacheCoordinator.plugin_error); the step is undone first.
-            pool.rollback()
-            raise
-        pool.commit()
-        if coordinator.partial is not None:
-            coordinator.partial.forget(rid)
-        del requests[rid]
-        assert held is not None
-        held.status = RequestStatus.FINISHED
-        if request is not held and isinstance(request, Request):
-            request.status = RequestStatus.FINISHED
+        self._finish(request, self.coordinator.free)
 
     # -- block lists ------------------------------------------------------------
 
