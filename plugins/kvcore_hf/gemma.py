@@ -39,6 +39,7 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -50,18 +51,10 @@ from kvcore_hf.mapping import ModelConfig, ModelMapper
 __all__ = ["MAPPERS", "Gemma2", "Gemma3"]
 
 
+@declared("gemma2")
 class Gemma2(ModelMapper):
-    name: ClassVar[str] = "gemma2"
     #: The transformers class whose defaults apply to fields left out.
     config_class: ClassVar[str] = "Gemma2Config"
-    architectures: ClassVar[tuple[str, ...]] = ("Gemma2ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("gemma2",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/gemma2/configuration_gemma2.py "
-        "(default layer_types: sliding on even layers)",
-        "github.com/google/gemma_pytorch gemma/config.py (Gemma 2 attn_types "
-        "[LOCAL, GLOBAL], sliding_window_size)",
-    )
 
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
@@ -85,22 +78,9 @@ class Gemma2(ModelMapper):
         return SLIDING_ATTENTION if index % 2 == 0 else FULL_ATTENTION
 
 
+@declared("gemma3")
 class Gemma3(Gemma2):
-    name: ClassVar[str] = "gemma3"
     config_class: ClassVar[str] = "Gemma3TextConfig"
-    architectures: ClassVar[tuple[str, ...]] = (
-        "Gemma3ForConditionalGeneration",
-        "Gemma3ForCausalLM",
-    )
-    model_types: ClassVar[tuple[str, ...]] = ("gemma3", "gemma3_text")
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/gemma3/configuration_gemma3.py "
-        "(sliding_window_pattern default 6; default layer_types: global when "
-        "(i + 1) % pattern == 0)",
-        "github.com/google/gemma_pytorch gemma/config.py and gemma/gemma3_model.py "
-        "(attn_types[i % len(attn_types)]: five local, one global)",
-        "vllm model_executor/models/gemma3.py (sliding-window cache on local layers)",
-    )
 
     def _default(self, config: ModelConfig, index: int) -> str:
         pattern = config.positive("sliding_window_pattern", default=6)

@@ -23,10 +23,9 @@ reference ``gpt_oss/torch/model.py`` (``sliding_window`` on even layers).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -39,19 +38,8 @@ from kvcore_hf.mapping import ModelConfig, ModelMapper
 __all__ = ["MAPPERS", "GptOss"]
 
 
+@declared("gpt_oss")
 class GptOss(ModelMapper):
-    name: ClassVar[str] = "gpt_oss"
-    architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("gpt_oss",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py "
-        "(default layer_types: sliding on even layers)",
-        "transformers src/transformers/models/gpt_oss/modeling_gpt_oss.py "
-        "(window on sliding_attention layers; sinks are a weight)",
-        "github.com/openai/gpt-oss gpt_oss/torch/model.py (sliding_window if "
-        "layer_idx % 2 == 0)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
