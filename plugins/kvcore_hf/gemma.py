@@ -37,13 +37,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import attrs
+
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    attention_by_type,
+    ClassDefaults,
     num_layers,
 )
 from kvcore_hf.mapping import ModelConfig, ModelMapper
@@ -53,8 +55,10 @@ __all__ = ["MAPPERS", "Gemma2", "Gemma3"]
 
 @declared("gemma2")
 class Gemma2(ModelMapper):
-    #: The transformers class whose defaults apply to fields left out.
-    config_class: ClassVar[str] = "Gemma2Config"
+    #: The transformers class's defaults for the fields a file leaves out.
+    defaults: ClassVar[ClassDefaults] = ClassDefaults(
+        "Gemma2Config", sliding_window=4096, num_kv_heads=4, head_dim=256
+    )
 
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
@@ -64,14 +68,7 @@ class Gemma2(ModelMapper):
             types = config.layer_types("layer_types", n)
         else:
             types = [self._default(config, i) for i in range(n)]
-        rule = f"{self.config_class}'s default"
-        return attention_by_type(
-            config,
-            types,
-            config.default("sliding_window", 4096, rule),
-            num_kv_heads=config.default("num_key_value_heads", 4, rule),
-            head_size=config.default("head_dim", 256, rule),
-        )
+        return self.defaults.attention_by_type(config, types)
 
     def _default(self, config: ModelConfig, index: int) -> str:
         """Layer ``index``'s type when the file gives no ``layer_types``."""
@@ -80,7 +77,9 @@ class Gemma2(ModelMapper):
 
 @declared("gemma3")
 class Gemma3(Gemma2):
-    config_class: ClassVar[str] = "Gemma3TextConfig"
+    defaults: ClassVar[ClassDefaults] = attrs.evolve(
+        Gemma2.defaults, owner="Gemma3TextConfig"
+    )
 
     def _default(self, config: ModelConfig, index: int) -> str:
         pattern = config.positive("sliding_window_pattern", default=6)

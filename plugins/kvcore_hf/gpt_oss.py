@@ -29,13 +29,18 @@ from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    attention_by_type,
+    ClassDefaults,
     layer_types_or,
     num_layers,
 )
 from kvcore_hf.mapping import ModelConfig, ModelMapper
 
 __all__ = ["MAPPERS", "GptOss"]
+
+#: ``GptOssConfig``'s defaults for the fields a file leaves out.
+DEFAULTS = ClassDefaults(
+    "GptOssConfig", sliding_window=128, num_kv_heads=8, head_dim=64
+)
 
 
 @declared("gpt_oss")
@@ -47,14 +52,7 @@ class GptOss(ModelMapper):
         types = layer_types_or(
             config, n, lambda i: SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
         )
-        rule = "GptOssConfig's default"
-        return attention_by_type(
-            config,
-            types,
-            config.default("sliding_window", 128, rule),
-            num_kv_heads=config.default("num_key_value_heads", 8, rule),
-            head_size=config.default("head_dim", 64, rule),
-        )
+        return DEFAULTS.attention_by_type(config, types)
 
 
 MAPPERS = (GptOss(),)
