@@ -2,7 +2,8 @@
 layer specs, one module per architecture family.
 
 Each module documents the ``config.json`` fields it reads and the public
-source of every rule it applies.  Mappers produce one unsharded model;
+source of every rule it applies; each mapper's name, architectures, model
+types and sources are its entry of ``mappers.toml`` (:mod:`kvcore_hf.catalog`).  Mappers produce one unsharded model;
 kvcore applies the serving choices (cache dtype, block size, tensor
 parallelism) afterwards, the way ``kvcore plan --tp`` does for model files.
 """

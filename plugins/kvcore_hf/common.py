@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
+
 from kvcore.limits import MAX_NUM_LAYERS
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
@@ -20,6 +22,7 @@ from kvcore_sliding_window import SlidingWindowSpec
 
 __all__ = [
     "ATTENTION_BLOCK",
+    "ClassDefaults",
     "SameEveryLayer",
     "attention",
     "head_dim",
@@ -181,3 +184,29 @@ def attention_by_type(
             )
             raise ModelConfigError(msg)
     return out
+
+
+@attrs.frozen
+class ClassDefaults:
+    """What a transformers configuration class (``owner``) gives the
+    attention fields a file leaves out, for mappers that apply it."""
+
+    owner: str
+    sliding_window: int
+    num_kv_heads: int
+    head_dim: int
+
+    def attention_by_type(
+        self, config: ModelConfig, types: list[str]
+    ) -> dict[str, KVCacheSpec]:
+        """:func:`attention_by_type` with ``sliding_window``,
+        ``num_key_value_heads`` and ``head_dim`` from the file, else these
+        defaults (each recorded in :attr:`ModelConfig.defaults`)."""
+        rule = f"{self.owner}'s default"
+        return attention_by_type(
+            config,
+            types,
+            config.default("sliding_window", self.sliding_window, rule),
+            num_kv_heads=config.default("num_key_value_heads", self.num_kv_heads, rule),
+            head_size=config.default("head_dim", self.head_dim, rule),
+        )

@@ -79,13 +79,14 @@ them out, as the shipped model files do; the field is not read.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_circular_buffer import CircularBufferSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import SameEveryLayer, layer, num_layers
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_mla import MLAAttentionSpec
@@ -141,40 +142,14 @@ def indexer_key_bytes(config: ModelConfig) -> int:
     return dim + dim // FP8_SCALE_BLOCK * 4
 
 
+@declared("deepseek-mla")
 class DeepseekMLA(SameEveryLayer):
-    name: ClassVar[str] = "deepseek-mla"
-    architectures: ClassVar[tuple[str, ...]] = (
-        "DeepseekV2ForCausalLM",
-        "DeepseekV3ForCausalLM",
-    )
-    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3")
-    sources: ClassVar[tuple[str, ...]] = (
-        "vLLM model_executor/models/deepseek_v2.py (kv_a_proj_with_mqa: "
-        "kv_lora_rank + qk_rope_head_dim latent; MLAAttentionSpec num_kv_heads=1)",
-        "DeepSeek-V2 paper arXiv 2405.04434 section 2.1 (cached c_KV and k_R)",
-        "kvcore/tools/zoo/SOURCES.md (DeepSeek-V3 / R1: 576-value latent, bf16, block "
-        "64; MTP layer excluded)",
-    )
-
     def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
         return mla_latent(config)
 
 
+@declared("deepseek-v3.2")
 class DeepseekV32(ModelMapper):
-    name: ClassVar[str] = "deepseek-v3.2"
-    architectures: ClassVar[tuple[str, ...]] = ("DeepseekV32ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v32",)
-    sources: ClassVar[tuple[str, ...]] = (
-        *DeepseekMLA.sources[:2],
-        "vLLM model_executor/models/deepseek_v2.py (Indexer: "
-        "DeepseekV32IndexerCache, head index_head_dim + index_head_dim // 128 * 4, "
-        "uint8, prefix <attn>.indexer.k_cache)",
-        "deepseek-ai/DeepSeek-V3.2-Exp inference/model.py (ModelArgs index_n_heads, "
-        "index_head_dim, index_topk)",
-        "vLLM model_executor/models/config.py (DeepseekV32ForCausalLM: fp8 cache "
-        "dtype -> fp8_ds_mla); FlashMLA README (FP8 with scale: 656 B a token)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
@@ -196,24 +171,8 @@ class DeepseekV32(ModelMapper):
         return out
 
 
+@declared("deepseek-v4")
 class DeepseekV4(ModelMapper):
-    name: ClassVar[str] = "deepseek-v4"
-    architectures: ClassVar[tuple[str, ...]] = ("DeepseekV4ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "vLLM model_executor/models/deepseek_v4.py (compress_ratio = max(1, "
-        "compress_ratios[layer]); indexer only at ratio 4)",
-        "vLLM model_executor/layers/deepseek_v4_attention.py (head_bytes = NoPE fp8 "
-        "+ RoPE bf16 + NoPE/64 scales + 1 pad; compressed MLAAttentionSpec "
-        "alignment 576; DeepseekV4IndexerCache)",
-        "vLLM v1/attention/backends/mla/sparse_swa.py (DeepseekV4SWACache: "
-        "SlidingWindowMLASpec, block 64)",
-        "vLLM model_executor/layers/deepseek_compressor.py (state 2 * coff * "
-        "head_dim fp32, coff * ratio slots, coff = 2 at ratio 4)",
-        "kvcore/tools/zoo/SOURCES.md (DeepSeek-V4: compressed blocks of 256; MTP entry "
-        "of compress_ratios excluded)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:

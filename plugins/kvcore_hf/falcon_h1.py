@@ -33,10 +33,9 @@ Fields read: ``num_hidden_layers``, ``num_attention_heads``,
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import attention, layer, num_layers
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_hf.state import conv_kernel, mamba2
@@ -44,21 +43,8 @@ from kvcore_hf.state import conv_kernel, mamba2
 __all__ = ["MAPPERS", "FalconH1"]
 
 
+@declared("falcon_h1")
 class FalconH1(ModelMapper):
-    name: ClassVar[str] = "falcon_h1"
-    architectures: ClassVar[tuple[str, ...]] = ("FalconH1ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("falcon_h1",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "vLLM vllm/model_executor/models/falcon_h1.py (FalconH1ParallelHybrid: "
-        "attention and Mamba-2 in every layer; get_mamba_state_shape_from_config:"
-        " mamba2_state_shape with d_ssm = mamba_d_ssm or mamba_expand * "
-        "hidden_size; mamba2_state_dtype)",
-        "transformers models/falcon_h1/configuration_falcon_h1.py (mamba_d_head "
-        "auto = d_ssm // mamba_n_heads)",
-        "vLLM vllm/model_executor/layers/mamba/mamba_utils.py at 02d7108 "
-        "(mamba2_state_shape, extra_groups_for_head_shards)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:

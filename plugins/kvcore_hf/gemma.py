@@ -37,12 +37,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import attrs
+
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    attention_by_type,
+    ClassDefaults,
     num_layers,
 )
 from kvcore_hf.mapping import ModelConfig, ModelMapper
@@ -50,17 +53,11 @@ from kvcore_hf.mapping import ModelConfig, ModelMapper
 __all__ = ["MAPPERS", "Gemma2", "Gemma3"]
 
 
+@declared("gemma2")
 class Gemma2(ModelMapper):
-    name: ClassVar[str] = "gemma2"
-    #: The transformers class whose defaults apply to fields left out.
-    config_class: ClassVar[str] = "Gemma2Config"
-    architectures: ClassVar[tuple[str, ...]] = ("Gemma2ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("gemma2",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/gemma2/configuration_gemma2.py "
-        "(default layer_types: sliding on even layers)",
-        "github.com/google/gemma_pytorch gemma/config.py (Gemma 2 attn_types "
-        "[LOCAL, GLOBAL], sliding_window_size)",
+    #: The transformers class's defaults for the fields a file leaves out.
+    defaults: ClassVar[ClassDefaults] = ClassDefaults(
+        "Gemma2Config", sliding_window=4096, num_kv_heads=4, head_dim=256
     )
 
     def layer_specs(
@@ -71,35 +68,17 @@ class Gemma2(ModelMapper):
             types = config.layer_types("layer_types", n)
         else:
             types = [self._default(config, i) for i in range(n)]
-        rule = f"{self.config_class}'s default"
-        return attention_by_type(
-            config,
-            types,
-            config.default("sliding_window", 4096, rule),
-            num_kv_heads=config.default("num_key_value_heads", 4, rule),
-            head_size=config.default("head_dim", 256, rule),
-        )
+        return self.defaults.attention_by_type(config, types)
 
     def _default(self, config: ModelConfig, index: int) -> str:
         """Layer ``index``'s type when the file gives no ``layer_types``."""
         return SLIDING_ATTENTION if index % 2 == 0 else FULL_ATTENTION
 
 
+@declared("gemma3")
 class Gemma3(Gemma2):
-    name: ClassVar[str] = "gemma3"
-    config_class: ClassVar[str] = "Gemma3TextConfig"
-    architectures: ClassVar[tuple[str, ...]] = (
-        "Gemma3ForConditionalGeneration",
-        "Gemma3ForCausalLM",
-    )
-    model_types: ClassVar[tuple[str, ...]] = ("gemma3", "gemma3_text")
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/gemma3/configuration_gemma3.py "
-        "(sliding_window_pattern default 6; default layer_types: global when "
-        "(i + 1) % pattern == 0)",
-        "github.com/google/gemma_pytorch gemma/config.py and gemma/gemma3_model.py "
-        "(attn_types[i % len(attn_types)]: five local, one global)",
-        "vllm model_executor/models/gemma3.py (sliding-window cache on local layers)",
+    defaults: ClassVar[ClassDefaults] = attrs.evolve(
+        Gemma2.defaults, owner="Gemma3TextConfig"
     )
 
     def _default(self, config: ModelConfig, index: int) -> str:

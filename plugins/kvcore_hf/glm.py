@@ -32,28 +32,17 @@ speculative draft).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import SameEveryLayer, attention, head_dim, kv_heads
 from kvcore_hf.mapping import ModelConfig
 
 __all__ = ["MAPPERS", "Glm4Moe"]
 
 
+@declared("glm4_moe")
 class Glm4Moe(SameEveryLayer):
-    name: ClassVar[str] = "glm4_moe"
-    architectures: ClassVar[tuple[str, ...]] = ("Glm4MoeForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("glm4_moe",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/glm4_moe/modeling_glm4_moe.py "
-        "(Glm4MoeAttention: num_key_value_heads x head_dim; num_hidden_layers "
-        "layers, MTP weights ignored)",
-        "vllm model_executor/models/glm4_moe.py and glm4_moe_mtp.py (MTP layers "
-        "only in the speculative draft)",
-    )
-
     def layer_spec(self, config: ModelConfig, choices: ServingChoices) -> KVCacheSpec:
         # Glm4MoeConfig has no head_dim default: the model reads
         # hidden_size // num_attention_heads when the file leaves it out.

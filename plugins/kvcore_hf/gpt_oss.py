@@ -23,14 +23,13 @@ reference ``gpt_oss/torch/model.py`` (``sliding_window`` on even layers).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    attention_by_type,
+    ClassDefaults,
     layer_types_or,
     num_layers,
 )
@@ -38,20 +37,14 @@ from kvcore_hf.mapping import ModelConfig, ModelMapper
 
 __all__ = ["MAPPERS", "GptOss"]
 
+#: ``GptOssConfig``'s defaults for the fields a file leaves out.
+DEFAULTS = ClassDefaults(
+    "GptOssConfig", sliding_window=128, num_kv_heads=8, head_dim=64
+)
 
+
+@declared("gpt_oss")
 class GptOss(ModelMapper):
-    name: ClassVar[str] = "gpt_oss"
-    architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("gpt_oss",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/gpt_oss/configuration_gpt_oss.py "
-        "(default layer_types: sliding on even layers)",
-        "transformers src/transformers/models/gpt_oss/modeling_gpt_oss.py "
-        "(window on sliding_attention layers; sinks are a weight)",
-        "github.com/openai/gpt-oss gpt_oss/torch/model.py (sliding_window if "
-        "layer_idx % 2 == 0)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
@@ -59,14 +52,7 @@ class GptOss(ModelMapper):
         types = layer_types_or(
             config, n, lambda i: SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
         )
-        rule = "GptOssConfig's default"
-        return attention_by_type(
-            config,
-            types,
-            config.default("sliding_window", 128, rule),
-            num_kv_heads=config.default("num_key_value_heads", 8, rule),
-            head_size=config.default("head_dim", 64, rule),
-        )
+        return DEFAULTS.attention_by_type(config, types)
 
 
 MAPPERS = (GptOss(),)

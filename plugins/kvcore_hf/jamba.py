@@ -25,10 +25,9 @@ Fields read: ``num_hidden_layers``, ``attn_layer_period``,
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import attention, layer, num_layers
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_hf.state import conv_kernel, mamba1
@@ -36,20 +35,8 @@ from kvcore_hf.state import conv_kernel, mamba1
 __all__ = ["MAPPERS", "Jamba"]
 
 
+@declared("jamba")
 class Jamba(ModelMapper):
-    name: ClassVar[str] = "jamba"
-    architectures: ClassVar[tuple[str, ...]] = ("JambaForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("jamba",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers models/jamba/configuration_jamba.py (layers_block_type: "
-        "attention iff i % attn_layer_period == attn_layer_offset)",
-        "vLLM vllm/model_executor/models/jamba.py (get_mamba_state_shape_from_"
-        "config: mamba1_state_shape with d_inner = mamba_expand * hidden_size; "
-        "mamba1_state_dtype)",
-        "vLLM vllm/model_executor/layers/mamba/mamba_utils.py at 02d7108 "
-        "(MambaStateShapeCalculator.mamba1_state_shape)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:

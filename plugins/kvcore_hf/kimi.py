@@ -32,12 +32,13 @@ speculative-decoding business, as for DeepSeek.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import layer, num_layers
 from kvcore_hf.deepseek import mla_latent
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
@@ -69,21 +70,8 @@ def _needed(config: ModelConfig) -> str:
     return f"the mapper for {names} needs it"
 
 
+@declared("kimi-linear")
 class KimiLinear(ModelMapper):
-    name: ClassVar[str] = "kimi-linear"
-    architectures: ClassVar[tuple[str, ...]] = ("KimiLinearForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("kimi_linear",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "vLLM transformers_utils/configs/kimi_linear.py (is_kda_layer: layer + 1 "
-        "in linear_attn_config.kda_layers)",
-        "vLLM model_executor/models/kimi_linear.py (KimiDeltaAttention / "
-        "KimiMLAAttention per layer; kda_state_shape from linear_attn_config)",
-        "vLLM model_executor/layers/mamba/mamba_utils.py (kda_state_shape: conv "
-        "(k - 1, 3 * H * D), recurrent (H, D, D); kda_state_dtype: recurrent fp32)",
-        "vLLM model_executor/models/deepseek_v2.py (the MLA latent of kv_lora_rank "
-        "+ qk_rope_head_dim, one KV head)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:

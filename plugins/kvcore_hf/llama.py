@@ -19,11 +19,10 @@ attention is the built-in kind ``chunked_local_attention``
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
 from kvcore_chunked_local import ChunkedLocalAttentionSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     ATTENTION_BLOCK,
     SameEveryLayer,
@@ -38,30 +37,13 @@ from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 __all__ = ["MAPPERS", "Llama", "Llama4"]
 
 
+@declared("llama")
 class Llama(SameEveryLayer):
-    name: ClassVar[str] = "llama"
-    architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("llama",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers models/llama/modeling_llama.py (LlamaAttention: "
-        "num_key_value_heads x head_dim per layer)",
-    )
+    """Llama 2 and 3: full attention on every layer."""
 
 
+@declared("llama4")
 class Llama4(ModelMapper):
-    name: ClassVar[str] = "llama4"
-    architectures: ClassVar[tuple[str, ...]] = (
-        "Llama4ForConditionalGeneration",
-        "Llama4ForCausalLM",
-    )
-    model_types: ClassVar[tuple[str, ...]] = ("llama4", "llama4_text")
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers models/llama4/configuration_llama4.py (no_rope_layers "
-        "default from no_rope_layer_interval)",
-        "transformers models/llama4/modeling_llama4.py (chunked attention on "
-        "RoPE layers when attention_chunk_size is set)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:

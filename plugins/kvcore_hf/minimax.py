@@ -32,10 +32,9 @@ on every layer); kvcore/tools/zoo/SOURCES.md (MiniMax-M2).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import SameEveryLayer, attention, head_dim, layer, num_layers
 from kvcore_hf.kimi import STATE_BLOCK
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
@@ -46,28 +45,8 @@ __all__ = ["MAPPERS", "MiniMaxM2", "MiniMaxText01"]
 _TYPE_NAMES = {"linear_attention": 0, "full_attention": 1}
 
 
+@declared("minimax-text-01")
 class MiniMaxText01(ModelMapper):
-    name: ClassVar[str] = "minimax-text-01"
-    architectures: ClassVar[tuple[str, ...]] = (
-        "MiniMaxText01ForCausalLM",
-        "MiniMaxM1ForCausalLM",
-        "MiniMaxForCausalLM",
-    )
-    model_types: ClassVar[tuple[str, ...]] = (
-        "minimax_text_01",
-        "minimax_m1",
-        "minimax",
-    )
-    sources: ClassVar[tuple[str, ...]] = (
-        "vLLM model_executor/models/minimax_text_01.py (attn_type_list: 0 lightning, "
-        "1 softmax attention; linear state from num_attention_heads and head_dim)",
-        "vLLM model_executor/layers/mamba/mamba_utils.py "
-        "(linear_attention_state_shape (heads / tp, head_dim, head_dim); dtype the "
-        "model's)",
-        "MiniMax-Text-01 model card (a softmax attention after every 7 lightning "
-        "attention layers)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
@@ -117,14 +96,9 @@ def _attention_types(config: ModelConfig, n: int) -> list[int]:
     return list(values)
 
 
+@declared("minimax-m2")
 class MiniMaxM2(SameEveryLayer):
-    name: ClassVar[str] = "minimax-m2"
-    architectures: ClassVar[tuple[str, ...]] = ("MiniMaxM2ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("minimax_m2",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "vLLM model_executor/models/minimax_m2.py (MiniMaxM2Attention, full "
-        "attention with num_key_value_heads x head_dim, on every layer)",
-    )
+    """MiniMax-M2: full attention on every layer."""
 
 
 MAPPERS = (MiniMaxText01(), MiniMaxM2())

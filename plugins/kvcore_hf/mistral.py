@@ -29,22 +29,15 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import SameEveryLayer, attention, head_dim
 from kvcore_hf.mapping import ModelConfig
 
 __all__ = ["MAPPERS", "Mistral", "Mixtral"]
 
 
+@declared("mistral")
 class Mistral(SameEveryLayer):
-    name: ClassVar[str] = "mistral"
-    architectures: ClassVar[tuple[str, ...]] = ("MistralForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("mistral",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/mistral/configuration_mistral.py "
-        "(sliding_window default 4096, null for full attention; head_dim fallback)",
-        "transformers src/transformers/models/mistral/modeling_mistral.py "
-        "(config.sliding_window on every layer)",
-    )
     #: The window an absent ``sliding_window`` means (the class default).
     default_window: ClassVar[int | None] = 4096
 
@@ -60,16 +53,8 @@ class Mistral(SameEveryLayer):
         )
 
 
+@declared("mixtral")
 class Mixtral(Mistral):
-    name: ClassVar[str] = "mixtral"
-    architectures: ClassVar[tuple[str, ...]] = ("MixtralForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers src/transformers/models/mixtral/configuration_mixtral.py "
-        "(sliding_window default None; head_dim fallback)",
-        "transformers src/transformers/models/mixtral/modeling_mixtral.py "
-        "(config.sliding_window on every layer)",
-    )
     default_window: ClassVar[int | None] = None
 
 

@@ -38,12 +38,11 @@ Fields read: ``hybrid_override_pattern`` or ``layers_block_type``,
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from kvcore.serving import CACHE_DTYPE_ALIASES, ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import attention, head_dim, layer
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_hf.state import conv_kernel, mamba2
@@ -63,22 +62,8 @@ _BLOCK_TYPES = {
 DEFAULT_SSM_DTYPE = torch.float32
 
 
+@declared("nemotron_h")
 class NemotronH(ModelMapper):
-    name: ClassVar[str] = "nemotron_h"
-    architectures: ClassVar[tuple[str, ...]] = ("NemotronHForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("nemotron_h",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers models/nemotron_h/configuration_nemotron_h.py "
-        "(hybrid_override_pattern M/*/-/E, layers_block_type)",
-        "vLLM vllm/model_executor/models/nemotron_h.py (get_mamba_state_shape_"
-        "from_config: mamba2_state_shape with d_inner = mamba_num_heads * "
-        "mamba_head_dim; attention and Mamba caches at model.layers.{i}.mixer)",
-        "vLLM vllm/model_executor/models/config.py (NemotronHForCausalLMConfig:"
-        " mamba_ssm_cache_dtype auto -> the file's, else float32)",
-        "vLLM vllm/model_executor/layers/mamba/mamba_utils.py at 02d7108 "
-        "(mamba2_state_shape, extra_groups_for_head_shards)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:

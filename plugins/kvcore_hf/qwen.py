@@ -44,6 +44,7 @@ from typing import ClassVar
 
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -55,8 +56,6 @@ from kvcore_hf.common import (
 from kvcore_hf.mapping import ModelConfig, ModelMapper
 
 __all__ = ["MAPPERS", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe"]
-
-_TRANSFORMERS = "transformers src/transformers/models"
 
 
 class _Qwen(ModelMapper):
@@ -97,58 +96,25 @@ class _Qwen(ModelMapper):
         return SLIDING_ATTENTION if index >= first else FULL_ATTENTION
 
 
+@declared("qwen2")
 class Qwen2(_Qwen):
-    name: ClassVar[str] = "qwen2"
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen2ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("qwen2",)
-    sources: ClassVar[tuple[str, ...]] = (
-        f"{_TRANSFORMERS}/qwen2/configuration_qwen2.py (window only when "
-        "use_sliding_window; default layer_types sliding from max_window_layers on)",
-        f"{_TRANSFORMERS}/qwen2/modeling_qwen2.py (per-layer window from layer_types; "
-        "head_dim falls back to hidden_size / num_attention_heads)",
-    )
+    """Qwen2 and Qwen2.5: windows from ``max_window_layers`` on."""
 
 
+@declared("qwen3")
 class Qwen3(_Qwen):
-    name: ClassVar[str] = "qwen3"
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("qwen3",)
     head_dim_default: ClassVar[tuple[str, int] | None] = ("Qwen3Config", 128)
-    sources: ClassVar[tuple[str, ...]] = (
-        f"{_TRANSFORMERS}/qwen3/configuration_qwen3.py (window only when "
-        "use_sliding_window; default layer_types sliding from max_window_layers on; "
-        "explicit head_dim)",
-        f"{_TRANSFORMERS}/qwen3/modeling_qwen3.py (per-layer window from layer_types)",
-    )
 
 
+@declared("qwen2_moe")
 class Qwen2Moe(_Qwen):
-    name: ClassVar[str] = "qwen2_moe"
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen2MoeForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("qwen2_moe",)
-    sources: ClassVar[tuple[str, ...]] = (
-        f"{_TRANSFORMERS}/qwen2_moe/configuration_qwen2_moe.py (default layer_types: "
-        "sliding on even layers below max_window_layers when use_sliding_window)",
-        f"{_TRANSFORMERS}/qwen2_moe/modular_qwen2_moe.py (Qwen2MoeAttention: window "
-        "on sliding_attention layers)",
-    )
-
     def _default(self, config: ModelConfig, index: int) -> str:
         below = config.field("max_window_layers", int)
         return SLIDING_ATTENTION if index % 2 == 0 and index < below else FULL_ATTENTION
 
 
+@declared("qwen3_moe")
 class Qwen3Moe(_Qwen):
-    name: ClassVar[str] = "qwen3_moe"
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
-    sources: ClassVar[tuple[str, ...]] = (
-        f"{_TRANSFORMERS}/qwen3_moe/configuration_qwen3_moe.py (window only when "
-        "use_sliding_window; no layer_types)",
-        f"{_TRANSFORMERS}/qwen3_moe/modular_qwen3_moe.py (Qwen3MoeAttention: "
-        "config.sliding_window on every layer)",
-    )
-
     def _types(self, config: ModelConfig, n: int) -> list[str]:
         return [SLIDING_ATTENTION] * n
 

@@ -33,10 +33,9 @@ prediction layers are not cache layers of the model and are not read.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvcore.serving import ServingChoices
 from kvcore.spec import KVCacheSpec
+from kvcore_hf.catalog import declared
 from kvcore_hf.common import attention, layer, layer_types_or, num_layers
 from kvcore_hf.mapping import ModelConfig, ModelConfigError, ModelMapper
 from kvcore_hf.state import conv_kernel, gated_delta_net
@@ -46,19 +45,8 @@ __all__ = ["MAPPERS", "Qwen3Next"]
 _TYPES = ("linear_attention", "full_attention")
 
 
+@declared("qwen3_next")
 class Qwen3Next(ModelMapper):
-    name: ClassVar[str] = "qwen3_next"
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen3NextForCausalLM",)
-    model_types: ClassVar[tuple[str, ...]] = ("qwen3_next",)
-    sources: ClassVar[tuple[str, ...]] = (
-        "transformers models/qwen3_next/configuration_qwen3_next.py (layer_types; "
-        "default full attention iff (i + 1) % full_attention_interval == 0)",
-        "vLLM vllm/model_executor/models/qwen3_next.py (get_mamba_state_shape_"
-        "from_config: gated_delta_net_state_shape; gated_delta_net_state_dtype)",
-        "vLLM vllm/model_executor/layers/mamba/mamba_utils.py at 02d7108 "
-        "(MambaStateShapeCalculator.gated_delta_net_state_shape)",
-    )
-
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
