@@ -17,6 +17,14 @@ fewer bytes and the narrower stride, but never to a plan that holds fewer
 requests than ``seed`` would.  No plan has more than
 ``CacheConfig.max_kv_cache_groups`` groups (each costs the scheduler a block
 table and a manager) unless the model has more buckets than that.
+
+With ``CacheConfig.target_lengths`` (a :class:`~kvcore.length_mix.LengthMix`)
+the target is the mix instead of one context: a bucket option's cost is the
+blocks a request holds summed over the mix's lengths with their weights
+(:class:`MixTarget`), so bytes per request become bytes per request of the
+mix times its total weight, and the plan found holds the most requests of
+the mix (:func:`kvcore.plan.mix_capacity`).  The search is the same; only
+the blocks a request holds are counted over the mix (:func:`_held`).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import attrs
 
 from kvcore.config import EngineConfig
 from kvcore.errors import KvcoreError, PlanError
+from kvcore.length_mix import LengthMix
 from kvcore.plan.block_sizes import effective_block_size, resolve_block_sizes
 from kvcore.plan.buckets import Bucket, bucket_layers, widest_of
 from kvcore.plan.capacity import serving_blocks, steady_blocks
@@ -39,7 +48,7 @@ from kvcore.plan.groups import make_group
 from kvcore.spec import KVCacheSpec, cdiv, round_up
 from kvcore.structs import KVCacheGroupSpec
 
-__all__ = ["TIE_TOLERANCE", "Option", "min_waste_groups", "search"]
+__all__ = ["TIE_TOLERANCE", "MixTarget", "Option", "min_waste_groups", "search"]
 
 #: Plans whose bytes per request are within this fraction of the best are
 #: ties (and go to fewer groups).
@@ -48,6 +57,47 @@ TIE_TOLERANCE = 1e-3
 #: (a knapsack) on at most this many of the cheapest; later ones take each
 #: bucket's fewest groups.
 CAPPED_STRIDES = 32
+
+
+class MixTarget:
+    """The search's target when it is a mix of lengths: the blocks a request
+    holds are summed over the mix's lengths, each times its weight."""
+
+    __slots__ = ("_held", "mix")
+
+    def __init__(self, mix: LengthMix) -> None:
+        self.mix = mix
+        self._held: dict[tuple[KVCacheSpec, int], int] = {}
+
+    @property
+    def longest(self) -> int:
+        return self.mix.longest
+
+    def held(self, spec: KVCacheSpec, block_size: int) -> int:
+        key = (spec, block_size)
+        found = self._held.get(key)
+        if found is None:
+            found = self._held[key] = sum(
+                w * serving_blocks(spec, length, block_size)
+                for length, w in zip(self.mix.lengths, self.mix.weights, strict=True)
+            )
+        return found
+
+
+#: What the search plans for: one context length, or a mix.
+Target = int | MixTarget
+
+
+def _held(spec: KVCacheSpec, target: Target, block_size: int) -> int:
+    """Blocks a request of the target holds in a layer of ``spec`` (summed
+    over a mix with its weights)."""
+    if isinstance(target, MixTarget):
+        return target.held(spec, block_size)
+    return serving_blocks(spec, target, block_size)
+
+
+def _longest(target: Target) -> int:
+    return target.longest if isinstance(target, MixTarget) else target
 
 
 class Option(NamedTuple):
@@ -92,7 +142,9 @@ def min_waste_groups(
 
         return seed_groups(config, specs)
     buckets = bucket_layers(specs)
-    context = config.resolved_target_context()
+    context: Target = config.resolved_target_context()
+    if cache.target_lengths is not None:
+        context = MixTarget(cache.target_lengths)
     dcp = config.parallel_config.decode_context_parallel_size
     growth = cache.max_block_growth if packing else 1
     seed = _seed_plan_cost(config, specs, context, dcp)
@@ -145,7 +197,7 @@ def _hash_compatible(groups: Sequence[KVCacheGroupSpec], config: EngineConfig) -
 
 
 def _seed_plan_cost(
-    config: EngineConfig, specs: Mapping[str, KVCacheSpec], context: int, dcp: int
+    config: EngineConfig, specs: Mapping[str, KVCacheSpec], context: Target, dcp: int
 ) -> tuple[int, int] | None:
     """Bytes per request and groups of the ``seed`` plan, which a tie must
     not exceed (``None`` where ``seed`` cannot plan the model), costed as
@@ -158,6 +210,11 @@ def _seed_plan_cost(
         return None
     widest = max(g.packed_bytes for g in groups)
     stride = round_up(widest, _alignment(specs.values()))
+    if isinstance(context, MixTarget):
+        held = sum(
+            _held(g.manager_spec, context, effective_block_size(g, dcp)) for g in groups
+        )
+        return stride * held, len(groups)
     return stride * sum(steady_blocks(groups, context, dcp=dcp)), len(groups)
 
 
@@ -182,7 +239,7 @@ def _grown_bucket(bucket: Bucket, factor: int) -> Bucket:
 
 
 def _factors(
-    bucket: Bucket, context: int, dcp: int, max_growth: int, max_width: int | None
+    bucket: Bucket, context: Target, dcp: int, max_growth: int, max_width: int | None
 ) -> dict[int, tuple[KVCacheSpec, list[tuple[int, int]]]]:
     """Growth factor -> (the bucket's first spec, its page profile
     ``[(page, count)]``) at that factor.
@@ -201,13 +258,13 @@ def _factors(
     out = {1: (first, _profile((s.page_size_bytes, c) for s, c in distinct.items()))}
     allowed = checked_positive(first, "max_block_growth", first.max_block_growth)
     scale = dcp if first.scales_with_context_parallel else 1
-    fewest = serving_blocks(first, context, first.block_size * scale)
+    fewest = _held(first, context, first.block_size * scale)
     for factor in range(2, min(allowed, max_growth) + 1):
-        if first.block_size * (factor - 1) >= context:
+        if first.block_size * (factor - 1) >= _longest(context):
             break  # the previous factor's block already holds the context
         # A factor whose request holds no fewer blocks than a smaller one's
         # is dominated: its pages are no narrower, its cost no lower.
-        held = serving_blocks(first, context, first.block_size * factor * scale)
+        held = _held(first, context, first.block_size * factor * scale)
         if held >= fewest:
             continue
         fewest = held
@@ -241,7 +298,7 @@ def _candidate_splits(profile: list[tuple[int, int]], total: int) -> list[int]:
 
 
 def _options(
-    bucket: Bucket, context: int, dcp: int, max_growth: int, max_width: int | None
+    bucket: Bucket, context: Target, dcp: int, max_growth: int, max_width: int | None
 ) -> tuple[list[Option], list[Option]]:
     """Every (groups, factor) option of a bucket, sorted by width, and the
     frontier of those best for some stride when groups are free: each
@@ -253,7 +310,7 @@ def _options(
     for factor, (spec, profile) in _factors(
         bucket, context, dcp, max_growth, max_width
     ).items():
-        held = serving_blocks(spec, context, spec.block_size * scale)
+        held = _held(spec, context, spec.block_size * scale)
         key = tuple(profile)
         for n in _candidate_splits(profile, total):
             width = _widest(key, n)
@@ -279,7 +336,7 @@ def _widest(profile: tuple[tuple[int, int], ...], n: int) -> int:
 def search(
     buckets: Sequence[Bucket],
     *,
-    context: int,
+    context: Target,
     alignment: int,
     max_groups: int,
     dcp: int = 1,
@@ -409,7 +466,7 @@ def search(
     return Choice(stride, picks)
 
 
-def _fewest_held(bucket: Bucket, context: int, dcp: int, max_growth: int) -> int:
+def _fewest_held(bucket: Bucket, context: Target, dcp: int, max_growth: int) -> int:
     """The fewest blocks a request holds in one group of the bucket, at any
     growth factor (the stride bound needs every bucket to hold one)."""
     first = bucket.first
@@ -418,7 +475,7 @@ def _fewest_held(bucket: Bucket, context: int, dcp: int, max_growth: int) -> int
         checked_positive(first, "max_block_growth", first.max_block_growth), max_growth
     )
     return min(
-        serving_blocks(first, context, first.block_size * f * scale)
+        _held(first, context, first.block_size * f * scale)
         for f in range(1, max(top, 1) + 1)
     )
 

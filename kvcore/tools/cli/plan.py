@@ -77,6 +77,11 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
             "trained for requests that long, and vLLM refuses them unless "
             "--max-model-len is raised with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
         )
+    if planned.mix_dropped:
+        notes.append(
+            f"{planned.mix_dropped} of the workload's requests pass --max-model-len "
+            "and are left out of it: the engine refuses them"
+        )
     if planned.stage is not None:
         stage, stages = planned.stage
         notes.append(
@@ -94,6 +99,7 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
         setting=setting_text(planned, dtype_name),
         notes=notes,
         registry=planned.registry,
+        mix=planned.mix,
     )
     if planned.max_num_seqs is None:
         return summary
@@ -176,6 +182,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                     "bytes_per_block": s.bytes_per_block,
                     "num_blocks": s.num_blocks,
                     "capacity": [r.to_dict() for r in s.rows],
+                    "workload": None if s.workload is None else s.workload.to_dict(),
                 }
                 for policy, _, s in results
             ],
@@ -193,6 +200,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     table.add_column("groups", justify="right")
     table.add_column("stride", justify="right")
     table.add_column("blocks", justify="right")
+    mixed = baseline.workload is not None
+    if mixed:
+        table.add_column("workload: requests", justify="right")
+        table.add_column("vs seed", justify="right")
     for context in results[0][1].contexts:
         table.add_column(
             f"{format_tokens(context)}: requests (of limit)", justify="right"
@@ -205,6 +216,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             format_size(s.bytes_per_block),
             f"{s.num_blocks:,}",
         ]
+        if mixed and s.workload is not None and baseline.workload is not None:
+            fit, base_fit = s.workload.concurrency, baseline.workload.concurrency
+            cells.append(str(fit))
+            cells.append(f"{fit / base_fit:.2f}x" if base_fit else "-")
         for row, base in zip(s.rows, baseline.rows, strict=True):
             cells.append(f"{row.concurrency} ({row.ratio:.3f})")
             cells.append(
