@@ -51,7 +51,8 @@ from kvcore.plan.block_sizes import plan_hit_granularity
 from kvcore.registry import KindRegistry
 from kvcore.tools.cli.options import Planned
 from kvcore.tools.simulate import Driver, SimulationResult
-from kvcore.tools.simulate.public_traces import LoadedTrace, load_any_trace
+from kvcore.tools.simulate.public_traces import LoadedTrace, parse_any_trace
+from kvcore.tools.simulate.trace import read_trace_lines
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "simulate.md"
@@ -64,6 +65,9 @@ END = "<!-- trace_replay.py: end -->"
 AMPLE_GAP = 0.02
 #: A tight hybrid's hit rate over full attention's in the same memory.
 TIGHT_RATIO = 0.8
+#: The most blocks an ample pool gets (a Python pool of 2**22 blocks takes
+#: about a GiB); a pool capped here is marked ``ample (capped)``.
+MAX_AMPLE_BLOCKS = 2**22
 
 
 def replay(planned: Planned, loaded: LoadedTrace) -> SimulationResult:
@@ -226,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", default=None)
     parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="replay only the trace's first N requests",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--write", action="store_true")
     parser.add_argument(
@@ -245,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             same.extend(doc["same_memory"])
     else:
         registry = benchmark_registry()
-        loaded = load_any_trace(args.trace)
+        lines = [line for line in read_trace_lines(args.trace) if line.strip()]
+        loaded = parse_any_trace(lines[: args.requests], source=str(args.trace))
 
         def say(text: str) -> None:
             print(text, file=sys.stderr, flush=True)
