@@ -42,7 +42,7 @@ from kvcore.errors import KvcoreError, PlanError
 from kvcore.length_mix import LengthMix
 from kvcore.plan.block_sizes import effective_block_size, resolve_block_sizes
 from kvcore.plan.buckets import Bucket, bucket_layers, widest_of
-from kvcore.plan.capacity import serving_blocks, steady_blocks
+from kvcore.plan.capacity import serving_blocks
 from kvcore.plan.declarations import checked_grown, checked_positive, layer_alignment
 from kvcore.plan.groups import make_group
 from kvcore.spec import KVCacheSpec, cdiv, round_up
@@ -210,12 +210,10 @@ def _seed_plan_cost(
         return None
     widest = max(g.packed_bytes for g in groups)
     stride = round_up(widest, _alignment(specs.values()))
-    if isinstance(context, MixTarget):
-        held = sum(
-            _held(g.manager_spec, context, effective_block_size(g, dcp)) for g in groups
-        )
-        return stride * held, len(groups)
-    return stride * sum(steady_blocks(groups, context, dcp=dcp)), len(groups)
+    held = sum(
+        _held(g.manager_spec, context, effective_block_size(g, dcp)) for g in groups
+    )
+    return stride * held, len(groups)
 
 
 def _alignment(specs: Iterable[KVCacheSpec]) -> int:
