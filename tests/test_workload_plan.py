@@ -10,6 +10,7 @@ from functools import cache
 from pathlib import Path
 from statistics import NormalDist
 
+import jsonschema
 import pytest
 import torch
 from coordinator_setup import builtin_registry
@@ -20,6 +21,7 @@ from kvcore.length_mix import LengthMix, LengthMixError
 from kvcore.serialize import load_model_file
 from kvcore.tools import zoo
 from kvcore.tools.cli import main
+from kvcore.tools.cli.document import load_schema
 from kvcore.tools.length_mixes import (
     QUANTILE_POINTS,
     LengthMixSyntaxError,
@@ -268,6 +270,7 @@ def test_plan_and_compare_report_the_workload(capsys):
         == 0
     )
     doc = json.loads(capsys.readouterr().out)
+    jsonschema.validate(doc, load_schema())
     workload = doc["summary"]["workload"]
     assert workload["lengths"] == 2
     plan = doc["summary"]

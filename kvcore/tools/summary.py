@@ -235,8 +235,7 @@ class PlanSummary:
             "hit_granularity": self.hit_granularity,
             "groups": [g.to_dict() for g in self.groups],
             "verdict": self.verdict(),
-            "workload": None if self.workload is None else self.workload.to_dict(),
-        }
+        } | ({} if self.workload is None else {"workload": self.workload.to_dict()})
 
 
 def _group_summary(
