@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from kvcore.hookspecs import hookimpl, hookspec
     from kvcore.kinds import AttentionKind, CacheKind, LayerView
     from kvcore.layout import KVCacheLayout, compute_layout_strides
+    from kvcore.length_mix import LengthMix
     from kvcore.plan import (
         approximate_gcd,
         build_kv_cache_tensors,
@@ -53,7 +54,13 @@ if TYPE_CHECKING:
         resolve_kv_cache_block_sizes,
         validate_kv_cache_layout,
     )
-    from kvcore.plan.capacity import Capacity, ideal_concurrency, plan_capacity
+    from kvcore.plan.capacity import (
+        Capacity,
+        MixCapacity,
+        ideal_concurrency,
+        mix_capacity,
+        plan_capacity,
+    )
     from kvcore.plugins import get_plugin_manager
     from kvcore.pool import KVCachePool, allocate_kv_cache
     from kvcore.registry import KindRegistry, default_registry
@@ -112,6 +119,9 @@ __all__ = [
     "Capacity",
     "plan_capacity",
     "ideal_concurrency",
+    "LengthMix",
+    "MixCapacity",
+    "mix_capacity",
     "validate_kv_cache_layout",
     "KVCachePool",
     "allocate_kv_cache",
@@ -162,7 +172,10 @@ _LAZY: dict[str, str] = {
             "get_kv_cache_groups get_packed_kv_cache_groups kv_cache_bytes_per_block "
             "plan_kv_cache resolve_kv_cache_block_sizes validate_kv_cache_layout"
         ),
-        "plan.capacity": "Capacity ideal_concurrency plan_capacity",
+        "length_mix": "LengthMix",
+        "plan.capacity": (
+            "Capacity MixCapacity ideal_concurrency mix_capacity plan_capacity"
+        ),
         "plugins": "get_plugin_manager",
         "pool": "KVCachePool allocate_kv_cache",
         "registry": "KindRegistry default_registry",

@@ -10,6 +10,7 @@ import attrs
 from kvcore.choices import PACKING_POLICIES
 from kvcore.errors import KvcoreValueError, LayoutError, require_instance
 from kvcore.layout import KVCacheLayout
+from kvcore.length_mix import LengthMix
 from kvcore.spec import is_bool, optional_positive_int, positive_int
 from kvcore.tokens import check_token_count
 
@@ -91,6 +92,11 @@ class CacheConfig:
         reference rules).
     :param target_context: the request length ``min_waste`` plans for
         (default: the engine's ``max_model_len``, else 32768).
+    :param target_lengths: a mix of request lengths
+        (:class:`~kvcore.length_mix.LengthMix`) ``min_waste`` plans for
+        instead of ``target_context``: the plan holding the most requests of
+        the mix (:func:`kvcore.plan.mix_capacity`); no length may pass
+        ``max_model_len``.
     :param max_kv_cache_groups: the most groups ``min_waste`` may plan (each
         costs the scheduler a block table and a manager per step); a model
         with more buckets gets one group a bucket, and where ``seed`` plans
@@ -120,6 +126,12 @@ class CacheConfig:
         default="min_waste", validator=_one_of(PACKING_POLICIES)
     )
     target_context: int | None = attrs.field(default=None, validator=_OPTIONAL_TOKENS)
+    target_lengths: LengthMix | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(
+            lambda _i, a, v: require_instance(v, LengthMix, f"CacheConfig.{a.name}")
+        ),
+    )
     max_kv_cache_groups: int = attrs.field(default=64, validator=positive_int)
     max_block_growth: int = attrs.field(default=64, validator=positive_int)
 

@@ -20,7 +20,13 @@ from kvcore.plan.block_sizes import (
     serves_partial_hits,
 )
 from kvcore.plan.buckets import approximate_gcd
-from kvcore.plan.capacity import Capacity, ideal_concurrency, plan_capacity
+from kvcore.plan.capacity import (
+    Capacity,
+    MixCapacity,
+    ideal_concurrency,
+    mix_capacity,
+    plan_capacity,
+)
 from kvcore.plan.grouping import get_kv_cache_groups
 from kvcore.plan.placement import (
     build_kv_cache_tensors,
@@ -34,6 +40,7 @@ from kvcore.plan.policies.seed import uniform_page_groups
 
 __all__ = [
     "Capacity",
+    "MixCapacity",
     "approximate_gcd",
     "build_kv_cache_tensors",
     "plan_capacity",
@@ -45,6 +52,7 @@ __all__ = [
     "hit_alignment",
     "ideal_concurrency",
     "kv_cache_bytes_per_block",
+    "mix_capacity",
     "plan_kv_cache",
     "resolve_kv_cache_block_sizes",
     "serves_partial_hits",

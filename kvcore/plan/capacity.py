@@ -32,11 +32,13 @@ compare`` and of their JSON documents.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 
 import attrs
 
 from kvcore.errors import PlanError, require_instance
-from kvcore.plan.block_sizes import effective_block_size
+from kvcore.length_mix import LengthMix
+from kvcore.plan.block_sizes import effective_block_size, plan_hit_granularity
 from kvcore.plan.declarations import (
     checked_blocks_held,
     checked_state_cache_mode,
@@ -330,4 +332,101 @@ def min_blocks_for_one_request(
     )
 
 
-__all__ += ["as_planned", "min_blocks_for_one_request"]
+__all__ += ["MixCapacity", "as_planned", "min_blocks_for_one_request", "mix_capacity"]
+
+
+@attrs.frozen
+class MixCapacity:
+    """What a plan holds under a mix of request lengths (see
+    :func:`mix_capacity`).
+
+    :param blocks_per_request: the expected blocks a request of the mix
+        holds at steady state (exact: a weighted mean of whole block counts).
+    :param prefill_peak_blocks: the prefill peak of the mix's longest length.
+    :param concurrency: requests of the mix that fit together.
+    :param unreserved_concurrency: ``memory / (stride x blocks_per_request)``
+        with nothing reserved.
+    :param hit_granularity: tokens the plan's prefix hits are multiples of
+        (what a plan's block growth costs in hits: up to ``granularity - 1``
+        tokens of each hit).
+    """
+
+    mix: LengthMix
+    num_blocks: int
+    bytes_per_block: int
+    blocks_per_request: Fraction
+    prefill_peak_blocks: int
+    concurrency: int
+    unreserved_concurrency: float
+    hit_granularity: int | None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "lengths": len(self.mix),
+            "shortest": self.mix.lengths[0],
+            "longest": self.mix.longest,
+            "mean_length": float(self.mix.mean),
+            "num_blocks": self.num_blocks,
+            "bytes_per_block": self.bytes_per_block,
+            "blocks_per_request": float(self.blocks_per_request),
+            "prefill_peak_blocks": self.prefill_peak_blocks,
+            "concurrency": self.concurrency,
+            "unreserved_concurrency": self.unreserved_concurrency,
+            "hit_granularity": self.hit_granularity,
+        }
+
+
+def mix_capacity(
+    plan: KVCacheConfig,
+    mix: LengthMix,
+    *,
+    max_num_batched_tokens: int | None = None,
+    memory: int | None = None,
+) -> MixCapacity:
+    """How many requests of ``mix`` the plan holds together.
+
+    With ``U = num_blocks - 1`` usable blocks, ``s(T)`` the steady blocks a
+    request of ``T`` tokens holds (as :func:`plan_capacity` counts them),
+    ``S = sum(w(T) s(T)) / sum(w(T))`` their exact mean over the mix and ``P``
+    the prefill peak of its longest length::
+
+        concurrency = 0 if P > U else 1 + floor((U - P) / S)
+
+    the requests, in the mix's proportions, that fit with one prefill in
+    flight.  A mix of one length gives :func:`plan_capacity`'s figure.
+    """
+    require_instance(plan, KVCacheConfig, "mix_capacity: plan")
+    require_instance(mix, LengthMix, "mix_capacity: mix")
+    if plan.max_model_len is not None and mix.longest > plan.max_model_len:
+        msg = (
+            f"the plan admits requests of at most max_model_len={plan.max_model_len} "
+            f"tokens, and the mix holds requests of {mix.longest:,}; drop those "
+            "lengths or plan with a larger max_model_len"
+        )
+        raise PlanError(msg)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = plan.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
+    groups = plan.kv_cache_groups
+    dcp = plan.decode_context_parallel_size
+    steady = mix.expected(sum(steady_blocks(groups, t, dcp=dcp)) for t in mix.lengths)
+    if steady <= 0:
+        msg = "the plan's groups hold no blocks for the mix's requests"
+        raise PlanError(msg)
+    peak = prefill_peak_blocks(groups, mix.longest, max_num_batched_tokens, dcp=dcp)
+    usable = plan.num_blocks - 1
+    concurrency = 0 if peak > usable else 1 + int((usable - peak) / steady)
+    if memory is None:
+        # As plan_capacity: the pool's own bytes where an override made it
+        # larger than its memory.
+        memory = max(plan.available_memory or 0, plan.num_blocks * plan.bytes_per_block)
+    bpb = plan.bytes_per_block
+    return MixCapacity(
+        mix=mix,
+        num_blocks=plan.num_blocks,
+        bytes_per_block=bpb,
+        blocks_per_request=steady,
+        prefill_peak_blocks=peak,
+        concurrency=concurrency,
+        unreserved_concurrency=float(memory / (bpb * steady)) if bpb else 0.0,
+        hit_granularity=plan_hit_granularity(plan),
+    )

@@ -53,6 +53,7 @@ def get_kv_cache_groups(
     )
     check_spec_answers(specs.values())
     _check_engine_modes(config, specs)
+    _check_target_lengths(config)
     if not specs:
         return []
     chosen = registry.choose_grouping(config, specs)
@@ -63,6 +64,19 @@ def get_kv_cache_groups(
     if whole is not None:
         return [KVCacheGroupSpec(list(specs), whole)]
     return POLICIES[config.cache_config.packing_policy](config, specs)
+
+
+def _check_target_lengths(config: EngineConfig) -> None:
+    """A mix of lengths to plan for holds no request the engine refuses."""
+    mix = config.cache_config.target_lengths
+    limit = config.max_model_len
+    if mix is not None and limit is not None and mix.longest > limit:
+        msg = (
+            f"CacheConfig.target_lengths holds requests of {mix.longest:,} tokens, "
+            f"past max_model_len={limit:,}; the engine refuses them: drop those "
+            "lengths or raise max_model_len"
+        )
+        raise PlanError(msg)
 
 
 def _check_engine_modes(config: EngineConfig, specs: Mapping[str, KVCacheSpec]) -> None:

@@ -159,6 +159,23 @@ def _capacity_table(summary: PlanSummary) -> Table:
     return table
 
 
+def workload_line(summary: PlanSummary) -> str | None:
+    """The capacity under the ``--context`` mix, in one line."""
+    w = summary.workload
+    if w is None:
+        return None
+    grain = (
+        f"; prefix hits in multiples of {w.hit_granularity} tokens"
+        if w.hit_granularity
+        else ""
+    )
+    return (
+        f"under the workload ({w.mix.describe()}): {w.concurrency} requests "
+        f"({float(w.blocks_per_request):.1f} blocks a request on average, "
+        f"{w.prefill_peak_blocks} for the longest one's prefill{grain})"
+    )
+
+
 def render_summary(summary: PlanSummary, *, width: int | None = None) -> RenderableType:
     """The report ``kvcore plan`` prints: the verdict first, then the groups,
     the stride and the capacity at each context."""
@@ -199,6 +216,9 @@ def render_summary(summary: PlanSummary, *, width: int | None = None) -> Rendera
     parts.append(_groups_lines(summary) if narrow else _groups_table(summary))
     parts.append(Text(""))
     parts.append(_capacity_table(summary))
+    line = workload_line(summary)
+    if line is not None:
+        parts.append(Text(line, style="bold"))
     return Group(*parts)
 
 

@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from kvcore.length_mix import LengthMix
 from kvcore.plan.block_sizes import effective_block_size, plan_hit_granularity
 from kvcore.plan.capacity import (
     Capacity,
+    MixCapacity,
     min_blocks_for_one_request,
+    mix_capacity,
     plan_capacity,
 )
 from kvcore.plan.declarations import layer_alignment
@@ -161,6 +164,8 @@ class PlanSummary:
     stride_alignment: int
     rows: tuple[CapacityRow, ...]
     notes: tuple[str, ...] = ()
+    #: Capacity under a mix of lengths (``--context lognormal:8k,1.0``).
+    workload: MixCapacity | None = None
 
     @property
     def hit_granularity(self) -> int | None:
@@ -208,7 +213,7 @@ class PlanSummary:
             "stride_reason": self.stride_reason(),
             **record(self, "hit_granularity groups"),
             "verdict": self.verdict(),
-        }
+        } | ({} if self.workload is None else {"workload": self.workload.to_dict()})
 
 
 def _group_summary(
@@ -238,6 +243,7 @@ def summarize(
     setting: str = "",
     notes: Sequence[str] = (),
     registry: KindRegistry | None = None,
+    mix: LengthMix | None = None,
 ) -> PlanSummary:
     """The summary of ``plan`` at each of ``contexts``.
 
@@ -250,6 +256,8 @@ def summarize(
     :param registry: the registry the plan was made with, whose overridden
         kinds become notes (default: the process's default registry, if it
         has been built).
+    :param mix: a mix of lengths to report the capacity under
+        (:func:`~kvcore.plan.capacity.mix_capacity`).
     """
     if memory is None:
         memory = plan.available_memory or plan.num_blocks * plan.bytes_per_block
@@ -326,4 +334,5 @@ def summarize(
         stride_alignment=alignment,
         rows=tuple(rows),
         notes=tuple(notes),
+        workload=None if mix is None else mix_capacity(plan, mix, memory=memory),
     )

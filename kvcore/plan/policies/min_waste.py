@@ -27,6 +27,16 @@ against the very plan ``min_waste`` must never fall below (100 distinct
 windows and 10 full layers: ``seed`` makes 110 groups of one layer, while a
 cap of 101 forces the 10 full layers into one group ten times wider).  Past
 the cap the search is exact (see :mod:`~kvcore.plan.policies.stride_search`).
+
+With ``CacheConfig.target_lengths`` (a :class:`~kvcore.length_mix.LengthMix`)
+the target is the mix instead of one context: a bucket option's cost is the
+blocks a request holds summed over the mix's lengths with their weights
+(:class:`~kvcore.plan.policies.stride_search.MixTarget`), so bytes per
+request become bytes per request of the mix times its total weight, and the
+plan found holds the most requests of the mix
+(:func:`kvcore.plan.mix_capacity`).  The search, the cap and the ``seed``
+ceiling are the same; only the blocks a request holds are counted over the
+mix.  A mix of one length plans as ``target_context`` of that length.
 """
 
 from __future__ import annotations
@@ -38,21 +48,36 @@ from kvcore.config import EngineConfig
 from kvcore.errors import KvcoreError
 from kvcore.plan.block_sizes import effective_block_size, resolve_block_sizes
 from kvcore.plan.buckets import Bucket, bucket_layers
-from kvcore.plan.capacity import steady_blocks
 from kvcore.plan.declarations import checked_grown, layer_alignment
 from kvcore.plan.groups import make_group
-from kvcore.plan.policies.stride_search import TIE_TOLERANCE, Choice, Option, search
+from kvcore.plan.policies.stride_search import (
+    TIE_TOLERANCE,
+    Choice,
+    MixTarget,
+    Option,
+    Target,
+    held_blocks,
+    search,
+)
 from kvcore.spec import KVCacheSpec, round_up
 from kvcore.structs import KVCacheGroupSpec
 
-__all__ = ["TIE_TOLERANCE", "Choice", "Option", "min_waste_groups", "search"]
+__all__ = [
+    "TIE_TOLERANCE",
+    "Choice",
+    "MixTarget",
+    "Option",
+    "min_waste_groups",
+    "search",
+]
 
 
 def min_waste_groups(
     config: EngineConfig, specs: Mapping[str, KVCacheSpec]
 ) -> list[KVCacheGroupSpec]:
     """Group the model for the most concurrent requests at the target context
-    (``CacheConfig.target_context``, else ``max_model_len``)."""
+    (``CacheConfig.target_context``, else ``max_model_len``), or of the mix
+    ``CacheConfig.target_lengths`` where one is set."""
     cache = config.cache_config
     distinct = _distinct(specs)
     pages = {s.page_size_bytes for s in distinct}
@@ -65,7 +90,9 @@ def min_waste_groups(
 
         return seed_groups(config, specs)
     buckets = bucket_layers(specs)
-    context = config.resolved_target_context()
+    context: Target = config.resolved_target_context()
+    if cache.target_lengths is not None:
+        context = MixTarget(cache.target_lengths)
     dcp = config.parallel_config.decode_context_parallel_size
     growth = cache.max_block_growth if packing else 1
     alignment = _alignment(distinct)
@@ -122,7 +149,7 @@ def _hash_compatible(groups: Sequence[KVCacheGroupSpec], config: EngineConfig) -
 def _seed_plan_cost(
     config: EngineConfig,
     specs: Mapping[str, KVCacheSpec],
-    context: int,
+    context: Target,
     dcp: int,
     alignment: int,
 ) -> tuple[int, int] | None:
@@ -137,7 +164,11 @@ def _seed_plan_cost(
         return None
     widest = max(g.packed_bytes for g in groups)
     stride = round_up(widest, alignment)
-    return stride * sum(steady_blocks(groups, context, dcp=dcp)), len(groups)
+    held = sum(
+        held_blocks(g.manager_spec, context, effective_block_size(g, dcp))
+        for g in groups
+    )
+    return stride * held, len(groups)
 
 
 def _alignment(specs: Iterable[KVCacheSpec]) -> int:

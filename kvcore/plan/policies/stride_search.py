@@ -20,6 +20,10 @@ Every step works on counts: a bucket is its distinct specs with their
 multiplicities, a one-page bucket of ``N`` layers offers ``O(sqrt N)``
 group counts (where its widest group changes), so planning grows close to
 linearly in layers and buckets.
+
+The target is one context length or a :class:`MixTarget` (a mix of lengths):
+for a mix, the blocks a request holds are summed over its lengths with their
+weights (:func:`held_blocks`), and every step above is unchanged.
 """
 
 from __future__ import annotations
@@ -33,12 +37,22 @@ import attrs
 import numpy as np
 
 from kvcore.errors import PlanError
+from kvcore.length_mix import LengthMix
 from kvcore.plan.buckets import Bucket, widest_of
 from kvcore.plan.capacity import serving_blocks
 from kvcore.plan.declarations import checked_grown, checked_positive
 from kvcore.spec import KVCacheSpec, cdiv, round_up
 
-__all__ = ["TIE_TOLERANCE", "Choice", "Option", "search"]
+__all__ = [
+    "TIE_TOLERANCE",
+    "Choice",
+    "MixTarget",
+    "Option",
+    "Target",
+    "held_blocks",
+    "longest_of",
+    "search",
+]
 
 #: Plans whose bytes per request are within this fraction of the best are
 #: ties (and go to fewer groups).
@@ -48,6 +62,50 @@ TIE_TOLERANCE = 1e-3
 #: group would change (of the layers and of the repeats).
 EVERY_SPLIT = 4096
 _INF = np.int64(2**62)
+
+
+class MixTarget:
+    """The search's target when it is a mix of lengths: the blocks a request
+    holds are summed over the mix's lengths, each times its weight (so a
+    plan's cost is its bytes per request of the mix times the mix's total
+    weight, and one length of weight ``w`` plans as that length)."""
+
+    __slots__ = ("_held", "mix")
+
+    def __init__(self, mix: LengthMix) -> None:
+        self.mix = mix
+        self._held: dict[tuple[KVCacheSpec, int], int] = {}
+
+    @property
+    def longest(self) -> int:
+        return self.mix.longest
+
+    def held(self, spec: KVCacheSpec, block_size: int) -> int:
+        key = (spec, block_size)
+        found = self._held.get(key)
+        if found is None:
+            found = self._held[key] = sum(
+                w * serving_blocks(spec, length, block_size)
+                for length, w in zip(self.mix.lengths, self.mix.weights, strict=True)
+            )
+        return found
+
+
+#: What the search plans for: one context length, or a mix.
+Target = int | MixTarget
+
+
+def held_blocks(spec: KVCacheSpec, target: Target, block_size: int) -> int:
+    """Blocks a request of the target holds in a layer of ``spec`` (summed
+    over a mix with its weights)."""
+    if isinstance(target, MixTarget):
+        return target.held(spec, block_size)
+    return serving_blocks(spec, target, block_size)
+
+
+def longest_of(target: Target) -> int:
+    """The target's longest request."""
+    return target.longest if isinstance(target, MixTarget) else target
 
 
 class Option(NamedTuple):
@@ -99,7 +157,7 @@ class _Stairs:
 
 
 def _held_by_factor(
-    bucket: Bucket, context: int, dcp: int, max_growth: int
+    bucket: Bucket, context: Target, dcp: int, max_growth: int
 ) -> list[tuple[int, int]]:
     """``[(factor, blocks a request holds)]`` of the factors worth growing
     by: each holds fewer blocks than every smaller one, and the previous
@@ -107,11 +165,12 @@ def _held_by_factor(
     first = bucket.first
     allowed = checked_positive(first, "max_block_growth", first.max_block_growth)
     scale = dcp if first.scales_with_context_parallel else 1
-    out = [(1, serving_blocks(first, context, first.block_size * scale))]
+    out = [(1, held_blocks(first, context, first.block_size * scale))]
+    longest = longest_of(context)
     for factor in range(2, min(allowed, max_growth) + 1):
-        if first.block_size * (factor - 1) >= context:
+        if first.block_size * (factor - 1) >= longest:
             break
-        held = serving_blocks(first, context, first.block_size * factor * scale)
+        held = held_blocks(first, context, first.block_size * factor * scale)
         if held < out[-1][1]:
             out.append((factor, held))
     return out
@@ -161,7 +220,7 @@ def _stairs(
     bucket: Bucket,
     factors: list[tuple[int, int]],
     *,
-    context: int,
+    context: Target,
     dcp: int,
     alignment: int,
     max_width: int | None,
@@ -178,7 +237,7 @@ def _stairs(
         if max_width is not None and max(p for p, _ in profile) > max_width:
             break
         scale = dcp if spec.scales_with_context_parallel else 1
-        held = serving_blocks(spec, context, spec.block_size * scale)
+        held = held_blocks(spec, context, spec.block_size * scale)
         key = tuple(profile)
         groups: list[int] = []
         widths: list[int] = []
@@ -272,7 +331,7 @@ def _within_cap(
 def search(
     buckets: Sequence[Bucket],
     *,
-    context: int,
+    context: Target,
     alignment: int,
     max_groups: int,
     dcp: int = 1,
@@ -283,9 +342,10 @@ def search(
     ceiling_groups: int | None = None,
 ) -> Choice:
     """The stride and per-bucket options with the fewest bytes per request
-    at ``context`` tokens, with at most ``max(max_groups, len(buckets))``
-    groups.  Plans within ``tie_tolerance`` of the best are ties and go to
-    fewer groups, then fewer bytes, then the narrower stride.
+    at ``context`` tokens (or over a :class:`MixTarget`), with at most
+    ``max(max_groups, len(buckets))`` groups.  Plans within
+    ``tie_tolerance`` of the best are ties and go to fewer groups, then
+    fewer bytes, then the narrower stride.
 
     :param growth_caps: per bucket, the largest growth factor (default
         ``max_growth`` for every bucket).

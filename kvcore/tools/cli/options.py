@@ -28,6 +28,7 @@ from kvcore.errors import (
     SerializationError,
     escape_controls,
 )
+from kvcore.length_mix import LengthMix
 from kvcore.plan import plan_kv_cache
 from kvcore.plugins import get_plugin_manager
 from kvcore.registry import KindRegistry
@@ -48,6 +49,7 @@ from kvcore.tools.cli.parsers import (
     DEFAULT_MODEL,
     add_model_options,
 )
+from kvcore.tools.length_mixes import fixed_lengths, is_mix, parse_length_mix
 from kvcore.tools.units import (
     format_size,
     format_sizes,
@@ -149,6 +151,11 @@ class Planned:
     config: EngineConfig
     plan: KVCacheConfig
     contexts: tuple[int, ...]
+    #: ``--context`` as a mix of lengths (``lognormal:8k,1.0``), planned for
+    #: by ``min_waste``; ``contexts`` are then single lengths beside it.
+    mix: LengthMix | None = None
+    #: Requests of the mix dropped for passing ``--max-model-len``.
+    mix_dropped: int = 0
     #: ``--max-num-seqs``: the most requests the engine runs at once.
     max_num_seqs: int | None = None
     #: ``(stage, stages)`` with ``--pipeline-parallel-size`` above 1: the
@@ -203,6 +210,20 @@ def _max_model_len(args: argparse.Namespace, model: ModelFile) -> int | None:
             raise CliUsageError(msg)
         return model.max_position_embeddings
     return parse_tokens(text, what="--max-model-len")
+
+
+def _mix(
+    args: argparse.Namespace, max_model_len: int | None
+) -> tuple[LengthMix | None, int]:
+    """``--context`` as a mix of lengths (and the requests dropped for
+    passing ``--max-model-len``), or ``None`` for a list of lengths."""
+    text = getattr(args, "context", None)
+    if text is None or not is_mix(text):
+        return None, 0
+    try:
+        return parse_length_mix(text, max_model_len=max_model_len)
+    except KvcoreValueError as exc:
+        raise CliUsageError(str(exc)) from exc
 
 
 def _contexts(args: argparse.Namespace, max_model_len: int | None) -> tuple[int, ...]:
@@ -490,7 +511,8 @@ def plan_from_args(
     served = apply_serving_choices(model.layers, choices)
     budget = _budget(args, tp * pp, file_weights, _weights_source(source, model))
     max_model_len = _max_model_len(args, model)
-    contexts = _contexts(args, max_model_len)
+    mix, mix_dropped = _mix(args, max_model_len)
+    contexts = fixed_lengths(mix) if mix is not None else _contexts(args, max_model_len)
     max_num_seqs = getattr(args, "max_num_seqs", None)
     prefix_caching = getattr(args, "prefix_caching", None)
     config = EngineConfig(
@@ -499,6 +521,7 @@ def plan_from_args(
             enable_prefix_caching=prefix_caching is not False,
             packing_policy=policy or args.policy,
             target_context=contexts[0],
+            target_lengths=mix,
             max_block_growth=_positive(args.max_block_growth, "--max-block-growth"),
             mamba_cache_mode=args.mamba_cache_mode,
         ),
@@ -526,6 +549,8 @@ def plan_from_args(
         config=config,
         plan=plan,
         contexts=contexts,
+        mix=mix,
+        mix_dropped=mix_dropped,
         max_num_seqs=(
             None if max_num_seqs is None else _positive(max_num_seqs, "--max-num-seqs")
         ),

@@ -188,7 +188,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         metavar="LENGTHS",
         help="request lengths in tokens, comma-separated (4K,32K,128K; K is "
         "1024 and k 1000, as vLLM reads them); the first is the policy's "
-        f"target (default: --max-model-len, else {DEFAULT_CONTEXT})",
+        f"target (default: --max-model-len, else {DEFAULT_CONTEXT}); or a "
+        "workload's mix of lengths to plan for: lognormal:MEDIAN,SIGMA, "
+        "uniform:LO-HI, mix:A,B*3,C or trace:FILE (docs: capacity)",
     )
     planning.add_argument(
         "--max-model-len",

@@ -83,6 +83,11 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
             "trained for requests that long, and vLLM refuses them unless "
             "--max-model-len is raised with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
         )
+    if planned.mix_dropped:
+        notes.append(
+            f"{planned.mix_dropped} of the workload's requests pass --max-model-len "
+            "and are left out of it: the engine refuses them"
+        )
     if planned.stage is not None:
         stage, stages = planned.stage
         notes.append(
@@ -100,6 +105,7 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
         setting=setting_text(planned, dtype_name),
         notes=notes,
         registry=planned.registry,
+        mix=planned.mix,
     )
     if planned.max_num_seqs is None:
         return summary
@@ -254,6 +260,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                     }
                     for r in s.rows
                 ],
+                "workload": None if s.workload is None else s.workload.to_dict(),
             }
             for policy, _, s in results
         ]
@@ -278,11 +285,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     table.add_column("stride", justify="right")
     table.add_column("blocks", justify="right")
     contexts = results[0][1].contexts
+    # Under a --context mix, the requests of the mix each policy's plan
+    # holds, against seed's (the engine's figures are per context only).
+    seed_fit = next(
+        (s.workload.concurrency for p, _, s in results if p == "seed" and s.workload),
+        None,
+    )
+    mixed = first.workload is not None
+    if mixed:
+        table.add_column("workload: requests", justify="right")
+        table.add_column("vs seed", justify="right")
     for context in contexts:
         table.add_column(f"{format_tokens(context)}: requests (ratio)", justify="right")
         table.add_column("vs vllm", justify="right")
     if estimate is not None:
-        table.add_row(*_vllm_cells(estimate, contexts))
+        table.add_row(*_vllm_cells(estimate, contexts, mixed=mixed))
     for policy, _, s in results:
         cells = [
             policy,
@@ -290,6 +307,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             format_size(s.plan.bytes_per_block),
             f"{s.plan.num_blocks:,}",
         ]
+        if mixed:
+            fit = s.workload.concurrency if s.workload is not None else None
+            cells.append("-" if fit is None else str(fit))
+            cells.append(
+                f"{fit / seed_fit:.2f}x" if fit is not None and seed_fit else "-"
+            )
         for row in s.rows:
             cells.append(f"{row.concurrency} ({row.ratio:.3f})")
             cells.append(_gain(row.concurrency, estimate, row.context))
@@ -329,14 +352,18 @@ def _ratio(
     return concurrency / figure.concurrency
 
 
-def _vllm_cells(estimate: EngineEstimate, contexts: tuple[int, ...]) -> list[str]:
+def _vllm_cells(
+    estimate: EngineEstimate, contexts: tuple[int, ...], *, mixed: bool = False
+) -> list[str]:
+    workload = ["-", "-"] if mixed else []
     if estimate.refused:
-        return ["vllm", "-", "-", "-", *(["refused", "-"] * len(contexts))]
+        return ["vllm", "-", "-", "-", *workload, *(["refused", "-"] * len(contexts))]
     cells = [
         "vllm",
         str(estimate.num_groups),
         format_size(estimate.bytes_per_block),
         f"{estimate.num_blocks:,}",
+        *workload,
     ]
     for context in contexts:
         figure = estimate.figure(context)

@@ -4,15 +4,21 @@ between a request and everything computed before it.
 A perfect cache (every computed token kept, at token granularity) would
 serve exactly that much of a request.  :class:`ComputedPrefixes` holds the
 computed tokens of every sequence seen so far as a trie of fixed-size token
-chunks: inserting or looking up ``n`` tokens walks ``n / chunk`` dict
-lookups, and only the chunk where the sequences diverge is compared token
-by token (against the chunks that continue the matched prefix).  The cost
-is linear in the tokens inserted and looked up, never in tokens times
-sequences.
+chunks, each chunk packed as 4-byte words (token ids are below ``2**32``):
+inserting or looking up ``n`` tokens walks ``n / chunk`` dict lookups, and
+only the chunk where the sequences diverge is compared.  Each node keeps
+the chunks that continue it (full ones, and the partial last chunks of
+sequences that end there) in sorted order; the longest common prefix of a
+chunk with any of them is its longest with one of its two neighbours in
+that order, so a lookup takes a binary search there, never a scan of the
+node's continuations.  The cost is linear in the tokens inserted and looked
+up, never in tokens times sequences.
 """
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 __all__ = ["DEFAULT_CHUNK", "ComputedPrefixes"]
@@ -20,17 +26,45 @@ __all__ = ["DEFAULT_CHUNK", "ComputedPrefixes"]
 #: Tokens per trie edge.
 DEFAULT_CHUNK = 32
 
+#: Bytes per packed token id.
+_WORD = 4
+if array("I").itemsize != _WORD:  # pragma: no cover - every supported platform
+    msg = "the token-level bound packs token ids as 4-byte unsigned ints"
+    raise ImportError(msg)
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    return array("I", tokens).tobytes()
+
 
 class _Node:
     """The prefix of ``depth`` chunks shared by the sequences below it."""
 
-    __slots__ = ("children", "partials")
+    __slots__ = ("children", "order", "partials")
 
     def __init__(self) -> None:
-        #: The next full chunk of a sequence through here -> its node.
-        self.children: dict[tuple[int, ...], _Node] = {}
-        #: Sequences that end inside the next chunk: key -> their tokens of it.
-        self.partials: dict[str, tuple[int, ...]] = {}
+        #: The next full chunk (packed) of a sequence through here -> its node.
+        self.children: dict[bytes, _Node] = {}
+        #: Sequences that end inside the next chunk: key -> their packed
+        #: tokens of it (``None`` until one does).
+        self.partials: dict[str, bytes] | None = None
+        #: The keys of ``children`` and the values of ``partials`` (with
+        #: repeats), sorted.
+        self.order: list[bytes] = []
+
+    def drop_partial(self, key: str) -> None:
+        partials = self.partials
+        if partials:
+            old = partials.pop(key, None)
+            if old is not None:
+                order = self.order
+                del order[bisect_left(order, old)]
+
+    def add_partial(self, key: str, part: bytes) -> None:
+        if self.partials is None:
+            self.partials = {}
+        self.partials[key] = part
+        insort(self.order, part)
 
 
 class ComputedPrefixes:
@@ -38,7 +72,7 @@ class ComputedPrefixes:
 
     A sequence only grows: :meth:`extend` records that its first ``length``
     tokens are computed (the tokens it was given before must be a prefix of
-    the ones it is given now).
+    the ones it is given now).  Token ids are ints in ``[0, 2**32)``.
     """
 
     __slots__ = ("_chunk", "_cursor", "_root")
@@ -58,52 +92,61 @@ class ComputedPrefixes:
         node, depth, recorded = self._cursor.get(key, (self._root, 0, 0))
         if length <= recorded:
             return
-        chunk = self._chunk
-        while depth + chunk <= length:
-            node.partials.pop(key, None)
-            edge = tuple(tokens[depth : depth + chunk])
+        step = self._chunk * _WORD
+        data = _pack(tokens[depth:length])
+        end = len(data)
+        node.drop_partial(key)
+        at = 0
+        while at + step <= end:
+            edge = data[at : at + step]
             child = node.children.get(edge)
             if child is None:
                 child = node.children[edge] = _Node()
+                insort(node.order, edge)
             node = child
-            depth += chunk
-        if length > depth:
-            node.partials[key] = tuple(tokens[depth:length])
-        self._cursor[key] = (node, depth, length)
+            at += step
+        if at < end:
+            node.add_partial(key, data[at:])
+        self._cursor[key] = (node, depth + at // _WORD, length)
 
     def longest_prefix(self, tokens: Sequence[int], limit: int | None = None) -> int:
         """The longest prefix of ``tokens`` (at most ``limit`` tokens) that
         some recorded sequence starts with."""
         n = len(tokens) if limit is None else min(len(tokens), limit)
-        chunk = self._chunk
+        if n <= 0:
+            return 0
+        data = _pack(tokens[:n])
+        step = self._chunk * _WORD
+        end = len(data)
         node = self._root
-        depth = 0
-        while depth + chunk <= n:
-            child = node.children.get(tuple(tokens[depth : depth + chunk]))
+        at = 0
+        while at + step <= end:
+            child = node.children.get(data[at : at + step])
             if child is None:
                 break
             node = child
-            depth += chunk
-        rest = tuple(tokens[depth : min(depth + chunk, n)])
-        if not rest:
-            return depth
-        best = 0
-        for seq in (*node.children, *node.partials.values()):
-            same = _common(seq, rest)
-            if same > best:
-                best = same
-                if best == len(rest):
-                    break
-        return depth + best
+            at += step
+        rest = data[at : at + step]
+        order = node.order
+        if not rest or not order:
+            return at // _WORD
+        i = bisect_left(order, rest)
+        best = _common(order[i], rest) if i < len(order) else 0
+        if i and best < len(rest):
+            best = max(best, _common(order[i - 1], rest))
+        return (at + best) // _WORD
 
 
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the common prefix of ``a`` and ``b``."""
-    if a[: len(b)] == b:
-        return min(len(a), len(b))
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _common(a: bytes, b: bytes) -> int:
+    """Length in bytes of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
