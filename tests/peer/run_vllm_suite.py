@@ -5,8 +5,8 @@ Run by ``.ci/vllm-peer`` (and so by ``.ci/run``), never by the default pytest
 run: it needs the network (PyPI) and vLLM.  The stage
 
 1. makes a virtual environment with vLLM |VLLM| for CPU (``torch==2.13.0``,
-   then ``--no-deps -r vllm-requirements.txt``, as
-   ``../shared/baselines/README.md`` describes), or, with ``--base-venv``, a
+   then ``--no-deps -r tests/peer/vllm-requirements.txt``, the pinned list of
+   vLLM |VLLM|'s CPU dependencies), or, with ``--base-venv``, a
    thin one layered over an existing vLLM environment; installs kvcore into
    it (editable, so its ``vllm.general_plugins`` entry point is registered)
    and the one package vLLM's test ``conftest.py`` needs besides (tblib);
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--requirements",
         type=Path,
-        default=REPO.parent / "shared" / "baselines" / "vllm-requirements.txt",
+        default=HERE / "vllm-requirements.txt",
     )
     parser.add_argument(
         "--only",
