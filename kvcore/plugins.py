@@ -40,6 +40,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "circular_buffer": "kvcore_circular_buffer",
     "hisparse": "kvcore_hisparse",
     "chunked_local": "kvcore_chunked_local",
+    "cross_attention": "kvcore_cross_attention",
     "hf": "kvcore_hf",
     "vllm": "kvcore_vllm",
 }

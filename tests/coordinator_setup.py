@@ -14,6 +14,7 @@ from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import CheckpointManager, KVCacheManager
 from kvcore_chunked_local import ChunkedLocalAttention
 from kvcore_circular_buffer import CircularBuffer
+from kvcore_cross_attention import CrossAttention
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_hisparse import HiSparseHot
 from kvcore_mamba import Mamba, MambaSpec
@@ -32,6 +33,7 @@ def builtin_kinds() -> list[Any]:
         CircularBuffer(),
         HiSparseHot(),
         ChunkedLocalAttention(),
+        CrossAttention(),
     ]
 
 

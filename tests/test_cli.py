@@ -566,6 +566,7 @@ def test_kinds_lists_every_builtin_kind(capsys: pytest.CaptureFixture[str]) -> N
         "circular_buffer",
         "hisparse_hot",
         "chunked_local_attention",
+        "cross_attention",
     }
     assert {r["plugin"] for r in rows if r["kind"] == "sliding_window_mla"} == {
         "sliding_window"

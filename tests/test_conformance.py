@@ -30,6 +30,7 @@ from kvcore.testing import check_kind
 from kvcore.testing.conformance import ConformanceCase, KindConformance
 from kvcore_chunked_local import ChunkedLocalAttentionSpec
 from kvcore_circular_buffer import CircularBufferSpec
+from kvcore_cross_attention import CrossAttentionSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec
@@ -105,6 +106,13 @@ class TestBuiltinAndExampleKinds(KindConformance):
             dtype=torch.bfloat16,
             attention_chunk_size=64,
         ),
+        "cross_attention": CrossAttentionSpec(
+            block_size=16,
+            num_kv_heads=2,
+            head_size=64,
+            dtype=torch.bfloat16,
+            max_encoder_tokens=1500,
+        ),
         "attention_sinks": [
             SINKS(
                 block_size=16,
@@ -130,7 +138,7 @@ def test_every_registered_kind_is_under_test() -> None:
     cases = TestBuiltinAndExampleKinds.conformance_cases()
     assert {c.name for c in cases} == set(REGISTRY)
     assert all(c.spec is not None for c in cases)
-    assert len(cases) == 12
+    assert len(cases) == 13
 
 
 def test_the_example_comes_from_its_distribution_beside_every_builtin() -> None:

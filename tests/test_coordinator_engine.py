@@ -139,7 +139,7 @@ def test_external_tokens_only_at_admission() -> None:
         ({"num_external_computed_tokens": None}, "num_external_computed_tokens must"),
         ({"num_encoder_tokens": -3}, "num_encoder_tokens must be"),
         ({"num_encoder_tokens": "4"}, "num_encoder_tokens must be"),
-        ({"num_encoder_tokens": 4}, "no cross-attention kind"),
+        ({"num_encoder_tokens": 4}, "no cache group of this plan takes encoder"),
         ({"full_sequence_must_fit": 1}, "full_sequence_must_fit must be a bool"),
         ({"full_sequence_must_fit": None}, "full_sequence_must_fit must be a bool"),
     ],

@@ -196,8 +196,8 @@ def test_override_of_a_kind_nobody_registers_is_refused(clean_env: None) -> None
     assert str(info.value) == (
         "KVCORE_OVERRIDE_KINDS (or override=) names kind(s) ['mambaa'] that no "
         "plugin registers; known kinds: chunked_local_attention, circular_buffer, "
-        "full_attention, hisparse_hot, mamba, mla, sliding_window, "
-        "sliding_window_mla. Check the spelling"
+        "cross_attention, full_attention, hisparse_hot, mamba, mla, "
+        "sliding_window, sliding_window_mla. Check the spelling"
     )
 
 
@@ -720,6 +720,7 @@ def test_the_suite_sees_only_builtin_kinds(builtin_registry: KindRegistry) -> No
     assert set(builtin_registry) == {
         "chunked_local_attention",
         "circular_buffer",
+        "cross_attention",
         "full_attention",
         "hisparse_hot",
         "mamba",

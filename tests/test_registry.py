@@ -52,6 +52,7 @@ BUILTIN_KINDS = {
     "circular_buffer",
     "hisparse_hot",
     "chunked_local_attention",
+    "cross_attention",
 }
 ENV_VARS = (
     "KVCORE_DISABLE_PLUGINS",
@@ -180,7 +181,7 @@ def fake_dist(
 def test_registry_has_exactly_the_builtin_kinds(pm: pluggy.PluginManager) -> None:
     registry = KindRegistry.from_plugin_manager(pm)
     assert set(registry) == BUILTIN_KINDS
-    assert len(registry) == 8
+    assert len(registry) == 9
 
 
 @pytest.mark.parametrize(
@@ -195,6 +196,7 @@ def test_registry_has_exactly_the_builtin_kinds(pm: pluggy.PluginManager) -> Non
         ("circular_buffer", "circular_buffer"),
         ("hisparse_hot", "hisparse"),
         ("chunked_local_attention", "chunked_local"),
+        ("cross_attention", "cross_attention"),
     ],
 )
 def test_owner_of_builtin_kinds(

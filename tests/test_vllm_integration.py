@@ -51,6 +51,20 @@ def test_full_attention_and_window_specs_convert() -> None:
     assert (local.kind, local.attention_chunk_size) == ("chunked_local_attention", 64)
 
 
+def test_cross_attention_spec_converts() -> None:
+    # Its blocks are sized by each request's encoder tokens at admission,
+    # so the spec carries no encoder bound (vLLM's is a scheduler setting).
+    cross = to_kvcore_spec(_spec("CrossAttentionSpec"))
+    assert (cross.kind, cross.block_size, cross.num_kv_heads, cross.head_size) == (
+        "cross_attention",
+        16,
+        2,
+        64,
+    )
+    assert cross.max_encoder_tokens is None
+    assert cross.num_blocks_held(0, 1000, 16) == 0
+
+
 def test_config_converts_groups_and_block_count() -> None:
     config = SimpleNamespace(
         num_blocks=100,

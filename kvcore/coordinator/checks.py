@@ -83,8 +83,9 @@ def checked_hit(
 
 def check_engine_keywords(
     manager: Any, request: Request, engine: Mapping[str, object]
-) -> tuple[int, bool]:
-    """The checked engine keywords: (external tokens, full sequence)."""
+) -> tuple[int, bool, int]:
+    """The checked engine keywords: (external tokens, full sequence, encoder
+    tokens)."""
     unknown = sorted(set(engine) - _ENGINE_KEYWORDS)
     if unknown:
         msg = (
@@ -97,7 +98,11 @@ def check_engine_keywords(
     num_encoder = engine.get("num_encoder_tokens", 0)
     full_sequence_must_fit = engine.get("full_sequence_must_fit", False)
     check_external(manager, request, num_external, num_encoder, full_sequence_must_fit)
-    return cast(int, num_external), cast(bool, full_sequence_must_fit)
+    return (
+        cast(int, num_external),
+        cast(bool, full_sequence_must_fit),
+        cast(int, num_encoder),
+    )
 
 
 def check_step_limits(rid: str, engine: Mapping[str, object]) -> tuple[int, int]:
@@ -135,11 +140,18 @@ def check_external(
             f"non-negative int, got {num_encoder!r}"
         )
         raise InvalidRequestError(msg)
-    if num_encoder:
+    if num_encoder and not manager.coordinator.encoder_groups:
         msg = (
             f"allocate_slots for request {rid!r}: {num_encoder} encoder tokens, "
-            "but kvcore has no cross-attention kind to hold them; pass "
-            "num_encoder_tokens=0 (decoder-only plans)"
+            "but no cache group of this plan takes encoder tokens (no "
+            "cross-attention layer); pass num_encoder_tokens=0 for this plan"
+        )
+        raise InvalidRequestError(msg)
+    if num_encoder and request.request_id in manager._requests:
+        msg = (
+            f"allocate_slots for request {rid!r}: {num_encoder} encoder tokens, "
+            "but the request already holds blocks; encoder tokens get their "
+            "blocks only when the request is admitted"
         )
         raise InvalidRequestError(msg)
     if type(full_sequence_must_fit) is not bool:

@@ -9,7 +9,6 @@ every group's manager.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.declared import check_manager, declared_policy
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import (
@@ -165,7 +165,7 @@ class KVCacheCoordinator:
                 raise BlockSizeError(msg)
             kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
             owners.append(registry.owner(kind.name))
-            policy = _declared_policy(layer_spec, kind.name, owners[-1])
+            policy = declared_policy(layer_spec, kind.name, owners[-1])
             policies.append(policy)
             manager = kind.make_manager(
                 layer_spec,
@@ -184,7 +184,7 @@ class KVCacheCoordinator:
                     else self.cache_hit_alignment
                 ),
             )
-            _check_manager(manager, policy, kind.name, owners[-1])
+            check_manager(manager, policy, kind.name, owners[-1])
             manager.use_eagle = use_eagle
             # Only groups whose manager hashes its blocks must align with the
             # hash block (a recurrent state that is never kept hashes nothing);
@@ -211,6 +211,12 @@ class KVCacheCoordinator:
         self._distributions: dict[str, str | None] = {}
         #: Managers that release blocks a request no longer reads.
         self.skipping = tuple(m for m in managers if m.skips_blocks)
+        #: Groups whose tables are sized by the request's encoder tokens
+        #: (``SingleTypeManager.takes_encoder_tokens``); empty for a
+        #: decoder-only plan.
+        self.encoder_groups = tuple(
+            gid for gid, m in enumerate(managers) if m.takes_encoder_tokens
+        )
         # Twin groups (see _twin_key) hold equal tables and per-request
         # state, so a step that changes nothing for the first of them (its
         # manager records nothing in the step's journal) changes nothing
@@ -552,9 +558,11 @@ class KVCacheCoordinator:
         request_id: str,
         num_tokens: int,
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_encoder_tokens: int = 0,
     ) -> int:
         """Blocks a new request needs to cover ``num_tokens`` with
-        ``new_computed_blocks`` (its admission blocks) attached."""
+        ``new_computed_blocks`` (its admission blocks) attached, and
+        ``num_encoder_tokens`` in the groups that take them."""
         total = 0
         gid = 0
         try:
@@ -562,8 +570,11 @@ class KVCacheCoordinator:
                 self.single_type_managers, new_computed_blocks, strict=True
             ):
                 gid = manager.kv_cache_group_id
+                tokens = (
+                    num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
+                )
                 total += _count(
-                    manager.get_num_blocks_to_allocate(request_id, num_tokens, computed)
+                    manager.get_num_blocks_to_allocate(request_id, tokens, computed)
                 )
         except Exception as exc:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
@@ -585,17 +596,31 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, "add_computed_blocks", exc) from exc
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
+        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
     ) -> tuple[list[KVCacheBlock], ...]:
-        """Phase two: grow every group's table to cover ``num_tokens``."""
-        return tuple(
-            self._each(
-                self.single_type_managers,
-                "allocate_new_blocks",
-                request_id,
-                num_tokens,
+        """Phase two: grow every group's table to cover ``num_tokens`` (the
+        groups that take encoder tokens: ``num_encoder_tokens``)."""
+        if not self.encoder_groups:
+            return tuple(
+                self._each(
+                    self.single_type_managers,
+                    "allocate_new_blocks",
+                    request_id,
+                    num_tokens,
+                )
             )
-        )
+        out = []
+        gid = 0
+        try:
+            for manager in self.single_type_managers:
+                gid = manager.kv_cache_group_id
+                tokens = (
+                    num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
+                )
+                out.append(manager.allocate_new_blocks(request_id, tokens))
+        except Exception as exc:
+            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
+        return tuple(out)
 
     def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``:
@@ -814,85 +839,3 @@ def _count(value: object) -> int:
         msg = f"returned {value!r} blocks; a block count is a non-negative int"
         raise KvcoreValueError(msg)
     return value
-
-
-def _declared_policy(spec: Any, kind: str, plugin: str) -> HitPolicy:
-    """The group's hit policy, checked: a :class:`HitPolicy`, and the two
-    properties derived from it left as the policy says (a spec that
-    overrides ``prefix_cacheable`` or ``hashes_blocks`` instead would have
-    the planner and the coordinator disagree)."""
-    try:
-        policy = spec.hit_policy
-    except Exception as exc:
-        msg = (
-            f"cache kind {kind!r} (plugin {plugin!r}): reading spec.hit_policy "
-            f"raised {type(exc).__name__}: {exc}"
-        )
-        raise PluginError(msg, plugin_name=plugin) from exc
-    if not isinstance(policy, HitPolicy):
-        msg = (
-            f"cache kind {kind!r} (plugin {plugin!r}): spec.hit_policy is "
-            f"{policy!r}; it must be a kvcore.HitPolicy member "
-            f"({', '.join(p.name for p in HitPolicy)})"
-        )
-        raise PluginError(msg, plugin_name=plugin)
-    if (spec.prefix_cacheable, spec.hashes_blocks) != (
-        policy.prefix_cacheable,
-        policy.hashes_blocks,
-    ):
-        msg = (
-            f"cache kind {kind!r} (plugin {plugin!r}): the spec declares "
-            f"hit_policy={policy.name} but overrides prefix_cacheable="
-            f"{spec.prefix_cacheable} / hashes_blocks={spec.hashes_blocks}, "
-            f"which {policy.name} makes {policy.prefix_cacheable} / "
-            f"{policy.hashes_blocks}; override hit_policy alone"
-        )
-        raise PluginError(msg, plugin_name=plugin)
-    return policy
-
-
-def _check_manager(
-    manager: SingleTypeManager, policy: HitPolicy, kind: str, plugin: str
-) -> None:
-    """A kind's manager serves its spec's policy, with the current hit-search
-    signature (one :class:`HitQuery`)."""
-    served: frozenset[HitPolicy] = getattr(manager, "hit_policies", frozenset())
-    if policy not in served:
-        names = ", ".join(sorted(p.name for p in served)) or "none"
-        msg = (
-            f"cache kind {kind!r} (plugin {plugin!r}): its spec declares "
-            f"hit_policy={policy.name} but its manager {type(manager).__name__} "
-            f"serves {names}; choose a manager for that policy "
-            "(kvcore.coordinator.managers) or declare the policy it serves"
-        )
-        raise PluginError(msg, plugin_name=plugin)
-    if manager.caching:
-        problem = _search_problem(type(manager))
-        if problem:
-            msg = (
-                f"cache kind {kind!r} (plugin {plugin!r}): "
-                f"{type(manager).__name__}.find_longest_cache_hit {problem}; a "
-                f"manager serving {policy.name} implements it as a classmethod "
-                "taking one kvcore.coordinator.HitQuery (find_longest_cache_hit(cls, "
-                "query)), or subclasses a generic manager that does"
-            )
-            raise PluginError(msg, plugin_name=plugin)
-
-
-def _search_problem(manager_type: type[SingleTypeManager]) -> str | None:
-    """What is wrong with a manager class's hit search, or None: it must be
-    its own (not the base's, which only raises) and callable with one
-    query argument."""
-    if getattr(manager_type.find_longest_cache_hit, "__isabstractmethod__", False):
-        return "is not implemented (only the base class's, which raises)"
-    try:
-        signature = inspect.signature(manager_type.find_longest_cache_hit)
-    except (TypeError, ValueError):
-        return None  # not introspectable (a C callable): trust it
-    try:
-        signature.bind(object())
-    except TypeError:
-        return (
-            f"cannot be called with one query argument (its signature is {signature})"
-        )
-    return None

@@ -304,9 +304,12 @@ class KVCacheManager(EngineCalls):
             in a later step).  With a prefix hit attached
             (``num_new_computed_tokens``), ``num_new_tokens`` may be 0 too:
             a chunk that only adopts the hit.
-        :param num_encoder_tokens: encoder tokens for cross-attention groups.
-            kvcore has no cross-attention kind, so a nonzero value is refused
-            (reserving nothing would leave the encoder's KV without slots).
+        :param num_encoder_tokens: the request's encoder tokens, for the
+            groups whose manager takes them (``takes_encoder_tokens``:
+            encoder cross-attention), which hold ``ceil(num_encoder_tokens /
+            block_size)`` blocks from admission until the request is freed.
+            Only when the request is admitted; refused when no group of the
+            plan takes encoder tokens.
         :param full_sequence_must_fit: admit only when the pool can hold the
             request's whole current sequence (``request.num_tokens``, capped at
             ``max_model_len``) as well as this step, so chunked prefill does
@@ -331,8 +334,8 @@ class KVCacheManager(EngineCalls):
         rid = request.request_id
         # The engine keywords travel in a dict so a step without them pays
         # for no keyword-only defaults.
-        num_external_computed_tokens, full_sequence_must_fit = (
-            check_engine_keywords(self, request, engine) if engine else (0, False)
+        num_external_computed_tokens, full_sequence_must_fit, num_encoder = (
+            check_engine_keywords(self, request, engine) if engine else (0, False, 0)
         )
         num_in_flight, reserved = check_step_limits(rid, engine) if engine else (0, 0)
         computed = checked_hit(
@@ -405,7 +408,9 @@ class KVCacheManager(EngineCalls):
             )
             if coordinator.planning:
                 coordinator.plan_checkpoints(request, num_computed)
-            need = coordinator.get_num_blocks_to_allocate(rid, num_tokens, attach)
+            need = coordinator.get_num_blocks_to_allocate(
+                rid, num_tokens, attach, num_encoder
+            )
             if sources:
                 # A free source leaves the free queue for the step.
                 held_sources = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
@@ -413,7 +418,10 @@ class KVCacheManager(EngineCalls):
         if (
             full_sequence_must_fit
             and self._full_sequence_blocks(
-                request, min(request.num_tokens, self.max_model_len), attach
+                request,
+                min(request.num_tokens, self.max_model_len),
+                attach,
+                num_encoder,
             )
             + held_sources
             > self.block_pool.free_queue.num_free
@@ -442,7 +450,9 @@ class KVCacheManager(EngineCalls):
                     need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
                 else:
                     need = (
-                        coordinator.get_num_blocks_to_allocate(rid, num_tokens, attach)
+                        coordinator.get_num_blocks_to_allocate(
+                            rid, num_tokens, attach, num_encoder
+                        )
                         + held_sources
                     )
             if shed is None or (
@@ -460,7 +470,7 @@ class KVCacheManager(EngineCalls):
         return self._run_step(
             request,
             held,
-            (running, skipping, attach, processed, num_tokens, cache_to),
+            (running, skipping, attach, processed, num_tokens, cache_to, num_encoder),
             sources,
             shed,
             request.num_computed_tokens + num_new_computed_tokens,
@@ -470,7 +480,7 @@ class KVCacheManager(EngineCalls):
         self,
         request: Request,
         held: Request | None,
-        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int],
+        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int, int],
         sources: list[tuple[int, KVCacheBlock, int]] | None,
         shed: list[Any] | None,
         num_hit_tokens: int,
@@ -522,23 +532,17 @@ class KVCacheManager(EngineCalls):
         self,
         sources: list[tuple[int, KVCacheBlock, int]],
         request: Request,
-        running: bool,
-        skipping: bool,
-        attach: tuple[list[KVCacheBlock], ...],
-        num_computed: int,
-        num_tokens: int,
-        cache_to: int,
+        *args: Any,
     ) -> tuple[list[KVCacheBlock], ...] | None:
-        """:meth:`_step` for an admission with copy-on-write sources: each
-        source is held for the step (so this step's allocation cannot evict
-        it) and released after; its content stays until the copy runs,
-        since no block is written before the forward pass."""
+        """:meth:`_step` (``args``: its arguments after the request) for an
+        admission with copy-on-write sources: each source is held for the
+        step (so this step's allocation cannot evict it) and released after;
+        its content stays until the copy runs, since no block is written
+        before the forward pass."""
         pool = self.block_pool
         held = [src for _, src, _ in sources]
         pool.touch(held)
-        new_blocks = self._step(
-            request, running, skipping, attach, num_computed, num_tokens, cache_to
-        )
+        new_blocks = self._step(request, *args)
         pool.free_blocks(held)
         return new_blocks
 
@@ -562,6 +566,7 @@ class KVCacheManager(EngineCalls):
         request: Request,
         num_tokens: int,
         attach: Sequence[Sequence[KVCacheBlock]],
+        num_encoder: int = 0,
     ) -> int:
         """Free blocks the request draws from the pool, at its peak, to cover
         ``num_tokens`` with ``attach`` (its admission blocks, or nothing for
@@ -574,9 +579,8 @@ class KVCacheManager(EngineCalls):
         for gid, manager in enumerate(self._managers):
             computed = attach[gid] if attach else empty
             try:
-                need = _count(
-                    manager.get_num_blocks_to_allocate(rid, num_tokens, computed)
-                )
+                tokens = num_encoder if manager.takes_encoder_tokens else num_tokens
+                need = _count(manager.get_num_blocks_to_allocate(rid, tokens, computed))
             except Exception as exc:
                 err = self.coordinator.plugin_error(
                     gid, "get_num_blocks_to_allocate", exc
@@ -667,8 +671,10 @@ class KVCacheManager(EngineCalls):
         num_computed: int,
         num_tokens: int,
         cache_to: int,
+        num_encoder: int = 0,
     ) -> tuple[list[KVCacheBlock], ...] | None:
-        """The changes of one validated allocate_slots step."""
+        """The changes of one validated allocate_slots step (``num_encoder``:
+        the encoder tokens of an admission)."""
         coordinator = self.coordinator
         rid = request.request_id
         if skipping:
@@ -678,7 +684,7 @@ class KVCacheManager(EngineCalls):
             new_blocks = coordinator.grow(rid, num_tokens)
         else:
             coordinator.add_computed_blocks(rid, attach)
-            new_blocks = coordinator.allocate_new_blocks(rid, num_tokens)
+            new_blocks = coordinator.allocate_new_blocks(rid, num_tokens, num_encoder)
         if cache_to >= 0:
             coordinator.cache_blocks(request, cache_to)
         return new_blocks

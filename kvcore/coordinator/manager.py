@@ -121,6 +121,12 @@ class SingleTypeManager:
     #: :meth:`record_request_state` before changing that state): a step
     #: records it on its first change to the request.
     keeps_request_state: ClassVar[bool] = False
+    #: Whether the group's tables are sized by the request's encoder tokens
+    #: (``num_encoder_tokens`` of ``allocate_slots``, passed at admission as
+    #: ``num_tokens``) instead of its decoder tokens: encoder cross-attention.
+    #: Such a manager is not :attr:`position_indexed`, so a running request
+    #: never grows its table.
+    takes_encoder_tokens: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ with its processed count), never on tokens a step in flight still computes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -121,6 +122,25 @@ class _ManagerView:
         self._null_block = pool.null_block
 
 
+@functools.cache
+def _cross_attention_view() -> type[_ManagerView]:
+    """The view of a cross-attention group: also a vLLM
+    ``CrossAttentionManager``, the class by which vLLM's code and tests tell
+    the group (only the view's attributes are read; kvcore runs it)."""
+    from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+
+    bases = (_ManagerView, CrossAttentionManager)
+    return type("CrossAttentionManagerView", bases, {})
+
+
+def _view_type(spec: Any) -> type[_ManagerView]:
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+
+    if isinstance(spec, CrossAttentionSpec):
+        return _cross_attention_view()
+    return _ManagerView
+
+
 class CoordinatorView:
     """The coordinator calls vLLM's scheduler makes directly."""
 
@@ -130,7 +150,9 @@ class CoordinatorView:
         self._owner = owner
         self.coordinator = owner.kvcore
         self.single_type_managers = tuple(
-            _ManagerView(manager, vllm_group.kv_cache_spec, owner.block_pool)
+            _view_type(vllm_group.kv_cache_spec)(
+                manager, vllm_group.kv_cache_spec, owner.block_pool
+            )
             for manager, vllm_group in zip(
                 owner.kvcore.single_type_managers,
                 vllm_config.kv_cache_groups,
@@ -376,12 +398,12 @@ class KVCacheManager:
                 "tokens and no computed tokens to adopt"
             )
             raise InvalidRequestError(msg)
-        if num_encoder_tokens:
+        if num_encoder_tokens and request.request_id in self._live:
             msg = (
                 f"allocate_slots for request {request.request_id!r}: "
-                f"{num_encoder_tokens} encoder tokens, but kvcore has no "
-                "cross-attention kind for vLLM yet; unset KVCORE_VLLM for "
-                "encoder-decoder models"
+                f"{num_encoder_tokens} encoder tokens, but the request already "
+                "holds blocks; kvcore gives cross-attention its blocks only when "
+                "the request is admitted"
             )
             raise InvalidRequestError(msg)
         coordinator = self.kvcore
@@ -410,7 +432,9 @@ class KVCacheManager:
             need_full = (
                 coordinator.get_num_blocks_to_grow(rid, full)
                 if running
-                else coordinator.get_num_blocks_to_allocate(rid, full, attach)
+                else coordinator.get_num_blocks_to_allocate(
+                    rid, full, attach, num_encoder_tokens
+                )
             )
             if need_full + watermark > pool.get_num_free_blocks():
                 return None
@@ -425,7 +449,9 @@ class KVCacheManager:
         need = (
             coordinator.get_num_blocks_to_grow(rid, num_slots)
             if running
-            else coordinator.get_num_blocks_to_allocate(rid, num_slots, attach)
+            else coordinator.get_num_blocks_to_allocate(
+                rid, num_slots, attach, num_encoder_tokens
+            )
         )
         if need + watermark > pool.get_num_free_blocks() - reserved_blocks:
             return None
@@ -439,7 +465,9 @@ class KVCacheManager:
                 new = coordinator.grow(rid, num_slots)
             else:
                 coordinator.add_computed_blocks(rid, attach)
-                new = coordinator.allocate_new_blocks(rid, num_slots)
+                new = coordinator.allocate_new_blocks(
+                    rid, num_slots, num_encoder_tokens
+                )
             if cache_to >= 0:
                 coordinator.cache_blocks(request, cache_to)
         except BaseException:

@@ -24,6 +24,7 @@ SUPPORTED_SPECS = {
     "SlidingWindowSpec": "sliding_window",
     "SlidingWindowMLASpec": "sliding_window_mla",
     "ChunkedLocalAttentionSpec": "chunked_local_attention",
+    "CrossAttentionSpec": "cross_attention",
 }
 
 

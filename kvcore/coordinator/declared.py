@@ -1,0 +1,98 @@
+"""What a cache kind's plugin declares to the coordinator, checked when
+the coordinator builds the kind's manager: the spec's hit policy, and a
+manager that serves it with the current hit-search signature.  Each
+failure is a :class:`~kvcore.errors.PluginError` naming the kind, its
+plugin, the rule and the fix."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.errors import PluginError
+from kvcore.spec import HitPolicy
+
+__all__ = ["check_manager", "declared_policy", "search_problem"]
+
+
+def declared_policy(spec: Any, kind: str, plugin: str) -> HitPolicy:
+    """The group's hit policy, checked: a :class:`HitPolicy`, and the two
+    properties derived from it left as the policy says (a spec that
+    overrides ``prefix_cacheable`` or ``hashes_blocks`` instead would have
+    the planner and the coordinator disagree)."""
+    try:
+        policy = spec.hit_policy
+    except Exception as exc:
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): reading spec.hit_policy "
+            f"raised {type(exc).__name__}: {exc}"
+        )
+        raise PluginError(msg, plugin_name=plugin) from exc
+    if not isinstance(policy, HitPolicy):
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): spec.hit_policy is "
+            f"{policy!r}; it must be a kvcore.HitPolicy member "
+            f"({', '.join(p.name for p in HitPolicy)})"
+        )
+        raise PluginError(msg, plugin_name=plugin)
+    if (spec.prefix_cacheable, spec.hashes_blocks) != (
+        policy.prefix_cacheable,
+        policy.hashes_blocks,
+    ):
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): the spec declares "
+            f"hit_policy={policy.name} but overrides prefix_cacheable="
+            f"{spec.prefix_cacheable} / hashes_blocks={spec.hashes_blocks}, "
+            f"which {policy.name} makes {policy.prefix_cacheable} / "
+            f"{policy.hashes_blocks}; override hit_policy alone"
+        )
+        raise PluginError(msg, plugin_name=plugin)
+    return policy
+
+
+def check_manager(
+    manager: SingleTypeManager, policy: HitPolicy, kind: str, plugin: str
+) -> None:
+    """A kind's manager serves its spec's policy, with the current hit-search
+    signature (one :class:`HitQuery`)."""
+    served: frozenset[HitPolicy] = getattr(manager, "hit_policies", frozenset())
+    if policy not in served:
+        names = ", ".join(sorted(p.name for p in served)) or "none"
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): its spec declares "
+            f"hit_policy={policy.name} but its manager {type(manager).__name__} "
+            f"serves {names}; choose a manager for that policy "
+            "(kvcore.coordinator.managers) or declare the policy it serves"
+        )
+        raise PluginError(msg, plugin_name=plugin)
+    if manager.caching:
+        problem = search_problem(type(manager))
+        if problem:
+            msg = (
+                f"cache kind {kind!r} (plugin {plugin!r}): "
+                f"{type(manager).__name__}.find_longest_cache_hit {problem}; a "
+                f"manager serving {policy.name} implements it as a classmethod "
+                "taking one kvcore.coordinator.HitQuery (find_longest_cache_hit(cls, "
+                "query)), or subclasses a generic manager that does"
+            )
+            raise PluginError(msg, plugin_name=plugin)
+
+
+def search_problem(manager_type: type[SingleTypeManager]) -> str | None:
+    """What is wrong with a manager class's hit search, or None: it must be
+    its own (not the base's, which only raises) and callable with one
+    query argument."""
+    if getattr(manager_type.find_longest_cache_hit, "__isabstractmethod__", False):
+        return "is not implemented (only the base class's, which raises)"
+    try:
+        signature = inspect.signature(manager_type.find_longest_cache_hit)
+    except (TypeError, ValueError):
+        return None  # not introspectable (a C callable): trust it
+    try:
+        signature.bind(object())
+    except TypeError:
+        return (
+            f"cannot be called with one query argument (its signature is {signature})"
+        )
+    return None
