@@ -183,9 +183,9 @@ class EngineCalls:
         """Each group's own prefix hit, searched alone (blocks and length
         per group): what a KV connector may complete where the groups'
         hits differ.  Bounded like :meth:`get_computed_blocks`; nothing is
-        attached or counted.  Attach a hit of one length (from
-        :meth:`get_computed_blocks`) unless the connector loads what the
-        shorter groups lack."""
+        attached or counted.  :meth:`allocate_slots` attaches only a hit of
+        one length (from :meth:`get_computed_blocks`): the lengths here say
+        how far a connector would have to load each group."""
         if not isinstance(request, Request):
             raise not_a_request(request)
         bound = len(request.all_token_ids) - 1
