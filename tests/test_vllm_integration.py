@@ -97,12 +97,45 @@ def test_config_converts_groups_and_block_count() -> None:
 
 
 def test_unsupported_specs_are_refused_by_name() -> None:
-    with pytest.raises(InvalidSpecError, match="group 3 has a vLLM MambaSpec"):
-        to_kvcore_spec(_spec("MambaSpec"), group=3)
+    with pytest.raises(InvalidSpecError, match="group 3 has a vLLM ShortConvSpec"):
+        to_kvcore_spec(_spec("ShortConvSpec"), group=3)
     with pytest.raises(InvalidSpecError, match="chunked-local or non-causal"):
         to_kvcore_spec(_spec("FullAttentionSpec", non_causal=True))
     with pytest.raises(InvalidSpecError, match="sparse-attention cache"):
         to_kvcore_spec(_spec("MLAAttentionSpec", model_version="deepseek_v4"))
+
+
+def _mamba(**fields: Any) -> Any:
+    base = {
+        "block_size": 16,
+        "shapes": ((3, 64), (8, 16)),
+        "dtypes": (torch.float16, torch.float16),
+        "page_size_padded": None,
+        "mamba_cache_mode": "align",
+        "num_speculative_blocks": 0,
+        "num_prefill_checkpoint_blocks": 0,
+        "tp_replicated": False,
+    }
+    base.update(fields)
+    return type("MambaSpec", (), base)()
+
+
+def test_mamba_specs_convert_with_step_end_checkpoints() -> None:
+    """Align mode keeps only step-end states (vLLM's kernels write none
+    inside a step); none mode only the live state."""
+    align = to_kvcore_spec(_mamba(page_size_padded=4096))
+    assert (align.kind, align.mamba_cache_mode, align.checkpoint_policy) == (
+        "mamba",
+        "align",
+        "steps",
+    )
+    assert (align.shapes, align.page_size_bytes) == (((3, 64), (8, 16)), 4096)
+    none = to_kvcore_spec(_mamba(mamba_cache_mode="none", num_speculative_blocks=2))
+    assert (none.mamba_cache_mode, none.num_speculative_blocks) == ("none", 2)
+    with pytest.raises(InvalidSpecError, match="group 2's MambaSpec asks for 1"):
+        to_kvcore_spec(_mamba(num_speculative_blocks=1), group=2)
+    with pytest.raises(InvalidSpecError, match="mamba_cache_mode='all'"):
+        to_kvcore_spec(_mamba(mamba_cache_mode="all"))
 
 
 def _fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str) -> None:

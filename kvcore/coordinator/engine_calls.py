@@ -14,8 +14,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcore.coordinator.block_pool import KVCacheBlock
-from kvcore.coordinator.checks import check_tokens, not_a_request, owned
+from kvcore.coordinator.blocks import KVCacheBlocks
+from kvcore.coordinator.checks import check_hashing, check_tokens, not_a_request, owned
+from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.request import Request, RequestStatus
+from kvcore.coordinator.state_manager import CheckpointManager
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 
 if TYPE_CHECKING:
@@ -64,6 +67,7 @@ class EngineCalls:
     coordinator: KVCacheCoordinator
     _requests: dict[str, Request]
     prefix_cache_stats: PrefixCacheStats
+    enable_caching: bool
 
     def _require_live(self, rid: str) -> Request:
         """The live request of this id (it holds blocks), or a clear error."""
@@ -177,6 +181,81 @@ class EngineCalls:
 
         self._guarded(drop)
         return pool.evictions - before
+
+    def find_longest_cache_hit_per_group(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, tuple[int, ...]]:
+        """Each group's own prefix hit, searched alone (blocks and length
+        per group): what a KV connector may complete where the groups'
+        hits differ.  Bounded like :meth:`get_computed_blocks`; nothing is
+        attached or counted.  :meth:`allocate_slots` attaches only a hit of
+        one length (from :meth:`get_computed_blocks`): the lengths here say
+        how far a connector would have to load each group."""
+        if not isinstance(request, Request):
+            raise not_a_request(request)
+        bound = len(request.all_token_ids) - 1
+        if max_cache_hit_length is not None:
+            check_tokens(
+                "find_longest_cache_hit_per_group: max_cache_hit_length",
+                max_cache_hit_length,
+            )
+            bound = min(bound, max_cache_hit_length)
+        coordinator = self.coordinator
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return KVCacheBlocks(tuple([] for _ in range(coordinator.num_groups))), (
+                0,
+            ) * coordinator.num_groups
+        check_hashing(self, request)
+        blocks, lengths = find_longest_cache_hit_per_group(
+            coordinator, request.block_hashes, bound
+        )
+        return KVCacheBlocks(blocks), lengths
+
+    def state_write_positions(
+        self, request: Request | str, num_computed_tokens: int, num_tokens: int
+    ) -> dict[int, tuple[int, ...]]:
+        """Where the engine must write recurrent states in a step that
+        computes the request's tokens ``num_computed_tokens`` to
+        ``num_tokens`` (hit and loaded tokens before the step count as
+        computed): per state group id, the token counts ``t`` after which
+        the state is written, ascending, each into the group's table
+        position ``ceil(t / block_size) - 1``.  The last is always
+        ``num_tokens`` (the step's end); any before it are checkpoints the
+        group's policy keeps inside the step.  Call after the step's
+        ``allocate_slots``.  A state kept for later requests is always one
+        listed here; with ``checkpoint_policy="steps"`` only step ends are
+        listed, which engines whose kernels write a state only at the end
+        of each step (vLLM's align mode) need."""
+        rid = request if isinstance(request, str) else request.request_id
+        check_tokens(
+            f"state_write_positions for request {rid!r}: num_computed_tokens",
+            num_computed_tokens,
+        )
+        check_tokens(
+            f"state_write_positions for request {rid!r}: num_tokens", num_tokens
+        )
+        self._require_live(rid)
+        if num_tokens < num_computed_tokens:
+            msg = (
+                f"state_write_positions for request {rid!r}: num_tokens="
+                f"{num_tokens} is below num_computed_tokens={num_computed_tokens}; "
+                "pass the step's first and last token counts"
+            )
+            raise InvalidRequestError(msg)
+        out: dict[int, tuple[int, ...]] = {}
+        for gid, manager in enumerate(self.coordinator.single_type_managers):
+            if not isinstance(manager, CheckpointManager):
+                continue
+            held = len(manager.req_to_blocks.get(rid, ())) * manager.block_size
+            if num_tokens > held:
+                msg = (
+                    f"state_write_positions for request {rid!r}: the step ends "
+                    f"at {num_tokens} tokens, past the {held} its group {gid} "
+                    "table covers; call it after the step's allocate_slots"
+                )
+                raise InvalidRequestError(msg)
+            out[gid] = tuple(manager.state_writes(rid, num_computed_tokens, num_tokens))
+        return out
 
 
 def _request_id(request: object) -> str:

@@ -347,6 +347,30 @@ class CheckpointManager(SingleTypeManager):
         held.extend(extension)
         return new
 
+    def state_writes(self, request_id: str, start: int, end: int) -> list[int]:
+        """The token counts after which a step computing tokens ``start`` to
+        ``end`` must write the request's state, ascending, each into table
+        position ``cdiv(t, block_size) - 1``: the step's end, and the end of
+        every block of the step that holds a real block before its last
+        position (a checkpoint the policy keeps inside the step; every block
+        with :meth:`keeps_every_state`).  A step starting inside a block
+        reads its state from that block; the state at the block's end is
+        written back into it only where the policy may keep it there.  Call
+        after the step's allocation."""
+        if end <= start:
+            return []
+        blocks = self.req_to_blocks.get(request_id, ())
+        size = self.block_size
+        last = min(cdiv(end, size) - 1, len(blocks))
+        first = cdiv(start, size)
+        if start % size and (self.keep_all or self._targets_on):
+            first -= 1
+        out = [
+            (pos + 1) * size for pos in range(first, last) if not blocks[pos].is_null
+        ]
+        out.append(end)
+        return out
+
     # -- caching ----------------------------------------------------------------
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

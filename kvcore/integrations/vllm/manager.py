@@ -19,6 +19,7 @@ from typing import Any
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.errors import InvalidRequestError
 from kvcore.integrations.vllm.specs import to_kvcore_config
 from kvcore.registry import default_registry
@@ -169,6 +170,45 @@ class CoordinatorView:
     ) -> int:
         return self._owner._blocks_needed(request_id, num_tokens, new_computed_blocks)
 
+    @property
+    def full_attention_group_id(self) -> int | None:
+        """The first full-attention group (the per-group hits' reference:
+        full attention serves every length up to its hit), or None."""
+        return self._owner._full_attention_group
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[Any], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
+        """Each group's own hit (blocks, tokens), searched alone."""
+        return find_longest_cache_hit_per_group(
+            self.coordinator, block_hashes, max_cache_hit_length
+        )
+
+
+class HybridCoordinatorView(CoordinatorView):
+    """The view of a prefix-cached plan of several groups; it registers as
+    vLLM's ``HybridKVCacheCoordinator``, which such a plan has on vLLM."""
+
+
+def _full_attention_group(config: Any) -> int | None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    for gid, group in enumerate(config.kv_cache_groups):
+        if isinstance(group.kv_cache_spec, FullAttentionSpec):
+            return gid
+    return None
+
+
+def _coordinator_view(
+    owner: KVCacheManager, config: Any, enable_caching: bool
+) -> CoordinatorView:
+    if not enable_caching or len(config.kv_cache_groups) < 2:
+        return CoordinatorView(owner, config)
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+    HybridKVCacheCoordinator.register(HybridCoordinatorView)
+    return HybridCoordinatorView(owner, config)
+
 
 def _to_vllm_events(events: list[Any], config: Any) -> list[Any]:
     from vllm.distributed import kv_events as ev
@@ -279,7 +319,9 @@ class KVCacheManager:
             enable_partial_hits=False,
         )
         self.block_pool = BlockPoolView(self.kvcore.block_pool)
-        self.coordinator = CoordinatorView(self, kv_cache_config)
+        self._full_attention_group = _full_attention_group(kv_cache_config)
+        self._has_states = bool(getattr(kv_cache_config, "has_mamba_layers", False))
+        self.coordinator = _coordinator_view(self, kv_cache_config, enable_caching)
         self.mamba_shared_prefix_checkpoint = False
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.empty_kv_cache_blocks = KVCacheBlocks(
@@ -350,8 +392,30 @@ class KVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[Any, int, int, bool]:
-        # kvcore's hit is one length every group serves: never diverging.
-        return *self.get_computed_blocks(request, max_cache_hit_length), False
+        """The local hit for a request a KV connector may complete: on a
+        hybrid plan with state groups, the full-attention group's own hit,
+        flagged as diverged when another group's is shorter (the connector
+        must load the rest, else the scheduler falls back to
+        :meth:`get_computed_blocks`); when another group's hit is deeper,
+        the common hit.  Otherwise the common hit, never diverged."""
+        fa = self._full_attention_group
+        if fa is None or not self._has_states or self.num_kv_cache_groups < 2:
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, hits = find_longest_cache_hit_per_group(
+            self.kvcore, request.block_hashes, max_cache_hit_length
+        )
+        num_local = hits[fa]
+        if any(hit > num_local for hit in hits):
+            # Full attention's tail was evicted below a deeper group's hit:
+            # only the common length is resident in every group.
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        if not num_local:
+            return self.empty_kv_cache_blocks, 0, 0, False
+        return self.create_kv_cache_blocks(blocks), num_local, 0, min(hits) < num_local
 
     # -- allocation -------------------------------------------------------------
 

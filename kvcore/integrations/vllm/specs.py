@@ -15,7 +15,12 @@ from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
-__all__ = ["SUPPORTED_SPECS", "to_kvcore_config", "to_kvcore_spec"]
+__all__ = [
+    "SUPPORTED_SPECS",
+    "VLLM_CHECKPOINT_POLICY",
+    "to_kvcore_config",
+    "to_kvcore_spec",
+]
 
 #: vLLM spec classes (by name) that convert, and the kvcore kind each becomes.
 SUPPORTED_SPECS = {
@@ -25,7 +30,13 @@ SUPPORTED_SPECS = {
     "SlidingWindowMLASpec": "sliding_window_mla",
     "ChunkedLocalAttentionSpec": "chunked_local_attention",
     "CrossAttentionSpec": "cross_attention",
+    "MambaSpec": "mamba",
 }
+
+#: The checkpoint policy of a converted align-mode MambaSpec: vLLM's
+#: align-mode kernels write a state only at the end of each step, so only
+#: step ends may be kept (kvcore.checkpoints, "steps").
+VLLM_CHECKPOINT_POLICY = "steps"
 
 
 def to_kvcore_spec(
@@ -42,6 +53,10 @@ def to_kvcore_spec(
             "on vLLM's own KV-cache manager"
         )
         raise InvalidSpecError(msg)
+    kinds = registry if registry is not None else default_registry()
+    spec_type: Any = kinds[SUPPORTED_SPECS[name]].spec_type
+    if name == "MambaSpec":
+        return _mamba_spec(spec, spec_type, group)
     common: dict[str, Any] = {
         "block_size": spec.block_size,
         "num_kv_heads": spec.num_kv_heads,
@@ -49,8 +64,6 @@ def to_kvcore_spec(
         "dtype": spec.dtype,
         "head_size_v": spec.head_size_v,
     }
-    kinds = registry if registry is not None else default_registry()
-    spec_type: Any = kinds[SUPPORTED_SPECS[name]].spec_type
     if name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
         return spec_type(  # type: ignore[no-any-return]
             **common,
@@ -79,6 +92,40 @@ def to_kvcore_spec(
         )
         raise InvalidSpecError(msg)
     return spec_type(**common)  # type: ignore[no-any-return]
+
+
+def _mamba_spec(spec: Any, spec_type: Any, group: int) -> KVCacheSpec:
+    """vLLM's ``MambaSpec``: its state shapes and dtypes, its cache mode
+    (``align`` keeps step-end states, ``none`` only the live one)."""
+    mode = spec.mamba_cache_mode
+    where = f"kvcore.integrations.vllm: cache group {group}'s MambaSpec"
+    if mode not in ("align", "none"):
+        msg = (
+            f"{where} has mamba_cache_mode={mode!r}; kvcore manages 'align' "
+            "and 'none' for vLLM"
+        )
+        raise InvalidSpecError(msg)
+    if mode == "align" and (
+        spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks
+    ):
+        msg = (
+            f"{where} asks for {spec.num_speculative_blocks} speculative and "
+            f"{spec.num_prefill_checkpoint_blocks} prefill-checkpoint state "
+            "blocks in align mode, which kvcore does not manage for vLLM yet; "
+            "unset KVCORE_VLLM for this model, or run it without speculative "
+            "decoding and prefill checkpoints"
+        )
+        raise InvalidSpecError(msg)
+    return spec_type(  # type: ignore[no-any-return]
+        block_size=spec.block_size,
+        shapes=spec.shapes,
+        dtypes=spec.dtypes,
+        tp_replicated=bool(spec.tp_replicated),
+        mamba_cache_mode=mode,
+        checkpoint_policy=VLLM_CHECKPOINT_POLICY,
+        num_speculative_blocks=spec.num_speculative_blocks,
+        page_size_padded=spec.page_size_padded,
+    )
 
 
 def to_kvcore_config(

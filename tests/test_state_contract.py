@@ -1,0 +1,191 @@
+"""The recurrent-state contract: where an engine must write states.
+
+``KVCacheManager.state_write_positions`` tells the engine, per state group,
+the token counts a step must leave a state at.  An engine whose kernels
+write a state only at the end of each step (vLLM's align mode) is safe with
+a policy that lists only step ends (``checkpoint_policy="steps"``): every
+state a later request restores was written.  Here an engine is simulated
+over a multi-turn chat trace with prefix hits, chunked prefill, decode and
+eviction pressure; it records which prefix each state block holds and
+checks every restored state against it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import coordinator_setup as setup
+import pytest
+
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore.errors import InvalidRequestError, UnknownRequestError
+
+BS = 16
+STATE = 1  # the Mamba group of state_hybrid
+
+
+def _trace(seed: int) -> list[tuple[list[int], list[int]]]:
+    """Prompts and the outputs the engine samples: three-turn chats over a
+    few shared system prompts, each turn's prompt the last turn's prompt
+    and output and a new user message."""
+    rng = random.Random(seed)
+    systems = [
+        [rng.randrange(1000) for _ in range(rng.randrange(20, 120))] for _ in range(3)
+    ]
+    out: list[tuple[list[int], list[int]]] = []
+    for _ in range(16):
+        prompt = list(rng.choice(systems))
+        for _ in range(3):
+            prompt = prompt + [rng.randrange(1000) for _ in range(rng.randrange(5, 60))]
+            output = [rng.randrange(1000) for _ in range(rng.randrange(1, 24))]
+            out.append((prompt, output))
+            prompt = prompt + output
+    return out
+
+
+class AlignEngine:
+    """A scheduler loop over kvcore whose kernels write each state group's
+    state at the step's end only, or (``honours_contract``) at every
+    position ``state_write_positions`` lists."""
+
+    def __init__(self, mgr: KVCacheManager, *, honours_contract: bool) -> None:
+        self.mgr = mgr
+        self.honours = honours_contract
+        #: block id -> the token prefix its state was computed over.
+        self.written: dict[int, tuple[int, ...]] = {}
+        self.restored = 0
+        self.never_written = 0
+        self.listed_inside_steps = 0
+
+    def _step(
+        self, req: Request, start: int, n: int, hit: int = 0, blocks: Any = None
+    ) -> bool:
+        if self.mgr.allocate_slots(req, n, hit, blocks) is None:
+            return False
+        end = start + n
+        positions = self.mgr.state_write_positions(req, start, end)[STATE]
+        assert positions[-1] == end
+        self.listed_inside_steps += len(positions) - 1
+        table = self.mgr.get_blocks(req.request_id).blocks[STATE]
+        tokens = tuple(req.all_token_ids)
+        for t in positions if self.honours else (end,):
+            block = table[-(-t // BS) - 1]
+            assert not block.is_null
+            self.written[block.block_id] = tokens[:t]
+        return True
+
+    def _admit(self, req: Request, n_chunk: int) -> bool:
+        blocks, hit = self.mgr.get_computed_blocks(req)
+        n = min(req.num_tokens - hit, n_chunk)
+        if not self._step(req, hit, n, hit, blocks):
+            return False
+        if hit:
+            self.restored += 1
+            state = blocks.blocks[STATE][-1]
+            if self.written.get(state.block_id) != tuple(req.all_token_ids[:hit]):
+                self.never_written += 1
+        req.num_computed_tokens = hit + n
+        return True
+
+    def run(self, trace: list[tuple[list[int], list[int]]], chunks: list[int]) -> None:
+        rng = random.Random(1)
+        waiting = [
+            (Request(f"r{i}", prompt, hash_block_size=BS), output)
+            for i, (prompt, output) in enumerate(trace)
+        ]
+        running: list[tuple[Request, list[int]]] = []
+        while waiting or running:
+            if (
+                waiting
+                and len(running) < 3
+                and self._admit(waiting[0][0], rng.choice(chunks))
+            ):
+                running.append(waiting.pop(0))
+            for entry in list(running):
+                req, output = entry
+                if req.num_computed_tokens == req.num_tokens:
+                    # The step computed the last token: sample the next.
+                    req.append_output_token_ids(output[req.num_output_tokens])
+                    if req.num_output_tokens == len(output):
+                        self.mgr.free(req)
+                        running.remove(entry)
+                        continue
+                start = req.num_computed_tokens
+                n = min(req.num_tokens - start, rng.choice(chunks))
+                if self._step(req, start, n):
+                    req.num_computed_tokens += n
+
+
+@pytest.mark.parametrize("honours", [False, True], ids=["step-ends", "contract"])
+def test_steps_policy_restores_only_states_written_at_step_ends(
+    honours: bool,
+) -> None:
+    """``steps`` lists only step ends, so an align-mode engine (which writes
+    nothing else) and a contract-honouring one agree: over the trace every
+    restored state is one the engine wrote, for that very prefix."""
+    engine = AlignEngine(
+        setup.state_hybrid(90, BS, policy="steps"), honours_contract=honours
+    )
+    engine.run(_trace(3), chunks=[16, 32, 48, 64, 37])
+    assert engine.listed_inside_steps == 0
+    assert engine.restored >= 40
+    assert engine.never_written == 0
+
+
+def test_turns_policy_lists_the_states_it_keeps_inside_steps() -> None:
+    """``turns`` keeps prompt ends inside steps and lists them: an engine
+    writing every listed position restores only written states, one that
+    writes step ends only would restore states it never wrote."""
+    honouring = AlignEngine(setup.state_hybrid(90, BS), honours_contract=True)
+    honouring.run(_trace(3), chunks=[16, 32, 48, 64, 37])
+    assert honouring.listed_inside_steps > 0
+    assert honouring.restored >= 20
+    assert honouring.never_written == 0
+    align_only = AlignEngine(setup.state_hybrid(90, BS), honours_contract=False)
+    align_only.run(_trace(3), chunks=[16, 32, 48, 64, 37])
+    assert align_only.never_written >= 10
+
+
+def test_state_write_positions_are_checked() -> None:
+    mgr = setup.state_hybrid(20, BS, policy="steps")
+    req = Request("a", list(range(40)), hash_block_size=BS)
+    with pytest.raises(UnknownRequestError, match="holds no blocks"):
+        mgr.state_write_positions(req, 0, 40)
+    assert mgr.allocate_slots(req, 40) is not None
+    assert mgr.state_write_positions(req, 0, 40) == {STATE: (40,)}
+    assert mgr.state_write_positions("a", 40, 40) == {STATE: ()}
+    with pytest.raises(InvalidRequestError, match="below num_computed_tokens"):
+        mgr.state_write_positions(req, 30, 20)
+    with pytest.raises(InvalidRequestError, match="past the 48 its group 1"):
+        mgr.state_write_positions(req, 40, 60)
+    # Attention-only plans have no state group.
+    fa_only = setup.manager_for(
+        [setup.fa(BS)], 10, scheduler_block_size=BS, hash_block_size=BS
+    )
+    other = Request("b", list(range(20)), hash_block_size=BS)
+    assert fa_only.allocate_slots(other, 20) is not None
+    assert fa_only.state_write_positions(other, 0, 20) == {}
+
+
+def test_per_group_hits_show_a_deeper_state_than_attention() -> None:
+    """Attention tail evicted, a deeper state kept: the common hit is the
+    shallower, the per-group lookup reports each group's own."""
+    mgr = setup.state_hybrid(40, BS, policy="steps")
+    seed = Request("seed", list(range(64)), hash_block_size=BS)
+    state_ids = []
+    for i in range(4):
+        # One block a step: each step's end state is kept.
+        assert mgr.allocate_slots(seed, BS) is not None
+        seed.num_computed_tokens += BS
+        fa_ids, states = mgr.get_block_ids("seed")
+        state_ids.append(states[i])
+    mgr.free(seed)
+    assert mgr.evict_blocks([fa_ids[2], fa_ids[3], state_ids[1], state_ids[2]]) == 4
+    replay = Request("replay", list(range(80)), hash_block_size=BS)
+    blocks, lengths = mgr.find_longest_cache_hit_per_group(replay)
+    assert lengths == (32, 64)
+    assert blocks.blocks[STATE][-1].block_id == state_ids[3]
+    _, common = mgr.get_computed_blocks(replay)
+    assert common == 16
+    assert mgr.find_longest_cache_hit_per_group(replay, 40)[1] == (32, 16)
