@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -351,17 +350,15 @@ class SingleTypeManager:
             self.num_released.pop(request_id, None) if self.skips_blocks else None
         )
         blocks = self.req_to_blocks.pop(request_id, None)
-        journal = self.block_pool._journal
-        if journal is not None:
-            journal.append(
-                partial(
-                    _put_back,
-                    self,
-                    request_id,
-                    None if blocks is None else (blocks, len(blocks)),
-                    cached,
-                    released,
-                )
+        pool = self.block_pool
+        if pool._journal is not None:
+            pool.record(
+                _put_back,
+                self,
+                request_id,
+                None if blocks is None else (blocks, len(blocks)),
+                cached,
+                released,
             )
         return blocks
 
@@ -395,23 +392,19 @@ class SingleTypeManager:
         table = (
             None if blocks is None else (blocks, list(blocks) if whole else len(blocks))
         )
-        journal.append(
-            partial(
-                _put_back,
-                self,
-                request_id,
-                table,
-                self.num_cached_block.get(request_id),
-                self.num_released.get(request_id),
-            )
+        pool.record(
+            _put_back,
+            self,
+            request_id,
+            table,
+            self.num_cached_block.get(request_id),
+            self.num_released.get(request_id),
         )
         if seen is None and self.keeps_request_state:
-            journal.append(
-                partial(
-                    self.restore_request_state,
-                    request_id,
-                    self.request_state(request_id),
-                )
+            pool.record(
+                self.restore_request_state,
+                request_id,
+                self.request_state(request_id),
             )
 
     def request_state(self, request_id: str) -> Any:
@@ -478,7 +471,7 @@ class SingleTypeManager:
         for i in positions:
             blocks[i] = self.null_block
         pool = self.block_pool
-        pool.record_undo(partial(_put_at, blocks, positions, removed))
+        pool.record(_put_at, blocks, positions, removed)
         pool.free_blocks(removed)
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
