@@ -284,7 +284,7 @@ class BlockPool:
         changes.  Records run newest first."""
         journal = self._journal
         if journal is not None:
-            journal.append((_CALL, undo, args))
+            journal.append((UNDO_CALL, undo, args))
 
     # -- allocation ---------------------------------------------------------
 
@@ -742,7 +742,7 @@ class BlockPool:
         a transaction): for state kept beside the pool that a step changes."""
         journal = self._journal
         if journal is not None:
-            journal.append((_CALL, undo, ()))
+            journal.append((UNDO_CALL, undo, ()))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -820,9 +820,9 @@ _MOVE = 4  # a free block moved within the queue
 _UNKEY = 5  # full keys given by a store
 _PARTIAL = 6  # a partial key added
 _UNPARTIAL = 7  # a block's partial keys dropped
-_CALL = 8  # state kept beside the pool: (op, function, args)
+UNDO_CALL = 8  # state kept beside the pool: (op, function, args)
 
-_NOTHING: _Record = (_CALL, tuple, ())  # a place held; undoes nothing
+_NOTHING: _Record = (UNDO_CALL, tuple, ())  # a place held; undoes nothing
 
 _Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import UNDO_CALL, BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
 from kvcore.spec import HitPolicy
@@ -350,16 +350,11 @@ class SingleTypeManager:
             self.num_released.pop(request_id, None) if self.skips_blocks else None
         )
         blocks = self.req_to_blocks.pop(request_id, None)
-        pool = self.block_pool
-        if pool._journal is not None:
-            pool.record(
-                _put_back,
-                self,
-                request_id,
-                None if blocks is None else (blocks, len(blocks)),
-                cached,
-                released,
-            )
+        journal = self.block_pool._journal
+        if journal is not None:
+            table = None if blocks is None else (blocks, len(blocks))
+            args = (self, request_id, table, cached, released)
+            journal.append((UNDO_CALL, _put_back, args))
         return blocks
 
     # -- transactions -----------------------------------------------------------
@@ -392,14 +387,14 @@ class SingleTypeManager:
         table = (
             None if blocks is None else (blocks, list(blocks) if whole else len(blocks))
         )
-        pool.record(
-            _put_back,
+        args = (
             self,
             request_id,
             table,
             self.num_cached_block.get(request_id),
             self.num_released.get(request_id),
         )
+        journal.append((UNDO_CALL, _put_back, args))
         if seen is None and self.keeps_request_state:
             pool.record(
                 self.restore_request_state,
