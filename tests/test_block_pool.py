@@ -689,6 +689,41 @@ def test_duplicate_keys_are_all_kept() -> None:
     assert p.num_cached_blocks == 0
 
 
+def test_cached_counts_follow_stores_evictions_rollbacks_and_resets() -> None:
+    p = pool(8)  # usable: 1-7
+    a = p.get_new_blocks(3)
+    for group, blocks in ((0, a[:2]), (1, a[2:])):
+        p.cache_full_blocks(
+            block_hashes=[h(1), h(1)],  # group 0: one key held twice
+            blocks=blocks,
+            num_cached_blocks=0,
+            num_full_blocks=len(blocks),
+            group_id=group,
+        )
+    assert (p.num_cached_blocks_of(0), p.num_cached_blocks_of(1)) == (2, 1)
+    assert p.num_cached_blocks_of(5) == 0
+    p.free_blocks(a)  # queue: 4 5 6 7 1 2 3
+    order = free_ids(p)
+    p.begin()
+    p.get_new_blocks(6)  # evicts block 1 and 2 (group 0)
+    b = p.get_new_blocks(1)  # block 3 (group 1)
+    p.cache_full_blocks(
+        block_hashes=[h(9)],
+        blocks=b,
+        num_cached_blocks=0,
+        num_full_blocks=1,
+        group_id=2,
+    )
+    assert [p.num_cached_blocks_of(g) for g in range(3)] == [0, 0, 1]
+    p.rollback()
+    assert [p.num_cached_blocks_of(g) for g in range(3)] == [2, 1, 0]
+    assert p.num_cached_blocks == 3
+    assert free_ids(p) == order
+    assert p.get_cached_block(h(1), [0, 1]) is not None
+    assert p.reset_prefix_cache()
+    assert [p.num_cached_blocks_of(g) for g in range(3)] == [0, 0, 0]
+
+
 def test_reset_prefix_cache_only_when_idle() -> None:
     p = pool(5, events=True)
     a = p.get_new_blocks(2)

@@ -16,9 +16,8 @@ dropped with the block's full key, and raise no events (``BlockStored`` and
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from kvcore.coordinator.blocks import (
     BlockHashWithGroupId,
@@ -83,6 +82,7 @@ class BlockPool:
         "_events",
         "_events_mark",
         "_journal",
+        "_num_cached",
         "_partial",
         "blocks",
         "enable_caching",
@@ -160,9 +160,13 @@ class BlockPool:
         #: group id -> (chunk hash -> block, or {block_id: block}): the
         #: partial keys (prefixes ending inside a block).
         self._partial: dict[int, dict[BlockHash, _Entry]] = {}
+        #: group id -> blocks holding a full key of that group (the entries
+        #: of ``_cached[group id]``), kept as keys come and go.
+        self._num_cached: dict[int, int] = {}
         self._events: list[KVCacheEvent] = []
-        #: Undo records of the open transaction (see :meth:`begin`), else None.
-        self._journal: list[_Undo] | None = None
+        #: Undo records of the open transaction (see :meth:`begin`), else
+        #: None: plain tuples, an op code first (see :meth:`rollback`).
+        self._journal: list[_Record] | None = None
         #: Transactions begun so far: state kept beside the pool records
         #: its undo once per transaction (see
         #: SingleTypeManager.record_request_state).
@@ -209,9 +213,78 @@ class BlockPool:
         self._journal = None
         if journal is None:
             return
-        for undo in reversed(journal):
-            undo()
+        for record in reversed(journal):
+            self._undo(record)
         del self._events[self._events_mark :]
+
+    def _undo(self, record: _Record) -> None:
+        """Undo one journal record (see the op codes at the module's end)."""
+        op = record[0]
+        queue = self.free_queue
+        if op == _TOUCH:
+            # (op, blocks, unlinked): counts first, then the relinks newest first.
+            for block in record[1]:
+                if not block.is_null:
+                    block.ref_cnt -= 1
+            _relink_all(queue, record[2])
+        elif op == _KEY:
+            # (op, block, key, group id, entry as it was or None): an eviction.
+            _, block, key, gid, saved = record
+            block.key_hash = key
+            block.key_group = gid
+            cached = self._cached[gid]
+            if saved is None:
+                cached.pop(key, None)
+            elif isinstance(saved, dict):
+                cached[key] = dict(saved)
+            else:
+                cached[key] = saved
+            self._num_cached[gid] += 1
+        elif op == _UNGET:
+            blocks = record[1]
+            for block in blocks:
+                block.ref_cnt = 0
+            queue.prepend_n(blocks)
+        elif op == _RELEASE:
+            for block in record[1]:
+                if not block.is_null:
+                    if block.ref_cnt == 0:
+                        queue.remove(block)
+                    block.ref_cnt += 1
+        elif op == _MOVE:
+            queue.remove(record[1])  # (op, block, prev, next)
+            _relink_all(queue, record[1:])
+        elif op == _UNKEY:
+            # (op, group id, [(block, key), ...]): keys a store gave.
+            gid = record[1]
+            cached = self._cached[gid]
+            for block, key in reversed(record[2]):
+                block.key_hash = None
+                _remove(cached, key, block)
+            self._num_cached[gid] -= len(record[2])
+        elif op == _PARTIAL:
+            _, group, key, block = record
+            _remove(group, key, block)
+            assert block.partial_keys is not None
+            block.partial_keys.remove(key)
+            if not block.partial_keys:
+                block.partial_keys = None
+        elif op == _UNPARTIAL:
+            _, group, keys, block = record
+            block.partial_keys = keys
+            for key in keys:
+                _insert(group, key, block)
+        else:
+            # (op, function, args): state kept beside the pool.
+            record[1](*record[2])
+
+    def record(self, undo: Callable[..., object], *args: Any) -> None:
+        """Call ``undo(*args)`` if the open transaction rolls back (nothing
+        outside a transaction): for state kept beside the pool that a step
+        changes.  Records run newest first."""
+        journal = self._journal
+        if journal is not None:
+            journal.append((UNDO_CALL, undo, args))
 
     # -- allocation ---------------------------------------------------------
 
@@ -233,7 +306,7 @@ class BlockPool:
             # The hand-out's undo goes before the key drops' (a rollback
             # runs newest first); it is filled in once the blocks are known.
             mark = len(journal)
-            journal.append(_nothing)
+            journal.append(_NOTHING)
         # One walk from the front: unlink, drop keys, take the reference.
         append = blocks.append
         head = queue._head
@@ -252,13 +325,8 @@ class BlockPool:
         block.prev_free = head
         queue.num_free -= num_blocks
         if journal is not None:
-            journal[mark] = functools.partial(self._unget, list(blocks))
+            journal[mark] = (_UNGET, list(blocks))
         return blocks
-
-    def _unget(self, blocks: list[KVCacheBlock]) -> None:
-        for block in blocks:
-            block.ref_cnt = 0
-        self.free_queue.prepend_n(blocks)
 
     def _no_free_blocks(self, num_blocks: int) -> KvcoreValueError:
         if num_blocks < 0:
@@ -287,10 +355,11 @@ class BlockPool:
         self.evictions += 1
         cached = self._cached[gid]
         entry = cached.get(key)
-        if self._journal is not None:
-            self._journal.append(
-                self._restore_key(block, key, gid, entry, had_key=True)
-            )
+        self._num_cached[gid] -= 1
+        journal = self._journal
+        if journal is not None:
+            saved = dict(entry) if isinstance(entry, dict) else entry
+            journal.append((_KEY, block, key, gid, saved))
         if entry is block:
             del cached[key]
         elif isinstance(entry, dict):
@@ -314,11 +383,9 @@ class BlockPool:
         queue = self.free_queue
         journal = self._journal
         if journal is not None:
-            journal.append(self._relink(block))
+            journal.append((_MOVE, block, block.prev_free, block.next_free))
         queue.remove(block)
         queue.prepend_n([block])
-        if journal is not None:
-            journal.append(lambda: queue.remove(block))
 
     def requeue_at_back(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Move free blocks to the back of the free queue (evicted last), in
@@ -332,11 +399,9 @@ class BlockPool:
             if block.prev_free is None or block.next_free is None:
                 continue  # not queued: nothing to move
             if journal is not None:
-                journal.append(self._relink(block))
+                journal.append((_MOVE, block, block.prev_free, block.next_free))
             queue.remove(block)
             queue.append(block)
-            if journal is not None:
-                journal.append(functools.partial(queue.remove, block))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).
@@ -349,26 +414,27 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null and block.prev_free is None:
                 queue.remove(block)  # raises, before anything changes: not queued
-        journal = self._journal
+        # The unlinked blocks with their links, flat: (block, prev, next)...
+        unlinked: list[KVCacheBlock] = []
         for block in blocks:
             cnt = block.ref_cnt
             if cnt == 0:
                 if block.is_null:
                     continue
-                if journal is not None:
-                    journal.append(self._relink(block))
                 # Unlink from the free queue (FreeBlockQueue.remove).
                 prev = block.prev_free
                 nxt = block.next_free
                 assert prev is not None
                 assert nxt is not None
+                unlinked += (block, prev, nxt)
                 prev.next_free = nxt
                 nxt.prev_free = prev
                 block.prev_free = block.next_free = None
                 queue.num_free -= 1
             block.ref_cnt = cnt + 1
+        journal = self._journal
         if journal is not None:
-            journal.append(functools.partial(_untouch, tuple(blocks)))
+            journal.append((_TOUCH, tuple(blocks), unlinked))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching 0 become free.
@@ -487,50 +553,7 @@ class BlockPool:
             queue.num_free += freed
         journal = self._journal
         if journal is not None:
-            journal.append(functools.partial(_unrelease, queue, tuple(blocks)))
-
-    def _relink(self, block: KVCacheBlock) -> _Undo:
-        """An undo that puts ``block`` back where it sits in the free queue."""
-        prev, nxt = block.prev_free, block.next_free
-        queue = self.free_queue
-
-        def undo() -> None:
-            assert prev is not None  # recorded while the block was queued
-            assert nxt is not None
-            prev.next_free = block
-            block.prev_free = prev
-            block.next_free = nxt
-            nxt.prev_free = block
-            queue.num_free += 1
-
-        return undo
-
-    def _restore_key(
-        self,
-        block: KVCacheBlock,
-        key: BlockHash,
-        group_id: int,
-        entry: _Entry | None,
-        *,
-        had_key: bool,
-    ) -> _Undo:
-        """An undo that puts ``block``'s key back as it was (``(key,
-        group_id)`` if it ``had_key``, else none) and the prefix-cache entry
-        of that key as ``entry`` was."""
-        saved = dict(entry) if isinstance(entry, dict) else entry
-        cached = self._cached[group_id]
-
-        def undo() -> None:
-            block.key_hash = key if had_key else None
-            block.key_group = group_id
-            if saved is None:
-                cached.pop(key, None)
-            elif isinstance(saved, dict):
-                cached[key] = dict(saved)
-            else:
-                cached[key] = saved
-
-        return undo
+            journal.append((_RELEASE, tuple(blocks)))
 
     # -- prefix cache ---------------------------------------------------------
 
@@ -541,6 +564,7 @@ class BlockPool:
         group = self._cached.get(group_id)
         if group is None:
             group = self._cached[group_id] = {}
+            self._num_cached[group_id] = 0
         return group
 
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
@@ -608,10 +632,12 @@ class BlockPool:
             None if self._journal is None else []
         )
         setdefault = cached.setdefault
+        num_keyed = 0
         for block, key in zip(new_blocks, new_hashes, strict=True):
             if block.key_hash is None and not block.is_null:
                 block.key_hash = key
                 block.key_group = group_id
+                num_keyed += 1
                 entry = setdefault(key, block)
                 if entry is not block:
                     if isinstance(entry, dict):
@@ -620,8 +646,9 @@ class BlockPool:
                         cached[key] = {entry.block_id: entry, block.block_id: block}
                 if keyed is not None:
                     keyed.append((block, key))
+        self._num_cached[group_id] += num_keyed
         if keyed and self._journal is not None:
-            self._journal.append(functools.partial(_unkey, cached, keyed))
+            self._journal.append((_UNKEY, group_id, keyed))
         if unkeyed:
             # A position is stored if its block took that position's hash (a
             # block listed twice is keyed by its first listing only).
@@ -674,15 +701,7 @@ class BlockPool:
         _insert(group, block_hash, block)
         journal = self._journal
         if journal is not None:
-
-            def undo() -> None:
-                _remove(group, block_hash, block)
-                assert block.partial_keys is not None
-                block.partial_keys.remove(block_hash)
-                if not block.partial_keys:
-                    block.partial_keys = None
-
-            journal.append(undo)
+            journal.append((_PARTIAL, group, block_hash, block))
 
     def _drop_partial(self, block: KVCacheBlock) -> None:
         keys = block.partial_keys
@@ -692,14 +711,9 @@ class BlockPool:
         group = self._partial[block.partial_group]
         for key in keys:
             _remove(group, key, block)
-        if self._journal is not None:
-
-            def undo() -> None:
-                block.partial_keys = keys
-                for key in keys:
-                    _insert(group, key, block)
-
-            self._journal.append(undo)
+        journal = self._journal
+        if journal is not None:
+            journal.append((_UNPARTIAL, group, keys, block))
 
     def lookup_partial(
         self, block_hash: BlockHash, group_ids: Sequence[int]
@@ -726,19 +740,20 @@ class BlockPool:
     def record_undo(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` if the open transaction rolls back (nothing outside
         a transaction): for state kept beside the pool that a step changes."""
-        if self._journal is not None:
-            self._journal.append(undo)
+        journal = self._journal
+        if journal is not None:
+            journal.append((UNDO_CALL, undo, ()))
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks holding a full prefix-cache key, in use or free (O(n));
+        """Blocks holding a full prefix-cache key, in use or free (O(groups));
         partial keys are counted by :attr:`num_partial_keys`."""
-        return sum(_num_entries(group) for group in self._cached.values())
+        return sum(self._num_cached.values())
 
     def num_cached_blocks_of(self, group_id: int) -> int:
-        """Blocks holding a full prefix-cache key of one group (O(n))."""
-        group = self._cached.get(group_id)
-        return 0 if group is None else _num_entries(group)
+        """Blocks holding a full prefix-cache key of one group (O(1): a count
+        kept as keys are given and dropped)."""
+        return self._num_cached.get(group_id, 0)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache key.
@@ -758,6 +773,8 @@ class BlockPool:
             return False
         for group in self._cached.values():
             group.clear()
+        for gid in self._num_cached:
+            self._num_cached[gid] = 0
         for group in self._partial.values():
             group.clear()
         self.evictions += 1
@@ -790,12 +807,22 @@ class BlockPool:
         return events
 
 
-_Undo: TypeAlias = Callable[[], None]
+_Record: TypeAlias = tuple[Any, ...]
+"""A journal record: an op code, then what its undo needs (see
+:meth:`BlockPool._undo`)."""
 
+# Journal op codes, one per kind of change a step records.
+_TOUCH = 0  # references taken (and free blocks unlinked) by a hit
+_KEY = 1  # a full key evicted
+_UNGET = 2  # blocks handed out
+_RELEASE = 3  # references dropped (and blocks queued)
+_MOVE = 4  # a free block moved within the queue
+_UNKEY = 5  # full keys given by a store
+_PARTIAL = 6  # a partial key added
+_UNPARTIAL = 7  # a block's partial keys dropped
+UNDO_CALL = 8  # state kept beside the pool: (op, function, args)
 
-def _nothing() -> None:
-    """A journal place held for an undo not known yet."""
-
+_NOTHING: _Record = (UNDO_CALL, tuple, ())  # a place held; undoes nothing
 
 _Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
 
@@ -850,30 +877,19 @@ def _remove(
             del group[key]
 
 
-def _untouch(blocks: Sequence[KVCacheBlock]) -> None:
-    """Undo :meth:`BlockPool.touch`'s counts (its unlinks are undone apart)."""
-    for block in blocks:
-        if not block.is_null:
-            block.ref_cnt -= 1
-
-
-def _unrelease(queue: FreeBlockQueue, blocks: Sequence[KVCacheBlock]) -> None:
-    """Undo a release of ``blocks``: every count is raised back, and a block
-    the release freed (count 0 now, queued) leaves the queue first."""
-    for block in blocks:
-        if not block.is_null:
-            if block.ref_cnt == 0:
-                queue.remove(block)
-            block.ref_cnt += 1
-
-
-def _unkey(
-    cached: dict[BlockHash, _Entry], keyed: Sequence[tuple[KVCacheBlock, BlockHash]]
-) -> None:
-    """Undo the keys a store gave, newest first."""
-    for block, key in reversed(keyed):
-        block.key_hash = None
-        _remove(cached, key, block)
+def _relink_all(queue: FreeBlockQueue, links: Sequence[KVCacheBlock]) -> None:
+    """Put unlinked blocks back in the free queue, given flat as ``(block,
+    prev, next)`` in the order they were unlinked: newest first, so each
+    goes back between the neighbours it had."""
+    for i in range(len(links) - 3, -1, -3):
+        block = links[i]
+        prev = links[i + 1]
+        nxt = links[i + 2]
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
+        queue.num_free += 1
 
 
 def _double_free(block: KVCacheBlock) -> InvalidRequestError:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from functools import partial
 from typing import Any, ClassVar
 
 import attrs
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import UNDO_CALL, BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
 from kvcore.spec import HitPolicy
@@ -359,16 +358,9 @@ class SingleTypeManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         journal = self.block_pool._journal
         if journal is not None:
-            journal.append(
-                partial(
-                    _put_back,
-                    self,
-                    request_id,
-                    None if blocks is None else (blocks, len(blocks)),
-                    cached,
-                    released,
-                )
-            )
+            table = None if blocks is None else (blocks, len(blocks))
+            args = (self, request_id, table, cached, released)
+            journal.append((UNDO_CALL, _put_back, args))
         return blocks
 
     # -- transactions -----------------------------------------------------------
@@ -401,23 +393,19 @@ class SingleTypeManager:
         table = (
             None if blocks is None else (blocks, list(blocks) if whole else len(blocks))
         )
-        journal.append(
-            partial(
-                _put_back,
-                self,
-                request_id,
-                table,
-                self.num_cached_block.get(request_id),
-                self.num_released.get(request_id),
-            )
+        args = (
+            self,
+            request_id,
+            table,
+            self.num_cached_block.get(request_id),
+            self.num_released.get(request_id),
         )
+        journal.append((UNDO_CALL, _put_back, args))
         if seen is None and self.keeps_request_state:
-            journal.append(
-                partial(
-                    self.restore_request_state,
-                    request_id,
-                    self.request_state(request_id),
-                )
+            pool.record(
+                self.restore_request_state,
+                request_id,
+                self.request_state(request_id),
             )
 
     def request_state(self, request_id: str) -> Any:
@@ -484,7 +472,7 @@ class SingleTypeManager:
         for i in positions:
             blocks[i] = self.null_block
         pool = self.block_pool
-        pool.record_undo(partial(_put_at, blocks, positions, removed))
+        pool.record(_put_at, blocks, positions, removed)
         pool.free_blocks(removed)
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:

@@ -139,8 +139,7 @@ class PartialKeys:
         for manager, unit in self.groups:
             register_partial_keys(manager, unit, request, mark, top)
         marks[rid] = top
-        if self.pool._journal is not None:
-            self.pool.record_undo(lambda: _restore(marks, rid, mark))
+        self.pool.record(_restore, marks, rid, mark)
 
     def forget(self, request_id: str) -> None:
         self.marks.pop(request_id, None)
