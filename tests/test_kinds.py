@@ -21,6 +21,7 @@ from kvcore import InvalidSpecError, KVCacheSpec, MergeError
 from kvcore.plugins import BUILTIN_PLUGINS
 from kvcore_chunked_local import ChunkedLocalAttentionSpec
 from kvcore_circular_buffer import CircularBufferSpec
+from kvcore_cross_attention import CrossAttentionSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec
@@ -115,6 +116,17 @@ def chunked(**kw: object) -> ChunkedLocalAttentionSpec:
     return ChunkedLocalAttentionSpec(**(args | kw))
 
 
+def xattn(**kw: object) -> CrossAttentionSpec:
+    args: dict[str, object] = {
+        "block_size": 16,
+        "num_kv_heads": 2,
+        "head_size": 64,
+        "dtype": torch.bfloat16,
+        "max_encoder_tokens": 1500,
+    }
+    return CrossAttentionSpec(**(args | kw))
+
+
 #: kind name -> factory of a valid sample spec.
 SAMPLES: dict[str, Callable[..., KVCacheSpec]] = {
     "full_attention": full,
@@ -125,6 +137,7 @@ SAMPLES: dict[str, Callable[..., KVCacheSpec]] = {
     "circular_buffer": ring,
     "hisparse_hot": hot,
     "chunked_local_attention": chunked,
+    "cross_attention": xattn,
 }
 FACTORIES = list(SAMPLES.values())
 FACTORY_IDS = list(SAMPLES)

@@ -11,6 +11,7 @@ import kvcore
 from kvcore.serialize import dump_config, load_config, load_model_file, make_converter
 from kvcore_chunked_local import ChunkedLocalAttentionSpec
 from kvcore_circular_buffer import CircularBufferSpec
+from kvcore_cross_attention import CrossAttentionSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
 from kvcore_mamba import MambaSpec
@@ -72,6 +73,13 @@ SPECS = {
         head_size=128,
         dtype=torch.bfloat16,
         attention_chunk_size=8192,
+    ),
+    "cross_attention": CrossAttentionSpec(
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        max_encoder_tokens=1500,
     ),
 }
 
