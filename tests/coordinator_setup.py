@@ -11,7 +11,7 @@ import torch
 
 import kvcore
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
-from kvcore.coordinator import CheckpointManager, KVCacheManager
+from kvcore.coordinator import CheckpointManager, KVCacheManager, Request
 from kvcore_chunked_local import ChunkedLocalAttention
 from kvcore_circular_buffer import CircularBuffer
 from kvcore_cross_attention import CrossAttention
@@ -88,6 +88,26 @@ def manager_for(
         registry=registry,
         **kw,
     )
+
+
+def small_manager(
+    specs: Sequence[Any], num_blocks: int, *, max_model_len: int = 64, **kw: Any
+) -> KVCacheManager:
+    """:func:`manager_for` with 4-token scheduler and hash blocks: the small
+    pools the engine-contract tests work out by hand."""
+    return manager_for(
+        specs,
+        num_blocks,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        max_model_len=max_model_len,
+        **kw,
+    )
+
+
+def small_request(rid: str, tokens: Sequence[int]) -> Request:
+    """A request hashed in the 4-token blocks of :func:`small_manager`."""
+    return Request(rid, list(tokens), hash_block_size=4)
 
 
 def mamba(block_size: int, *, mode: str = "align", policy: str = "turns") -> MambaSpec:

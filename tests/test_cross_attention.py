@@ -15,7 +15,6 @@ import coordinator_setup as setup
 import pytest
 import torch
 
-import kvcore
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.errors import InvalidRequestError, InvalidSpecError, KvcoreError
 from kvcore.spec import HitPolicy
@@ -41,7 +40,7 @@ def manager(
         num_blocks,
         scheduler_block_size=4,
         hash_block_size=4,
-        registry=kvcore.default_registry(),
+        registry=setup.builtin_registry(),
         max_model_len=64,
         enable_caching=caching,
     )
@@ -52,7 +51,7 @@ def req(rid: str, tokens: Sequence[int]) -> Request:
 
 
 def test_the_kind_is_built_in_and_conforms() -> None:
-    registry = kvcore.default_registry()
+    registry = setup.builtin_registry()
     assert registry.owner("cross_attention") == "cross_attention"
     assert registry["cross_attention"].spec_type is CrossAttentionSpec
     check_kind(CrossAttention(), xattn(16))

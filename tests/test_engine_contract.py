@@ -9,31 +9,14 @@ taken out as the null block; within a step groups allocate in group order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import coordinator_setup as setup
 import pytest
 
 from kvcore.coordinator import KVCacheManager, Request, RequestStatus
 from kvcore.errors import InvalidRequestError, UnknownRequestError
 
-
-def manager(
-    specs: Sequence[object], num_blocks: int, *, max_model_len: int = 64, **kw: Any
-) -> KVCacheManager:
-    return setup.manager_for(
-        specs,
-        num_blocks,
-        scheduler_block_size=4,
-        hash_block_size=4,
-        max_model_len=max_model_len,
-        **kw,
-    )
-
-
-def req(rid: str, tokens: Sequence[int]) -> Request:
-    return Request(rid, list(tokens), hash_block_size=4)
+manager = setup.small_manager
+req = setup.small_request
 
 
 # -- prefix-hit statistics per interval ------------------------------------------

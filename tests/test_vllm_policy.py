@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvcore.registry import default_registry
+from kvcore.plugins import get_plugin_manager
+from kvcore.registry import KindRegistry
 from kvcore.serialize import load_model_file
 from kvcore.tools import zoo
 from kvcore_vllm import in_flight_tokens, vllm_estimate
@@ -37,8 +38,15 @@ VLLM = {
 }
 
 
+#: kvcore's built-in kinds and hooks only (no entry point loaded), so the
+#: figures do not depend on what else is installed.
+REGISTRY = KindRegistry.from_plugin_manager(
+    get_plugin_manager(load_entrypoints=False), override=()
+)
+
+
 def _layers(name: str) -> dict[str, object]:
-    return dict(load_model_file(zoo.path(name), default_registry()).layers)
+    return dict(load_model_file(zoo.path(name), REGISTRY).layers)
 
 
 @pytest.mark.parametrize("name", sorted(VLLM))
@@ -94,13 +102,13 @@ def test_policy_is_reachable_through_the_registry() -> None:
     from kvcore.config import CacheConfig, EngineConfig
 
     config = EngineConfig(cache_config=CacheConfig(enable_prefix_caching=False))
-    estimate = default_registry().engine_estimate(
+    estimate = REGISTRY.engine_estimate(
         "vllm", config, _layers("qwen3-next-80b-a3b"), 64 * GIB, [4096]
     )
     assert estimate is not None
     # 5140 blocks of 544-token pages; 8 + 3 state blocks per request.
     assert estimate.figures[0].concurrency == pytest.approx(5140 / 11)
-    assert default_registry().engine_estimate("nope", config, {}, 1, [1]) is None
+    assert REGISTRY.engine_estimate("nope", config, {}, 1, [1]) is None
 
 
 def test_compare_lists_vllm_first_with_the_gain() -> None:
