@@ -19,7 +19,7 @@ naming the layer, the rule and the fix.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -27,13 +27,14 @@ import attrs
 from kvcore.errors import PlanError
 from kvcore.layout import AXIS_B, AXIS_L, KVCacheLayout
 from kvcore.spec import KVCacheSpec, UniformTypeKVCacheSpecs
-from kvcore.structs import KVCacheConfig
+from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 
 __all__ = [
     "VLLM_SPEC_TYPES",
     "PlanNotExpressibleError",
     "VllmPlacement",
     "VllmTensor",
+    "to_vllm_groups",
     "to_vllm_kv_cache_config",
     "to_vllm_spec",
     "vllm_page_strides",
@@ -335,6 +336,39 @@ def to_vllm_spec(
     return out
 
 
+def to_vllm_groups(
+    groups: Sequence[KVCacheGroupSpec],
+    *,
+    vllm_specs: Mapping[str, Any] | None = None,
+    layer_names: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """kvcore's cache groups as vLLM ``KVCacheGroupSpec`` values, in order:
+    a group of one spec keeps it, any other is vLLM's
+    ``UniformTypeKVCacheSpecs`` of its layers' specs (as vLLM's own planner
+    groups; see :func:`to_vllm_spec` for ``vllm_specs``)."""
+    from vllm.v1 import kv_cache_interface as iface
+
+    rename = dict(layer_names or {})
+    given = dict(vllm_specs or {})
+    out = []
+    for group in groups:
+        names = [rename.get(n, n) for n in group.layer_names]
+        specs = {
+            vllm: to_vllm_spec(group.layer_spec(n), layer=n, base=given.get(vllm))
+            for n, vllm in zip(group.layer_names, names, strict=True)
+        }
+        first = specs[names[0]]
+        spec: Any = first
+        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs) or any(
+            s != first for s in specs.values()
+        ):
+            spec = iface.UniformTypeKVCacheSpecs(
+                block_size=group.kv_cache_spec.block_size, kv_cache_specs=specs
+            )
+        out.append(iface.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
+    return out
+
+
 def to_vllm_kv_cache_config(
     plan: KVCacheConfig,
     *,
@@ -361,26 +395,9 @@ def to_vllm_kv_cache_config(
     def name_of(layer: str) -> str:
         return rename.get(layer, layer)
 
-    given = dict(vllm_specs or {})
-    groups = []
-    for group in plan.kv_cache_groups:
-        names = [name_of(n) for n in group.layer_names]
-        specs = {
-            name_of(n): to_vllm_spec(
-                group.layer_spec(n), layer=n, base=given.get(name_of(n))
-            )
-            for n in group.layer_names
-        }
-        first = specs[names[0]]
-        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs) or any(
-            s != first for s in specs.values()
-        ):
-            spec: Any = iface.UniformTypeKVCacheSpecs(
-                block_size=group.kv_cache_spec.block_size, kv_cache_specs=specs
-            )
-        else:
-            spec = first
-        groups.append(iface.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
+    groups = to_vllm_groups(
+        plan.kv_cache_groups, vllm_specs=vllm_specs, layer_names=rename
+    )
     tensors = [
         iface.KVCacheTensor(
             size=t.size,
