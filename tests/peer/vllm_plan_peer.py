@@ -36,12 +36,16 @@ from vllm.v1.core.kv_cache_planning import (
     get_global_kv_cache_groups,
     get_kv_cache_configs,
 )
-from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 import kvcore
+import kvcore.integrations.vllm as kvcore_vllm
 from kvcore.config import CacheConfig, EngineConfig
 from kvcore.errors import InvalidSpecError, KvcoreError
 from kvcore.integrations.vllm import builder
@@ -230,6 +234,19 @@ def test_vllm_engine_core_plans_with_kvcore(
         (g.layer_names, g.kv_cache_spec) for g in want.kv_cache_groups
     ]
     assert _check_binding(plan, got) == len(specs)
+    # The scheduler side takes it: the block sizes vLLM's engine core
+    # resolves, and both vLLM's own manager and kvcore's.
+    scheduler = generate_scheduler_kv_cache_config([got])
+    block, hashed = resolve_kv_cache_block_sizes(scheduler, vllm_config)
+    for manager_type in (VllmKVCacheManager, kvcore_vllm.KVCacheManager):
+        manager = manager_type(
+            scheduler,
+            max_model_len=MAX_LEN,
+            scheduler_block_size=block,
+            hash_block_size=hashed,
+            enable_caching=False,
+        )
+        assert manager.block_pool.get_num_free_blocks() == plan.num_blocks - 1
 
 
 def test_packing_switch_keeps_vllm_planner(
