@@ -30,6 +30,7 @@ import torch
 from run_vllm_suite import OPT_125M_CONFIG
 from vllm.config import CacheConfig as VllmCacheConfig
 from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.core import kv_cache_config_builder
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_planning import (
@@ -40,7 +41,7 @@ from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -247,6 +248,34 @@ def test_vllm_engine_core_plans_with_kvcore(
             enable_caching=False,
         )
         assert manager.block_pool.get_num_free_blocks() == plan.num_blocks - 1
+
+
+def test_fixed_kernel_block_backends_keep_their_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM never splits a block-outermost block into kernel blocks, so a
+    backend of fixed kernel block sizes (its spec marked ``MultipleOf``)
+    keeps the model's block: min_waste grows Jamba's attention block to
+    128 tokens only where the backend takes any multiple of 16."""
+    monkeypatch.setattr(
+        kv_cache_config_builder, "get_kv_cache_config_builder", builder._builder
+    )
+    specs = {n: to_vllm_spec(s, layer=n) for n, s in _specs("jamba-1-5-mini").items()}
+    grown = _engine_core_plan(_vllm_config(tmp_path, "BLHNC"), specs)
+    assert [g.kv_cache_spec.block_size for g in grown.kv_cache_groups] == [16] * 4 + [
+        128
+    ]
+    fixed = {
+        n: (
+            dataclasses.replace(s, block_stride_alignment=MultipleOf(64))
+            if isinstance(s, FullAttentionSpec)
+            else s
+        )
+        for n, s in specs.items()
+    }
+    assert len(builder.fixed_kernel_blocks(fixed)) == 4
+    kept = _engine_core_plan(_vllm_config(tmp_path, "BLHNC"), fixed)
+    assert {g.kv_cache_spec.block_size for g in kept.kv_cache_groups} == {16}
 
 
 def test_packing_switch_keeps_vllm_planner(

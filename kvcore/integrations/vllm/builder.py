@@ -20,10 +20,11 @@ so only with ``KVCORE_VLLM=1``) points vLLM's builder lookup at it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.core import kv_cache_config_builder as vllm_builder
 from vllm.v1.core.kv_cache_planning import DefaultKVCacheConfigBuilder
 
@@ -48,6 +49,7 @@ from kvcore.structs import KVCacheGroupSpec
 __all__ = [
     "PACKING_SWITCH",
     "KvcoreKVCacheConfigBuilder",
+    "fixed_kernel_blocks",
     "install_builder",
     "packing_policy",
 ]
@@ -74,10 +76,19 @@ def packing_policy() -> str | None:
 
 
 def engine_config(
-    vllm_config: Any, policy: str, *, num_blocks: int | None = None
+    vllm_config: Any,
+    policy: str,
+    *,
+    num_blocks: int | None = None,
+    max_block_growth: int | None = None,
 ) -> EngineConfig:
     """The kvcore settings of a vLLM engine: its resolved layout, lengths,
     prefix caching and parallelism, and ``policy``."""
+    growth = (
+        max_block_growth
+        if max_block_growth is not None
+        else CacheConfig().max_block_growth
+    )
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     layout = KVCacheLayout.from_name(cache.get_resolved_kv_cache_layout().name)
@@ -88,6 +99,7 @@ def engine_config(
             enable_prefix_caching=bool(cache.enable_prefix_caching),
             prefix_match_unit=cache.prefix_match_unit,
             packing_policy=policy,
+            max_block_growth=growth,
         ),
         parallel_config=ParallelConfig(
             tensor_parallel_size=parallel.tensor_parallel_size,
@@ -116,6 +128,17 @@ def kvcore_layer_spec(spec: Any, layer: str) -> KVCacheSpec:
     if alignment > 1:
         changes["block_stride_alignment"] = alignment
     return attrs.evolve(out, **changes) if changes else out
+
+
+def fixed_kernel_blocks(specs: Mapping[str, Any]) -> list[str]:
+    """Layers whose attention backend takes only kernel blocks of fixed
+    sizes: vLLM marks their spec with a ``MultipleOf`` block stride
+    alignment (``customize_attention_spec``)."""
+    return [
+        name
+        for name, spec in specs.items()
+        if isinstance(getattr(spec, "block_stride_alignment", None), MultipleOf)
+    ]
 
 
 def _layer_specs(groups: Sequence[Any]) -> dict[str, Any]:
@@ -181,7 +204,12 @@ class KvcoreKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):  # type: ignore[m
             return super().get_kv_cache_groups(vllm_config, kv_cache_spec)  # type: ignore[no-any-return]
         _refuse_hisparse(vllm_config)
         specs = {n: kvcore_layer_spec(s, n) for n, s in kv_cache_spec.items()}
-        groups = get_kv_cache_groups(engine_config(vllm_config, policy), specs)
+        # vLLM never splits a block of a block-outermost layout into kernel
+        # blocks, so a backend of fixed kernel block sizes must get its
+        # model's block size: kvcore grows no block then.
+        growth = 1 if fixed_kernel_blocks(kv_cache_spec) else None
+        config = engine_config(vllm_config, policy, max_block_growth=growth)
+        groups = get_kv_cache_groups(config, specs)
         return to_vllm_groups(groups, vllm_specs=kv_cache_spec)
 
     def get_kv_cache_config_from_groups(
