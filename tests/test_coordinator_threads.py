@@ -218,7 +218,8 @@ def test_a_thread_safe_manager_pickles_with_a_fresh_lock() -> None:
     with mgr.lock:
         data = pickle.dumps(mgr)
         copied = copy.deepcopy(mgr)
-    assert copied.lock is not None and copied.lock is not mgr.lock
+    assert copied.lock is not None
+    assert copied.lock is not mgr.lock
     assert _held_elsewhere(copied) is False
     script = (
         "import pickle, sys\n"
