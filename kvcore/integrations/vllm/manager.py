@@ -254,6 +254,28 @@ def _to_vllm_events(events: list[Any], config: Any) -> list[Any]:
     return out
 
 
+def _table_extensions(
+    managers: Sequence[Any],
+    rid: str,
+    lengths: Sequence[int],
+    new: tuple[list[KVCacheBlock], ...],
+) -> tuple[list[KVCacheBlock], ...]:
+    """A running request's new table positions per group, from the table
+    lengths before the step.  vLLM's workers append a running request's new
+    block ids to their tables, so a group that grows by more positions than
+    new blocks (a state group keeps the null block where it holds no state)
+    must hand out its whole extension, nulls included, else the worker's
+    positions shift."""
+    out: list[list[KVCacheBlock]] | None = None
+    for gid, (manager, length) in enumerate(zip(managers, lengths, strict=True)):
+        table = manager.req_to_blocks.get(rid, ())
+        if len(table) - length != len(new[gid]):
+            if out is None:
+                out = list(new)
+            out[gid] = list(table[length:])
+    return new if out is None else tuple(out)
+
+
 class KVCacheManager:
     """vLLM 0.33's ``KVCacheManager``, on kvcore (same constructor)."""
 
@@ -523,10 +545,15 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             cache_to = min(num_main, request.num_tokens)
         before = self._held_ids(rid, hit) if self._zeroed_groups else None
+        managers = coordinator.single_type_managers
+        if running:
+            lengths = [len(m.req_to_blocks.get(rid, ())) for m in managers]
         pool.begin()
         try:
             if running:
                 new = coordinator.grow(rid, num_slots)
+                if new is not None:
+                    new = _table_extensions(managers, rid, lengths, new)
             else:
                 coordinator.add_computed_blocks(rid, attach)
                 new = coordinator.allocate_new_blocks(
