@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from vllm.config import (
@@ -250,8 +251,9 @@ class Worker:
         self.null_id = manager.kvcore.block_pool.null_block.block_id
         #: request id -> per group, the block ids the worker's table holds.
         self.tables: dict[str, list[list[int]]] = {}
-        #: (request id, block id) -> the step that handed the block over.
-        self.given: dict[tuple[str, int], int] = {}
+        #: request id -> per group and position, the step that handed the
+        #: block there over.
+        self.since: dict[str, list[list[int]]] = {}
         #: request id -> the table position of its running state (Mamba).
         self.state_pos: dict[str, int] = {}
         #: block id -> (writer request, tokens) of the state it holds.
@@ -264,14 +266,16 @@ class Worker:
     def _take(self, step: int, rid: str, groups: Any, *, replace: bool) -> None:
         if replace or rid not in self.tables:
             self.tables[rid] = [[] for _ in self.specs]
-        for table, ids in zip(self.tables[rid], groups, strict=True):
-            for bid in ids:
-                self.given.setdefault((rid, bid), step)
+            self.since[rid] = [[] for _ in self.specs]
+        for table, since, ids in zip(
+            self.tables[rid], self.since[rid], groups, strict=True
+        ):
             table.extend(ids)
+            since.extend([step] * len(ids))
 
     def execute(self, step: int, out: Any) -> dict[int, list[tuple[str, int]]]:
         """Run one step; the blocks it reads: block id -> (request id, the
-        step that handed it to that request)."""
+        step that handed the block to that request at the position read)."""
         cached = out.scheduled_cached_reqs
         for rid in (
             *out.finished_req_ids,
@@ -281,6 +285,7 @@ class Worker:
             self.state_pos.pop(rid, None)
         for rid in out.finished_req_ids:
             self.tables.pop(rid, None)
+            self.since.pop(rid, None)
         starts: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             self._take(step, new.req_id, new.block_ids, replace=True)
@@ -294,7 +299,13 @@ class Worker:
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests.setdefault(rid, self.scheduler.requests[rid])
             start, end = starts[rid], starts[rid] + n
-            for spec, table in zip(self.specs, self.tables[rid], strict=True):
+            for spec, table, since in zip(
+                self.specs, self.tables[rid], self.since[rid], strict=True
+            ):
+                assert cdiv(end, BS) <= len(table), (
+                    f"step {step}: request {rid} computes tokens {start}-{end} "
+                    f"but its {type(spec).__name__} table has {len(table)} blocks"
+                )
                 if isinstance(spec, MambaSpec):
                     positions = self._mamba(request, table, start, end)
                 elif isinstance(spec, SlidingWindowSpec):
@@ -303,13 +314,9 @@ class Worker:
                 else:
                     positions = range(cdiv(end, BS))
                 for pos in positions:
-                    assert pos < len(table), (
-                        f"step {step}: request {rid} computes tokens {start}-{end} "
-                        f"but its table has {len(table)} blocks"
-                    )
                     bid = table[pos]
                     if bid != self.null_id:
-                        reads.setdefault(bid, []).append((rid, self.given[(rid, bid)]))
+                        reads.setdefault(bid, []).append((rid, since[pos]))
         return reads
 
     def _mamba(
@@ -492,12 +499,12 @@ def _sliding_window_run(seed: int = 1) -> Harness:
 def _preemption_run(seed: int = 2) -> tuple[Harness, int]:
     scheduler = _scheduler(
         [_attention(), _attention(WINDOW)],
-        num_blocks=70,
+        num_blocks=56,
         long_prefill=48,
         prefix_caching=True,
     )
     harness = Harness(scheduler, seed)
-    arrivals = _attention_trace(seed, num=16, lengths=(60, 200), shared=True)
+    arrivals = _attention_trace(seed, num=24, lengths=(60, 200), shared=True)
     harness.run(arrivals, {})
     preemptions = sum(r.num_preemptions for rs in arrivals.values() for r in rs)
     return harness, preemptions
@@ -536,8 +543,9 @@ def test_sliding_window_frees_nothing_a_step_in_flight_reads() -> None:
 
 def test_preemption_frees_nothing_a_step_in_flight_reads() -> None:
     """Full attention + sliding window with prefix caching, chunked prefill
-    and too few blocks: preempted requests' blocks (deferred by vLLM while
-    their step is in flight) and out-of-window ones."""
+    and too few blocks: requests preempted (their blocks freed, or deferred
+    while a step in flight reads them) and readmitted on prefix hits, with
+    out-of-window blocks released along the way."""
     harness, preemptions = _preemption_run()
     print(f"preemption: {preemptions} preemptions, {harness.summary()}")
     assert harness.violations == []
@@ -565,7 +573,9 @@ def _conversations(seed: int) -> list[list[tuple[list[int], int]]]:
     ]
 
 
-def _mamba_run(seed: int = 4, *, num_blocks: int = 400) -> Harness:
+def _mamba_run(
+    seed: int = 4, *, num_blocks: int = 400, long_prefill: int = 48
+) -> Harness:
     """A Mamba hybrid (full attention + align-mode Mamba, prefix caching)
     serving multi-turn chats: each turn's prompt is the previous turn's
     prompt and output and a new user message, submitted once that turn
@@ -573,7 +583,7 @@ def _mamba_run(seed: int = 4, *, num_blocks: int = 400) -> Harness:
     scheduler = _scheduler(
         [_attention(), _mamba()],
         num_blocks=num_blocks,
-        long_prefill=48,
+        long_prefill=long_prefill,
         prefix_caching=True,
         connector=False,
     )
@@ -654,15 +664,16 @@ def _releases_on_num_computed() -> Iterator[None]:
         cls.allocate_slots = allocate  # type: ignore[method-assign]
 
 
-def test_release_on_num_computed_tokens_is_caught() -> None:
+@pytest.mark.parametrize("run", ["sliding window", "preemption"])
+def test_release_on_num_computed_tokens_is_caught(run: str) -> None:
     with _releases_on_num_computed():
-        harness = _sliding_window_run()
-    print("broken (release on num_computed_tokens):", harness.summary())
+        harness = _sliding_window_run() if run != "preemption" else _preemption_run()[0]
+    print(f"broken (release on num_computed_tokens, {run}):", harness.summary())
     assert len(harness.violations) >= 10
 
 
 def test_undeferred_frees_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A manager that frees a finished request's blocks at once instead of
+    """A manager that frees an aborted request's blocks at once instead of
     handing them back for vLLM to free after the step in flight."""
 
     def pop_blocks_for_free(self: Any, request: Any) -> list[Any]:
@@ -674,14 +685,20 @@ def test_undeferred_frees_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     harness, _ = _abort_run()
     print("broken (frees not deferred):", harness.summary())
-    assert len(harness.violations) >= 10
+    assert len(harness.violations) >= 5
 
 
 def test_states_kept_inside_steps_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kvcore's default checkpoint policy keys states inside steps (prompt
-    ends, branch points), which vLLM's align-mode kernels never write."""
-    monkeypatch.setattr(kvcore_specs, "VLLM_CHECKPOINT_POLICY", "turns")
-    harness = _mamba_run()
+    """kvcore keying the state at every block end a step passes (Mamba's
+    ``all`` mode; what the contract assumed before ``state_write_positions``),
+    which vLLM's align-mode kernels never write inside a step."""
+    convert = kvcore_specs._mamba_spec
+
+    def every_block_end(spec: Any, spec_type: Any, group: int) -> Any:
+        return attrs.evolve(convert(spec, spec_type, group), mamba_cache_mode="all")
+
+    monkeypatch.setattr(kvcore_specs, "_mamba_spec", every_block_end)
+    harness = _mamba_run(long_prefill=0)
     restored, _, unwritten = harness.worker.unwritten_states()
-    print(f"broken (policy 'turns'): {unwritten} of {restored} restores unwritten")
+    print(f"broken (every block end keyed): {unwritten} of {restored} unwritten")
     assert unwritten >= 5
