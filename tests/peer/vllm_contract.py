@@ -20,13 +20,15 @@ kernels do:
   the step's last token into position ``cdiv(end, block_size) - 1``: one
   state per step, at the step's end.
 
-Two counts must be zero:
+Three counts must be zero:
 
 - blocks kvcore returns to the free pool (caught where kvcore's pool drops a
   block's last reference) that a step in flight (scheduled, its output not
   yet applied) reads for a request that held them before the release;
 - Mamba states the worker reads (restored from a prefix hit, or carried from
-  the previous step) that no earlier step wrote for that same prefix.
+  the previous step) that no earlier step wrote for that same prefix;
+- steps for which kvcore's ``state_write_positions`` (its engine contract:
+  where the engine must write states) asks for anything but the step's end.
 
 The ``*_is_caught`` tests break kvcore on purpose (releasing on
 ``num_computed_tokens``, freeing without deferral, keying states inside
@@ -262,6 +264,10 @@ class Worker:
         #: every sampled token is known.
         self.state_reads: list[tuple[Request, int, Request | None, int, bool]] = []
         self.requests: dict[str, Request] = {}
+        #: Steps of a state group, and those for which kvcore's
+        #: ``state_write_positions`` asks for more than the step's end.
+        self.state_steps = 0
+        self.asked_inside_steps: list[str] = []
 
     def _take(self, step: int, rid: str, groups: Any, *, replace: bool) -> None:
         if replace or rid not in self.tables:
@@ -299,8 +305,8 @@ class Worker:
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests.setdefault(rid, self.scheduler.requests[rid])
             start, end = starts[rid], starts[rid] + n
-            for spec, table, since in zip(
-                self.specs, self.tables[rid], self.since[rid], strict=True
+            for gid, (spec, table, since) in enumerate(
+                zip(self.specs, self.tables[rid], self.since[rid], strict=True)
             ):
                 assert cdiv(end, BS) <= len(table), (
                     f"step {step}: request {rid} computes tokens {start}-{end} "
@@ -308,6 +314,7 @@ class Worker:
                 )
                 if isinstance(spec, MambaSpec):
                     positions = self._mamba(request, table, start, end)
+                    self._asked(gid, rid, start, end)
                 elif isinstance(spec, SlidingWindowSpec):
                     first = max(0, start - spec.sliding_window + 1) // BS
                     positions = range(first, cdiv(end, BS))
@@ -332,6 +339,17 @@ class Worker:
         self.written[table[dst]] = (request, end)
         self.state_pos[rid] = dst
         return [src, dst] if start > 0 else [dst]
+
+    def _asked(self, gid: int, rid: str, start: int, end: int) -> None:
+        """What kvcore asks the worker to write (its engine contract): only
+        the step's end, the one state vLLM's align-mode kernels write."""
+        self.state_steps += 1
+        manager = self.scheduler.kv_cache_manager
+        asked = manager.state_write_positions(rid, start, end)[gid]
+        if asked != (end,):
+            self.asked_inside_steps.append(
+                f"{rid} tokens {start}-{end}: kvcore asks for states after {asked}"
+            )
 
     def unwritten_states(self) -> tuple[int, int, int]:
         """(states restored from hits, states carried between steps, reads
@@ -634,9 +652,14 @@ def test_align_mode_restores_only_states_vllm_wrote(num_blocks: int) -> None:
     print(
         f"mamba align ({num_blocks} blocks, {preemptions} preemptions): "
         f"{restored} states restored from hits, {carried} carried between "
-        f"steps, {unwritten} never written; {harness.summary()}"
+        f"steps, {unwritten} never written, "
+        f"{len(harness.worker.asked_inside_steps)} of "
+        f"{harness.worker.state_steps} steps asked for a state inside the step; "
+        f"{harness.summary()}"
     )
     assert unwritten == 0
+    assert harness.worker.asked_inside_steps == []
+    assert harness.worker.state_steps >= 500
     assert restored >= 20
     assert carried >= 500
     assert harness.violations == []
@@ -705,5 +728,10 @@ def test_states_kept_inside_steps_are_caught(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(kvcore_specs, "_mamba_spec", every_block_end)
     harness = _mamba_run(long_prefill=0)
     restored, _, unwritten = harness.worker.unwritten_states()
-    print(f"broken (every block end keyed): {unwritten} of {restored} unwritten")
+    asked = len(harness.worker.asked_inside_steps)
+    print(
+        f"broken (every block end keyed): {unwritten} of {restored} restores "
+        f"unwritten, {asked} steps asked for states inside the step"
+    )
     assert unwritten >= 5
+    assert asked >= 5
