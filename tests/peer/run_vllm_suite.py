@@ -275,9 +275,10 @@ def run_suite(
 
 def run_kvcore_tests(python: Path, root: Path, hf_home: Path) -> int:
     """kvcore's own tests under vLLM (``KVCORE_TEST_FILES``); pytest's exit
-    status.  vLLM's source tree is the working directory (its ``tests``
-    package importable); kvcore's pytest configuration is left out (``-c``
-    an empty file), as the test files ask only for vLLM's environment."""
+    status.  They run in vLLM's source tree, as vLLM's tests do, without
+    kvcore's pytest configuration (``-c`` an empty file; its conftest and
+    its warnings-as-errors are for the default run), and print what they
+    checked (``-s``)."""
     env = _env(hf_home)
     env["KVCORE_VLLM"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
