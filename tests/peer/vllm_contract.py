@@ -370,7 +370,14 @@ class Worker:
 class Harness:
     """vLLM's engine loop with async scheduling over one scheduler, and the
     release check: every block kvcore's pool frees is checked against the
-    reads of the steps in flight."""
+    reads of the steps in flight.
+
+    A block is *released* by a call when its reference count (public on
+    every block of kvcore's pool) goes from positive to 0 across the call,
+    or when the call hands it out anew (a block id in the scheduler
+    output's new blocks) with one reference left where it had some before:
+    its holder let go of it and another request took it in the same call.
+    """
 
     def __init__(self, scheduler: AsyncScheduler, seed: int = 0) -> None:
         self.scheduler = scheduler
@@ -380,31 +387,39 @@ class Harness:
             deque()
         )
         self.steps = 0
-        self.released_now: list[int] = []
         self.blocks_checked = 0
         self.checked_in_flight = 0
         self.deferred_checked = 0
         self.violations: list[str] = []
-        pool = scheduler.kv_cache_manager.kvcore.block_pool
-        harness = self
+        self.pool = scheduler.kv_cache_manager.kvcore.block_pool
+        self.null_id = self.pool.null_block.block_id
 
-        class ReleaseSpy(type(pool)):  # type: ignore[misc]
-            """kvcore's pool, recording each block whose last reference
-            goes (BlockPool has slots: the instance's class is swapped)."""
+    def _ref_counts(self) -> list[int]:
+        return [block.ref_cnt for block in self.pool.blocks]
 
-            __slots__ = ()
+    def _released(self, before: list[int], out: Any = None) -> list[int]:
+        """The blocks the call since ``before`` released (see the class)."""
+        after = self._ref_counts()
+        released = [
+            bid
+            for bid, (was, now) in enumerate(zip(before, after, strict=True))
+            if was > 0 and now == 0 and bid != self.null_id
+        ]
+        if out is not None:
+            handed: dict[int, None] = {}
+            groups = [new.block_ids for new in out.scheduled_new_reqs]
+            groups += [g for g in out.scheduled_cached_reqs.new_block_ids if g]
+            for per_group in groups:
+                for ids in per_group:
+                    handed.update(dict.fromkeys(ids))
+            released += [
+                bid
+                for bid in handed
+                if bid != self.null_id and before[bid] > 0 and after[bid] == 1
+            ]
+        return released
 
-            def _release(self, blocks: Any, *, table: bool) -> None:
-                held = [b for b in blocks if not b.is_null and b.ref_cnt > 0]
-                super()._release(blocks, table=table)
-                harness.released_now.extend(
-                    dict.fromkeys(b.block_id for b in held if b.ref_cnt == 0)
-                )
-
-        pool.__class__ = ReleaseSpy
-
-    def _check(self, where: str, new_step: int | None) -> None:
-        released, self.released_now = self.released_now, []
+    def _check(self, where: str, new_step: int | None, released: list[int]) -> None:
         for bid in released:
             self.blocks_checked += 1
             self.checked_in_flight += bool(self.in_flight)
@@ -418,11 +433,12 @@ class Harness:
                     )
 
     def schedule(self) -> bool:
+        before = self._ref_counts()
         out = self.scheduler.schedule()
         step = self.steps
         self.steps += 1
         if not out.num_scheduled_tokens:
-            self._check(f"schedule (step {step}, empty)", None)
+            self._check(f"schedule (step {step}, empty)", None, self._released(before))
             return False
         sampling = {
             rid: not self.scheduler.requests[rid].is_prefill_chunk
@@ -430,7 +446,7 @@ class Harness:
         }
         reads = self.worker.execute(step, out)
         self.in_flight.append((step, out, sampling, reads))
-        self._check(f"schedule (step {step})", step)
+        self._check(f"schedule (step {step})", step, self._released(before, out))
         return True
 
     def complete_oldest(self) -> None:
@@ -447,10 +463,11 @@ class Harness:
             prompt_logprobs_dict={},
             pooler_output=[],
         )
+        before = self._ref_counts()
         self.scheduler.update_from_output(out, output)
-        before = self.blocks_checked
-        self._check(f"update_from_output (step {step})", None)
-        self.deferred_checked += self.blocks_checked - before
+        checked = self.blocks_checked
+        self._check(f"update_from_output (step {step})", None, self._released(before))
+        self.deferred_checked += self.blocks_checked - checked
 
     def run(
         self, arrivals: dict[int, list[Request]], aborts: dict[int, list[str]]
@@ -463,8 +480,11 @@ class Harness:
                 self.scheduler.add_request(request)
             ids = [r for r in aborts.get(i, ()) if r in self.scheduler.requests]
             if ids:
+                before = self._ref_counts()
                 self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-                self._check(f"abort before step {self.steps}", None)
+                self._check(
+                    f"abort before step {self.steps}", None, self._released(before)
+                )
             scheduled = self.schedule()
             while len(self.in_flight) > (1 if scheduled else 0):
                 self.complete_oldest()
