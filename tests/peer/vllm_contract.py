@@ -755,3 +755,104 @@ def test_states_kept_inside_steps_are_caught(monkeypatch: pytest.MonkeyPatch) ->
     )
     assert unwritten >= 5
     assert asked >= 5
+
+
+# -- speculative-decoding lookahead ---------------------------------------------
+
+
+def _lookahead_hits(manager_cls: type, *, hybrid: bool, use_eagle: bool) -> list[int]:
+    """Prefix-hit tokens after each 8-token chunk of a 24-token prompt, with
+    multi-module MTP's counts (3 lookahead tokens: every block's hash covers
+    the 3 tokens after it, the chunk's last 2 tokens may be prefilled again),
+    on ``manager_cls`` built as vLLM's scheduler builds its manager."""
+    bs = 4
+    common: dict[str, Any] = {
+        "block_size": bs,
+        "num_kv_heads": 1,
+        "head_size": 1,
+        "dtype": torch.float32,
+    }
+    groups: list[KVCacheSpec] = [FullAttentionSpec(**common)]
+    if hybrid:
+        groups.append(SlidingWindowSpec(**common, sliding_window=8))
+    config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(groups)
+        ],
+    )
+    manager = manager_cls(
+        kv_cache_config=config,
+        max_model_len=256,
+        scheduler_block_size=bs,
+        hash_block_size=bs,
+        enable_caching=True,
+        use_eagle=use_eagle,
+        num_hash_lookahead_tokens=3,
+        num_prefill_lookahead=3,
+    )
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(bs, sha256, 3)
+    params = SamplingParams(ignore_eos=True, max_tokens=4)
+    params.update_from_generation_config({}, EOS)
+    tokens = list(range(100, 124))
+
+    def request(rid: str) -> Request:
+        return Request(
+            request_id=rid,
+            prompt_token_ids=tokens,
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+
+    producer = request("producer")
+    hits = []
+    for _ in range(3):
+        assert manager.allocate_slots(producer, 8) is not None
+        producer.num_computed_tokens += 8
+        hits.append(manager.get_computed_blocks(request("probe"))[1])
+    return hits
+
+
+@pytest.mark.parametrize(
+    ("hybrid", "use_eagle"),
+    [(False, False), (True, False), (True, True)],
+    ids=["one group", "hybrid", "hybrid eagle"],
+)
+def test_prefill_lookahead_caches_what_vllm_caches(
+    hybrid: bool, use_eagle: bool
+) -> None:
+    """The trailing ``num_prefill_lookahead - 1`` tokens of a chunk are not
+    final: vLLM's own manager and kvcore's cache the same blocks."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+
+    theirs = _lookahead_hits(VllmManager, hybrid=hybrid, use_eagle=use_eagle)
+    ours = _lookahead_hits(
+        kvcore_vllm.KVCacheManager, hybrid=hybrid, use_eagle=use_eagle
+    )
+    print(f"hits after each chunk: vLLM {theirs}, kvcore {ours}")
+    assert ours == theirs
+    if not hybrid:
+        # Chunk ends 8, 16, 24 less the 2 re-prefillable tokens, in whole
+        # blocks the hashes (3 tokens ahead, 24 known) reach.
+        assert theirs == [4, 12, 20]
+
+
+def test_lookahead_hashes_with_kv_events_are_refused() -> None:
+    config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer0"], _attention())],
+    )
+    with pytest.raises(kvcore_manager.UnsupportedFeatureError, match="KV events"):
+        kvcore_vllm.KVCacheManager(
+            kv_cache_config=config,
+            max_model_len=256,
+            scheduler_block_size=BS,
+            hash_block_size=BS,
+            enable_kv_cache_events=True,
+            num_hash_lookahead_tokens=1,
+            num_prefill_lookahead=1,
+        )

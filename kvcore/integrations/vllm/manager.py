@@ -22,10 +22,14 @@ from kvcore.coordinator.coordinator import KVCacheCoordinator
 from kvcore.coordinator.engine_calls import state_writes
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.errors import InvalidRequestError, UnknownRequestError
+from kvcore.integrations.vllm.lookahead import (
+    UnsupportedFeatureError,
+    reprefillable_tokens,
+)
 from kvcore.integrations.vllm.specs import to_kvcore_config
 from kvcore.registry import default_registry
 
-__all__ = ["KVCacheManager"]
+__all__ = ["KVCacheManager", "UnsupportedFeatureError"]
 
 
 class _FreeQueueView:
@@ -151,6 +155,7 @@ class CoordinatorView:
     def __init__(self, owner: KVCacheManager, vllm_config: Any) -> None:
         self._owner = owner
         self.coordinator = owner.kvcore
+        self.num_reprefillable_tokens = owner.num_reprefillable_tokens
         self.single_type_managers = tuple(
             _view_type(vllm_group.kv_cache_spec)(
                 manager, vllm_group.kv_cache_spec, owner.block_pool
@@ -299,19 +304,30 @@ class KVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-        from vllm.v1.metrics.stats import PrefixCacheStats
-
         if pcp_world_size != 1:
             msg = (
                 "kvcore.integrations.vllm: prefill context parallelism "
                 f"(pcp_world_size={pcp_world_size}) is not supported; unset "
                 "KVCORE_VLLM or run with pcp_world_size=1"
             )
-            raise InvalidRequestError(msg)
+            raise UnsupportedFeatureError(msg)
         if watermark < 0:
             msg = f"KVCacheManager: watermark must be non-negative, got {watermark}"
             raise InvalidRequestError(msg)
+        #: Trailing computed tokens no cache call keys (multi-module MTP
+        #: may prefill them again); see kvcore.integrations.vllm.lookahead.
+        self.num_reprefillable_tokens = reprefillable_tokens(
+            kv_cache_config,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+            scheduler_block_size=scheduler_block_size,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
+        )
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
         self._blocks_cls = KVCacheBlocks
         self._stats_cls = PrefixCacheStats
         self.max_model_len = max_model_len
@@ -544,7 +560,9 @@ class KVCacheManager:
             return None
         cache_to = -1
         if self.enable_caching and not delay_cache_blocks:
-            cache_to = min(num_main, request.num_tokens)
+            cache_to = max(
+                0, min(num_main, request.num_tokens) - self.num_reprefillable_tokens
+            )
         before = self._held_ids(rid, hit) if self._zeroed_groups else None
         managers = coordinator.single_type_managers
         if running:
@@ -604,7 +622,9 @@ class KVCacheManager:
             pool = self.kvcore.block_pool
             pool.begin()
             try:
-                self.kvcore.cache_blocks(request, num_computed_tokens)
+                self.kvcore.cache_blocks(
+                    request, max(0, num_computed_tokens - self.num_reprefillable_tokens)
+                )
             except BaseException:
                 pool.rollback()
                 raise
