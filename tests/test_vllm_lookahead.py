@@ -122,11 +122,14 @@ def test_vllm_mtp_block_size_rule_is_kept() -> None:
     )
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, None])
-def test_counts_must_be_non_negative_ints(bad: Any) -> None:
-    with pytest.raises(InvalidRequestError, match="num_prefill_lookahead must be"):
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(-1, InvalidRequestError), (1.5, TypeError), (True, TypeError), (None, TypeError)],
+)
+def test_counts_must_be_non_negative_ints(bad: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=f"num_prefill_lookahead must be .*got {bad}"):
         _tail(_config(False), num_prefill_lookahead=bad)
-    with pytest.raises(InvalidRequestError, match="num_hash_lookahead_tokens must"):
+    with pytest.raises(error, match=f"num_hash_lookahead_tokens must .*got {bad}"):
         _tail(_config(False), num_hash_lookahead_tokens=bad)
 
 

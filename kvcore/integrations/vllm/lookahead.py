@@ -30,7 +30,12 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from kvcore.errors import BlockSizeError, InvalidRequestError, echo
+from kvcore.errors import (
+    BlockSizeError,
+    InvalidRequestError,
+    InvalidRequestTypeError,
+    echo,
+)
 
 __all__ = ["UnsupportedFeatureError", "reprefillable_tokens"]
 
@@ -43,18 +48,21 @@ class UnsupportedFeatureError(InvalidRequestError):
 
 
 def _count(name: str, source: str, value: Any) -> int:
-    if isinstance(value, bool):
-        value = None
-    try:
-        count = operator.index(value)
-    except TypeError:
-        count = -1
+    """``value`` as a count, refused unless a non-negative int."""
+    error: type[InvalidRequestError] = InvalidRequestTypeError
+    count = -1
+    if not isinstance(value, bool):
+        try:
+            count = operator.index(value)
+            error = InvalidRequestError
+        except TypeError:
+            pass
     if count < 0:
         msg = (
             f"KVCacheManager: {name} must be a non-negative int (vLLM's "
             f"VllmConfig.{source}), got {echo(value)}"
         )
-        raise InvalidRequestError(msg)
+        raise error(msg)
     return count
 
 
