@@ -760,11 +760,15 @@ def test_states_kept_inside_steps_are_caught(monkeypatch: pytest.MonkeyPatch) ->
 # -- speculative-decoding lookahead ---------------------------------------------
 
 
-def _lookahead_hits(manager_cls: type, *, hybrid: bool, use_eagle: bool) -> list[int]:
+def _lookahead_hits(
+    manager_cls: type, *, hybrid: bool, use_eagle: bool, later: bool
+) -> list[int]:
     """Prefix-hit tokens after each 8-token chunk of a 24-token prompt, with
     multi-module MTP's counts (3 lookahead tokens: every block's hash covers
     the 3 tokens after it, the chunk's last 2 tokens may be prefilled again),
-    on ``manager_cls`` built as vLLM's scheduler builds its manager."""
+    on ``manager_cls`` built as vLLM's scheduler builds its manager; each
+    chunk's blocks cached by ``allocate_slots``, or ``later`` by
+    ``cache_blocks``."""
     bs = 4
     common: dict[str, Any] = {
         "block_size": bs,
@@ -810,28 +814,31 @@ def _lookahead_hits(manager_cls: type, *, hybrid: bool, use_eagle: bool) -> list
     producer = request("producer")
     hits = []
     for _ in range(3):
-        assert manager.allocate_slots(producer, 8) is not None
+        slots = manager.allocate_slots(producer, 8, delay_cache_blocks=later)
+        assert slots is not None
         producer.num_computed_tokens += 8
+        if later:
+            manager.cache_blocks(producer, producer.num_computed_tokens)
         hits.append(manager.get_computed_blocks(request("probe"))[1])
     return hits
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["allocate", "cache_blocks"])
 @pytest.mark.parametrize(
     ("hybrid", "use_eagle"),
     [(False, False), (True, False), (True, True)],
     ids=["one group", "hybrid", "hybrid eagle"],
 )
 def test_prefill_lookahead_caches_what_vllm_caches(
-    hybrid: bool, use_eagle: bool
+    hybrid: bool, use_eagle: bool, later: bool
 ) -> None:
     """The trailing ``num_prefill_lookahead - 1`` tokens of a chunk are not
     final: vLLM's own manager and kvcore's cache the same blocks."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
 
-    theirs = _lookahead_hits(VllmManager, hybrid=hybrid, use_eagle=use_eagle)
-    ours = _lookahead_hits(
-        kvcore_vllm.KVCacheManager, hybrid=hybrid, use_eagle=use_eagle
-    )
+    flags = {"hybrid": hybrid, "use_eagle": use_eagle, "later": later}
+    theirs = _lookahead_hits(VllmManager, **flags)
+    ours = _lookahead_hits(kvcore_vllm.KVCacheManager, **flags)
     print(f"hits after each chunk: vLLM {theirs}, kvcore {ours}")
     assert ours == theirs
     if not hybrid:
