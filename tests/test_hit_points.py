@@ -1,11 +1,11 @@
-"""A hit point's blocks in every group leave the cache together.
+"""Released blocks that complete a running request's hit points are held back.
 
 A hit at ``n`` tokens on a hybrid needs the attention prefix and, from
 every other group, the blocks a hit there reads (a sliding window's last
 blocks before ``n``).  A running request holds its attention prefix; the
-window blocks it releases as its window moves on are held back (evicted
-only after every other free block) until it is freed, and then join the
-eviction order beside the attention blocks at their positions.
+window blocks of its hit points it releases as its window moves on are
+held back (evicted only after every other free block) until it is freed,
+and then rejoin its table.
 """
 
 from __future__ import annotations
@@ -50,56 +50,68 @@ def _free_order(mgr: KVCacheManager) -> list[KVCacheBlock]:
 
 def test_a_running_requests_released_window_blocks_outlive_other_free_blocks() -> None:
     """A decodes 8 tokens past its 16-token prompt: its window blocks at
-    positions 0-3 are released (the window now starts at token 17).  They
-    are the last free blocks to go, so once the pool has handed out every
-    other free block, a repeat of A's prompt still hits at 16 tokens (A
-    holds the attention prefix, the held-back blocks 2 and 3 complete it);
-    one block more and the first held-back block goes."""
-    mgr = _window_hybrid(41)
+    positions 0-3 are released (the window now starts at token 17).  Those
+    a hit at its prompt's end reads (12 and 16 tokens: positions 1-3) are
+    held back, the last free blocks to go: once the pool has handed out
+    every other free block, a repeat of A's prompt still hits at 16 tokens
+    (A holds the attention prefix, blocks 2 and 3 complete it).  Then the
+    held-back blocks go too, the lowest position first."""
+    mgr = _window_hybrid(40)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 8)
     window = mgr.get_blocks("a").blocks[1]
     assert [b.is_null for b in window] == [True] * 4 + [False] * 2
-    fillers = _fill(mgr, leave=4)
+    fillers = _fill(mgr, leave=3)
     held = _free_order(mgr)
-    assert len(held) == 4
+    assert held == mgr.block_pool.free_queue.held_blocks()
+    assert len(held) == 3
     assert all(b.key_hash is not None for b in held)
     b = small_request("b", [*PROMPT, 7])
     blocks, hit = mgr.get_computed_blocks(b)
     assert hit == 16
     assert [blk.block_id for blk in blocks.blocks[1][2:]] == [
-        blk.block_id for blk in held[-2:]
+        blk.block_id for blk in held[1:]
     ]
     # Once nothing else is free the pool hands out held-back blocks, the
-    # lowest position first: the hit at 16 survives two more blocks.
+    # lowest position first.
     c = small_request("c", [7000, 7001, 7002])
     got = mgr.allocate_slots(c, 3)
     assert got is not None
     assert [blk.block_id for g in got.blocks for blk in g] == [
         blk.block_id for blk in held[:2]
     ]
-    assert mgr.get_computed_blocks(b)[1] == 16
-    del fillers
+    assert mgr.get_computed_blocks(b)[1] == 0
+    assert len(fillers) == 14
 
 
-def test_a_freed_requests_blocks_leave_together_by_position() -> None:
-    """Freed, A's blocks of both groups and the window blocks it held back
-    join the back of the eviction order by position, the last first, full
-    attention before the window at one position: a hit point's blocks in
-    every group are evicted together."""
+def test_a_freed_requests_held_back_blocks_rejoin_its_table() -> None:
+    """Freed, A's window blocks it held back rejoin its window table at
+    their positions: each group's blocks go to the back of the eviction
+    order tail first, the groups in order, as if the window had never
+    released them."""
     mgr = _window_hybrid(64)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 8)
     full, window = mgr.get_blocks("a").blocks
     held = mgr.block_pool.free_queue.held_blocks()
-    assert len(held) == 4
+    assert len(held) == 3
     mgr.free(a)
     assert mgr.block_pool.free_queue.held_blocks() == []
-    order = _free_order(mgr)
     # Full attention holds 6 blocks, the window positions 4 and 5, and
-    # held back 0-3 (lowest position first).
+    # held back 1-3 (lowest position first); position 0 went to the
+    # queue's back when the window left it.
     assert len(full) == 6
-    expected = [full[5], window[5], full[4], window[4]]
-    for pos in (3, 2, 1, 0):
-        expected += [full[pos], held[pos]]
-    assert order[-len(expected) :] == expected
+    expected = [*full[::-1], window[5], window[4], *held[::-1]]
+    assert _free_order(mgr)[-len(expected) :] == expected
+
+
+def test_a_one_group_plan_frees_tail_first_as_before() -> None:
+    """Full attention alone: a freed request's blocks go to the back of the
+    queue tail first and nothing is ever held back."""
+    mgr = small_manager([fa(4)], 16)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 4)
+    (table,) = mgr.get_blocks("a").blocks
+    mgr.free(a)
+    assert mgr.block_pool.free_queue.held_blocks() == []
+    assert _free_order(mgr)[-len(table) :] == table[::-1]

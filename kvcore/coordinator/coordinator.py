@@ -273,12 +273,16 @@ class KVCacheCoordinator:
             m for m in managers if m.evicts_last
         )
         self._evicting_last = tuple(m for m in managers if m.evicts_last)
-        #: Managers freed before those that release blocks while a request
-        #: runs: a freed request's blocks of every such group, and the ones
-        #: they held back, join the eviction order by position.
-        self._holding = tuple(
-            m for m in managers if m.caching and m.skips_blocks and not m.evicts_last
-        )
+        # A group that releases blocks while a request runs, beside one that
+        # keeps the request's whole prefix (which no eviction can reach
+        # while it runs), holds back the released blocks its hits need.
+        if any(m.caching and not m.skips_blocks for m in managers):
+            for m in managers:
+                m.holds_back = m.caching and m.skips_blocks
+        #: Those of them freed before the state groups: a freed request's
+        #: held-back blocks rejoin their group's table (state groups move
+        #: theirs to the back, see :meth:`_refresh_checkpoints`).
+        self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
         self.num_groups = len(managers)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
@@ -679,51 +683,39 @@ class KVCacheCoordinator:
     def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
         """Every group's blocks of the request, each group's tail first, the
         groups in free order (the tables joined last group first), as
-        :meth:`BlockPool.free_table` takes them.  With groups that release
-        blocks while a request runs, the groups freed first are one list
-        instead (see :meth:`_by_position`)."""
+        :meth:`BlockPool.free_table` takes them; the blocks the request
+        held back rejoin their group's table (see :meth:`_rejoin_held_back`)."""
         tables = self._each(self._free_order, "pop_blocks", request_id)
+        if self._holding:
+            self._rejoin_held_back(request_id, tables)
         freed: list[KVCacheBlock] = []
-        first = len(tables) - len(self._evicting_last)
-        for blocks in reversed(tables[first:] if self._holding else tables):
+        for blocks in reversed(tables):
             if blocks:
                 freed += blocks
-        if self._holding:
-            freed += self._by_position(request_id, tables[:first])
         return freed
 
-    def _by_position(
-        self, request_id: str, tables: Sequence[list[KVCacheBlock] | None]
-    ) -> list[KVCacheBlock]:
-        """The tables of the groups freed first and the blocks the request
-        held back (taken again, so they are freed with it), ordered so that
-        a hit point's blocks in every group leave the cache together: by
-        the token position each block ends at, the last first, the groups
-        in free order at one position; listed in reverse, as
-        :meth:`BlockPool.free_table` takes them."""
+    def _rejoin_held_back(
+        self, request_id: str, tables: list[list[KVCacheBlock] | None]
+    ) -> None:
+        """Take again the blocks the request held back that are still
+        cached and put each in a copy of its group's table at its position
+        (released there, so the null block): its group frees it with the
+        rest of the table, tail first, and the hit points it completes
+        leave the cache with the request's other blocks."""
         held = self._each(self._holding, "take_held_back", request_id)
-        entries: list[tuple[int, int, KVCacheBlock]] = []
-        for rank, (manager, blocks) in enumerate(
-            zip(self._free_order, tables, strict=False)
-        ):
-            if blocks:
-                size = manager.block_size
-                entries += [
-                    ((i + 1) * size, -rank, block)
-                    for i, block in enumerate(blocks)
-                    if not block.is_null
-                ]
         revived: list[KVCacheBlock] = []
         for manager, pairs in zip(self._holding, held, strict=True):
-            if pairs:
-                size = manager.block_size
-                rank = self._free_order.index(manager)
-                entries += [((pos + 1) * size, -rank, block) for pos, block in pairs]
-                revived += [block for _, block in pairs]
+            index = self._free_order.index(manager)
+            table = tables[index]
+            if not pairs or not table:
+                continue
+            merged = list(table)
+            for pos, block in pairs:
+                merged[pos] = block
+            tables[index] = merged
+            revived += [block for _, block in pairs]
         if revived:
             self.block_pool.touch(revived)
-        entries.sort(key=_position)
-        return [block for _, _, block in entries]
 
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the
@@ -817,10 +809,6 @@ class KVCacheCoordinator:
         except Exception:  # metadata lookups only decorate the message
             shown = None
         return shown.rsplit(" ", 1)[0] if shown else None
-
-
-def _position(entry: tuple[int, int, KVCacheBlock]) -> tuple[int, int]:
-    return entry[0], entry[1]
 
 
 def _twin_key(manager: SingleTypeManager) -> Any:

@@ -152,6 +152,10 @@ class SingleTypeManager:
         self.use_eagle = False
         #: Whether this group's blocks are hashed and looked up.
         self.caching = bool(enable_caching) and spec.hit_policy.hashes_blocks
+        #: Set by the coordinator when the group releases blocks while a
+        #: request runs and another group keeps the request's whole prefix:
+        #: released blocks :meth:`kept_for_later` names are then held back.
+        self.holds_back = False
         self.null_block = block_pool.null_block
         #: request id -> the request's blocks (null blocks where skipped).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -215,14 +219,16 @@ class SingleTypeManager:
         """Undo :meth:`shed_checkpoints`; nothing by default."""
 
     def kept_for_later(
-        self, request_id: str, released: Sequence[KVCacheBlock]
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
     ) -> list[KVCacheBlock]:
-        """Of the blocks a running request just released (skipped), those
-        later requests' hits need: they are held back, evicted only after
-        every other free block, until the request is freed.  By default
-        every released block that holds a prefix-cache key (a kind keys
-        only blocks some hit reads)."""
-        return [block for block in released if block.key_hash is not None]
+        """Of the blocks a running request just released (skipped) from
+        table ``positions``, those it keeps for later requests' hits: they
+        are held back, evicted only after every other free block, until
+        the request is freed.  None by default."""
+        return []
 
     def take_held_back(self, request_id: str) -> list[tuple[int, KVCacheBlock]]:
         """When the request is freed: ``(table position, block)`` of the
@@ -503,7 +509,7 @@ class SingleTypeManager:
         pool = self.block_pool
         pool.record(_put_at, blocks, positions, removed)
         pool.free_blocks(removed)
-        if self.caching:
+        if self.holds_back:
             self._hold_back(request_id, positions, removed)
 
     def _hold_back(
@@ -516,7 +522,7 @@ class SingleTypeManager:
         lowest position first (evicted first); a group freed before the
         others (not :attr:`evicts_last`) remembers them for
         :meth:`take_held_back`."""
-        kept = self.kept_for_later(request_id, removed)
+        kept = self.kept_for_later(request_id, positions, removed)
         if not kept:
             return
         # Lowest position first: the running request holds its whole

@@ -644,7 +644,10 @@ class CheckpointManager(SingleTypeManager):
         return blocks
 
     def kept_for_later(
-        self, request_id: str, released: Sequence[KVCacheBlock]
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
     ) -> list[KVCacheBlock]:
         """The released states the request keeps for later requests (its
         prompt end, branch point, step ends; not the interval states): held
