@@ -71,19 +71,9 @@ def prefix_hit(
     coordinator calls it directly for a group whose manager keeps that search
     (one lookup a step, so no query object is built)."""
     if len(group_ids) == 1:
-        out: list[KVCacheBlock] = []
-        append = out.append
         # The group's hash -> block map, read directly (see
         # BlockPool.lookup): an entry is a block or {block_id: block}.
-        get = pool.cached_blocks_of(group_ids[0]).get
-        for i in range(limit):
-            entry = get(hashes[i])
-            if entry is None:
-                break
-            if isinstance(entry, dict):
-                entry = next(iter(entry.values()))
-            append(entry)
-        hits = [out]
+        hits = [_cached_run(pool.cached_blocks_of(group_ids[0]), hashes, limit)]
     else:
         # Group by group: each group's run of cached blocks, bounded by the
         # shortest run so far; a group with no block ends the search (the
