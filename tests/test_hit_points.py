@@ -10,9 +10,18 @@ and then rejoin its table.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import ClassVar
+
+import pytest
 from coordinator_setup import fa, small_manager, small_request, sw
 
+from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheBlock, KVCacheManager, Request
+from kvcore.errors import KvcoreError, PluginResultError
+from kvcore_full_attention import FullAttention
+from kvcore_sliding_window import SlidingWindow
+from kvcore_sliding_window.manager import SlidingWindowManager
 
 PROMPT = list(range(100, 116))  # 16 tokens: 4 blocks of 4
 
@@ -115,3 +124,57 @@ def test_a_one_group_plan_frees_tail_first_as_before() -> None:
     mgr.free(a)
     assert mgr.block_pool.free_queue.held_blocks() == []
     assert _free_order(mgr)[-len(table) :] == table[::-1]
+
+
+class _KeepsWrongly(SlidingWindowManager):
+    """A third party's window manager whose ``kept_for_later`` answers
+    wrongly, as its class attribute ``answer`` says."""
+
+    answer: ClassVar[str] = "foreign"
+
+    def kept_for_later(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        if self.answer == "foreign":
+            return [*released, self.block_pool.blocks[-1]]
+        if self.answer == "twice":
+            return [*released, *released[:1]]
+        return tuple(released)  # type: ignore[return-value]
+
+
+class _KeepsTwice(_KeepsWrongly):
+    answer = "twice"
+
+
+class _KeepsATuple(_KeepsWrongly):
+    answer = "tuple"
+
+
+@pytest.mark.parametrize("manager", [_KeepsWrongly, _KeepsTwice, _KeepsATuple])
+def test_kept_for_later_is_checked_where_it_enters_the_core(
+    manager: type[SlidingWindowManager],
+) -> None:
+    """A manager that names a block it did not just release, names one
+    twice or answers with no list is refused with an error naming it, and
+    the step changes nothing."""
+
+    class Window(SlidingWindow):
+        manager_type = manager
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    # The first decode step moves the window past blocks 0 and 1: released,
+    # they are offered to kept_for_later, whose answer is refused.
+    a.append_output_token_ids(900)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="kept_for_later") as info:
+        mgr.allocate_slots(a, 1)
+    assert manager.__qualname__ in str(info.value)
+    assert isinstance(info.value, KvcoreError)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before

@@ -21,6 +21,7 @@ import attrs
 from kvcore.coordinator.block_pool import UNDO_CALL, BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
+from kvcore.errors import PluginResultError
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -528,6 +529,7 @@ class SingleTypeManager:
         # Lowest position first: the running request holds its whole
         # attention prefix, so its longest hit points go last.
         where = {id(block): pos for pos, block in zip(positions, removed, strict=True)}
+        kept = self._checked_kept(request_id, kept, where)
         kept.sort(key=lambda block: where[id(block)])
         pool = self.block_pool
         pool.hold_back(kept)
@@ -540,6 +542,33 @@ class SingleTypeManager:
         else:
             pool.record(_truncate, held, len(held))
         held += [(where[id(block)], block, block.key_hash) for block in kept]
+
+    def _checked_kept(
+        self, request_id: str, kept: Any, where: dict[int, int]
+    ) -> list[KVCacheBlock]:
+        """``kept_for_later``'s answer as the core takes it: a list of
+        distinct blocks among those just released, else an error naming the
+        manager class (the pool is untouched: nothing is held back yet)."""
+        owner = f"{type(self).__module__}.{type(self).__qualname__}"
+        if not isinstance(kept, list):
+            msg = (
+                f"{owner}.kept_for_later returned {type(kept).__name__} for "
+                f"request {request_id!r}; it must return a list of the released "
+                "blocks to hold back (or [])"
+            )
+            raise PluginResultError(msg, plugin_name=type(self).__module__)
+        seen: set[int] = set()
+        for block in kept:
+            if id(block) not in where or id(block) in seen:
+                msg = (
+                    f"{owner}.kept_for_later returned {block!r} for request "
+                    f"{request_id!r}, which is not one of the blocks it just "
+                    "released or is listed twice; return each released block "
+                    "to hold back once"
+                )
+                raise PluginResultError(msg, plugin_name=type(self).__module__)
+            seen.add(id(block))
+        return kept
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
