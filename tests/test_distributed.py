@@ -386,6 +386,11 @@ def test_shipped_json_is_checked() -> None:
     data["num_blocks"] = 7
     with pytest.raises(SerializationError, match="it says num_blocks=7"):
         load_pipeline_plan(json.dumps(data), registry)
+    # A count that is not an int (a list cannot even be compared as one).
+    for bad in ([], True, float(plans.num_blocks), str(plans.num_blocks)):
+        data["num_blocks"] = bad
+        with pytest.raises(SerializationError, match="it says num_blocks="):
+            load_pipeline_plan(json.dumps(data), registry)
     _hostile_shipped_plans(json.loads(dump_pipeline_plan(plans, registry)))
     # Stages of different block counts cannot share one scheduler.
     shrunk = (plans.stages[0], with_num_blocks(plans.stages[1], 100))

@@ -502,7 +502,8 @@ def load_pipeline_plan(text: str, registry: KindRegistry | None = None) -> Pipel
         for i, s in enumerate(data["stages"])
     )
     counts = [s.num_blocks for s in stages]
-    if len({*counts, data["num_blocks"]}) != 1:
+    total = data["num_blocks"]
+    if type(total) is not int or len({*counts, total}) != 1:
         msg = (
             f"the shipped plan's stages hold {counts} blocks and it says "
             f"num_blocks={echo(data['num_blocks'])}; every stage must hold the same"
