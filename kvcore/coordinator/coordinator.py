@@ -518,9 +518,25 @@ class KVCacheCoordinator:
         return out
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        self._run_twins(
-            self._skip_runs, "remove_skipped_blocks", request_id, num_computed_tokens
-        )
+        """Release the blocks the request no longer reads: one
+        :meth:`~SingleTypeManager.release_twins` per run of twins, in group
+        order, passing over a class once one of its runs changed nothing
+        (recorded nothing in the open transaction)."""
+        journal = self.block_pool._journal
+        idle: list[int] = []
+        lead = None
+        try:
+            for first, members in self._skip_runs:
+                if first in idle:
+                    continue
+                lead = members[0]
+                mark = -1 if journal is None else len(journal)
+                lead.release_twins(members, request_id, num_computed_tokens)
+                if mark == len(journal or ()):
+                    idle.append(first)
+        except Exception as exc:
+            gid = 0 if lead is None else lead.kv_cache_group_id
+            raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
@@ -644,9 +660,27 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables, in group order; ``None`` if no
         block was added."""
-        out = self._run_twins(
-            self._grow_runs, "allocate_new_blocks", request_id, num_tokens
-        )
+        journal = self.block_pool._journal
+        idle: list[int] = []
+        out: list[list[KVCacheBlock]] | None = None
+        lead = None
+        try:
+            for first, members in self._grow_runs:
+                if first in idle:
+                    continue
+                lead = members[0]
+                mark = -1 if journal is None else len(journal)
+                new = lead.allocate_twins(members, request_id, num_tokens)
+                if new[0]:
+                    if out is None:
+                        out = [[] for _ in range(self.num_groups)]
+                    for manager, blocks in zip(members, new, strict=True):
+                        out[manager.kv_cache_group_id] = blocks
+                elif mark == len(journal or ()):
+                    idle.append(first)
+        except Exception as exc:
+            gid = 0 if lead is None else lead.kv_cache_group_id
+            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return None if out is None else tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

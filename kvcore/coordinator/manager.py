@@ -168,6 +168,21 @@ class SingleTypeManager:
         #: their whole table was (see :meth:`record_request_state`).
         self._recorded: tuple[int, dict[str, bool]] = (-1, {})
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class's twin steps, chosen once when it is defined: its own
+        :meth:`allocate_twins` / :meth:`release_twins` where it defines them;
+        where it overrides only the one-group step (:meth:`allocate_new_blocks`,
+        :meth:`remove_skipped_blocks`), its twins are stepped group by group
+        through that override.  The one-group step of a class that does not
+        override it runs the twin step it inherits over the group alone."""
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        for single, twins, each in _TWIN_STEPS:
+            if twins in own:
+                setattr(cls, f"_own_{twins}", own[twins])
+            elif single in own:
+                setattr(cls, twins, each)
+
     # -- the release rule -----------------------------------------------------
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
@@ -287,21 +302,46 @@ class SingleTypeManager:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> list[KVCacheBlock]:
-        """Grow the request's table to cover ``num_tokens``; return new blocks."""
+        """Grow the request's table to cover ``num_tokens``; return new blocks
+        (:meth:`allocate_twins` over this group alone)."""
+        return type(self)._own_allocate_twins(self, (self,), request_id, num_tokens)[0]
+
+    def allocate_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
+    ) -> list[list[KVCacheBlock]]:
+        """Grow the request's table in each of ``twins`` (this manager first,
+        then the groups of its class that hold tables of one shape, see
+        :attr:`KVCacheCoordinator.twin_classes`) to cover ``num_tokens``:
+        each twin's new blocks, in order.  One decision for the class and
+        one hand-out from the pool, split in group order (the blocks each
+        twin would take growing alone, one after the other).  A subclass
+        that changes how a table grows overrides this method; the
+        coordinator calls it once per class."""
         held = self.req_to_blocks.get(request_id)
         need = -(-num_tokens // self.block_size) - (0 if held is None else len(held))
         if need <= 0:
             if held is None:
-                self.record_request_state(request_id)
-                self.req_to_blocks[request_id] = []
-            return []
-        self.record_request_state(request_id)
-        new = self.block_pool.get_new_blocks(need)
-        if held is None:
-            self.req_to_blocks[request_id] = new[:]
+                for twin in twins:
+                    twin.record_request_state(request_id)
+                    twin.req_to_blocks[request_id] = []
+            return [[] for _ in twins]
+        for twin in twins:
+            twin.record_request_state(request_id)
+        new = self.block_pool.get_new_blocks(need * len(twins))
+        if len(twins) == 1:
+            out = [new]
         else:
-            held.extend(new)
-        return new
+            out = [new[i : i + need] for i in range(0, len(new), need)]
+        for twin, blocks in zip(twins, out, strict=True):
+            table = twin.req_to_blocks.get(request_id)
+            if table is None:
+                twin.req_to_blocks[request_id] = blocks[:]
+            else:
+                table.extend(blocks)
+        return out
+
+    #: The twin step the one-group step runs (see __init_subclass__).
+    _own_allocate_twins = allocate_twins
 
     def block_hash(
         self, chunk_hashes: Sequence[BlockHash], index: int
@@ -456,7 +496,20 @@ class SingleTypeManager:
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks the request will never read again and put the null
-        block in their place."""
+        block in their place (:meth:`release_twins` over this group alone)."""
+        type(self)._own_release_twins(self, (self,), request_id, num_computed_tokens)
+
+    def release_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        num_computed_tokens: int,
+    ) -> None:
+        """:meth:`remove_skipped_blocks` in each of ``twins`` (this manager
+        first; see :meth:`allocate_twins`): one decision for the class, the
+        positions it releases found once (twins hold tables of one shape and
+        pin the same positions), each twin's blocks freed in group order.
+        A subclass that changes what is released overrides this method."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
@@ -464,16 +517,21 @@ class SingleTypeManager:
         if last <= self.num_released.get(request_id, 0):
             return
         positions = self._skipped(request_id, num_computed_tokens)
-        self.record_request_state(request_id)
-        self.num_released[request_id] = last
-        if not positions:
-            return
-        removed = [blocks[i] for i in positions]
-        for i in positions:
-            blocks[i] = self.null_block
+        null = self.null_block
         pool = self.block_pool
-        pool.record(_put_at, blocks, positions, removed)
-        pool.free_blocks(removed)
+        for twin in twins:
+            twin.record_request_state(request_id)
+            twin.num_released[request_id] = last
+            if not positions:
+                continue
+            table = twin.req_to_blocks[request_id]
+            removed = [table[i] for i in positions]
+            for i in positions:
+                table[i] = null
+            pool.record(_put_at, table, positions, removed)
+            pool.free_blocks(removed)
+
+    _own_release_twins = release_twins
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
@@ -538,3 +596,31 @@ def _put_back(
             store.pop(request_id, None)
         else:
             store[request_id] = value
+
+
+def _allocate_each(
+    self: SingleTypeManager,
+    twins: Sequence[SingleTypeManager],
+    request_id: str,
+    num_tokens: int,
+) -> list[list[KVCacheBlock]]:
+    """The twin step of a class that overrides only allocate_new_blocks."""
+    return [twin.allocate_new_blocks(request_id, num_tokens) for twin in twins]
+
+
+def _release_each(
+    self: SingleTypeManager,
+    twins: Sequence[SingleTypeManager],
+    request_id: str,
+    num_computed_tokens: int,
+) -> None:
+    """The twin step of a class that overrides only remove_skipped_blocks."""
+    for twin in twins:
+        twin.remove_skipped_blocks(request_id, num_computed_tokens)
+
+
+#: (one-group step, twin step, the twin step through the one-group one).
+_TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
+    ("allocate_new_blocks", "allocate_twins", _allocate_each),
+    ("remove_skipped_blocks", "release_twins", _release_each),
+)

@@ -319,33 +319,48 @@ class CheckpointManager(SingleTypeManager):
                 need += 1  # the shared state it will hold leaves the free queue
         return need
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> list[KVCacheBlock]:
+    def allocate_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
+    ) -> list[list[KVCacheBlock]]:
         held = self.req_to_blocks.get(request_id)
         start = 0 if held is None else len(held)
         end = cdiv(num_tokens, self.block_size)
         missing = end - start
         if held is not None and missing <= 0:
-            return []
-        self.record_request_state(request_id)
-        if held is None:
-            held = self.req_to_blocks[request_id] = []
+            return [[] for _ in twins]
+        for twin in twins:
+            twin.record_request_state(request_id)
+            if held is None:
+                twin.req_to_blocks[request_id] = []
         if missing <= 0:
-            return []
-        if self.keep_all:
-            new = self.block_pool.get_new_blocks(missing)
-            held.extend(new)
-            return new
-        inner = self._inner_targets(request_id, start, end) if self.targets else []
-        new = self.block_pool.get_new_blocks(1 + len(inner))
-        extension = [self.null_block] * missing
-        for pos, block in zip(inner, new, strict=False):
-            extension[pos - start] = block
-        # The step's final state is written at its last position.
-        extension[-1] = new[-1]
-        held.extend(extension)
-        return new
+            return [[] for _ in twins]
+        # Every missing position gets a state block, or only the step's last
+        # and the checkpoints inside it.
+        inner = (
+            []
+            if self.keep_all or not self.targets
+            else self._inner_targets(request_id, start, end)
+        )
+        need = missing if self.keep_all else 1 + len(inner)
+        new = self.block_pool.get_new_blocks(need * len(twins))
+        out = (
+            [new]
+            if len(twins) == 1
+            else [new[i : i + need] for i in range(0, len(new), need)]
+        )
+        null = self.null_block
+        for twin, blocks in zip(twins, out, strict=True):
+            table = twin.req_to_blocks[request_id]
+            if self.keep_all:
+                table.extend(blocks)
+                continue
+            extension = [null] * missing
+            for pos, block in zip(inner, blocks, strict=False):
+                extension[pos - start] = block
+            # The step's final state is written at its last position.
+            extension[-1] = blocks[-1]
+            table.extend(extension)
+        return out
 
     def state_writes(self, request_id: str, start: int, end: int) -> list[int]:
         """The token counts after which a step computing tokens ``start`` to
