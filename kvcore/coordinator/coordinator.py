@@ -488,12 +488,15 @@ class KVCacheCoordinator:
     # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
     def _run_twins(
-        self, runs: _Runs, method: str, *args: Any
+        self, runs: _Runs, method: str, step: str, *args: Any
     ) -> list[list[KVCacheBlock]] | None:
-        """Call ``method`` on each manager of ``runs`` in group order,
-        passing over a class of twins whose first group changed nothing
-        (recorded nothing in the open transaction, or returned no block);
-        what each call returned that holds blocks, by group id."""
+        """Call the class step ``method`` (``allocate_twins``,
+        ``release_twins`` or ``cache_twins``) once per run of twins, in group
+        order, on the run's first manager with the run; pass over a class
+        once one of its runs changed nothing (returned no block and recorded
+        nothing in the open transaction).  What the calls returned that
+        holds blocks, by group id; a manager that raises is reported as its
+        plugin's failure in ``step``, the one-group step."""
         journal = self.block_pool._journal
         idle: list[int] = []
         out: list[list[KVCacheBlock]] | None = None
@@ -502,41 +505,30 @@ class KVCacheCoordinator:
             for first, members in runs:
                 if first in idle:
                     continue
-                for manager in members:
-                    gid = manager.kv_cache_group_id
-                    mark = -1 if journal is None else len(journal)
-                    new = getattr(manager, method)(*args)
-                    if new:
-                        if out is None:
-                            out = [[] for _ in range(self.num_groups)]
-                        out[gid] = new
-                    elif gid == first and mark == len(journal or ()):
-                        idle.append(first)
-                        break
+                gid = first
+                mark = -1 if journal is None else len(journal)
+                new = getattr(members[0], method)(members, *args)
+                if new and new[0]:
+                    if out is None:
+                        out = [[] for _ in range(self.num_groups)]
+                    for manager, blocks in zip(members, new, strict=True):
+                        out[manager.kv_cache_group_id] = blocks
+                elif mark == len(journal or ()):
+                    idle.append(first)
         except Exception as exc:
-            raise self.plugin_error(gid, method, exc) from exc
+            raise self.plugin_error(gid, step, exc) from exc
         return out
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Release the blocks the request no longer reads: one
-        :meth:`~SingleTypeManager.release_twins` per run of twins, in group
-        order, passing over a class once one of its runs changed nothing
-        (recorded nothing in the open transaction)."""
-        journal = self.block_pool._journal
-        idle: list[int] = []
-        lead = None
-        try:
-            for first, members in self._skip_runs:
-                if first in idle:
-                    continue
-                lead = members[0]
-                mark = -1 if journal is None else len(journal)
-                lead.release_twins(members, request_id, num_computed_tokens)
-                if mark == len(journal or ()):
-                    idle.append(first)
-        except Exception as exc:
-            gid = 0 if lead is None else lead.kv_cache_group_id
-            raise self.plugin_error(gid, "remove_skipped_blocks", exc) from exc
+        """Release the blocks the request no longer reads, one call per
+        class of twins (see :meth:`_run_twins`)."""
+        self._run_twins(
+            self._skip_runs,
+            "release_twins",
+            "remove_skipped_blocks",
+            request_id,
+            num_computed_tokens,
+        )
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
@@ -660,31 +652,19 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables, in group order; ``None`` if no
         block was added."""
-        journal = self.block_pool._journal
-        idle: list[int] = []
-        out: list[list[KVCacheBlock]] | None = None
-        lead = None
-        try:
-            for first, members in self._grow_runs:
-                if first in idle:
-                    continue
-                lead = members[0]
-                mark = -1 if journal is None else len(journal)
-                new = lead.allocate_twins(members, request_id, num_tokens)
-                if new[0]:
-                    if out is None:
-                        out = [[] for _ in range(self.num_groups)]
-                    for manager, blocks in zip(members, new, strict=True):
-                        out[manager.kv_cache_group_id] = blocks
-                elif mark == len(journal or ()):
-                    idle.append(first)
-        except Exception as exc:
-            gid = 0 if lead is None else lead.kv_cache_group_id
-            raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
+        out = self._run_twins(
+            self._grow_runs,
+            "allocate_twins",
+            "allocate_new_blocks",
+            request_id,
+            num_tokens,
+        )
         return None if out is None else tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        self._run_twins(self._cache_runs, "cache_blocks", request, num_tokens)
+        self._run_twins(
+            self._cache_runs, "cache_twins", "cache_blocks", request, num_tokens
+        )
         if self.partial is not None:
             self.partial.register(request, num_tokens)
 

@@ -170,9 +170,10 @@ class SingleTypeManager:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class's twin steps, chosen once when it is defined: its own
-        :meth:`allocate_twins` / :meth:`release_twins` where it defines them;
-        where it overrides only the one-group step (:meth:`allocate_new_blocks`,
-        :meth:`remove_skipped_blocks`), its twins are stepped group by group
+        :meth:`allocate_twins`, :meth:`release_twins` and :meth:`cache_twins`
+        where it defines them; where it overrides only the one-group step
+        (:meth:`allocate_new_blocks`, :meth:`remove_skipped_blocks`,
+        :meth:`cache_blocks`), its twins are stepped group by group
         through that override.  The one-group step of a class that does not
         override it runs the twin step it inherits over the group alone."""
         super().__init_subclass__(**kwargs)
@@ -356,7 +357,17 @@ class SingleTypeManager:
         return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash the request's blocks that ``num_tokens`` tokens fill."""
+        """Hash the request's blocks that ``num_tokens`` tokens fill
+        (:meth:`cache_twins` over this group alone)."""
+        type(self)._own_cache_twins(self, (self,), request, num_tokens)
+
+    def cache_twins(
+        self, twins: Sequence[SingleTypeManager], request: Request, num_tokens: int
+    ) -> None:
+        """:meth:`cache_blocks` in each of ``twins`` (this manager first; see
+        :meth:`allocate_twins`): which blocks are hashed is decided once for
+        the class, and each twin's are keyed under its own group.  A
+        subclass that changes what is cached overrides this method."""
         if not self.caching:
             return
         rid = request.request_id
@@ -371,16 +382,21 @@ class SingleTypeManager:
         num_full = min(num_full, len(hashes), len(blocks))
         if num_full <= cached:
             return
-        self.record_request_state(rid)
-        self.block_pool.cache_full_blocks(
-            block_hashes=hashes,
-            blocks=blocks,
-            num_cached_blocks=cached,
-            num_full_blocks=num_full,
-            group_id=self.kv_cache_group_id,
-            token_ids=request.all_token_ids,
-        )
-        self.num_cached_block[rid] = num_full
+        cache = self.block_pool.cache_full_blocks
+        token_ids = request.all_token_ids
+        for twin in twins:
+            twin.record_request_state(rid)
+            cache(
+                block_hashes=hashes,
+                blocks=twin.req_to_blocks[rid],
+                num_cached_blocks=cached,
+                num_full_blocks=num_full,
+                group_id=twin.kv_cache_group_id,
+                token_ids=token_ids,
+            )
+            twin.num_cached_block[rid] = num_full
+
+    _own_cache_twins = cache_twins
 
     def free(self, request_id: str) -> None:
         """Release all of a request's blocks, tail first (evicted first)."""
@@ -619,8 +635,20 @@ def _release_each(
         twin.remove_skipped_blocks(request_id, num_computed_tokens)
 
 
+def _cache_each(
+    self: SingleTypeManager,
+    twins: Sequence[SingleTypeManager],
+    request: Request,
+    num_tokens: int,
+) -> None:
+    """The twin step of a class that overrides only cache_blocks."""
+    for twin in twins:
+        twin.cache_blocks(request, num_tokens)
+
+
 #: (one-group step, twin step, the twin step through the one-group one).
 _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
     ("allocate_new_blocks", "allocate_twins", _allocate_each),
     ("remove_skipped_blocks", "release_twins", _release_each),
+    ("cache_blocks", "cache_twins", _cache_each),
 )

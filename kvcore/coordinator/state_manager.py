@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from kvcore.checkpoints import (
     CHECKPOINT_POLICIES,
@@ -388,49 +388,83 @@ class CheckpointManager(SingleTypeManager):
 
     # -- caching ----------------------------------------------------------------
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_twins(
+        self, twins: Sequence[SingleTypeManager], request: Request, num_tokens: int
+    ) -> None:
+        """Key the states the policy keeps once ``num_tokens`` are computed,
+        in each of ``twins`` (see :meth:`SingleTypeManager.cache_twins`):
+        which states is decided once for the class, from this manager's
+        targets and step end (twins plan and reach the same ones)."""
         if not self.caching:
             return
         rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
-        if not blocks:
+        if not self.req_to_blocks.get(rid):
             return
-        block_size = self.block_size
-        unit = self.unit
         targets = self.targets.get(rid)
+        # The last target the step reaches (targets ascend), or -1.
         reached = -1
         if targets and targets[0] <= num_tokens:
-            self._save(self.targets, rid)
-            self._save(self.grid, rid)
-            grid = self.grid.get(rid)
-            while targets and targets[0] <= num_tokens:
-                reached = targets.pop(0)
-                pos = reached // block_size - 1
-                spaced = grid is not None and reached in grid
-                block = self._keep(request, blocks, pos, kept=not spaced)
-                if block is not None and self.branch.get(rid) == reached:
-                    self._mark_shared(reached, block)
-                    if self._holds_shared:
-                        self._save(self.pinned, rid)
-                        self.pinned.setdefault(rid, []).append(pos)
-            if not targets:
-                del self.targets[rid]
-                self.grid.pop(rid, None)
-        if not self._step_ends:
+            reached = max(t for t in targets if t <= num_tokens)
+        every = self._step_ends and self.keep_all
+        step_end = (
+            self._step_ends
+            and not self.keep_all
+            and not num_tokens % self.unit
+            and num_tokens != reached
+        )
+        if reached < 0 and not every and not step_end:
             return
-        if self.keep_all:
-            # Every state is held: key each one on a hit boundary.
-            first = self.num_cached_block.get(rid, 0)
-            per_unit = unit // block_size
-            pos = cdiv(first + 1, per_unit) * per_unit - 1
-            last = num_tokens // block_size - 1
-            while pos <= last:
-                self._keep(request, blocks, pos, kept=False)
-                pos += per_unit
-            return
-        if num_tokens % unit or num_tokens == reached:
-            return
-        pos = num_tokens // block_size - 1
+        pos = num_tokens // self.block_size - 1
+        # Twins are one class: CheckpointManagers like this one.
+        for twin in cast("Sequence[CheckpointManager]", twins):
+            if reached >= 0:
+                twin._reach_targets(request, num_tokens)
+            if every:
+                twin._keep_every_state(request, num_tokens)
+            elif step_end:
+                twin._replace_step_end(request, pos)
+
+    def _reach_targets(self, request: Request, num_tokens: int) -> None:
+        """Keep the states of the targets ``num_tokens`` reaches."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        targets = self.targets[rid]
+        block_size = self.block_size
+        self._save(self.targets, rid)
+        self._save(self.grid, rid)
+        grid = self.grid.get(rid)
+        while targets and targets[0] <= num_tokens:
+            reached = targets.pop(0)
+            pos = reached // block_size - 1
+            spaced = grid is not None and reached in grid
+            block = self._keep(request, blocks, pos, kept=not spaced)
+            if block is not None and self.branch.get(rid) == reached:
+                self._mark_shared(reached, block)
+                if self._holds_shared:
+                    self._save(self.pinned, rid)
+                    self.pinned.setdefault(rid, []).append(pos)
+        if not targets:
+            del self.targets[rid]
+            self.grid.pop(rid, None)
+
+    def _keep_every_state(self, request: Request, num_tokens: int) -> None:
+        """With every state held: key each one on a hit boundary."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        block_size = self.block_size
+        first = self.num_cached_block.get(rid, 0)
+        per_unit = self.unit // block_size
+        pos = cdiv(first + 1, per_unit) * per_unit - 1
+        last = num_tokens // block_size - 1
+        while pos <= last:
+            self._keep(request, blocks, pos, kept=False)
+            pos += per_unit
+
+    def _replace_step_end(self, request: Request, pos: int) -> None:
+        """Keep the state at the step's end (table position ``pos``); with
+        the policy replacing step ends, the one before leaves the cache."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
         block = self._keep(request, blocks, pos, kept=not self._replaces)
         if block is None or not self._replaces:
             return
