@@ -322,12 +322,11 @@ class SingleTypeManager:
         need = -(-num_tokens // self.block_size) - (0 if held is None else len(held))
         if need <= 0:
             if held is None:
+                self.record_twins(twins, request_id)
                 for twin in twins:
-                    twin.record_request_state(request_id)
                     twin.req_to_blocks[request_id] = []
             return [[] for _ in twins]
-        for twin in twins:
-            twin.record_request_state(request_id)
+        self.record_twins(twins, request_id)
         new = self.block_pool.get_new_blocks(need * len(twins))
         if len(twins) == 1:
             out = [new]
@@ -384,8 +383,8 @@ class SingleTypeManager:
             return
         cache = self.block_pool.cache_full_blocks
         token_ids = request.all_token_ids
+        self.record_twins(twins, rid)
         for twin in twins:
-            twin.record_request_state(rid)
             cache(
                 block_hashes=hashes,
                 blocks=twin.req_to_blocks[rid],
@@ -464,6 +463,41 @@ class SingleTypeManager:
                 self.request_state(request_id),
             )
 
+    def record_twins(self, twins: Sequence[SingleTypeManager], request_id: str) -> None:
+        """:meth:`record_request_state` for each of ``twins`` (tables only
+        appended to), as one journal record for the class."""
+        pool = self.block_pool
+        journal = pool._journal
+        if journal is None:
+            return
+        transaction = pool.transactions
+        entries = []
+        for twin in twins:
+            recorded = twin._recorded
+            if recorded[0] != transaction:
+                recorded = twin._recorded = (transaction, {})
+            elif request_id in recorded[1]:
+                continue
+            recorded[1][request_id] = False
+            blocks = twin.req_to_blocks.get(request_id)
+            entries.append(
+                (
+                    twin,
+                    request_id,
+                    None if blocks is None else (blocks, len(blocks)),
+                    twin.num_cached_block.get(request_id),
+                    twin.num_released.get(request_id),
+                )
+            )
+            if twin.keeps_request_state:
+                pool.record(
+                    twin.restore_request_state,
+                    request_id,
+                    twin.request_state(request_id),
+                )
+        if entries:
+            journal.append((UNDO_CALL, _put_back_each, (entries,)))
+
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
         needs to put the request's state beyond its table and counts back as
@@ -535,8 +569,8 @@ class SingleTypeManager:
         positions = self._skipped(request_id, num_computed_tokens)
         null = self.null_block
         pool = self.block_pool
+        self.record_twins(twins, request_id)
         for twin in twins:
-            twin.record_request_state(request_id)
             twin.num_released[request_id] = last
             if not positions:
                 continue
@@ -584,6 +618,13 @@ def _put_at(
     """Put released blocks back at their table positions."""
     for i, block in zip(positions, removed, strict=True):
         blocks[i] = block
+
+
+def _put_back_each(entries: Sequence[tuple[Any, ...]]) -> None:
+    """Undo :meth:`SingleTypeManager.record_twins`: :func:`_put_back` for
+    each twin, the last first."""
+    for args in reversed(entries):
+        _put_back(*args)
 
 
 def _put_back(

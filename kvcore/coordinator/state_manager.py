@@ -328,9 +328,9 @@ class CheckpointManager(SingleTypeManager):
         missing = end - start
         if held is not None and missing <= 0:
             return [[] for _ in twins]
-        for twin in twins:
-            twin.record_request_state(request_id)
-            if held is None:
+        self.record_twins(twins, request_id)
+        if held is None:
+            for twin in twins:
                 twin.req_to_blocks[request_id] = []
         if missing <= 0:
             return [[] for _ in twins]
