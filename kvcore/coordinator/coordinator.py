@@ -508,7 +508,7 @@ class KVCacheCoordinator:
                 gid = first
                 mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
-                if new and new[0]:
+                if new:
                     if out is None:
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):

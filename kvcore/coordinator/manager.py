@@ -305,17 +305,19 @@ class SingleTypeManager:
     ) -> list[KVCacheBlock]:
         """Grow the request's table to cover ``num_tokens``; return new blocks
         (:meth:`allocate_twins` over this group alone)."""
-        return type(self)._own_allocate_twins(self, (self,), request_id, num_tokens)[0]
+        new = type(self)._own_allocate_twins(self, (self,), request_id, num_tokens)
+        return [] if new is None else new[0]
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
-    ) -> list[list[KVCacheBlock]]:
+    ) -> list[list[KVCacheBlock]] | None:
         """Grow the request's table in each of ``twins`` (this manager first,
         then the groups of its class that hold tables of one shape, see
         :attr:`KVCacheCoordinator.twin_classes`) to cover ``num_tokens``:
         each twin's new blocks, in order.  One decision for the class and
         one hand-out from the pool, split in group order (the blocks each
-        twin would take growing alone, one after the other).  A subclass
+        twin would take growing alone, one after the other); None when no
+        twin takes a block.  A subclass
         that changes how a table grows overrides this method; the
         coordinator calls it once per class."""
         held = self.req_to_blocks.get(request_id)
@@ -325,7 +327,7 @@ class SingleTypeManager:
                 self.record_twins(twins, request_id)
                 for twin in twins:
                     twin.req_to_blocks[request_id] = []
-            return [[] for _ in twins]
+            return None
         self.record_twins(twins, request_id)
         new = self.block_pool.get_new_blocks(need * len(twins))
         if len(twins) == 1:
@@ -660,9 +662,10 @@ def _allocate_each(
     twins: Sequence[SingleTypeManager],
     request_id: str,
     num_tokens: int,
-) -> list[list[KVCacheBlock]]:
+) -> list[list[KVCacheBlock]] | None:
     """The twin step of a class that overrides only allocate_new_blocks."""
-    return [twin.allocate_new_blocks(request_id, num_tokens) for twin in twins]
+    new = [twin.allocate_new_blocks(request_id, num_tokens) for twin in twins]
+    return new if any(new) else None
 
 
 def _release_each(

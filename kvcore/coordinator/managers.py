@@ -268,9 +268,9 @@ class FixedBlocksManager(SingleTypeManager):
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
-    ) -> list[list[KVCacheBlock]]:
+    ) -> list[list[KVCacheBlock]] | None:
         if request_id in self.req_to_blocks:
-            return [[] for _ in twins]
+            return None
         out = []
         for twin in twins:
             twin.record_request_state(request_id)

@@ -321,19 +321,19 @@ class CheckpointManager(SingleTypeManager):
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
-    ) -> list[list[KVCacheBlock]]:
+    ) -> list[list[KVCacheBlock]] | None:
         held = self.req_to_blocks.get(request_id)
         start = 0 if held is None else len(held)
         end = cdiv(num_tokens, self.block_size)
         missing = end - start
         if held is not None and missing <= 0:
-            return [[] for _ in twins]
+            return None
         self.record_twins(twins, request_id)
         if held is None:
             for twin in twins:
                 twin.req_to_blocks[request_id] = []
         if missing <= 0:
-            return [[] for _ in twins]
+            return None
         # Every missing position gets a state block, or only the step's last
         # and the checkpoints inside it.
         inner = (
