@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import os
+import pickle
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -148,3 +152,92 @@ def test_thread_safe_must_be_a_bool(value: object) -> None:
     with pytest.raises(KvcoreTypeError, match="thread_safe must be a bool") as info:
         manager(thread_safe=value)
     assert isinstance(info.value, TypeError)
+
+
+def test_the_choice_is_a_class_made_once() -> None:
+    """``thread_safe=True`` builds the locked subclass; its instances carry
+    no per-instance wrappers, like the lock-free class's."""
+    mgr = manager(thread_safe=True)
+    assert type(mgr) is KVCacheManager.ThreadSafe
+    assert isinstance(mgr, KVCacheManager)
+    assert mgr.thread_safe is True
+    assert "allocate_slots" not in vars(mgr)
+    assert manager(thread_safe=True).__class__ is type(mgr)
+    assert type(manager()) is KVCacheManager
+
+
+def _held_elsewhere(mgr: KVCacheManager) -> bool:
+    """Whether another thread finds ``mgr.lock`` held."""
+    assert mgr.lock is not None
+    lock = mgr.lock
+    got: list[bool] = []
+
+    def probe() -> None:
+        ok = lock.acquire(blocking=False)
+        if ok:
+            lock.release()
+        got.append(not ok)
+
+    th = threading.Thread(target=probe)
+    th.start()
+    th.join()
+    return got[0]
+
+
+def test_a_subclass_gets_its_own_locked_class_with_its_methods_locked() -> None:
+    class Traced(KVCacheManager):
+        def holds_lock(self) -> bool:
+            return _held_elsewhere(self)
+
+    fa = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], fa)],
+    )
+    mgr = Traced(config, 64, scheduler_block_size=4, thread_safe=True)
+    assert type(mgr) is Traced.ThreadSafe
+    assert Traced.ThreadSafe is not KVCacheManager.ThreadSafe
+    assert isinstance(mgr, Traced)
+    assert mgr.holds_lock() is True
+    assert _held_elsewhere(mgr) is False
+    plain = Traced(config, 64, scheduler_block_size=4)
+    assert type(plain) is Traced
+    assert plain.lock is None
+
+
+def test_a_thread_safe_manager_pickles_with_a_fresh_lock() -> None:
+    """Default pickling: the class is found by name in a fresh process and
+    the copy has its own, unheld lock, even when the original's is held."""
+    mgr = manager(thread_safe=True)
+    req = Request("r", list(range(8)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 8) is not None
+    assert mgr.lock is not None
+    with mgr.lock:
+        data = pickle.dumps(mgr)
+        copied = copy.deepcopy(mgr)
+    assert copied.lock is not None
+    assert copied.lock is not mgr.lock
+    assert _held_elsewhere(copied) is False
+    script = (
+        "import pickle, sys\n"
+        "mgr = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(type(mgr).__qualname__, mgr.lock.acquire(blocking=False),"
+        " mgr.get_block_ids('r'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        input=data,
+        capture_output=True,
+        check=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.stdout.decode().split(None, 2) == [
+        "KVCacheManager.ThreadSafe",
+        "True",
+        "([1, 2], [3, 4])\n",
+    ]

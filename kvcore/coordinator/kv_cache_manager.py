@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import functools
-import inspect
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Unpack
+from collections.abc import Sequence
+from typing import Any, ClassVar, Self, Unpack
 
 from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.blocks import KVCacheBlocks
@@ -30,6 +28,7 @@ from kvcore.coordinator.engine_calls import (
     GroupPrefixCacheStats,
     PrefixCacheStats,
 )
+from kvcore.coordinator.locking import ManagerLock, locked_class
 from kvcore.coordinator.partial import BlockCopy, split_copy_sources
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.errors import (
@@ -73,6 +72,12 @@ class KVCacheManager(EngineCalls):
         :attr:`KVCacheBlocks.copies` before the forward pass); off, hits are
         whole blocks of every group, as before.
     """
+
+    #: True on the locked subclass ``thread_safe=True`` builds.
+    thread_safe: ClassVar[bool] = False
+    #: This class with every public method under :attr:`lock`
+    #: (``KVCacheManager(..., thread_safe=True)`` is one).
+    ThreadSafe: ClassVar[type[Self]]
 
     def __init__(
         self,
@@ -159,36 +164,23 @@ class KVCacheManager(EngineCalls):
         #: The request object of each live id (one holding blocks), so
         #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
-        self.thread_safe = thread_safe
-        #: The re-entrant lock every public method holds with
-        #: ``thread_safe=True`` (hold it around a lookup and the allocation
-        #: that uses its hit), else None.
-        self.lock: threading.RLock | None = None
-        self._bind_methods()
+        #: The re-entrant lock every public method of a thread-safe manager
+        #: holds (hold it around a lookup and the allocation that uses its
+        #: hit), else None.
+        self.lock: ManagerLock | None = ManagerLock() if self.thread_safe else None
 
-    def _bind_methods(self) -> None:
-        """With ``thread_safe``, every public method under the lock, bound
-        as an instance attribute (so the unlocked manager pays nothing: no
-        lock, no flag test per call)."""
-        if self.thread_safe:
-            lock = self.lock = threading.RLock()
-            for name in _public_methods(type(self)):
-                setattr(self, name, _locked(getattr(self, name), lock))
+    def __new__(cls, *args: Any, thread_safe: bool = False, **kwargs: Any) -> Self:
+        """``thread_safe=True`` builds the class's locked subclass
+        (:attr:`ThreadSafe`): the choice is made once, here."""
+        del args, kwargs
+        chosen = cls.ThreadSafe if thread_safe is True else cls
+        return object.__new__(chosen)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """The manager's state without its lock and the locked methods (a
-        lock cannot be copied): a copy or an unpickled manager makes its
-        own."""
-        state = self.__dict__.copy()
-        if self.thread_safe:
-            for name in ("lock", *_public_methods(type(self))):
-                state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.lock = None
-        self._bind_methods()
+    def __init_subclass__(cls, *, locked: bool = False, **kwargs: Any) -> None:
+        """Every manager class gets its locked subclass beside it."""
+        super().__init_subclass__(**kwargs)
+        if not locked:
+            cls.ThreadSafe = locked_class(cls)
 
     @classmethod
     def from_plan(
@@ -838,24 +830,4 @@ class KVCacheManager(EngineCalls):
         return self.block_pool.take_events()
 
 
-def _public_methods(cls: type) -> list[str]:
-    """Names of ``cls``'s public instance methods (its own and inherited)."""
-    names: dict[str, None] = {}
-    for klass in cls.__mro__:
-        if klass is object:
-            continue
-        for name, value in vars(klass).items():
-            if not name.startswith("_") and inspect.isfunction(value):
-                names[name] = None
-    return list(names)
-
-
-def _locked(method: Callable[..., Any], lock: threading.RLock) -> Callable[..., Any]:
-    """``method`` run while holding ``lock``."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            return method(*args, **kwargs)
-
-    return run
+KVCacheManager.ThreadSafe = locked_class(KVCacheManager)

@@ -21,12 +21,15 @@ run: it needs the network (PyPI) and vLLM.  The stage
    ``kvcore_vllm_peer`` refuses to run if the scheduler is not on kvcore
    then), each in its own interpreter;
 5. prints, per file, the tests passing on both, only on plain vLLM and only
-   with kvcore, and the excluded tests with why.
+   with kvcore, and the excluded tests with why;
+6. runs ``vllm_plan_peer.py``: kvcore's plans, turned into vLLM's
+   ``KVCacheConfig``, allocated and bound by vLLM's own worker code.
 
 The exit status is 0 when every test that passes on plain vLLM passes with
 kvcore, except the excluded ones and those listed in ``vllm_known_gaps.txt``
 (each with the gap that fails it); a listed test that now passes fails the
-stage too, so the list only shrinks.
+stage too, so the list only shrinks; and every test of
+``vllm_plan_peer.py`` passes.
 """
 
 from __future__ import annotations
@@ -235,6 +238,17 @@ def run_bench(python: Path, root: Path, hf_home: Path, extra: list[str]) -> int:
     return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
 
 
+def run_plan_peer(python: Path, hf_home: Path) -> int:
+    """vllm_plan_peer.py: kvcore's plan allocated and bound by vLLM's own
+    worker code (0 when every test passes)."""
+    env = _env(hf_home)
+    env["PYTHONPATH"] = os.pathsep.join((str(REPO), str(REPO / "plugins"), str(HERE)))
+    cmd = [str(python), "-m", "pytest", str(HERE / "vllm_plan_peer.py"), "-q"]
+    cmd += ["-p", "no:cacheprovider", "-p", "no:warnings", f"--confcutdir={HERE}"]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, check=False).returncode
+
+
 def run_suite(
     python: Path,
     root: Path,
@@ -411,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             results[side] = outcomes(junit)
         else:
             raise SystemExit(f"no earlier {side} run in {work}; run both sides")
-    return compare(results["plain"], results["kvcore"])
+    status = compare(results["plain"], results["kvcore"])
+    return run_plan_peer(python, hf_home) or status
 
 
 if __name__ == "__main__":

@@ -58,13 +58,18 @@ def check_vllm() -> None:
 
 def install() -> None:
     """Point this process's vLLM scheduler at kvcore's :class:`KVCacheManager`
-    (every ``Scheduler`` built afterwards manages its KV cache on kvcore)."""
+    (every ``Scheduler`` built afterwards manages its KV cache on kvcore),
+    and vLLM's KV-cache planning at kvcore's planner
+    (:mod:`kvcore.integrations.vllm.builder`; ``KVCORE_VLLM_PACKING=vllm``
+    keeps vLLM's)."""
     check_vllm()
     from vllm.v1.core.sched import scheduler
 
+    from kvcore.integrations.vllm.builder import install_builder
     from kvcore.integrations.vllm.manager import KVCacheManager
 
     scheduler.KVCacheManager = KVCacheManager
+    install_builder()
 
 
 def register() -> None:
