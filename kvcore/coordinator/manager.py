@@ -312,8 +312,9 @@ class SingleTypeManager:
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
     ) -> list[list[KVCacheBlock]] | None:
         """Grow the request's table in each of ``twins`` (this manager first,
-        then the groups of its class that hold tables of one shape, see
-        :attr:`KVCacheCoordinator.twin_classes`) to cover ``num_tokens``:
+        then the other groups of its class: one manager class, spec, block
+        size, caching and hit alignment, so their tables have one shape) to
+        cover ``num_tokens``:
         each twin's new blocks, in order.  One decision for the class and
         one hand-out from the pool, split in group order (the blocks each
         twin would take growing alone, one after the other); None when no
