@@ -416,7 +416,17 @@ class CheckpointManager(SingleTypeManager):
             return
         pos = num_tokens // self.block_size - 1
         # Twins are one class: CheckpointManagers like this one.
-        for twin in cast("Sequence[CheckpointManager]", twins):
+        states = cast("Sequence[CheckpointManager]", twins)
+        if step_end:
+            # What keeping the step's end changes, recorded once for the
+            # class: the hashed counts and, where it replaces, the step ends.
+            self.record_twins(states, rid)
+            if self._replaces:
+                self.block_pool.record(
+                    _put_entries,
+                    [(t.step_end, rid, t.step_end.get(rid)) for t in states],
+                )
+        for twin in states:
             if reached >= 0:
                 twin._reach_targets(request, num_tokens)
             if every:
@@ -462,14 +472,15 @@ class CheckpointManager(SingleTypeManager):
 
     def _replace_step_end(self, request: Request, pos: int) -> None:
         """Keep the state at the step's end (table position ``pos``); with
-        the policy replacing step ends, the one before leaves the cache."""
+        the policy replacing step ends, the one before leaves the cache.
+        The caller has recorded the request's step end (see
+        :meth:`cache_twins`)."""
         rid = request.request_id
         blocks = self.req_to_blocks[rid]
         block = self._keep(request, blocks, pos, kept=not self._replaces)
         if block is None or not self._replaces:
             return
         previous = self.step_end.get(rid)
-        self._save(self.step_end, rid)
         self.step_end[rid] = (pos, block, block.key_hash)
         if previous is None or previous[1] is block:
             return
@@ -773,6 +784,12 @@ class CheckpointManager(SingleTypeManager):
                 return [[*pad, block] for block in cached]
             end -= step
         return [[] for _ in query.group_ids]
+
+
+def _put_entries(entries: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
+    """Put back several stores' entries (see :meth:`CheckpointManager._save`)."""
+    for store, request_id, value in entries:
+        _put_entry(store, request_id, value)
 
 
 def _put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
