@@ -217,12 +217,12 @@ class KVCacheCoordinator:
         self.encoder_groups = tuple(
             gid for gid, m in enumerate(managers) if m.takes_encoder_tokens
         )
-        # Twin groups (see _twin_key) hold equal tables and per-request
-        # state, so a step that changes nothing for the first of them (its
-        # manager records nothing in the step's journal) changes nothing
-        # for the others: each step runs over these runs of consecutive
-        # twins in group order and passes over a class once its first
-        # group was idle.
+        # Twin groups (see _twin_key) hold tables of one shape and equal
+        # per-request state, so a running request's steps run once per run
+        # of consecutive twins, in group order: the run's first manager
+        # steps the run (allocate_twins, release_twins, cache_twins: one
+        # decision for the class), and a class whose run changed nothing
+        # is passed over.
         self._skip_runs = _twin_runs(managers, "skips_blocks")
         self._cache_runs = _twin_runs(managers, "caching")
         self._grow_runs = _twin_runs(managers, "position_indexed")
