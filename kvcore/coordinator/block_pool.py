@@ -24,6 +24,13 @@ from kvcore.coordinator.blocks import (
     FreeBlockQueue,
     KVCacheBlock,
 )
+from kvcore.coordinator.cache_tables import (
+    Entry,
+    insert_entry,
+    num_entries,
+    one_per_group,
+    remove_entry,
+)
 from kvcore.coordinator.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -156,10 +163,10 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         # group id -> (block hash -> block, or {block_id: block} when several
         # blocks hold that key).  Keyed by the raw hash: no key tuple per block.
-        self._cached: dict[int, dict[BlockHash, _Entry]] = {}
+        self._cached: dict[int, dict[BlockHash, Entry]] = {}
         #: group id -> (chunk hash -> block, or {block_id: block}): the
         #: partial keys (prefixes ending inside a block).
-        self._partial: dict[int, dict[BlockHash, _Entry]] = {}
+        self._partial: dict[int, dict[BlockHash, Entry]] = {}
         #: group id -> blocks holding a full key of that group (the entries
         #: of ``_cached[group id]``), kept as keys come and go.
         self._num_cached: dict[int, int] = {}
@@ -241,10 +248,12 @@ class BlockPool:
                 cached[key] = saved
             self._num_cached[gid] += 1
         elif op == _UNGET:
-            blocks = record[1]
+            # (op, blocks, how many came from the queue before the held-back)
+            _, blocks, from_queue = record
             for block in blocks:
                 block.ref_cnt = 0
-            queue.prepend_n(blocks)
+            queue.prepend_held_n(blocks[from_queue:])
+            queue.prepend_n(blocks[:from_queue])
         elif op == _RELEASE:
             for block in record[1]:
                 if not block.is_null:
@@ -260,11 +269,11 @@ class BlockPool:
             cached = self._cached[gid]
             for block, key in reversed(record[2]):
                 block.key_hash = None
-                _remove(cached, key, block)
+                remove_entry(cached, key, block)
             self._num_cached[gid] -= len(record[2])
         elif op == _PARTIAL:
             _, group, key, block = record
-            _remove(group, key, block)
+            remove_entry(group, key, block)
             assert block.partial_keys is not None
             block.partial_keys.remove(key)
             if not block.partial_keys:
@@ -273,7 +282,7 @@ class BlockPool:
             _, group, keys, block = record
             block.partial_keys = keys
             for key in keys:
-                _insert(group, key, block)
+                insert_entry(group, key, block)
         else:
             # (op, function, args): state kept beside the pool.
             record[1](*record[2])
@@ -307,11 +316,18 @@ class BlockPool:
             # runs newest first); it is filled in once the blocks are known.
             mark = len(journal)
             journal.append(_NOTHING)
-        # One walk from the front: unlink, drop keys, take the reference.
+        # One walk from the front: unlink, drop keys, take the reference;
+        # past the queue's back, on into the held-back blocks.
         append = blocks.append
         head = queue._head
+        tail = queue._tail
         block = head.next_free
-        for _ in range(num_blocks):
+        from_queue = num_blocks
+        for i in range(num_blocks):
+            if block is tail:
+                from_queue = i
+                head = queue._held_head
+                block = head.next_free
             assert block is not None  # num_free counts the linked blocks
             append(block)
             nxt = block.next_free
@@ -321,11 +337,14 @@ class BlockPool:
             block.ref_cnt = 1
             block = nxt
         assert block is not None
+        if from_queue < num_blocks:
+            queue._head.next_free = tail
+            tail.prev_free = queue._head
         head.next_free = block
         block.prev_free = head
         queue.num_free -= num_blocks
         if journal is not None:
-            journal[mark] = (_UNGET, list(blocks))
+            journal[mark] = (_UNGET, list(blocks), from_queue)
         return blocks
 
     def _no_free_blocks(self, num_blocks: int) -> KvcoreValueError:
@@ -388,9 +407,24 @@ class BlockPool:
         queue.prepend_n([block])
 
     def requeue_at_back(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Move free blocks to the back of the free queue (evicted last), in
-        the given order, as if just freed; blocks in use, the null block and
-        blocks without a key are left where they are."""
+        """Move free blocks to the back of the free queue (held-back ones
+        included), in the given order, as if just freed; blocks in use, the
+        null block and blocks without a key are left where they are."""
+        self._move_free(blocks, self.free_queue.append)
+
+    def hold_back(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Move free blocks behind every other free block, in the given
+        order: they are evicted only once no other free block is left
+        (blocks a running request released that later requests' hits need,
+        see :meth:`FreeBlockQueue.hold`).  Blocks in use, the null block and
+        blocks without a key are left where they are; a block revived by a
+        hit leaves the held-back blocks, and :meth:`requeue_at_back` puts
+        one back in the queue."""
+        self._move_free(blocks, self.free_queue.hold)
+
+    def _move_free(
+        self, blocks: Sequence[KVCacheBlock], put: Callable[[KVCacheBlock], None]
+    ) -> None:
         queue = self.free_queue
         journal = self._journal
         for block in blocks:
@@ -401,7 +435,7 @@ class BlockPool:
             if journal is not None:
                 journal.append((_MOVE, block, block.prev_free, block.next_free))
             queue.remove(block)
-            queue.append(block)
+            put(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).
@@ -536,7 +570,7 @@ class BlockPool:
                 segments = [(front, front_end.prev_free), (back, back_end.prev_free)]
             else:
                 segments = [(front_end.next_free, front), (back_end.next_free, back)]
-            if queue.num_free:
+            if head.next_free is not tail:
                 segments.insert(1, (head.next_free, tail.prev_free))
             prev = head
             for first, last in segments:
@@ -557,7 +591,7 @@ class BlockPool:
 
     # -- prefix cache ---------------------------------------------------------
 
-    def cached_blocks_of(self, group_id: int) -> dict[BlockHash, _Entry]:
+    def cached_blocks_of(self, group_id: int) -> dict[BlockHash, Entry]:
         """The live prefix cache of one group, for hit searches to read
         (never change it): block hash -> the block holding it, or
         ``{block_id: block}`` when several do."""
@@ -569,14 +603,14 @@ class BlockPool:
 
     def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         """The cached block of one group for ``block_hash``, or None."""
-        hit = _one_per_group(self._cached, block_hash, (group_id,))
+        hit = one_per_group(self._cached, block_hash, (group_id,))
         return None if hit is None else hit[0]
 
     def get_cached_block(
         self, block_hash: BlockHash, group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any misses."""
-        return _one_per_group(self._cached, block_hash, group_ids)
+        return one_per_group(self._cached, block_hash, group_ids)
 
     def cache_full_blocks(
         self,
@@ -698,7 +732,7 @@ class BlockPool:
         group = self._partial.get(group_id)
         if group is None:
             group = self._partial[group_id] = {}
-        _insert(group, block_hash, block)
+        insert_entry(group, block_hash, block)
         journal = self._journal
         if journal is not None:
             journal.append((_PARTIAL, group, block_hash, block))
@@ -710,7 +744,7 @@ class BlockPool:
         self.evictions += 1
         group = self._partial[block.partial_group]
         for key in keys:
-            _remove(group, key, block)
+            remove_entry(group, key, block)
         journal = self._journal
         if journal is not None:
             journal.append((_UNPARTIAL, group, keys, block))
@@ -720,7 +754,7 @@ class BlockPool:
     ) -> list[KVCacheBlock] | None:
         """One block per group holding the partial key ``block_hash``, or
         None if any group has none."""
-        return _one_per_group(self._partial, block_hash, group_ids)
+        return one_per_group(self._partial, block_hash, group_ids)
 
     def has_partial_key(
         self, block: KVCacheBlock, block_hash: BlockHash, group_id: int
@@ -735,7 +769,7 @@ class BlockPool:
     @property
     def num_partial_keys(self) -> int:
         """Partial keys held, over all blocks (O(n))."""
-        return sum(_num_entries(group) for group in self._partial.values())
+        return sum(num_entries(group) for group in self._partial.values())
 
     def record_undo(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` if the open transaction rolls back (nothing outside
@@ -823,58 +857,6 @@ _UNPARTIAL = 7  # a block's partial keys dropped
 UNDO_CALL = 8  # state kept beside the pool: (op, function, args)
 
 _NOTHING: _Record = (UNDO_CALL, tuple, ())  # a place held; undoes nothing
-
-_Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
-
-
-def _num_entries(group: dict[BlockHash, _Entry]) -> int:
-    """Blocks under one group's keys: one per key, or each of several."""
-    return sum(1 if not isinstance(e, dict) else len(e) for e in group.values())
-
-
-def _one_per_group(
-    table: dict[int, dict[BlockHash, _Entry]],
-    block_hash: BlockHash,
-    group_ids: Sequence[int],
-) -> list[KVCacheBlock] | None:
-    """One block per group keyed ``block_hash`` in ``table`` (any one where
-    several share the key), or None if a group has none."""
-    out = []
-    for group_id in group_ids:
-        group = table.get(group_id)
-        entry = None if group is None else group.get(block_hash)
-        if entry is None:
-            return None
-        if isinstance(entry, dict):
-            entry = next(iter(entry.values()))
-        out.append(entry)
-    return out
-
-
-def _insert(
-    group: dict[BlockHash, _Entry], key: BlockHash, block: KVCacheBlock
-) -> None:
-    entry = group.get(key)
-    if entry is None:
-        group[key] = block
-    elif isinstance(entry, dict):
-        entry[block.block_id] = block
-    elif entry is not block:
-        group[key] = {entry.block_id: entry, block.block_id: block}
-
-
-def _remove(
-    group: dict[BlockHash, _Entry], key: BlockHash, block: KVCacheBlock
-) -> None:
-    entry = group.get(key)
-    if entry is block:
-        del group[key]
-    elif isinstance(entry, dict):
-        entry.pop(block.block_id, None)
-        if len(entry) == 1:
-            group[key] = next(iter(entry.values()))
-        elif not entry:
-            del group[key]
 
 
 def _relink_all(queue: FreeBlockQueue, links: Sequence[KVCacheBlock]) -> None:

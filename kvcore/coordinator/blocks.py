@@ -133,13 +133,30 @@ class FreeBlockQueue:
     ``remove`` takes a block out of the middle, which is how a prefix-cache hit
     revives a free block.  Sentinel head and tail blocks (id -1) remove all
     end-of-list special cases.
+
+    Behind the back of the queue, a second list holds *held-back* blocks
+    (:meth:`hold`): free blocks evicted only once every other free block is
+    gone, front first.  ``remove`` takes a block out of either list; both
+    count in ``num_free``.
     """
 
-    __slots__ = ("_back", "_front", "_head", "_tail", "num_free")
+    __slots__ = (
+        "_back",
+        "_front",
+        "_head",
+        "_held_head",
+        "_held_tail",
+        "_tail",
+        "num_free",
+    )
 
     def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
+        self._held_head = KVCacheBlock(-1)
+        self._held_tail = KVCacheBlock(-1)
+        self._held_head.next_free = self._held_tail
+        self._held_tail.prev_free = self._held_head
         #: Scratch ends of the two chains a release builds before it splices
         #: them in (see BlockPool._release); unlinked between calls.
         self._front = KVCacheBlock(-1)
@@ -153,25 +170,25 @@ class FreeBlockQueue:
         return self.num_free
 
     def __getstate__(self) -> dict[str, Any]:
-        """The queue as its blocks, front first (the links are not copied:
-        a copy of a long queue would recurse along them)."""
-        return {"order": self.get_all_free_blocks()}
+        """The queue as its blocks, front first, and the held-back blocks
+        (the links are not copied: a copy of a long queue would recurse
+        along them)."""
+        return {"order": _chain(self._head, self._tail), "held": self.held_blocks()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         FreeBlockQueue.__init__(self, state["order"])
+        for block in state.get("held", ()):
+            self.hold(block)
 
     def popleft(self) -> KVCacheBlock:
-        """Take the front block."""
+        """Take the front block (a held-back one once no other is left)."""
         block = self._head.next_free
-        if block is self._tail or block is None:
+        if block is self._tail:
+            block = self._held_head.next_free
+        if block is self._held_tail or block is None:
             msg = "the free block queue is empty; free blocks before taking one"
             raise NoFreeBlocksError(msg)
-        nxt = block.next_free
-        assert nxt is not None  # internal invariant: linked blocks have links
-        self._head.next_free = nxt
-        nxt.prev_free = self._head
-        block.prev_free = block.next_free = None
-        self.num_free -= 1
+        self.remove(block)
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -182,22 +199,7 @@ class FreeBlockQueue:
                 f"{self.num_free}; ask for between 0 and {self.num_free}"
             )
             raise NoFreeBlocksError(msg)
-        out: list[KVCacheBlock] = []
-        if n == 0:
-            return out
-        append = out.append
-        block = self._head.next_free
-        for _ in range(n):
-            assert block is not None
-            append(block)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block = nxt
-        assert block is not None
-        self._head.next_free = block
-        block.prev_free = self._head
-        self.num_free -= n
-        return out
+        return [self.popleft() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink ``block`` from wherever it is in the queue."""
@@ -260,15 +262,41 @@ class FreeBlockQueue:
         right.prev_free = prev
         self.num_free += len(blocks)
 
+    def hold(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the back of the held-back blocks: evicted after
+        every block of the queue and every block held back before it."""
+        if block.prev_free is not None:
+            raise _already_queued(block)
+        last = self._held_tail.prev_free
+        assert last is not None
+        self._link_after(last, self._held_tail, [block])
+
+    def prepend_held_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front of the held-back blocks, in order."""
+        if not blocks:
+            return
+        first = self._held_head.next_free
+        assert first is not None
+        self._link_after(self._held_head, first, blocks)
+
+    def held_blocks(self) -> list[KVCacheBlock]:
+        """The held-back blocks, front first (O(n))."""
+        return _chain(self._held_head, self._held_tail)
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """All free blocks, front first (O(n); for tests and debugging)."""
-        out = []
-        block = self._head.next_free
-        tail = self._tail
-        while block is not tail and block is not None:
-            out.append(block)
-            block = block.next_free
-        return out
+        """All free blocks in eviction order, front first: the queue, then
+        the held-back blocks (O(n); for tests and debugging)."""
+        return _chain(self._head, self._tail) + self.held_blocks()
+
+
+def _chain(head: KVCacheBlock, tail: KVCacheBlock) -> list[KVCacheBlock]:
+    """The blocks linked between two sentinels, in order."""
+    out = []
+    block = head.next_free
+    while block is not tail and block is not None:
+        out.append(block)
+        block = block.next_free
+    return out
 
 
 def _already_queued(block: KVCacheBlock) -> KvcoreValueError:

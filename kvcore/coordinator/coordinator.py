@@ -273,6 +273,16 @@ class KVCacheCoordinator:
             m for m in managers if m.evicts_last
         )
         self._evicting_last = tuple(m for m in managers if m.evicts_last)
+        # A group that releases blocks while a request runs, beside one that
+        # keeps the request's whole prefix (which no eviction can reach
+        # while it runs), holds back the released blocks its hits need.
+        if any(m.caching and not m.skips_blocks for m in managers):
+            for m in managers:
+                m.holds_back = m.caching and m.skips_blocks
+        #: Those of them freed before the state groups: a freed request's
+        #: held-back blocks rejoin their group's table (state groups move
+        #: theirs to the back, see :meth:`_refresh_checkpoints`).
+        self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
         self.num_groups = len(managers)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
@@ -686,12 +696,40 @@ class KVCacheCoordinator:
 
     def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
         """Every group's blocks of the request, each group's tail first, the
-        groups in free order (the tables joined last group first)."""
+        groups in free order (the tables joined last group first), as
+        :meth:`BlockPool.free_table` takes them; the blocks the request
+        held back rejoin their group's table (see :meth:`_rejoin_held_back`)."""
+        tables = self._each(self._free_order, "pop_blocks", request_id)
+        if self._holding:
+            self._rejoin_held_back(request_id, tables)
         freed: list[KVCacheBlock] = []
-        for blocks in reversed(self._each(self._free_order, "pop_blocks", request_id)):
+        for blocks in reversed(tables):
             if blocks:
                 freed += blocks
         return freed
+
+    def _rejoin_held_back(
+        self, request_id: str, tables: list[list[KVCacheBlock] | None]
+    ) -> None:
+        """Take again the blocks the request held back that are still
+        cached and put each in a copy of its group's table at its position
+        (released there, so the null block): its group frees it with the
+        rest of the table, tail first, and the hit points it completes
+        leave the cache with the request's other blocks."""
+        held = self._each(self._holding, "take_held_back", request_id)
+        revived: list[KVCacheBlock] = []
+        for manager, pairs in zip(self._holding, held, strict=True):
+            index = self._free_order.index(manager)
+            table = tables[index]
+            if not pairs or not table:
+                continue
+            merged = list(table)
+            for pos, block in pairs:
+                merged[pos] = block
+            tables[index] = merged
+            revived += [block for _, block in pairs]
+        if revived:
+            self.block_pool.touch(revived)
 
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the

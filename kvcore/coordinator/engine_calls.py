@@ -242,20 +242,33 @@ class EngineCalls:
                 "pass the step's first and last token counts"
             )
             raise InvalidRequestError(msg)
-        out: dict[int, tuple[int, ...]] = {}
-        for gid, manager in enumerate(self.coordinator.single_type_managers):
-            if not isinstance(manager, CheckpointManager):
-                continue
-            held = len(manager.req_to_blocks.get(rid, ())) * manager.block_size
-            if num_tokens > held:
-                msg = (
-                    f"state_write_positions for request {rid!r}: the step ends "
-                    f"at {num_tokens} tokens, past the {held} its group {gid} "
-                    "table covers; call it after the step's allocate_slots"
-                )
-                raise InvalidRequestError(msg)
-            out[gid] = tuple(manager.state_writes(rid, num_computed_tokens, num_tokens))
-        return out
+        return state_writes(self.coordinator, rid, num_computed_tokens, num_tokens)
+
+
+def state_writes(
+    coordinator: KVCacheCoordinator,
+    rid: str,
+    num_computed_tokens: int,
+    num_tokens: int,
+) -> dict[int, tuple[int, ...]]:
+    """Per state group of ``coordinator``, where a step computing the live
+    request's tokens ``num_computed_tokens`` to ``num_tokens`` must write
+    its states (see :meth:`EngineCalls.state_write_positions`, which checks
+    the arguments first; engine integrations share it)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for gid, manager in enumerate(coordinator.single_type_managers):
+        if not isinstance(manager, CheckpointManager):
+            continue
+        held = len(manager.req_to_blocks.get(rid, ())) * manager.block_size
+        if num_tokens > held:
+            msg = (
+                f"state_write_positions for request {rid!r}: the step ends "
+                f"at {num_tokens} tokens, past the {held} its group {gid} "
+                "table covers; call it after the step's allocate_slots"
+            )
+            raise InvalidRequestError(msg)
+        out[gid] = tuple(manager.state_writes(rid, num_computed_tokens, num_tokens))
+    return out
 
 
 def _request_id(request: object) -> str:

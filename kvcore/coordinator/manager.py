@@ -21,6 +21,7 @@ import attrs
 from kvcore.coordinator.block_pool import UNDO_CALL, BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
+from kvcore.errors import PluginResultError
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -152,6 +153,10 @@ class SingleTypeManager:
         self.use_eagle = False
         #: Whether this group's blocks are hashed and looked up.
         self.caching = bool(enable_caching) and spec.hit_policy.hashes_blocks
+        #: Set by the coordinator when the group releases blocks while a
+        #: request runs and another group keeps the request's whole prefix:
+        #: released blocks :meth:`kept_for_later` names are then held back.
+        self.holds_back = False
         self.null_block = block_pool.null_block
         #: request id -> the request's blocks (null blocks where skipped).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -164,6 +169,10 @@ class SingleTypeManager:
         #: holding while it runs (a state kind's hit state and branch point,
         #: see CheckpointManager): skipping passes over them.
         self.pinned: dict[str, list[int]] = {}
+        #: request id -> (table position, block, its key) of the blocks the
+        #: running request released and held back (see
+        #: :meth:`remove_skipped_blocks`), for :meth:`take_held_back`.
+        self.held_back: dict[str, list[tuple[int, KVCacheBlock, Any]]] = {}
         #: The transaction and the requests it recorded, each with whether
         #: their whole table was (see :meth:`record_request_state`).
         self._recorded: tuple[int, dict[str, bool]] = (-1, {})
@@ -225,6 +234,33 @@ class SingleTypeManager:
 
     def restore_checkpoints(self, request_id: str, state: Any) -> None:
         """Undo :meth:`shed_checkpoints`; nothing by default."""
+
+    def kept_for_later(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        """Of the blocks a running request just released (skipped) from
+        table ``positions``, those it keeps for later requests' hits: they
+        are held back, evicted only after every other free block, until
+        the request is freed.  None by default."""
+        return []
+
+    def take_held_back(self, request_id: str) -> list[tuple[int, KVCacheBlock]]:
+        """When the request is freed: ``(table position, block)`` of the
+        blocks it held back that sit free still holding the key they were
+        released with; the coordinator puts them back in the eviction
+        order beside the request's other blocks at their positions."""
+        held = self.held_back.pop(request_id, None)
+        if not held:
+            return []
+        self.block_pool.record(self.held_back.__setitem__, request_id, held)
+        return [
+            (pos, block)
+            for pos, block, key in held
+            if block.ref_cnt == 0 and block.key_hash is key
+        ]
 
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """After the request is freed: blocks it kept for later requests
@@ -583,8 +619,67 @@ class SingleTypeManager:
                 table[i] = null
             pool.record(_put_at, table, positions, removed)
             pool.free_blocks(removed)
+            if twin.holds_back:
+                twin._hold_back(request_id, positions, removed)
 
     _own_release_twins = release_twins
+
+    def _hold_back(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[KVCacheBlock],
+    ) -> None:
+        """Hold back the released blocks :meth:`kept_for_later` names, the
+        lowest position first (evicted first); a group freed before the
+        others (not :attr:`evicts_last`) remembers them for
+        :meth:`take_held_back`."""
+        kept = self.kept_for_later(request_id, positions, removed)
+        if not kept:
+            return
+        # Lowest position first: the running request holds its whole
+        # attention prefix, so its longest hit points go last.
+        where = {id(block): pos for pos, block in zip(positions, removed, strict=True)}
+        kept = self._checked_kept(request_id, kept, where)
+        kept.sort(key=lambda block: where[id(block)])
+        pool = self.block_pool
+        pool.hold_back(kept)
+        if self.evicts_last:
+            return
+        held = self.held_back.get(request_id)
+        if held is None:
+            held = self.held_back[request_id] = []
+            pool.record(self.held_back.pop, request_id, None)
+        else:
+            pool.record(_truncate, held, len(held))
+        held += [(where[id(block)], block, block.key_hash) for block in kept]
+
+    def _checked_kept(
+        self, request_id: str, kept: Any, where: dict[int, int]
+    ) -> list[KVCacheBlock]:
+        """``kept_for_later``'s answer as the core takes it: a list of
+        distinct blocks among those just released, else an error naming the
+        manager class (the pool is untouched: nothing is held back yet)."""
+        owner = f"{type(self).__module__}.{type(self).__qualname__}"
+        if not isinstance(kept, list):
+            msg = (
+                f"{owner}.kept_for_later returned {type(kept).__name__} for "
+                f"request {request_id!r}; it must return a list of the released "
+                "blocks to hold back (or [])"
+            )
+            raise PluginResultError(msg, plugin_name=type(self).__module__)
+        seen: set[int] = set()
+        for block in kept:
+            if id(block) not in where or id(block) in seen:
+                msg = (
+                    f"{owner}.kept_for_later returned {block!r} for request "
+                    f"{request_id!r}, which is not one of the blocks it just "
+                    "released or is listed twice; return each released block "
+                    "to hold back once"
+                )
+                raise PluginResultError(msg, plugin_name=type(self).__module__)
+            seen.add(id(block))
+        return kept
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
@@ -628,6 +723,10 @@ def _put_back_each(entries: Sequence[tuple[Any, ...]]) -> None:
     each twin, the last first."""
     for args in reversed(entries):
         _put_back(*args)
+
+
+def _truncate(items: list[Any], length: int) -> None:
+    del items[length:]
 
 
 def _put_back(

@@ -71,19 +71,9 @@ def prefix_hit(
     coordinator calls it directly for a group whose manager keeps that search
     (one lookup a step, so no query object is built)."""
     if len(group_ids) == 1:
-        out: list[KVCacheBlock] = []
-        append = out.append
         # The group's hash -> block map, read directly (see
         # BlockPool.lookup): an entry is a block or {block_id: block}.
-        get = pool.cached_blocks_of(group_ids[0]).get
-        for i in range(limit):
-            entry = get(hashes[i])
-            if entry is None:
-                break
-            if isinstance(entry, dict):
-                entry = next(iter(entry.values()))
-            append(entry)
-        hits = [out]
+        hits = [_cached_run(pool.cached_blocks_of(group_ids[0]), hashes, limit)]
     else:
         # Group by group: each group's run of cached blocks, bounded by the
         # shortest run so far; a group with no block ends the search (the
@@ -135,6 +125,60 @@ class WindowManager(SingleTypeManager):
         {HitPolicy.WINDOW, HitPolicy.NOT_HASHED}
     )
     skips_blocks: ClassVar[bool] = True
+    plans_checkpoints: ClassVar[bool] = True
+
+    def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
+        super().__init__(spec, block_pool, **kwargs)
+        #: request id -> the hit points (token counts) whose window the
+        #: request keeps for later requests (see :meth:`plan_checkpoints`).
+        self.hit_points: dict[str, tuple[int, ...]] = {}
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """At admission: the hit points whose window blocks the request
+        keeps for later requests once it releases them (held back until it
+        is freed, see :meth:`kept_for_later`): where its hit ended (a
+        prefix an earlier request shared), and its prompt's end (the last
+        aligned boundary before the final token, where the same prompt
+        again hits, and the boundary a longer prompt resumes at)."""
+        unit = self.hit_alignment
+        prompt = request.num_prompt_tokens
+        last = prompt - 1
+        points = {
+            num_computed_tokens - num_computed_tokens % unit,
+            last - last % unit,
+            prompt - prompt % unit,
+        }
+        self.hit_points[request.request_id] = tuple(p for p in points if p > 0)
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        self.hit_points.pop(request_id, None)
+
+    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+        points = self.hit_points.pop(request_id, None)
+        if points is not None:
+            self.block_pool.record(self.hit_points.__setitem__, request_id, points)
+        return super().pop_blocks(request_id)
+
+    def kept_for_later(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        """The released blocks a hit at one of the request's hit points
+        reads (see :meth:`plan_checkpoints`)."""
+        points = self.hit_points.get(request_id)
+        if not points:
+            return []
+        size = self.block_size
+        skipped = self.kv_cache_spec.skipped_tokens
+        reads = [(skipped(p) // size, p // size) for p in points]
+        return [
+            block
+            for pos, block in zip(positions, released, strict=True)
+            if block.key_hash is not None
+            and any(first <= pos < end for first, end in reads)
+        ]
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         # The next token reads the blocks from the release line on.

@@ -703,6 +703,34 @@ class CheckpointManager(SingleTypeManager):
             self._released_kept[request_id] = kept
         return blocks
 
+    def kept_for_later(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        """The released states the request keeps for later requests (its
+        prompt end, branch point, step ends; not the interval states): held
+        back until it is freed, then moved to the back of the eviction
+        order (:meth:`take_released_checkpoints`)."""
+        kept = self.kept.get(request_id)
+        ends = [
+            entry[1:]
+            for entry in (
+                self.step_end.get(request_id),
+                self.step_before.get(request_id),
+            )
+            if entry is not None
+        ]
+        if not kept and not ends:
+            return []
+        keep = {
+            id(block)
+            for block, key in (*(kept or ()), *ends)
+            if self._holds(block, key)
+        }
+        return [block for block in released if id(block) in keep]
+
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """The states the freed request kept for later requests that sit
         free in the pool already (released after their step): the

@@ -23,13 +23,15 @@ run: it needs the network (PyPI) and vLLM.  The stage
 5. prints, per file, the tests passing on both, only on plain vLLM and only
    with kvcore, and the excluded tests with why;
 6. runs ``vllm_plan_peer.py``: kvcore's plans, turned into vLLM's
-   ``KVCacheConfig``, allocated and bound by vLLM's own worker code.
+   ``KVCacheConfig``, allocated and bound by vLLM's own worker code;
+7. runs kvcore's own tests under vLLM (``KVCORE_TEST_FILES``: kvcore's
+   contract driven through vLLM's own scheduler) with ``KVCORE_VLLM=1``.
 
 The exit status is 0 when every test that passes on plain vLLM passes with
 kvcore, except the excluded ones and those listed in ``vllm_known_gaps.txt``
-(each with the gap that fails it); a listed test that now passes fails the
-stage too, so the list only shrinks; and every test of
-``vllm_plan_peer.py`` passes.
+(each with the gap that fails it), and every test of ``vllm_plan_peer.py``
+and of kvcore's own tests under vLLM passes; a listed test that now passes
+fails the stage too, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ EXCLUDED: dict[str, str] = {
 }
 
 KNOWN_GAPS = HERE / "vllm_known_gaps.txt"
+
+#: kvcore's own tests under vLLM: kvcore's files (not named ``test_*.py``,
+#: so the default pytest run leaves them out), run in the peer environment
+#: with kvcore plugged in; every test must pass.
+KVCORE_TEST_FILES = (
+    # kvcore's engine contract under vLLM's AsyncScheduler: no block a step
+    # in flight reads is released, no unwritten Mamba state restored.
+    HERE / "vllm_contract.py",
+)
 
 #: facebook/opt-125m's public config.json: the model file most of the
 #: chosen tests read (the scheduler needs the layer count, heads, lengths,
@@ -275,6 +286,25 @@ def run_suite(
     return outcomes(out)
 
 
+def run_kvcore_tests(python: Path, root: Path, hf_home: Path) -> int:
+    """kvcore's own tests under vLLM (``KVCORE_TEST_FILES``); pytest's exit
+    status.  They run in vLLM's source tree, as vLLM's tests do, without
+    kvcore's pytest configuration (``-c`` an empty file; its conftest and
+    its warnings-as-errors are for the default run), and print what they
+    checked (``-s``)."""
+    env = _env(hf_home)
+    env["KVCORE_VLLM"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(HERE), env.get("PYTHONPATH", "")) if p
+    )
+    cmd = [str(python), "-m", "pytest", *map(str, KVCORE_TEST_FILES)]
+    cmd += ["-q", "-s", "-p", "no:cacheprovider", "-p", "kvcore_vllm_peer"]
+    cmd += ["-c", os.devnull, "--rootdir", str(HERE), "--confcutdir", str(HERE)]
+    print("\nkvcore's own tests under vLLM (all must pass)", flush=True)
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
+
+
 def outcomes(junit: Path) -> dict[str, str]:
     result: dict[str, str] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -386,9 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("both", "plain", "kvcore"),
+        choices=("both", "plain", "kvcore", "own"),
         default="both",
-        help="run one side only (reuses the other side's last results)",
+        help="run one side only (reuses the other side's last results); "
+        "own: only kvcore's own tests under vLLM",
     )
     parser.add_argument(
         "--bench",
@@ -408,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_home = write_model_files(work)
     if args.bench:
         return run_bench(python, root, hf_home, args.pytest_args)
+    own = 0
+    if args.only in ("both", "kvcore", "own"):
+        own = run_kvcore_tests(python, root, hf_home)
+        if args.only == "own":
+            return own
     results = {}
     for side in ("plain", "kvcore"):
         junit = work / f"{side}.xml"
@@ -426,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise SystemExit(f"no earlier {side} run in {work}; run both sides")
     status = compare(results["plain"], results["kvcore"])
-    return run_plan_peer(python, hf_home) or status
+    if own:
+        print(f"\nkvcore's own tests under vLLM failed (pytest exit {own})")
+    return run_plan_peer(python, hf_home) or status or int(bool(own))
 
 
 if __name__ == "__main__":

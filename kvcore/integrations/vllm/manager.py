@@ -19,12 +19,17 @@ from typing import Any
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.engine_calls import state_writes
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
-from kvcore.errors import InvalidRequestError
+from kvcore.errors import InvalidRequestError, UnknownRequestError
+from kvcore.integrations.vllm.lookahead import (
+    UnsupportedFeatureError,
+    reprefillable_tokens,
+)
 from kvcore.integrations.vllm.specs import to_kvcore_config
 from kvcore.registry import default_registry
 
-__all__ = ["KVCacheManager"]
+__all__ = ["KVCacheManager", "UnsupportedFeatureError"]
 
 
 class _FreeQueueView:
@@ -150,6 +155,7 @@ class CoordinatorView:
     def __init__(self, owner: KVCacheManager, vllm_config: Any) -> None:
         self._owner = owner
         self.coordinator = owner.kvcore
+        self.num_reprefillable_tokens = owner.num_reprefillable_tokens
         self.single_type_managers = tuple(
             _view_type(vllm_group.kv_cache_spec)(
                 manager, vllm_group.kv_cache_spec, owner.block_pool
@@ -254,6 +260,28 @@ def _to_vllm_events(events: list[Any], config: Any) -> list[Any]:
     return out
 
 
+def _table_extensions(
+    managers: Sequence[Any],
+    rid: str,
+    lengths: Sequence[int],
+    new: tuple[list[KVCacheBlock], ...],
+) -> tuple[list[KVCacheBlock], ...]:
+    """A running request's new table positions per group, from the table
+    lengths before the step.  vLLM's workers append a running request's new
+    block ids to their tables, so a group that grows by more positions than
+    new blocks (a state group keeps the null block where it holds no state)
+    must hand out its whole extension, nulls included, else the worker's
+    positions shift."""
+    out: list[list[KVCacheBlock]] | None = None
+    for gid, (manager, length) in enumerate(zip(managers, lengths, strict=True)):
+        table = manager.req_to_blocks.get(rid, ())
+        if len(table) - length != len(new[gid]):
+            if out is None:
+                out = list(new)
+            out[gid] = list(table[length:])
+    return new if out is None else tuple(out)
+
+
 class KVCacheManager:
     """vLLM 0.33's ``KVCacheManager``, on kvcore (same constructor)."""
 
@@ -276,19 +304,30 @@ class KVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-        from vllm.v1.metrics.stats import PrefixCacheStats
-
         if pcp_world_size != 1:
             msg = (
                 "kvcore.integrations.vllm: prefill context parallelism "
                 f"(pcp_world_size={pcp_world_size}) is not supported; unset "
                 "KVCORE_VLLM or run with pcp_world_size=1"
             )
-            raise InvalidRequestError(msg)
+            raise UnsupportedFeatureError(msg)
         if watermark < 0:
             msg = f"KVCacheManager: watermark must be non-negative, got {watermark}"
             raise InvalidRequestError(msg)
+        #: Trailing computed tokens no cache call keys (multi-module MTP
+        #: may prefill them again); see kvcore.integrations.vllm.lookahead.
+        self.num_reprefillable_tokens = reprefillable_tokens(
+            kv_cache_config,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+            scheduler_block_size=scheduler_block_size,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
+        )
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
         self._blocks_cls = KVCacheBlocks
         self._stats_cls = PrefixCacheStats
         self.max_model_len = max_model_len
@@ -521,12 +560,19 @@ class KVCacheManager:
             return None
         cache_to = -1
         if self.enable_caching and not delay_cache_blocks:
-            cache_to = min(num_main, request.num_tokens)
+            cache_to = max(
+                0, min(num_main, request.num_tokens) - self.num_reprefillable_tokens
+            )
         before = self._held_ids(rid, hit) if self._zeroed_groups else None
+        managers = coordinator.single_type_managers
+        if running:
+            lengths = [len(m.req_to_blocks.get(rid, ())) for m in managers]
         pool.begin()
         try:
             if running:
                 new = coordinator.grow(rid, num_slots)
+                if new is not None:
+                    new = _table_extensions(managers, rid, lengths, new)
             else:
                 coordinator.add_computed_blocks(rid, attach)
                 new = coordinator.allocate_new_blocks(
@@ -576,7 +622,9 @@ class KVCacheManager:
             pool = self.kvcore.block_pool
             pool.begin()
             try:
-                self.kvcore.cache_blocks(request, num_computed_tokens)
+                self.kvcore.cache_blocks(
+                    request, max(0, num_computed_tokens - self.num_reprefillable_tokens)
+                )
             except BaseException:
                 pool.rollback()
                 raise
@@ -631,6 +679,32 @@ class KVCacheManager:
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.block_pool.evict_blocks(block_ids)
+
+    def state_write_positions(
+        self, request: Any, num_computed_tokens: int, num_tokens: int
+    ) -> dict[int, tuple[int, ...]]:
+        """kvcore's engine contract for a step computing the request's
+        tokens ``num_computed_tokens`` to ``num_tokens`` (call after its
+        ``allocate_slots``): per Mamba group, the token counts after which
+        the step must write the state, each into table position
+        ``ceil(t / block_size) - 1``.  Align-mode groups use the ``steps``
+        checkpoint policy, so this is only ever the step's end, which is
+        what vLLM's align-mode kernels write."""
+        rid = request if isinstance(request, str) else request.request_id
+        if rid not in self._live:
+            msg = (
+                f"state_write_positions: request {rid!r} holds no blocks: it "
+                "was never allocated or was already freed"
+            )
+            raise UnknownRequestError(msg)
+        if not 0 <= num_computed_tokens <= num_tokens:
+            msg = (
+                f"state_write_positions for request {rid!r}: tokens "
+                f"{num_computed_tokens} to {num_tokens} are not a step; pass "
+                "the step's first and last token counts"
+            )
+            raise InvalidRequestError(msg)
+        return state_writes(self.kvcore, rid, num_computed_tokens, num_tokens)
 
     def reset_prefix_cache(self) -> bool:
         if not self.kvcore.block_pool.reset_prefix_cache():

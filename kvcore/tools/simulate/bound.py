@@ -13,6 +13,11 @@ chunk with any of them is its longest with one of its two neighbours in
 that order, so a lookup takes a binary search there, never a scan of the
 node's continuations.  The cost is linear in the tokens inserted and looked
 up, never in tokens times sequences.
+
+A sequence that grows inside its last chunk (a decode, a token a step)
+only has its new tail noted at its node; the tails noted there are packed
+and sorted in when a lookup first ends at that node, so recording a decode
+costs no packing and no sorted insert.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def _pack(tokens: Sequence[int]) -> bytes:
 class _Node:
     """The prefix of ``depth`` chunks shared by the sequences below it."""
 
-    __slots__ = ("children", "order", "partials")
+    __slots__ = ("children", "order", "partials", "pending")
 
     def __init__(self) -> None:
         #: The next full chunk (packed) of a sequence through here -> its node.
@@ -51,8 +56,15 @@ class _Node:
         #: The keys of ``children`` and the values of ``partials`` (with
         #: repeats), sorted.
         self.order: list[bytes] = []
+        #: Tails noted since the last lookup that ended here, not yet in
+        #: ``partials``: key -> its tokens of the next chunk (``None`` until
+        #: one is noted).
+        self.pending: dict[str, Sequence[int]] | None = None
 
     def drop_partial(self, key: str) -> None:
+        pending = self.pending
+        if pending:
+            pending.pop(key, None)
         partials = self.partials
         if partials:
             old = partials.pop(key, None)
@@ -65,6 +77,27 @@ class _Node:
             self.partials = {}
         self.partials[key] = part
         insort(self.order, part)
+
+    def note_tail(self, key: str, tail: Sequence[int]) -> None:
+        """Note ``key``'s tokens of the next chunk (replacing the ones noted
+        or sorted in before); packed at the next lookup that ends here."""
+        pending = self.pending
+        if pending is None:
+            pending = self.pending = {}
+        if key not in pending:
+            partials = self.partials
+            if partials and key in partials:
+                self.drop_partial(key)
+        pending[key] = tail
+
+    def sort_in_tails(self) -> None:
+        """Pack the noted tails into ``partials`` and ``order``."""
+        pending = self.pending
+        assert pending is not None
+        self.pending = None
+        for key, tail in pending.items():
+            self.drop_partial(key)
+            self.add_partial(key, _pack(tail))
 
 
 class ComputedPrefixes:
@@ -92,7 +125,13 @@ class ComputedPrefixes:
         node, depth, recorded = self._cursor.get(key, (self._root, 0, 0))
         if length <= recorded:
             return
-        step = self._chunk * _WORD
+        chunk = self._chunk
+        if length - depth < chunk:
+            # Still inside the same chunk: only the tail changes.
+            node.note_tail(key, tokens[depth:length])
+            self._cursor[key] = (node, depth, length)
+            return
+        step = chunk * _WORD
         data = _pack(tokens[depth:length])
         end = len(data)
         node.drop_partial(key)
@@ -105,9 +144,10 @@ class ComputedPrefixes:
                 insort(node.order, edge)
             node = child
             at += step
-        if at < end:
-            node.add_partial(key, data[at:])
-        self._cursor[key] = (node, depth + at // _WORD, length)
+        depth += at // _WORD
+        if depth < length:
+            node.note_tail(key, tokens[depth:length])
+        self._cursor[key] = (node, depth, length)
 
     def longest_prefix(self, tokens: Sequence[int], limit: int | None = None) -> int:
         """The longest prefix of ``tokens`` (at most ``limit`` tokens) that
@@ -127,6 +167,8 @@ class ComputedPrefixes:
             node = child
             at += step
         rest = data[at : at + step]
+        if node.pending:
+            node.sort_in_tails()
         order = node.order
         if not rest or not order:
             return at // _WORD
