@@ -12,11 +12,12 @@ from typing import Any
 
 import coordinator_setup as setup
 import pytest
+import torch
 
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request, RequestStatus
 from kvcore.errors import InvalidRequestError, KvcoreError, UnknownRequestError
-from kvcore_full_attention import FullAttention
+from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
 
 
@@ -253,8 +254,12 @@ def test_a_built_in_manager_that_raises_leaves_everything_as_it_was(step: str) -
     manager that raises mid-step (here the second group's, after the first
     has changed the pool) is reported as its plugin's failure, and the
     pool, tables, keys and the request are as before."""
+    # Two specs: the groups are not twins, so each is stepped on its own.
+    other = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=2, dtype=torch.float16
+    )
     mgr = setup.manager_for(
-        [setup.fa(4), setup.fa(4)], 32, scheduler_block_size=4, hash_block_size=4
+        [setup.fa(4), other], 32, scheduler_block_size=4, hash_block_size=4
     )
     req = Request("a", list(range(2, 12)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
@@ -264,7 +269,7 @@ def test_a_built_in_manager_that_raises_leaves_everything_as_it_was(step: str) -
     def broken(*args: Any) -> Any:
         raise RuntimeError(f"{step} failed")
 
-    name = "pop_blocks" if step == "free" else "allocate_new_blocks"
+    name = "pop_blocks" if step == "free" else "allocate_twins"
     setattr(manager, name, broken)
     before = observed(mgr)
     run = (

@@ -585,6 +585,22 @@ def hybrid(name: str, registry: KindRegistry) -> list[Any]:
             attn(SlidingWindowSpec, sliding_window=5, extra_retained_tokens=2),
             mamba("align"),
         ],
+        # Twin groups (one spec each, so stepped a class at a time), runs of
+        # a class interleaved with other classes.
+        "twins": [
+            fa,
+            mamba("align"),
+            fa,
+            mamba("align"),
+            attn(SlidingWindowSpec, sliding_window=6),
+            attn(SlidingWindowSpec, sliding_window=6),
+        ],
+        "mamba_grid_twins": [
+            fa,
+            mamba("align", policy=GRID_POLICY),
+            mamba("align", policy=GRID_POLICY),
+        ],
+        "mamba_all_twins": [fa, mamba("all"), mamba("all")],
         "fixed_blocks": [
             fa,
             attn(CircularBufferSpec),
@@ -608,6 +624,9 @@ def hybrid(name: str, registry: KindRegistry) -> list[Any]:
         ("mamba_none", 4, 1, True),
         ("three_kinds", 4, 1, True),
         ("fixed_blocks", 4, 1, True),
+        ("twins", 4, 1, True),
+        ("mamba_grid_twins", 4, 1, True),
+        ("mamba_all_twins", 4, 1, True),
         ("wide_full", 4, 1, True),
         ("wide_full", 4, 1, False),
         # Decode context parallelism: attention blocks of 4 cover 8 tokens

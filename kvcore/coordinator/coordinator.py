@@ -217,12 +217,12 @@ class KVCacheCoordinator:
         self.encoder_groups = tuple(
             gid for gid, m in enumerate(managers) if m.takes_encoder_tokens
         )
-        # Twin groups (see _twin_key) hold equal tables and per-request
-        # state, so a step that changes nothing for the first of them (its
-        # manager records nothing in the step's journal) changes nothing
-        # for the others: each step runs over these runs of consecutive
-        # twins in group order and passes over a class once its first
-        # group was idle.
+        # Twin groups (see _twin_key) hold tables of one shape and equal
+        # per-request state, so a running request's steps run once per run
+        # of consecutive twins, in group order: the run's first manager
+        # steps the run (allocate_twins, release_twins, cache_twins: one
+        # decision for the class), and a class whose run changed nothing
+        # is passed over.
         self._skip_runs = _twin_runs(managers, "skips_blocks")
         self._cache_runs = _twin_runs(managers, "caching")
         self._grow_runs = _twin_runs(managers, "position_indexed")
@@ -498,12 +498,15 @@ class KVCacheCoordinator:
     # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
     def _run_twins(
-        self, runs: _Runs, method: str, *args: Any
+        self, runs: _Runs, method: str, step: str, *args: Any
     ) -> list[list[KVCacheBlock]] | None:
-        """Call ``method`` on each manager of ``runs`` in group order,
-        passing over a class of twins whose first group changed nothing
-        (recorded nothing in the open transaction, or returned no block);
-        what each call returned that holds blocks, by group id."""
+        """Call the class step ``method`` (``allocate_twins``,
+        ``release_twins`` or ``cache_twins``) once per run of twins, in group
+        order, on the run's first manager with the run; pass over a class
+        once one of its runs changed nothing (returned no block and recorded
+        nothing in the open transaction).  What the calls returned that
+        holds blocks, by group id; a manager that raises is reported as its
+        plugin's failure in ``step``, the one-group step."""
         journal = self.block_pool._journal
         idle: list[int] = []
         out: list[list[KVCacheBlock]] | None = None
@@ -512,24 +515,29 @@ class KVCacheCoordinator:
             for first, members in runs:
                 if first in idle:
                     continue
-                for manager in members:
-                    gid = manager.kv_cache_group_id
-                    mark = -1 if journal is None else len(journal)
-                    new = getattr(manager, method)(*args)
-                    if new:
-                        if out is None:
-                            out = [[] for _ in range(self.num_groups)]
-                        out[gid] = new
-                    elif gid == first and mark == len(journal or ()):
-                        idle.append(first)
-                        break
+                gid = first
+                mark = -1 if journal is None else len(journal)
+                new = getattr(members[0], method)(members, *args)
+                if new:
+                    if out is None:
+                        out = [[] for _ in range(self.num_groups)]
+                    for manager, blocks in zip(members, new, strict=True):
+                        out[manager.kv_cache_group_id] = blocks
+                elif mark == len(journal or ()):
+                    idle.append(first)
         except Exception as exc:
-            raise self.plugin_error(gid, method, exc) from exc
+            raise self.plugin_error(gid, step, exc) from exc
         return out
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release the blocks the request no longer reads, one call per
+        class of twins (see :meth:`_run_twins`)."""
         self._run_twins(
-            self._skip_runs, "remove_skipped_blocks", request_id, num_computed_tokens
+            self._skip_runs,
+            "release_twins",
+            "remove_skipped_blocks",
+            request_id,
+            num_computed_tokens,
         )
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
@@ -655,12 +663,18 @@ class KVCacheCoordinator:
         """Grow a running request's tables, in group order; ``None`` if no
         block was added."""
         out = self._run_twins(
-            self._grow_runs, "allocate_new_blocks", request_id, num_tokens
+            self._grow_runs,
+            "allocate_twins",
+            "allocate_new_blocks",
+            request_id,
+            num_tokens,
         )
         return None if out is None else tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        self._run_twins(self._cache_runs, "cache_blocks", request, num_tokens)
+        self._run_twins(
+            self._cache_runs, "cache_twins", "cache_blocks", request, num_tokens
+        )
         if self.partial is not None:
             self.partial.register(request, num_tokens)
 

@@ -177,6 +177,22 @@ class SingleTypeManager:
         #: their whole table was (see :meth:`record_request_state`).
         self._recorded: tuple[int, dict[str, bool]] = (-1, {})
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class's twin steps, chosen once when it is defined: its own
+        :meth:`allocate_twins`, :meth:`release_twins` and :meth:`cache_twins`
+        where it defines them; where it overrides only the one-group step
+        (:meth:`allocate_new_blocks`, :meth:`remove_skipped_blocks`,
+        :meth:`cache_blocks`), its twins are stepped group by group
+        through that override.  The one-group step of a class that does not
+        override it runs the twin step it inherits over the group alone."""
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        for single, twins, each in _TWIN_STEPS:
+            if twins in own:
+                setattr(cls, f"_own_{twins}", own[twins])
+            elif single in own:
+                setattr(cls, twins, each)
+
     # -- the release rule -----------------------------------------------------
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
@@ -323,21 +339,48 @@ class SingleTypeManager:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> list[KVCacheBlock]:
-        """Grow the request's table to cover ``num_tokens``; return new blocks."""
+        """Grow the request's table to cover ``num_tokens``; return new blocks
+        (:meth:`allocate_twins` over this group alone)."""
+        new = type(self)._own_allocate_twins(self, (self,), request_id, num_tokens)
+        return [] if new is None else new[0]
+
+    def allocate_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
+    ) -> list[list[KVCacheBlock]] | None:
+        """Grow the request's table in each of ``twins`` (this manager first,
+        then the other groups of its class: one manager class, spec, block
+        size, caching and hit alignment, so their tables have one shape) to
+        cover ``num_tokens``:
+        each twin's new blocks, in order.  One decision for the class and
+        one hand-out from the pool, split in group order (the blocks each
+        twin would take growing alone, one after the other); None when no
+        twin takes a block.  A subclass
+        that changes how a table grows overrides this method; the
+        coordinator calls it once per class."""
         held = self.req_to_blocks.get(request_id)
         need = -(-num_tokens // self.block_size) - (0 if held is None else len(held))
         if need <= 0:
             if held is None:
-                self.record_request_state(request_id)
-                self.req_to_blocks[request_id] = []
-            return []
-        self.record_request_state(request_id)
-        new = self.block_pool.get_new_blocks(need)
-        if held is None:
-            self.req_to_blocks[request_id] = new[:]
+                self.record_twins(twins, request_id)
+                for twin in twins:
+                    twin.req_to_blocks[request_id] = []
+            return None
+        self.record_twins(twins, request_id)
+        new = self.block_pool.get_new_blocks(need * len(twins))
+        if len(twins) == 1:
+            out = [new]
         else:
-            held.extend(new)
-        return new
+            out = [new[i : i + need] for i in range(0, len(new), need)]
+        for twin, blocks in zip(twins, out, strict=True):
+            table = twin.req_to_blocks.get(request_id)
+            if table is None:
+                twin.req_to_blocks[request_id] = blocks[:]
+            else:
+                table.extend(blocks)
+        return out
+
+    #: The twin step the one-group step runs (see __init_subclass__).
+    _own_allocate_twins = allocate_twins
 
     def block_hash(
         self, chunk_hashes: Sequence[BlockHash], index: int
@@ -352,7 +395,17 @@ class SingleTypeManager:
         return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash the request's blocks that ``num_tokens`` tokens fill."""
+        """Hash the request's blocks that ``num_tokens`` tokens fill
+        (:meth:`cache_twins` over this group alone)."""
+        type(self)._own_cache_twins(self, (self,), request, num_tokens)
+
+    def cache_twins(
+        self, twins: Sequence[SingleTypeManager], request: Request, num_tokens: int
+    ) -> None:
+        """:meth:`cache_blocks` in each of ``twins`` (this manager first; see
+        :meth:`allocate_twins`): which blocks are hashed is decided once for
+        the class, and each twin's are keyed under its own group.  A
+        subclass that changes what is cached overrides this method."""
         if not self.caching:
             return
         rid = request.request_id
@@ -367,16 +420,21 @@ class SingleTypeManager:
         num_full = min(num_full, len(hashes), len(blocks))
         if num_full <= cached:
             return
-        self.record_request_state(rid)
-        self.block_pool.cache_full_blocks(
-            block_hashes=hashes,
-            blocks=blocks,
-            num_cached_blocks=cached,
-            num_full_blocks=num_full,
-            group_id=self.kv_cache_group_id,
-            token_ids=request.all_token_ids,
-        )
-        self.num_cached_block[rid] = num_full
+        cache = self.block_pool.cache_full_blocks
+        token_ids = request.all_token_ids
+        self.record_twins(twins, rid)
+        for twin in twins:
+            cache(
+                block_hashes=hashes,
+                blocks=twin.req_to_blocks[rid],
+                num_cached_blocks=cached,
+                num_full_blocks=num_full,
+                group_id=twin.kv_cache_group_id,
+                token_ids=token_ids,
+            )
+            twin.num_cached_block[rid] = num_full
+
+    _own_cache_twins = cache_twins
 
     def free(self, request_id: str) -> None:
         """Release all of a request's blocks, tail first (evicted first)."""
@@ -444,6 +502,41 @@ class SingleTypeManager:
                 self.request_state(request_id),
             )
 
+    def record_twins(self, twins: Sequence[SingleTypeManager], request_id: str) -> None:
+        """:meth:`record_request_state` for each of ``twins`` (tables only
+        appended to), as one journal record for the class."""
+        pool = self.block_pool
+        journal = pool._journal
+        if journal is None:
+            return
+        transaction = pool.transactions
+        entries = []
+        for twin in twins:
+            recorded = twin._recorded
+            if recorded[0] != transaction:
+                recorded = twin._recorded = (transaction, {})
+            elif request_id in recorded[1]:
+                continue
+            recorded[1][request_id] = False
+            blocks = twin.req_to_blocks.get(request_id)
+            entries.append(
+                (
+                    twin,
+                    request_id,
+                    None if blocks is None else (blocks, len(blocks)),
+                    twin.num_cached_block.get(request_id),
+                    twin.num_released.get(request_id),
+                )
+            )
+            if twin.keeps_request_state:
+                pool.record(
+                    twin.restore_request_state,
+                    request_id,
+                    twin.request_state(request_id),
+                )
+        if entries:
+            journal.append((UNDO_CALL, _put_back_each, (entries,)))
+
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
         needs to put the request's state beyond its table and counts back as
@@ -492,7 +585,20 @@ class SingleTypeManager:
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks the request will never read again and put the null
-        block in their place."""
+        block in their place (:meth:`release_twins` over this group alone)."""
+        type(self)._own_release_twins(self, (self,), request_id, num_computed_tokens)
+
+    def release_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        num_computed_tokens: int,
+    ) -> None:
+        """:meth:`remove_skipped_blocks` in each of ``twins`` (this manager
+        first; see :meth:`allocate_twins`): one decision for the class, the
+        positions it releases found once (twins hold tables of one shape and
+        pin the same positions), each twin's blocks freed in group order.
+        A subclass that changes what is released overrides this method."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
@@ -500,18 +606,23 @@ class SingleTypeManager:
         if last <= self.num_released.get(request_id, 0):
             return
         positions = self._skipped(request_id, num_computed_tokens)
-        self.record_request_state(request_id)
-        self.num_released[request_id] = last
-        if not positions:
-            return
-        removed = [blocks[i] for i in positions]
-        for i in positions:
-            blocks[i] = self.null_block
+        null = self.null_block
         pool = self.block_pool
-        pool.record(_put_at, blocks, positions, removed)
-        pool.free_blocks(removed)
-        if self.holds_back:
-            self._hold_back(request_id, positions, removed)
+        self.record_twins(twins, request_id)
+        for twin in twins:
+            twin.num_released[request_id] = last
+            if not positions:
+                continue
+            table = twin.req_to_blocks[request_id]
+            removed = [table[i] for i in positions]
+            for i in positions:
+                table[i] = null
+            pool.record(_put_at, table, positions, removed)
+            pool.free_blocks(removed)
+            if twin.holds_back:
+                twin._hold_back(request_id, positions, removed)
+
+    _own_release_twins = release_twins
 
     def _hold_back(
         self,
@@ -607,6 +718,13 @@ def _put_at(
         blocks[i] = block
 
 
+def _put_back_each(entries: Sequence[tuple[Any, ...]]) -> None:
+    """Undo :meth:`SingleTypeManager.record_twins`: :func:`_put_back` for
+    each twin, the last first."""
+    for args in reversed(entries):
+        _put_back(*args)
+
+
 def _truncate(items: list[Any], length: int) -> None:
     del items[length:]
 
@@ -637,3 +755,44 @@ def _put_back(
             store.pop(request_id, None)
         else:
             store[request_id] = value
+
+
+def _allocate_each(
+    self: SingleTypeManager,
+    twins: Sequence[SingleTypeManager],
+    request_id: str,
+    num_tokens: int,
+) -> list[list[KVCacheBlock]] | None:
+    """The twin step of a class that overrides only allocate_new_blocks."""
+    new = [twin.allocate_new_blocks(request_id, num_tokens) for twin in twins]
+    return new if any(new) else None
+
+
+def _release_each(
+    self: SingleTypeManager,
+    twins: Sequence[SingleTypeManager],
+    request_id: str,
+    num_computed_tokens: int,
+) -> None:
+    """The twin step of a class that overrides only remove_skipped_blocks."""
+    for twin in twins:
+        twin.remove_skipped_blocks(request_id, num_computed_tokens)
+
+
+def _cache_each(
+    self: SingleTypeManager,
+    twins: Sequence[SingleTypeManager],
+    request: Request,
+    num_tokens: int,
+) -> None:
+    """The twin step of a class that overrides only cache_blocks."""
+    for twin in twins:
+        twin.cache_blocks(request, num_tokens)
+
+
+#: (one-group step, twin step, the twin step through the one-group one).
+_TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
+    ("allocate_new_blocks", "allocate_twins", _allocate_each),
+    ("remove_skipped_blocks", "release_twins", _release_each),
+    ("cache_blocks", "cache_twins", _cache_each),
+)

@@ -310,15 +310,18 @@ class FixedBlocksManager(SingleTypeManager):
     ) -> None:
         return
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> list[KVCacheBlock]:
+    def allocate_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
+    ) -> list[list[KVCacheBlock]] | None:
         if request_id in self.req_to_blocks:
-            return []
-        self.record_request_state(request_id)
-        new = self.block_pool.get_new_blocks(self.fixed_blocks)
-        self.req_to_blocks[request_id] = list(new)
-        return new
+            return None
+        out = []
+        for twin in twins:
+            twin.record_request_state(request_id)
+            new = self.block_pool.get_new_blocks(self.fixed_blocks)
+            twin.req_to_blocks[request_id] = list(new)
+            out.append(new)
+        return out
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         return

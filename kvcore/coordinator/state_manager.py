@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from kvcore.checkpoints import (
     CHECKPOINT_POLICIES,
@@ -319,33 +319,48 @@ class CheckpointManager(SingleTypeManager):
                 need += 1  # the shared state it will hold leaves the free queue
         return need
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> list[KVCacheBlock]:
+    def allocate_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
+    ) -> list[list[KVCacheBlock]] | None:
         held = self.req_to_blocks.get(request_id)
         start = 0 if held is None else len(held)
         end = cdiv(num_tokens, self.block_size)
         missing = end - start
         if held is not None and missing <= 0:
-            return []
-        self.record_request_state(request_id)
+            return None
+        self.record_twins(twins, request_id)
         if held is None:
-            held = self.req_to_blocks[request_id] = []
+            for twin in twins:
+                twin.req_to_blocks[request_id] = []
         if missing <= 0:
-            return []
-        if self.keep_all:
-            new = self.block_pool.get_new_blocks(missing)
-            held.extend(new)
-            return new
-        inner = self._inner_targets(request_id, start, end) if self.targets else []
-        new = self.block_pool.get_new_blocks(1 + len(inner))
-        extension = [self.null_block] * missing
-        for pos, block in zip(inner, new, strict=False):
-            extension[pos - start] = block
-        # The step's final state is written at its last position.
-        extension[-1] = new[-1]
-        held.extend(extension)
-        return new
+            return None
+        # Every missing position gets a state block, or only the step's last
+        # and the checkpoints inside it.
+        inner = (
+            []
+            if self.keep_all or not self.targets
+            else self._inner_targets(request_id, start, end)
+        )
+        need = missing if self.keep_all else 1 + len(inner)
+        new = self.block_pool.get_new_blocks(need * len(twins))
+        out = (
+            [new]
+            if len(twins) == 1
+            else [new[i : i + need] for i in range(0, len(new), need)]
+        )
+        null = self.null_block
+        for twin, blocks in zip(twins, out, strict=True):
+            table = twin.req_to_blocks[request_id]
+            if self.keep_all:
+                table.extend(blocks)
+                continue
+            extension = [null] * missing
+            for pos, block in zip(inner, blocks, strict=False):
+                extension[pos - start] = block
+            # The step's final state is written at its last position.
+            extension[-1] = blocks[-1]
+            table.extend(extension)
+        return out
 
     def state_writes(self, request_id: str, start: int, end: int) -> list[int]:
         """The token counts after which a step computing tokens ``start`` to
@@ -373,54 +388,99 @@ class CheckpointManager(SingleTypeManager):
 
     # -- caching ----------------------------------------------------------------
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_twins(
+        self, twins: Sequence[SingleTypeManager], request: Request, num_tokens: int
+    ) -> None:
+        """Key the states the policy keeps once ``num_tokens`` are computed,
+        in each of ``twins`` (see :meth:`SingleTypeManager.cache_twins`):
+        which states is decided once for the class, from this manager's
+        targets and step end (twins plan and reach the same ones)."""
         if not self.caching:
             return
         rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
-        if not blocks:
+        if not self.req_to_blocks.get(rid):
             return
-        block_size = self.block_size
-        unit = self.unit
         targets = self.targets.get(rid)
+        # The last target the step reaches (targets ascend), or -1.
         reached = -1
         if targets and targets[0] <= num_tokens:
-            self._save(self.targets, rid)
-            self._save(self.grid, rid)
-            grid = self.grid.get(rid)
-            while targets and targets[0] <= num_tokens:
-                reached = targets.pop(0)
-                pos = reached // block_size - 1
-                spaced = grid is not None and reached in grid
-                block = self._keep(request, blocks, pos, kept=not spaced)
-                if block is not None and self.branch.get(rid) == reached:
-                    self._mark_shared(reached, block)
-                    if self._holds_shared:
-                        self._save(self.pinned, rid)
-                        self.pinned.setdefault(rid, []).append(pos)
-            if not targets:
-                del self.targets[rid]
-                self.grid.pop(rid, None)
-        if not self._step_ends:
+            reached = max(t for t in targets if t <= num_tokens)
+        every = self._step_ends and self.keep_all
+        step_end = (
+            self._step_ends
+            and not self.keep_all
+            and not num_tokens % self.unit
+            and num_tokens != reached
+        )
+        if reached < 0 and not every and not step_end:
             return
-        if self.keep_all:
-            # Every state is held: key each one on a hit boundary.
-            first = self.num_cached_block.get(rid, 0)
-            per_unit = unit // block_size
-            pos = cdiv(first + 1, per_unit) * per_unit - 1
-            last = num_tokens // block_size - 1
-            while pos <= last:
-                self._keep(request, blocks, pos, kept=False)
-                pos += per_unit
-            return
-        if num_tokens % unit or num_tokens == reached:
-            return
-        pos = num_tokens // block_size - 1
+        pos = num_tokens // self.block_size - 1
+        # Twins are one class: CheckpointManagers like this one.
+        states = cast("Sequence[CheckpointManager]", twins)
+        if step_end:
+            # What keeping the step's end changes, recorded once for the
+            # class: the hashed counts and, where it replaces, the step ends.
+            self.record_twins(states, rid)
+            if self._replaces:
+                self.block_pool.record(
+                    _put_entries,
+                    [(t.step_end, rid, t.step_end.get(rid)) for t in states],
+                )
+        for twin in states:
+            if reached >= 0:
+                twin._reach_targets(request, num_tokens)
+            if every:
+                twin._keep_every_state(request, num_tokens)
+            elif step_end:
+                twin._replace_step_end(request, pos)
+
+    def _reach_targets(self, request: Request, num_tokens: int) -> None:
+        """Keep the states of the targets ``num_tokens`` reaches."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        targets = self.targets[rid]
+        block_size = self.block_size
+        self._save(self.targets, rid)
+        self._save(self.grid, rid)
+        grid = self.grid.get(rid)
+        while targets and targets[0] <= num_tokens:
+            reached = targets.pop(0)
+            pos = reached // block_size - 1
+            spaced = grid is not None and reached in grid
+            block = self._keep(request, blocks, pos, kept=not spaced)
+            if block is not None and self.branch.get(rid) == reached:
+                self._mark_shared(reached, block)
+                if self._holds_shared:
+                    self._save(self.pinned, rid)
+                    self.pinned.setdefault(rid, []).append(pos)
+        if not targets:
+            del self.targets[rid]
+            self.grid.pop(rid, None)
+
+    def _keep_every_state(self, request: Request, num_tokens: int) -> None:
+        """With every state held: key each one on a hit boundary."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        block_size = self.block_size
+        first = self.num_cached_block.get(rid, 0)
+        per_unit = self.unit // block_size
+        pos = cdiv(first + 1, per_unit) * per_unit - 1
+        last = num_tokens // block_size - 1
+        while pos <= last:
+            self._keep(request, blocks, pos, kept=False)
+            pos += per_unit
+
+    def _replace_step_end(self, request: Request, pos: int) -> None:
+        """Keep the state at the step's end (table position ``pos``); with
+        the policy replacing step ends, the one before leaves the cache.
+        The caller has recorded the request's step end (see
+        :meth:`cache_twins`)."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
         block = self._keep(request, blocks, pos, kept=not self._replaces)
         if block is None or not self._replaces:
             return
         previous = self.step_end.get(rid)
-        self._save(self.step_end, rid)
         self.step_end[rid] = (pos, block, block.key_hash)
         if previous is None or previous[1] is block:
             return
@@ -752,6 +812,12 @@ class CheckpointManager(SingleTypeManager):
                 return [[*pad, block] for block in cached]
             end -= step
         return [[] for _ in query.group_ids]
+
+
+def _put_entries(entries: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
+    """Put back several stores' entries (see :meth:`CheckpointManager._save`)."""
+    for store, request_id, value in entries:
+        _put_entry(store, request_id, value)
 
 
 def _put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
