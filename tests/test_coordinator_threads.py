@@ -241,3 +241,30 @@ def test_a_thread_safe_manager_pickles_with_a_fresh_lock() -> None:
         "True",
         "([1, 2], [3, 4])\n",
     ]
+
+
+def test_a_subclass_may_turn_a_method_into_a_property() -> None:
+    """Only what a class resolves to a function is locked: a property or
+    classmethod a subclass puts in an inherited method's place stays one."""
+
+    class Reporting(KVCacheManager):
+        @property
+        def group_usage(self) -> tuple[float, ...]:  # type: ignore[override]
+            return (0.5,)
+
+        @classmethod
+        def get_num_free_blocks(cls) -> int:  # type: ignore[override]
+            return -1
+
+    fa = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], fa)],
+    )
+    mgr = Reporting(config, 64, scheduler_block_size=4, thread_safe=True)
+    assert type(mgr) is Reporting.ThreadSafe
+    assert mgr.group_usage == (0.5,)
+    assert mgr.get_num_free_blocks() == -1

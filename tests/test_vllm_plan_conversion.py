@@ -205,3 +205,10 @@ def test_a_layer_without_a_tensor_is_refused() -> None:
         attrs.evolve(plan, kv_cache_tensors=plan.kv_cache_tensors[:1]),
         "have no tensor",
     )
+
+
+@pytest.mark.parametrize("given", [None, {"num_blocks": 4}, "plan"])
+def test_a_non_plan_is_refused_with_a_type_error(given: object) -> None:
+    with pytest.raises(TypeError, match="takes a kvcore plan") as info:
+        vllm_placement(given)  # type: ignore[arg-type]
+    assert isinstance(info.value, KvcoreError)

@@ -26,7 +26,8 @@ LOCKED_NAME = "ThreadSafe"
 
 class ManagerLock:
     """The re-entrant lock of a thread-safe manager (``with mgr.lock:``).
-    A copy or an unpickled manager gets a fresh, unheld lock of its own."""
+    A deep copy or an unpickled manager gets a fresh, unheld lock of its
+    own (a shallow copy shares the original's state, and so its lock)."""
 
     __slots__ = ("_lock",)
 
@@ -76,8 +77,12 @@ def locked_class(cls: type) -> type:
     """The subclass of manager class ``cls`` whose public methods hold the
     manager's lock.  It is made with the class keyword ``locked=True``, which
     the manager's ``__init_subclass__`` reads so as not to lock it again."""
+    # Only what the class resolves to a plain function is wrapped: a
+    # subclass may turn an inherited method into a property or classmethod.
     namespace: dict[str, Any] = {
-        name: _locked(getattr(cls, name)) for name in public_methods(cls)
+        name: _locked(method)
+        for name in public_methods(cls)
+        if inspect.isfunction(method := inspect.getattr_static(cls, name))
     }
 
     def body(ns: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from kvcore.errors import PlanError
+from kvcore.errors import KvcoreTypeError, PlanError
 from kvcore.layout import AXIS_B, AXIS_L, KVCacheLayout
 from kvcore.spec import KVCacheSpec, UniformTypeKVCacheSpecs
 from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
@@ -143,6 +143,13 @@ def vllm_placement(plan: KVCacheConfig) -> VllmPlacement:
     layers of kinds vLLM has no spec for, and tensors whose page strides
     vLLM would derive differently.
     """
+    given: object = plan
+    if not isinstance(given, KVCacheConfig):
+        msg = (
+            "kvcore.integrations.vllm: vllm_placement takes a kvcore plan (the "
+            f"KVCacheConfig kvcore.plan_kv_cache returns), got {type(given).__name__}"
+        )
+        raise KvcoreTypeError(msg)
     layout = plan.kv_cache_layout
     if layout is None:
         msg = (

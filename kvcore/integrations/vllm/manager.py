@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.checks import check_tokens
 from kvcore.coordinator.coordinator import KVCacheCoordinator
 from kvcore.coordinator.engine_calls import state_writes
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
@@ -691,6 +692,11 @@ class KVCacheManager:
         checkpoint policy, so this is only ever the step's end, which is
         what vLLM's align-mode kernels write."""
         rid = request if isinstance(request, str) else request.request_id
+        for name, value in (
+            ("num_computed_tokens", num_computed_tokens),
+            ("num_tokens", num_tokens),
+        ):
+            check_tokens(f"state_write_positions for request {rid!r}: {name}", value)
         if rid not in self._live:
             msg = (
                 f"state_write_positions: request {rid!r} holds no blocks: it "
