@@ -291,10 +291,12 @@ def cases(draw: st.DrawFn, policy: str) -> dict[str, Any]:
     uniform = layout not in PACKING_LAYOUTS and not _one_in(draw, 6)
     pad = layout.is_block_compact or _one_in(draw, 6)
     model = draw(model_files(uniform=uniform, pad=pad))
+    # The modes the Mamba layers name (a hostile value may be no str at all).
     modes = {
-        spec.get("mamba_cache_mode", "none")
+        mode
         for spec in model["layers"].values()
         if spec["kind"] == "mamba"
+        and isinstance(mode := spec.get("mamba_cache_mode", "none"), str)
     }
     engine_mode = None
     if modes and draw(st.booleans()):
