@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from coordinator_setup import BUILT_IN
 
 from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import KVCacheManager, Request
@@ -41,6 +42,7 @@ def manager(**kw: object) -> KVCacheManager:
         config,
         max_model_len=256,
         scheduler_block_size=4,
+        registry=BUILT_IN,
         **kw,  # type: ignore[arg-type]
     )
 
@@ -184,26 +186,33 @@ def _held_elsewhere(mgr: KVCacheManager) -> bool:
     return got[0]
 
 
+def _one_group_config() -> KVCacheConfig:
+    """The scheduler's view of one 4-token full-attention group, 16 blocks."""
+    fa = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    return KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], fa)],
+    )
+
+
 def test_a_subclass_gets_its_own_locked_class_with_its_methods_locked() -> None:
     class Traced(KVCacheManager):
         def holds_lock(self) -> bool:
             return _held_elsewhere(self)
 
-    fa = FullAttentionSpec(
-        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    config = _one_group_config()
+    mgr = Traced(
+        config, 64, scheduler_block_size=4, registry=BUILT_IN, thread_safe=True
     )
-    config = KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], fa)],
-    )
-    mgr = Traced(config, 64, scheduler_block_size=4, thread_safe=True)
     assert type(mgr) is Traced.ThreadSafe
     assert Traced.ThreadSafe is not KVCacheManager.ThreadSafe
     assert isinstance(mgr, Traced)
     assert mgr.holds_lock() is True
     assert _held_elsewhere(mgr) is False
-    plain = Traced(config, 64, scheduler_block_size=4)
+    plain = Traced(config, 64, scheduler_block_size=4, registry=BUILT_IN)
     assert type(plain) is Traced
     assert plain.lock is None
 
@@ -256,15 +265,10 @@ def test_a_subclass_may_turn_a_method_into_a_property() -> None:
         def get_num_free_blocks(cls) -> int:  # type: ignore[override]
             return -1
 
-    fa = FullAttentionSpec(
-        block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    config = _one_group_config()
+    mgr = Reporting(
+        config, 64, scheduler_block_size=4, registry=BUILT_IN, thread_safe=True
     )
-    config = KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], fa)],
-    )
-    mgr = Reporting(config, 64, scheduler_block_size=4, thread_safe=True)
     assert type(mgr) is Reporting.ThreadSafe
     assert mgr.group_usage == (0.5,)
     assert mgr.get_num_free_blocks() == -1
