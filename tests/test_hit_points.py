@@ -11,7 +11,7 @@ and then rejoin its table.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from coordinator_setup import fa, small_manager, small_request, sw
@@ -26,10 +26,10 @@ from kvcore_sliding_window.manager import SlidingWindowManager
 PROMPT = list(range(100, 116))  # 16 tokens: 4 blocks of 4
 
 
-def _window_hybrid(num_blocks: int) -> KVCacheManager:
+def _window_hybrid(num_blocks: int, **kw: Any) -> KVCacheManager:
     """Full attention (group 0) beside an 8-token sliding window (group 1),
-    4-token blocks."""
-    return small_manager([fa(4), sw(4, 8)], num_blocks)
+    4-token blocks (``kw``: :func:`small_manager`'s)."""
+    return small_manager([fa(4), sw(4, 8)], num_blocks, **kw)
 
 
 def _run_prompt_and_decode(mgr: KVCacheManager, req: Request, decodes: int) -> None:
@@ -95,9 +95,10 @@ def test_a_running_requests_released_window_blocks_outlive_other_free_blocks() -
 
 def test_a_freed_requests_held_back_blocks_rejoin_its_table() -> None:
     """Freed, A's window blocks it held back rejoin its window table at
-    their positions: each group's blocks go to the back of the eviction
-    order tail first, the groups in order, as if the window had never
-    released them."""
+    their positions, as if the window had never released them, and A's
+    blocks go to the back of the eviction order by hit point: the tail
+    first, each position's full-attention block just before its window
+    block (the groups in order)."""
     mgr = _window_hybrid(64)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 8)
@@ -110,8 +111,33 @@ def test_a_freed_requests_held_back_blocks_rejoin_its_table() -> None:
     # held back 1-3 (lowest position first); position 0 went to the
     # queue's back when the window left it.
     assert len(full) == 6
-    expected = [*full[::-1], window[5], window[4], *held[::-1]]
+    assert window[1:4] == [mgr.block_pool.null_block] * 3
+    rejoined = [window[0], *held, window[4], window[5]]
+    expected = [b for pos in range(5, 0, -1) for b in (full[pos], rejoined[pos])]
+    expected.append(full[0])
     assert _free_order(mgr)[-len(expected) :] == expected
+
+
+def test_eviction_takes_a_freed_hybrids_hit_points_whole_from_the_tail() -> None:
+    """Freed, A leaves 11 blocks in the cache (full attention 0-5, window
+    1-5).  The pool then hands out all but 7 free blocks, taking A's 4
+    newest in the eviction order: full attention 5 and 4 and the window
+    blocks beside them.  What is left still serves a hit at A's prompt end
+    (16 tokens: full attention 0-3, the window's 2 and 3); group by group,
+    the same 4 evictions would have left window blocks beside no
+    attention prefix."""
+    mgr = _window_hybrid(64)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 8)
+    full, _ = mgr.get_blocks("a").blocks
+    mgr.free(a)
+    _fill(mgr, leave=7)
+    assert mgr.get_num_free_blocks() == 7
+    assert all(block.key_hash is None for block in full[4:])
+    b = small_request("b", [*PROMPT, 7])
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 16
+    assert blocks.blocks[0] == full[:4]
 
 
 def test_a_one_group_plan_frees_tail_first_as_before() -> None:

@@ -268,6 +268,18 @@ class SingleTypeManager:
         to the back of the eviction order.  None by default."""
         return []
 
+    def shortest_hit_reading(self, position: int) -> int:
+        """The fewest tokens a hit must cover to read the block at table
+        ``position``.  A freed request's blocks of every group are queued
+        for eviction by it, the highest first (see
+        :mod:`kvcore.coordinator.free_order`), so eviction takes its hit
+        points whole from the tail.  Default: every hit past the block's
+        first token reads it (``position * block_size + 1``); a block of a
+        table not indexed by position, every hit (1)."""
+        if not self.position_indexed:
+            return 1
+        return position * self.block_size + 1
+
     # -- allocation -----------------------------------------------------------
 
     def admission_blocks(

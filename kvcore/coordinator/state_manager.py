@@ -554,6 +554,10 @@ class CheckpointManager(SingleTypeManager):
         # The next token reads the state at the hit's last position.
         return not blocks or not blocks[-1].is_null
 
+    def shortest_hit_reading(self, position: int) -> int:
+        # The state at a position serves only the hit ending there.
+        return (position + 1) * self.block_size
+
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is read again.
         if self.keep_all or num_computed_tokens <= 0:
