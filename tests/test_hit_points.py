@@ -140,6 +140,53 @@ def test_eviction_takes_a_freed_hybrids_hit_points_whole_from_the_tail() -> None
     assert blocks.blocks[0] == full[:4]
 
 
+def _grid_run(mgr: KVCacheManager) -> int:
+    """A (an 80-token prompt) computes its prompt and one more token while
+    every other free block is taken; B shares A's first 60 tokens only:
+    its hit."""
+    prompt = list(range(100, 180))
+    a = small_request("a", prompt)
+    _run_prompt_and_decode(mgr, a, 1)
+    held = mgr.block_pool.free_queue.held_blocks()
+    _fill(mgr, leave=len(held))
+    b = small_request("b", [*prompt[:60], *range(500, 520)])
+    return mgr.get_computed_blocks(b)[1]
+
+
+def test_a_running_request_keeps_the_window_at_every_grid_point() -> None:
+    """The window reads 7 tokens, so a running request also keeps the
+    window before every 56 tokens (eight times that, on the 4-token hit
+    alignment) of its prompt.  B branches from A's prompt at 60 tokens,
+    a point A did not foresee, while A runs and nothing else is free: it
+    still resumes at 56 tokens, A's attention prefix and the window
+    blocks A held back there."""
+    mgr = _window_hybrid(64, max_model_len=128)
+    window = mgr.coordinator.single_type_managers[1]
+    assert isinstance(window, SlidingWindowManager)
+    assert window.hold_interval == 56
+    assert _grid_run(mgr) == 56
+
+
+class _NoGrid(SlidingWindowManager):
+    """A third party's window manager that keeps no grid."""
+
+    def hold_every(self, spec: object) -> int:
+        return 0
+
+
+def test_a_window_manager_without_a_grid_keeps_only_its_hit_points() -> None:
+    """The same run with a window manager whose ``hold_every`` is 0: A
+    keeps only its prompt end's window, and B gets no hit."""
+
+    class Window(SlidingWindow):
+        manager_type = _NoGrid
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(64, max_model_len=128, registry=registry)
+    assert mgr.coordinator.single_type_managers[1].hold_interval == 0
+    assert _grid_run(mgr) == 0
+
+
 def test_a_one_group_plan_frees_tail_first_as_before() -> None:
     """Full attention alone: a freed request's blocks go to the back of the
     queue tail first and nothing is ever held back."""
