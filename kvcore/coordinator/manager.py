@@ -104,9 +104,11 @@ class SingleTypeManager:
     #: Whether the coordinator calls :meth:`plan_checkpoints` when a request
     #: is admitted (state kinds that keep chosen positions).
     plans_checkpoints: ClassVar[bool] = False
-    #: Whether a freed request's blocks of this group go to the back of the
-    #: eviction order, after the other groups' (a state a hit cannot do
-    #: without, worth more than any one block of a token-indexed group).
+    #: Whether this group comes last in the free order: a freed request's
+    #: blocks of it go behind the other groups' that the same shortest hit
+    #: reads (see :meth:`shortest_hit_reading`), or behind all of theirs
+    #: beside groups that do not cache (a state a hit cannot do without,
+    #: worth more than any one block of a token-indexed group).
     evicts_last: ClassVar[bool] = False
     #: Whether the manager's tables take copy-on-write partial hits (see
     #: :mod:`kvcore.coordinator.partial`): position-indexed, every block kept,
