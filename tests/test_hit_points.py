@@ -18,7 +18,7 @@ from coordinator_setup import fa, small_manager, small_request, sw
 
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheBlock, KVCacheManager, Request
-from kvcore.errors import KvcoreError, PluginResultError
+from kvcore.errors import KvcoreError, PluginError, PluginResultError
 from kvcore_full_attention import FullAttention
 from kvcore_sliding_window import SlidingWindow
 from kvcore_sliding_window.manager import SlidingWindowManager
@@ -250,4 +250,31 @@ def test_kept_for_later_is_checked_where_it_enters_the_core(
         mgr.allocate_slots(a, 1)
     assert manager.__qualname__ in str(info.value)
     assert isinstance(info.value, KvcoreError)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _ReadsWrongly(SlidingWindowManager):
+    """A third party's window manager whose ``shortest_hit_reading`` raises."""
+
+    def shortest_hit_reading(self, position: int) -> int:
+        msg = f"no reading for position {position}"
+        raise RuntimeError(msg)
+
+
+def test_shortest_hit_reading_is_checked_where_it_enters_the_core() -> None:
+    """Freeing a hybrid request whose window manager raises in
+    ``shortest_hit_reading`` is refused with an error naming the manager,
+    and the request keeps its blocks."""
+
+    class Window(SlidingWindow):
+        manager_type = _ReadsWrongly
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(40, registry=registry)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 2)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginError, match="shortest_hit_reading") as info:
+        mgr.free(a)
+    assert "_ReadsWrongly" in str(info.value)
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before

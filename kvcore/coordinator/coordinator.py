@@ -707,7 +707,7 @@ class KVCacheCoordinator:
         if self._holding:
             self._rejoin_held_back(request_id, tables)
         if self._by_hit_points:
-            return by_hit_points(self._free_order, tables)
+            return by_hit_points(self._free_order, tables, self.plugin_error)
         freed: list[KVCacheBlock] = []
         for blocks in reversed(tables):
             if blocks:

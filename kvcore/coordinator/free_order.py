@@ -13,7 +13,7 @@ every block that served only longer hits is gone before it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 
 from kvcore.coordinator.block_pool import KVCacheBlock
@@ -27,6 +27,7 @@ _SORT_KEY = itemgetter(0, 1, 2)
 def by_hit_points(
     managers: Sequence[SingleTypeManager],
     tables: Sequence[Sequence[KVCacheBlock] | None],
+    error: Callable[[int, str, BaseException], Exception] | None = None,
 ) -> list[KVCacheBlock]:
     """The blocks of ``tables`` (one per manager, in free order; None or
     empty for a group without blocks) as one list that
@@ -34,16 +35,24 @@ def by_hit_points(
     that the shortest hit reads first, so the block that only the longest
     hits read is queued first (evicted first).  Blocks that the same
     shortest hit reads are queued in the managers' order, each table's
-    in position order from the tail."""
+    in position order from the tail.  ``error(group id, method, exception)``
+    builds the error raised for a manager whose ``shortest_hit_reading``
+    raises (the exception itself when None)."""
     entries: list[tuple[int, int, int, KVCacheBlock]] = []
     for rank, (manager, blocks) in enumerate(zip(managers, tables, strict=True)):
         if not blocks:
             continue
         reading = manager.shortest_hit_reading
-        entries += [
-            (reading(pos), -rank, pos, block)
-            for pos, block in enumerate(blocks)
-            if not block.is_null
-        ]
+        try:
+            entries += [
+                (reading(pos), -rank, pos, block)
+                for pos, block in enumerate(blocks)
+                if not block.is_null
+            ]
+        except Exception as exc:
+            if error is None:
+                raise
+            gid = manager.kv_cache_group_id
+            raise error(gid, "shortest_hit_reading", exc) from exc
     entries.sort(key=_SORT_KEY)
     return [entry[3] for entry in entries]
