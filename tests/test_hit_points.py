@@ -278,3 +278,38 @@ def test_shortest_hit_reading_is_checked_where_it_enters_the_core() -> None:
         mgr.free(a)
     assert "_ReadsWrongly" in str(info.value)
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsIfRoomTwice(SlidingWindowManager):
+    """A third party's window manager whose ``kept_if_room`` names the
+    blocks ``kept_for_later`` names as well."""
+
+    def kept_if_room(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        return self.kept_for_later(request_id, positions, released)
+
+
+def test_kept_if_room_may_not_name_a_block_kept_for_later_names() -> None:
+    """A block named by both hooks is refused with an error naming the
+    manager and ``kept_if_room``, and the step changes nothing."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsIfRoomTwice
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(40, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    # The first decode step moves the window past blocks 0 and 1; a hit at
+    # 12 tokens (before the prompt's last token) reads block 1: named twice.
+    a.append_output_token_ids(900)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="kept_if_room") as info:
+        mgr.allocate_slots(a, 1)
+    assert "_KeepsIfRoomTwice" in str(info.value)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before

@@ -249,6 +249,20 @@ class SingleTypeManager:
         the request is freed.  None by default."""
         return []
 
+    def kept_if_room(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        """Like :meth:`kept_for_later` (and never naming a block it names),
+        the released blocks kept for hits that are less likely (a grid of
+        points where a later request may branch): held back in front of
+        the others, so they are evicted before any block
+        :meth:`kept_for_later` names, and after every other free block.
+        None by default."""
+        return []
+
     def take_held_back(self, request_id: str) -> list[tuple[int, KVCacheBlock]]:
         """When the request is freed: ``(table position, block)`` of the
         blocks it held back that sit free still holding the key they were
@@ -644,22 +658,30 @@ class SingleTypeManager:
         positions: Sequence[int],
         removed: Sequence[KVCacheBlock],
     ) -> None:
-        """Hold back the released blocks :meth:`kept_for_later` names, the
-        lowest position first (evicted first); a group freed before the
-        others (not :attr:`evicts_last`) remembers them for
-        :meth:`take_held_back`."""
+        """Hold back the released blocks :meth:`kept_for_later` names
+        behind the held-back blocks and those :meth:`kept_if_room` names in
+        front of them, each the lowest position first (evicted first); a
+        group freed before the others (not :attr:`evicts_last`) remembers
+        them for :meth:`take_held_back`."""
         kept = self.kept_for_later(request_id, positions, removed)
-        if not kept:
+        spare = self.kept_if_room(request_id, positions, removed)
+        if not kept and not spare:
             return
         # Lowest position first: the running request holds its whole
         # attention prefix, so its longest hit points go last.
         where = {id(block): pos for pos, block in zip(positions, removed, strict=True)}
-        kept = self._checked_kept(request_id, kept, where)
+        seen: set[int] = set()
+        kept = self._checked_kept(request_id, kept, where, seen)
+        spare = self._checked_kept(request_id, spare, where, seen, "kept_if_room")
+        both = [*kept, *spare]
         kept.sort(key=lambda block: where[id(block)])
+        spare.sort(key=lambda block: where[id(block)])
         pool = self.block_pool
         pool.hold_back(kept)
+        pool.hold_back_first(spare)
         if self.evicts_last:
             return
+        kept = both
         held = self.held_back.get(request_id)
         if held is None:
             held = self.held_back[request_id] = []
@@ -669,27 +691,33 @@ class SingleTypeManager:
         held += [(where[id(block)], block, block.key_hash) for block in kept]
 
     def _checked_kept(
-        self, request_id: str, kept: Any, where: dict[int, int]
+        self,
+        request_id: str,
+        kept: Any,
+        where: dict[int, int],
+        seen: set[int],
+        method: str = "kept_for_later",
     ) -> list[KVCacheBlock]:
-        """``kept_for_later``'s answer as the core takes it: a list of
-        distinct blocks among those just released, else an error naming the
-        manager class (the pool is untouched: nothing is held back yet)."""
+        """``method``'s answer as the core takes it: a list of distinct
+        blocks among those just released and not in ``seen`` (the ids named
+        so far, which it extends), else an error naming the manager class
+        (the pool is untouched: nothing is held back yet)."""
         owner = f"{type(self).__module__}.{type(self).__qualname__}"
         if not isinstance(kept, list):
             msg = (
-                f"{owner}.kept_for_later returned {type(kept).__name__} for "
+                f"{owner}.{method} returned {type(kept).__name__} for "
                 f"request {request_id!r}; it must return a list of the released "
                 "blocks to hold back (or [])"
             )
             raise PluginResultError(msg, plugin_name=type(self).__module__)
-        seen: set[int] = set()
         for block in kept:
             if id(block) not in where or id(block) in seen:
                 msg = (
-                    f"{owner}.kept_for_later returned {block!r} for request "
+                    f"{owner}.{method} returned {block!r} for request "
                     f"{request_id!r}, which is not one of the blocks it just "
-                    "released or is listed twice; return each released block "
-                    "to hold back once"
+                    "released or is named twice (kept_for_later and "
+                    "kept_if_room together); return each released block to "
+                    "hold back once"
                 )
                 raise PluginResultError(msg, plugin_name=type(self).__module__)
             seen.add(id(block))

@@ -85,13 +85,17 @@ class CheckpointManager(SingleTypeManager):
         #: Each with the key it was cached under: a block evicted since may
         #: hold another request's content.
         self.kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
+        #: request id -> interval states it kept while the group holds back
+        #: (see :meth:`kept_if_room`), each with the key it was cached under.
+        self.spaced: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
         #: hands the coordinator once.
         self._released_kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: request id -> the branch-point target planned at admission.
         self.branch: dict[str, int] = {}
         #: request id -> its targets that only the interval placed (thinned
-        #: per step, and not moved back in the eviction order when kept).
+        #: per step; kept like the others only where the group holds back,
+        #: see :meth:`kept_if_room`).
         self.grid: dict[str, frozenset[int]] = {}
         #: Shared states (branch points, and states more than one request
         #: resumed from) by the tokens they resume after: key -> block.
@@ -448,6 +452,9 @@ class CheckpointManager(SingleTypeManager):
             pos = reached // block_size - 1
             spaced = grid is not None and reached in grid
             block = self._keep(request, blocks, pos, kept=not spaced)
+            if spaced and block is not None and self.holds_back:
+                self._save(self.spaced, rid)
+                self.spaced.setdefault(rid, []).append((block, block.key_hash))
             if block is not None and self.branch.get(rid) == reached:
                 self._mark_shared(reached, block)
                 if self._holds_shared:
@@ -698,6 +705,9 @@ class CheckpointManager(SingleTypeManager):
         step_end = self.step_end.pop(request_id, None)
         step_before = self.step_before.pop(request_id, None)
         kept = self.kept.pop(request_id, None)
+        spaced = self.spaced.pop(request_id, None)
+        if spaced:
+            kept = [*(kept or ()), *spaced]
         blocks = super().pop_blocks(request_id)
         if step_before is not None:
             kept = [*(kept or ()), step_before[1:]]
@@ -735,6 +745,24 @@ class CheckpointManager(SingleTypeManager):
         }
         return [block for block in released if id(block) in keep]
 
+    def kept_if_room(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        """The released interval states the request kept (where the group
+        holds back): held back in front of the states
+        :meth:`kept_for_later` names until it is freed, then moved to the
+        back of the eviction order with them (a request branching from
+        the running prompt resumes at the interval state below its
+        branch)."""
+        spaced = self.spaced.get(request_id)
+        if not spaced:
+            return []
+        keep = {id(block) for block, key in spaced if self._holds(block, key)}
+        return [block for block in released if id(block) in keep]
+
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """The states the freed request kept for later requests that sit
         free in the pool already (released after their step): the
@@ -767,10 +795,12 @@ class CheckpointManager(SingleTypeManager):
         targets = self.targets.get(request_id)
         kept = self.kept.get(request_id)
         pinned = self.pinned.get(request_id)
+        spaced = self.spaced.get(request_id)
         return (
             None if targets is None else list(targets),
             self.step_end.get(request_id),
             None if kept is None else list(kept),
+            None if spaced is None else list(spaced),
             None if pinned is None else list(pinned),
             self.branch.get(request_id),
             self.grid.get(request_id),
@@ -783,6 +813,7 @@ class CheckpointManager(SingleTypeManager):
             self.targets,
             self.step_end,
             self.kept,
+            self.spaced,
             self.pinned,
             self.branch,
             self.grid,
