@@ -420,18 +420,16 @@ class SingleTypeManager:
         num_full = min(num_full, len(hashes), len(blocks))
         if num_full <= cached:
             return
-        cache = self.block_pool.cache_full_blocks
-        token_ids = request.all_token_ids
         self.record_twins(twins, rid)
+        self.block_pool.cache_twin_blocks(
+            block_hashes=hashes,
+            tables=[twin.req_to_blocks[rid] for twin in twins],
+            group_ids=[twin.kv_cache_group_id for twin in twins],
+            num_cached_blocks=cached,
+            num_full_blocks=num_full,
+            token_ids=request.all_token_ids,
+        )
         for twin in twins:
-            cache(
-                block_hashes=hashes,
-                blocks=twin.req_to_blocks[rid],
-                num_cached_blocks=cached,
-                num_full_blocks=num_full,
-                group_id=twin.kv_cache_group_id,
-                token_ids=token_ids,
-            )
             twin.num_cached_block[rid] = num_full
 
     _own_cache_twins = cache_twins
@@ -606,46 +604,68 @@ class SingleTypeManager:
         if last <= self.num_released.get(request_id, 0):
             return
         positions = self._skipped(request_id, num_computed_tokens)
-        null = self.null_block
-        pool = self.block_pool
         self.record_twins(twins, request_id)
         for twin in twins:
             twin.num_released[request_id] = last
-            if not positions:
-                continue
-            table = twin.req_to_blocks[request_id]
-            removed = [table[i] for i in positions]
+        if not positions:
+            return
+        null = self.null_block
+        tables = [twin.req_to_blocks[request_id] for twin in twins]
+        removed = [[table[i] for i in positions] for table in tables]
+        for table in tables:
             for i in positions:
                 table[i] = null
-            pool.record(_put_at, table, positions, removed)
-            pool.free_blocks(removed)
-            if twin.holds_back:
-                twin._hold_back(request_id, positions, removed)
+        pool = self.block_pool
+        pool.record(_put_at_each, tables, positions, removed)
+        pool.free_each(removed)
+        if self.holds_back:
+            self._hold_back_twins(twins, request_id, positions, removed)
 
     _own_release_twins = release_twins
 
-    def _hold_back(
+    def _hold_back_twins(
         self,
+        twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        removed: Sequence[KVCacheBlock],
+        removed: Sequence[Sequence[KVCacheBlock]],
     ) -> None:
-        """Hold back the released blocks :meth:`kept_for_later` names, the
-        lowest position first (evicted first); a group freed before the
-        others (not :attr:`evicts_last`) remembers them for
-        :meth:`take_held_back`."""
-        kept = self.kept_for_later(request_id, positions, removed)
-        if not kept:
+        """Hold back the released blocks each twin's :meth:`kept_for_later`
+        names, in group order, each twin's lowest position first (evicted
+        first); a group freed before the others (not :attr:`evicts_last`)
+        remembers them for :meth:`take_held_back`."""
+        held: list[KVCacheBlock] = []
+        chosen = []
+        for twin, released in zip(twins, removed, strict=True):
+            # Lowest position first: the running request holds its whole
+            # attention prefix, so its longest hit points go last.
+            kept = twin.kept_for_later(request_id, positions, released)
+            if not kept:
+                continue
+            if (
+                type(kept) is not list
+                or len(kept) > 1
+                or not any(kept[0] is block for block in released)
+            ):
+                kept = twin._checked_kept(request_id, kept, positions, released)
+            held += kept
+            chosen.append((twin, kept, released))
+        if not held:
             return
-        # Lowest position first: the running request holds its whole
-        # attention prefix, so its longest hit points go last.
-        where = {id(block): pos for pos, block in zip(positions, removed, strict=True)}
-        kept = self._checked_kept(request_id, kept, where)
-        kept.sort(key=lambda block: where[id(block)])
         pool = self.block_pool
-        pool.hold_back(kept)
+        pool.hold_back(held)
         if self.evicts_last:
             return
+        for twin, kept, released in chosen:
+            where = {id(b): pos for pos, b in zip(positions, released, strict=True)}
+            twin._remember_held(request_id, kept, where)
+
+    def _remember_held(
+        self, request_id: str, kept: list[KVCacheBlock], where: dict[int, int]
+    ) -> None:
+        """Note the blocks the running request held back (see
+        :meth:`take_held_back`)."""
+        pool = self.block_pool
         held = self.held_back.get(request_id)
         if held is None:
             held = self.held_back[request_id] = []
@@ -655,11 +675,16 @@ class SingleTypeManager:
         held += [(where[id(block)], block, block.key_hash) for block in kept]
 
     def _checked_kept(
-        self, request_id: str, kept: Any, where: dict[int, int]
+        self,
+        request_id: str,
+        kept: Any,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
     ) -> list[KVCacheBlock]:
         """``kept_for_later``'s answer as the core takes it: a list of
-        distinct blocks among those just released, else an error naming the
-        manager class (the pool is untouched: nothing is held back yet)."""
+        distinct blocks among those just released, lowest position first,
+        else an error naming the manager class (nothing is held back yet)."""
+        where = {id(b): pos for pos, b in zip(positions, released, strict=True)}
         owner = f"{type(self).__module__}.{type(self).__qualname__}"
         if not isinstance(kept, list):
             msg = (
@@ -679,7 +704,7 @@ class SingleTypeManager:
                 )
                 raise PluginResultError(msg, plugin_name=type(self).__module__)
             seen.add(id(block))
-        return kept
+        return sorted(kept, key=lambda block: where[id(block)])
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
@@ -723,6 +748,16 @@ def _put_back_each(entries: Sequence[tuple[Any, ...]]) -> None:
     each twin, the last first."""
     for args in reversed(entries):
         _put_back(*args)
+
+
+def _put_at_each(
+    tables: Sequence[list[KVCacheBlock]],
+    positions: Sequence[int],
+    removed: Sequence[Sequence[KVCacheBlock]],
+) -> None:
+    """:func:`_put_at` for each twin's table."""
+    for blocks, blocks_removed in zip(tables, removed, strict=True):
+        _put_at(blocks, positions, blocks_removed)
 
 
 def _truncate(items: list[Any], length: int) -> None:
