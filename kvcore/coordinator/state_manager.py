@@ -431,8 +431,8 @@ class CheckpointManager(SingleTypeManager):
                 twin._reach_targets(request, num_tokens)
             if every:
                 twin._keep_every_state(request, num_tokens)
-            elif step_end:
-                twin._replace_step_end(request, pos)
+        if step_end:
+            self._replace_step_ends(states, request, pos)
 
     def _reach_targets(self, request: Request, num_tokens: int) -> None:
         """Keep the states of the targets ``num_tokens`` reaches."""
@@ -470,35 +470,83 @@ class CheckpointManager(SingleTypeManager):
             self._keep(request, blocks, pos, kept=False)
             pos += per_unit
 
-    def _replace_step_end(self, request: Request, pos: int) -> None:
-        """Keep the state at the step's end (table position ``pos``); with
-        the policy replacing step ends, the one before leaves the cache.
-        The caller has recorded the request's step end (see
-        :meth:`cache_twins`)."""
+    def _replace_step_ends(
+        self, twins: Sequence[CheckpointManager], request: Request, pos: int
+    ) -> None:
+        """Keep the state at the step's end (table position ``pos``) in each
+        of ``twins``; with the policy replacing step ends, each twin's one
+        before leaves the cache (one pool call for the class: each twin's
+        store, then its drop).  The caller has recorded the twins' tables,
+        counts and step ends (see :meth:`cache_twins`)."""
         rid = request.request_id
         blocks = self.req_to_blocks[rid]
-        block = self._keep(request, blocks, pos, kept=not self._replaces)
-        if block is None or not self._replaces:
+        if pos < 0 or pos >= len(blocks) or blocks[pos].is_null:
+            return  # twins' tables have one shape: no state there in any
+        chunks = request.block_hashes
+        key = self.block_hash(chunks, pos)
+        if key is None:
             return
-        previous = self.step_end.get(rid)
-        self.step_end[rid] = (pos, block, block.key_hash)
+        tables: list[Sequence[KVCacheBlock]] = [t.req_to_blocks[rid] for t in twins]
+        news = [table[pos] for table in tables]
+        index = pos
+        hashes: Sequence[Any] = chunks
+        if self.block_size % self.hash_block_size:
+            # Finer than the hash block: see _keep.
+            ratio = self.hash_block_size // self.block_size
+            tables = [_ChunkEnds(table, ratio) for table in tables]
+            index = (pos + 1) // ratio - 1
+        else:
+            hashes = hashes_at_block_size(chunks, self.hash_block_size, self.block_size)
+        replaces = self._replaces
+        eagle = self.use_eagle
+        kept_too = not replaces and not self.keep_all
+        drops: list[KVCacheBlock | None] = []
+        for twin, block in zip(twins, news, strict=True):
+            newly = block.key_hash is None
+            if twin.num_cached_block.get(rid, 0) <= pos:
+                twin.num_cached_block[rid] = pos + 1
+            if not replaces:
+                if newly and kept_too:
+                    twin._save(twin.kept, rid)
+                    twin.kept.setdefault(rid, []).append((block, key))
+                drops.append(None)
+                continue
+            previous = twin.step_end.get(rid)
+            twin.step_end[rid] = (pos, block, key if newly else block.key_hash)
+            if eagle and previous is not None and previous[1] is not block:
+                # A hit that drops a block may end at the state before the
+                # newest: that one is kept, and the one before it replaced.
+                replaced = twin.step_before.get(rid)
+                twin._save(twin.step_before, rid)
+                twin.step_before[rid] = previous
+                previous = replaced
+            drops.append(twin._dropped(previous, block, rid))
+        self.block_pool.cache_twin_blocks(
+            block_hashes=hashes,
+            tables=tables,
+            group_ids=[twin.kv_cache_group_id for twin in twins],
+            num_cached_blocks=index,
+            num_full_blocks=index + 1,
+            token_ids=request.all_token_ids,
+            replaced=drops,
+        )
+
+    def _dropped(
+        self,
+        previous: tuple[int, KVCacheBlock, Any] | None,
+        block: KVCacheBlock,
+        rid: str,
+    ) -> KVCacheBlock | None:
+        """The replaced state ``previous`` when it leaves the cache: no
+        other request holds it (the newer state ``block`` replaces it)."""
         if previous is None or previous[1] is block:
-            return
-        if self.use_eagle:
-            # A hit that drops a block may end at the state before the
-            # newest: that one is kept, and the one before it replaced.
-            replaced = self.step_before.get(rid)
-            self._save(self.step_before, rid)
-            self.step_before[rid] = previous
-            if replaced is None:
-                return
-            previous = replaced
-        # The newer state replaces the older one for the next turn; it
-        # leaves the cache unless another request holds it.
+            return None
         old_pos, old, key = previous
+        blocks = self.req_to_blocks[rid]
         in_table = old_pos < len(blocks) and blocks[old_pos] is old
         if old.ref_cnt == (1 if in_table else 0) and self._holds(old, key):
-            self.block_pool.drop_from_cache(old)
+            return old
+        return None
 
     def _keep(
         self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool
@@ -714,22 +762,23 @@ class CheckpointManager(SingleTypeManager):
         back until it is freed, then moved to the back of the eviction
         order (:meth:`take_released_checkpoints`)."""
         kept = self.kept.get(request_id)
-        ends = [
-            entry[1:]
-            for entry in (
-                self.step_end.get(request_id),
-                self.step_before.get(request_id),
-            )
-            if entry is not None
-        ]
-        if not kept and not ends:
+        end = self.step_end.get(request_id)
+        before = self.step_before.get(request_id)
+        if not kept and end is None and before is None:
             return []
-        keep = {
-            id(block)
-            for block, key in (*(kept or ()), *ends)
-            if self._holds(block, key)
-        }
-        return [block for block in released if id(block) in keep]
+        gid = self.kv_cache_group_id
+        out = []
+        for block in released:
+            key = block.key_hash
+            if key is None or block.key_group != gid:
+                continue  # held under no key of this group: not kept
+            if (
+                (end is not None and end[1] is block and end[2] == key)
+                or (before is not None and before[1] is block and before[2] == key)
+                or (kept and any(b is block and k == key for b, k in kept))
+            ):
+                out.append(block)
+        return out
 
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """The states the freed request kept for later requests that sit
