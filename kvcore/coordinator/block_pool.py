@@ -415,12 +415,24 @@ class BlockPool(TwinPoolOps):
         self._evict(block)
         if block.ref_cnt:
             return
-        queue = self.free_queue
+        prev = block.prev_free
+        nxt = block.next_free
+        if prev is None or nxt is None:
+            self.free_queue.remove(block)  # raises: a free block not queued
+            return
         journal = self._journal
         if journal is not None:
-            journal.append((_MOVE, block, block.prev_free, block.next_free))
-        queue.remove(block)
-        queue.prepend_n([block])
+            journal.append((_MOVE, block, prev, nxt))
+        # To the front: unlinked, then linked after the queue's head.
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        head = self.free_queue._head
+        first = head.next_free
+        assert first is not None
+        head.next_free = block
+        block.prev_free = head
+        block.next_free = first
+        first.prev_free = block
 
     def requeue_at_back(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Move free blocks to the back of the free queue (held-back ones

@@ -348,12 +348,14 @@ class CheckpointManager(SingleTypeManager):
             if len(twins) == 1
             else [new[i : i + need] for i in range(0, len(new), need)]
         )
+        if need == missing:
+            # Every missing position takes a block.
+            for twin, blocks in zip(twins, out, strict=True):
+                twin.req_to_blocks[request_id] += blocks
+            return out
         null = self.null_block
         for twin, blocks in zip(twins, out, strict=True):
             table = twin.req_to_blocks[request_id]
-            if self.keep_all:
-                table.extend(blocks)
-                continue
             extension = [null] * missing
             for pos, block in zip(inner, blocks, strict=False):
                 extension[pos - start] = block
@@ -537,8 +539,7 @@ class CheckpointManager(SingleTypeManager):
         block: KVCacheBlock,
         rid: str,
     ) -> KVCacheBlock | None:
-        """The replaced state ``previous`` when it leaves the cache: no
-        other request holds it (the newer state ``block`` replaces it)."""
+        """``previous``, replaced by ``block``, if no other request holds it."""
         if previous is None or previous[1] is block:
             return None
         old_pos, old, key = previous
