@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from kvcore.coordinator.block_pool import UNDO_CALL, BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.twin_ops import UNDO_CALL
 from kvcore.errors import PluginResultError
 from kvcore.spec import HitPolicy
 
