@@ -643,11 +643,7 @@ class SingleTypeManager:
             kept = twin.kept_for_later(request_id, positions, released)
             if not kept:
                 continue
-            if (
-                type(kept) is not list
-                or len(kept) > 1
-                or not any(kept[0] is block for block in released)
-            ):
+            if type(kept) is not list or len(kept) > 1 or kept[0] not in released:
                 kept = twin._checked_kept(request_id, kept, positions, released)
             held += kept
             chosen.append((twin, kept, released))

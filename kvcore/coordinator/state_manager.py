@@ -522,7 +522,14 @@ class CheckpointManager(SingleTypeManager):
                 twin._save(twin.step_before, rid)
                 twin.step_before[rid] = previous
                 previous = replaced
-            drops.append(twin._dropped(previous, block, rid))
+            if previous is None or previous[1] is block:
+                drops.append(None)
+                continue
+            old_pos, old, old_key = previous
+            table = twin.req_to_blocks[rid]
+            in_table = old_pos < len(table) and table[old_pos] is old
+            held = old.ref_cnt == (1 if in_table else 0) and twin._holds(old, old_key)
+            drops.append(old if held else None)
         self.block_pool.cache_twin_blocks(
             block_hashes=hashes,
             tables=tables,
@@ -532,22 +539,6 @@ class CheckpointManager(SingleTypeManager):
             token_ids=request.all_token_ids,
             replaced=drops,
         )
-
-    def _dropped(
-        self,
-        previous: tuple[int, KVCacheBlock, Any] | None,
-        block: KVCacheBlock,
-        rid: str,
-    ) -> KVCacheBlock | None:
-        """``previous``, replaced by ``block``, if no other request holds it."""
-        if previous is None or previous[1] is block:
-            return None
-        old_pos, old, key = previous
-        blocks = self.req_to_blocks[rid]
-        in_table = old_pos < len(blocks) and blocks[old_pos] is old
-        if old.ref_cnt == (1 if in_table else 0) and self._holds(old, key):
-            return old
-        return None
 
     def _keep(
         self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool

@@ -90,8 +90,17 @@ class TwinPoolOps:
         changes."""
         pool: Any = self
         num_hashes = len(block_hashes)
-        for table, gid in zip(tables, group_ids, strict=True):
-            check_store(num_cached_blocks, num_full_blocks, len(table), num_hashes, gid)
+        if (
+            not 0
+            <= num_cached_blocks
+            <= num_full_blocks
+            <= min(map(len, tables), default=num_full_blocks)
+            or num_full_blocks > num_hashes
+        ):
+            for table, gid in zip(tables, group_ids, strict=True):
+                check_store(
+                    num_cached_blocks, num_full_blocks, len(table), num_hashes, gid
+                )
         if replaced is None:
             replaced = [None] * len(tables)
         if pool.enable_kv_cache_events or not pool.enable_caching:
@@ -108,16 +117,20 @@ class TwinPoolOps:
                 if old is not None:
                     pool.drop_from_cache(old)
             return
-        hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        span = range(num_cached_blocks, num_full_blocks)
         journal = pool._journal
         counts = pool._num_cached
+        groups = pool._cached
+        drop = pool.drop_from_cache
         for table, gid, old in zip(tables, group_ids, replaced, strict=True):
-            cached = pool.cached_blocks_of(gid)
+            cached = groups.get(gid)
+            if cached is None:
+                cached = pool.cached_blocks_of(gid)
             keyed = []
-            for block, key in zip(
-                table[num_cached_blocks:num_full_blocks], hashes, strict=True
-            ):
+            for i in span:
+                block = table[i]
                 if block.key_hash is None and not block.is_null:
+                    key = block_hashes[i]
                     block.key_hash = key
                     block.key_group = gid
                     entry = cached.setdefault(key, block)
@@ -132,7 +145,7 @@ class TwinPoolOps:
                 if journal is not None:
                     journal.append((_UNKEY, gid, keyed))
             if old is not None:
-                pool.drop_from_cache(old)
+                drop(old)
 
     def free_each(self, lists: Sequence[Sequence[KVCacheBlock]]) -> None:
         """:meth:`~BlockPool.free_blocks` of each of ``lists``, in order: one
