@@ -245,8 +245,27 @@ class SingleTypeManager:
         """Of the blocks a running request just released (skipped) from
         table ``positions``, those it keeps for later requests' hits: they
         are held back, evicted only after every other free block, until
-        the request is freed.  None by default."""
-        return []
+        the request is freed (:meth:`kept_twins` over this group alone).
+        None by default."""
+        kept = type(self)._own_kept_twins(
+            self, (self,), request_id, positions, [released]
+        )
+        return kept[0]
+
+    def kept_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """:meth:`kept_for_later` in each of ``twins`` (this manager first;
+        see :meth:`allocate_twins`), which released ``removed`` (one list
+        per twin) from table ``positions``: one list per twin.  A subclass
+        that changes what is kept overrides this method."""
+        return [[] for _ in twins]
+
+    _own_kept_twins = kept_twins
 
     def take_held_back(self, request_id: str) -> list[tuple[int, KVCacheBlock]]:
         """When the request is freed: ``(table position, block)`` of the
@@ -637,10 +656,12 @@ class SingleTypeManager:
         remembers them for :meth:`take_held_back`."""
         held: list[KVCacheBlock] = []
         chosen = []
-        for twin, released in zip(twins, removed, strict=True):
+        answers = self.kept_twins(twins, request_id, positions, removed)
+        if type(answers) is not list or len(answers) != len(twins):
+            answers = self._checked_answers(request_id, answers, len(twins))
+        for twin, released, kept in zip(twins, removed, answers, strict=True):
             # Lowest position first: the running request holds its whole
             # attention prefix, so its longest hit points go last.
-            kept = twin.kept_for_later(request_id, positions, released)
             if not kept:
                 continue
             if type(kept) is not list or len(kept) > 1 or kept[0] not in released:
@@ -670,6 +691,19 @@ class SingleTypeManager:
         else:
             pool.record(_truncate, held, len(held))
         held += [(where[id(block)], block, block.key_hash) for block in kept]
+
+    def _checked_answers(
+        self, request_id: str, answers: Any, num_twins: int
+    ) -> list[Any]:
+        """A :meth:`kept_twins` answer that is not one list per twin, as an
+        error naming the manager class."""
+        owner = f"{type(self).__module__}.{type(self).__qualname__}"
+        msg = (
+            f"{owner}.kept_twins returned {answers!r} for request {request_id!r}; "
+            f"it must return a list of {num_twins} lists, one per twin, of the "
+            "released blocks to hold back"
+        )
+        raise PluginResultError(msg, plugin_name=type(self).__module__)
 
     def _checked_kept(
         self,
@@ -822,9 +856,24 @@ def _cache_each(
         twin.cache_blocks(request, num_tokens)
 
 
+def _kept_each(
+    self: SingleTypeManager,
+    twins: Sequence[SingleTypeManager],
+    request_id: str,
+    positions: Sequence[int],
+    removed: Sequence[Sequence[KVCacheBlock]],
+) -> list[list[KVCacheBlock]]:
+    """The twin step of a class that overrides only kept_for_later."""
+    return [
+        twin.kept_for_later(request_id, positions, released)
+        for twin, released in zip(twins, removed, strict=True)
+    ]
+
+
 #: (one-group step, twin step, the twin step through the one-group one).
 _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
     ("allocate_new_blocks", "allocate_twins", _allocate_each),
     ("remove_skipped_blocks", "release_twins", _release_each),
     ("cache_blocks", "cache_twins", _cache_each),
+    ("kept_for_later", "kept_twins", _kept_each),
 )

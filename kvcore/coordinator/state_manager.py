@@ -743,33 +743,38 @@ class CheckpointManager(SingleTypeManager):
             self._released_kept[request_id] = kept
         return blocks
 
-    def kept_for_later(
+    def kept_twins(
         self,
+        twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
-        """The released states the request keeps for later requests (its
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """The released states each twin keeps for later requests (its
         prompt end, branch point, step ends; not the interval states): held
         back until it is freed, then moved to the back of the eviction
         order (:meth:`take_released_checkpoints`)."""
-        kept = self.kept.get(request_id)
-        end = self.step_end.get(request_id)
-        before = self.step_before.get(request_id)
-        if not kept and end is None and before is None:
-            return []
-        gid = self.kv_cache_group_id
-        out = []
-        for block in released:
-            key = block.key_hash
-            if key is None or block.key_group != gid:
-                continue  # held under no key of this group: not kept
-            if (
-                (end is not None and end[1] is block and end[2] == key)
-                or (before is not None and before[1] is block and before[2] == key)
-                or (kept and any(b is block and k == key for b, k in kept))
-            ):
-                out.append(block)
+        out: list[list[KVCacheBlock]] = []
+        states = cast("Sequence[CheckpointManager]", twins)
+        for twin, released in zip(states, removed, strict=True):
+            kept = twin.kept.get(request_id)
+            end = twin.step_end.get(request_id)
+            before = twin.step_before.get(request_id)
+            mine: list[KVCacheBlock] = []
+            out.append(mine)
+            if not kept and end is None and before is None:
+                continue
+            gid = twin.kv_cache_group_id
+            for block in released:
+                key = block.key_hash
+                if key is None or block.key_group != gid:
+                    continue  # held under no key of this group: not kept
+                if (
+                    (end is not None and end[1] is block and end[2] == key)
+                    or (before is not None and before[1] is block and before[2] == key)
+                    or (kept and any(b is block and k == key for b, k in kept))
+                ):
+                    mine.append(block)
         return out
 
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
