@@ -428,13 +428,17 @@ class CheckpointManager(SingleTypeManager):
                     _put_entries,
                     [(t.step_end, rid, t.step_end.get(rid)) for t in states],
                 )
+        if reached < 0 and not every:
+            self._replace_step_ends(states, request, pos)
+            return
+        # Each twin's states in turn, so events keep their order.
         for twin in states:
             if reached >= 0:
                 twin._reach_targets(request, num_tokens)
             if every:
                 twin._keep_every_state(request, num_tokens)
-        if step_end:
-            self._replace_step_ends(states, request, pos)
+            elif step_end:
+                self._replace_step_ends((twin,), request, pos)
 
     def _reach_targets(self, request: Request, num_tokens: int) -> None:
         """Keep the states of the targets ``num_tokens`` reaches."""
@@ -475,11 +479,9 @@ class CheckpointManager(SingleTypeManager):
     def _replace_step_ends(
         self, twins: Sequence[CheckpointManager], request: Request, pos: int
     ) -> None:
-        """Keep the state at the step's end (table position ``pos``) in each
-        of ``twins``; with the policy replacing step ends, each twin's one
-        before leaves the cache (one pool call for the class: each twin's
-        store, then its drop).  The caller has recorded the twins' tables,
-        counts and step ends (see :meth:`cache_twins`)."""
+        """Keep each twin's state at table position ``pos``; a replaced one
+        leaves the cache (one pool call: each twin's store, then its drop).
+        The caller recorded the tables, counts and step ends."""
         rid = request.request_id
         blocks = self.req_to_blocks[rid]
         if pos < 0 or pos >= len(blocks) or blocks[pos].is_null:
@@ -488,12 +490,13 @@ class CheckpointManager(SingleTypeManager):
         key = self.block_hash(chunks, pos)
         if key is None:
             return
-        tables: list[Sequence[KVCacheBlock]] = [t.req_to_blocks[rid] for t in twins]
-        news = [table[pos] for table in tables]
+        rows = [t.req_to_blocks[rid] for t in twins]
+        news = [row[pos] for row in rows]
+        gids = [t.kv_cache_group_id for t in twins]
+        tables: Sequence[Sequence[KVCacheBlock]] = rows
         index = pos
         hashes: Sequence[Any] = chunks
-        if self.block_size % self.hash_block_size:
-            # Finer than the hash block: see _keep.
+        if self.block_size % self.hash_block_size:  # finer: see _keep
             ratio = self.hash_block_size // self.block_size
             tables = [_ChunkEnds(table, ratio) for table in tables]
             index = (pos + 1) // ratio - 1
@@ -503,7 +506,7 @@ class CheckpointManager(SingleTypeManager):
         eagle = self.use_eagle
         kept_too = not replaces and not self.keep_all
         drops: list[KVCacheBlock | None] = []
-        for twin, block in zip(twins, news, strict=True):
+        for twin, row, block, gid in zip(twins, rows, news, gids, strict=True):
             newly = block.key_hash is None
             if twin.num_cached_block.get(rid, 0) <= pos:
                 twin.num_cached_block[rid] = pos + 1
@@ -526,14 +529,15 @@ class CheckpointManager(SingleTypeManager):
                 drops.append(None)
                 continue
             old_pos, old, old_key = previous
-            table = twin.req_to_blocks[rid]
-            in_table = old_pos < len(table) and table[old_pos] is old
-            held = old.ref_cnt == (1 if in_table else 0) and twin._holds(old, old_key)
+            in_table = old_pos < len(row) and row[old_pos] is old
+            held = old.ref_cnt == (1 if in_table else 0) and (  # see _holds
+                old_key is not None and old.key_hash == old_key and old.key_group == gid
+            )
             drops.append(old if held else None)
         self.block_pool.cache_twin_blocks(
             block_hashes=hashes,
             tables=tables,
-            group_ids=[twin.kv_cache_group_id for twin in twins],
+            group_ids=gids,
             num_cached_blocks=index,
             num_full_blocks=index + 1,
             token_ids=request.all_token_ids,
