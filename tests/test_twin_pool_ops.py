@@ -6,9 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+import kvcore
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore.coordinator.block_pool import (
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    KVCacheBlock,
+)
 from kvcore.errors import InvalidRequestError
+from kvcore_full_attention import FullAttentionSpec
+from kvcore_mamba import MambaSpec
 
 
 def h(i: int) -> bytes:
@@ -167,3 +177,49 @@ def test_cache_twin_blocks_checks_every_table_first() -> None:
             num_full_blocks=4,
         )
     assert snapshot(p) == before
+
+
+def test_twin_state_groups_store_in_group_order_with_eagle() -> None:
+    """With EAGLE a step may reach kept targets and keep its end state in
+    one call; the twin state groups' events still come in group order, as
+    with one group stepped at a time."""
+    attention = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    state = MambaSpec(
+        block_size=16,
+        shapes=((3, 8),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode="align",
+    )
+    groups = [kvcore.KVCacheGroupSpec(["a.0"], attention)] + [
+        kvcore.KVCacheGroupSpec([f"m.{i}"], state) for i in range(3)
+    ]
+    config = kvcore.KVCacheConfig(
+        num_blocks=400, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    mgr = KVCacheManager(
+        config,
+        4096,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        enable_caching=True,
+        use_eagle=True,
+        enable_kv_cache_events=True,
+    )
+    seen = 0
+    for n, prompt in enumerate((192, 224, 224)):
+        # A whole prompt on a block boundary in one step: it reaches the
+        # two boundaries before its end (kept with EAGLE) and keeps its end.
+        req = Request(f"r{n}", list(range(1000, 1000 + prompt)), hash_block_size=16)
+        blocks, hit = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, prompt - hit, hit, blocks) is not None
+        events = mgr.take_events()
+        order = [
+            e.group_id
+            for e in events
+            if isinstance(e, BlockStored | BlockRemoved) and e.group_id > 0
+        ]
+        assert order == sorted(order), order
+        seen += order.count(1) > 1
+    assert seen  # a step that stored several states in each state group
