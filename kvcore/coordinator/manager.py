@@ -528,16 +528,18 @@ class SingleTypeManager:
         if journal is None:
             return
         transaction = pool.transactions
-        entries = []
+        entries: list[tuple[Any, ...]] = []
+        append = entries.append
         for twin in twins:
             recorded = twin._recorded
             if recorded[0] != transaction:
-                recorded = twin._recorded = (transaction, {})
+                twin._recorded = (transaction, {request_id: False})
             elif request_id in recorded[1]:
                 continue
-            recorded[1][request_id] = False
+            else:
+                recorded[1][request_id] = False
             blocks = twin.req_to_blocks.get(request_id)
-            entries.append(
+            append(
                 (
                     twin,
                     request_id,
@@ -631,10 +633,13 @@ class SingleTypeManager:
             return
         null = self.null_block
         tables = [twin.req_to_blocks[request_id] for twin in twins]
-        removed = [[table[i] for i in positions] for table in tables]
+        removed: list[list[KVCacheBlock]] = []
         for table in tables:
+            blocks = []
             for i in positions:
+                blocks.append(table[i])
                 table[i] = null
+            removed.append(blocks)
         pool = self.block_pool
         pool.record(_put_at_each, tables, positions, removed)
         pool.free_each(removed)
@@ -655,28 +660,29 @@ class SingleTypeManager:
         first); a group freed before the others (not :attr:`evicts_last`)
         remembers them for :meth:`take_held_back`."""
         held: list[KVCacheBlock] = []
-        chosen = []
         answers = self.kept_twins(twins, request_id, positions, removed)
         if type(answers) is not list or len(answers) != len(twins):
             answers = self._checked_answers(request_id, answers, len(twins))
-        for twin, released, kept in zip(twins, removed, answers, strict=True):
+        for i, kept in enumerate(answers):
             # Lowest position first: the running request holds its whole
             # attention prefix, so its longest hit points go last.
             if not kept:
                 continue
+            released = removed[i]
             if type(kept) is not list or len(kept) > 1 or kept[0] not in released:
-                kept = twin._checked_kept(request_id, kept, positions, released)
+                kept = answers[i] = twins[i]._checked_kept(
+                    request_id, kept, positions, released
+                )
             held += kept
-            chosen.append((twin, kept, released))
         if not held:
             return
-        pool = self.block_pool
-        pool.hold_back(held)
+        self.block_pool.hold_back(held)
         if self.evicts_last:
             return
-        for twin, kept, released in chosen:
-            where = {id(b): pos for pos, b in zip(positions, released, strict=True)}
-            twin._remember_held(request_id, kept, where)
+        for twin, released, kept in zip(twins, removed, answers, strict=True):
+            if kept:
+                where = {id(b): pos for pos, b in zip(positions, released, strict=True)}
+                twin._remember_held(request_id, kept, where)
 
     def _remember_held(
         self, request_id: str, kept: list[KVCacheBlock], where: dict[int, int]
