@@ -420,14 +420,9 @@ class CheckpointManager(SingleTypeManager):
         # Twins are one class: CheckpointManagers like this one.
         states = cast("Sequence[CheckpointManager]", twins)
         if step_end:
-            # What keeping the step's end changes, recorded once for the
-            # class: the hashed counts and, where it replaces, the step ends.
+            # The hashed counts keeping the step's end changes, recorded once
+            # for the class (the step ends: see _replace_step_ends).
             self.record_twins(states, rid)
-            if self._replaces:
-                self.block_pool.record(
-                    _put_entries,
-                    [(t.step_end, rid, t.step_end.get(rid)) for t in states],
-                )
         if reached < 0 and not every:
             self._replace_step_ends(states, request, pos)
             return
@@ -481,7 +476,7 @@ class CheckpointManager(SingleTypeManager):
     ) -> None:
         """Keep each twin's state at table position ``pos``; a replaced one
         leaves the cache (one pool call: each twin's store, then its drop).
-        The caller recorded the tables, counts and step ends."""
+        The caller recorded the tables and counts."""
         rid = request.request_id
         blocks = self.req_to_blocks[rid]
         if pos < 0 or pos >= len(blocks) or blocks[pos].is_null:
@@ -506,6 +501,9 @@ class CheckpointManager(SingleTypeManager):
         eagle = self.use_eagle
         kept_too = not replaces and not self.keep_all
         drops: list[KVCacheBlock | None] = []
+        saved: list[tuple[dict[str, Any], str, Any]] = []  # the step ends before
+        if replaces:
+            self.block_pool.record(_put_entries, saved)
         for twin, row, block, gid in zip(twins, rows, news, gids, strict=True):
             newly = block.key_hash is None
             if twin.num_cached_block.get(rid, 0) <= pos:
@@ -517,6 +515,7 @@ class CheckpointManager(SingleTypeManager):
                 drops.append(None)
                 continue
             previous = twin.step_end.get(rid)
+            saved.append((twin.step_end, rid, previous))
             twin.step_end[rid] = (pos, block, key if newly else block.key_hash)
             if eagle and previous is not None and previous[1] is not block:
                 # A hit that drops a block may end at the state before the
