@@ -177,6 +177,9 @@ class SingleTypeManager:
         #: The transaction and the requests it recorded, each with whether
         #: their whole table was (see :meth:`record_request_state`).
         self._recorded: tuple[int, dict[str, bool]] = (-1, {})
+        #: The transaction, request and twins of this manager's last
+        #: :meth:`record_twins` (a repeat within the step records nothing).
+        self._twins_recorded: tuple[int, str, Any] = (-1, "", None)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class's twin steps, chosen once when it is defined: its own
@@ -528,6 +531,10 @@ class SingleTypeManager:
         if journal is None:
             return
         transaction = pool.transactions
+        done = self._twins_recorded
+        if done[0] == transaction and done[1] == request_id and done[2] is twins:
+            return  # every twin recorded by this step already
+        self._twins_recorded = (transaction, request_id, twins)
         entries: list[tuple[Any, ...]] = []
         append = entries.append
         for twin in twins:
