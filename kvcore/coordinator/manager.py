@@ -535,6 +535,7 @@ class SingleTypeManager:
         if done[0] == transaction and done[1] == request_id and done[2] is twins:
             return  # every twin recorded by this step already
         self._twins_recorded = (transaction, request_id, twins)
+        keeps = self.keeps_request_state  # twins are one class
         entries: list[tuple[Any, ...]] = []
         append = entries.append
         for twin in twins:
@@ -549,20 +550,20 @@ class SingleTypeManager:
             append(
                 (
                     twin,
-                    request_id,
-                    None if blocks is None else (blocks, len(blocks)),
+                    blocks,
+                    -1 if blocks is None else len(blocks),
                     twin.num_cached_block.get(request_id),
                     twin.num_released.get(request_id),
                 )
             )
-            if twin.keeps_request_state:
+            if keeps:
                 pool.record(
                     twin.restore_request_state,
                     request_id,
                     twin.request_state(request_id),
                 )
         if entries:
-            journal.append((UNDO_CALL, _put_back_each, (entries,)))
+            journal.append((UNDO_CALL, _put_back_each, (request_id, entries)))
 
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
@@ -787,11 +788,13 @@ def _put_at(
         blocks[i] = block
 
 
-def _put_back_each(entries: Sequence[tuple[Any, ...]]) -> None:
+def _put_back_each(request_id: str, entries: Sequence[tuple[Any, ...]]) -> None:
     """Undo :meth:`SingleTypeManager.record_twins`: :func:`_put_back` for
-    each twin, the last first."""
-    for args in reversed(entries):
-        _put_back(*args)
+    each twin (``(manager, table, its length or -1 for none, hashed count,
+    released count)``), the last first."""
+    for manager, blocks, length, cached, released in reversed(entries):
+        table = None if blocks is None else (blocks, length)
+        _put_back(manager, request_id, table, cached, released)
 
 
 def _put_at_each(
