@@ -11,7 +11,7 @@ and then rejoin its table.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from coordinator_setup import fa, small_manager, small_request, sw
@@ -177,4 +177,38 @@ def test_kept_for_later_is_checked_where_it_enters_the_core(
         mgr.allocate_slots(a, 1)
     assert manager.__qualname__ in str(info.value)
     assert isinstance(info.value, KvcoreError)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsNoListPerTwin(SlidingWindowManager):
+    """A window manager whose ``kept_twins`` answers with one flat list
+    instead of a list per twin."""
+
+    def kept_twins(
+        self,
+        twins: Sequence[Any],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        return [block for released in removed for block in released]  # type: ignore[misc]
+
+
+def test_kept_twins_answers_one_list_per_twin() -> None:
+    """A class step that does not answer one list per twin is refused with
+    an error naming its class, and the step changes nothing."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsNoListPerTwin
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    a.append_output_token_ids(900)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="kept_twins returned") as info:
+        mgr.allocate_slots(a, 1)
+    assert "_KeepsNoListPerTwin" in str(info.value)
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before

@@ -348,12 +348,14 @@ class CheckpointManager(SingleTypeManager):
             if len(twins) == 1
             else [new[i : i + need] for i in range(0, len(new), need)]
         )
+        if need == missing:
+            # Every missing position takes a block.
+            for twin, blocks in zip(twins, out, strict=True):
+                twin.req_to_blocks[request_id] += blocks
+            return out
         null = self.null_block
         for twin, blocks in zip(twins, out, strict=True):
             table = twin.req_to_blocks[request_id]
-            if self.keep_all:
-                table.extend(blocks)
-                continue
             extension = [null] * missing
             for pos, block in zip(inner, blocks, strict=False):
                 extension[pos - start] = block
@@ -418,21 +420,20 @@ class CheckpointManager(SingleTypeManager):
         # Twins are one class: CheckpointManagers like this one.
         states = cast("Sequence[CheckpointManager]", twins)
         if step_end:
-            # What keeping the step's end changes, recorded once for the
-            # class: the hashed counts and, where it replaces, the step ends.
+            # The hashed counts keeping the step's end changes, recorded once
+            # for the class (the step ends: see _replace_step_ends).
             self.record_twins(states, rid)
-            if self._replaces:
-                self.block_pool.record(
-                    _put_entries,
-                    [(t.step_end, rid, t.step_end.get(rid)) for t in states],
-                )
+        if reached < 0 and not every:
+            self._replace_step_ends(states, request, pos)
+            return
+        # Each twin's states in turn, so events keep their order.
         for twin in states:
             if reached >= 0:
                 twin._reach_targets(request, num_tokens)
             if every:
                 twin._keep_every_state(request, num_tokens)
             elif step_end:
-                twin._replace_step_end(request, pos)
+                self._replace_step_ends((twin,), request, pos)
 
     def _reach_targets(self, request: Request, num_tokens: int) -> None:
         """Keep the states of the targets ``num_tokens`` reaches."""
@@ -470,35 +471,77 @@ class CheckpointManager(SingleTypeManager):
             self._keep(request, blocks, pos, kept=False)
             pos += per_unit
 
-    def _replace_step_end(self, request: Request, pos: int) -> None:
-        """Keep the state at the step's end (table position ``pos``); with
-        the policy replacing step ends, the one before leaves the cache.
-        The caller has recorded the request's step end (see
-        :meth:`cache_twins`)."""
+    def _replace_step_ends(
+        self, twins: Sequence[CheckpointManager], request: Request, pos: int
+    ) -> None:
+        """Keep each twin's state at table position ``pos``; a replaced one
+        leaves the cache (one pool call: each twin's store, then its drop).
+        The caller recorded the tables and counts."""
         rid = request.request_id
         blocks = self.req_to_blocks[rid]
-        block = self._keep(request, blocks, pos, kept=not self._replaces)
-        if block is None or not self._replaces:
+        if pos < 0 or pos >= len(blocks) or blocks[pos].is_null:
+            return  # twins' tables have one shape: no state there in any
+        chunks = request.block_hashes
+        key = self.block_hash(chunks, pos)
+        if key is None:
             return
-        previous = self.step_end.get(rid)
-        self.step_end[rid] = (pos, block, block.key_hash)
-        if previous is None or previous[1] is block:
-            return
-        if self.use_eagle:
-            # A hit that drops a block may end at the state before the
-            # newest: that one is kept, and the one before it replaced.
-            replaced = self.step_before.get(rid)
-            self._save(self.step_before, rid)
-            self.step_before[rid] = previous
-            if replaced is None:
-                return
-            previous = replaced
-        # The newer state replaces the older one for the next turn; it
-        # leaves the cache unless another request holds it.
-        old_pos, old, key = previous
-        in_table = old_pos < len(blocks) and blocks[old_pos] is old
-        if old.ref_cnt == (1 if in_table else 0) and self._holds(old, key):
-            self.block_pool.drop_from_cache(old)
+        rows = [t.req_to_blocks[rid] for t in twins]
+        news = [row[pos] for row in rows]
+        gids = [t.kv_cache_group_id for t in twins]
+        tables: Sequence[Sequence[KVCacheBlock]] = rows
+        index = pos
+        hashes: Sequence[Any] = chunks
+        if self.block_size % self.hash_block_size:  # finer: see _keep
+            ratio = self.hash_block_size // self.block_size
+            tables = [_ChunkEnds(table, ratio) for table in tables]
+            index = (pos + 1) // ratio - 1
+        else:
+            hashes = hashes_at_block_size(chunks, self.hash_block_size, self.block_size)
+        replaces = self._replaces
+        eagle = self.use_eagle
+        kept_too = not replaces and not self.keep_all
+        drops: list[KVCacheBlock | None] = []
+        saved: list[tuple[dict[str, Any], str, Any]] = []  # the step ends before
+        if replaces:
+            self.block_pool.record(_put_entries, saved)
+        for twin, row, block, gid in zip(twins, rows, news, gids, strict=True):
+            newly = block.key_hash is None
+            if twin.num_cached_block.get(rid, 0) <= pos:
+                twin.num_cached_block[rid] = pos + 1
+            if not replaces:
+                if newly and kept_too:
+                    twin._save(twin.kept, rid)
+                    twin.kept.setdefault(rid, []).append((block, key))
+                drops.append(None)
+                continue
+            previous = twin.step_end.get(rid)
+            saved.append((twin.step_end, rid, previous))
+            twin.step_end[rid] = (pos, block, key if newly else block.key_hash)
+            if eagle and previous is not None and previous[1] is not block:
+                # A hit that drops a block may end at the state before the
+                # newest: that one is kept, and the one before it replaced.
+                replaced = twin.step_before.get(rid)
+                twin._save(twin.step_before, rid)
+                twin.step_before[rid] = previous
+                previous = replaced
+            if previous is None or previous[1] is block:
+                drops.append(None)
+                continue
+            old_pos, old, old_key = previous
+            in_table = old_pos < len(row) and row[old_pos] is old
+            held = old.ref_cnt == (1 if in_table else 0) and (  # see _holds
+                old_key is not None and old.key_hash == old_key and old.key_group == gid
+            )
+            drops.append(old if held else None)
+        self.block_pool.cache_twin_blocks(
+            block_hashes=hashes,
+            tables=tables,
+            group_ids=gids,
+            num_cached_blocks=index,
+            num_full_blocks=index + 1,
+            token_ids=request.all_token_ids,
+            replaced=drops,
+        )
 
     def _keep(
         self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool
@@ -703,33 +746,39 @@ class CheckpointManager(SingleTypeManager):
             self._released_kept[request_id] = kept
         return blocks
 
-    def kept_for_later(
+    def kept_twins(
         self,
+        twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
-        """The released states the request keeps for later requests (its
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """The released states each twin keeps for later requests (its
         prompt end, branch point, step ends; not the interval states): held
         back until it is freed, then moved to the back of the eviction
         order (:meth:`take_released_checkpoints`)."""
-        kept = self.kept.get(request_id)
-        ends = [
-            entry[1:]
-            for entry in (
-                self.step_end.get(request_id),
-                self.step_before.get(request_id),
-            )
-            if entry is not None
-        ]
-        if not kept and not ends:
-            return []
-        keep = {
-            id(block)
-            for block, key in (*(kept or ()), *ends)
-            if self._holds(block, key)
-        }
-        return [block for block in released if id(block) in keep]
+        out: list[list[KVCacheBlock]] = []
+        states = cast("Sequence[CheckpointManager]", twins)
+        for twin, released in zip(states, removed, strict=True):
+            kept = twin.kept.get(request_id)
+            end = twin.step_end.get(request_id)
+            before = twin.step_before.get(request_id)
+            mine: list[KVCacheBlock] = []
+            out.append(mine)
+            if not kept and end is None and before is None:
+                continue
+            gid = twin.kv_cache_group_id
+            for block in released:
+                key = block.key_hash
+                if key is None or block.key_group != gid:
+                    continue  # held under no key of this group: not kept
+                if (
+                    (end is not None and end[1] is block and end[2] == key)
+                    or (before is not None and before[1] is block and before[2] == key)
+                    or (kept and any(b is block and k == key for b, k in kept))
+                ):
+                    mine.append(block)
+        return out
 
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """The states the freed request kept for later requests that sit
