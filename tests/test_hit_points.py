@@ -313,3 +313,37 @@ def test_kept_if_room_may_not_name_a_block_kept_for_later_names() -> None:
         mgr.allocate_slots(a, 1)
     assert "_KeepsIfRoomTwice" in str(info.value)
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsNoListPerTwin(SlidingWindowManager):
+    """A window manager whose ``kept_twins`` answers with one flat list
+    instead of a list per twin."""
+
+    def kept_twins(
+        self,
+        twins: Sequence[Any],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        return [block for released in removed for block in released]  # type: ignore[misc]
+
+
+def test_kept_twins_answers_one_list_per_twin() -> None:
+    """A class step that does not answer one list per twin is refused with
+    an error naming its class, and the step changes nothing."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsNoListPerTwin
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    a.append_output_token_ids(900)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="kept_twins returned") as info:
+        mgr.allocate_slots(a, 1)
+    assert "_KeepsNoListPerTwin" in str(info.value)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before

@@ -17,7 +17,7 @@ dropped with the block's full key, and raise no events (``BlockStored`` and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 from kvcore.coordinator.blocks import (
     BlockHashWithGroupId,
@@ -42,6 +42,22 @@ from kvcore.coordinator.events import (
     stored_events,
 )
 from kvcore.coordinator.hashing import BlockHash
+from kvcore.coordinator.twin_ops import (
+    _KEY,
+    _MOVE,
+    _NOTHING,
+    _PARTIAL,
+    _RELEASE,
+    _TOUCH,
+    _UNGET,
+    _UNKEY,
+    _UNPARTIAL,
+    UNDO_CALL,
+    TwinPoolOps,
+    _Record,
+    check_store,
+    double_free,
+)
 from kvcore.errors import (
     BlockSizeError,
     InvalidRequestError,
@@ -68,7 +84,7 @@ __all__ = [
 # ---------------------------------------------------------------------------
 
 
-class BlockPool:
+class BlockPool(TwinPoolOps):
     """All blocks of the KV cache, shared by every cache group.
 
     Block 0 is the *null block*: a placeholder for positions a group does not
@@ -399,12 +415,24 @@ class BlockPool:
         self._evict(block)
         if block.ref_cnt:
             return
-        queue = self.free_queue
+        prev = block.prev_free
+        nxt = block.next_free
+        if prev is None or nxt is None:
+            self.free_queue.remove(block)  # raises: a free block not queued
+            return
         journal = self._journal
         if journal is not None:
-            journal.append((_MOVE, block, block.prev_free, block.next_free))
-        queue.remove(block)
-        queue.prepend_n([block])
+            journal.append((_MOVE, block, prev, nxt))
+        # To the front: unlinked, then linked after the queue's head.
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        head = self.free_queue._head
+        first = head.next_free
+        assert first is not None
+        head.next_free = block
+        block.prev_free = head
+        block.next_free = first
+        first.prev_free = block
 
     def requeue_at_back(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Move free blocks to the back of the free queue (held-back ones
@@ -567,7 +595,7 @@ class BlockPool:
                         if undo.ref_cnt == 0:
                             undo.prev_free = undo.next_free = None
                         undo.ref_cnt += 1
-                raise _double_free(block)
+                raise double_free(block)
         if freed:
             head = queue._head
             tail = queue._tail
@@ -641,20 +669,9 @@ class BlockPool:
         required (a :class:`BlockStored` carries the stored blocks' tokens)
         and sliced only then, so callers pass them always at no cost.
         """
-        if not 0 <= num_cached_blocks <= num_full_blocks <= len(blocks):
-            msg = (
-                f"cache_full_blocks: need 0 <= num_cached_blocks "
-                f"({num_cached_blocks}) <= num_full_blocks ({num_full_blocks}) <= "
-                f"number of blocks ({len(blocks)}) for group {group_id}"
-            )
-            raise InvalidRequestError(msg)
-        if num_full_blocks > len(block_hashes):
-            msg = (
-                f"cache_full_blocks: {num_full_blocks} full blocks but only "
-                f"{len(block_hashes)} block hashes for group {group_id}; hash the "
-                "request's tokens before caching its blocks"
-            )
-            raise InvalidRequestError(msg)
+        check_store(
+            num_cached_blocks, num_full_blocks, len(blocks), len(block_hashes), group_id
+        )
         if not self.enable_caching or num_cached_blocks == num_full_blocks:
             return
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
@@ -849,24 +866,6 @@ class BlockPool:
         return events
 
 
-_Record: TypeAlias = tuple[Any, ...]
-"""A journal record: an op code, then what its undo needs (see
-:meth:`BlockPool._undo`)."""
-
-# Journal op codes, one per kind of change a step records.
-_TOUCH = 0  # references taken (and free blocks unlinked) by a hit
-_KEY = 1  # a full key evicted
-_UNGET = 2  # blocks handed out
-_RELEASE = 3  # references dropped (and blocks queued)
-_MOVE = 4  # a free block moved within the queue
-_UNKEY = 5  # full keys given by a store
-_PARTIAL = 6  # a partial key added
-_UNPARTIAL = 7  # a block's partial keys dropped
-UNDO_CALL = 8  # state kept beside the pool: (op, function, args)
-
-_NOTHING: _Record = (UNDO_CALL, tuple, ())  # a place held; undoes nothing
-
-
 def _relink_all(queue: FreeBlockQueue, links: Sequence[KVCacheBlock]) -> None:
     """Put unlinked blocks back in the free queue, given flat as ``(block,
     prev, next)`` in the order they were unlinked: newest first, so each
@@ -880,11 +879,3 @@ def _relink_all(queue: FreeBlockQueue, links: Sequence[KVCacheBlock]) -> None:
         block.next_free = nxt
         nxt.prev_free = block
         queue.num_free += 1
-
-
-def _double_free(block: KVCacheBlock) -> InvalidRequestError:
-    msg = (
-        f"block {block.block_id} freed more often than it was taken (reference "
-        "count would drop below 0); free each block once per allocate/touch"
-    )
-    return InvalidRequestError(msg)

@@ -267,9 +267,14 @@ class FreeBlockQueue:
         every block of the queue and every block held back before it."""
         if block.prev_free is not None:
             raise _already_queued(block)
-        last = self._held_tail.prev_free
+        tail = self._held_tail
+        last = tail.prev_free
         assert last is not None
-        self._link_after(last, self._held_tail, [block])
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = tail
+        tail.prev_free = block
+        self.num_free += 1
 
     def prepend_held_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front of the held-back blocks, in order."""

@@ -18,10 +18,11 @@ from typing import Any, ClassVar
 
 import attrs
 
-from kvcore.coordinator.block_pool import UNDO_CALL, BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.hold_back import hold_back_twins, kept_each, kept_if_room_each
 from kvcore.coordinator.request import Request
-from kvcore.errors import PluginResultError
+from kvcore.coordinator.twin_ops import UNDO_CALL
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -178,14 +179,18 @@ class SingleTypeManager:
         #: The transaction and the requests it recorded, each with whether
         #: their whole table was (see :meth:`record_request_state`).
         self._recorded: tuple[int, dict[str, bool]] = (-1, {})
+        #: The transaction, request and twins of this manager's last
+        #: :meth:`record_twins` (a repeat within the step records nothing).
+        self._twins_recorded: tuple[int, str, Any] = (-1, "", None)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class's twin steps, chosen once when it is defined: its own
-        :meth:`allocate_twins`, :meth:`release_twins` and :meth:`cache_twins`
-        where it defines them; where it overrides only the one-group step
+        :meth:`allocate_twins`, :meth:`release_twins`, :meth:`cache_twins`,
+        :meth:`kept_twins` and :meth:`kept_if_room_twins` where it defines
+        them; where it overrides only the one-group step
         (:meth:`allocate_new_blocks`, :meth:`remove_skipped_blocks`,
-        :meth:`cache_blocks`), its twins are stepped group by group
-        through that override.  The one-group step of a class that does not
+        :meth:`cache_blocks`, :meth:`kept_for_later`, :meth:`kept_if_room`),
+        its twins are stepped group by group through that override.  The one-group step of a class that does not
         override it runs the twin step it inherits over the group alone."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)
@@ -246,8 +251,27 @@ class SingleTypeManager:
         """Of the blocks a running request just released (skipped) from
         table ``positions``, those it keeps for later requests' hits: they
         are held back, evicted only after every other free block, until
-        the request is freed.  None by default."""
-        return []
+        the request is freed (:meth:`kept_twins` over this group alone).
+        None by default."""
+        kept = type(self)._own_kept_twins(
+            self, (self,), request_id, positions, [released]
+        )
+        return kept[0]
+
+    def kept_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """:meth:`kept_for_later` in each of ``twins`` (this manager first;
+        see :meth:`allocate_twins`), which released ``removed`` (one list
+        per twin) from table ``positions``: one list per twin.  A subclass
+        that changes what is kept overrides this method."""
+        return [[] for _ in twins]
+
+    _own_kept_twins = kept_twins
 
     def kept_if_room(
         self,
@@ -259,9 +283,27 @@ class SingleTypeManager:
         the released blocks kept for hits that are less likely (a grid of
         points where a later request may branch): held back in front of
         the others, so they are evicted before any block
-        :meth:`kept_for_later` names, and after every other free block.
-        None by default."""
-        return []
+        :meth:`kept_for_later` names, and after every other free block
+        (:meth:`kept_if_room_twins` over this group alone).  None by
+        default."""
+        spare = type(self)._own_kept_if_room_twins(
+            self, (self,), request_id, positions, [released]
+        )
+        return spare[0]
+
+    def kept_if_room_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """:meth:`kept_if_room` in each of ``twins``, as :meth:`kept_twins`
+        is :meth:`kept_for_later`'s: one list per twin.  A subclass that
+        changes what is kept if room overrides this method."""
+        return [[] for _ in twins]
+
+    _own_kept_if_room_twins = kept_if_room_twins
 
     def take_held_back(self, request_id: str) -> list[tuple[int, KVCacheBlock]]:
         """When the request is freed: ``(table position, block)`` of the
@@ -448,18 +490,16 @@ class SingleTypeManager:
         num_full = min(num_full, len(hashes), len(blocks))
         if num_full <= cached:
             return
-        cache = self.block_pool.cache_full_blocks
-        token_ids = request.all_token_ids
         self.record_twins(twins, rid)
+        self.block_pool.cache_twin_blocks(
+            block_hashes=hashes,
+            tables=[twin.req_to_blocks[rid] for twin in twins],
+            group_ids=[twin.kv_cache_group_id for twin in twins],
+            num_cached_blocks=cached,
+            num_full_blocks=num_full,
+            token_ids=request.all_token_ids,
+        )
         for twin in twins:
-            cache(
-                block_hashes=hashes,
-                blocks=twin.req_to_blocks[rid],
-                num_cached_blocks=cached,
-                num_full_blocks=num_full,
-                group_id=twin.kv_cache_group_id,
-                token_ids=token_ids,
-            )
             twin.num_cached_block[rid] = num_full
 
     _own_cache_twins = cache_twins
@@ -538,32 +578,39 @@ class SingleTypeManager:
         if journal is None:
             return
         transaction = pool.transactions
-        entries = []
+        done = self._twins_recorded
+        if done[0] == transaction and done[1] == request_id and done[2] is twins:
+            return  # every twin recorded by this step already
+        self._twins_recorded = (transaction, request_id, twins)
+        keeps = self.keeps_request_state  # twins are one class
+        entries: list[tuple[Any, ...]] = []
+        append = entries.append
         for twin in twins:
             recorded = twin._recorded
             if recorded[0] != transaction:
-                recorded = twin._recorded = (transaction, {})
+                twin._recorded = (transaction, {request_id: False})
             elif request_id in recorded[1]:
                 continue
-            recorded[1][request_id] = False
+            else:
+                recorded[1][request_id] = False
             blocks = twin.req_to_blocks.get(request_id)
-            entries.append(
+            append(
                 (
                     twin,
-                    request_id,
-                    None if blocks is None else (blocks, len(blocks)),
+                    blocks,
+                    -1 if blocks is None else len(blocks),
                     twin.num_cached_block.get(request_id),
                     twin.num_released.get(request_id),
                 )
             )
-            if twin.keeps_request_state:
+            if keeps:
                 pool.record(
                     twin.restore_request_state,
                     request_id,
                     twin.request_state(request_id),
                 )
         if entries:
-            journal.append((UNDO_CALL, _put_back_each, (entries,)))
+            journal.append((UNDO_CALL, _put_back_each, (request_id, entries)))
 
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
@@ -634,94 +681,27 @@ class SingleTypeManager:
         if last <= self.num_released.get(request_id, 0):
             return
         positions = self._skipped(request_id, num_computed_tokens)
-        null = self.null_block
-        pool = self.block_pool
         self.record_twins(twins, request_id)
         for twin in twins:
             twin.num_released[request_id] = last
-            if not positions:
-                continue
-            table = twin.req_to_blocks[request_id]
-            removed = [table[i] for i in positions]
+        if not positions:
+            return
+        null = self.null_block
+        tables = [twin.req_to_blocks[request_id] for twin in twins]
+        removed: list[list[KVCacheBlock]] = []
+        for table in tables:
+            blocks = []
             for i in positions:
+                blocks.append(table[i])
                 table[i] = null
-            pool.record(_put_at, table, positions, removed)
-            pool.free_blocks(removed)
-            if twin.holds_back:
-                twin._hold_back(request_id, positions, removed)
+            removed.append(blocks)
+        pool = self.block_pool
+        pool.record(_put_at_each, tables, positions, removed)
+        pool.free_each(removed)
+        if self.holds_back:
+            hold_back_twins(self, twins, request_id, positions, removed)
 
     _own_release_twins = release_twins
-
-    def _hold_back(
-        self,
-        request_id: str,
-        positions: Sequence[int],
-        removed: Sequence[KVCacheBlock],
-    ) -> None:
-        """Hold back the released blocks :meth:`kept_for_later` names
-        behind the held-back blocks and those :meth:`kept_if_room` names in
-        front of them, each the lowest position first (evicted first); a
-        group freed before the others (not :attr:`evicts_last`) remembers
-        them for :meth:`take_held_back`."""
-        kept = self.kept_for_later(request_id, positions, removed)
-        spare = self.kept_if_room(request_id, positions, removed)
-        if not kept and not spare:
-            return
-        # Lowest position first: the running request holds its whole
-        # attention prefix, so its longest hit points go last.
-        where = {id(block): pos for pos, block in zip(positions, removed, strict=True)}
-        seen: set[int] = set()
-        kept = self._checked_kept(request_id, kept, where, seen)
-        spare = self._checked_kept(request_id, spare, where, seen, "kept_if_room")
-        both = [*kept, *spare]
-        kept.sort(key=lambda block: where[id(block)])
-        spare.sort(key=lambda block: where[id(block)])
-        pool = self.block_pool
-        pool.hold_back(kept)
-        pool.hold_back_first(spare)
-        if self.evicts_last:
-            return
-        kept = both
-        held = self.held_back.get(request_id)
-        if held is None:
-            held = self.held_back[request_id] = []
-            pool.record(self.held_back.pop, request_id, None)
-        else:
-            pool.record(_truncate, held, len(held))
-        held += [(where[id(block)], block, block.key_hash) for block in kept]
-
-    def _checked_kept(
-        self,
-        request_id: str,
-        kept: Any,
-        where: dict[int, int],
-        seen: set[int],
-        method: str = "kept_for_later",
-    ) -> list[KVCacheBlock]:
-        """``method``'s answer as the core takes it: a list of distinct
-        blocks among those just released and not in ``seen`` (the ids named
-        so far, which it extends), else an error naming the manager class
-        (the pool is untouched: nothing is held back yet)."""
-        owner = f"{type(self).__module__}.{type(self).__qualname__}"
-        if not isinstance(kept, list):
-            msg = (
-                f"{owner}.{method} returned {type(kept).__name__} for "
-                f"request {request_id!r}; it must return a list of the released "
-                "blocks to hold back (or [])"
-            )
-            raise PluginResultError(msg, plugin_name=type(self).__module__)
-        for block in kept:
-            if id(block) not in where or id(block) in seen:
-                msg = (
-                    f"{owner}.{method} returned {block!r} for request "
-                    f"{request_id!r}, which is not one of the blocks it just "
-                    "released or is named twice (kept_for_later and "
-                    "kept_if_room together); return each released block to "
-                    "hold back once"
-                )
-                raise PluginResultError(msg, plugin_name=type(self).__module__)
-            seen.add(id(block))
-        return kept
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
@@ -760,15 +740,23 @@ def _put_at(
         blocks[i] = block
 
 
-def _put_back_each(entries: Sequence[tuple[Any, ...]]) -> None:
+def _put_back_each(request_id: str, entries: Sequence[tuple[Any, ...]]) -> None:
     """Undo :meth:`SingleTypeManager.record_twins`: :func:`_put_back` for
-    each twin, the last first."""
-    for args in reversed(entries):
-        _put_back(*args)
+    each twin (``(manager, table, its length or -1 for none, hashed count,
+    released count)``), the last first."""
+    for manager, blocks, length, cached, released in reversed(entries):
+        table = None if blocks is None else (blocks, length)
+        _put_back(manager, request_id, table, cached, released)
 
 
-def _truncate(items: list[Any], length: int) -> None:
-    del items[length:]
+def _put_at_each(
+    tables: Sequence[list[KVCacheBlock]],
+    positions: Sequence[int],
+    removed: Sequence[Sequence[KVCacheBlock]],
+) -> None:
+    """:func:`_put_at` for each twin's table."""
+    for blocks, blocks_removed in zip(tables, removed, strict=True):
+        _put_at(blocks, positions, blocks_removed)
 
 
 def _put_back(
@@ -837,4 +825,6 @@ _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
     ("allocate_new_blocks", "allocate_twins", _allocate_each),
     ("remove_skipped_blocks", "release_twins", _release_each),
     ("cache_blocks", "cache_twins", _cache_each),
+    ("kept_for_later", "kept_twins", kept_each),
+    ("kept_if_room", "kept_if_room_twins", kept_if_room_each),
 )

@@ -21,6 +21,7 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.step_ends import ChunkEnds, put_entry, replace_step_ends
 from kvcore.spec import HitPolicy, cdiv
 
 __all__ = ["CheckpointManager"]
@@ -86,7 +87,7 @@ class CheckpointManager(SingleTypeManager):
         #: hold another request's content.
         self.kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: request id -> interval states it kept while the group holds back
-        #: (see :meth:`kept_if_room`), each with the key it was cached under.
+        #: (see :meth:`kept_if_room_twins`), each with the key it was cached under.
         self.spaced: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
         #: hands the coordinator once.
@@ -95,7 +96,7 @@ class CheckpointManager(SingleTypeManager):
         self.branch: dict[str, int] = {}
         #: request id -> its targets that only the interval placed (thinned
         #: per step; kept like the others only where the group holds back,
-        #: see :meth:`kept_if_room`).
+        #: see :meth:`kept_if_room_twins`).
         self.grid: dict[str, frozenset[int]] = {}
         #: Shared states (branch points, and states more than one request
         #: resumed from) by the tokens they resume after: key -> block.
@@ -352,12 +353,14 @@ class CheckpointManager(SingleTypeManager):
             if len(twins) == 1
             else [new[i : i + need] for i in range(0, len(new), need)]
         )
+        if need == missing:
+            # Every missing position takes a block.
+            for twin, blocks in zip(twins, out, strict=True):
+                twin.req_to_blocks[request_id] += blocks
+            return out
         null = self.null_block
         for twin, blocks in zip(twins, out, strict=True):
             table = twin.req_to_blocks[request_id]
-            if self.keep_all:
-                table.extend(blocks)
-                continue
             extension = [null] * missing
             for pos, block in zip(inner, blocks, strict=False):
                 extension[pos - start] = block
@@ -422,21 +425,20 @@ class CheckpointManager(SingleTypeManager):
         # Twins are one class: CheckpointManagers like this one.
         states = cast("Sequence[CheckpointManager]", twins)
         if step_end:
-            # What keeping the step's end changes, recorded once for the
-            # class: the hashed counts and, where it replaces, the step ends.
+            # The hashed counts keeping the step's end changes, recorded once
+            # for the class (the step ends: see replace_step_ends).
             self.record_twins(states, rid)
-            if self._replaces:
-                self.block_pool.record(
-                    _put_entries,
-                    [(t.step_end, rid, t.step_end.get(rid)) for t in states],
-                )
+        if reached < 0 and not every:
+            replace_step_ends(self, states, request, pos)
+            return
+        # Each twin's states in turn, so events keep their order.
         for twin in states:
             if reached >= 0:
                 twin._reach_targets(request, num_tokens)
             if every:
                 twin._keep_every_state(request, num_tokens)
             elif step_end:
-                twin._replace_step_end(request, pos)
+                replace_step_ends(self, (twin,), request, pos)
 
     def _reach_targets(self, request: Request, num_tokens: int) -> None:
         """Keep the states of the targets ``num_tokens`` reaches."""
@@ -477,36 +479,6 @@ class CheckpointManager(SingleTypeManager):
             self._keep(request, blocks, pos, kept=False)
             pos += per_unit
 
-    def _replace_step_end(self, request: Request, pos: int) -> None:
-        """Keep the state at the step's end (table position ``pos``); with
-        the policy replacing step ends, the one before leaves the cache.
-        The caller has recorded the request's step end (see
-        :meth:`cache_twins`)."""
-        rid = request.request_id
-        blocks = self.req_to_blocks[rid]
-        block = self._keep(request, blocks, pos, kept=not self._replaces)
-        if block is None or not self._replaces:
-            return
-        previous = self.step_end.get(rid)
-        self.step_end[rid] = (pos, block, block.key_hash)
-        if previous is None or previous[1] is block:
-            return
-        if self.use_eagle:
-            # A hit that drops a block may end at the state before the
-            # newest: that one is kept, and the one before it replaced.
-            replaced = self.step_before.get(rid)
-            self._save(self.step_before, rid)
-            self.step_before[rid] = previous
-            if replaced is None:
-                return
-            previous = replaced
-        # The newer state replaces the older one for the next turn; it
-        # leaves the cache unless another request holds it.
-        old_pos, old, key = previous
-        in_table = old_pos < len(blocks) and blocks[old_pos] is old
-        if old.ref_cnt == (1 if in_table else 0) and self._holds(old, key):
-            self.block_pool.drop_from_cache(old)
-
     def _keep(
         self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool
     ) -> KVCacheBlock | None:
@@ -528,7 +500,7 @@ class CheckpointManager(SingleTypeManager):
                 # per hash chunk (the state at each chunk's end), so the key,
                 # its parent and the event's tokens all describe whole chunks.
                 ratio = self.hash_block_size // self.block_size
-                view: Sequence[KVCacheBlock] = _ChunkEnds(blocks, ratio)
+                view: Sequence[KVCacheBlock] = ChunkEnds(blocks, ratio)
                 index = (pos + 1) // ratio - 1
                 self.block_pool.cache_full_blocks(
                     block_hashes=chunks,
@@ -717,51 +689,62 @@ class CheckpointManager(SingleTypeManager):
             self._released_kept[request_id] = kept
         return blocks
 
-    def kept_for_later(
+    def kept_twins(
         self,
+        twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
-        """The released states the request keeps for later requests (its
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """The released states each twin keeps for later requests (its
         prompt end, branch point, step ends; not the interval states): held
         back until it is freed, then moved to the back of the eviction
         order (:meth:`take_released_checkpoints`)."""
-        kept = self.kept.get(request_id)
-        ends = [
-            entry[1:]
-            for entry in (
-                self.step_end.get(request_id),
-                self.step_before.get(request_id),
-            )
-            if entry is not None
-        ]
-        if not kept and not ends:
-            return []
-        keep = {
-            id(block)
-            for block, key in (*(kept or ()), *ends)
-            if self._holds(block, key)
-        }
-        return [block for block in released if id(block) in keep]
+        out: list[list[KVCacheBlock]] = []
+        states = cast("Sequence[CheckpointManager]", twins)
+        for twin, released in zip(states, removed, strict=True):
+            kept = twin.kept.get(request_id)
+            end = twin.step_end.get(request_id)
+            before = twin.step_before.get(request_id)
+            mine: list[KVCacheBlock] = []
+            out.append(mine)
+            if not kept and end is None and before is None:
+                continue
+            gid = twin.kv_cache_group_id
+            for block in released:
+                key = block.key_hash
+                if key is None or block.key_group != gid:
+                    continue  # held under no key of this group: not kept
+                if (
+                    (end is not None and end[1] is block and end[2] == key)
+                    or (before is not None and before[1] is block and before[2] == key)
+                    or (kept and any(b is block and k == key for b, k in kept))
+                ):
+                    mine.append(block)
+        return out
 
-    def kept_if_room(
+    def kept_if_room_twins(
         self,
+        twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
-        """The released interval states the request kept (where the group
-        holds back): held back in front of the states
-        :meth:`kept_for_later` names until it is freed, then moved to the
-        back of the eviction order with them (a request branching from
-        the running prompt resumes at the interval state below its
-        branch)."""
-        spaced = self.spaced.get(request_id)
-        if not spaced:
-            return []
-        keep = {id(block) for block, key in spaced if self._holds(block, key)}
-        return [block for block in released if id(block) in keep]
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """The released interval states each twin kept (where the group
+        holds back): held back in front of the states :meth:`kept_twins`
+        names until the request is freed, then moved to the back of the
+        eviction order with them (a request branching from the running
+        prompt resumes at the interval state below its branch)."""
+        out: list[list[KVCacheBlock]] = []
+        states = cast("Sequence[CheckpointManager]", twins)
+        for twin, released in zip(states, removed, strict=True):
+            spaced = twin.spaced.get(request_id)
+            if not spaced:
+                out.append([])
+                continue
+            keep = {id(block) for block, key in spaced if twin._holds(block, key)}
+            out.append([block for block in released if id(block) in keep])
+        return out
 
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """The states the freed request kept for later requests that sit
@@ -780,7 +763,7 @@ class CheckpointManager(SingleTypeManager):
             value = store.get(request_id)
             if type(value) is list:
                 value = list(value)
-            self.block_pool.record_undo(partial(_put_entry, store, request_id, value))
+            self.block_pool.record_undo(partial(put_entry, store, request_id, value))
 
     def _holds(self, block: KVCacheBlock, key: Any) -> bool:
         """Whether ``block`` is still cached as the state this group kept
@@ -847,39 +830,3 @@ class CheckpointManager(SingleTypeManager):
                 return [[*pad, block] for block in cached]
             end -= step
         return [[] for _ in query.group_ids]
-
-
-def _put_entries(entries: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
-    """Put back several stores' entries (see :meth:`CheckpointManager._save`)."""
-    for store, request_id, value in entries:
-        _put_entry(store, request_id, value)
-
-
-def _put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
-    if value is None:
-        store.pop(request_id, None)
-    else:
-        store[request_id] = value
-
-
-class _ChunkEnds(Sequence[KVCacheBlock]):
-    """A checkpoint table finer than the hash block, one entry per hash
-    chunk: the block holding the state at the chunk's end."""
-
-    def __init__(self, blocks: Sequence[KVCacheBlock], ratio: int) -> None:
-        self._blocks = blocks
-        self._ratio = ratio
-        self._len = len(blocks) // ratio
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._len))]
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            msg = f"chunk {index} out of range for {self._len} chunks"
-            raise IndexError(msg)
-        return self._blocks[(index + 1) * self._ratio - 1]
