@@ -499,3 +499,41 @@ def test_a_running_hybrid_holds_its_interval_states_for_a_branching_request() ->
         i += 1
     b = Request("b", [*tokens(1100), *tokens(100, 5 * 10**6)], hash_block_size=BS)
     assert mgr.get_computed_blocks(b)[1] == 1024
+
+
+def test_twin_state_groups_hold_their_interval_states_as_one_call_per_group() -> None:
+    """Two twin state groups beside full attention: A's interval states at
+    1024 and 2048, released as its prefill moves on, are held back in
+    front of its other kept states in both groups at once, as one pool
+    call per group leaves them (each step's in front of the earlier
+    steps', the second group's in front of the first's); freed, they move
+    to the back with the prompt end."""
+    mgr = setup.manager_for(
+        [setup.fa(BS), mamba(), mamba()],
+        400,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
+    twins = [state(mgr, 1), state(mgr, 2)]
+    assert all(m.holds_back for m in twins)
+    a = Request("a", tokens(2600), hash_block_size=BS)
+    for n in (1000, 1000, 600):
+        assert mgr.allocate_slots(a, n) is not None
+        a.num_computed_tokens += n
+    a.append_output_token_ids(7)
+    assert mgr.allocate_slots(a, 1) is not None
+    a.num_computed_tokens += 1
+    spaced = [
+        [mgr.block_pool.lookup(a.block_hashes[i], g) for i in (63, 127)] for g in (1, 2)
+    ]
+    assert all(b is not None for blocks in spaced for b in blocks)
+    held = mgr.block_pool.free_queue.held_blocks()
+    # Each step's in front of the steps' before: 2048's (released by the
+    # third chunk) before 1024's (the second).
+    (s1_1024, s1_2048), (s2_1024, s2_2048) = spaced
+    assert held[:4] == [s2_2048, s1_2048, s2_1024, s1_1024]
+    mgr.free(a)
+    # Freed, they follow the prompt end to the back in both groups.
+    assert mgr.block_pool.free_queue.held_blocks() == []
+    back = mgr.block_pool.free_queue.get_all_free_blocks()[-12:]
+    assert {s1_1024, s1_2048, s2_1024, s2_2048} <= set(back)

@@ -347,3 +347,79 @@ def test_kept_twins_answers_one_list_per_twin() -> None:
         mgr.allocate_slots(a, 1)
     assert "_KeepsNoListPerTwin" in str(info.value)
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsNoListPerTwinIfRoom(SlidingWindowManager):
+    """A window manager whose ``kept_if_room_twins`` answers with one flat
+    list instead of a list per twin."""
+
+    def kept_if_room_twins(
+        self,
+        twins: Sequence[Any],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        return [block for released in removed for block in released]  # type: ignore[misc]
+
+
+def test_kept_if_room_twins_answers_one_list_per_twin() -> None:
+    """The class form of ``kept_if_room`` is checked as ``kept_twins`` is:
+    an answer that is not one list per twin is refused with an error
+    naming the class and the method, and the step changes nothing."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsNoListPerTwinIfRoom
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    a.append_output_token_ids(900)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="kept_if_room_twins returned") as info:
+        mgr.allocate_slots(a, 1)
+    assert "_KeepsNoListPerTwinIfRoom" in str(info.value)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsTheRestIfRoom(SlidingWindowManager):
+    """A window manager that overrides only the one-group ``kept_if_room``:
+    it keeps, if room, every released block ``kept_for_later`` leaves."""
+
+    asked: ClassVar[list[int]] = []
+
+    def kept_if_room(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        self.asked.append(self.kv_cache_group_id)
+        kept = self.kept_for_later(request_id, positions, released)
+        return [block for block in released if block not in kept]
+
+
+def test_twins_overriding_only_kept_if_room_are_asked_group_by_group() -> None:
+    """Two twin window groups whose class overrides only ``kept_if_room``
+    are asked group by group, in group order, and the blocks they name are
+    held back in front of the ``kept_for_later`` ones as one pool call per
+    group leaves them: the last group's in front, each lowest position
+    first; the ``kept_for_later`` blocks behind, in group order."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsTheRestIfRoom
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = small_manager([fa(4), sw(4, 8), sw(4, 8)], 40, registry=registry)
+    _KeepsTheRestIfRoom.asked.clear()
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 1)
+    assert _KeepsTheRestIfRoom.asked == [1, 2]
+    # The first decode step moved each window past blocks 0 and 1: block 1
+    # completes the hit at 12 tokens (kept_for_later), block 0 none.
+    tables = [mgr.coordinator.single_type_managers[g].held_back["a"] for g in (1, 2)]
+    assert [[pos for pos, _, _ in held] for held in tables] == [[1, 0], [1, 0]]
+    (k1, s1), (k2, s2) = ([block for _, block, _ in held] for held in tables)
+    assert mgr.block_pool.free_queue.held_blocks() == [s2, s1, k1, k2]
