@@ -292,6 +292,31 @@ def test_free_hashed_blocks_go_to_the_back_in_given_order() -> None:
     assert free_ids(p) == [4, 5, 3, 2, 1]
 
 
+def test_held_back_first_blocks_go_before_the_other_held_back_ones() -> None:
+    """Blocks held back with ``hold_back_first`` leave after every queued
+    block and before every block held back with ``hold_back``, in the
+    given order; a rollback puts them back where they were."""
+    p = pool(8)
+    a = p.get_new_blocks(5)  # 1 2 3 4 5; queue 6 7
+    p.cache_full_blocks(
+        block_hashes=[h(i) for i in range(1, 6)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=5,
+        group_id=0,
+    )
+    p.free_blocks(a)  # queue 6 7 1 2 3 4 5
+    p.hold_back([a[0]])
+    p.begin()
+    p.hold_back_first([a[2], a[1]])
+    assert free_ids(p) == [6, 7, 4, 5, 3, 2, 1]
+    assert ids(p.free_queue.held_blocks()) == [3, 2, 1]
+    p.rollback()
+    assert free_ids(p) == [6, 7, 2, 3, 4, 5, 1]
+    p.hold_back_first([a[2], a[1]])
+    assert ids(p.get_new_blocks(6)) == [6, 7, 4, 5, 3, 2]
+
+
 def test_free_mixed_blocks_split_front_and_back() -> None:
     p = pool(8)
     a = p.get_new_blocks(4)  # 1 2 3 4; queue 5 6 7

@@ -254,12 +254,13 @@ def test_the_first_request_sharing_a_new_prefix_resumes_at_an_interval_state() -
     assert run(mgr, c, [1]) == 1488
 
 
-def test_interval_states_are_evicted_before_the_prefix_they_sit_in() -> None:
-    """Kept prompt ends go to the back of the eviction order after the
-    request's attention blocks; interval states stay where their release
-    put them: a prefill in 1000-token chunks releases them after the step
-    that passed them, ahead of the attention blocks of the prefix they sit
-    in."""
+def test_interval_states_of_a_hybrid_follow_its_prompt_end_to_the_back() -> None:
+    """On a hybrid (its state group holds back), a prefill in 1000-token
+    chunks releases the interval states after the step that passed them;
+    they are held back while the request runs (a request branching from
+    its prompt resumes there) and, once it is freed, go to the back of the
+    eviction order with the kept prompt end, after the request's attention
+    blocks."""
     mgr = hybrid(num_blocks=1000)
     a = Request("a", tokens(2600), hash_block_size=BS)
     run(mgr, a, [1], chunk=1000)
@@ -272,12 +273,10 @@ def test_interval_states_are_evicted_before_the_prefix_they_sit_in() -> None:
     first_attention = min(where[b.block_id] for b in attention if b is not None)
     last_attention = max(where[b.block_id] for b in attention if b is not None)
     at_1024, at_2048 = (where[b.block_id] for b in interval if b is not None)
-    # 1024 was released by the third step; 2048, inside the last step, with
-    # the request.
-    assert at_1024 < first_attention
+    assert first_attention < last_attention
     assert prompt_end is not None
-    assert where[prompt_end.block_id] > last_attention
-    assert at_2048 < where[prompt_end.block_id]
+    assert last_attention < min(where[prompt_end.block_id], at_1024, at_2048)
+    assert pool.free_queue.held_blocks() == []
 
 
 def test_a_long_step_keeps_at_most_interval_per_step_interval_states() -> None:
@@ -475,3 +474,66 @@ def test_a_connector_admission_counts_no_hold_it_does_not_take() -> None:
     )
     assert free - mgr.get_num_free_blocks() == planned
     assert "x" not in state(mgr).pinned
+
+
+def test_a_running_hybrid_holds_its_interval_states_for_a_branching_request() -> None:
+    """A (2600 tokens, prefilled in 1000-token chunks) keeps interval states
+    at 1024 and 2048; released as its prefill moves on, they are held back
+    while it runs (``kept_if_room``).  B shares A's first 1100 tokens only
+    and arrives once every other free block is taken: it resumes at 1024,
+    from A's attention prefix and the held interval state."""
+    mgr = hybrid(num_blocks=400)
+    a = Request("a", tokens(2600), hash_block_size=BS)
+    for n in (1000, 1000, 600):
+        assert mgr.allocate_slots(a, n) is not None
+        a.num_computed_tokens += n
+    a.append_output_token_ids(7)
+    assert mgr.allocate_slots(a, 1) is not None
+    a.num_computed_tokens += 1
+    held = mgr.block_pool.free_queue.held_blocks()
+    assert {mgr.block_pool.lookup(a.block_hashes[i], 1) for i in (63, 127)} <= set(held)
+    i = 0
+    while mgr.get_num_free_blocks() >= len(held) + 2:
+        f = Request(f"f{i}", tokens(15, 10**6 + 16 * i), hash_block_size=BS)
+        assert mgr.allocate_slots(f, 15) is not None
+        i += 1
+    b = Request("b", [*tokens(1100), *tokens(100, 5 * 10**6)], hash_block_size=BS)
+    assert mgr.get_computed_blocks(b)[1] == 1024
+
+
+def test_twin_state_groups_hold_their_interval_states_as_one_call_per_group() -> None:
+    """Two twin state groups beside full attention: A's interval states at
+    1024 and 2048, released as its prefill moves on, are held back in
+    front of its other kept states in both groups at once, as one pool
+    call per group leaves them (each step's in front of the earlier
+    steps', the second group's in front of the first's); freed, they move
+    to the back with the prompt end."""
+    mgr = setup.manager_for(
+        [setup.fa(BS), mamba(), mamba()],
+        400,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
+    twins = [state(mgr, 1), state(mgr, 2)]
+    assert all(m.holds_back for m in twins)
+    a = Request("a", tokens(2600), hash_block_size=BS)
+    for n in (1000, 1000, 600):
+        assert mgr.allocate_slots(a, n) is not None
+        a.num_computed_tokens += n
+    a.append_output_token_ids(7)
+    assert mgr.allocate_slots(a, 1) is not None
+    a.num_computed_tokens += 1
+    spaced = [
+        [mgr.block_pool.lookup(a.block_hashes[i], g) for i in (63, 127)] for g in (1, 2)
+    ]
+    assert all(b is not None for blocks in spaced for b in blocks)
+    held = mgr.block_pool.free_queue.held_blocks()
+    # Each step's in front of the steps' before: 2048's (released by the
+    # third chunk) before 1024's (the second).
+    (s1_1024, s1_2048), (s2_1024, s2_2048) = spaced
+    assert held[:4] == [s2_2048, s1_2048, s2_1024, s1_1024]
+    mgr.free(a)
+    # Freed, they follow the prompt end to the back in both groups.
+    assert mgr.block_pool.free_queue.held_blocks() == []
+    back = mgr.block_pool.free_queue.get_all_free_blocks()[-12:]
+    assert {s1_1024, s1_2048, s2_1024, s2_2048} <= set(back)

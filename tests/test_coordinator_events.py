@@ -465,11 +465,13 @@ def test_hybrid_run_cached_evicted_and_reset() -> None:
         fa_stored(ha, None, prompt, (1, 2, 3, 4)),
         sw_stored(ha[1:], ha[0], prompt[4:], (5, 6, 7)),
     ]
-    mgr.free(a)  # tail first: full attention's 4 3 2 1, then the window's 7 6 5
+    # Tail first by hit point: each position's full-attention block, then
+    # its window block: 4 7 3 6 2 5 1.
+    mgr.free(a)
     assert mgr.get_num_free_blocks() == 12
 
     # 24 new tokens take 6 full-attention and 6 window blocks: all 12 free
-    # ones in queue order 8 9 10 11 12 4 | 3 2 1 7 6 5, so every one of a's 7
+    # ones in queue order 8 9 10 11 12 4 | 7 3 6 2 5 1, so every one of a's 7
     # cached blocks is evicted as it is handed out, before b's are stored.
     other = list(range(900, 924))
     b = Request("b", other, hash_block_size=4)
@@ -477,18 +479,18 @@ def test_hybrid_run_cached_evicted_and_reset() -> None:
     hit, num_hit = mgr.get_computed_blocks(b)
     assert num_hit == 0
     assert mgr.allocate_slots(b, 24, num_hit, hit) is not None
-    assert mgr.get_block_ids("b") == ([8, 9, 10, 11, 12, 4], [3, 2, 1, 7, 6, 5])
+    assert mgr.get_block_ids("b") == ([8, 9, 10, 11, 12, 4], [7, 3, 6, 2, 5, 1])
     got = mgr.take_events()
     assert got == [
         BlockRemoved((ha[3],), 0),  # block 4
-        BlockRemoved((ha[2],), 0),  # blocks 3 2 1, taken by the window
-        BlockRemoved((ha[1],), 0),
-        BlockRemoved((ha[0],), 0),
-        BlockRemoved((ha[3],), 1),  # blocks 7 6 5
+        BlockRemoved((ha[3],), 1),  # blocks 7 3 6 2 5 1, taken by the window
+        BlockRemoved((ha[2],), 0),
         BlockRemoved((ha[2],), 1),
+        BlockRemoved((ha[1],), 0),
         BlockRemoved((ha[1],), 1),
+        BlockRemoved((ha[0],), 0),
         fa_stored(hb, None, other, (8, 9, 10, 11, 12, 4)),
-        sw_stored(hb, None, other, (3, 2, 1, 7, 6, 5)),
+        sw_stored(hb, None, other, (7, 3, 6, 2, 5, 1)),
     ]
     mgr.free(b)
     assert mgr.reset_prefix_cache() is True

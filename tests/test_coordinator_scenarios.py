@@ -790,13 +790,14 @@ class TestRefusedAllocation:
         # ring [8].
         assert ids(mgr, "a") == ([1, 2, 3], [4, 5, 6], [0, 0, 7], [8])
         mgr.free(a)
-        # Ring 8 is unhashed -> front; then 9..15; then FA 3,2,1; SW 6,5,4;
-        # Mamba 7 (group order, each tail first).
-        assert free_ids(mgr) == [8, *range(9, 16), 3, 2, 1, 6, 5, 4, 7]
+        # Ring 8 is unhashed -> front; then 9..15; then a's blocks by hit
+        # point, tail first, each position's FA block then its SW block:
+        # 3,6; 2,5; 1,4; last Mamba 7, the prompt-end state a kept.
+        assert free_ids(mgr) == [8, *range(9, 16), 3, 6, 2, 5, 1, 4, 7]
         # A 12-token filler: FA 3 + SW 3 + Mamba 1 + ring 1 = 8 blocks.
         f = req("f", range(9000, 9012))
         admit(mgr, f)
-        assert free_ids(mgr) == [3, 2, 1, 6, 5, 4, 7]
+        assert free_ids(mgr) == [3, 6, 2, 5, 1, 4, 7]
 
         b = req("b", [*T[:12], 50, 51, 52, 53, 54])  # 17 tokens
         blocks, hit = mgr.get_computed_blocks(b)

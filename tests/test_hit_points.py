@@ -18,7 +18,7 @@ from coordinator_setup import fa, small_manager, small_request, sw
 
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheBlock, KVCacheManager, Request
-from kvcore.errors import KvcoreError, PluginResultError
+from kvcore.errors import KvcoreError, PluginError, PluginResultError
 from kvcore_full_attention import FullAttention
 from kvcore_sliding_window import SlidingWindow
 from kvcore_sliding_window.manager import SlidingWindowManager
@@ -26,10 +26,10 @@ from kvcore_sliding_window.manager import SlidingWindowManager
 PROMPT = list(range(100, 116))  # 16 tokens: 4 blocks of 4
 
 
-def _window_hybrid(num_blocks: int) -> KVCacheManager:
+def _window_hybrid(num_blocks: int, **kw: Any) -> KVCacheManager:
     """Full attention (group 0) beside an 8-token sliding window (group 1),
-    4-token blocks."""
-    return small_manager([fa(4), sw(4, 8)], num_blocks)
+    4-token blocks (``kw``: :func:`small_manager`'s)."""
+    return small_manager([fa(4), sw(4, 8)], num_blocks, **kw)
 
 
 def _run_prompt_and_decode(mgr: KVCacheManager, req: Request, decodes: int) -> None:
@@ -95,9 +95,10 @@ def test_a_running_requests_released_window_blocks_outlive_other_free_blocks() -
 
 def test_a_freed_requests_held_back_blocks_rejoin_its_table() -> None:
     """Freed, A's window blocks it held back rejoin its window table at
-    their positions: each group's blocks go to the back of the eviction
-    order tail first, the groups in order, as if the window had never
-    released them."""
+    their positions, as if the window had never released them, and A's
+    blocks go to the back of the eviction order by hit point: the tail
+    first, each position's full-attention block just before its window
+    block (the groups in order)."""
     mgr = _window_hybrid(64)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 8)
@@ -110,8 +111,80 @@ def test_a_freed_requests_held_back_blocks_rejoin_its_table() -> None:
     # held back 1-3 (lowest position first); position 0 went to the
     # queue's back when the window left it.
     assert len(full) == 6
-    expected = [*full[::-1], window[5], window[4], *held[::-1]]
+    assert window[1:4] == [mgr.block_pool.null_block] * 3
+    rejoined = [window[0], *held, window[4], window[5]]
+    expected = [b for pos in range(5, 0, -1) for b in (full[pos], rejoined[pos])]
+    expected.append(full[0])
     assert _free_order(mgr)[-len(expected) :] == expected
+
+
+def test_eviction_takes_a_freed_hybrids_hit_points_whole_from_the_tail() -> None:
+    """Freed, A leaves 11 blocks in the cache (full attention 0-5, window
+    1-5).  The pool then hands out all but 7 free blocks, taking A's 4
+    newest in the eviction order: full attention 5 and 4 and the window
+    blocks beside them.  What is left still serves a hit at A's prompt end
+    (16 tokens: full attention 0-3, the window's 2 and 3); group by group,
+    the same 4 evictions would have left window blocks beside no
+    attention prefix."""
+    mgr = _window_hybrid(64)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 8)
+    full, _ = mgr.get_blocks("a").blocks
+    mgr.free(a)
+    _fill(mgr, leave=7)
+    assert mgr.get_num_free_blocks() == 7
+    assert all(block.key_hash is None for block in full[4:])
+    b = small_request("b", [*PROMPT, 7])
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 16
+    assert blocks.blocks[0] == full[:4]
+
+
+def _grid_run(mgr: KVCacheManager) -> int:
+    """A (an 80-token prompt) computes its prompt and one more token while
+    every other free block is taken; B shares A's first 60 tokens only:
+    its hit."""
+    prompt = list(range(100, 180))
+    a = small_request("a", prompt)
+    _run_prompt_and_decode(mgr, a, 1)
+    held = mgr.block_pool.free_queue.held_blocks()
+    _fill(mgr, leave=len(held))
+    b = small_request("b", [*prompt[:60], *range(500, 520)])
+    return mgr.get_computed_blocks(b)[1]
+
+
+def test_a_running_request_keeps_the_window_at_every_grid_point() -> None:
+    """The window reads 7 tokens, so a running request also keeps the
+    window before every 56 tokens (eight times that, on the 4-token hit
+    alignment) of its prompt.  B branches from A's prompt at 60 tokens,
+    a point A did not foresee, while A runs and nothing else is free: it
+    still resumes at 56 tokens, A's attention prefix and the window
+    blocks A held back there."""
+    mgr = _window_hybrid(64, max_model_len=128)
+    window = mgr.coordinator.single_type_managers[1]
+    assert isinstance(window, SlidingWindowManager)
+    assert window.hold_interval == 56
+    assert _grid_run(mgr) == 56
+
+
+class _NoGrid(SlidingWindowManager):
+    """A third party's window manager that keeps no grid."""
+
+    def hold_every(self, spec: object) -> int:
+        return 0
+
+
+def test_a_window_manager_without_a_grid_keeps_only_its_hit_points() -> None:
+    """The same run with a window manager whose ``hold_every`` is 0: A
+    keeps only its prompt end's window, and B gets no hit."""
+
+    class Window(SlidingWindow):
+        manager_type = _NoGrid
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(64, max_model_len=128, registry=registry)
+    assert mgr.coordinator.single_type_managers[1].hold_interval == 0
+    assert _grid_run(mgr) == 0
 
 
 def test_a_one_group_plan_frees_tail_first_as_before() -> None:
@@ -180,6 +253,68 @@ def test_kept_for_later_is_checked_where_it_enters_the_core(
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
 
 
+class _ReadsWrongly(SlidingWindowManager):
+    """A third party's window manager whose ``shortest_hit_reading`` raises."""
+
+    def shortest_hit_reading(self, position: int) -> int:
+        msg = f"no reading for position {position}"
+        raise RuntimeError(msg)
+
+
+def test_shortest_hit_reading_is_checked_where_it_enters_the_core() -> None:
+    """Freeing a hybrid request whose window manager raises in
+    ``shortest_hit_reading`` is refused with an error naming the manager,
+    and the request keeps its blocks."""
+
+    class Window(SlidingWindow):
+        manager_type = _ReadsWrongly
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(40, registry=registry)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 2)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginError, match="shortest_hit_reading") as info:
+        mgr.free(a)
+    assert "_ReadsWrongly" in str(info.value)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsIfRoomTwice(SlidingWindowManager):
+    """A third party's window manager whose ``kept_if_room`` names the
+    blocks ``kept_for_later`` names as well."""
+
+    def kept_if_room(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        return self.kept_for_later(request_id, positions, released)
+
+
+def test_kept_if_room_may_not_name_a_block_kept_for_later_names() -> None:
+    """A block named by both hooks is refused with an error naming the
+    manager and ``kept_if_room``, and the step changes nothing."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsIfRoomTwice
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(40, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    # The first decode step moves the window past blocks 0 and 1; a hit at
+    # 12 tokens (before the prompt's last token) reads block 1: named twice.
+    a.append_output_token_ids(900)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="kept_if_room") as info:
+        mgr.allocate_slots(a, 1)
+    assert "_KeepsIfRoomTwice" in str(info.value)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
 class _KeepsNoListPerTwin(SlidingWindowManager):
     """A window manager whose ``kept_twins`` answers with one flat list
     instead of a list per twin."""
@@ -212,3 +347,79 @@ def test_kept_twins_answers_one_list_per_twin() -> None:
         mgr.allocate_slots(a, 1)
     assert "_KeepsNoListPerTwin" in str(info.value)
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsNoListPerTwinIfRoom(SlidingWindowManager):
+    """A window manager whose ``kept_if_room_twins`` answers with one flat
+    list instead of a list per twin."""
+
+    def kept_if_room_twins(
+        self,
+        twins: Sequence[Any],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        return [block for released in removed for block in released]  # type: ignore[misc]
+
+
+def test_kept_if_room_twins_answers_one_list_per_twin() -> None:
+    """The class form of ``kept_if_room`` is checked as ``kept_twins`` is:
+    an answer that is not one list per twin is refused with an error
+    naming the class and the method, and the step changes nothing."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsNoListPerTwinIfRoom
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    a.append_output_token_ids(900)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="kept_if_room_twins returned") as info:
+        mgr.allocate_slots(a, 1)
+    assert "_KeepsNoListPerTwinIfRoom" in str(info.value)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _KeepsTheRestIfRoom(SlidingWindowManager):
+    """A window manager that overrides only the one-group ``kept_if_room``:
+    it keeps, if room, every released block ``kept_for_later`` leaves."""
+
+    asked: ClassVar[list[int]] = []
+
+    def kept_if_room(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        self.asked.append(self.kv_cache_group_id)
+        kept = self.kept_for_later(request_id, positions, released)
+        return [block for block in released if block not in kept]
+
+
+def test_twins_overriding_only_kept_if_room_are_asked_group_by_group() -> None:
+    """Two twin window groups whose class overrides only ``kept_if_room``
+    are asked group by group, in group order, and the blocks they name are
+    held back in front of the ``kept_for_later`` ones as one pool call per
+    group leaves them: the last group's in front, each lowest position
+    first; the ``kept_for_later`` blocks behind, in group order."""
+
+    class Window(SlidingWindow):
+        manager_type = _KeepsTheRestIfRoom
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = small_manager([fa(4), sw(4, 8), sw(4, 8)], 40, registry=registry)
+    _KeepsTheRestIfRoom.asked.clear()
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 1)
+    assert _KeepsTheRestIfRoom.asked == [1, 2]
+    # The first decode step moved each window past blocks 0 and 1: block 1
+    # completes the hit at 12 tokens (kept_for_later), block 0 none.
+    tables = [mgr.coordinator.single_type_managers[g].held_back["a"] for g in (1, 2)]
+    assert [[pos for pos, _, _ in held] for held in tables] == [[1, 0], [1, 0]]
+    (k1, s1), (k2, s2) = ([block for _, block, _ in held] for held in tables)
+    assert mgr.block_pool.free_queue.held_blocks() == [s2, s1, k1, k2]

@@ -450,6 +450,14 @@ class BlockPool(TwinPoolOps):
         one back in the queue."""
         self._move_free(blocks, self.free_queue.hold)
 
+    def hold_back_first(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """:meth:`hold_back`, but in front of the held-back blocks (in the
+        given order): evicted once no other free block is left, before
+        every block held back with :meth:`hold_back` (blocks kept only
+        while the pool has room for them)."""
+        queue = self.free_queue
+        self._move_free(blocks[::-1], lambda block: queue.prepend_held_n([block]))
+
     def _move_free(
         self, blocks: Sequence[KVCacheBlock], put: Callable[[KVCacheBlock], None]
     ) -> None:

@@ -17,6 +17,7 @@ import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.declared import check_manager, declared_policy
+from kvcore.coordinator.free_order import by_hit_points
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import (
@@ -283,6 +284,9 @@ class KVCacheCoordinator:
         #: held-back blocks rejoin their group's table (state groups move
         #: theirs to the back, see :meth:`_refresh_checkpoints`).
         self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
+        #: Two or more caching groups: a freed request's blocks are queued
+        #: by hit point (see :mod:`kvcore.coordinator.free_order`).
+        self._by_hit_points = sum(m.caching for m in managers) > 1
         self.num_groups = len(managers)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
@@ -679,7 +683,7 @@ class KVCacheCoordinator:
             self.partial.register(request, num_tokens)
 
     def free(self, request_id: str) -> None:
-        """Free every group's blocks at once, each group's tail first."""
+        """Free every group's blocks at once, the tail first."""
         freed = self._pop_tables(request_id)
         if freed:
             self.block_pool.free_table(freed)
@@ -695,13 +699,15 @@ class KVCacheCoordinator:
         return freed
 
     def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
-        """Every group's blocks of the request, each group's tail first, the
-        groups in free order (the tables joined last group first), as
-        :meth:`BlockPool.free_table` takes them; the blocks the request
-        held back rejoin their group's table (see :meth:`_rejoin_held_back`)."""
+        """The request's blocks as :meth:`BlockPool.free_table` takes them:
+        by hit point across caching groups (:func:`by_hit_points`), else
+        group by group in free order, each tail first; the blocks it held
+        back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
         tables = self._each(self._free_order, "pop_blocks", request_id)
         if self._holding:
             self._rejoin_held_back(request_id, tables)
+        if self._by_hit_points:
+            return by_hit_points(self._free_order, tables, self.plugin_error)
         freed: list[KVCacheBlock] = []
         for blocks in reversed(tables):
             if blocks:

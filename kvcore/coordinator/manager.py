@@ -20,9 +20,9 @@ import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.hold_back import hold_back_twins, kept_each, kept_if_room_each
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twin_ops import UNDO_CALL
-from kvcore.errors import PluginResultError
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -105,9 +105,11 @@ class SingleTypeManager:
     #: Whether the coordinator calls :meth:`plan_checkpoints` when a request
     #: is admitted (state kinds that keep chosen positions).
     plans_checkpoints: ClassVar[bool] = False
-    #: Whether a freed request's blocks of this group go to the back of the
-    #: eviction order, after the other groups' (a state a hit cannot do
-    #: without, worth more than any one block of a token-indexed group).
+    #: Whether this group comes last in the free order: a freed request's
+    #: blocks of it go behind the other groups' that the same shortest hit
+    #: reads (see :meth:`shortest_hit_reading`), or behind all of theirs
+    #: beside groups that do not cache (a state a hit cannot do without,
+    #: worth more than any one block of a token-indexed group).
     evicts_last: ClassVar[bool] = False
     #: Whether the manager's tables take copy-on-write partial hits (see
     #: :mod:`kvcore.coordinator.partial`): position-indexed, every block kept,
@@ -183,11 +185,12 @@ class SingleTypeManager:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class's twin steps, chosen once when it is defined: its own
-        :meth:`allocate_twins`, :meth:`release_twins` and :meth:`cache_twins`
-        where it defines them; where it overrides only the one-group step
+        :meth:`allocate_twins`, :meth:`release_twins`, :meth:`cache_twins`,
+        :meth:`kept_twins` and :meth:`kept_if_room_twins` where it defines
+        them; where it overrides only the one-group step
         (:meth:`allocate_new_blocks`, :meth:`remove_skipped_blocks`,
-        :meth:`cache_blocks`), its twins are stepped group by group
-        through that override.  The one-group step of a class that does not
+        :meth:`cache_blocks`, :meth:`kept_for_later`, :meth:`kept_if_room`),
+        its twins are stepped group by group through that override.  The one-group step of a class that does not
         override it runs the twin step it inherits over the group alone."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)
@@ -270,6 +273,38 @@ class SingleTypeManager:
 
     _own_kept_twins = kept_twins
 
+    def kept_if_room(
+        self,
+        request_id: str,
+        positions: Sequence[int],
+        released: Sequence[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        """Like :meth:`kept_for_later` (and never naming a block it names),
+        the released blocks kept for hits that are less likely (a grid of
+        points where a later request may branch): held back in front of
+        the others, so they are evicted before any block
+        :meth:`kept_for_later` names, and after every other free block
+        (:meth:`kept_if_room_twins` over this group alone).  None by
+        default."""
+        spare = type(self)._own_kept_if_room_twins(
+            self, (self,), request_id, positions, [released]
+        )
+        return spare[0]
+
+    def kept_if_room_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """:meth:`kept_if_room` in each of ``twins``, as :meth:`kept_twins`
+        is :meth:`kept_for_later`'s: one list per twin.  A subclass that
+        changes what is kept if room overrides this method."""
+        return [[] for _ in twins]
+
+    _own_kept_if_room_twins = kept_if_room_twins
+
     def take_held_back(self, request_id: str) -> list[tuple[int, KVCacheBlock]]:
         """When the request is freed: ``(table position, block)`` of the
         blocks it held back that sit free still holding the key they were
@@ -290,6 +325,18 @@ class SingleTypeManager:
         that were released earlier and sit free; the coordinator moves them
         to the back of the eviction order.  None by default."""
         return []
+
+    def shortest_hit_reading(self, position: int) -> int:
+        """The fewest tokens a hit must cover to read the block at table
+        ``position``.  A freed request's blocks of every group are queued
+        for eviction by it, the highest first (see
+        :mod:`kvcore.coordinator.free_order`), so eviction takes its hit
+        points whole from the tail.  Default: every hit past the block's
+        first token reads it (``position * block_size + 1``); a block of a
+        table not indexed by position, every hit (1)."""
+        if not self.position_indexed:
+            return 1
+        return position * self.block_size + 1
 
     # -- allocation -----------------------------------------------------------
 
@@ -652,104 +699,9 @@ class SingleTypeManager:
         pool.record(_put_at_each, tables, positions, removed)
         pool.free_each(removed)
         if self.holds_back:
-            self._hold_back_twins(twins, request_id, positions, removed)
+            hold_back_twins(self, twins, request_id, positions, removed)
 
     _own_release_twins = release_twins
-
-    def _hold_back_twins(
-        self,
-        twins: Sequence[SingleTypeManager],
-        request_id: str,
-        positions: Sequence[int],
-        removed: Sequence[Sequence[KVCacheBlock]],
-    ) -> None:
-        """Hold back the released blocks each twin's :meth:`kept_for_later`
-        names, in group order, each twin's lowest position first (evicted
-        first); a group freed before the others (not :attr:`evicts_last`)
-        remembers them for :meth:`take_held_back`."""
-        held: list[KVCacheBlock] = []
-        answers = self.kept_twins(twins, request_id, positions, removed)
-        if type(answers) is not list or len(answers) != len(twins):
-            answers = self._checked_answers(request_id, answers, len(twins))
-        for i, kept in enumerate(answers):
-            # Lowest position first: the running request holds its whole
-            # attention prefix, so its longest hit points go last.
-            if not kept:
-                continue
-            released = removed[i]
-            if type(kept) is not list or len(kept) > 1 or kept[0] not in released:
-                kept = answers[i] = twins[i]._checked_kept(
-                    request_id, kept, positions, released
-                )
-            held += kept
-        if not held:
-            return
-        self.block_pool.hold_back(held)
-        if self.evicts_last:
-            return
-        for twin, released, kept in zip(twins, removed, answers, strict=True):
-            if kept:
-                where = {id(b): pos for pos, b in zip(positions, released, strict=True)}
-                twin._remember_held(request_id, kept, where)
-
-    def _remember_held(
-        self, request_id: str, kept: list[KVCacheBlock], where: dict[int, int]
-    ) -> None:
-        """Note the blocks the running request held back (see
-        :meth:`take_held_back`)."""
-        pool = self.block_pool
-        held = self.held_back.get(request_id)
-        if held is None:
-            held = self.held_back[request_id] = []
-            pool.record(self.held_back.pop, request_id, None)
-        else:
-            pool.record(_truncate, held, len(held))
-        held += [(where[id(block)], block, block.key_hash) for block in kept]
-
-    def _checked_answers(
-        self, request_id: str, answers: Any, num_twins: int
-    ) -> list[Any]:
-        """A :meth:`kept_twins` answer that is not one list per twin, as an
-        error naming the manager class."""
-        owner = f"{type(self).__module__}.{type(self).__qualname__}"
-        msg = (
-            f"{owner}.kept_twins returned {answers!r} for request {request_id!r}; "
-            f"it must return a list of {num_twins} lists, one per twin, of the "
-            "released blocks to hold back"
-        )
-        raise PluginResultError(msg, plugin_name=type(self).__module__)
-
-    def _checked_kept(
-        self,
-        request_id: str,
-        kept: Any,
-        positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
-        """``kept_for_later``'s answer as the core takes it: a list of
-        distinct blocks among those just released, lowest position first,
-        else an error naming the manager class (nothing is held back yet)."""
-        where = {id(b): pos for pos, b in zip(positions, released, strict=True)}
-        owner = f"{type(self).__module__}.{type(self).__qualname__}"
-        if not isinstance(kept, list):
-            msg = (
-                f"{owner}.kept_for_later returned {type(kept).__name__} for "
-                f"request {request_id!r}; it must return a list of the released "
-                "blocks to hold back (or [])"
-            )
-            raise PluginResultError(msg, plugin_name=type(self).__module__)
-        seen: set[int] = set()
-        for block in kept:
-            if id(block) not in where or id(block) in seen:
-                msg = (
-                    f"{owner}.kept_for_later returned {block!r} for request "
-                    f"{request_id!r}, which is not one of the blocks it just "
-                    "released or is listed twice; return each released block "
-                    "to hold back once"
-                )
-                raise PluginResultError(msg, plugin_name=type(self).__module__)
-            seen.add(id(block))
-        return sorted(kept, key=lambda block: where[id(block)])
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
@@ -805,10 +757,6 @@ def _put_at_each(
     """:func:`_put_at` for each twin's table."""
     for blocks, blocks_removed in zip(tables, removed, strict=True):
         _put_at(blocks, positions, blocks_removed)
-
-
-def _truncate(items: list[Any], length: int) -> None:
-    del items[length:]
 
 
 def _put_back(
@@ -872,24 +820,11 @@ def _cache_each(
         twin.cache_blocks(request, num_tokens)
 
 
-def _kept_each(
-    self: SingleTypeManager,
-    twins: Sequence[SingleTypeManager],
-    request_id: str,
-    positions: Sequence[int],
-    removed: Sequence[Sequence[KVCacheBlock]],
-) -> list[list[KVCacheBlock]]:
-    """The twin step of a class that overrides only kept_for_later."""
-    return [
-        twin.kept_for_later(request_id, positions, released)
-        for twin, released in zip(twins, removed, strict=True)
-    ]
-
-
 #: (one-group step, twin step, the twin step through the one-group one).
 _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
     ("allocate_new_blocks", "allocate_twins", _allocate_each),
     ("remove_skipped_blocks", "release_twins", _release_each),
     ("cache_blocks", "cache_twins", _cache_each),
-    ("kept_for_later", "kept_twins", _kept_each),
+    ("kept_for_later", "kept_twins", kept_each),
+    ("kept_if_room", "kept_if_room_twins", kept_if_room_each),
 )

@@ -132,15 +132,40 @@ class WindowManager(SingleTypeManager):
         #: request id -> the hit points (token counts) whose window the
         #: request keeps for later requests (see :meth:`plan_checkpoints`).
         self.hit_points: dict[str, tuple[int, ...]] = {}
+        #: request id -> its prompt's length: it also keeps the window at
+        #: every multiple of :attr:`hold_interval` below it.
+        self.grid_end: dict[str, int] = {}
+        #: Tokens between the grid's hit points (a multiple of the hit
+        #: alignment), or 0 for no grid (see :meth:`hold_every`).
+        self.hold_interval = self.hold_every(spec)
+        if self.hold_interval:
+            unit = self.hit_alignment
+            self.hold_interval = -(-self.hold_interval // unit) * unit
+
+    def hold_every(self, spec: Any) -> int:
+        """Tokens between the hit points of a grid whose windows a running
+        request keeps too (beside its hit's end and its prompt's end), for
+        a later request that branches from its prompt while it runs, or
+        from what is left of its prefix once freed: a hit there resumes at
+        the grid point below the branch (rounded up to the hit alignment;
+        0: no grid).  Default: eight times the tokens a hit's window reads,
+        so the windows kept cost an eighth of the group's blocks over the
+        prompt; more often, the held windows crowd the cached prefixes
+        out of a tight pool."""
+        end = max(self.max_model_len, 1)
+        reads = end - int(spec.skipped_tokens(end))
+        return 8 * reads if 0 < reads < end else 0
 
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """At admission: the hit points whose window blocks the request
         keeps for later requests once it releases them (held back until it
         is freed, see :meth:`kept_for_later`): where its hit ended (a
-        prefix an earlier request shared), and its prompt's end (the last
+        prefix an earlier request shared), its prompt's end (the last
         aligned boundary before the final token, where the same prompt
-        again hits, and the boundary a longer prompt resumes at)."""
+        again hits, and the boundary a longer prompt resumes at), and
+        every multiple of :attr:`hold_interval` inside the prompt."""
         unit = self.hit_alignment
+        rid = request.request_id
         prompt = request.num_prompt_tokens
         last = prompt - 1
         points = {
@@ -148,15 +173,23 @@ class WindowManager(SingleTypeManager):
             last - last % unit,
             prompt - prompt % unit,
         }
-        self.hit_points[request.request_id] = tuple(p for p in points if p > 0)
+        self.hit_points[rid] = tuple(p for p in points if p > 0)
+        if self.hold_interval and self.holds_back:
+            self.grid_end[rid] = prompt
+        else:
+            self.grid_end.pop(rid, None)
 
     def forget_checkpoints(self, request_id: str) -> None:
         self.hit_points.pop(request_id, None)
+        self.grid_end.pop(request_id, None)
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         points = self.hit_points.pop(request_id, None)
         if points is not None:
             self.block_pool.record(self.hit_points.__setitem__, request_id, points)
+        end = self.grid_end.pop(request_id, None)
+        if end is not None:
+            self.block_pool.record(self.grid_end.__setitem__, request_id, end)
         return super().pop_blocks(request_id)
 
     def kept_for_later(
@@ -168,17 +201,26 @@ class WindowManager(SingleTypeManager):
         """The released blocks a hit at one of the request's hit points
         reads (see :meth:`plan_checkpoints`)."""
         points = self.hit_points.get(request_id)
-        if not points:
+        grid_end = self.grid_end.get(request_id, 0)
+        if not points and not grid_end:
             return []
         size = self.block_size
         skipped = self.kv_cache_spec.skipped_tokens
-        reads = [(skipped(p) // size, p // size) for p in points]
-        return [
-            block
-            for pos, block in zip(positions, released, strict=True)
-            if block.key_hash is not None
-            and any(first <= pos < end for first, end in reads)
-        ]
+        reads = [(skipped(p) // size, p // size) for p in points or ()]
+        every = self.hold_interval
+        kept = []
+        for pos, block in zip(positions, released, strict=True):
+            if block.key_hash is None:
+                continue
+            if any(first <= pos < end for first, end in reads):
+                kept.append(block)
+            elif grid_end:
+                # The grid point above the block is the only one whose
+                # window can read it (a window reads less than the interval).
+                point = (pos * size // every + 1) * every
+                if point < grid_end and skipped(point) // size <= pos < point // size:
+                    kept.append(block)
+        return kept
 
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         # The next token reads the blocks from the release line on.

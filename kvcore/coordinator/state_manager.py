@@ -21,6 +21,7 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.step_ends import ChunkEnds, put_entry, replace_step_ends
 from kvcore.spec import HitPolicy, cdiv
 
 __all__ = ["CheckpointManager"]
@@ -85,13 +86,17 @@ class CheckpointManager(SingleTypeManager):
         #: Each with the key it was cached under: a block evicted since may
         #: hold another request's content.
         self.kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
+        #: request id -> interval states it kept while the group holds back
+        #: (see :meth:`kept_if_room_twins`), each with the key it was cached under.
+        self.spaced: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
         #: hands the coordinator once.
         self._released_kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
         #: request id -> the branch-point target planned at admission.
         self.branch: dict[str, int] = {}
         #: request id -> its targets that only the interval placed (thinned
-        #: per step, and not moved back in the eviction order when kept).
+        #: per step; kept like the others only where the group holds back,
+        #: see :meth:`kept_if_room_twins`).
         self.grid: dict[str, frozenset[int]] = {}
         #: Shared states (branch points, and states more than one request
         #: resumed from) by the tokens they resume after: key -> block.
@@ -421,10 +426,10 @@ class CheckpointManager(SingleTypeManager):
         states = cast("Sequence[CheckpointManager]", twins)
         if step_end:
             # The hashed counts keeping the step's end changes, recorded once
-            # for the class (the step ends: see _replace_step_ends).
+            # for the class (the step ends: see replace_step_ends).
             self.record_twins(states, rid)
         if reached < 0 and not every:
-            self._replace_step_ends(states, request, pos)
+            replace_step_ends(self, states, request, pos)
             return
         # Each twin's states in turn, so events keep their order.
         for twin in states:
@@ -433,7 +438,7 @@ class CheckpointManager(SingleTypeManager):
             if every:
                 twin._keep_every_state(request, num_tokens)
             elif step_end:
-                self._replace_step_ends((twin,), request, pos)
+                replace_step_ends(self, (twin,), request, pos)
 
     def _reach_targets(self, request: Request, num_tokens: int) -> None:
         """Keep the states of the targets ``num_tokens`` reaches."""
@@ -449,6 +454,9 @@ class CheckpointManager(SingleTypeManager):
             pos = reached // block_size - 1
             spaced = grid is not None and reached in grid
             block = self._keep(request, blocks, pos, kept=not spaced)
+            if spaced and block is not None and self.holds_back:
+                self._save(self.spaced, rid)
+                self.spaced.setdefault(rid, []).append((block, block.key_hash))
             if block is not None and self.branch.get(rid) == reached:
                 self._mark_shared(reached, block)
                 if self._holds_shared:
@@ -471,78 +479,6 @@ class CheckpointManager(SingleTypeManager):
             self._keep(request, blocks, pos, kept=False)
             pos += per_unit
 
-    def _replace_step_ends(
-        self, twins: Sequence[CheckpointManager], request: Request, pos: int
-    ) -> None:
-        """Keep each twin's state at table position ``pos``; a replaced one
-        leaves the cache (one pool call: each twin's store, then its drop).
-        The caller recorded the tables and counts."""
-        rid = request.request_id
-        blocks = self.req_to_blocks[rid]
-        if pos < 0 or pos >= len(blocks) or blocks[pos].is_null:
-            return  # twins' tables have one shape: no state there in any
-        chunks = request.block_hashes
-        key = self.block_hash(chunks, pos)
-        if key is None:
-            return
-        rows = [t.req_to_blocks[rid] for t in twins]
-        news = [row[pos] for row in rows]
-        gids = [t.kv_cache_group_id for t in twins]
-        tables: Sequence[Sequence[KVCacheBlock]] = rows
-        index = pos
-        hashes: Sequence[Any] = chunks
-        if self.block_size % self.hash_block_size:  # finer: see _keep
-            ratio = self.hash_block_size // self.block_size
-            tables = [_ChunkEnds(table, ratio) for table in tables]
-            index = (pos + 1) // ratio - 1
-        else:
-            hashes = hashes_at_block_size(chunks, self.hash_block_size, self.block_size)
-        replaces = self._replaces
-        eagle = self.use_eagle
-        kept_too = not replaces and not self.keep_all
-        drops: list[KVCacheBlock | None] = []
-        saved: list[tuple[dict[str, Any], str, Any]] = []  # the step ends before
-        if replaces:
-            self.block_pool.record(_put_entries, saved)
-        for twin, row, block, gid in zip(twins, rows, news, gids, strict=True):
-            newly = block.key_hash is None
-            if twin.num_cached_block.get(rid, 0) <= pos:
-                twin.num_cached_block[rid] = pos + 1
-            if not replaces:
-                if newly and kept_too:
-                    twin._save(twin.kept, rid)
-                    twin.kept.setdefault(rid, []).append((block, key))
-                drops.append(None)
-                continue
-            previous = twin.step_end.get(rid)
-            saved.append((twin.step_end, rid, previous))
-            twin.step_end[rid] = (pos, block, key if newly else block.key_hash)
-            if eagle and previous is not None and previous[1] is not block:
-                # A hit that drops a block may end at the state before the
-                # newest: that one is kept, and the one before it replaced.
-                replaced = twin.step_before.get(rid)
-                twin._save(twin.step_before, rid)
-                twin.step_before[rid] = previous
-                previous = replaced
-            if previous is None or previous[1] is block:
-                drops.append(None)
-                continue
-            old_pos, old, old_key = previous
-            in_table = old_pos < len(row) and row[old_pos] is old
-            held = old.ref_cnt == (1 if in_table else 0) and (  # see _holds
-                old_key is not None and old.key_hash == old_key and old.key_group == gid
-            )
-            drops.append(old if held else None)
-        self.block_pool.cache_twin_blocks(
-            block_hashes=hashes,
-            tables=tables,
-            group_ids=gids,
-            num_cached_blocks=index,
-            num_full_blocks=index + 1,
-            token_ids=request.all_token_ids,
-            replaced=drops,
-        )
-
     def _keep(
         self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool
     ) -> KVCacheBlock | None:
@@ -564,7 +500,7 @@ class CheckpointManager(SingleTypeManager):
                 # per hash chunk (the state at each chunk's end), so the key,
                 # its parent and the event's tokens all describe whole chunks.
                 ratio = self.hash_block_size // self.block_size
-                view: Sequence[KVCacheBlock] = _ChunkEnds(blocks, ratio)
+                view: Sequence[KVCacheBlock] = ChunkEnds(blocks, ratio)
                 index = (pos + 1) // ratio - 1
                 self.block_pool.cache_full_blocks(
                     block_hashes=chunks,
@@ -596,6 +532,10 @@ class CheckpointManager(SingleTypeManager):
     def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
         # The next token reads the state at the hit's last position.
         return not blocks or not blocks[-1].is_null
+
+    def shortest_hit_reading(self, position: int) -> int:
+        # The state at a position serves only the hit ending there.
+        return (position + 1) * self.block_size
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         # Only the state after the last computed token is read again.
@@ -737,6 +677,9 @@ class CheckpointManager(SingleTypeManager):
         step_end = self.step_end.pop(request_id, None)
         step_before = self.step_before.pop(request_id, None)
         kept = self.kept.pop(request_id, None)
+        spaced = self.spaced.pop(request_id, None)
+        if spaced:
+            kept = [*(kept or ()), *spaced]
         blocks = super().pop_blocks(request_id)
         if step_before is not None:
             kept = [*(kept or ()), step_before[1:]]
@@ -780,6 +723,29 @@ class CheckpointManager(SingleTypeManager):
                     mine.append(block)
         return out
 
+    def kept_if_room_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        positions: Sequence[int],
+        removed: Sequence[Sequence[KVCacheBlock]],
+    ) -> list[list[KVCacheBlock]]:
+        """The released interval states each twin kept (where the group
+        holds back): held back in front of the states :meth:`kept_twins`
+        names until the request is freed, then moved to the back of the
+        eviction order with them (a request branching from the running
+        prompt resumes at the interval state below its branch)."""
+        out: list[list[KVCacheBlock]] = []
+        states = cast("Sequence[CheckpointManager]", twins)
+        for twin, released in zip(states, removed, strict=True):
+            spaced = twin.spaced.get(request_id)
+            if not spaced:
+                out.append([])
+                continue
+            keep = {id(block) for block, key in spaced if twin._holds(block, key)}
+            out.append([block for block in released if id(block) in keep])
+        return out
+
     def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """The states the freed request kept for later requests that sit
         free in the pool already (released after their step): the
@@ -797,7 +763,7 @@ class CheckpointManager(SingleTypeManager):
             value = store.get(request_id)
             if type(value) is list:
                 value = list(value)
-            self.block_pool.record_undo(partial(_put_entry, store, request_id, value))
+            self.block_pool.record_undo(partial(put_entry, store, request_id, value))
 
     def _holds(self, block: KVCacheBlock, key: Any) -> bool:
         """Whether ``block`` is still cached as the state this group kept
@@ -812,10 +778,12 @@ class CheckpointManager(SingleTypeManager):
         targets = self.targets.get(request_id)
         kept = self.kept.get(request_id)
         pinned = self.pinned.get(request_id)
+        spaced = self.spaced.get(request_id)
         return (
             None if targets is None else list(targets),
             self.step_end.get(request_id),
             None if kept is None else list(kept),
+            None if spaced is None else list(spaced),
             None if pinned is None else list(pinned),
             self.branch.get(request_id),
             self.grid.get(request_id),
@@ -828,6 +796,7 @@ class CheckpointManager(SingleTypeManager):
             self.targets,
             self.step_end,
             self.kept,
+            self.spaced,
             self.pinned,
             self.branch,
             self.grid,
@@ -861,39 +830,3 @@ class CheckpointManager(SingleTypeManager):
                 return [[*pad, block] for block in cached]
             end -= step
         return [[] for _ in query.group_ids]
-
-
-def _put_entries(entries: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
-    """Put back several stores' entries (see :meth:`CheckpointManager._save`)."""
-    for store, request_id, value in entries:
-        _put_entry(store, request_id, value)
-
-
-def _put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
-    if value is None:
-        store.pop(request_id, None)
-    else:
-        store[request_id] = value
-
-
-class _ChunkEnds(Sequence[KVCacheBlock]):
-    """A checkpoint table finer than the hash block, one entry per hash
-    chunk: the block holding the state at the chunk's end."""
-
-    def __init__(self, blocks: Sequence[KVCacheBlock], ratio: int) -> None:
-        self._blocks = blocks
-        self._ratio = ratio
-        self._len = len(blocks) // ratio
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._len))]
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            msg = f"chunk {index} out of range for {self._len} chunks"
-            raise IndexError(msg)
-        return self._blocks[(index + 1) * self._ratio - 1]

@@ -1,0 +1,205 @@
+"""Holding back the blocks a running request releases but keeps for hits.
+
+A group that skips blocks beside a group keeping every block (its
+``holds_back`` set) asks its manager which of the blocks a running request
+just released stay for later requests' hits: ``kept_for_later`` names
+those held back behind the other free blocks (``BlockPool.hold_back``),
+``kept_if_room`` those for less likely hits, held back in front of them
+(``BlockPool.hold_back_first``).  A class of twin groups is asked once,
+through the class forms ``kept_twins`` and ``kept_if_room_twins`` (see
+:meth:`~kvcore.coordinator.manager.SingleTypeManager.allocate_twins`).
+This module runs that step for the manager base class: it checks each
+answer where it enters the core, moves the blocks in one pool call per
+kind, and notes what a group freed before the others holds back for
+``take_held_back``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from kvcore.errors import PluginResultError
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.blocks import KVCacheBlock
+
+#: A ``SingleTypeManager`` (kvcore.coordinator.manager, which imports this
+#: module: named here without importing it back).
+Manager: TypeAlias = Any
+
+__all__ = ["hold_back_twins", "kept_each", "kept_if_room_each"]
+
+
+def hold_back_twins(
+    lead: Manager,
+    twins: Sequence[Manager],
+    request_id: str,
+    positions: Sequence[int],
+    removed: Sequence[Sequence[KVCacheBlock]],
+) -> None:
+    """Hold back the released blocks each of ``twins`` (``lead`` first)
+    keeps: those ``kept_for_later`` names behind the held-back blocks, in
+    group order, and those ``kept_if_room`` names in front of them, the
+    last group's first (as one pool call per group would leave them); each
+    twin's lowest position first (evicted first).  A group freed before
+    the others (not ``evicts_last``) remembers them for ``take_held_back``.
+    Every answer is checked before the pool changes."""
+    num = len(twins)
+    answers = lead.kept_twins(twins, request_id, positions, removed)
+    if type(answers) is not list or len(answers) != num:
+        raise _answers_error(lead, "kept_twins", request_id, answers, num)
+    spares = lead.kept_if_room_twins(twins, request_id, positions, removed)
+    if type(spares) is not list or len(spares) != num:
+        raise _answers_error(lead, "kept_if_room_twins", request_id, spares, num)
+    held: list[KVCacheBlock] = []
+    first: list[list[KVCacheBlock]] = []
+    for i, kept in enumerate(answers):
+        # Lowest position first: the running request holds its whole
+        # attention prefix, so its longest hit points go last.
+        spare = spares[i]
+        if not kept and not spare:
+            continue
+        twin = twins[i]
+        released = removed[i]
+        if spare:
+            where = _where(positions, released)
+            seen: set[int] = set()
+            if kept:
+                kept = answers[i] = _checked(twin, request_id, kept, where, seen)
+            spare = spares[i] = _checked(
+                twin, request_id, spare, where, seen, "kept_if_room"
+            )
+            first.append(spare)
+        elif type(kept) is not list or len(kept) > 1 or kept[0] not in released:
+            where = _where(positions, released)
+            kept = answers[i] = _checked(twin, request_id, kept, where, set())
+        if kept:
+            held += kept
+    if not held and not first:
+        return
+    pool = lead.block_pool
+    if held:
+        pool.hold_back(held)
+    if first:
+        pool.hold_back_first([block for spare in reversed(first) for block in spare])
+    if lead.evicts_last:
+        return
+    for twin, released, kept, spare in zip(
+        twins, removed, answers, spares, strict=True
+    ):
+        if kept or spare:
+            both = [*(kept or ()), *(spare or ())]
+            _remember_held(twin, request_id, both, _where(positions, released))
+
+
+def _where(
+    positions: Sequence[int], released: Sequence[KVCacheBlock]
+) -> dict[int, int]:
+    """Each released block's table position, by the block's id."""
+    return {id(block): pos for pos, block in zip(positions, released, strict=True)}
+
+
+def _remember_held(
+    manager: Manager,
+    request_id: str,
+    kept: list[KVCacheBlock],
+    where: dict[int, int],
+) -> None:
+    """Note the blocks the running request held back in ``manager``'s
+    group (see ``take_held_back``)."""
+    pool = manager.block_pool
+    held = manager.held_back.get(request_id)
+    if held is None:
+        held = manager.held_back[request_id] = []
+        pool.record(manager.held_back.pop, request_id, None)
+    else:
+        pool.record(_truncate, held, len(held))
+    held += [(where[id(block)], block, block.key_hash) for block in kept]
+
+
+def _truncate(items: list[Any], length: int) -> None:
+    del items[length:]
+
+
+def _answers_error(
+    manager: Manager,
+    method: str,
+    request_id: str,
+    answers: Any,
+    num_twins: int,
+) -> PluginResultError:
+    """A class answer (``kept_twins``, ``kept_if_room_twins``) that is not
+    one list per twin, as an error naming the manager class."""
+    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+    msg = (
+        f"{owner}.{method} returned {answers!r} for request {request_id!r}; "
+        f"it must return a list of {num_twins} lists, one per twin, of the "
+        "released blocks to hold back"
+    )
+    return PluginResultError(msg, plugin_name=type(manager).__module__)
+
+
+def _checked(
+    manager: Manager,
+    request_id: str,
+    kept: Any,
+    where: dict[int, int],
+    seen: set[int],
+    method: str = "kept_for_later",
+) -> list[KVCacheBlock]:
+    """``method``'s answer for one group as the core takes it: a list of
+    distinct blocks among those just released (``where``) and not in
+    ``seen`` (the ids named so far, which it extends), lowest position
+    first, else an error naming the manager class (nothing is held back
+    yet)."""
+    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+    plugin = type(manager).__module__
+    if not isinstance(kept, list):
+        msg = (
+            f"{owner}.{method} returned {type(kept).__name__} for "
+            f"request {request_id!r}; it must return a list of the released "
+            "blocks to hold back (or [])"
+        )
+        raise PluginResultError(msg, plugin_name=plugin)
+    for block in kept:
+        if id(block) not in where or id(block) in seen:
+            msg = (
+                f"{owner}.{method} returned {block!r} for request "
+                f"{request_id!r}, which is not one of the blocks it just "
+                "released or is named twice (kept_for_later and "
+                "kept_if_room together); return each released block to "
+                "hold back once"
+            )
+            raise PluginResultError(msg, plugin_name=plugin)
+        seen.add(id(block))
+    return sorted(kept, key=lambda block: where[id(block)])
+
+
+def kept_each(
+    self: Manager,
+    twins: Sequence[Manager],
+    request_id: str,
+    positions: Sequence[int],
+    removed: Sequence[Sequence[KVCacheBlock]],
+) -> list[list[KVCacheBlock]]:
+    """The ``kept_twins`` of a class that overrides only ``kept_for_later``."""
+    return [
+        twin.kept_for_later(request_id, positions, released)
+        for twin, released in zip(twins, removed, strict=True)
+    ]
+
+
+def kept_if_room_each(
+    self: Manager,
+    twins: Sequence[Manager],
+    request_id: str,
+    positions: Sequence[int],
+    removed: Sequence[Sequence[KVCacheBlock]],
+) -> list[list[KVCacheBlock]]:
+    """The ``kept_if_room_twins`` of a class that overrides only
+    ``kept_if_room``."""
+    return [
+        twin.kept_if_room(request_id, positions, released)
+        for twin, released in zip(twins, removed, strict=True)
+    ]
