@@ -22,6 +22,7 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twin_ops import UNDO_CALL
+from kvcore.coordinator.undo import put_at_each, put_back, put_back_each, truncate
 from kvcore.errors import PluginResultError
 from kvcore.spec import HitPolicy
 
@@ -475,7 +476,7 @@ class SingleTypeManager:
         if journal is not None:
             table = None if blocks is None else (blocks, len(blocks))
             args = (self, request_id, table, cached, released)
-            journal.append((UNDO_CALL, _put_back, args))
+            journal.append((UNDO_CALL, put_back, args))
         return blocks
 
     # -- transactions -----------------------------------------------------------
@@ -515,7 +516,7 @@ class SingleTypeManager:
             self.num_cached_block.get(request_id),
             self.num_released.get(request_id),
         )
-        journal.append((UNDO_CALL, _put_back, args))
+        journal.append((UNDO_CALL, put_back, args))
         if seen is None and self.keeps_request_state:
             pool.record(
                 self.restore_request_state,
@@ -563,7 +564,7 @@ class SingleTypeManager:
                     twin.request_state(request_id),
                 )
         if entries:
-            journal.append((UNDO_CALL, _put_back_each, (request_id, entries)))
+            journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
 
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
@@ -649,7 +650,7 @@ class SingleTypeManager:
                 table[i] = null
             removed.append(blocks)
         pool = self.block_pool
-        pool.record(_put_at_each, tables, positions, removed)
+        pool.record(put_at_each, tables, positions, removed)
         pool.free_each(removed)
         if self.holds_back:
             self._hold_back_twins(twins, request_id, positions, removed)
@@ -703,7 +704,7 @@ class SingleTypeManager:
             held = self.held_back[request_id] = []
             pool.record(self.held_back.pop, request_id, None)
         else:
-            pool.record(_truncate, held, len(held))
+            pool.record(truncate, held, len(held))
         held += [(where[id(block)], block, block.key_hash) for block in kept]
 
     def _checked_answers(
@@ -776,67 +777,6 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
-
-
-def _put_at(
-    blocks: list[KVCacheBlock],
-    positions: Sequence[int],
-    removed: Sequence[KVCacheBlock],
-) -> None:
-    """Put released blocks back at their table positions."""
-    for i, block in zip(positions, removed, strict=True):
-        blocks[i] = block
-
-
-def _put_back_each(request_id: str, entries: Sequence[tuple[Any, ...]]) -> None:
-    """Undo :meth:`SingleTypeManager.record_twins`: :func:`_put_back` for
-    each twin (``(manager, table, its length or -1 for none, hashed count,
-    released count)``), the last first."""
-    for manager, blocks, length, cached, released in reversed(entries):
-        table = None if blocks is None else (blocks, length)
-        _put_back(manager, request_id, table, cached, released)
-
-
-def _put_at_each(
-    tables: Sequence[list[KVCacheBlock]],
-    positions: Sequence[int],
-    removed: Sequence[Sequence[KVCacheBlock]],
-) -> None:
-    """:func:`_put_at` for each twin's table."""
-    for blocks, blocks_removed in zip(tables, removed, strict=True):
-        _put_at(blocks, positions, blocks_removed)
-
-
-def _truncate(items: list[Any], length: int) -> None:
-    del items[length:]
-
-
-def _put_back(
-    manager: SingleTypeManager,
-    request_id: str,
-    table: tuple[list[KVCacheBlock], list[KVCacheBlock] | int] | None,
-    cached: int | None,
-    released: int | None,
-) -> None:
-    """Put a request's table (the same list object: ``items`` its blocks, or
-    the length it is cut back to), hashed count and released count back."""
-    if table is None:
-        manager.req_to_blocks.pop(request_id, None)
-    else:
-        blocks, items = table
-        if isinstance(items, int):
-            del blocks[items:]
-        else:
-            blocks[:] = items
-        manager.req_to_blocks[request_id] = blocks
-    for store, value in (
-        (manager.num_cached_block, cached),
-        (manager.num_released, released),
-    ):
-        if value is None:
-            store.pop(request_id, None)
-        else:
-            store[request_id] = value
 
 
 def _allocate_each(

@@ -21,6 +21,7 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.undo import put_entries, put_entry
 from kvcore.spec import HitPolicy, cdiv
 
 __all__ = ["CheckpointManager"]
@@ -503,7 +504,7 @@ class CheckpointManager(SingleTypeManager):
         drops: list[KVCacheBlock | None] = []
         saved: list[tuple[dict[str, Any], str, Any]] = []  # the step ends before
         if replaces:
-            self.block_pool.record(_put_entries, saved)
+            self.block_pool.record(put_entries, saved)
         for twin, row, block, gid in zip(twins, rows, news, gids, strict=True):
             newly = block.key_hash is None
             if twin.num_cached_block.get(rid, 0) <= pos:
@@ -797,7 +798,7 @@ class CheckpointManager(SingleTypeManager):
             value = store.get(request_id)
             if type(value) is list:
                 value = list(value)
-            self.block_pool.record_undo(partial(_put_entry, store, request_id, value))
+            self.block_pool.record_undo(partial(put_entry, store, request_id, value))
 
     def _holds(self, block: KVCacheBlock, key: Any) -> bool:
         """Whether ``block`` is still cached as the state this group kept
@@ -861,19 +862,6 @@ class CheckpointManager(SingleTypeManager):
                 return [[*pad, block] for block in cached]
             end -= step
         return [[] for _ in query.group_ids]
-
-
-def _put_entries(entries: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
-    """Put back several stores' entries (see :meth:`CheckpointManager._save`)."""
-    for store, request_id, value in entries:
-        _put_entry(store, request_id, value)
-
-
-def _put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
-    if value is None:
-        store.pop(request_id, None)
-    else:
-        store[request_id] = value
 
 
 class _ChunkEnds(Sequence[KVCacheBlock]):
