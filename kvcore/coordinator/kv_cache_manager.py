@@ -685,12 +685,14 @@ class KVCacheManager(EngineCalls):
         """Hash the request's blocks filled by ``num_computed_tokens``."""
         if not isinstance(request, Request):
             raise not_a_request(request)
-        check_tokens(
-            f"cache_blocks for request {request.request_id!r}: num_computed_tokens",
-            num_computed_tokens,
-        )
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            check_tokens(
+                f"cache_blocks for request {request.request_id!r}: num_computed_tokens",
+                num_computed_tokens,
+            )
         if self.enable_caching:
-            self._require_live(request.request_id)
+            if request.request_id not in self._requests:
+                self._require_live(request.request_id)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request | str) -> None:

@@ -129,6 +129,15 @@ class SingleTypeManager:
     #: Such a manager is not :attr:`position_indexed`, so a running request
     #: never grows its table.
     takes_encoder_tokens: ClassVar[bool] = False
+    #: Whether :meth:`cache_blocks` keys only what the hash chunks ending
+    #: within ``num_tokens`` decide: after a call at ``n`` tokens, a call at
+    #: ``n' >= n`` with no chunk end in ``(n, n']`` keys and changes nothing
+    #: while no other call changes the request's table or this manager's
+    #: state for it.  The coordinator then passes over such calls (see
+    #: :mod:`kvcore.coordinator.cache_spans`).  A subclass that overrides
+    #: :meth:`cache_blocks` or :meth:`cache_twins` makes no such promise
+    #: unless it sets this flag in its own body.
+    caches_at_chunk_ends: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -189,9 +198,15 @@ class SingleTypeManager:
         (:meth:`allocate_new_blocks`, :meth:`remove_skipped_blocks`,
         :meth:`cache_blocks`), its twins are stepped group by group
         through that override.  The one-group step of a class that does not
-        override it runs the twin step it inherits over the group alone."""
+        override it runs the twin step it inherits over the group alone.
+        A promise flag (:attr:`caches_at_chunk_ends`) is dropped where the
+        class overrides a method it covers and does not set the flag
+        itself."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)
+        for flag, overrides in _PROMISES:
+            if flag not in own and any(name in own for name in overrides):
+                setattr(cls, flag, False)
         for single, twins, each in _TWIN_STEPS:
             if twins in own:
                 setattr(cls, f"_own_{twins}", own[twins])
@@ -825,6 +840,12 @@ def _kept_each(
         for twin, released in zip(twins, removed, strict=True)
     ]
 
+
+#: (flag, the methods whose override drops its promise): see
+#: :meth:`SingleTypeManager.__init_subclass__`.
+_PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("caches_at_chunk_ends", ("cache_blocks", "cache_twins")),
+)
 
 #: (one-group step, twin step, the twin step through the one-group one).
 _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (

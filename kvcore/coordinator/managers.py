@@ -126,6 +126,8 @@ class WindowManager(SingleTypeManager):
     )
     skips_blocks: ClassVar[bool] = True
     plans_checkpoints: ClassVar[bool] = True
+    # Keys whole alignment units of hashed blocks (see cache_blocks).
+    caches_at_chunk_ends: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
@@ -285,6 +287,8 @@ class FixedBlocksManager(SingleTypeManager):
         {HitPolicy.NOT_HASHED, HitPolicy.BLOCKS_HITS}
     )
     position_indexed: ClassVar[bool] = False
+    # Never keys anything.
+    caches_at_chunk_ends: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)

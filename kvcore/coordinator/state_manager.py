@@ -54,6 +54,9 @@ class CheckpointManager(SingleTypeManager):
     accepts_coarse_hashes: ClassVar[bool] = True
     plans_checkpoints: ClassVar[bool] = True
     evicts_last: ClassVar[bool] = True
+    # States are keyed at targets and step ends, all on hit boundaries,
+    # which are chunk ends (see cache_twins).
+    caches_at_chunk_ends: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
