@@ -244,6 +244,10 @@ class KVCacheCoordinator:
             and all(m.caches_at_chunk_ends for m in managers if m.caching)
             else None
         )
+        #: Whether a running request's step that no class grows (every
+        #: count 0), releases in or keys in changes nothing, so the manager
+        #: passes it over (every growing manager's ``grows_by_count``).
+        self.idle_steps = all(m.grows_by_count for m in managers if m.position_indexed)
 
         # Prefix-cacheable groups with equal specs are searched together;
         # monotone (left-to-right) searches go first: they bound the others.
@@ -713,6 +717,18 @@ class KVCacheCoordinator:
                 spans.cached(request, num_tokens)
         if self.partial is not None:
             self.partial.register(request, num_tokens)
+
+    def keys_nothing(self, request: Request, num_tokens: int) -> bool:
+        """Whether :meth:`cache_blocks` at ``num_tokens`` would key nothing:
+        the call is inside the request's cache span and no group takes
+        partial keys (False where that is not known)."""
+        if self.partial is not None:
+            return False
+        spans = self.cache_spans
+        if spans is None:
+            return not self._cache_runs
+        span = spans.get(request.request_id)
+        return span is not None and span[0] <= num_tokens < span[1]
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, each group's tail first."""

@@ -459,6 +459,21 @@ class KVCacheManager(EngineCalls):
                 if not running and coordinator.planning:
                     coordinator.forget_checkpoints(rid)
                 return None
+        if (
+            running
+            and not need
+            and not skipping
+            and shed is None
+            and held is request
+            and coordinator.idle_steps
+            and (cache_to < 0 or coordinator.keys_nothing(request, cache_to))
+            and self.block_pool._journal is None
+        ):
+            # No class grows, nothing is released and no chunk ended: the
+            # step would change nothing (a step already open refuses it, in
+            # BlockPool.begin).
+            request.status = RequestStatus.RUNNING
+            return self.empty_kv_cache_blocks
         return self._run_step(
             request,
             held,

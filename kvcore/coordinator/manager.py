@@ -138,6 +138,14 @@ class SingleTypeManager:
     #: :meth:`cache_blocks` or :meth:`cache_twins` makes no such promise
     #: unless it sets this flag in its own body.
     caches_at_chunk_ends: ClassVar[bool] = True
+    #: Whether :meth:`allocate_twins` adds and changes nothing for a request
+    #: that holds a table when :meth:`get_num_blocks_to_allocate` counts 0
+    #: blocks for it (no hit attached): the coordinator then passes over a
+    #: running request's step that no class grows, releases or keys in.  A
+    #: subclass that overrides :meth:`get_num_blocks_to_allocate`,
+    #: :meth:`allocate_new_blocks` or :meth:`allocate_twins` makes no such
+    #: promise unless it sets this flag in its own body.
+    grows_by_count: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -199,9 +207,9 @@ class SingleTypeManager:
         :meth:`cache_blocks`), its twins are stepped group by group
         through that override.  The one-group step of a class that does not
         override it runs the twin step it inherits over the group alone.
-        A promise flag (:attr:`caches_at_chunk_ends`) is dropped where the
-        class overrides a method it covers and does not set the flag
-        itself."""
+        A promise flag (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`)
+        is dropped where the class overrides a method it covers and does not
+        set the flag itself."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)
         for flag, overrides in _PROMISES:
@@ -845,6 +853,10 @@ def _kept_each(
 #: :meth:`SingleTypeManager.__init_subclass__`.
 _PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("caches_at_chunk_ends", ("cache_blocks", "cache_twins")),
+    (
+        "grows_by_count",
+        ("get_num_blocks_to_allocate", "allocate_new_blocks", "allocate_twins"),
+    ),
 )
 
 #: (one-group step, twin step, the twin step through the one-group one).

@@ -287,8 +287,9 @@ class FixedBlocksManager(SingleTypeManager):
         {HitPolicy.NOT_HASHED, HitPolicy.BLOCKS_HITS}
     )
     position_indexed: ClassVar[bool] = False
-    # Never keys anything.
+    # Never keys anything; a request holding its blocks takes no more.
     caches_at_chunk_ends: ClassVar[bool] = True
+    grows_by_count: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)

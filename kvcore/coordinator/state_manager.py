@@ -55,8 +55,10 @@ class CheckpointManager(SingleTypeManager):
     plans_checkpoints: ClassVar[bool] = True
     evicts_last: ClassVar[bool] = True
     # States are keyed at targets and step ends, all on hit boundaries,
-    # which are chunk ends (see cache_twins).
+    # which are chunk ends (see cache_twins); a table grows only past its
+    # end, as counted.
     caches_at_chunk_ends: ClassVar[bool] = True
+    grows_by_count: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
