@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.cache_spans import CacheSpans
 from kvcore.coordinator.declared import check_manager, declared_policy
 from kvcore.coordinator.free_order import by_hit_points
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
@@ -23,11 +24,11 @@ from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import (
     CheckpointManager,
 )
-from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
+from kvcore.coordinator.partial import PartialKeys, copy_hit_units, partial_prefix_hit
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.twins import Runs, twin_key, twin_runs
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
 from kvcore.plan import effective_block_size, hit_alignment
-from kvcore.plan.block_sizes import group_hit_unit
 from kvcore.plan.declarations import checked_event_window
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
@@ -122,7 +123,7 @@ class KVCacheCoordinator:
         self.use_eagle = use_eagle
         # Groups whose managers take copy-on-write hits inside their blocks.
         partial_units = (
-            _partial_units(groups, registry, hash_block_size, dcp)
+            copy_hit_units(groups, registry, hash_block_size, dcp)
             if enable_caching and enable_partial_hits
             else {}
         )
@@ -218,15 +219,15 @@ class KVCacheCoordinator:
         self.encoder_groups = tuple(
             gid for gid, m in enumerate(managers) if m.takes_encoder_tokens
         )
-        # Twin groups (see _twin_key) hold tables of one shape and equal
+        # Twin groups (see twin_key) hold tables of one shape and equal
         # per-request state, so a running request's steps run once per run
         # of consecutive twins, in group order: the run's first manager
         # steps the run (allocate_twins, release_twins, cache_twins: one
         # decision for the class), and a class whose run changed nothing
         # is passed over.
-        self._skip_runs = _twin_runs(managers, "skips_blocks")
-        self._cache_runs = _twin_runs(managers, "caching")
-        self._grow_runs = _twin_runs(managers, "position_indexed")
+        self._skip_runs = twin_runs(managers, "skips_blocks")
+        self._cache_runs = twin_runs(managers, "caching")
+        self._grow_runs = twin_runs(managers, "position_indexed")
         #: Each class of growing twins' first manager and size: a running
         #: request's growth is counted once per class.
         sizes: dict[int, int] = {}
@@ -235,6 +236,19 @@ class KVCacheCoordinator:
         self._grow_classes = tuple(
             (managers[first], size) for first, size in sizes.items()
         )
+        #: The token spans in which each request's cache_blocks keys
+        #: nothing, when every caching group's manager keys by hash chunk
+        #: ends (see :mod:`kvcore.coordinator.cache_spans`); else None.
+        self.cache_spans: CacheSpans | None = (
+            CacheSpans(self.block_pool)
+            if self._cache_runs
+            and all(m.caches_at_chunk_ends for m in managers if m.caching)
+            else None
+        )
+        #: Whether a running request's step that no class grows (every
+        #: count 0), releases in or keys in changes nothing, so the manager
+        #: passes it over (every growing manager's ``grows_by_count``).
+        self.idle_steps = all(m.grows_by_count for m in managers if m.position_indexed)
 
         # Prefix-cacheable groups with equal specs are searched together;
         # monotone (left-to-right) searches go first: they bound the others.
@@ -320,12 +334,12 @@ class KVCacheCoordinator:
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
-        #: Classes of two or more twin state groups (see _twin_key): they
+        #: Classes of two or more twin state groups (see twin_key): they
         #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
         twins: dict[Any, list[CheckpointManager]] = {}
         for m in self.planning:
             if isinstance(m, CheckpointManager):
-                twins.setdefault(_twin_key(m), []).append(m)
+                twins.setdefault(twin_key(m), []).append(m)
         self._path_twins = tuple(c for c in twins.values() if len(c) > 1)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -502,7 +516,7 @@ class KVCacheCoordinator:
     # (:meth:`plugin_error`); KVCacheManager undoes the step around it.
 
     def _run_twins(
-        self, runs: _Runs, method: str, step: str, *args: Any
+        self, runs: Runs, method: str, step: str, *args: Any
     ) -> list[list[KVCacheBlock]] | None:
         """Call the class step ``method`` (``allocate_twins``,
         ``release_twins`` or ``cache_twins``) once per run of twins, in group
@@ -536,6 +550,8 @@ class KVCacheCoordinator:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release the blocks the request no longer reads, one call per
         class of twins (see :meth:`_run_twins`)."""
+        journal = self.block_pool._journal
+        mark = -1 if journal is None else len(journal)
         self._run_twins(
             self._skip_runs,
             "release_twins",
@@ -543,6 +559,15 @@ class KVCacheCoordinator:
             request_id,
             num_computed_tokens,
         )
+        self._changed(request_id, journal, mark)
+
+    def _changed(self, request_id: str, journal: list[Any] | None, mark: int) -> None:
+        """After a step that may have changed the request's tables: drop its
+        cache span if it did (it recorded something in ``journal`` since
+        ``mark``, or ran outside a transaction)."""
+        spans = self.cache_spans
+        if spans is not None and (journal is None or len(journal) != mark):
+            spans.forget(request_id)
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue."""
@@ -606,6 +631,7 @@ class KVCacheCoordinator:
         self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
     ) -> None:
         """Phase one: touch every group's hit blocks before anything allocates."""
+        self._forget_span(request_id)
         gid = 0
         try:
             for manager, computed in zip(
@@ -622,6 +648,7 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens`` (the
         groups that take encoder tokens: ``num_encoder_tokens``)."""
+        self._forget_span(request_id)
         if not self.encoder_groups:
             return tuple(
                 self._each(
@@ -666,6 +693,8 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables, in group order; ``None`` if no
         block was added."""
+        journal = self.block_pool._journal
+        mark = -1 if journal is None else len(journal)
         out = self._run_twins(
             self._grow_runs,
             "allocate_twins",
@@ -673,14 +702,34 @@ class KVCacheCoordinator:
             request_id,
             num_tokens,
         )
+        self._changed(request_id, journal, mark)
         return None if out is None else tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        self._run_twins(
-            self._cache_runs, "cache_twins", "cache_blocks", request, num_tokens
-        )
+        """Key the request's blocks that ``num_tokens`` tokens fill, in every
+        caching group; a call inside the request's cache span (see
+        :attr:`cache_spans`) keys nothing and asks no manager."""
+        spans = self.cache_spans
+        span = None if spans is None else spans.get(request.request_id)
+        if span is None or not span[0] <= num_tokens < span[1]:
+            self._run_twins(
+                self._cache_runs, "cache_twins", "cache_blocks", request, num_tokens
+            )
+            if spans is not None:
+                spans.cached(request, num_tokens)
         if self.partial is not None:
             self.partial.register(request, num_tokens)
+
+    def keys_nothing(self, request: Request, num_tokens: int) -> bool:
+        """Whether :meth:`cache_blocks` at ``num_tokens`` keys nothing: inside
+        the request's cache span, no partial keys (False where unknown)."""
+        if self.partial is not None:
+            return False
+        spans = self.cache_spans
+        if spans is None:
+            return not self._cache_runs
+        span = spans.get(request.request_id)
+        return span is not None and span[0] <= num_tokens < span[1]
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, the tail first."""
@@ -703,6 +752,7 @@ class KVCacheCoordinator:
         by hit point across caching groups (:func:`by_hit_points`), else
         group by group in free order, each tail first; the blocks it held
         back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
+        self._forget_span(request_id)
         tables = self._each(self._free_order, "pop_blocks", request_id)
         if self._holding:
             self._rejoin_held_back(request_id, tables)
@@ -762,9 +812,15 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, method, exc) from exc
         return results
 
+    def _forget_span(self, request_id: str) -> None:
+        """Drop the request's cache span (its tables or checkpoints change)."""
+        if self.cache_spans is not None:
+            self.cache_spans.forget(request_id)
+
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """Let every state group choose where to keep checkpoints for a
         request being admitted."""
+        self._forget_span(request.request_id)
         self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
         for twins in self._path_twins:
             CheckpointManager.agree_on_path(twins, request)
@@ -775,16 +831,21 @@ class KVCacheCoordinator:
         :meth:`restore_checkpoints` needs to undo it, or None when there was
         nothing to give up."""
         saved = self._each(self.planning, "shed_checkpoints", request_id)
-        return saved if any(state is not None for state in saved) else None
+        if not any(state is not None for state in saved):
+            return None
+        self._forget_span(request_id)
+        return saved
 
     def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
         """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
+        self._forget_span(request_id)
         for manager, state in zip(self.planning, saved, strict=True):
             if state is not None:
                 manager.restore_checkpoints(request_id, state)
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""
+        self._forget_span(request_id)
         self._each(self.planning, "forget_checkpoints", request_id)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
@@ -829,66 +890,6 @@ class KVCacheCoordinator:
         except Exception:  # metadata lookups only decorate the message
             shown = None
         return shown.rsplit(" ", 1)[0] if shown else None
-
-
-def _twin_key(manager: SingleTypeManager) -> Any:
-    """What twin groups share: one manager class, equal merged specs, block
-    sizes, caching and hit alignment (a spec that cannot be hashed makes
-    its group a class of its own)."""
-    key = (
-        type(manager),
-        manager.kv_cache_spec,
-        manager.block_size,
-        manager.caching,
-        manager.hit_alignment,
-    )
-    try:
-        hash(key)
-    except TypeError:
-        return manager.kv_cache_group_id
-    return key
-
-
-#: Runs of consecutive twin groups, each with its class's first group id.
-_Runs = tuple[tuple[int, tuple[SingleTypeManager, ...]], ...]
-
-
-def _twin_runs(managers: Sequence[SingleTypeManager], flag: str) -> _Runs:
-    """The managers whose ``flag`` is set, in group order, cut into runs of
-    consecutive twins (see _twin_key), each with its class's first group."""
-    firsts: dict[Any, int] = {}
-    runs: list[tuple[int, list[SingleTypeManager]]] = []
-    for manager in managers:
-        if not getattr(manager, flag):
-            continue
-        first = firsts.setdefault(_twin_key(manager), manager.kv_cache_group_id)
-        if runs and runs[-1][0] == first:
-            runs[-1][1].append(manager)
-        else:
-            runs.append((first, [manager]))
-    return tuple((first, tuple(members)) for first, members in runs)
-
-
-def _partial_units(
-    groups: Sequence[Any], registry: KindRegistry, hash_block_size: int, dcp: int
-) -> dict[int, int]:
-    """Group id -> copy-on-write hit unit, for the prefix-cacheable groups
-    whose layers all declare ``copies_partial_block_hits`` and whose kind's
-    manager takes such hits with PrefixManager's own search."""
-    out: dict[int, int] = {}
-    for gid, group in enumerate(groups):
-        spec = group.manager_spec
-        if not spec.hashes_blocks or spec.hit_policy is not HitPolicy.PREFIX:
-            continue
-        kind = registry.kind_for(spec, layer=group.layer_names[0])
-        # A class that replaces PrefixManager's search (which the partial
-        # search extends) says no.
-        if kind.manager_type is None or kind.manager_type.partial_copy_hits is not True:
-            continue
-        unit = group_hit_unit(group, effective_block_size(group, dcp), hash_block_size)
-        if unit is not None:
-            out[gid] = unit
-    return out
 
 
 def _count(value: object) -> int:

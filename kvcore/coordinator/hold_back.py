@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from kvcore.coordinator.undo import truncate
 from kvcore.errors import PluginResultError
 
 if TYPE_CHECKING:
@@ -114,12 +115,8 @@ def _remember_held(
         held = manager.held_back[request_id] = []
         pool.record(manager.held_back.pop, request_id, None)
     else:
-        pool.record(_truncate, held, len(held))
+        pool.record(truncate, held, len(held))
     held += [(where[id(block)], block, block.key_hash) for block in kept]
-
-
-def _truncate(items: list[Any], length: int) -> None:
-    del items[length:]
 
 
 def _answers_error(

@@ -459,6 +459,21 @@ class KVCacheManager(EngineCalls):
                 if not running and coordinator.planning:
                     coordinator.forget_checkpoints(rid)
                 return None
+        if (
+            running
+            and not need
+            and not skipping
+            and shed is None
+            and held is request
+            and coordinator.idle_steps
+            and (cache_to < 0 or coordinator.keys_nothing(request, cache_to))
+            and self.block_pool._journal is None
+        ):
+            # No class grows, nothing is released and no chunk ended: the
+            # step would change nothing (a step already open refuses it, in
+            # BlockPool.begin).
+            request.status = RequestStatus.RUNNING
+            return self.empty_kv_cache_blocks
         return self._run_step(
             request,
             held,
@@ -685,12 +700,14 @@ class KVCacheManager(EngineCalls):
         """Hash the request's blocks filled by ``num_computed_tokens``."""
         if not isinstance(request, Request):
             raise not_a_request(request)
-        check_tokens(
-            f"cache_blocks for request {request.request_id!r}: num_computed_tokens",
-            num_computed_tokens,
-        )
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            check_tokens(
+                f"cache_blocks for request {request.request_id!r}: num_computed_tokens",
+                num_computed_tokens,
+            )
         if self.enable_caching:
-            self._require_live(request.request_id)
+            if request.request_id not in self._requests:
+                self._require_live(request.request_id)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request | str) -> None:

@@ -23,6 +23,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins, kept_each, kept_if_room_each
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twin_ops import UNDO_CALL
+from kvcore.coordinator.undo import put_at_each, put_back, put_back_each
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -130,6 +131,23 @@ class SingleTypeManager:
     #: Such a manager is not :attr:`position_indexed`, so a running request
     #: never grows its table.
     takes_encoder_tokens: ClassVar[bool] = False
+    #: Whether :meth:`cache_blocks` keys only what the hash chunks ending
+    #: within ``num_tokens`` decide: after a call at ``n`` tokens, a call at
+    #: ``n' >= n`` with no chunk end in ``(n, n']`` keys and changes nothing
+    #: while no other call changes the request's table or this manager's
+    #: state for it.  The coordinator then passes over such calls (see
+    #: :mod:`kvcore.coordinator.cache_spans`).  A subclass that overrides
+    #: :meth:`cache_blocks` or :meth:`cache_twins` makes no such promise
+    #: unless it sets this flag in its own body.
+    caches_at_chunk_ends: ClassVar[bool] = True
+    #: Whether :meth:`allocate_twins` adds and changes nothing for a request
+    #: that holds a table when :meth:`get_num_blocks_to_allocate` counts 0
+    #: blocks for it (no hit attached): the coordinator then passes over a
+    #: running request's step that no class grows, releases or keys in.  A
+    #: subclass that overrides :meth:`get_num_blocks_to_allocate`,
+    #: :meth:`allocate_new_blocks` or :meth:`allocate_twins` makes no such
+    #: promise unless it sets this flag in its own body.
+    grows_by_count: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -190,10 +208,17 @@ class SingleTypeManager:
         them; where it overrides only the one-group step
         (:meth:`allocate_new_blocks`, :meth:`remove_skipped_blocks`,
         :meth:`cache_blocks`, :meth:`kept_for_later`, :meth:`kept_if_room`),
-        its twins are stepped group by group through that override.  The one-group step of a class that does not
-        override it runs the twin step it inherits over the group alone."""
+        its twins are stepped group by group through that override.  The
+        one-group step of a class that does not override it runs the twin
+        step it inherits over the group alone.  A promise flag
+        (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`) is dropped
+        where the class overrides a method it covers and does not set the
+        flag itself."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)
+        for flag, overrides in _PROMISES:
+            if flag not in own and any(name in own for name in overrides):
+                setattr(cls, flag, False)
         for single, twins, each in _TWIN_STEPS:
             if twins in own:
                 setattr(cls, f"_own_{twins}", own[twins])
@@ -522,7 +547,7 @@ class SingleTypeManager:
         if journal is not None:
             table = None if blocks is None else (blocks, len(blocks))
             args = (self, request_id, table, cached, released)
-            journal.append((UNDO_CALL, _put_back, args))
+            journal.append((UNDO_CALL, put_back, args))
         return blocks
 
     # -- transactions -----------------------------------------------------------
@@ -562,7 +587,7 @@ class SingleTypeManager:
             self.num_cached_block.get(request_id),
             self.num_released.get(request_id),
         )
-        journal.append((UNDO_CALL, _put_back, args))
+        journal.append((UNDO_CALL, put_back, args))
         if seen is None and self.keeps_request_state:
             pool.record(
                 self.restore_request_state,
@@ -610,7 +635,7 @@ class SingleTypeManager:
                     twin.request_state(request_id),
                 )
         if entries:
-            journal.append((UNDO_CALL, _put_back_each, (request_id, entries)))
+            journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
 
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`
@@ -696,7 +721,7 @@ class SingleTypeManager:
                 table[i] = null
             removed.append(blocks)
         pool = self.block_pool
-        pool.record(_put_at_each, tables, positions, removed)
+        pool.record(put_at_each, tables, positions, removed)
         pool.free_each(removed)
         if self.holds_back:
             hold_back_twins(self, twins, request_id, positions, removed)
@@ -728,63 +753,6 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
-
-
-def _put_at(
-    blocks: list[KVCacheBlock],
-    positions: Sequence[int],
-    removed: Sequence[KVCacheBlock],
-) -> None:
-    """Put released blocks back at their table positions."""
-    for i, block in zip(positions, removed, strict=True):
-        blocks[i] = block
-
-
-def _put_back_each(request_id: str, entries: Sequence[tuple[Any, ...]]) -> None:
-    """Undo :meth:`SingleTypeManager.record_twins`: :func:`_put_back` for
-    each twin (``(manager, table, its length or -1 for none, hashed count,
-    released count)``), the last first."""
-    for manager, blocks, length, cached, released in reversed(entries):
-        table = None if blocks is None else (blocks, length)
-        _put_back(manager, request_id, table, cached, released)
-
-
-def _put_at_each(
-    tables: Sequence[list[KVCacheBlock]],
-    positions: Sequence[int],
-    removed: Sequence[Sequence[KVCacheBlock]],
-) -> None:
-    """:func:`_put_at` for each twin's table."""
-    for blocks, blocks_removed in zip(tables, removed, strict=True):
-        _put_at(blocks, positions, blocks_removed)
-
-
-def _put_back(
-    manager: SingleTypeManager,
-    request_id: str,
-    table: tuple[list[KVCacheBlock], list[KVCacheBlock] | int] | None,
-    cached: int | None,
-    released: int | None,
-) -> None:
-    """Put a request's table (the same list object: ``items`` its blocks, or
-    the length it is cut back to), hashed count and released count back."""
-    if table is None:
-        manager.req_to_blocks.pop(request_id, None)
-    else:
-        blocks, items = table
-        if isinstance(items, int):
-            del blocks[items:]
-        else:
-            blocks[:] = items
-        manager.req_to_blocks[request_id] = blocks
-    for store, value in (
-        (manager.num_cached_block, cached),
-        (manager.num_released, released),
-    ):
-        if value is None:
-            store.pop(request_id, None)
-        else:
-            store[request_id] = value
 
 
 def _allocate_each(
@@ -819,6 +787,16 @@ def _cache_each(
     for twin in twins:
         twin.cache_blocks(request, num_tokens)
 
+
+#: (flag, the methods whose override drops its promise): see
+#: :meth:`SingleTypeManager.__init_subclass__`.
+_PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("caches_at_chunk_ends", ("cache_blocks", "cache_twins")),
+    (
+        "grows_by_count",
+        ("get_num_blocks_to_allocate", "allocate_new_blocks", "allocate_twins"),
+    ),
+)
 
 #: (one-group step, twin step, the twin step through the one-group one).
 _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (

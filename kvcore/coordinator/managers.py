@@ -126,6 +126,8 @@ class WindowManager(SingleTypeManager):
     )
     skips_blocks: ClassVar[bool] = True
     plans_checkpoints: ClassVar[bool] = True
+    # Keys whole alignment units of hashed blocks (see cache_blocks).
+    caches_at_chunk_ends: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
@@ -327,6 +329,9 @@ class FixedBlocksManager(SingleTypeManager):
         {HitPolicy.NOT_HASHED, HitPolicy.BLOCKS_HITS}
     )
     position_indexed: ClassVar[bool] = False
+    # Never keys anything; a request holding its blocks takes no more.
+    caches_at_chunk_ends: ClassVar[bool] = True
+    grows_by_count: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)

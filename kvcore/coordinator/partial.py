@@ -30,20 +30,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.blocks import BlockCopy
 from kvcore.coordinator.manager import HitQuery
 from kvcore.coordinator.managers import prefix_hit
 from kvcore.coordinator.request import Request
+from kvcore.plan import effective_block_size
+from kvcore.plan.block_sizes import group_hit_unit
+from kvcore.spec import HitPolicy
 
 if TYPE_CHECKING:
     from kvcore.coordinator.manager import SingleTypeManager
+    from kvcore.registry import KindRegistry
 
 __all__ = [
     "BlockCopy",
     "PartialKeys",
+    "copy_hit_units",
     "partial_prefix_hit",
     "split_copy_sources",
 ]
@@ -198,3 +203,25 @@ def split_copy_sources(
     if out is None:
         return computed, sources
     return tuple(out), sources
+
+
+def copy_hit_units(
+    groups: Sequence[Any], registry: KindRegistry, hash_block_size: int, dcp: int
+) -> dict[int, int]:
+    """Group id -> copy-on-write hit unit, for the prefix-cacheable groups
+    whose layers all declare ``copies_partial_block_hits`` and whose kind's
+    manager takes such hits with PrefixManager's own search."""
+    out: dict[int, int] = {}
+    for gid, group in enumerate(groups):
+        spec = group.manager_spec
+        if not spec.hashes_blocks or spec.hit_policy is not HitPolicy.PREFIX:
+            continue
+        kind = registry.kind_for(spec, layer=group.layer_names[0])
+        # A class that replaces PrefixManager's search (which the partial
+        # search extends) says no.
+        if kind.manager_type is None or kind.manager_type.partial_copy_hits is not True:
+            continue
+        unit = group_hit_unit(group, effective_block_size(group, dcp), hash_block_size)
+        if unit is not None:
+            out[gid] = unit
+    return out

@@ -21,7 +21,8 @@ from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
-from kvcore.coordinator.step_ends import ChunkEnds, put_entry, replace_step_ends
+from kvcore.coordinator.step_ends import ChunkEnds, replace_step_ends
+from kvcore.coordinator.undo import put_entry
 from kvcore.spec import HitPolicy, cdiv
 
 __all__ = ["CheckpointManager"]
@@ -54,6 +55,11 @@ class CheckpointManager(SingleTypeManager):
     accepts_coarse_hashes: ClassVar[bool] = True
     plans_checkpoints: ClassVar[bool] = True
     evicts_last: ClassVar[bool] = True
+    # States are keyed at targets and step ends, all on hit boundaries,
+    # which are chunk ends (see cache_twins); a table grows only past its
+    # end, as counted.
+    caches_at_chunk_ends: ClassVar[bool] = True
+    grows_by_count: ClassVar[bool] = True
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvcore.coordinator.blocks import KVCacheBlock
 from kvcore.coordinator.hashing import hashes_at_block_size
+from kvcore.coordinator.undo import put_entries
 
 if TYPE_CHECKING:
     from kvcore.coordinator.request import Request
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 #: this module: named here without importing it back).
 StateManager: TypeAlias = Any
 
-__all__ = ["ChunkEnds", "put_entry", "replace_step_ends"]
+__all__ = ["ChunkEnds", "replace_step_ends"]
 
 
 def replace_step_ends(
@@ -63,7 +64,7 @@ def replace_step_ends(
     drops: list[KVCacheBlock | None] = []
     saved: list[tuple[dict[str, Any], str, Any]] = []  # the step ends before
     if replaces:
-        self.block_pool.record(_put_entries, saved)
+        self.block_pool.record(put_entries, saved)
     for twin, row, block, gid in zip(twins, rows, news, gids, strict=True):
         newly = block.key_hash is None
         if twin.num_cached_block.get(rid, 0) <= pos:
@@ -102,20 +103,6 @@ def replace_step_ends(
         token_ids=request.all_token_ids,
         replaced=drops,
     )
-
-
-def _put_entries(entries: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
-    """Put back several stores' entries (see ``CheckpointManager._save``)."""
-    for store, request_id, value in entries:
-        put_entry(store, request_id, value)
-
-
-def put_entry(store: dict[str, Any], request_id: str, value: Any) -> None:
-    """Put back one store's entry for the request (None: no entry)."""
-    if value is None:
-        store.pop(request_id, None)
-    else:
-        store[request_id] = value
 
 
 class ChunkEnds(Sequence[KVCacheBlock]):

@@ -655,6 +655,8 @@ class KVCacheManager:
         out: list[KVCacheBlock] = []
         for manager in self.kvcore.single_type_managers:
             out += manager.pop_blocks(rid) or ()
+        if self.kvcore.cache_spans is not None:
+            self.kvcore.cache_spans.forget(rid)
         self._live.discard(rid)
         return out
 
