@@ -57,6 +57,7 @@ from kvcore.coordinator.twin_ops import (
     _Record,
     check_store,
     double_free,
+    key_span,
 )
 from kvcore.errors import (
     BlockSizeError,
@@ -674,8 +675,7 @@ class BlockPool(TwinPoolOps):
         )
         if not self.enable_caching or num_cached_blocks == num_full_blocks:
             return
-        new_blocks = blocks[num_cached_blocks:num_full_blocks]
-        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        span = range(num_cached_blocks, num_full_blocks)
         #: Table positions that may be stored (only with events on): the
         #: blocks not yet keyed.
         unkeyed: list[int] | None = None
@@ -683,29 +683,12 @@ class BlockPool(TwinPoolOps):
             check_event_inputs(self._event_groups, group_id, token_ids, num_full_blocks)
             unkeyed = [
                 pos
-                for pos, block in enumerate(new_blocks, num_cached_blocks)
-                if block.key_hash is None and not block.is_null
+                for pos in span
+                if blocks[pos].key_hash is None and not blocks[pos].is_null
             ]
         cached = self.cached_blocks_of(group_id)
-        keyed: list[tuple[KVCacheBlock, BlockHash]] | None = (
-            None if self._journal is None else []
-        )
-        setdefault = cached.setdefault
-        num_keyed = 0
-        for block, key in zip(new_blocks, new_hashes, strict=True):
-            if block.key_hash is None and not block.is_null:
-                block.key_hash = key
-                block.key_group = group_id
-                num_keyed += 1
-                entry = setdefault(key, block)
-                if entry is not block:
-                    if isinstance(entry, dict):
-                        entry[block.block_id] = block
-                    else:
-                        cached[key] = {entry.block_id: entry, block.block_id: block}
-                if keyed is not None:
-                    keyed.append((block, key))
-        self._num_cached[group_id] += num_keyed
+        keyed = key_span(cached, blocks, block_hashes, span, group_id)
+        self._num_cached[group_id] += len(keyed)
         if keyed and self._journal is not None:
             self._journal.append((_UNKEY, group_id, keyed))
         if unkeyed:

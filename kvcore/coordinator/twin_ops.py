@@ -22,7 +22,7 @@ from kvcore.errors import InvalidRequestError
 if TYPE_CHECKING:
     from kvcore.coordinator.blocks import KVCacheBlock
 
-__all__ = ["UNDO_CALL", "TwinPoolOps", "check_store", "double_free"]
+__all__ = ["UNDO_CALL", "TwinPoolOps", "check_store", "double_free", "key_span"]
 
 _Record: TypeAlias = tuple[Any, ...]
 """A journal record: an op code, then what its undo needs (see
@@ -65,6 +65,34 @@ def check_store(
             "request's tokens before caching its blocks"
         )
         raise InvalidRequestError(msg)
+
+
+def key_span(
+    cached: dict[BlockHash, Any],
+    table: Sequence[KVCacheBlock],
+    block_hashes: Sequence[BlockHash],
+    span: range,
+    group_id: int,
+) -> list[tuple[KVCacheBlock, BlockHash]]:
+    """Key the blocks of ``table`` at positions ``span`` that hold no key
+    (the null block skipped) with their hashes under ``group_id``, entering
+    each in the group's table ``cached``: the (block, key) pairs keyed, in
+    order (what a rolled-back store unkeys)."""
+    keyed = []
+    for i in span:
+        block = table[i]
+        if block.key_hash is None and not block.is_null:
+            key = block_hashes[i]
+            block.key_hash = key
+            block.key_group = group_id
+            entry = cached.setdefault(key, block)
+            if entry is not block:
+                if isinstance(entry, dict):
+                    entry[block.block_id] = block
+                else:
+                    cached[key] = {entry.block_id: entry, block.block_id: block}
+            keyed.append((block, key))
+    return keyed
 
 
 class TwinPoolOps:
@@ -126,20 +154,7 @@ class TwinPoolOps:
             cached = groups.get(gid)
             if cached is None:
                 cached = pool.cached_blocks_of(gid)
-            keyed = []
-            for i in span:
-                block = table[i]
-                if block.key_hash is None and not block.is_null:
-                    key = block_hashes[i]
-                    block.key_hash = key
-                    block.key_group = gid
-                    entry = cached.setdefault(key, block)
-                    if entry is not block:
-                        if isinstance(entry, dict):
-                            entry[block.block_id] = block
-                        else:
-                            cached[key] = {entry.block_id: entry, block.block_id: block}
-                    keyed.append((block, key))
+            keyed = key_span(cached, table, block_hashes, span, gid)
             if keyed:
                 counts[gid] += len(keyed)
                 if journal is not None:
