@@ -352,9 +352,13 @@ def wrong(value: object, msg: str) -> InvalidRequestError:
     return InvalidRequestTypeError(msg)
 
 
-def check_tokens(what: str, value: object) -> None:
-    """A token count argument: a non-negative int."""
+def check_tokens(what: str, value: object, *args: object) -> None:
+    """A token count argument: a non-negative int.  ``what`` names it, with
+    ``args`` formatted into it (``%``) only when it is refused, so a hot
+    caller builds no message."""
     if type(value) is not int or value < 0:
+        if args:
+            what %= args
         msg = f"{what} must be a non-negative int number of tokens, got {value!r}"
         raise wrong(value, msg)
 

@@ -631,7 +631,7 @@ class KVCacheCoordinator:
         self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
     ) -> None:
         """Phase one: touch every group's hit blocks before anything allocates."""
-        self._forget_span(request_id)
+        self.forget_span(request_id)
         gid = 0
         try:
             for manager, computed in zip(
@@ -648,7 +648,7 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens`` (the
         groups that take encoder tokens: ``num_encoder_tokens``)."""
-        self._forget_span(request_id)
+        self.forget_span(request_id)
         if not self.encoder_groups:
             return tuple(
                 self._each(
@@ -752,7 +752,7 @@ class KVCacheCoordinator:
         by hit point across caching groups (:func:`by_hit_points`), else
         group by group in free order, each tail first; the blocks it held
         back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
-        self._forget_span(request_id)
+        self.forget_span(request_id)
         tables = self._each(self._free_order, "pop_blocks", request_id)
         if self._holding:
             self._rejoin_held_back(request_id, tables)
@@ -812,7 +812,7 @@ class KVCacheCoordinator:
             raise self.plugin_error(gid, method, exc) from exc
         return results
 
-    def _forget_span(self, request_id: str) -> None:
+    def forget_span(self, request_id: str) -> None:
         """Drop the request's cache span (its tables or checkpoints change)."""
         if self.cache_spans is not None:
             self.cache_spans.forget(request_id)
@@ -820,7 +820,7 @@ class KVCacheCoordinator:
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """Let every state group choose where to keep checkpoints for a
         request being admitted."""
-        self._forget_span(request.request_id)
+        self.forget_span(request.request_id)
         self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
         for twins in self._path_twins:
             CheckpointManager.agree_on_path(twins, request)
@@ -833,19 +833,19 @@ class KVCacheCoordinator:
         saved = self._each(self.planning, "shed_checkpoints", request_id)
         if not any(state is not None for state in saved):
             return None
-        self._forget_span(request_id)
+        self.forget_span(request_id)
         return saved
 
     def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
         """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
-        self._forget_span(request_id)
+        self.forget_span(request_id)
         for manager, state in zip(self.planning, saved, strict=True):
             if state is not None:
                 manager.restore_checkpoints(request_id, state)
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""
-        self._forget_span(request_id)
+        self.forget_span(request_id)
         self._each(self.planning, "forget_checkpoints", request_id)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:

@@ -700,14 +700,13 @@ class KVCacheManager(EngineCalls):
         """Hash the request's blocks filled by ``num_computed_tokens``."""
         if not isinstance(request, Request):
             raise not_a_request(request)
-        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
-            check_tokens(
-                f"cache_blocks for request {request.request_id!r}: num_computed_tokens",
-                num_computed_tokens,
-            )
+        check_tokens(
+            "cache_blocks for request %r: num_computed_tokens",
+            num_computed_tokens,
+            request.request_id,
+        )
         if self.enable_caching:
-            if request.request_id not in self._requests:
-                self._require_live(request.request_id)
+            self._require_live(request.request_id)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request | str) -> None:

@@ -655,8 +655,7 @@ class KVCacheManager:
         out: list[KVCacheBlock] = []
         for manager in self.kvcore.single_type_managers:
             out += manager.pop_blocks(rid) or ()
-        if self.kvcore.cache_spans is not None:
-            self.kvcore.cache_spans.forget(rid)
+        self.kvcore.forget_span(rid)
         self._live.discard(rid)
         return out
 
