@@ -57,6 +57,11 @@ class CacheSpans(dict[str, tuple[int, int]]):
             del self[rid]
         self.pool.record(_put_span, self, rid, old)
 
+    def covers(self, request_id: str, num_tokens: int) -> bool:
+        """Whether a call for the request at ``num_tokens`` keys nothing."""
+        span = self.get(request_id)
+        return span is not None and span[0] <= num_tokens < span[1]
+
     def forget(self, request_id: str) -> None:
         """Drop the request's span: something may key its blocks again."""
         old = self.pop(request_id, None)

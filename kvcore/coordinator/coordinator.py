@@ -710,8 +710,7 @@ class KVCacheCoordinator:
         caching group; a call inside the request's cache span (see
         :attr:`cache_spans`) keys nothing and asks no manager."""
         spans = self.cache_spans
-        span = None if spans is None else spans.get(request.request_id)
-        if span is None or not span[0] <= num_tokens < span[1]:
+        if spans is None or not spans.covers(request.request_id, num_tokens):
             self._run_twins(
                 self._cache_runs, "cache_twins", "cache_blocks", request, num_tokens
             )
@@ -728,8 +727,7 @@ class KVCacheCoordinator:
         spans = self.cache_spans
         if spans is None:
             return not self._cache_runs
-        span = spans.get(request.request_id)
-        return span is not None and span[0] <= num_tokens < span[1]
+        return spans.covers(request.request_id, num_tokens)
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, the tail first."""
