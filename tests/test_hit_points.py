@@ -423,3 +423,60 @@ def test_twins_overriding_only_kept_if_room_are_asked_group_by_group() -> None:
     assert [[pos for pos, _, _ in held] for held in tables] == [[1, 0], [1, 0]]
     (k1, s1), (k2, s2) = ([block for _, block, _ in held] for held in tables)
     assert mgr.block_pool.free_queue.held_blocks() == [s2, s1, k1, k2]
+
+
+class _ReadsAFraction(SlidingWindowManager):
+    """A third party's window manager whose ``shortest_hit_reading``
+    returns a float."""
+
+    def shortest_hit_reading(self, position: int) -> int:
+        return position + 0.5  # type: ignore[return-value]
+
+
+def test_a_reading_that_is_not_an_int_is_refused() -> None:
+    """A reading that is not an int of at least 0 is refused where it
+    enters the core, naming the manager and the method, and the request
+    keeps its blocks."""
+
+    class Window(SlidingWindow):
+        manager_type = _ReadsAFraction
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(40, registry=registry)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 2)
+    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+    with pytest.raises(PluginResultError, match="shortest_hit_reading") as info:
+        mgr.free(a)
+    assert "_ReadsAFraction" in str(info.value)
+    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
+
+
+class _CountsReadings(SlidingWindowManager):
+    """A window manager that counts the positions it is asked about."""
+
+    asked: ClassVar[list[int]] = []
+
+    def shortest_hit_reading(self, position: int) -> int:
+        self.asked.append(position)
+        return super().shortest_hit_reading(position)
+
+
+def test_each_position_is_read_once() -> None:
+    """A reading depends on the position alone: freeing two requests of
+    the same length asks each position once, and the second is queued by
+    the same readings."""
+
+    class Window(SlidingWindow):
+        manager_type = _CountsReadings
+
+    _CountsReadings.asked.clear()
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    mgr = _window_hybrid(60, registry=registry)
+    for rid in ("a", "b"):
+        request = small_request(rid, PROMPT)
+        _run_prompt_and_decode(mgr, request, 2)
+        mgr.free(request)
+    asked = _CountsReadings.asked
+    assert asked
+    assert sorted(asked) == list(range(len(asked)))

@@ -18,7 +18,7 @@ import attrs
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.cache_spans import CacheSpans
 from kvcore.coordinator.declared import check_manager, declared_policy
-from kvcore.coordinator.free_order import by_hit_points
+from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import (
@@ -298,9 +298,11 @@ class KVCacheCoordinator:
         #: held-back blocks rejoin their group's table (state groups move
         #: theirs to the back, see :meth:`_refresh_checkpoints`).
         self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
-        #: Two or more caching groups: a freed request's blocks are queued
-        #: by hit point (see :mod:`kvcore.coordinator.free_order`).
-        self._by_hit_points = sum(m.caching for m in managers) > 1
+        #: Two or more caching groups: freed blocks queue by hit point.
+        hit_points = HitPointOrder(self._free_order, self.plugin_error)
+        self._by_hit_points = (
+            hit_points if sum(m.caching for m in managers) > 1 else None
+        )
         self.num_groups = len(managers)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
@@ -747,15 +749,15 @@ class KVCacheCoordinator:
 
     def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks as :meth:`BlockPool.free_table` takes them:
-        by hit point across caching groups (:func:`by_hit_points`), else
+        by hit point across caching groups (:class:`HitPointOrder`), else
         group by group in free order, each tail first; the blocks it held
         back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
         self.forget_span(request_id)
         tables = self._each(self._free_order, "pop_blocks", request_id)
         if self._holding:
             self._rejoin_held_back(request_id, tables)
-        if self._by_hit_points:
-            return by_hit_points(self._free_order, tables, self.plugin_error)
+        if self._by_hit_points is not None:
+            return self._by_hit_points(tables)
         freed: list[KVCacheBlock] = []
         for blocks in reversed(tables):
             if blocks:

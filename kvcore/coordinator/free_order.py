@@ -9,50 +9,97 @@ hit that reads each block (:meth:`SingleTypeManager.shortest_hit_reading`,
 which each manager declares), the highest first across all groups, eviction
 drops the request's hit points whole from the tail: once a block is gone,
 every block that served only longer hits is gone before it.
+
+A block's reading depends on its table position alone, so each manager is
+asked once per position and the answers are kept: ordering a freed
+request is then one stable sort of integers over its tables laid end to
+end, each table already in position order (runs the sort merges).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 
 from kvcore.coordinator.block_pool import KVCacheBlock
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.errors import PluginResultError
 
-__all__ = ["by_hit_points"]
-
-_SORT_KEY = itemgetter(0, 1, 2)
+__all__ = ["HitPointOrder"]
 
 
-def by_hit_points(
-    managers: Sequence[SingleTypeManager],
-    tables: Sequence[Sequence[KVCacheBlock] | None],
-    error: Callable[[int, str, BaseException], Exception] | None = None,
-) -> list[KVCacheBlock]:
-    """The blocks of ``tables`` (one per manager, in free order; None or
-    empty for a group without blocks) as one list that
-    :meth:`BlockPool.free_table` takes: the null block left out, the block
-    that the shortest hit reads first, so the block that only the longest
-    hits read is queued first (evicted first).  Blocks that the same
-    shortest hit reads are queued in the managers' order, each table's
-    in position order from the tail.  ``error(group id, method, exception)``
-    builds the error raised for a manager whose ``shortest_hit_reading``
-    raises (the exception itself when None)."""
-    entries: list[tuple[int, int, int, KVCacheBlock]] = []
-    for rank, (manager, blocks) in enumerate(zip(managers, tables, strict=True)):
-        if not blocks:
-            continue
-        reading = manager.shortest_hit_reading
+class HitPointOrder:
+    """Orders a freed request's tables by hit point for ``managers`` (in
+    free order), keeping each manager's readings by position.
+    ``error(group id, method, exception)`` builds the error raised for a
+    manager whose ``shortest_hit_reading`` raises (the exception itself
+    when None)."""
+
+    def __init__(
+        self,
+        managers: Sequence[SingleTypeManager],
+        error: Callable[[int, str, BaseException], Exception] | None = None,
+    ) -> None:
+        self.managers = tuple(managers)
+        self.error = error
+        #: Per manager, its readings of positions 0, 1, ... asked so far.
+        self.readings: list[list[int]] = [[] for _ in self.managers]
+
+    def __call__(
+        self, tables: Sequence[Sequence[KVCacheBlock] | None]
+    ) -> list[KVCacheBlock]:
+        """The blocks of ``tables`` (one per manager, in free order; None or
+        empty for a group without blocks) as one list that
+        :meth:`BlockPool.free_table` takes: the null block left out, the
+        block that the shortest hit reads first, so the block that only the
+        longest hits read is queued first (evicted first).  Blocks that the
+        same shortest hit reads are queued in the managers' order, each
+        table's in position order from the tail."""
+        keys: list[int] = []
+        blocks: list[KVCacheBlock] = []
+        # Laid end to end last manager first, each in position order: the
+        # stable sort breaks a tie by the later manager, then the position.
+        all_readings = self.readings
+        for index in range(len(tables) - 1, -1, -1):
+            table = tables[index]
+            if not table:
+                continue
+            num = len(table)
+            readings = all_readings[index]
+            if len(readings) < num:
+                self._read(index, num)
+            keys += readings[:num]
+            blocks += table
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        return [block for i in order if not (block := blocks[i]).is_null]
+
+    def _read(self, index: int, num_positions: int) -> None:
+        """Ask manager ``index`` for its readings up to ``num_positions``,
+        checking each where it enters the core."""
+        manager = self.managers[index]
+        readings = self.readings[index]
         try:
-            entries += [
-                (reading(pos), -rank, pos, block)
-                for pos, block in enumerate(blocks)
-                if not block.is_null
+            new = [
+                manager.shortest_hit_reading(position)
+                for position in range(len(readings), num_positions)
             ]
+            for position, reading in enumerate(new, len(readings)):
+                if type(reading) is not int or reading < 0:
+                    raise _bad_reading(manager, position, reading)
         except Exception as exc:
-            if error is None:
+            if self.error is None or isinstance(exc, PluginResultError):
                 raise
             gid = manager.kv_cache_group_id
-            raise error(gid, "shortest_hit_reading", exc) from exc
-    entries.sort(key=_SORT_KEY)
-    return [entry[3] for entry in entries]
+            raise self.error(gid, "shortest_hit_reading", exc) from exc
+        readings += new
+
+
+def _bad_reading(
+    manager: SingleTypeManager, position: int, reading: object
+) -> PluginResultError:
+    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+    msg = (
+        f"{owner}.shortest_hit_reading({position}) returned {reading!r}; it "
+        "must return an int of at least 0: the fewest tokens a hit must "
+        "cover to read the block at that table position"
+    )
+    return PluginResultError(msg, plugin_name=type(manager).__module__)
