@@ -317,6 +317,67 @@ def test_held_back_first_blocks_go_before_the_other_held_back_ones() -> None:
     assert ids(p.get_new_blocks(6)) == [6, 7, 4, 5, 3, 2]
 
 
+def _cached_free_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list]:
+    """A pool whose first ``num_cached`` blocks are cached and freed, in
+    order, behind the never-used ones."""
+    p = pool(num_blocks)
+    a = p.get_new_blocks(num_cached)
+    p.cache_full_blocks(
+        block_hashes=[h(i) for i in range(1, num_cached + 1)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=num_cached,
+        group_id=0,
+    )
+    p.free_blocks(a)
+    return p, a
+
+
+def test_held_back_blocks_are_at_most_half_the_free_blocks() -> None:
+    """Past as many held-back blocks as other free blocks, those evicted
+    first among them go to the back of the queue; a rollback puts every
+    block back where it was, held back again."""
+    p, a = _cached_free_pool(9, 6)  # queue 7 8 1 2 3 4 5 6
+    p.hold_back(a[:2])
+    assert ids(p.free_queue.held_blocks()) == [1, 2]
+    p.begin()
+    p.hold_back(a[2:5])  # 5 held of 8 free: 1 spills
+    assert ids(p.free_queue.held_blocks()) == [2, 3, 4, 5]
+    assert free_ids(p) == [7, 8, 6, 1, 2, 3, 4, 5]
+    p.hold_back_first([a[5]])  # 6 in front of the held: it spills first
+    assert ids(p.free_queue.held_blocks()) == [2, 3, 4, 5]
+    assert free_ids(p) == [7, 8, 1, 6, 2, 3, 4, 5]
+    p.rollback()
+    assert ids(p.free_queue.held_blocks()) == [1, 2]
+    assert free_ids(p) == [7, 8, 3, 4, 5, 6, 1, 2]
+    p.hold_back(a[2:4])  # 4 held of 8 free: none spills
+    assert ids(p.free_queue.held_blocks()) == [1, 2, 3, 4]
+
+
+def test_blocks_leaving_the_held_back_ones_count_no_more() -> None:
+    """A held-back block revived by a hit or handed out stops counting as
+    held back (so the cap makes room for others); a rolled-back hit holds
+    it back again."""
+    p, a = _cached_free_pool(9, 6)  # queue 7 8 1 2 3 4 5 6
+    p.hold_back(a[:4])  # 1 2 3 4 held of 8
+    p.begin()
+    p.touch([a[0]])  # a hit revives 1
+    assert ids(p.free_queue.held_blocks()) == [2, 3, 4]
+    p.rollback()
+    assert ids(p.free_queue.held_blocks()) == [1, 2, 3, 4]
+    p.touch([a[0], a[1]])  # queue 7 8 5 6, held 3 4
+    p.hold_back(a[4:5])  # 3 held, 3 others: none spills
+    assert free_ids(p) == [7, 8, 6, 3, 4, 5]
+    taken = p.get_new_blocks(5)  # on into the held-back blocks
+    assert ids(taken) == [7, 8, 6, 3, 4]
+    assert ids(p.free_queue.held_blocks()) == [5]
+    assert p.free_queue.held == {a[4]}
+    p.free_blocks(a[:2])  # 1 2 cached: to the back of the queue
+    p.hold_back(a[:1])  # 2 held, 1 other: 5 spills
+    assert ids(p.free_queue.held_blocks()) == [1]
+    assert free_ids(p) == [2, 5, 1]
+
+
 def test_free_mixed_blocks_split_front_and_back() -> None:
     p = pool(8)
     a = p.get_new_blocks(4)  # 1 2 3 4; queue 5 6 7

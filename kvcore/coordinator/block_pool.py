@@ -357,6 +357,7 @@ class BlockPool(TwinPoolOps):
         if from_queue < num_blocks:
             queue._head.next_free = tail
             tail.prev_free = queue._head
+            queue.held.difference_update(blocks[from_queue:])
         head.next_free = block
         block.prev_free = head
         queue.num_free -= num_blocks
@@ -427,7 +428,10 @@ class BlockPool(TwinPoolOps):
         # To the front: unlinked, then linked after the queue's head.
         prev.next_free = nxt
         nxt.prev_free = prev
-        head = self.free_queue._head
+        queue = self.free_queue
+        if queue.held:
+            queue.held.discard(block)
+        head = queue._head
         first = head.next_free
         assert first is not None
         head.next_free = block
@@ -448,8 +452,15 @@ class BlockPool(TwinPoolOps):
         see :meth:`FreeBlockQueue.hold`).  Blocks in use, the null block and
         blocks without a key are left where they are; a block revived by a
         hit leaves the held-back blocks, and :meth:`requeue_at_back` puts
-        one back in the queue."""
+        one back in the queue.
+
+        The held-back blocks are kept at most as many as the other free
+        blocks: past that, those evicted first among them go to the back of
+        the queue.  Holding back bets on later hits of running requests,
+        the queue's order on returning prefixes; neither bet takes the
+        whole free pool."""
         self._move_free(blocks, self.free_queue.hold)
+        self._spill_held()
 
     def hold_back_first(self, blocks: Sequence[KVCacheBlock]) -> None:
         """:meth:`hold_back`, but in front of the held-back blocks (in the
@@ -458,6 +469,18 @@ class BlockPool(TwinPoolOps):
         while the pool has room for them)."""
         queue = self.free_queue
         self._move_free(blocks[::-1], lambda block: queue.prepend_held_n([block]))
+        self._spill_held()
+
+    def _spill_held(self) -> None:
+        """Move the held-back blocks evicted first to the back of the queue
+        until they are at most as many as the other free blocks."""
+        queue = self.free_queue
+        excess = 2 * len(queue.held) - queue.num_free
+        while excess > 0:
+            block = queue.first_held()
+            assert block is not None  # excess > 0: a block is held
+            self._move_free((block,), queue.append)
+            excess -= 2
 
     def _move_free(
         self, blocks: Sequence[KVCacheBlock], put: Callable[[KVCacheBlock], None]
@@ -502,6 +525,8 @@ class BlockPool(TwinPoolOps):
                 nxt.prev_free = prev
                 block.prev_free = block.next_free = None
                 queue.num_free -= 1
+                if queue.held:
+                    queue.held.discard(block)
             block.ref_cnt = cnt + 1
         journal = self._journal
         if journal is not None:
@@ -852,7 +877,10 @@ class BlockPool(TwinPoolOps):
 def _relink_all(queue: FreeBlockQueue, links: Sequence[KVCacheBlock]) -> None:
     """Put unlinked blocks back in the free queue, given flat as ``(block,
     prev, next)`` in the order they were unlinked: newest first, so each
-    goes back between the neighbours it had."""
+    goes back between the neighbours it had (held back again when they
+    are)."""
+    held = queue.held
+    held_head = queue._held_head
     for i in range(len(links) - 3, -1, -3):
         block = links[i]
         prev = links[i + 1]
@@ -862,3 +890,5 @@ def _relink_all(queue: FreeBlockQueue, links: Sequence[KVCacheBlock]) -> None:
         block.next_free = nxt
         nxt.prev_free = block
         queue.num_free += 1
+        if prev is held_head or prev in held:
+            held.add(block)

@@ -137,7 +137,8 @@ class FreeBlockQueue:
     Behind the back of the queue, a second list holds *held-back* blocks
     (:meth:`hold`): free blocks evicted only once every other free block is
     gone, front first.  ``remove`` takes a block out of either list; both
-    count in ``num_free``.
+    count in ``num_free``, and ``held`` is the set of held-back blocks (so
+    their number is known in O(1)).
     """
 
     __slots__ = (
@@ -147,6 +148,7 @@ class FreeBlockQueue:
         "_held_head",
         "_held_tail",
         "_tail",
+        "held",
         "num_free",
     )
 
@@ -157,6 +159,8 @@ class FreeBlockQueue:
         self._held_tail = KVCacheBlock(-1)
         self._held_head.next_free = self._held_tail
         self._held_tail.prev_free = self._held_head
+        #: The held-back blocks, as a set (their order is the held list's).
+        self.held: set[KVCacheBlock] = set()
         #: Scratch ends of the two chains a release builds before it splices
         #: them in (see BlockPool._release); unlinked between calls.
         self._front = KVCacheBlock(-1)
@@ -215,6 +219,8 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
+        if self.held:
+            self.held.discard(block)
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the back (evicted last)."""
@@ -275,6 +281,7 @@ class FreeBlockQueue:
         block.next_free = tail
         tail.prev_free = block
         self.num_free += 1
+        self.held.add(block)
 
     def prepend_held_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front of the held-back blocks, in order."""
@@ -283,6 +290,12 @@ class FreeBlockQueue:
         first = self._held_head.next_free
         assert first is not None
         self._link_after(self._held_head, first, blocks)
+        self.held.update(blocks)
+
+    def first_held(self) -> KVCacheBlock | None:
+        """The held-back block evicted first, or None when none is held."""
+        block = self._held_head.next_free
+        return None if block is self._held_tail else block
 
     def held_blocks(self) -> list[KVCacheBlock]:
         """The held-back blocks, front first (O(n))."""
