@@ -10,8 +10,10 @@ the same ids on every platform and Python version.
 
 from __future__ import annotations
 
+import array
 import math
 import random
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
@@ -52,6 +54,19 @@ def token_stream(key: str, count: int) -> list[int]:
     return (np.frombuffer(raw, dtype="<u4") % VOCAB_SIZE).tolist()  # type: ignore[no-any-return]
 
 
+#: The array type code of a 4-byte unsigned word on this platform.
+_WORD = next(code for code in "IL" if array.array(code).itemsize == 4)
+
+
+def little_endian_words(raw: bytes) -> list[int]:
+    """``raw`` read as little-endian 4-byte unsigned words (an array's
+    ``tolist`` makes the ints about twice as fast as numpy's)."""
+    words = array.array(_WORD, raw)
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words.tolist()
+
+
 class TokenRun(Sequence[int]):
     """An immutable run of token ids kept as little-endian 4-byte words.
 
@@ -77,7 +92,7 @@ class TokenRun(Sequence[int]):
 
     def tokens(self) -> list[int]:
         """The token ids as a new list."""
-        return np.frombuffer(b"".join(self._parts), dtype="<u4").tolist()  # type: ignore[no-any-return]
+        return little_endian_words(b"".join(self._parts))
 
     def __len__(self) -> int:
         return self._len
