@@ -261,25 +261,6 @@ class _ReadsWrongly(SlidingWindowManager):
         raise RuntimeError(msg)
 
 
-def test_shortest_hit_reading_is_checked_where_it_enters_the_core() -> None:
-    """Freeing a hybrid request whose window manager raises in
-    ``shortest_hit_reading`` is refused with an error naming the manager,
-    and the request keeps its blocks."""
-
-    class Window(SlidingWindow):
-        manager_type = _ReadsWrongly
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
-    mgr = _window_hybrid(40, registry=registry)
-    a = small_request("a", PROMPT)
-    _run_prompt_and_decode(mgr, a, 2)
-    before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
-    with pytest.raises(PluginError, match="shortest_hit_reading") as info:
-        mgr.free(a)
-    assert "_ReadsWrongly" in str(info.value)
-    assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
-
-
 class _KeepsIfRoomTwice(SlidingWindowManager):
     """A third party's window manager whose ``kept_if_room`` names the
     blocks ``kept_for_later`` names as well."""
@@ -433,22 +414,29 @@ class _ReadsAFraction(SlidingWindowManager):
         return position + 0.5  # type: ignore[return-value]
 
 
-def test_a_reading_that_is_not_an_int_is_refused() -> None:
-    """A reading that is not an int of at least 0 is refused where it
-    enters the core, naming the manager and the method, and the request
-    keeps its blocks."""
+@pytest.mark.parametrize(
+    ("manager", "error"),
+    [(_ReadsWrongly, PluginError), (_ReadsAFraction, PluginResultError)],
+)
+def test_shortest_hit_reading_is_checked_where_it_enters_the_core(
+    manager: type[SlidingWindowManager], error: type[PluginError]
+) -> None:
+    """Freeing a hybrid request whose window manager raises in
+    ``shortest_hit_reading``, or returns what is not an int of at least 0,
+    is refused with an error naming the manager and the method, and the
+    request keeps its blocks."""
 
     class Window(SlidingWindow):
-        manager_type = _ReadsAFraction
+        manager_type = manager
 
     registry = KindRegistry.from_kinds([FullAttention(), Window()])
     mgr = _window_hybrid(40, registry=registry)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 2)
     before = (mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
-    with pytest.raises(PluginResultError, match="shortest_hit_reading") as info:
+    with pytest.raises(error, match="shortest_hit_reading") as info:
         mgr.free(a)
-    assert "_ReadsAFraction" in str(info.value)
+    assert manager.__name__ in str(info.value)
     assert (mgr.get_num_free_blocks(), mgr.get_block_ids("a")) == before
 
 
