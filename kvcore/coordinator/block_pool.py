@@ -105,7 +105,6 @@ class BlockPool(TwinPoolOps):
         "_event_groups",
         "_events",
         "_events_mark",
-        "_journal",
         "_num_cached",
         "_partial",
         "blocks",
@@ -114,6 +113,7 @@ class BlockPool(TwinPoolOps):
         "evictions",
         "free_queue",
         "hash_block_size",
+        "journal",
         "kv_events_medium",
         "null_block",
         "num_blocks",
@@ -190,7 +190,7 @@ class BlockPool(TwinPoolOps):
         self._events: list[KVCacheEvent] = []
         #: Undo records of the open transaction (see :meth:`begin`), else
         #: None: plain tuples, an op code first (see :meth:`rollback`).
-        self._journal: list[_Record] | None = None
+        self.journal: list[_Record] | None = None
         #: Transactions begun so far: state kept beside the pool records
         #: its undo once per transaction (see
         #: SingleTypeManager.record_request_state).
@@ -213,7 +213,7 @@ class BlockPool(TwinPoolOps):
         the ``KVCacheManager`` from inside a step: the nested step is refused
         (:class:`~kvcore.errors.ReentrantCallError`) before it changes
         anything, and the outer step, seeing its manager raise, is undone."""
-        if self._journal is not None:
+        if self.journal is not None:
             msg = (
                 "a step is already running on this block pool: a cache manager "
                 "called back into the KVCacheManager (allocate_slots, free or "
@@ -221,20 +221,20 @@ class BlockPool(TwinPoolOps):
                 "the KVCacheManager, the outer step is undone"
             )
             raise ReentrantCallError(msg)
-        self._journal = []
+        self.journal = []
         self.transactions += 1
         self._events_mark = len(self._events)
 
     def commit(self) -> None:
         """Keep the open transaction's changes."""
-        self._journal = None
+        self.journal = None
 
     def rollback(self) -> None:
         """Undo every change since :meth:`begin`, newest first: reference
         counts, free-queue order, prefix-cache keys and events are as they
         were."""
-        journal = self._journal
-        self._journal = None
+        journal = self.journal
+        self.journal = None
         if journal is None:
             return
         for record in reversed(journal):
@@ -308,7 +308,7 @@ class BlockPool(TwinPoolOps):
         """Call ``undo(*args)`` if the open transaction rolls back (nothing
         outside a transaction): for state kept beside the pool that a step
         changes.  Records run newest first."""
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             journal.append((UNDO_CALL, undo, args))
 
@@ -327,7 +327,7 @@ class BlockPool(TwinPoolOps):
         blocks: list[KVCacheBlock] = []
         if not num_blocks:
             return blocks
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             # The hand-out's undo goes before the key drops' (a rollback
             # runs newest first); it is filled in once the blocks are known.
@@ -393,7 +393,7 @@ class BlockPool(TwinPoolOps):
         cached = self._cached[gid]
         entry = cached.get(key)
         self._num_cached[gid] -= 1
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             saved = dict(entry) if isinstance(entry, dict) else entry
             journal.append((_KEY, block, key, gid, saved))
@@ -422,7 +422,7 @@ class BlockPool(TwinPoolOps):
         if prev is None or nxt is None:
             self.free_queue.remove(block)  # raises: a free block not queued
             return
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             journal.append((_MOVE, block, prev, nxt))
         # To the front: unlinked, then linked after the queue's head.
@@ -486,7 +486,7 @@ class BlockPool(TwinPoolOps):
         self, blocks: Sequence[KVCacheBlock], put: Callable[[KVCacheBlock], None]
     ) -> None:
         queue = self.free_queue
-        journal = self._journal
+        journal = self.journal
         for block in blocks:
             if block.ref_cnt or block.is_null or block.key_hash is None:
                 continue
@@ -528,7 +528,7 @@ class BlockPool(TwinPoolOps):
                 if queue.held:
                     queue.held.discard(block)
             block.ref_cnt = cnt + 1
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             journal.append((_TOUCH, tuple(blocks), unlinked))
 
@@ -647,7 +647,7 @@ class BlockPool(TwinPoolOps):
             front_end.prev_free = front_end.next_free = None
             back_end.prev_free = back_end.next_free = None
             queue.num_free += freed
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             journal.append((_RELEASE, tuple(blocks)))
 
@@ -714,8 +714,8 @@ class BlockPool(TwinPoolOps):
         cached = self.cached_blocks_of(group_id)
         keyed = key_span(cached, blocks, block_hashes, span, group_id)
         self._num_cached[group_id] += len(keyed)
-        if keyed and self._journal is not None:
-            self._journal.append((_UNKEY, group_id, keyed))
+        if keyed and self.journal is not None:
+            self.journal.append((_UNKEY, group_id, keyed))
         if unkeyed:
             # A position is stored if its block took that position's hash (a
             # block listed twice is keyed by its first listing only).
@@ -766,7 +766,7 @@ class BlockPool(TwinPoolOps):
         if group is None:
             group = self._partial[group_id] = {}
         insert_entry(group, block_hash, block)
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             journal.append((_PARTIAL, group, block_hash, block))
 
@@ -778,7 +778,7 @@ class BlockPool(TwinPoolOps):
         group = self._partial[block.partial_group]
         for key in keys:
             remove_entry(group, key, block)
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             journal.append((_UNPARTIAL, group, keys, block))
 
@@ -807,7 +807,7 @@ class BlockPool(TwinPoolOps):
     def record_undo(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` if the open transaction rolls back (nothing outside
         a transaction): for state kept beside the pool that a step changes."""
-        journal = self._journal
+        journal = self.journal
         if journal is not None:
             journal.append((UNDO_CALL, undo, ()))
 
@@ -829,7 +829,7 @@ class BlockPool(TwinPoolOps):
         False, changing nothing, otherwise.  Refused inside a step (a cache
         manager calling back, see :meth:`begin`).
         """
-        if self._journal is not None:
+        if self.journal is not None:
             msg = (
                 "reset_prefix_cache was called from inside a step (by a cache "
                 "manager calling back into the KVCacheManager); managers must not "

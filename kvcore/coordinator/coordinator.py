@@ -527,7 +527,7 @@ class KVCacheCoordinator:
         nothing in the open transaction).  What the calls returned that
         holds blocks, by group id; a manager that raises is reported as its
         plugin's failure in ``step``, the one-group step."""
-        journal = self.block_pool._journal
+        journal = self.block_pool.journal
         idle: list[int] = []
         out: list[list[KVCacheBlock]] | None = None
         gid = -1
@@ -552,7 +552,7 @@ class KVCacheCoordinator:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release the blocks the request no longer reads, one call per
         class of twins (see :meth:`_run_twins`)."""
-        journal = self.block_pool._journal
+        journal = self.block_pool.journal
         mark = -1 if journal is None else len(journal)
         self._run_twins(
             self._skip_runs,
@@ -695,7 +695,7 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Grow a running request's tables, in group order; ``None`` if no
         block was added."""
-        journal = self.block_pool._journal
+        journal = self.block_pool.journal
         mark = -1 if journal is None else len(journal)
         out = self._run_twins(
             self._grow_runs,

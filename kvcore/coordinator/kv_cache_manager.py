@@ -467,7 +467,7 @@ class KVCacheManager(EngineCalls):
             and held is request
             and coordinator.idle_steps
             and (cache_to < 0 or coordinator.keys_nothing(request, cache_to))
-            and self.block_pool._journal is None
+            and self.block_pool.journal is None
         ):
             # No class grows, nothing is released and no chunk ended: the
             # step would change nothing (a step already open refuses it, in

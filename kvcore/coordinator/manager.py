@@ -543,7 +543,7 @@ class SingleTypeManager:
             self.num_released.pop(request_id, None) if self.skips_blocks else None
         )
         blocks = self.req_to_blocks.pop(request_id, None)
-        journal = self.block_pool._journal
+        journal = self.block_pool.journal
         if journal is not None:
             table = None if blocks is None else (blocks, len(blocks))
             args = (self, request_id, table, cached, released)
@@ -566,7 +566,7 @@ class SingleTypeManager:
         before changing that state as well: the step's first call also
         records :meth:`request_state`."""
         pool = self.block_pool
-        journal = pool._journal
+        journal = pool.journal
         if journal is None:
             return
         recorded = self._recorded
@@ -599,7 +599,7 @@ class SingleTypeManager:
         """:meth:`record_request_state` for each of ``twins`` (tables only
         appended to), as one journal record for the class."""
         pool = self.block_pool
-        journal = pool._journal
+        journal = pool.journal
         if journal is None:
             return
         transaction = pool.transactions

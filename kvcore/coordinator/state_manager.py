@@ -667,7 +667,7 @@ class CheckpointManager(SingleTypeManager):
         return None
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
-        if self.block_pool._journal is not None:
+        if self.block_pool.journal is not None:
             self.block_pool.record_undo(
                 partial(
                     self.restore_request_state,
@@ -765,7 +765,7 @@ class CheckpointManager(SingleTypeManager):
     def _save(self, store: dict[str, Any], request_id: str) -> None:
         """Inside a step: record ``store``'s entry for the request (a list
         copied) for a rollback to put back, before the step changes it."""
-        if self.block_pool._journal is not None:
+        if self.block_pool.journal is not None:
             value = store.get(request_id)
             if type(value) is list:
                 value = list(value)

@@ -146,7 +146,7 @@ class TwinPoolOps:
                     pool.drop_from_cache(old)
             return
         span = range(num_cached_blocks, num_full_blocks)
-        journal = pool._journal
+        journal = pool.journal
         counts = pool._num_cached
         groups = pool._cached
         drop = pool.drop_from_cache
@@ -204,7 +204,7 @@ class TwinPoolOps:
         if backs:
             tail = queue._tail
             queue._link_after(tail.prev_free, tail, backs)
-        journal = pool._journal
+        journal = pool.journal
         if journal is not None:
             journal.append((_RELEASE, tuple(b for blocks in lists for b in blocks)))
 
