@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -85,11 +86,17 @@ class HeldBackMachine(RuleBasedStateMachine):
     def block(self, i: int) -> KVCacheBlock:
         return self.pool.blocks[i]
 
-    def pick(self, data: st.DataObject, ids: Sequence[int]) -> list[int]:
+    def pick(
+        self, data: st.DataObject, ids: Sequence[int], *, most: int = 5
+    ) -> list[int]:
         """A random sub-list of ``ids`` in random order (repeats allowed)."""
         if not ids:
             return []
-        return data.draw(st.lists(st.sampled_from(list(ids)), max_size=5))
+        return data.draw(st.lists(st.sampled_from(list(ids)), max_size=most))
+
+    def free_keyed(self) -> list[int]:
+        m = self.model
+        return [i for i in m.queue + m.held if i in m.keyed]
 
     def snapshot(self) -> Any:
         p = self.pool
@@ -106,9 +113,22 @@ class HeldBackMachine(RuleBasedStateMachine):
 
     # -- rules --------------------------------------------------------------
 
+    @initialize(data=st.data())
+    def fill(self, data: st.DataObject) -> None:
+        """Start from free blocks, most of them keyed (hits and holds need
+        keyed free blocks), freed in a random order."""
+        self.get_new_blocks_n(NUM_BLOCKS - 1)
+        self.cache(data)
+        self.free_blocks(data)
+
     @rule(data=st.data())
     def get_new_blocks(self, data: st.DataObject) -> None:
-        n = data.draw(st.integers(0, len(self.model.queue) + len(self.model.held)))
+        free = len(self.model.queue) + len(self.model.held)
+        # Often past the queue, on into the held-back blocks.
+        low = len(self.model.queue) if data.draw(st.booleans()) else 0
+        self.get_new_blocks_n(data.draw(st.integers(min(low, free), free)))
+
+    def get_new_blocks_n(self, n: int) -> None:
         got = [b.block_id for b in self.pool.get_new_blocks(n)]
         free = self.model.queue + self.model.held
         assert got == free[:n]
@@ -121,7 +141,7 @@ class HeldBackMachine(RuleBasedStateMachine):
     def cache(self, data: st.DataObject) -> None:
         """Give a key to blocks in use that have none (fresh hashes)."""
         ids = [i for i, r in self.model.ref.items() if r and i not in self.model.keyed]
-        chosen = list(dict.fromkeys(self.pick(data, ids)))
+        chosen = list(dict.fromkeys(self.pick(data, ids, most=NUM_BLOCKS)))
         if not chosen:
             return
         hashes = [h(self.next_hash + k) for k in range(len(chosen))]
@@ -151,7 +171,8 @@ class HeldBackMachine(RuleBasedStateMachine):
         """Blocks in use, each listed at most as often as it is held."""
         budget = dict(self.model.ref)
         chosen = []
-        for i in self.pick(data, [i for i, r in budget.items() if r]):
+        in_use = [i for i, r in budget.items() if r]
+        for i in self.pick(data, in_use, most=2 * NUM_BLOCKS):
             if budget[i]:
                 budget[i] -= 1
                 chosen.append(i)
@@ -172,7 +193,11 @@ class HeldBackMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def touch(self, data: st.DataObject) -> None:
         """Hits: free keyed blocks (queued or held back) and blocks in use."""
-        ids = [i for i, r in self.model.ref.items() if r or i in self.model.keyed]
+        if data.draw(st.booleans()):
+            ids = self.free_keyed() or [1]
+        else:
+            ids = list(range(1, NUM_BLOCKS))
+        ids = [i for i in ids if self.model.ref[i] or i in self.model.keyed]
         chosen = self.pick(data, ids)
         self.pool.touch([self.block(i) for i in chosen])
         for i in chosen:
@@ -181,7 +206,10 @@ class HeldBackMachine(RuleBasedStateMachine):
             self.model.ref[i] += 1
 
     def _move(self, data: st.DataObject, how: str) -> None:
-        chosen = self.pick(data, range(1, NUM_BLOCKS))
+        if data.draw(st.booleans()):
+            chosen = self.pick(data, self.free_keyed(), most=NUM_BLOCKS)
+        else:
+            chosen = self.pick(data, range(1, NUM_BLOCKS))
         blocks = [self.block(i) for i in chosen]
         m = self.model
         if how == "hold_back":
@@ -294,7 +322,7 @@ class HeldBackMachine(RuleBasedStateMachine):
 
 
 _FAST = settings(
-    max_examples=60,
+    max_examples=80,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -411,3 +439,75 @@ def test_hit_point_order_is_the_per_block_sort_long(
     data: tuple[list[list[int]], list[list[list[int]]]],
 ) -> None:
     _check_hit_point_order(data)
+
+
+# -- the cap and rollbacks, every small case ---------------------------------------
+
+
+def _state(p: BlockPool) -> tuple[list[int], list[int], list[int], list[int]]:
+    q = p.free_queue
+    return (
+        [b.block_id for b in q.get_all_free_blocks()],
+        [b.block_id for b in q.held_blocks()],
+        sorted(b.block_id for b in q.held),
+        [b.ref_cnt for b in p.blocks],
+    )
+
+
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("num_free", range(1, 8))
+def test_holding_spills_the_fewest_and_rolls_back(first: bool, num_free: int) -> None:
+    """Holding ``k`` blocks beside ``held`` held-back ones leaves
+    min(held + k, num_free // 2) held back, spilling those evicted first;
+    a hit on any held-back block, or a requeue of one, in the same
+    transaction rolls back to the state before it, held set included."""
+    cases = [
+        (h0, k0, j0)
+        for h0 in range(num_free // 2 + 1)
+        for k0 in range(num_free - h0 + 1)
+        for j0 in range(min(h0 + k0, num_free // 2) + 1)
+    ]
+    for held, k, j in cases:
+        p = BlockPool(num_free + 2, enable_caching=True, hash_block_size=16)
+        blocks = p.get_new_blocks(num_free + 1)
+        p.cache_full_blocks(
+            block_hashes=[h(i) for i in range(1, num_free + 1)],
+            blocks=blocks[:-1],
+            num_cached_blocks=0,
+            num_full_blocks=num_free,
+            group_id=0,
+        )
+        p.free_blocks(blocks[:-1])  # the last stays in use
+        p.hold_back(blocks[:held])
+        model = Model()
+        model.queue = list(range(held + 1, num_free + 1))
+        model.held = list(range(1, held + 1))
+        before = _state(p)
+        p.begin()
+        chosen = blocks[held : held + k]
+        ids = [b.block_id for b in chosen]
+        if first:
+            p.hold_back_first(chosen)
+            model.held[:0] = ids
+        else:
+            p.hold_back(chosen)
+            model.held += ids
+        model.queue = [i for i in model.queue if i not in ids]
+        model.spill()
+        q = p.free_queue
+        assert len(q.held) == min(held + k, num_free // 2)
+        assert _state(p)[:3] == (
+            model.queue + model.held,
+            model.held,
+            sorted(model.held),
+        )
+        if j < len(model.held):
+            target = p.blocks[model.held[j]]
+            p.touch([target])
+            assert q.held == set(q.held_blocks())
+            p.free_blocks([target])
+            p.hold_back([target])
+            p.requeue_at_back([p.blocks[model.held[-1]]])
+            assert q.held == set(q.held_blocks())
+        p.rollback()
+        assert _state(p) == before
