@@ -356,7 +356,9 @@ class SingleTypeManager:
         ``position``.  A freed request's blocks of every group are queued
         for eviction by it, the highest first (see
         :mod:`kvcore.coordinator.free_order`), so eviction takes its hit
-        points whole from the tail.  Default: every hit past the block's
+        points whole from the tail.  Asked once per position, the answer
+        kept for the coordinator's life: it depends on the position alone.
+        Default: every hit past the block's
         first token reads it (``position * block_size + 1``); a block of a
         table not indexed by position, every hit (1)."""
         if not self.position_indexed:

@@ -1,0 +1,513 @@
+"""Held-back blocks against a list model: free order, the held set, the
+cap on held-back blocks, rollback, copies; and the hit-point free order
+against the per-block sort it replaced."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Sequence
+from typing import Any, cast
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.free_order import HitPointOrder
+from kvcore.coordinator.manager import SingleTypeManager
+
+NUM_BLOCKS = 10  # block 0 is the null block
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+class Model:
+    """The pool as plain lists of block ids: the queue front first, the
+    held-back blocks front first, reference counts and keyed blocks."""
+
+    def __init__(self) -> None:
+        self.queue = list(range(1, NUM_BLOCKS))
+        self.held: list[int] = []
+        self.ref = dict.fromkeys(range(1, NUM_BLOCKS), 0)
+        self.keyed: set[int] = set()
+
+    def copy(self) -> Model:
+        other = Model()
+        other.queue = list(self.queue)
+        other.held = list(self.held)
+        other.ref = dict(self.ref)
+        other.keyed = set(self.keyed)
+        return other
+
+    def unlink(self, i: int) -> None:
+        if i in self.queue:
+            self.queue.remove(i)
+        else:
+            self.held.remove(i)
+
+    def movable(self, i: int) -> bool:
+        return self.ref[i] == 0 and i in self.keyed
+
+    def spill(self) -> None:
+        while 2 * len(self.held) > len(self.queue) + len(self.held):
+            self.queue.append(self.held.pop(0))
+
+
+def _entry_ids(cached: dict[bytes, Any]) -> dict[bytes, Any]:
+    """A group's prefix cache with block ids for blocks (a copy's blocks
+    are other objects)."""
+    return {
+        key: sorted(entry) if isinstance(entry, dict) else entry.block_id
+        for key, entry in cached.items()
+    }
+
+
+class HeldBackMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+        self.model = Model()
+        self.saved: tuple[Model, Any] | None = None
+        self.next_hash = 1
+
+    # -- helpers ------------------------------------------------------------
+
+    def block(self, i: int) -> KVCacheBlock:
+        return self.pool.blocks[i]
+
+    def pick(
+        self, data: st.DataObject, ids: Sequence[int], *, most: int = 5
+    ) -> list[int]:
+        """A random sub-list of ``ids`` in random order (repeats allowed)."""
+        if not ids:
+            return []
+        return data.draw(st.lists(st.sampled_from(list(ids)), max_size=most))
+
+    def free_keyed(self) -> list[int]:
+        m = self.model
+        return [i for i in m.queue + m.held if i in m.keyed]
+
+    def snapshot(self) -> Any:
+        p = self.pool
+        q = p.free_queue
+        return (
+            [b.block_id for b in q.get_all_free_blocks()],
+            [b.block_id for b in q.held_blocks()],
+            sorted(b.block_id for b in q.held),
+            q.num_free,
+            [(b.ref_cnt, b.key_hash, b.key_group) for b in p.blocks],
+            {g: _entry_ids(c) for g, c in p._cached.items() if c},
+            {g: n for g, n in p._num_cached.items() if n},
+        )
+
+    # -- rules --------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def fill(self, data: st.DataObject) -> None:
+        """Start from free blocks, most of them keyed (hits and holds need
+        keyed free blocks), freed in a random order."""
+        self.get_new_blocks_n(NUM_BLOCKS - 1)
+        self.cache(data)
+        self.free_blocks(data)
+
+    @rule(data=st.data())
+    def get_new_blocks(self, data: st.DataObject) -> None:
+        free = len(self.model.queue) + len(self.model.held)
+        # Often past the queue, on into the held-back blocks.
+        low = len(self.model.queue) if data.draw(st.booleans()) else 0
+        self.get_new_blocks_n(data.draw(st.integers(min(low, free), free)))
+
+    def get_new_blocks_n(self, n: int) -> None:
+        got = [b.block_id for b in self.pool.get_new_blocks(n)]
+        free = self.model.queue + self.model.held
+        assert got == free[:n]
+        for i in got:
+            self.model.unlink(i)
+            self.model.ref[i] = 1
+            self.model.keyed.discard(i)
+
+    @rule(data=st.data())
+    def cache(self, data: st.DataObject) -> None:
+        """Give a key to blocks in use that have none (fresh hashes)."""
+        ids = [i for i, r in self.model.ref.items() if r and i not in self.model.keyed]
+        chosen = list(dict.fromkeys(self.pick(data, ids, most=NUM_BLOCKS)))
+        if not chosen:
+            return
+        hashes = [h(self.next_hash + k) for k in range(len(chosen))]
+        self.next_hash += len(chosen)
+        self.pool.cache_full_blocks(
+            block_hashes=hashes,
+            blocks=[self.block(i) for i in chosen],
+            num_cached_blocks=0,
+            num_full_blocks=len(chosen),
+            group_id=0,
+        )
+        self.model.keyed.update(chosen)
+
+    def _free(self, chosen: list[int], *, table: bool) -> None:
+        reached: list[int] = []
+        for i in chosen:
+            self.model.ref[i] -= 1
+            if self.model.ref[i] == 0:
+                reached.append(i)
+        if table:
+            reached.reverse()
+        front = [i for i in reached if i not in self.model.keyed]
+        back = [i for i in reached if i in self.model.keyed]
+        self.model.queue = front + self.model.queue + back
+
+    def _free_pick(self, data: st.DataObject) -> list[int]:
+        """Blocks in use, each listed at most as often as it is held."""
+        budget = dict(self.model.ref)
+        chosen = []
+        in_use = [i for i, r in budget.items() if r]
+        for i in self.pick(data, in_use, most=2 * NUM_BLOCKS):
+            if budget[i]:
+                budget[i] -= 1
+                chosen.append(i)
+        return chosen
+
+    @rule(data=st.data())
+    def free_blocks(self, data: st.DataObject) -> None:
+        chosen = self._free_pick(data)
+        self.pool.free_blocks([self.block(i) for i in chosen])
+        self._free(chosen, table=False)
+
+    @rule(data=st.data())
+    def free_table(self, data: st.DataObject) -> None:
+        chosen = list(dict.fromkeys(self._free_pick(data)))
+        self.pool.free_table([self.block(i) for i in chosen])
+        self._free(chosen, table=True)
+
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        """Hits: free keyed blocks (queued or held back) and blocks in use."""
+        if data.draw(st.booleans()):
+            ids = self.free_keyed() or [1]
+        else:
+            ids = list(range(1, NUM_BLOCKS))
+        ids = [i for i in ids if self.model.ref[i] or i in self.model.keyed]
+        chosen = self.pick(data, ids)
+        self.pool.touch([self.block(i) for i in chosen])
+        for i in chosen:
+            if self.model.ref[i] == 0:
+                self.model.unlink(i)
+            self.model.ref[i] += 1
+
+    def _move(self, data: st.DataObject, how: str) -> None:
+        if data.draw(st.booleans()):
+            chosen = self.pick(data, self.free_keyed(), most=NUM_BLOCKS)
+        else:
+            chosen = self.pick(data, range(1, NUM_BLOCKS))
+        blocks = [self.block(i) for i in chosen]
+        m = self.model
+        if how == "hold_back":
+            self.pool.hold_back(blocks)
+            for i in chosen:
+                if m.movable(i):
+                    m.unlink(i)
+                    m.held.append(i)
+        elif how == "hold_back_first":
+            self.pool.hold_back_first(blocks)
+            for i in reversed(chosen):
+                if m.movable(i):
+                    m.unlink(i)
+                    m.held.insert(0, i)
+        else:
+            self.pool.requeue_at_back(blocks)
+            for i in chosen:
+                if m.movable(i):
+                    m.unlink(i)
+                    m.queue.append(i)
+        if how != "requeue_at_back":
+            m.spill()
+            queue = self.pool.free_queue
+            assert 2 * len(queue.held) <= queue.num_free
+
+    @rule(data=st.data())
+    def hold_back(self, data: st.DataObject) -> None:
+        self._move(data, "hold_back")
+
+    @rule(data=st.data())
+    def hold_back_first(self, data: st.DataObject) -> None:
+        self._move(data, "hold_back_first")
+
+    @rule(data=st.data())
+    def requeue_at_back(self, data: st.DataObject) -> None:
+        self._move(data, "requeue_at_back")
+
+    @rule(i=st.integers(1, NUM_BLOCKS - 1))
+    def drop_from_cache(self, i: int) -> None:
+        self.pool.drop_from_cache(self.block(i))
+        m = self.model
+        if i in m.keyed:
+            m.keyed.discard(i)
+            if m.ref[i] == 0:
+                m.unlink(i)
+                m.queue.insert(0, i)
+
+    @precondition(lambda self: self.saved is None)
+    @rule()
+    def begin(self) -> None:
+        self.saved = (self.model.copy(), self.snapshot())
+        self.pool.begin()
+
+    @precondition(lambda self: self.saved is not None)
+    @rule()
+    def commit(self) -> None:
+        self.pool.commit()
+        self.saved = None
+
+    @precondition(lambda self: self.saved is not None)
+    @rule()
+    def rollback(self) -> None:
+        assert self.saved is not None
+        model, before = self.saved
+        self.pool.rollback()
+        self.saved = None
+        self.model = model
+        assert self.snapshot() == before
+
+    @precondition(lambda self: self.saved is None)
+    @rule(how=st.sampled_from(["pickle", "deepcopy"]))
+    def copy_pool(self, how: str) -> None:
+        before = self.snapshot()
+        if how == "pickle":
+            self.pool = pickle.loads(pickle.dumps(self.pool))
+        else:
+            self.pool = copy.deepcopy(self.pool)
+        assert self.snapshot() == before
+
+    # -- invariants ---------------------------------------------------------
+
+    @invariant()
+    def matches_the_model(self) -> None:
+        p = self.pool
+        q = p.free_queue
+        m = self.model
+        held = q.held_blocks()
+        assert q.held == set(held)
+        order = q.get_all_free_blocks()
+        assert [b.block_id for b in order] == m.queue + m.held
+        assert [b.block_id for b in held] == m.held
+        assert q.num_free == len(order)
+        assert all(b.ref_cnt == 0 and not b.is_null for b in order)
+        assert {b.block_id: b.ref_cnt for b in p.blocks[1:]} == m.ref
+        keyed = {b.block_id for b in p.blocks if b.key_hash is not None}
+        assert keyed == m.keyed
+        assert p.num_cached_blocks_of(0) == len(m.keyed)
+        # Links agree both ways across both lists and their sentinels.
+        for head, tail in ((q._head, q._tail), (q._held_head, q._held_tail)):
+            block = head
+            while block is not tail:
+                nxt = block.next_free
+                assert nxt is not None
+                assert nxt.prev_free is block
+                block = nxt
+        for b in p.blocks:
+            if b.ref_cnt or b.is_null:
+                assert b.prev_free is None
+                assert b.next_free is None
+
+
+_FAST = settings(
+    max_examples=80,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+_SLOW = settings(_FAST, max_examples=1500, stateful_step_count=80)
+
+
+def test_held_back_queue_matches_a_list_model() -> None:
+    _run(_FAST)
+
+
+@pytest.mark.slow
+def test_held_back_queue_matches_a_list_model_long() -> None:
+    _run(_SLOW)
+
+
+def _run(config: settings) -> None:
+    run_state_machine_as_test(HeldBackMachine, settings=config)
+
+
+# -- hit-point free order ---------------------------------------------------------
+
+
+class _Readings:
+    """A manager stand-in whose readings depend on the position alone."""
+
+    def __init__(self, gid: int, readings: list[int]) -> None:
+        self.kv_cache_group_id = gid
+        self.readings = readings
+        self.asked: list[int] = []
+
+    def shortest_hit_reading(self, position: int) -> int:
+        self.asked.append(position)
+        return self.readings[position]
+
+
+def _old_by_hit_points(
+    managers: Sequence[_Readings], tables: Sequence[Sequence[KVCacheBlock] | None]
+) -> list[KVCacheBlock]:
+    """The per-block sort HitPointOrder replaced: (reading, -rank, position)."""
+    entries: list[tuple[int, int, int, KVCacheBlock]] = []
+    for rank, (manager, blocks) in enumerate(zip(managers, tables, strict=True)):
+        if not blocks:
+            continue
+        reading = manager.shortest_hit_reading
+        entries += [
+            (reading(pos), -rank, pos, block)
+            for pos, block in enumerate(blocks)
+            if not block.is_null
+        ]
+    entries.sort(key=lambda entry: entry[:3])
+    return [entry[3] for entry in entries]
+
+
+_MAX_POS = 12
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Per manager its readings by position (few values, so ties are common),
+    and a few freed requests' tables: per manager None, or block ids with 0
+    (the null block) sprinkled in."""
+    num = draw(st.integers(1, 4))
+    small = st.integers(0, 6)
+    readings = [draw(st.lists(small, min_size=_MAX_POS, max_size=_MAX_POS))]
+    for _ in range(num - 1):
+        readings.append(draw(st.lists(small, min_size=_MAX_POS, max_size=_MAX_POS)))
+    table = st.lists(st.integers(0, 3), max_size=_MAX_POS)
+    requests = draw(st.lists(st.lists(table, min_size=num, max_size=num), max_size=4))
+    return readings, requests
+
+
+def _check_hit_point_order(
+    data: tuple[list[list[int]], list[list[list[int]]]],
+) -> None:
+    readings, requests = data
+    managers = [_Readings(gid, r) for gid, r in enumerate(readings)]
+    order = HitPointOrder(cast("list[SingleTypeManager]", managers))
+    null = KVCacheBlock(0)
+    null.is_null = True
+    serial = iter(range(1, 10_000))
+    for request in requests:
+        # Each listing its own block (0: the null block); an empty table
+        # stands for a group without blocks (None or []).
+        tables: list[list[KVCacheBlock] | None] = [
+            [null if z == 0 else KVCacheBlock(next(serial)) for z in table] or None
+            for table in request
+        ]
+        expected = _old_by_hit_points(managers, tables)
+        for m in managers:
+            m.asked.clear()
+        got = order(tables)
+        assert [b.block_id for b in got] == [b.block_id for b in expected]
+        assert all(x is y for x, y in zip(got, expected, strict=True))
+        # Each position is read once per order, ever.
+        for m in managers:
+            assert len(m.asked) == len(set(m.asked))
+    for m, r in zip(managers, order.readings, strict=True):
+        assert r == m.readings[: len(r)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=_requests())
+def test_hit_point_order_is_the_per_block_sort(
+    data: tuple[list[list[int]], list[list[list[int]]]],
+) -> None:
+    _check_hit_point_order(data)
+
+
+@pytest.mark.slow
+@settings(max_examples=3000, deadline=None)
+@given(data=_requests())
+def test_hit_point_order_is_the_per_block_sort_long(
+    data: tuple[list[list[int]], list[list[list[int]]]],
+) -> None:
+    _check_hit_point_order(data)
+
+
+# -- the cap and rollbacks, every small case ---------------------------------------
+
+
+def _state(p: BlockPool) -> tuple[list[int], list[int], list[int], list[int]]:
+    q = p.free_queue
+    return (
+        [b.block_id for b in q.get_all_free_blocks()],
+        [b.block_id for b in q.held_blocks()],
+        sorted(b.block_id for b in q.held),
+        [b.ref_cnt for b in p.blocks],
+    )
+
+
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("num_free", range(1, 8))
+def test_holding_spills_the_fewest_and_rolls_back(first: bool, num_free: int) -> None:
+    """Holding ``k`` blocks beside ``held`` held-back ones leaves
+    min(held + k, num_free // 2) held back, spilling those evicted first;
+    a hit on any held-back block, or a requeue of one, in the same
+    transaction rolls back to the state before it, held set included."""
+    cases = [
+        (h0, k0, j0)
+        for h0 in range(num_free // 2 + 1)
+        for k0 in range(num_free - h0 + 1)
+        for j0 in range(min(h0 + k0, num_free // 2) + 1)
+    ]
+    for held, k, j in cases:
+        p = BlockPool(num_free + 2, enable_caching=True, hash_block_size=16)
+        blocks = p.get_new_blocks(num_free + 1)
+        p.cache_full_blocks(
+            block_hashes=[h(i) for i in range(1, num_free + 1)],
+            blocks=blocks[:-1],
+            num_cached_blocks=0,
+            num_full_blocks=num_free,
+            group_id=0,
+        )
+        p.free_blocks(blocks[:-1])  # the last stays in use
+        p.hold_back(blocks[:held])
+        model = Model()
+        model.queue = list(range(held + 1, num_free + 1))
+        model.held = list(range(1, held + 1))
+        before = _state(p)
+        p.begin()
+        chosen = blocks[held : held + k]
+        ids = [b.block_id for b in chosen]
+        if first:
+            p.hold_back_first(chosen)
+            model.held[:0] = ids
+        else:
+            p.hold_back(chosen)
+            model.held += ids
+        model.queue = [i for i in model.queue if i not in ids]
+        model.spill()
+        q = p.free_queue
+        assert len(q.held) == min(held + k, num_free // 2)
+        assert _state(p)[:3] == (
+            model.queue + model.held,
+            model.held,
+            sorted(model.held),
+        )
+        if j < len(model.held):
+            target = p.blocks[model.held[j]]
+            p.touch([target])
+            assert q.held == set(q.held_blocks())
+            p.free_blocks([target])
+            p.hold_back([target])
+            p.requeue_at_back([p.blocks[model.held[-1]]])
+            assert q.held == set(q.held_blocks())
+        p.rollback()
+        assert _state(p) == before
