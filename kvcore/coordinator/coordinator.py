@@ -299,10 +299,9 @@ class KVCacheCoordinator:
         #: theirs to the back, see :meth:`_refresh_checkpoints`).
         self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
         #: Two or more caching groups: freed blocks queue by hit point.
-        hit_points = HitPointOrder(self._free_order, self.plugin_error)
-        self._by_hit_points = (
-            hit_points if sum(m.caching for m in managers) > 1 else None
-        )
+        self._by_hit_points: HitPointOrder | None = None
+        if sum(m.caching for m in managers) > 1:
+            self._by_hit_points = HitPointOrder(self._free_order, self.plugin_error)
         self.num_groups = len(managers)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
