@@ -22,6 +22,7 @@ from kvcore.errors import (
     KvcoreTypeError,
     KvcoreValueError,
     NoFreeBlocksError,
+    ReentrantCallError,
 )
 
 
@@ -999,3 +1000,47 @@ def test_a_copied_block_keeps_every_field_but_its_links() -> None:
     )
     assert clone.prev_free is None
     assert clone.next_free is None
+
+
+def test_reset_prefix_cache_releases_the_held_back_blocks() -> None:
+    """After a reset no request runs and no block has a key: the held-back
+    blocks join the queue's back in the order they had, so the eviction
+    order is unchanged and nothing is held back."""
+    p, a = _cached_free_pool(10, 4)
+    p.hold_back(a[:2])
+    order = free_ids(p)
+    assert ids(p.free_queue.held_blocks()) == [1, 2]
+    assert p.reset_prefix_cache()
+    assert free_ids(p) == order
+    assert p.free_queue.held == set()
+    assert p.free_queue.held_blocks() == []
+    assert p.get_num_free_blocks() == 9
+    assert ids(p.get_new_blocks(9)) == order
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_pool_inside_a_transaction_refuses_to_be_copied(how: str) -> None:
+    """A copy taken inside a step could not roll back (its undo records
+    point at the original's queue links): copying is refused, naming the
+    fix, and the step goes on untouched; between steps the copy works."""
+    import copy
+    import pickle
+
+    p, _ = _cached_free_pool(10, 4)
+    p.begin()
+    taken = p.get_new_blocks(3)
+    with pytest.raises(ReentrantCallError, match="between steps"):
+        copy.copy(p)
+    take = {
+        "deepcopy": copy.deepcopy,
+        "pickle": lambda x: pickle.loads(pickle.dumps(x)),
+    }[how]
+    with pytest.raises(ReentrantCallError, match="between steps"):
+        take(p)
+    p.rollback()
+    assert all(b.ref_cnt == 0 for b in taken)
+    assert free_ids(p) == [5, 6, 7, 8, 9, 1, 2, 3, 4]
+    clone = take(p)
+    assert free_ids(clone) == free_ids(p)
+    assert ids(clone.get_new_blocks(2)) == [5, 6]
+    assert free_ids(p) == [5, 6, 7, 8, 9, 1, 2, 3, 4]

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.errors import ReentrantCallError
 
 NUM_BLOCKS = 10  # block 0 is the null block
 
@@ -287,6 +288,15 @@ class HeldBackMachine(RuleBasedStateMachine):
             self.pool = pickle.loads(pickle.dumps(self.pool))
         else:
             self.pool = copy.deepcopy(self.pool)
+        assert self.snapshot() == before
+
+    @precondition(lambda self: self.saved is not None)
+    @rule(how=st.sampled_from(["pickle", "deepcopy"]))
+    def copy_pool_inside_a_transaction(self, how: str) -> None:
+        before = self.snapshot()
+        take = pickle.dumps if how == "pickle" else copy.deepcopy
+        with pytest.raises(ReentrantCallError):
+            take(self.pool)
         assert self.snapshot() == before
 
     # -- invariants ---------------------------------------------------------

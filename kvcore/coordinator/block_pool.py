@@ -202,6 +202,18 @@ class BlockPool(TwinPoolOps):
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
 
+    def __getstate__(self) -> object:
+        """The pool's slots, refused while a transaction is open: its undo
+        records point at the free queue's links, which a copy rebuilds, so a
+        copy could not roll back."""
+        if self.journal is not None:
+            msg = (
+                "a block pool (or the KVCacheManager holding it) was copied or "
+                "pickled from inside a step; copy it between steps"
+            )
+            raise ReentrantCallError(msg)
+        return object.__getstate__(self)
+
     # -- transactions -------------------------------------------------------
 
     def begin(self) -> None:
@@ -250,7 +262,7 @@ class BlockPool(TwinPoolOps):
             for block in record[1]:
                 if not block.is_null:
                     block.ref_cnt -= 1
-            _relink_all(queue, record[2])
+            queue.relink(record[2])
         elif op == _KEY:
             # (op, block, key, group id, entry as it was or None): an eviction.
             _, block, key, gid, saved = record
@@ -279,7 +291,7 @@ class BlockPool(TwinPoolOps):
                     block.ref_cnt += 1
         elif op == _MOVE:
             queue.remove(record[1])  # (op, block, prev, next)
-            _relink_all(queue, record[1:])
+            queue.relink(record[1:])
         elif op == _UNKEY:
             # (op, group id, [(block, key), ...]): keys a store gave.
             gid = record[1]
@@ -848,6 +860,9 @@ class BlockPool(TwinPoolOps):
         for block in self.blocks:
             block.key_hash = None
             block.partial_keys = None
+        # No request runs, so no hit is worth holding back: the held-back
+        # blocks join the queue's back, in the order they had.
+        self.free_queue.release_held()
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared(self.kv_events_medium))
         return True
@@ -872,23 +887,3 @@ class BlockPool(TwinPoolOps):
             return []
         self._events = []
         return events
-
-
-def _relink_all(queue: FreeBlockQueue, links: Sequence[KVCacheBlock]) -> None:
-    """Put unlinked blocks back in the free queue, given flat as ``(block,
-    prev, next)`` in the order they were unlinked: newest first, so each
-    goes back between the neighbours it had (held back again when they
-    are)."""
-    held = queue.held
-    held_head = queue._held_head
-    for i in range(len(links) - 3, -1, -3):
-        block = links[i]
-        prev = links[i + 1]
-        nxt = links[i + 2]
-        prev.next_free = block
-        block.prev_free = prev
-        block.next_free = nxt
-        nxt.prev_free = block
-        queue.num_free += 1
-        if prev is held_head or prev in held:
-            held.add(block)

@@ -292,6 +292,32 @@ class FreeBlockQueue:
         self._link_after(self._held_head, first, blocks)
         self.held.update(blocks)
 
+    def release_held(self) -> None:
+        """Move every held-back block to the queue's back, in their order
+        (the eviction order stays; none is held back any more)."""
+        held = self.held_blocks()
+        for block in held:
+            self.remove(block)
+        self.append_n(held)
+
+    def relink(self, links: Sequence[KVCacheBlock]) -> None:
+        """Put unlinked blocks back, given flat as ``(block, prev, next)`` in
+        the order they were unlinked: newest first, so each goes back
+        between the neighbours it had (held back again when they are)."""
+        held = self.held
+        held_head = self._held_head
+        for i in range(len(links) - 3, -1, -3):
+            block = links[i]
+            prev = links[i + 1]
+            nxt = links[i + 2]
+            prev.next_free = block
+            block.prev_free = prev
+            block.next_free = nxt
+            nxt.prev_free = block
+            self.num_free += 1
+            if prev is held_head or prev in held:
+                held.add(block)
+
     def first_held(self) -> KVCacheBlock | None:
         """The held-back block evicted first, or None when none is held."""
         block = self._held_head.next_free
