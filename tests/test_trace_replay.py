@@ -22,9 +22,11 @@ from kvcore.tools.simulate import Driver, TraceError
 from kvcore.tools.simulate.public_traces import (
     block_tokens_of,
     detect_trace_format,
+    load_any_trace,
     parse_any_trace,
     trace_ceiling,
 )
+from kvcore.tools.simulate.trace import read_trace_lines
 from kvcore.tools.simulate.workload import TokenRun
 
 MOONCAKE = (
@@ -464,3 +466,57 @@ def test_simulate_names_the_bad_line(
     err = capsys.readouterr().err
     assert err.startswith("kvcore: error: ")
     assert "line 2, field 'hash_ids'" in err
+
+
+@pytest.mark.parametrize("compression", ["gzip", "bzip2", "xz", None])
+def test_a_trace_file_reads_plain_or_compressed(
+    tmp_path: Path, compression: str | None
+) -> None:
+    """A trace compressed with gzip, bzip2 or xz is told by its first bytes
+    (its name says nothing) and reads as the plain file does; a leading
+    byte-order mark is skipped."""
+    import bz2
+    import lzma
+
+    lines = list(mooncake_lines()[:20])
+    text = ("\ufeff" if compression is None else "") + "\n".join(lines) + "\n"
+    pack = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress}
+    data = text.encode()
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(pack[compression](data) if compression else data)
+    loaded = load_any_trace(path)
+    assert loaded.format == "mooncake"
+    assert read_trace_lines(path) == lines
+    assert loaded.ceiling() == parse_any_trace(lines).ceiling()
+
+
+def test_a_broken_or_oversized_trace_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A truncated compressed file and bytes that are not UTF-8 inside one
+    are named; a file past MAX_TRACE_BYTES (once decompressed) is refused
+    before it is read whole."""
+    import kvcore.tools.simulate.trace as trace_module
+
+    whole = gzip.compress("\n".join(mooncake_lines()[:20]).encode())
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(TraceError, match=r"cannot read trace .*cut\.gz") as info:
+        read_trace_lines(cut)
+    assert isinstance(info.value, KvcoreValueError)
+    latin = tmp_path / "latin.gz"
+    latin.write_bytes(gzip.compress(mooncake(0, 10, 1, [1]).encode() + b"\n\xe9\n"))
+    with pytest.raises(TraceError, match=r"line 2: not UTF-8 text \(inside its gzip"):
+        read_trace_lines(latin)
+    monkeypatch.setattr(trace_module, "MAX_TRACE_BYTES", 1000)
+    monkeypatch.setattr(trace_module, "_CHUNK_BYTES", 256)
+    big = tmp_path / "big.jsonl.gz"
+    big.write_bytes(gzip.compress(b"\n" * 5000))
+    with pytest.raises(TraceError, match=r"more than 1,000 bytes once decompressed"):
+        read_trace_lines(big)
+    plain = tmp_path / "big.jsonl"
+    plain.write_bytes(b"\n" * 1001)
+    with pytest.raises(TraceError, match="MAX_TRACE_BYTES"):
+        read_trace_lines(plain)
+    plain.write_bytes(b"\n" * 1000)
+    assert read_trace_lines(plain) == [""] * 1000

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "MAX_MESSAGE_CHARS",
     "MAX_TRACE_BLOCK_TOKENS",
+    "MAX_TRACE_BYTES",
     "MAX_TRACE_HASH_ID",
     "MAX_TRACE_LINE_CHARS",
     "MAX_TRACE_REQUEST_TOKENS",
@@ -38,6 +39,11 @@ MAX_TRACE_TOTAL_TOKENS = 2**31
 #: The longest line of a trace file (2**24 characters: the hash ids of a
 #: request of MAX_TRACE_REQUEST_TOKENS tokens in 16-token blocks fit).
 MAX_TRACE_LINE_CHARS = 2**24
+
+#: The most bytes a trace file may hold once decompressed (4 GiB: a trace
+#: of a million requests is a few hundred MiB, and a small compressed file
+#: that expands without end is refused before it takes the memory).
+MAX_TRACE_BYTES = 2**32
 
 #: Hash ids of a public trace are ints in ``[0, MAX_TRACE_HASH_ID)``.
 MAX_TRACE_HASH_ID = 2**63

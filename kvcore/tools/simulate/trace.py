@@ -25,14 +25,18 @@ Every line is checked as it is read; an error names the line and field.
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
 import json
+import lzma
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT
 from kvcore.errors import KvcoreValueError
-from kvcore.tools.limits import MAX_TRACE_REQUEST_TOKENS
+from kvcore.tools.limits import MAX_TRACE_BYTES, MAX_TRACE_REQUEST_TOKENS
 from kvcore.tools.simulate.workload import (
     Workload,
     WorkloadRequest,
@@ -63,22 +67,64 @@ class TraceError(KvcoreValueError):
         self.field = field
 
 
+#: Compressed files a trace may come as, told by their first bytes (not
+#: their name): the magic, how to open one, and the format's name.
+_COMPRESSIONS: tuple[tuple[bytes, Callable[[Path], io.BufferedIOBase], str], ...] = (
+    (b"\x1f\x8b", gzip.GzipFile, "gzip"),
+    (b"BZh", bz2.BZ2File, "bzip2"),
+    (b"\xfd7zXZ\x00", lzma.LZMAFile, "xz"),
+)
+_CHUNK_BYTES = 2**24
+
+
 def read_trace_lines(path: str | Path) -> list[str]:
-    """A trace file's lines, refused with the line of the first byte that is
-    not UTF-8 (every trace format is UTF-8 JSON lines)."""
+    """A trace file's lines: UTF-8 JSON lines, plain or compressed with
+    gzip, bzip2 or xz (told by the file's first bytes), a leading byte-order
+    mark skipped.  Refused with the line of the first byte that is not
+    UTF-8, and past :data:`~kvcore.tools.limits.MAX_TRACE_BYTES`."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        msg = f"cannot read trace {path}: {exc.strerror or exc}"
+        raw, compression = _read_bytes(path)
+    except (OSError, EOFError, lzma.LZMAError) as exc:
+        what = getattr(exc, "strerror", None) or exc
+        msg = f"cannot read trace {path}: {what}"
         raise TraceError(msg, line=0) from exc
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        msg = f"{path} line {line}: not UTF-8 text; a trace is UTF-8 JSON lines"
+        inside = f" (inside its {compression} compression)" if compression else ""
+        msg = f"{path} line {line}: not UTF-8 text{inside}; a trace is UTF-8 JSON lines"
         raise TraceError(msg, line=line) from exc
-    return text.splitlines()
+    return text.removeprefix("\ufeff").splitlines()
+
+
+def _read_bytes(path: Path) -> tuple[bytes, str | None]:
+    """The file's bytes, decompressed, and the compression's name or None."""
+    with path.open("rb") as plain:
+        head = plain.read(6)
+    stream: io.BufferedIOBase
+    for magic, opener, name in _COMPRESSIONS:
+        if head.startswith(magic):
+            stream, compression = opener(path), name
+            break
+    else:
+        stream, compression = path.open("rb"), None
+    chunks = []
+    total = 0
+    with stream:
+        while chunk := stream.read(_CHUNK_BYTES):
+            total += len(chunk)
+            if total > MAX_TRACE_BYTES:
+                inside = f" once decompressed ({compression})" if compression else ""
+                msg = (
+                    f"trace {path} holds more than {MAX_TRACE_BYTES:,} bytes"
+                    f"{inside}, kvcore's limit (MAX_TRACE_BYTES); replay a "
+                    "part of it (split the file by lines)"
+                )
+                raise TraceError(msg, line=0)
+            chunks.append(chunk)
+    return b"".join(chunks), compression
 
 
 def load_trace(path: str | Path) -> Workload:
