@@ -14,6 +14,10 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from kvcore import moved
+
+moved.install()
+
 if TYPE_CHECKING:
     from kvcore.checkpoints import CHECKPOINT_POLICIES, CheckpointPolicy
     from kvcore.config import CacheConfig, EngineConfig, ParallelConfig
