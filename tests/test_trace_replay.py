@@ -276,7 +276,6 @@ def test_hostile_mooncake_lines_are_refused(
 @pytest.mark.parametrize(
     ("line", "field", "match"),
     [
-        (bailian(1, -1, 1, 10, 1, [1]), "chat_id", "used by an earlier line"),
         (bailian(-1, -1, 1, 10, 1, [1]), "chat_id", "must not be -1"),
         (bailian(2, 2, 1, 10, 1, [1]), "parent_chat_id", "names the request itself"),
         (
@@ -520,3 +519,27 @@ def test_a_broken_or_oversized_trace_file_is_refused(
         read_trace_lines(plain)
     plain.write_bytes(b"\n" * 1000)
     assert read_trace_lines(plain) == [""] * 1000
+
+
+def test_a_reused_bailian_chat_id_names_its_latest_line() -> None:
+    """A published trace may give two lines one chat id: both replay (the
+    second under a key of its own), and a later turn's parent is the latest
+    earlier line with that id, itself included."""
+    lines = [
+        bailian(1, -1, 0.0, 40, 10, [100, 101, 102]),
+        bailian(1, -1, 1.0, 40, 10, [300, 301, 302]),
+        # Extends the second chat 1 (its ids start with that one's).
+        bailian(2, 1, 5.0, 70, 4, [300, 301, 400, 401, 402]),
+        # Names its own id, used before: the chat it extends.
+        bailian(2, 2, 6.0, 90, 4, [300, 301, 400, 401, 402, 500]),
+    ]
+    loaded = parse_any_trace(lines)
+    first, second, third, fourth = loaded.workload.requests
+    assert [r.id for r in loaded.workload.requests] == ["1", "1#2", "2", "2#4"]
+    parents = (first.parent, second.parent, third.parent, fourth.parent)
+    assert parents == (None, None, "1#2", "2")
+    assert loaded.chat_turns == 2
+    assert list(third.prompt)[:50] == list(second.prompt) + list(second.output)
+    plan, registry = llama_plan(2**30, 4096)
+    result = Driver(plan, registry=registry).run(loaded.workload)
+    assert result.completed == 4

@@ -319,6 +319,7 @@ def _records(
 ) -> tuple[_Record, ...]:
     records: list[_Record] = []
     keys: set[str] = set()
+    latest: dict[str, str] = {}
     last_time = 0.0
     total = 0
     unit = TIME_UNIT_S[fmt]
@@ -400,19 +401,25 @@ def _records(
             )
         parent: str | None = None
         if fmt == "bailian":
-            key = _chat_id(data["chat_id"], "chat_id", fail)
-            if key is None:
+            chat = _chat_id(data["chat_id"], "chat_id", fail)
+            if chat is None:
                 fail("chat_id", "must not be -1 or null; it names this request")
             parent = _chat_id(data.get("parent_chat_id"), "parent_chat_id", fail)
-            if parent == key:
+            if parent == chat and chat not in latest:
                 fail("parent_chat_id", "names the request itself")
+            # A parent is the latest earlier line with its id: a published
+            # trace may reuse an id, and a reused one gets a key of its own.
+            if parent is not None:
+                parent = latest.get(parent, parent)
+            key = chat
+            while key in keys:
+                key = f"{chat}#{number}" if key == chat else f"{key}#"
+            latest[chat] = key
             turn = data.get("turn")
             if turn is not None and (type(turn) is not int or turn < 0):
                 fail("turn", f"must be an int >= 0, got {turn!r}")
         else:
             key = f"line-{number}"
-        if key in keys:
-            fail("chat_id", f"{key!r} is used by an earlier line; ids must be unique")
         keys.add(key)
         records.append(
             _Record(
