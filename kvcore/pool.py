@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.errors import (
+    KvcoreKeyError,
     KvcoreTypeError,
     KvcoreValueError,
     LayoutError,
@@ -203,6 +204,26 @@ class KVCachePool:
                 raw[dst * ratio : (dst + 1) * ratio].copy_(
                     raw[src * ratio : (src + 1) * ratio]
                 )
+
+    def raw_view(self, layer: str) -> torch.Tensor:
+        """Layer ``layer``'s pages as raw bytes: the ``uint8`` view of the
+        pool's storage, shaped ``[blocks, H, N, C]`` (the spec's page grid),
+        that the kind's ``bind_view`` was given.  Row ``b`` is block ``b``'s
+        page (with ``kernel_block_sizes``, each block is split into
+        consecutive rows of kernel blocks).  An engine that binds its own
+        kernels, or checks another engine's binding (vLLM's, say) against
+        this pool, reads each block's address and the page strides here.
+
+        :raises KvcoreKeyError: ``layer`` has no tensor in this plan."""
+        found = self._raws.get(layer)
+        if found is None:
+            known = ", ".join(sorted(self._raws)[:8]) or "none"
+            msg = (
+                f"KVCachePool.raw_view: layer {echo(layer)} has no tensor in this "
+                f"plan (its layers include {known})"
+            )
+            raise KvcoreKeyError(msg)
+        return found[0]
 
     def _raw_views(
         self,

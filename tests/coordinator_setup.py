@@ -173,3 +173,27 @@ def one_layer_plan(
     )
     assert (plan.num_blocks, plan.scheduler_block_size) == (num_blocks, block_size)
     return plan
+
+
+def assert_free_links_agree(queue: Any) -> None:
+    """The free queue's two lists (the queue, then the held-back blocks)
+    are linked both ways, as the public walks see them: each block's
+    neighbours point back at it, and each list's ends lead to its own
+    sentinels (blocks of id -1 that no pool hands out), which point back."""
+    held = queue.held_blocks()
+    order = queue.get_all_free_blocks()
+    assert order[len(order) - len(held) :] == held
+    ends = []
+    for run in (order[: len(order) - len(held)], held):
+        if not run:
+            continue
+        head, tail = run[0].prev_free, run[-1].next_free
+        assert head is not None
+        assert tail is not None
+        assert head.block_id == tail.block_id == -1
+        assert head is not tail
+        for x, y in zip([head, *run], [*run, tail], strict=True):
+            assert x.next_free is y
+            assert y.prev_free is x
+        ends += [head, tail]
+    assert len({id(end) for end in ends}) == len(ends)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 import pytest
+from coordinator_setup import assert_free_links_agree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -597,10 +598,7 @@ def test_free_matches_a_model(
     assert free_ids(p) == expect[1]
     assert p.get_num_free_blocks() == len(expect[1])
     assert p.null_block.ref_cnt == 0
-    forward = p.free_queue.get_all_free_blocks()
-    for x, y in pairwise([p.free_queue._head, *forward, p.free_queue._tail]):
-        assert x.next_free is y
-        assert y.prev_free is x
+    assert_free_links_agree(p.free_queue)
     for b in blocks:
         if b.ref_cnt:
             assert b.prev_free is None

@@ -28,14 +28,14 @@ def observed(mgr: KVCacheManager) -> tuple[Any, ...]:
         [b.block_id for b in pool.free_queue.get_all_free_blocks()],
         [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
         pool.num_cached_blocks,
-        sorted(mgr._requests),
+        sorted(mgr.live_request_ids()),
         [
             (
                 {rid: [b.block_id for b in t] for rid, t in m.req_to_blocks.items()},
                 dict(m.num_cached_block),
                 dict(m.num_released),
             )
-            for m in mgr._managers
+            for m in mgr.coordinator.single_type_managers
         ],
     )
 
@@ -86,10 +86,16 @@ def test_a_large_pool_loaded_through_plugins_copies_and_pickles(how: str) -> Non
             side.free(f"r{i}")
     assert hits[0] == hits[1] > 0
     assert observed(clone) == observed(mgr)
-    owners = set(mgr.coordinator._owners)
-    assert {p: clone.coordinator._distribution(p) for p in owners} == {
-        p: mgr.coordinator._distribution(p) for p in owners
-    }
+    # The error a group's failure raises names the same plugin and
+    # distribution on the copy, whose plugin manager was dropped.
+    for gid in range(mgr.num_kv_cache_groups):
+        named = [
+            (err.plugin_name, err.distribution, str(err))
+            for side in (mgr, clone)
+            for err in [side.coordinator.plugin_error(gid, "free", RuntimeError("x"))]
+        ]
+        assert named[0] == named[1]
+        assert named[0][1] is not None
 
 
 @pytest.mark.parametrize("thread_safe", [False, True])
@@ -107,10 +113,10 @@ def test_a_copied_manager_runs_on_its_own(specs: list[Any], thread_safe: bool) -
     )
     req = Request("a", list(range(2, 12)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
-    fork = copy.deepcopy(mgr)
+    # Copied together, the fork's manager holds the copy of the request.
+    fork, grown = copy.deepcopy((mgr, req))
     before = observed(mgr)
     assert observed(fork) == before
-    grown = fork._requests["a"]
     grown.num_computed_tokens = 10
     assert fork.allocate_slots(grown, 3) is not None
     assert observed(mgr) == before
@@ -164,7 +170,7 @@ def test_free_reports_a_double_free_and_changes_nothing(groups: int) -> None:
     )
     req = Request("a", list(range(10)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
-    table = mgr._managers[0].req_to_blocks["a"]
+    table = mgr.get_blocks("a").blocks[0]
     table[1].ref_cnt = 0
     before = observed(mgr)
     with pytest.raises(InvalidRequestError, match="freed more often") as info:
@@ -190,32 +196,35 @@ def test_a_thread_safe_manager_frees_under_its_lock() -> None:
     assert mgr.block_pool.get_num_free_blocks() == 15
 
 
-def test_a_prompt_shorter_than_the_hit_unit_searches_no_group(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_prompt_shorter_than_the_hit_unit_searches_no_group() -> None:
     """Blocks of 16 and 64 tokens and whole-block hits: hits come in
     64-token units, so a 40-token prompt gets none without any group being
-    searched; a 100-token prompt is searched and hits its first unit."""
+    searched; a 100-token prompt is searched and hits its first unit.  The
+    searches are seen by a third-party kind whose manager logs them."""
+    searched: list[int] = []
+
+    class LoggingManager(FullAttentionManager):
+        @classmethod
+        def find_longest_cache_hit(cls, query: Any) -> list[list[Any]]:
+            searched.append(query.max_length)
+            return super().find_longest_cache_hit(query)
+
+    class LoggingFullAttention(FullAttention):
+        manager_type = LoggingManager
+
     mgr = setup.manager_for(
         [setup.fa(16), setup.fa(64)],
         64,
         scheduler_block_size=64,
         hash_block_size=16,
         enable_partial_hits=False,
+        registry=KindRegistry.from_kinds([LoggingFullAttention()]),
     )
     tokens = list(range(100))
     first = Request("first", tokens, hash_block_size=16)
     assert mgr.allocate_slots(first, 100) is not None
     mgr.free(first)
-    searched: list[int] = []
-    for manager in mgr._managers:
-        original = type(manager).find_longest_cache_hit
-
-        def spy(query: Any, original: Any = original) -> Any:
-            searched.append(query.max_length)
-            return original(query)
-
-        monkeypatch.setattr(type(manager), "find_longest_cache_hit", spy)
+    searched.clear()
     short = Request("short", tokens[:40], hash_block_size=16)
     assert mgr.get_computed_blocks(short)[1] == 0
     assert searched == []
@@ -248,29 +257,52 @@ def test_a_subclass_overriding_free_keeps_its_override() -> None:
     assert mgr.block_pool.get_num_free_blocks() == 15
 
 
+class FailingManager(FullAttentionManager):
+    """The built-in full-attention manager, made to raise in one step on
+    demand (``fail``: the method's name), as a faulty plugin's would."""
+
+    fail: str | None = None
+
+    def pop_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail == "pop_blocks":
+            raise RuntimeError("free failed")
+        return super().pop_blocks(*args, **kwargs)
+
+    def allocate_twins(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail == "allocate_twins":
+            raise RuntimeError("grow failed")
+        return super().allocate_twins(*args, **kwargs)
+
+
+class FailingFullAttention(FullAttention):
+    """The built-in full-attention kind with the manager above."""
+
+    manager_type = FailingManager
+
+
 @pytest.mark.parametrize("step", ["free", "grow"])
-def test_a_built_in_manager_that_raises_leaves_everything_as_it_was(step: str) -> None:
-    """Transactions hold for kvcore's own managers as for any: a group
-    manager that raises mid-step (here the second group's, after the first
-    has changed the pool) is reported as its plugin's failure, and the
-    pool, tables, keys and the request are as before."""
+def test_a_manager_that_raises_leaves_everything_as_it_was(step: str) -> None:
+    """Transactions hold for a manager that runs kvcore's own full-attention
+    steps: a group manager that raises mid-step (here the second group's,
+    after the first has changed the pool) is reported as its plugin's
+    failure, and the pool, tables, keys and the request are as before."""
     # Two specs: the groups are not twins, so each is stepped on its own.
     other = FullAttentionSpec(
         block_size=4, num_kv_heads=1, head_size=2, dtype=torch.float16
     )
     mgr = setup.manager_for(
-        [setup.fa(4), other], 32, scheduler_block_size=4, hash_block_size=4
+        [setup.fa(4), other],
+        32,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        registry=KindRegistry.from_kinds([FailingFullAttention()]),
     )
     req = Request("a", list(range(2, 12)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
     req.num_computed_tokens = 10
-    manager = mgr._managers[1]
-
-    def broken(*args: Any) -> Any:
-        raise RuntimeError(f"{step} failed")
-
-    name = "pop_blocks" if step == "free" else "allocate_twins"
-    setattr(manager, name, broken)
+    manager = mgr.coordinator.single_type_managers[1]
+    assert isinstance(manager, FailingManager)
+    manager.fail = "pop_blocks" if step == "free" else "allocate_twins"
     before = observed(mgr)
     run = (
         (lambda: mgr.free(req))
@@ -281,7 +313,7 @@ def test_a_built_in_manager_that_raises_leaves_everything_as_it_was(step: str) -
         run()
     assert observed(mgr) == before
     assert req.status is RequestStatus.RUNNING
-    delattr(manager, name)
+    manager.fail = None
     assert mgr.allocate_slots(req, 4) is not None
     mgr.free(req)
     assert mgr.block_pool.get_num_free_blocks() == 31
@@ -301,9 +333,7 @@ def test_a_duplicated_key_serves_one_of_its_blocks() -> None:
     blocks, hit = mgr.get_computed_blocks(Request("c", tokens, hash_block_size=4))
     # The last block is cached too, but the last token is recomputed.
     assert hit == 8
-    assert blocks.get_block_ids() == (
-        [b.block_id for b in mgr._managers[0].req_to_blocks["a"][:2]],
-    )
+    assert blocks.get_block_ids() == (mgr.get_block_ids("a")[0][:2],)
 
 
 def test_a_hit_is_tied_to_the_manager_that_looked_it_up() -> None:
@@ -346,7 +376,7 @@ def test_a_manager_defined_outside_kvcore_runs_as_the_built_in_one(
         )
         for third_party in (False, True)
     ]
-    assert type(sides[1]._managers[0]) is ThirdPartyManager
+    assert type(sides[1].coordinator.single_type_managers[0]) is ThirdPartyManager
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
     traces: list[list[Any]] = [[], []]

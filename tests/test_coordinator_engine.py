@@ -17,7 +17,12 @@ from kvcore.coordinator import (
     GroupPrefixCacheStats,
     RequestStatus,
 )
-from kvcore.errors import InvalidRequestError, KvcoreError, KvcoreTypeError
+from kvcore.errors import (
+    InvalidRequestError,
+    KvcoreError,
+    KvcoreTypeError,
+    UnknownRequestError,
+)
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_sliding_window import SlidingWindowSpec
 
@@ -133,8 +138,29 @@ def test_engine_keywords_checked(kw: dict[str, object], match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match) as info:
         mgr.allocate_slots(a, 4, **kw)  # type: ignore[arg-type]
     assert isinstance(info.value, KvcoreError)
-    assert "A" not in mgr._requests
+    assert mgr.live_request_ids() == ()
+    with pytest.raises(UnknownRequestError):
+        mgr.get_blocks("A")
     assert mgr.get_num_free_blocks() == 9
+
+
+def test_live_request_ids_lists_the_requests_holding_blocks() -> None:
+    """Allocated requests are live, in the order first allocated, until
+    freed (by either call); a refused step adds none."""
+    mgr = manager([fa()], 10)
+    b, a = req("B", range(1, 5)), req("A", range(1, 9))
+    assert mgr.live_request_ids() == ()
+    assert mgr.allocate_slots(b, 4) is not None
+    assert mgr.allocate_slots(a, 8) is not None
+    assert mgr.live_request_ids() == ("B", "A")
+    assert mgr.allocate_slots(req("C", range(1, 41)), 40) is None
+    assert mgr.live_request_ids() == ("B", "A")
+    mgr.free(b)
+    assert mgr.live_request_ids() == ("A",)
+    blocks = mgr.pop_blocks_for_free("A")
+    assert mgr.live_request_ids() == ()
+    mgr.release_blocks(blocks)
+    assert mgr.reset_prefix_cache()
 
 
 def test_zero_new_tokens_needs_external_tokens() -> None:

@@ -368,25 +368,33 @@ def test_rollback_drops_the_transactions_events() -> None:
     )
     p.free_blocks(a)  # queue: 2 3 1
     before = BlockStored((h(1),), None, (1, 2), 2, 0, "full_attention", None, (1,))
+
+    def step() -> None:
+        b = p.get_new_blocks(3)  # 2 3 1: block 1's key is evicted
+        p.cache_full_blocks(
+            block_hashes=[h(5), h(6)],
+            blocks=b,
+            num_cached_blocks=0,
+            num_full_blocks=2,
+            group_id=1,
+            token_ids=range(4),
+        )
+
     p.begin()
-    b = p.get_new_blocks(3)  # 2 3 1: block 1's key is evicted
-    p.cache_full_blocks(
-        block_hashes=[h(5), h(6)],
-        blocks=b,
-        num_cached_blocks=0,
-        num_full_blocks=2,
-        group_id=1,
-        token_ids=range(4),
-    )
-    assert len(p._events) == 3
+    step()
     p.rollback()
     assert p.take_events() == [before]
     assert p.lookup(h(1), 0) is a[0]
-    # A committed transaction keeps its events.
+    # The same step committed keeps its events: the eviction, then the store.
     p.begin()
-    p.get_new_blocks(3)
+    step()
     p.commit()
-    assert p.take_events() == [BlockRemoved((h(1),), 0)]
+    assert p.take_events() == [
+        BlockRemoved((h(1),), 0),
+        BlockStored(
+            (h(5), h(6)), None, (0, 1, 2, 3), 2, 1, "sliding_window", 4, (2, 3)
+        ),
+    ]
 
 
 # -- a real KVCacheManager run ----------------------------------------------------------

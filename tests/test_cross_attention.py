@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from kvcore.coordinator import KVCacheManager, Request
-from kvcore.errors import InvalidRequestError, InvalidSpecError, KvcoreError
+from kvcore.errors import (
+    InvalidRequestError,
+    InvalidSpecError,
+    KvcoreError,
+    UnknownRequestError,
+)
 from kvcore.spec import HitPolicy
 from kvcore.testing import check_kind
 from kvcore_cross_attention import (
@@ -114,7 +119,9 @@ def test_encoder_blocks_count_against_the_pool() -> None:
     a = req("A", range(1, 9))
     assert mgr.allocate_slots(a, 8, num_encoder_tokens=32) is None
     assert mgr.get_num_free_blocks() == 9
-    assert "A" not in mgr._requests
+    assert mgr.live_request_ids() == ()
+    with pytest.raises(UnknownRequestError):
+        mgr.get_blocks("A")
     # The full-sequence check counts them too: 7 encoder blocks and the
     # 1 decoder block of a 12-token prompt's first chunk would fit (8), but
     # not with the 3 of the whole prompt (10); 6 encoder blocks do (9).

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import pytest
+from coordinator_setup import assert_free_links_agree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -108,8 +109,9 @@ class HeldBackMachine(RuleBasedStateMachine):
             sorted(b.block_id for b in q.held),
             q.num_free,
             [(b.ref_cnt, b.key_hash, b.key_group) for b in p.blocks],
-            {g: _entry_ids(c) for g, c in p._cached.items() if c},
-            {g: n for g, n in p._num_cached.items() if n},
+            # Group 0 is the only group the rules key blocks in.
+            _entry_ids(p.cached_blocks_of(0)),
+            p.num_cached_blocks_of(0),
         )
 
     # -- rules --------------------------------------------------------------
@@ -318,13 +320,7 @@ class HeldBackMachine(RuleBasedStateMachine):
         assert keyed == m.keyed
         assert p.num_cached_blocks_of(0) == len(m.keyed)
         # Links agree both ways across both lists and their sentinels.
-        for head, tail in ((q._head, q._tail), (q._held_head, q._held_tail)):
-            block = head
-            while block is not tail:
-                nxt = block.next_free
-                assert nxt is not None
-                assert nxt.prev_free is block
-                block = nxt
+        assert_free_links_agree(q)
         for b in p.blocks:
             if b.ref_cnt or b.is_null:
                 assert b.prev_free is None

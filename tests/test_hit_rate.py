@@ -12,11 +12,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 from coordinator_setup import one_layer_plan
 
 import kvcore
-from kvcore.coordinator import KVCacheCoordinator, KVCacheManager
+from kvcore.coordinator import HitQuery, KVCacheBlock, KVCacheManager
 from kvcore.tools.cli import main
 from kvcore.tools.simulate import (
     NAMED_WORKLOADS,
@@ -29,6 +30,8 @@ from kvcore.tools.simulate import (
     named_workload,
     workload_names,
 )
+from kvcore_full_attention import FullAttention
+from kvcore_full_attention.manager import FullAttentionManager
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -174,35 +177,37 @@ def test_a_readmission_counts_in_the_hits_and_the_bound_alike() -> None:
     assert result.invalid_hits == 0
 
 
-def _corrupt_hits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each non-empty hit's last block of group 0 swapped for another cached
-    block (another request's), when there is one."""
-    original = KVCacheCoordinator.find_longest_cache_hit
+class CorruptingManager(FullAttentionManager):
+    """A faulty third-party manager: each non-empty hit's last block is
+    swapped for another cached block (another request's), when there is
+    one."""
 
-    def corrupted(self: KVCacheCoordinator, *args: Any) -> Any:
-        hits, length = original(self, *args)
-        if length:
-            blocks = list(hits[0])
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+        hits = super().find_longest_cache_hit(query)
+        if hits and hits[0]:
+            blocks = hits[0]
             others = [
                 b
-                for b in self.block_pool.blocks
+                for b in query.block_pool.blocks
                 if b.key_hash is not None and b not in blocks
             ]
             if others:
-                blocks[-1] = others[0]
-                hits = (blocks, *hits[1:])
-        return hits, length
-
-    monkeypatch.setattr(KVCacheCoordinator, "find_longest_cache_hit", corrupted)
+                hits = [[*blocks[:-1], others[0]], *hits[1:]]
+        return hits
 
 
-def test_the_oracle_catches_a_hit_on_another_requests_block(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+class CorruptingFullAttention(FullAttention):
+    """The built-in full-attention kind with the faulty manager above."""
+
+    manager_type = CorruptingManager
+
+
+def test_the_oracle_catches_a_hit_on_another_requests_block() -> None:
     # C's hit (step 5) finds only A's two blocks cached: nothing to swap in.
     # B's and D's hits get another request's block at position 1.
-    _corrupt_hits(monkeypatch)
-    result = Driver(_plan16(), validate=True).run(_hand_workload())
+    faulty = kvcore.KindRegistry.from_kinds([CorruptingFullAttention()])
+    result = Driver(_plan16(), registry=faulty, validate=True).run(_hand_workload())
     assert result.completed == 4
     assert (result.checked_hits, result.invalid_hits) == (3, 2)
     assert len(result.invalid_hit_reports) == 2
@@ -210,40 +215,36 @@ def test_the_oracle_catches_a_hit_on_another_requests_block(
     assert first.startswith("request 'B', hit of 32 tokens: group 0's block")
     assert "at position 1 does not hold its tokens [16, 32)" in first
     # Without validation nothing is checked or counted.
-    plain = Driver(_plan16()).run(_hand_workload())
+    plain = Driver(_plan16(), registry=faulty).run(_hand_workload())
     assert (plain.validated, plain.checked_hits, plain.invalid_hits) == (False, 0, 0)
+    # The built-in manager's hits are all valid.
+    honest = Driver(_plan16(), validate=True).run(_hand_workload())
+    assert (honest.checked_hits, honest.invalid_hits) == (3, 0)
 
 
-def test_the_oracle_applies_the_copies_a_step_asks_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A copy that blanks A's block 1 (from B's new, not yet written block)
-    # when B is admitted: B's own hit was checked before it, D's hit on
-    # that block is caught.
-    original = KVCacheManager.allocate_slots
-
-    def with_copies(self: KVCacheManager, request: Any, *args: Any, **kw: Any) -> Any:
-        new = original(self, request, *args, **kw)
-        if new is None or request.request_id != "B" or len(args) < 3:
-            return new
-        hit = args[2].blocks[0]
-        copy = SimpleNamespace(
-            group_id=0,
-            src_block_id=new.blocks[0][0].block_id,
-            dst_block_id=hit[1].block_id,
-            num_tokens=16,
-        )
-        return SimpleNamespace(blocks=new.blocks, copies=[copy])
-
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", with_copies)
-    result = Driver(_plan16(), validate=True).run(_hand_workload())
-    assert (result.checked_hits, result.invalid_hits) == (3, 1)
-    assert result.invalid_hit_reports[0].startswith("request 'D'")
+def test_the_oracle_applies_the_copies_a_step_asks_for() -> None:
+    """Hashes of 4 tokens in 16-token blocks: B's hit ends inside A's third
+    block (36 tokens), so B's step copies those 4 tokens into B's own new
+    block, which B fills and keys; D's hit on that block holds its tokens
+    only once the oracle applied the copy."""
+    plan = attrs.evolve(_plan16(), hash_block_size=4)
+    b = (*X[:38], *Z, *Z)
+    workload = Workload.of(
+        [
+            WorkloadRequest("A", 0, tuple(X), OA),
+            WorkloadRequest("B", 10, b, (9,)),
+            WorkloadRequest("D", 20, (*b[:50], 7, 7), (11,)),
+        ]
+    )
+    result = Driver(plan, validate=True).run(workload)
+    assert result.completed == 3
+    # B hits 36 tokens (a partial block), D 48 (B's copied block included).
+    assert result.prefix_hit_tokens == 36 + 48
+    assert (result.checked_hits, result.invalid_hits) == (2, 0)
 
 
 def test_partial_block_content_and_copies_in_the_model() -> None:
-    driver = Driver(_plan16())
-    manager, _ = driver._manager(_hand_workload())
+    manager = KVCacheManager.from_plan(_plan16())
     oracle = ContentOracle(manager)
     b1, b2, b3 = manager.block_pool.blocks[1:4]
     tokens = list(range(500, 540))

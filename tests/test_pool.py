@@ -18,6 +18,7 @@ from kvcore import (
     KVCacheLayout,
     KVCachePool,
     KVCacheTensor,
+    KvcoreKeyError,
     KvcoreValueError,
     LayoutError,
     PlanError,
@@ -208,6 +209,29 @@ def test_views_start_where_the_plan_says() -> None:
         if name.startswith("ssm."):
             # the bf16 state follows the 64-byte fp32 state inside the page
             assert parts[1][0].data_ptr() - base == start + 64
+
+
+def test_raw_view_is_each_layers_pages_as_bytes() -> None:
+    """A layer's raw view is uint8 over the pool's storage, one page a row,
+    starting where the plan says; its typed view lies on exactly those
+    bytes.  A layer the plan lacks is named in a KeyError."""
+    pool = KVCachePool(_plan())
+    base = pool.buffer.data_ptr()
+    for name, (_, _, start, page) in LAYOUT.items():
+        raw = pool.raw_view(name)
+        assert raw.dtype == torch.uint8
+        assert raw.shape[0] == NUM_BLOCKS
+        assert raw[0].numel() == page, name
+        for b in range(NUM_BLOCKS):
+            assert raw[b].data_ptr() - base == b * BPB + start, (name, b)
+        assert _parts(pool.views[name])[0].data_ptr() == raw.data_ptr()
+        raw[1].fill_(0x5A)
+        _mark_bytes(pool.views[name], 1)
+        assert bool((raw[1] == 0xA5).all()), name
+        pool.buffer.zero_()
+    with pytest.raises(KvcoreKeyError, match="'nope' has no tensor") as info:
+        pool.raw_view("nope")
+    assert isinstance(info.value, KeyError)
 
 
 def test_groups_at_the_same_offset_alias() -> None:

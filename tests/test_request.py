@@ -459,9 +459,17 @@ def test_requests_without_extra_keys_share_one_hasher() -> None:
     a = Request("a", list(range(40)), hash_block_size=16)
     b = Request("b", list(range(50, 90)), hash_block_size=16)
     salted = Request("s", list(range(40)), hash_block_size=16, cache_salt="t")
-    assert a._hasher is b._hasher
-    assert salted._hasher is not a._hasher
-    assert Request("c", [1], hash_block_size=8)._hasher is not a._hasher
+    assert a.hasher is not None
+    assert a.hasher is b.hasher
+    assert salted.hasher is not a.hasher
+    assert Request("c", [1], hash_block_size=8).hasher is not a.hasher
+    assert Request("d", [1], hash_block_size=None).hasher is None
+    # It keys tokens as the request does.
+    assert a.hasher.hash_prompt(list(range(40))) == a.block_hashes
+    assert salted.hasher.hash_prompt(list(range(40))) is None
+    grown: list[bytes] = []
+    salted.hasher.hash_new_blocks(list(range(40)), grown)
+    assert grown == salted.block_hashes != a.block_hashes
     # Sharing changes no hash.
     assert a.block_hashes == [
         hash_block_tokens("sha256", NONE_HASH, list(range(16))),
@@ -523,22 +531,13 @@ def test_one_packing_of_a_prompt_hashes_as_the_general_checks(
     compiled pass where it was built, else Python); on random prompts of
     every length against each block size it gives the general path's
     hashes, tokens and counters, and refuses what that path refuses with
-    the same error."""
+    the same error (the packing defers the refusal: it returns None)."""
     from kvcore.coordinator import hashing
     from kvcore.coordinator.hashing import BlockHasher
 
     if not compiled:
         monkeypatch.setattr(hashing, "_chain_sha256", None)
 
-    taken = 0
-    real = BlockHasher.hash_prompt
-
-    def counted(self: BlockHasher, tokens: list[int]) -> list[bytes] | None:
-        nonlocal taken
-        taken += 1
-        return real(self, tokens)
-
-    monkeypatch.setattr(BlockHasher, "hash_prompt", counted)
     rng = random.Random(7)
     bad_tokens: list[object] = [True, False, -1, 2**32, 1.0, "7", None]
     for case in range(300):
@@ -563,8 +562,9 @@ def test_one_packing_of_a_prompt_hashes_as_the_general_checks(
             chunked: list[bytes] = []
             BlockHasher(bs, name).hash_new_blocks(list(tokens), chunked)  # type: ignore[arg-type]
             assert want.block_hashes == chunked, case
-        before = taken
+        packed = BlockHasher(bs, name).hash_prompt(given)  # type: ignore[arg-type]
         if refused is not None:
+            assert packed is None, case
             with pytest.raises(type(refused)) as info:
                 Request("r", given, hash_block_size=bs, hash_function=name)  # type: ignore[arg-type]
             assert str(info.value) == str(refused), case
@@ -573,8 +573,8 @@ def test_one_packing_of_a_prompt_hashes_as_the_general_checks(
             ), case
             continue
         got = Request("r", given, hash_block_size=bs, hash_function=name)  # type: ignore[arg-type]
-        assert taken == before + 1, case
-        assert got.block_hashes == want.block_hashes, case
+        assert packed is not None, case
+        assert got.block_hashes == packed == want.block_hashes, case
         assert len(got.block_hashes) == n // bs
         assert got.all_token_ids == want.all_token_ids == list(tokens)
         assert got.all_token_ids is not given

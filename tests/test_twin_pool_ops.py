@@ -36,7 +36,8 @@ def make_pool(*, caching: bool = True, events: bool = False) -> BlockPool:
 
 
 def snapshot(p: BlockPool) -> tuple[Any, ...]:
-    """Everything a step may change: queue order, counts, keys, events."""
+    """Everything a step may change but its events (taken only outside a
+    transaction, see the tests): queue order, counts, keys."""
     return (
         [b.block_id for b in p.free_queue.get_all_free_blocks()],
         [b.block_id for b in p.free_queue.held_blocks()],
@@ -50,7 +51,6 @@ def snapshot(p: BlockPool) -> tuple[Any, ...]:
             for gid in range(4)
         },
         p.num_cached_blocks,
-        list(p._events),
     )
 
 
@@ -162,6 +162,21 @@ def test_cache_twin_blocks_is_one_store_and_drop_per_group(
         assert snapshot(each)[0][0] == tables_each[0][0].block_id
     each.rollback()
     assert snapshot(each) == before
+    assert each.take_events() == []
+    # Kept, the twin call records the per-group calls' events.
+    each.cache_twin_blocks(
+        block_hashes=hashes,
+        tables=tables_each,
+        group_ids=[0, 1, 2],
+        num_cached_blocks=2,
+        num_full_blocks=4,
+        token_ids=tokens,
+        replaced=[tables_each[0][0], tables_each[1][0], None],
+    )
+    assert snapshot(each) == snapshot(one)
+    expected = one.take_events()
+    assert bool(expected) == (events and caching)
+    assert each.take_events() == expected
 
 
 def test_cache_twin_blocks_checks_every_table_first() -> None:

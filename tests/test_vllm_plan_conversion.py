@@ -68,7 +68,7 @@ def test_vllm_binds_each_layer_where_the_pool_does(model: str, layout: str) -> N
         assert tensor.size == plan.bytes_per_block * plan.num_blocks
         for index, name in enumerate(tensor.layers):
             spec = group_of[name].layer_spec(name)
-            raw, _ = pool._raws[name]
+            raw = pool.raw_view(name)
             for block in range(plan.num_blocks):
                 start = tensor.offset + index * tensor.layer_stride
                 start += block * tensor.block_stride

@@ -789,6 +789,15 @@ class KVCacheManager(EngineCalls):
         """Every group's block ids for the request (0 is the null block)."""
         return self.get_blocks(request_id).get_block_ids()
 
+    def live_request_ids(self) -> tuple[str, ...]:
+        """The ids of the requests that hold blocks now, in the order they
+        were first allocated: what :meth:`free` (or
+        :meth:`pop_blocks_for_free`) still expects.  An engine checks it is
+        empty before :meth:`reset_prefix_cache` or at shutdown (a non-empty
+        tuple is a leaked request), and a deep copy of the manager (a
+        what-if fork) lists the same ids as its original."""
+        return tuple(self._requests)
+
     # -- pool -------------------------------------------------------------------
 
     @property

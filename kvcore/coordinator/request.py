@@ -189,6 +189,17 @@ class Request:
         return len(self.all_token_ids) - self._num_prompt_tokens
 
     @property
+    def hasher(self) -> BlockHasher | None:
+        """The :class:`~kvcore.coordinator.hashing.BlockHasher` that keys this
+        request's chunks (salt, LoRA and multimodal keys included), or
+        ``None`` when the request is not hashed.  A router or a what-if tool
+        keys further tokens with it exactly as the request will (its
+        :meth:`~kvcore.coordinator.hashing.BlockHasher.hash_prompt` and
+        ``hash_new_blocks``).  It holds no per-request state, so requests
+        with no extra key share one per block size and hash name."""
+        return self._hasher
+
+    @property
     def hash_block_size(self) -> int | None:
         """Tokens per hashed chunk, or ``None`` when the request is not hashed."""
         hasher = self._hasher
