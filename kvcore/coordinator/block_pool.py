@@ -466,11 +466,12 @@ class BlockPool(TwinPoolOps):
         hit leaves the held-back blocks, and :meth:`requeue_at_back` puts
         one back in the queue.
 
-        The held-back blocks are kept at most as many as the other free
-        blocks: past that, those evicted first among them go to the back of
-        the queue.  Holding back bets on later hits of running requests,
-        the queue's order on returning prefixes; neither bet takes the
-        whole free pool."""
+        Holding back leaves the held-back blocks at most as many as the
+        other free blocks: past that, those evicted first among them go to
+        the back of the queue.  Holding back bets on later hits of running
+        requests, the queue's order on returning prefixes; neither bet may
+        take the whole free pool.  (Hand-outs draw the queue first, so
+        between holds the held-back blocks may outnumber the rest.)"""
         self._move_free(blocks, self.free_queue.hold)
         self._spill_held()
 
