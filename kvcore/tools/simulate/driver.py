@@ -39,7 +39,7 @@ import gc
 import math
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvcore.coordinator import (
     CheckpointManager,
@@ -62,7 +62,13 @@ from kvcore.tools.simulate.result import (
     SimulationResult,
     Unserved,
 )
-from kvcore.tools.simulate.workload import TokenRun, Workload, WorkloadRequest
+from kvcore.tools.simulate.workload import (
+    TokenRun,
+    Workload,
+    WorkloadRequest,
+    little_endian_words,
+    pack_words,
+)
 
 __all__ = ["Driver", "ProgressCallback", "SimulationError", "simulate"]
 
@@ -86,13 +92,20 @@ class SimulationError(KvcoreValueError):
 
 
 class _Live:
-    """A workload request inside the driver."""
+    """A workload request inside the driver.
 
-    __slots__ = ("generated", "request", "spec")
+    ``words`` packs every token it will ever hold (its prompt, then its
+    output) as little-endian 4-byte words: the request's tokens at any
+    time are a prefix of them, which the token-level bound reads without
+    packing the request's ints again.
+    """
 
-    def __init__(self, spec: WorkloadRequest, request: Request) -> None:
+    __slots__ = ("generated", "request", "spec", "words")
+
+    def __init__(self, spec: WorkloadRequest, request: Request, words: bytes) -> None:
         self.spec = spec
         self.request = request
+        self.words = words
         self.generated = 0
 
     @property
@@ -345,13 +358,20 @@ class _Run:
             )
             return
         prompt = spec.prompt
+        if isinstance(prompt, TokenRun):
+            head = prompt.words()
+            tokens: Sequence[int] = little_endian_words(head)
+        else:
+            head = pack_words(prompt)
+            tokens = prompt
         request = Request(
             spec.id,
-            prompt.tokens() if isinstance(prompt, TokenRun) else prompt,
+            tokens,
             hash_block_size=self.hash_block_size,
             hash_function=self.driver.hash_function,
         )
-        self.waiting.append(_Live(spec, request))
+        words = head + pack_words(spec.output)
+        self.waiting.append(_Live(spec, request, words))
 
     def _resolve(self, rid: str) -> None:
         self.resolved.add(rid)
@@ -375,8 +395,7 @@ class _Run:
         """Give the bound every token computed so far."""
         extend = self.computed_prefixes.extend
         for rid, live in self.dirty.items():
-            request = live.request
-            extend(rid, request.all_token_ids, request.num_computed_tokens)
+            extend(rid, live.words, live.request.num_computed_tokens)
         self.dirty.clear()
 
     def _copies(self, blocks: KVCacheBlocks | None) -> None:
@@ -450,14 +469,15 @@ class _Run:
                 self._never_fits(live)
                 continue
             waiting.popleft()
-            tokens = request.all_token_ids
             self.looked_up += request.num_tokens
             self.hits += hit
             self.bound += self.computed_prefixes.longest_prefix(
-                tokens, request.num_tokens - 1
+                live.words, request.num_tokens - 1
             )
             if self.oracle is not None:
-                self.oracle.check_hit(live.spec.id, tokens, blocks.blocks, hit)
+                self.oracle.check_hit(
+                    live.spec.id, request.all_token_ids, blocks.blocks, hit
+                )
                 self._copies(new)
             request.num_computed_tokens = hit
             self.running.append(live)
