@@ -415,31 +415,30 @@ class _Run:
 
     def _schedule_running(self, budget: int) -> tuple[list[tuple[_Live, int]], int]:
         manager = self.manager
+        allocate_slots = manager.allocate_slots
+        oracle = self.oracle
         running = self.running
         scheduled: list[tuple[_Live, int]] = []
         i = 0
         while i < len(running) and budget:
             live = running[i]
-            n = min(live.remaining, budget)
-            fits = True
-            while True:
-                new = manager.allocate_slots(live.request, n, delay_cache_blocks=True)
-                if new is not None:
-                    self._copies(new)
-                    break
+            request = live.request
+            n = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            while (new := allocate_slots(request, n, delay_cache_blocks=True)) is None:
                 self.refused += 1
                 victim = running[-1]
                 if victim is live and len(running) == 1:
                     running.pop()
-                    manager.free(live.request)
+                    manager.free(request)
                     self._never_fits(live)
-                    fits = False
                     break
                 self._preempt(victim)
                 if victim is live:
-                    fits = False
                     break
-            if fits:
+            else:
+                # Allocated (a ``break`` above: dropped or preempted itself).
+                if oracle is not None:
+                    self._copies(new)
                 scheduled.append((live, n))
                 budget -= n
                 i += 1
@@ -448,9 +447,11 @@ class _Run:
     def _admit(self, budget: int, scheduled: list[tuple[_Live, int]]) -> None:
         manager = self.manager
         waiting = self.waiting
+        if not (waiting and budget):
+            return
         prefilling = sum(1 for live in self.running if live.remaining > 1)
         limit = self.driver.max_partial_prefills
-        if waiting and budget and prefilling < limit:
+        if prefilling < limit:
             self._record_computed()
         while waiting and budget and prefilling < limit:
             live = waiting[0]
@@ -487,15 +488,18 @@ class _Run:
                 prefilling += 1
 
     def _compute(self, scheduled: list[tuple[_Live, int]]) -> list[_Live]:
+        """Compute the step's tokens: cache their blocks, sample where a
+        request's tokens are all computed; the requests that finished."""
         manager = self.manager
-        caching = manager.enable_caching
+        cache_blocks = manager.cache_blocks if manager.enable_caching else None
         finished = []
         oracle = self.oracle
         dirty = self.dirty
+        prefill = decodes = generated = 0
         for live, n in scheduled:
             request = live.request
+            start = request.num_computed_tokens
             if oracle is not None:
-                start = request.num_computed_tokens
                 oracle.write(
                     live.spec.id,
                     request.all_token_ids,
@@ -503,23 +507,29 @@ class _Run:
                     start + n,
                     manager.get_blocks(live.spec.id).blocks,
                 )
-            if n == 1 and request.num_output_tokens:
-                self.step_decodes += 1
+            # ``live.generated`` counts the output tokens the request holds
+            # (its last sampled token finishes it, never appended).
+            if n == 1 and live.generated:
+                decodes += 1
             else:
-                self.step_prefill += n
-            request.num_computed_tokens += n
+                prefill += n
+            done = request.num_computed_tokens = start + n
             dirty[live.spec.id] = live
-            self.computed += n
-            if caching:
-                manager.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens == request.num_tokens:
-                token = live.spec.output[live.generated]
+            if cache_blocks is not None:
+                cache_blocks(request, done)
+            if done == len(request.all_token_ids):
+                output = live.spec.output
+                token = output[live.generated]
                 live.generated += 1
-                self.generated += 1
-                if live.generated == len(live.spec.output):
+                generated += 1
+                if live.generated == len(output):
                     finished.append(live)
                 else:
                     request.append_output_token_ids(token)
+        self.step_prefill += prefill
+        self.step_decodes += decodes
+        self.computed += prefill + decodes
+        self.generated += generated
         return finished
 
     def _measure_cached(self, step: int) -> None:
