@@ -29,6 +29,7 @@ from kvcore.tools.simulate import (
     named_workload,
     workload_names,
 )
+from kvcore.tools.simulate.bound import DEFAULT_CHUNK
 from kvcore.tools.simulate.workload import pack_words
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +49,7 @@ def _brute_force(seqs: dict[str, list[int]], tokens: list[int], limit: int) -> i
     return best
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 32])
+@pytest.mark.parametrize("chunk", [1, 3, 32, DEFAULT_CHUNK])
 def test_the_trie_agrees_with_a_brute_force_search(chunk: int) -> None:
     # Sequences over a 3-token vocabulary that share prefixes of every
     # length, grown a random number of tokens at a time and queried between.

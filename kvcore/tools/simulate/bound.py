@@ -30,8 +30,11 @@ from kvcore.tools.simulate.workload import pack_words
 
 __all__ = ["DEFAULT_CHUNK", "ComputedPrefixes"]
 
-#: Tokens per trie edge.
-DEFAULT_CHUNK = 32
+#: Tokens per trie edge.  The answers do not depend on it; longer edges
+#: make fewer nodes (a replayed trace's prompts run to many thousands of
+#: tokens), while a divergence is still found by one binary search of a
+#: node's continuations and one of the bytes of two of them.
+DEFAULT_CHUNK = 128
 
 #: Bytes per packed token id.
 _WORD = 4
