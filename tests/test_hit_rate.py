@@ -30,6 +30,8 @@ from kvcore.tools.simulate import (
     named_workload,
     workload_names,
 )
+from kvcore.tools.simulate.bound import DEFAULT_CHUNK
+from kvcore.tools.simulate.workload import pack_words
 from kvcore_full_attention import FullAttention
 from kvcore_full_attention.manager import FullAttentionManager
 
@@ -50,12 +52,15 @@ def _brute_force(seqs: dict[str, list[int]], tokens: list[int], limit: int) -> i
     return best
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 32])
+@pytest.mark.parametrize("chunk", [1, 3, 32, DEFAULT_CHUNK])
 def test_the_trie_agrees_with_a_brute_force_search(chunk: int) -> None:
     # Sequences over a 3-token vocabulary that share prefixes of every
     # length, grown a random number of tokens at a time and queried between.
+    # A second trie is given the same sequences packed as 4-byte words (as
+    # the driver gives a trace's requests) and must answer alike.
     rng = random.Random(chunk)
     trie = ComputedPrefixes(chunk)
+    packed = ComputedPrefixes(chunk)
     full: dict[str, list[int]] = {}
     computed: dict[str, list[int]] = {}
     for i in range(60):
@@ -72,12 +77,17 @@ def test_the_trie_agrees_with_a_brute_force_search(chunk: int) -> None:
         seq = full[key]
         length = min(len(seq), len(computed[key]) + rng.randrange(0, 40))
         trie.extend(key, seq, length)
+        packed.extend(key, pack_words(seq), length)
         computed[key] = seq[:length]
         probe = rng.choice(list(full.values()))
         probe = [*probe[: rng.randrange(len(probe) + 1)], rng.randrange(3)]
         limit = rng.randrange(len(probe) + 1)
-        assert trie.longest_prefix(probe, limit) == _brute_force(computed, probe, limit)
-        assert trie.longest_prefix(probe) == _brute_force(computed, probe, len(probe))
+        expected = _brute_force(computed, probe, limit)
+        assert trie.longest_prefix(probe, limit) == expected
+        assert packed.longest_prefix(pack_words(probe), limit) == expected
+        expected = _brute_force(computed, probe, len(probe))
+        assert trie.longest_prefix(probe) == expected
+        assert packed.longest_prefix(pack_words(probe)) == expected
 
 
 def test_the_trie_refuses_a_bad_chunk() -> None:

@@ -15,31 +15,29 @@ node's continuations.  The cost is linear in the tokens inserted and looked
 up, never in tokens times sequences.
 
 A sequence that grows inside its last chunk (a decode, a token a step)
-only has its new tail noted at its node; the tails noted there are packed
-and sorted in when a lookup first ends at that node, so recording a decode
-costs no packing and no sorted insert.
+only has its new tail noted at its node; the tails noted there are sorted
+in when a lookup first ends at that node, so recording a decode costs no
+sorted insert.  Sequences given already packed (a replayed trace's
+requests) are sliced, never packed again.
 """
 
 from __future__ import annotations
 
-from array import array
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 
+from kvcore.tools.simulate.workload import pack_words
+
 __all__ = ["DEFAULT_CHUNK", "ComputedPrefixes"]
 
-#: Tokens per trie edge.
-DEFAULT_CHUNK = 32
+#: Tokens per trie edge.  The answers do not depend on it; longer edges
+#: make fewer nodes (a replayed trace's prompts run to many thousands of
+#: tokens), while a divergence is still found by one binary search of a
+#: node's continuations and one of the bytes of two of them.
+DEFAULT_CHUNK = 128
 
 #: Bytes per packed token id.
 _WORD = 4
-if array("I").itemsize != _WORD:  # pragma: no cover - every supported platform
-    msg = "the token-level bound packs token ids as 4-byte unsigned ints"
-    raise ImportError(msg)
-
-
-def _pack(tokens: Sequence[int]) -> bytes:
-    return array("I", tokens).tobytes()
 
 
 class _Node:
@@ -57,9 +55,9 @@ class _Node:
         #: repeats), sorted.
         self.order: list[bytes] = []
         #: Tails noted since the last lookup that ended here, not yet in
-        #: ``partials``: key -> its tokens of the next chunk (``None`` until
-        #: one is noted).
-        self.pending: dict[str, Sequence[int]] | None = None
+        #: ``partials`` or ``order``: key -> its packed tokens of the next
+        #: chunk (``None`` until one is noted).
+        self.pending: dict[str, bytes] | None = None
 
     def drop_partial(self, key: str) -> None:
         pending = self.pending
@@ -78,9 +76,10 @@ class _Node:
         self.partials[key] = part
         insort(self.order, part)
 
-    def note_tail(self, key: str, tail: Sequence[int]) -> None:
-        """Note ``key``'s tokens of the next chunk (replacing the ones noted
-        or sorted in before); packed at the next lookup that ends here."""
+    def note_tail(self, key: str, tail: bytes) -> None:
+        """Note ``key``'s packed tokens of the next chunk (replacing the ones
+        noted or sorted in before); sorted in at the next lookup that ends
+        here."""
         pending = self.pending
         if pending is None:
             pending = self.pending = {}
@@ -91,13 +90,13 @@ class _Node:
         pending[key] = tail
 
     def sort_in_tails(self) -> None:
-        """Pack the noted tails into ``partials`` and ``order``."""
+        """Move the noted tails into ``partials`` and ``order``."""
         pending = self.pending
         assert pending is not None
         self.pending = None
         for key, tail in pending.items():
             self.drop_partial(key)
-            self.add_partial(key, _pack(tail))
+            self.add_partial(key, tail)
 
 
 class ComputedPrefixes:
@@ -105,7 +104,10 @@ class ComputedPrefixes:
 
     A sequence only grows: :meth:`extend` records that its first ``length``
     tokens are computed (the tokens it was given before must be a prefix of
-    the ones it is given now).  Token ids are ints in ``[0, 2**32)``.
+    the ones it is given now).  Token ids are ints in ``[0, 2**32)``, given
+    as a sequence of ints or already packed as little-endian 4-byte words
+    (``bytes``, as :class:`~kvcore.tools.simulate.workload.TokenRun` keeps
+    them), which the trie then slices without packing anything.
     """
 
     __slots__ = ("_chunk", "_cursor", "_root")
@@ -120,44 +122,49 @@ class ComputedPrefixes:
         #: its length recorded so far).
         self._cursor: dict[str, tuple[_Node, int, int]] = {}
 
-    def extend(self, key: str, tokens: Sequence[int], length: int) -> None:
-        """Record ``tokens[:length]`` as computed for sequence ``key``."""
+    def extend(self, key: str, tokens: Sequence[int] | bytes, length: int) -> None:
+        """Record ``tokens[:length]`` as computed for sequence ``key``
+        (``length`` counts tokens, packed or not)."""
         node, depth, recorded = self._cursor.get(key, (self._root, 0, 0))
         if length <= recorded:
             return
-        chunk = self._chunk
-        if length - depth < chunk:
-            # Still inside the same chunk: only the tail changes.
-            node.note_tail(key, tokens[depth:length])
-            self._cursor[key] = (node, depth, length)
-            return
-        step = chunk * _WORD
-        data = _pack(tokens[depth:length])
-        end = len(data)
-        node.drop_partial(key)
-        at = 0
-        while at + step <= end:
-            edge = data[at : at + step]
-            child = node.children.get(edge)
-            if child is None:
-                child = node.children[edge] = _Node()
-                insort(node.order, edge)
-            node = child
-            at += step
-        depth += at // _WORD
-        if depth < length:
-            node.note_tail(key, tokens[depth:length])
+        # data[at:] packs tokens depth.. (at == 0 when they came as ints).
+        if isinstance(tokens, bytes):
+            data, at = tokens, _WORD * depth
+        else:
+            data, at = pack_words(tokens[depth:length]), 0
+        end = at + _WORD * (length - depth)
+        step = self._chunk * _WORD
+        if end - at >= step:
+            node.drop_partial(key)
+            children = node.children
+            while at + step <= end:
+                edge = data[at : at + step]
+                child = children.get(edge)
+                if child is None:
+                    child = children[edge] = _Node()
+                    insort(node.order, edge)
+                node = child
+                children = node.children
+                at += step
+                depth += self._chunk
+        if at < end:
+            # Inside a chunk: only the tail changes.
+            node.note_tail(key, data[at:end])
         self._cursor[key] = (node, depth, length)
 
-    def longest_prefix(self, tokens: Sequence[int], limit: int | None = None) -> int:
+    def longest_prefix(
+        self, tokens: Sequence[int] | bytes, limit: int | None = None
+    ) -> int:
         """The longest prefix of ``tokens`` (at most ``limit`` tokens) that
         some recorded sequence starts with."""
-        n = len(tokens) if limit is None else min(len(tokens), limit)
+        size = len(tokens) // _WORD if isinstance(tokens, bytes) else len(tokens)
+        n = size if limit is None else min(size, limit)
         if n <= 0:
             return 0
-        data = _pack(tokens[:n])
+        data = tokens if isinstance(tokens, bytes) else pack_words(tokens[:n])
         step = self._chunk * _WORD
-        end = len(data)
+        end = _WORD * n
         node = self._root
         at = 0
         while at + step <= end:
@@ -166,7 +173,7 @@ class ComputedPrefixes:
                 break
             node = child
             at += step
-        rest = data[at : at + step]
+        rest = data[at : min(at + step, end)]
         if node.pending:
             node.sort_in_tails()
         order = node.order

@@ -39,7 +39,7 @@ import gc
 import math
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvcore.coordinator import (
     CheckpointManager,
@@ -62,7 +62,13 @@ from kvcore.tools.simulate.result import (
     SimulationResult,
     Unserved,
 )
-from kvcore.tools.simulate.workload import TokenRun, Workload, WorkloadRequest
+from kvcore.tools.simulate.workload import (
+    TokenRun,
+    Workload,
+    WorkloadRequest,
+    little_endian_words,
+    pack_words,
+)
 
 __all__ = ["Driver", "ProgressCallback", "SimulationError", "simulate"]
 
@@ -86,13 +92,20 @@ class SimulationError(KvcoreValueError):
 
 
 class _Live:
-    """A workload request inside the driver."""
+    """A workload request inside the driver.
 
-    __slots__ = ("generated", "request", "spec")
+    ``words`` packs every token it will ever hold (its prompt, then its
+    output) as little-endian 4-byte words: the request's tokens at any
+    time are a prefix of them, which the token-level bound reads without
+    packing the request's ints again.
+    """
 
-    def __init__(self, spec: WorkloadRequest, request: Request) -> None:
+    __slots__ = ("generated", "request", "spec", "words")
+
+    def __init__(self, spec: WorkloadRequest, request: Request, words: bytes) -> None:
         self.spec = spec
         self.request = request
+        self.words = words
         self.generated = 0
 
     @property
@@ -345,13 +358,20 @@ class _Run:
             )
             return
         prompt = spec.prompt
+        if isinstance(prompt, TokenRun):
+            head = prompt.words()
+            tokens: Sequence[int] = little_endian_words(head)
+        else:
+            head = pack_words(prompt)
+            tokens = prompt
         request = Request(
             spec.id,
-            prompt.tokens() if isinstance(prompt, TokenRun) else prompt,
+            tokens,
             hash_block_size=self.hash_block_size,
             hash_function=self.driver.hash_function,
         )
-        self.waiting.append(_Live(spec, request))
+        words = head + pack_words(spec.output)
+        self.waiting.append(_Live(spec, request, words))
 
     def _resolve(self, rid: str) -> None:
         self.resolved.add(rid)
@@ -375,8 +395,7 @@ class _Run:
         """Give the bound every token computed so far."""
         extend = self.computed_prefixes.extend
         for rid, live in self.dirty.items():
-            request = live.request
-            extend(rid, request.all_token_ids, request.num_computed_tokens)
+            extend(rid, live.words, live.request.num_computed_tokens)
         self.dirty.clear()
 
     def _copies(self, blocks: KVCacheBlocks | None) -> None:
@@ -396,31 +415,30 @@ class _Run:
 
     def _schedule_running(self, budget: int) -> tuple[list[tuple[_Live, int]], int]:
         manager = self.manager
+        allocate_slots = manager.allocate_slots
+        oracle = self.oracle
         running = self.running
         scheduled: list[tuple[_Live, int]] = []
         i = 0
         while i < len(running) and budget:
             live = running[i]
-            n = min(live.remaining, budget)
-            fits = True
-            while True:
-                new = manager.allocate_slots(live.request, n, delay_cache_blocks=True)
-                if new is not None:
-                    self._copies(new)
-                    break
+            request = live.request
+            n = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            while (new := allocate_slots(request, n, delay_cache_blocks=True)) is None:
                 self.refused += 1
                 victim = running[-1]
                 if victim is live and len(running) == 1:
                     running.pop()
-                    manager.free(live.request)
+                    manager.free(request)
                     self._never_fits(live)
-                    fits = False
                     break
                 self._preempt(victim)
                 if victim is live:
-                    fits = False
                     break
-            if fits:
+            else:
+                # Allocated (a ``break`` above: dropped or preempted itself).
+                if oracle is not None:
+                    self._copies(new)
                 scheduled.append((live, n))
                 budget -= n
                 i += 1
@@ -429,9 +447,11 @@ class _Run:
     def _admit(self, budget: int, scheduled: list[tuple[_Live, int]]) -> None:
         manager = self.manager
         waiting = self.waiting
+        if not (waiting and budget):
+            return
         prefilling = sum(1 for live in self.running if live.remaining > 1)
         limit = self.driver.max_partial_prefills
-        if waiting and budget and prefilling < limit:
+        if prefilling < limit:
             self._record_computed()
         while waiting and budget and prefilling < limit:
             live = waiting[0]
@@ -450,14 +470,15 @@ class _Run:
                 self._never_fits(live)
                 continue
             waiting.popleft()
-            tokens = request.all_token_ids
             self.looked_up += request.num_tokens
             self.hits += hit
             self.bound += self.computed_prefixes.longest_prefix(
-                tokens, request.num_tokens - 1
+                live.words, request.num_tokens - 1
             )
             if self.oracle is not None:
-                self.oracle.check_hit(live.spec.id, tokens, blocks.blocks, hit)
+                self.oracle.check_hit(
+                    live.spec.id, request.all_token_ids, blocks.blocks, hit
+                )
                 self._copies(new)
             request.num_computed_tokens = hit
             self.running.append(live)
@@ -467,15 +488,18 @@ class _Run:
                 prefilling += 1
 
     def _compute(self, scheduled: list[tuple[_Live, int]]) -> list[_Live]:
+        """Compute the step's tokens: cache their blocks, sample where a
+        request's tokens are all computed; the requests that finished."""
         manager = self.manager
-        caching = manager.enable_caching
+        cache_blocks = manager.cache_blocks if manager.enable_caching else None
         finished = []
         oracle = self.oracle
         dirty = self.dirty
+        prefill = decodes = generated = 0
         for live, n in scheduled:
             request = live.request
+            start = request.num_computed_tokens
             if oracle is not None:
-                start = request.num_computed_tokens
                 oracle.write(
                     live.spec.id,
                     request.all_token_ids,
@@ -483,23 +507,29 @@ class _Run:
                     start + n,
                     manager.get_blocks(live.spec.id).blocks,
                 )
-            if n == 1 and request.num_output_tokens:
-                self.step_decodes += 1
+            # ``live.generated`` counts the output tokens the request holds
+            # (its last sampled token finishes it, never appended).
+            if n == 1 and live.generated:
+                decodes += 1
             else:
-                self.step_prefill += n
-            request.num_computed_tokens += n
+                prefill += n
+            done = request.num_computed_tokens = start + n
             dirty[live.spec.id] = live
-            self.computed += n
-            if caching:
-                manager.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens == request.num_tokens:
-                token = live.spec.output[live.generated]
+            if cache_blocks is not None:
+                cache_blocks(request, done)
+            if done == len(request.all_token_ids):
+                output = live.spec.output
+                token = output[live.generated]
                 live.generated += 1
-                self.generated += 1
-                if live.generated == len(live.spec.output):
+                generated += 1
+                if live.generated == len(output):
                     finished.append(live)
                 else:
                     request.append_output_token_ids(token)
+        self.step_prefill += prefill
+        self.step_decodes += decodes
+        self.computed += prefill + decodes
+        self.generated += generated
         return finished
 
     def _measure_cached(self, step: int) -> None:

@@ -67,6 +67,15 @@ def little_endian_words(raw: bytes) -> list[int]:
     return words.tolist()
 
 
+def pack_words(tokens: Sequence[int]) -> bytes:
+    """``tokens`` as little-endian 4-byte unsigned words (the inverse of
+    :func:`little_endian_words`); token ids are ints in ``[0, 2**32)``."""
+    words = array.array(_WORD, tokens)
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words.tobytes()
+
+
 class TokenRun(Sequence[int]):
     """An immutable run of token ids kept as little-endian 4-byte words.
 
@@ -90,9 +99,13 @@ class TokenRun(Sequence[int]):
     def parts(self) -> tuple[bytes, ...]:
         return self._parts
 
+    def words(self) -> bytes:
+        """The token ids as one run of little-endian 4-byte words."""
+        return b"".join(self._parts)
+
     def tokens(self) -> list[int]:
         """The token ids as a new list."""
-        return little_endian_words(b"".join(self._parts))
+        return little_endian_words(self.words())
 
     def __len__(self) -> int:
         return self._len
