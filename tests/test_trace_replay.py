@@ -543,3 +543,47 @@ def test_a_reused_bailian_chat_id_names_its_latest_line() -> None:
     plan, registry = llama_plan(2**30, 4096)
     result = Driver(plan, registry=registry).run(loaded.workload)
     assert result.completed == 4
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_trace_streamed_through_a_pipe_is_read_once(
+    tmp_path: Path, compressed: bool
+) -> None:
+    """A named pipe (``--trace <(zcat ...)``) can be opened and read only
+    once: its first bytes tell the compression without a second open, and
+    every line arrives.  The writer opens the pipe a second time to end a
+    second read with nothing, were there one."""
+    import os
+    import threading
+
+    lines = list(mooncake_lines()[:5])
+    data = ("\n".join(lines) + "\n").encode()
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        try:
+            with fifo.open("wb") as out:
+                out.write(gzip.compress(data) if compressed else data)
+        except BrokenPipeError:
+            pass
+        with fifo.open("wb"):
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        assert read_trace_lines(fifo) == lines
+    finally:
+        # Let the writer's second open return.
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join()
+
+
+def test_a_corrupt_deflate_stream_is_a_trace_error(tmp_path: Path) -> None:
+    """A gzip header over data that is not deflate is named as unreadable,
+    as a truncated file is, not raised as zlib's own error."""
+    path = tmp_path / "bad.gz"
+    path.write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\xff" * 20)
+    with pytest.raises(TraceError, match=r"cannot read trace .*bad\.gz: .*invalid"):
+        read_trace_lines(path)
