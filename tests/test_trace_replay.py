@@ -587,3 +587,21 @@ def test_a_corrupt_deflate_stream_is_a_trace_error(tmp_path: Path) -> None:
     path.write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\xff" * 20)
     with pytest.raises(TraceError, match=r"cannot read trace .*bad\.gz: .*invalid"):
         read_trace_lines(path)
+
+
+def test_a_parent_id_no_line_has_never_names_a_reused_line() -> None:
+    """A reused chat id's line gets a key such as ``"1#2"``; a later line
+    whose parent_chat_id is the string ``"1#2"`` (an id no line has) has
+    no parent in the trace, not the reused line."""
+    second = json.loads(bailian(1, -1, 1.0, 40, 10, [100, 101, 102]))
+    orphan = json.loads(bailian(3, -1, 5.0, 70, 4, [100, 101, 400, 401, 402]))
+    orphan["parent_chat_id"] = "1#2"
+    lines = [
+        bailian(1, -1, 0.0, 40, 10, [100, 101, 102]),
+        json.dumps(second),
+        json.dumps(orphan),
+    ]
+    loaded = parse_any_trace(lines)
+    assert [r.id for r in loaded.workload.requests] == ["1", "1#2", "3"]
+    assert [r.parent for r in loaded.workload.requests] == [None, None, None]
+    assert loaded.chat_turns == 0
