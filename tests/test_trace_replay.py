@@ -18,7 +18,7 @@ from kvcore.serialize import load_model_file
 from kvcore.structs import KVCacheConfig
 from kvcore.tools.cli import main
 from kvcore.tools.limits import MAX_TRACE_REQUEST_TOKENS
-from kvcore.tools.simulate import Driver, TraceError
+from kvcore.tools.simulate import Driver, TraceError, load_trace
 from kvcore.tools.simulate.public_traces import (
     block_tokens_of,
     detect_trace_format,
@@ -605,3 +605,19 @@ def test_a_parent_id_no_line_has_never_names_a_reused_line() -> None:
     assert [r.id for r in loaded.workload.requests] == ["1", "1#2", "3"]
     assert [r.parent for r in loaded.workload.requests] == [None, None, None]
     assert loaded.chat_turns == 0
+
+
+def test_a_trace_splits_lines_only_at_line_feeds(tmp_path: Path) -> None:
+    """JSON lines end at ``\\n`` (or ``\\r\\n``) only: U+2028, U+2029 and
+    U+0085 are valid raw inside a JSON string (an id written by a tool that
+    does not escape them) and stay in it."""
+    ids = ["a\u2028b", "c\u2029d", "e\x85f"]
+    text = "".join(
+        json.dumps({"id": rid, "prompt_len": 4, "output_len": 1}, ensure_ascii=False)
+        + "\r\n"
+        for rid in ids
+    )
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(text.encode())
+    assert len(read_trace_lines(path)) == 3
+    assert [r.id for r in load_trace(path).requests] == ids

@@ -83,7 +83,8 @@ _CHUNK_BYTES = 2**24
 def read_trace_lines(path: str | Path) -> list[str]:
     """A trace file's lines: UTF-8 JSON lines, plain or compressed with
     gzip, bzip2 or xz (told by the file's first bytes), a leading byte-order
-    mark skipped.  Refused with the line of the first byte that is not
+    mark skipped, each line ended by a line feed (a carriage return before
+    it dropped).  Refused with the line of the first byte that is not
     UTF-8, and past :data:`~kvcore.tools.limits.MAX_TRACE_BYTES`."""
     path = Path(path)
     try:
@@ -99,7 +100,12 @@ def read_trace_lines(path: str | Path) -> list[str]:
         inside = f" (inside its {compression} compression)" if compression else ""
         msg = f"{path} line {line}: not UTF-8 text{inside}; a trace is UTF-8 JSON lines"
         raise TraceError(msg, line=line) from exc
-    return text.removeprefix("\ufeff").splitlines()
+    # JSON lines end at a line feed only: U+2028, U+2029 and U+0085, which
+    # str.splitlines also splits at, may stand raw inside a JSON string.
+    lines = text.removeprefix("\ufeff").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
 
 
 def _read_bytes(path: Path) -> tuple[bytes, str | None]:
