@@ -11,12 +11,15 @@ imports it.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from types import ModuleType
+from types import CodeType, ModuleType
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
 
 __all__ = ["MOVED", "install", "new_name"]
 
@@ -44,22 +47,25 @@ def new_name(old: str) -> str | None:
     return None
 
 
-class _MovedLoader(importlib.abc.Loader):
-    """Loads an old name as the module at its new place."""
+class _MovedLoader:
+    """Loads an old name as the module at its new place, found as ``spec``.
 
-    def __init__(self, new: str) -> None:
-        self.new = new
-        self.spec: importlib.machinery.ModuleSpec | None = None
+    (A plain class: ``importlib.abc`` would pull ``importlib.resources``,
+    ``tempfile`` and ``shutil`` into every ``import kvcore``.)"""
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+    def __init__(self, spec: ModuleSpec) -> None:
+        self.spec = spec
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
         warnings.warn(
-            f"{spec.name} has moved to {self.new}; import it from there "
+            f"{spec.name} has moved to {self.spec.name}; import it from there "
             "(the old name will be removed)",
             DeprecationWarning,
             stacklevel=2,
         )
-        module = importlib.import_module(self.new)
-        self.spec = module.__spec__
+        module = importlib.import_module(self.spec.name)
+        if module.__spec__ is not None:
+            self.spec = module.__spec__
         return module
 
     def exec_module(self, module: ModuleType) -> None:
@@ -67,8 +73,18 @@ class _MovedLoader(importlib.abc.Loader):
         # its own (the module runs once, under its new name).
         module.__spec__ = self.spec
 
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The new module's code: what ``python -m`` runs under an old name."""
+        loader = self.spec.loader
+        get_code = getattr(loader, "get_code", None)
+        if get_code is None:
+            msg = f"no code object available for {fullname} ({self.spec.name})"
+            raise ImportError(msg, name=fullname)
+        code: CodeType | None = get_code(self.spec.name)
+        return code
 
-class _MovedFinder(importlib.abc.MetaPathFinder):
+
+class _MovedFinder:
     """Finds old names before the path finder would load a second copy of
     a moved module's submodule under its old name."""
 
@@ -77,13 +93,24 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         fullname: str,
         path: object = None,
         target: ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
+    ) -> ModuleSpec | None:
         if not fullname.startswith("kvcore."):
             return None
         new = new_name(fullname)
         if new is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _MovedLoader(new))
+        # What exists at the new place exists under the old name, a
+        # package as a package (``python -m`` runs its ``__main__``).
+        found = importlib.util.find_spec(new)
+        if found is None:
+            return None
+        return importlib.util.spec_from_loader(
+            fullname,
+            # A loader by its methods (the import system asks no more).
+            cast("Loader", _MovedLoader(found)),
+            origin=found.origin,
+            is_package=found.submodule_search_locations is not None,
+        )
 
 
 _FINDER = _MovedFinder()

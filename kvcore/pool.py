@@ -214,7 +214,14 @@ class KVCachePool:
         kernels, or checks another engine's binding (vLLM's, say) against
         this pool, reads each block's address and the page strides here.
 
-        :raises KvcoreKeyError: ``layer`` has no tensor in this plan."""
+        :raises KvcoreKeyError: ``layer`` has no tensor in this plan.
+        :raises KvcoreTypeError: ``layer`` is not a str."""
+        if type(layer) is not str:
+            msg = (
+                f"KVCachePool.raw_view: layer must be a layer name, a str; got "
+                f"{type(layer).__name__} {echo(layer)}"
+            )
+            raise KvcoreTypeError(msg)
         found = self._raws.get(layer)
         if found is None:
             known = ", ".join(sorted(self._raws)[:8]) or "none"

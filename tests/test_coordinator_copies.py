@@ -16,7 +16,13 @@ import torch
 
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request, RequestStatus
-from kvcore.errors import InvalidRequestError, KvcoreError, UnknownRequestError
+from kvcore.errors import (
+    InvalidRequestError,
+    KvcoreError,
+    PluginError,
+    ReentrantCallError,
+    UnknownRequestError,
+)
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
 
@@ -409,3 +415,66 @@ def test_a_manager_defined_outside_kvcore_runs_as_the_built_in_one(
             trace.append(observed(side))
             trace.append(side.take_events())
     assert traces[0] == traces[1]
+
+
+class CopyingManager(FullAttentionManager):
+    """A faulty third-party manager: it deep-copies (or pickles) the
+    object in ``target`` from inside its step."""
+
+    target: Any = None
+    how: str = "deepcopy"
+
+    def allocate_twins(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().allocate_twins(*args, **kwargs)
+        if self.target is not None:
+            if self.how == "deepcopy":
+                copy.deepcopy(self.target)
+            else:
+                pickle.dumps(self.target)
+        return out
+
+
+class CopyingFullAttention(FullAttention):
+    manager_type = CopyingManager
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("what", ["manager", "pool", "itself"])
+def test_a_manager_copying_inside_its_step_has_the_step_undone(
+    how: str, what: str
+) -> None:
+    """A cache manager that copies the KVCacheManager calling it (or the
+    pool, or itself, which holds the pool) from inside a step is refused;
+    the refusal propagates as its plugin's failure, the whole step is
+    undone, and between steps the same copy works."""
+    other = FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=2, dtype=torch.float16
+    )
+    mgr = setup.manager_for(
+        [setup.fa(4), other],
+        32,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        registry=KindRegistry.from_kinds([CopyingFullAttention()]),
+    )
+    req = Request("a", list(range(2, 12)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    manager = mgr.coordinator.single_type_managers[1]
+    assert isinstance(manager, CopyingManager)
+    target = {"manager": mgr, "pool": mgr.block_pool, "itself": manager}[what]
+    manager.target, manager.how = target, how
+    before = observed(mgr)
+    with pytest.raises(PluginError) as info:
+        mgr.allocate_slots(req, 4)
+    assert isinstance(info.value.__cause__, ReentrantCallError)
+    assert "between steps" in str(info.value.__cause__)
+    assert observed(mgr) == before
+    manager.target = None
+    fork = (
+        pickle.loads(pickle.dumps(target)) if how == "pickle" else copy.deepcopy(target)
+    )
+    assert type(fork) is type(target)
+    assert mgr.allocate_slots(req, 4) is not None
+    mgr.free(req)
+    assert mgr.block_pool.get_num_free_blocks() == 31

@@ -92,3 +92,23 @@ def test_submodules_are_reachable_from_a_bare_import() -> None:
         "get_plugin_manager KVCacheManager load_config",
         "module 'kvcore' has no attribute 'no_such_name'",
     ]
+
+
+def test_import_kvcore_loads_no_file_or_archive_modules() -> None:
+    """``import kvcore`` (its finder of moved module names included) loads
+    none of the standard library's file, archive or import-ABC modules: a
+    plain finder needs no ``importlib.abc``, whose resources half pulls
+    ``tempfile``, ``shutil``, ``bz2`` and ``lzma`` into every start."""
+    probe = (
+        "import sys, kvcore; "
+        "print(sorted(m for m in ('importlib.abc', 'importlib.resources', "
+        "'tempfile', 'shutil', 'bz2', 'lzma', 'random') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    assert out == ["[]"]

@@ -76,3 +76,43 @@ def test_new_name(old: str, new: str | None) -> None:
 def test_a_name_that_never_existed_is_still_not_found() -> None:
     with pytest.raises(ModuleNotFoundError, match=r"kvcore\.nothing"):
         importlib.import_module("kvcore.nothing")
+
+
+def test_python_m_runs_a_moved_package() -> None:
+    """``python -m kvcore.cli`` runs the CLI as ``python -m
+    kvcore.tools.cli`` does (the old name of a package is a package, whose
+    ``__main__`` is the new one's)."""
+    import subprocess
+
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", name, "--version"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        for name in ("kvcore.cli", "kvcore.tools.cli")
+    ]
+    assert [(r.returncode, r.stdout) for r in runs[:1]] == [
+        (runs[1].returncode, runs[1].stdout)
+    ]
+    assert runs[1].returncode == 0
+    assert runs[1].stdout.startswith("kvcore ")
+
+
+def test_find_spec_finds_only_what_exists_under_an_old_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``importlib.util.find_spec`` under an old name answers as under the
+    new one: a spec (a package's, for a package) for what exists, None for
+    what does not."""
+    import importlib.util
+
+    _forget(monkeypatch, "kvcore.zoo")
+    with pytest.warns(DeprecationWarning, match=r"kvcore\.zoo has moved"):
+        assert importlib.util.find_spec("kvcore.zoo.no_such_module") is None
+    _forget(monkeypatch, "kvcore.simulate")
+    spec = importlib.util.find_spec("kvcore.simulate")
+    assert spec is not None
+    assert spec.submodule_search_locations is not None

@@ -19,6 +19,7 @@ from kvcore import (
     KVCachePool,
     KVCacheTensor,
     KvcoreKeyError,
+    KvcoreTypeError,
     KvcoreValueError,
     LayoutError,
     PlanError,
@@ -232,6 +233,9 @@ def test_raw_view_is_each_layers_pages_as_bytes() -> None:
     with pytest.raises(KvcoreKeyError, match="'nope' has no tensor") as info:
         pool.raw_view("nope")
     assert isinstance(info.value, KeyError)
+    with pytest.raises(KvcoreTypeError, match="layer name, a str") as typed:
+        pool.raw_view(["full.0"])  # type: ignore[arg-type]
+    assert isinstance(typed.value, TypeError)
 
 
 def test_groups_at_the_same_offset_alias() -> None:

@@ -18,7 +18,7 @@ from kvcore.serialize import load_model_file
 from kvcore.structs import KVCacheConfig
 from kvcore.tools.cli import main
 from kvcore.tools.limits import MAX_TRACE_REQUEST_TOKENS
-from kvcore.tools.simulate import Driver, TraceError
+from kvcore.tools.simulate import Driver, TraceError, load_trace
 from kvcore.tools.simulate.public_traces import (
     block_tokens_of,
     detect_trace_format,
@@ -543,3 +543,81 @@ def test_a_reused_bailian_chat_id_names_its_latest_line() -> None:
     plan, registry = llama_plan(2**30, 4096)
     result = Driver(plan, registry=registry).run(loaded.workload)
     assert result.completed == 4
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_trace_streamed_through_a_pipe_is_read_once(
+    tmp_path: Path, compressed: bool
+) -> None:
+    """A named pipe (``--trace <(zcat ...)``) can be opened and read only
+    once: its first bytes tell the compression without a second open, and
+    every line arrives.  The writer opens the pipe a second time to end a
+    second read with nothing, were there one."""
+    import os
+    import threading
+
+    lines = list(mooncake_lines()[:5])
+    data = ("\n".join(lines) + "\n").encode()
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        try:
+            with fifo.open("wb") as out:
+                out.write(gzip.compress(data) if compressed else data)
+        except BrokenPipeError:
+            pass
+        with fifo.open("wb"):
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        assert read_trace_lines(fifo) == lines
+    finally:
+        # Let the writer's second open return.
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join()
+
+
+def test_a_corrupt_deflate_stream_is_a_trace_error(tmp_path: Path) -> None:
+    """A gzip header over data that is not deflate is named as unreadable,
+    as a truncated file is, not raised as zlib's own error."""
+    path = tmp_path / "bad.gz"
+    path.write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\xff" * 20)
+    with pytest.raises(TraceError, match=r"cannot read trace .*bad\.gz: .*invalid"):
+        read_trace_lines(path)
+
+
+def test_a_parent_id_no_line_has_never_names_a_reused_line() -> None:
+    """A reused chat id's line gets a key such as ``"1#2"``; a later line
+    whose parent_chat_id is the string ``"1#2"`` (an id no line has) has
+    no parent in the trace, not the reused line."""
+    second = json.loads(bailian(1, -1, 1.0, 40, 10, [100, 101, 102]))
+    orphan = json.loads(bailian(3, -1, 5.0, 70, 4, [100, 101, 400, 401, 402]))
+    orphan["parent_chat_id"] = "1#2"
+    lines = [
+        bailian(1, -1, 0.0, 40, 10, [100, 101, 102]),
+        json.dumps(second),
+        json.dumps(orphan),
+    ]
+    loaded = parse_any_trace(lines)
+    assert [r.id for r in loaded.workload.requests] == ["1", "1#2", "3"]
+    assert [r.parent for r in loaded.workload.requests] == [None, None, None]
+    assert loaded.chat_turns == 0
+
+
+def test_a_trace_splits_lines_only_at_line_feeds(tmp_path: Path) -> None:
+    """JSON lines end at ``\\n`` (or ``\\r\\n``) only: U+2028, U+2029 and
+    U+0085 are valid raw inside a JSON string (an id written by a tool that
+    does not escape them) and stay in it."""
+    ids = ["a\u2028b", "c\u2029d", "e\x85f"]
+    text = "".join(
+        json.dumps({"id": rid, "prompt_len": 4, "output_len": 1}, ensure_ascii=False)
+        + "\r\n"
+        for rid in ids
+    )
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(text.encode())
+    assert len(read_trace_lines(path)) == 3
+    assert [r.id for r in load_trace(path).requests] == ids

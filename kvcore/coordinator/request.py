@@ -193,10 +193,12 @@ class Request:
         """The :class:`~kvcore.coordinator.hashing.BlockHasher` that keys this
         request's chunks (salt, LoRA and multimodal keys included), or
         ``None`` when the request is not hashed.  A router or a what-if tool
-        keys further tokens with it exactly as the request will (its
-        :meth:`~kvcore.coordinator.hashing.BlockHasher.hash_prompt` and
-        ``hash_new_blocks``).  It holds no per-request state, so requests
-        with no extra key share one per block size and hash name."""
+        keys further tokens with it exactly as the request will, with its
+        ``hash_new_blocks`` (its
+        :meth:`~kvcore.coordinator.hashing.BlockHasher.hash_prompt` answers
+        ``None`` when there is a salt or a multimodal key).  It holds no
+        per-request state, so requests with no extra key share one per
+        block size and hash name."""
         return self._hasher
 
     @property

@@ -408,9 +408,10 @@ def _records(
             if parent == chat and chat not in latest:
                 fail("parent_chat_id", "names the request itself")
             # A parent is the latest earlier line with its id: a published
-            # trace may reuse an id, and a reused one gets a key of its own.
+            # trace may reuse an id, and a reused one gets a key of its own
+            # (which an id no earlier line has must not name).
             if parent is not None:
-                parent = latest.get(parent, parent)
+                parent = latest.get(parent)
             key = chat
             while key in keys:
                 key = f"{chat}#{number}" if key == chat else f"{key}#"

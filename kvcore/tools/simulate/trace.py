@@ -30,6 +30,7 @@ import gzip
 import io
 import json
 import lzma
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
@@ -69,8 +70,10 @@ class TraceError(KvcoreValueError):
 
 #: Compressed files a trace may come as, told by their first bytes (not
 #: their name): the magic, how to open one, and the format's name.
-_COMPRESSIONS: tuple[tuple[bytes, Callable[[Path], io.BufferedIOBase], str], ...] = (
-    (b"\x1f\x8b", gzip.GzipFile, "gzip"),
+_COMPRESSIONS: tuple[
+    tuple[bytes, Callable[[io.BytesIO], io.BufferedIOBase], str], ...
+] = (
+    (b"\x1f\x8b", lambda raw: gzip.GzipFile(fileobj=raw), "gzip"),
     (b"BZh", bz2.BZ2File, "bzip2"),
     (b"\xfd7zXZ\x00", lzma.LZMAFile, "xz"),
 )
@@ -80,12 +83,13 @@ _CHUNK_BYTES = 2**24
 def read_trace_lines(path: str | Path) -> list[str]:
     """A trace file's lines: UTF-8 JSON lines, plain or compressed with
     gzip, bzip2 or xz (told by the file's first bytes), a leading byte-order
-    mark skipped.  Refused with the line of the first byte that is not
+    mark skipped, each line ended by a line feed (a carriage return before
+    it dropped).  Refused with the line of the first byte that is not
     UTF-8, and past :data:`~kvcore.tools.limits.MAX_TRACE_BYTES`."""
     path = Path(path)
     try:
         raw, compression = _read_bytes(path)
-    except (OSError, EOFError, lzma.LZMAError) as exc:
+    except (OSError, EOFError, lzma.LZMAError, zlib.error) as exc:
         what = getattr(exc, "strerror", None) or exc
         msg = f"cannot read trace {path}: {what}"
         raise TraceError(msg, line=0) from exc
@@ -96,35 +100,44 @@ def read_trace_lines(path: str | Path) -> list[str]:
         inside = f" (inside its {compression} compression)" if compression else ""
         msg = f"{path} line {line}: not UTF-8 text{inside}; a trace is UTF-8 JSON lines"
         raise TraceError(msg, line=line) from exc
-    return text.removeprefix("\ufeff").splitlines()
+    # JSON lines end at a line feed only: U+2028, U+2029 and U+0085, which
+    # str.splitlines also splits at, may stand raw inside a JSON string.
+    lines = text.removeprefix("\ufeff").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
 
 
 def _read_bytes(path: Path) -> tuple[bytes, str | None]:
-    """The file's bytes, decompressed, and the compression's name or None."""
-    with path.open("rb") as plain:
-        head = plain.read(6)
-    stream: io.BufferedIOBase
+    """The file's bytes, decompressed, and the compression's name or None.
+    The file is opened once (a named pipe can be read only once)."""
+    with path.open("rb") as file:
+        raw = _read_capped(file, path, None)
     for magic, opener, name in _COMPRESSIONS:
-        if head.startswith(magic):
-            stream, compression = opener(path), name
-            break
-    else:
-        stream, compression = path.open("rb"), None
+        if raw.startswith(magic):
+            with opener(io.BytesIO(raw)) as stream:
+                return _read_capped(stream, path, name), name
+    return raw, None
+
+
+def _read_capped(
+    stream: io.BufferedIOBase, path: Path, compression: str | None
+) -> bytes:
+    """All of ``stream``, refused past MAX_TRACE_BYTES before it is read whole."""
     chunks = []
     total = 0
-    with stream:
-        while chunk := stream.read(_CHUNK_BYTES):
-            total += len(chunk)
-            if total > MAX_TRACE_BYTES:
-                inside = f" once decompressed ({compression})" if compression else ""
-                msg = (
-                    f"trace {path} holds more than {MAX_TRACE_BYTES:,} bytes"
-                    f"{inside}, kvcore's limit (MAX_TRACE_BYTES); replay a "
-                    "part of it (split the file by lines)"
-                )
-                raise TraceError(msg, line=0)
-            chunks.append(chunk)
-    return b"".join(chunks), compression
+    while chunk := stream.read(_CHUNK_BYTES):
+        total += len(chunk)
+        if total > MAX_TRACE_BYTES:
+            inside = f" once decompressed ({compression})" if compression else ""
+            msg = (
+                f"trace {path} holds more than {MAX_TRACE_BYTES:,} bytes"
+                f"{inside}, kvcore's limit (MAX_TRACE_BYTES); replay a "
+                "part of it (split the file by lines)"
+            )
+            raise TraceError(msg, line=0)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def load_trace(path: str | Path) -> Workload:
