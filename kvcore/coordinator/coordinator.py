@@ -228,6 +228,7 @@ class KVCacheCoordinator:
         self._skip_runs = twin_runs(managers, "skips_blocks")
         self._cache_runs = twin_runs(managers, "caching")
         self._grow_runs = twin_runs(managers, "position_indexed")
+        self._admit_runs = twin_runs(managers)
         #: Each class of growing twins' first manager and size: a running
         #: request's growth is counted once per class.
         sizes: dict[int, int] = {}
@@ -648,26 +649,20 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens`` (the
-        groups that take encoder tokens: ``num_encoder_tokens``)."""
+        groups that take encoder tokens: ``num_encoder_tokens``), one
+        ``allocate_twins`` call per run of twins, in group order."""
         self.forget_span(request_id)
-        if not self.encoder_groups:
-            return tuple(
-                self._each(
-                    self.single_type_managers,
-                    "allocate_new_blocks",
-                    request_id,
-                    num_tokens,
-                )
-            )
-        out = []
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
         gid = 0
         try:
-            for manager in self.single_type_managers:
-                gid = manager.kv_cache_group_id
-                tokens = (
-                    num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
-                )
-                out.append(manager.allocate_new_blocks(request_id, tokens))
+            for _, members in self._admit_runs:
+                lead = members[0]
+                gid = lead.kv_cache_group_id
+                tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
+                new = lead.allocate_twins(members, request_id, tokens)
+                if new:
+                    for manager, blocks in zip(members, new, strict=True):
+                        out[manager.kv_cache_group_id] = blocks
         except Exception as exc:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out)

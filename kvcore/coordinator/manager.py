@@ -453,7 +453,8 @@ class SingleTypeManager:
         twin would take growing alone, one after the other); None when no
         twin takes a block.  A subclass
         that changes how a table grows overrides this method; the
-        coordinator calls it once per class."""
+        coordinator calls it once per run of consecutive twins, to admit a
+        request (its hit attached first) and to grow a running one."""
         held = self.req_to_blocks.get(request_id)
         need = -(-num_tokens // self.block_size) - (0 if held is None else len(held))
         if need <= 0:

@@ -362,12 +362,13 @@ class FixedBlocksManager(SingleTypeManager):
     ) -> list[list[KVCacheBlock]] | None:
         if request_id in self.req_to_blocks:
             return None
-        out = []
-        for twin in twins:
-            twin.record_request_state(request_id)
-            new = self.block_pool.get_new_blocks(self.fixed_blocks)
-            twin.req_to_blocks[request_id] = list(new)
-            out.append(new)
+        # One hand-out for the class, split in group order.
+        self.record_twins(twins, request_id)
+        each = self.fixed_blocks
+        new = self.block_pool.get_new_blocks(each * len(twins))
+        out = [new[i * each : (i + 1) * each] for i in range(len(twins))]
+        for twin, blocks in zip(twins, out, strict=True):
+            twin.req_to_blocks[request_id] = blocks[:]
         return out
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
