@@ -269,7 +269,7 @@ def test_a_built_in_manager_that_raises_leaves_everything_as_it_was(step: str) -
     def broken(*args: Any) -> Any:
         raise RuntimeError(f"{step} failed")
 
-    name = "pop_blocks" if step == "free" else "allocate_twins"
+    name = "pop_twins" if step == "free" else "allocate_twins"
     setattr(manager, name, broken)
     before = observed(mgr)
     run = (

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import is_not
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
@@ -185,14 +185,18 @@ class WindowManager(SingleTypeManager):
         self.hit_points.pop(request_id, None)
         self.grid_end.pop(request_id, None)
 
-    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
-        points = self.hit_points.pop(request_id, None)
-        if points is not None:
-            self.block_pool.record(self.hit_points.__setitem__, request_id, points)
-        end = self.grid_end.pop(request_id, None)
-        if end is not None:
-            self.block_pool.record(self.grid_end.__setitem__, request_id, end)
-        return super().pop_blocks(request_id)
+    def pop_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str
+    ) -> list[list[KVCacheBlock] | None]:
+        record = self.block_pool.record
+        for twin in cast("Sequence[WindowManager]", twins):
+            points = twin.hit_points.pop(request_id, None)
+            if points is not None:
+                record(twin.hit_points.__setitem__, request_id, points)
+            end = twin.grid_end.pop(request_id, None)
+            if end is not None:
+                record(twin.grid_end.__setitem__, request_id, end)
+        return super().pop_twins(twins, request_id)
 
     def kept_for_later(
         self,
