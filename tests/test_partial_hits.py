@@ -364,14 +364,16 @@ def test_a_step_that_rolls_back_records_no_copy_and_changes_nothing():
     before = state()
     ring = mgr.coordinator.single_type_managers[3]
 
-    def broken(request_id: str, num_tokens: int) -> list[object]:
+    def broken(twins: object, request_id: str, num_tokens: int) -> list[object]:
         raise RuntimeError("ring allocation failed")
 
-    ring.allocate_new_blocks = broken  # type: ignore[method-assign]
+    # Admission steps each run of twins through its first manager's class
+    # step (the ring's run is the ring alone).
+    ring.allocate_twins = broken  # type: ignore[method-assign]
     with pytest.raises(PluginError, match="ring allocation failed"):
         mgr.allocate_slots(b, 302 - hit, hit, blocks)
     assert state() == before
-    del ring.allocate_new_blocks
+    del ring.allocate_twins
     out = mgr.allocate_slots(b, 302 - hit, hit, blocks)
     assert out is not None
     assert [c.num_tokens for c in out.copies] == [256, 256]

@@ -18,7 +18,7 @@ import attrs
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.cache_spans import CacheSpans
 from kvcore.coordinator.declared import check_manager, declared_policy
-from kvcore.coordinator.free_order import HitPointOrder
+from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import (
@@ -55,7 +55,7 @@ class SpecGroup:
     partial_unit: int = 0
 
 
-class KVCacheCoordinator:
+class KVCacheCoordinator(FreeSteps):
     """Runs every cache group's manager over one :class:`BlockPool`.
 
     :param kv_cache_config: the scheduler's view of the plan.
@@ -228,6 +228,7 @@ class KVCacheCoordinator:
         self._skip_runs = twin_runs(managers, "skips_blocks")
         self._cache_runs = twin_runs(managers, "caching")
         self._grow_runs = twin_runs(managers, "position_indexed")
+        self._admit_runs = twin_runs(managers)
         #: Each class of growing twins' first manager and size: a running
         #: request's growth is counted once per class.
         sizes: dict[int, int] = {}
@@ -283,25 +284,13 @@ class KVCacheCoordinator:
         self.last_shared_prefix = 0
         #: Managers that choose checkpoint positions at admission.
         self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
-        #: Managers whose freed blocks go to the back of the eviction order.
-        self._free_order = tuple(m for m in managers if not m.evicts_last) + tuple(
-            m for m in managers if m.evicts_last
-        )
-        self._evicting_last = tuple(m for m in managers if m.evicts_last)
         # A group that releases blocks while a request runs, beside one that
         # keeps the request's whole prefix (which no eviction can reach
         # while it runs), holds back the released blocks its hits need.
         if any(m.caching and not m.skips_blocks for m in managers):
             for m in managers:
                 m.holds_back = m.caching and m.skips_blocks
-        #: Those of them freed before the state groups: a freed request's
-        #: held-back blocks rejoin their group's table (state groups move
-        #: theirs to the back, see :meth:`_refresh_checkpoints`).
-        self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
-        #: Two or more caching groups: freed blocks queue by hit point.
-        self._by_hit_points: HitPointOrder | None = None
-        if sum(m.caching for m in managers) > 1:
-            self._by_hit_points = HitPointOrder(self._free_order, self.plugin_error)
+        self._init_free_order(managers)
         self.num_groups = len(managers)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
@@ -648,26 +637,20 @@ class KVCacheCoordinator:
         self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
     ) -> tuple[list[KVCacheBlock], ...]:
         """Phase two: grow every group's table to cover ``num_tokens`` (the
-        groups that take encoder tokens: ``num_encoder_tokens``)."""
+        groups that take encoder tokens: ``num_encoder_tokens``), one
+        ``allocate_twins`` call per run of twins, in group order."""
         self.forget_span(request_id)
-        if not self.encoder_groups:
-            return tuple(
-                self._each(
-                    self.single_type_managers,
-                    "allocate_new_blocks",
-                    request_id,
-                    num_tokens,
-                )
-            )
-        out = []
+        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
         gid = 0
         try:
-            for manager in self.single_type_managers:
-                gid = manager.kv_cache_group_id
-                tokens = (
-                    num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
-                )
-                out.append(manager.allocate_new_blocks(request_id, tokens))
+            for _, members in self._admit_runs:
+                lead = members[0]
+                gid = lead.kv_cache_group_id
+                tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
+                new = lead.allocate_twins(members, request_id, tokens)
+                if new:
+                    for manager, blocks in zip(members, new, strict=True):
+                        out[manager.kv_cache_group_id] = blocks
         except Exception as exc:
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out)
@@ -729,71 +712,6 @@ class KVCacheCoordinator:
         if spans is None:
             return not self._cache_runs
         return spans.covers(request.request_id, num_tokens)
-
-    def free(self, request_id: str) -> None:
-        """Free every group's blocks at once, the tail first."""
-        freed = self._pop_tables(request_id)
-        if freed:
-            self.block_pool.free_table(freed)
-        if self._evicting_last:
-            self._refresh_checkpoints(request_id)
-
-    def pop_for_free(self, request_id: str) -> list[KVCacheBlock]:
-        """Forget the request and hand back every group's blocks, still
-        held, in the order :meth:`free` would free them."""
-        freed = self._pop_tables(request_id)
-        if self._evicting_last:
-            self._refresh_checkpoints(request_id)
-        return freed
-
-    def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
-        """The request's blocks as :meth:`BlockPool.free_table` takes them:
-        by hit point across caching groups (:class:`HitPointOrder`), else
-        group by group in free order, each tail first; the blocks it held
-        back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
-        self.forget_span(request_id)
-        tables = self._each(self._free_order, "pop_blocks", request_id)
-        if self._holding:
-            self._rejoin_held_back(request_id, tables)
-        if self._by_hit_points is not None:
-            return self._by_hit_points(tables)
-        freed: list[KVCacheBlock] = []
-        for blocks in reversed(tables):
-            if blocks:
-                freed += blocks
-        return freed
-
-    def _rejoin_held_back(
-        self, request_id: str, tables: list[list[KVCacheBlock] | None]
-    ) -> None:
-        """Take again the blocks the request held back that are still
-        cached and put each in a copy of its group's table at its position
-        (released there, so the null block): its group frees it with the
-        rest of the table, tail first, and the hit points it completes
-        leave the cache with the request's other blocks."""
-        held = self._each(self._holding, "take_held_back", request_id)
-        revived: list[KVCacheBlock] = []
-        for manager, pairs in zip(self._holding, held, strict=True):
-            index = self._free_order.index(manager)
-            table = tables[index]
-            if not pairs or not table:
-                continue
-            merged = list(table)
-            for pos, block in pairs:
-                merged[pos] = block
-            tables[index] = merged
-            revived += [block for _, block in pairs]
-        if revived:
-            self.block_pool.touch(revived)
-
-    def _refresh_checkpoints(self, request_id: str) -> None:
-        """Move the states a freed request kept, released earlier, to the
-        back of the eviction order with its other blocks."""
-        for blocks in self._each(
-            self._evicting_last, "take_released_checkpoints", request_id
-        ):
-            if blocks:
-                self.block_pool.requeue_at_back(blocks)
 
     def _each(
         self, managers: Sequence[SingleTypeManager], method: str, *args: Any

@@ -453,7 +453,8 @@ class SingleTypeManager:
         twin would take growing alone, one after the other); None when no
         twin takes a block.  A subclass
         that changes how a table grows overrides this method; the
-        coordinator calls it once per class."""
+        coordinator calls it once per run of consecutive twins, to admit a
+        request (its hit attached first) and to grow a running one."""
         held = self.req_to_blocks.get(request_id)
         need = -(-num_tokens // self.block_size) - (0 if held is None else len(held))
         if need <= 0:
@@ -539,18 +540,39 @@ class SingleTypeManager:
 
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
         """Forget the request and hand back its table (the caller frees it;
-        the list is not changed afterwards)."""
-        cached = self.num_cached_block.pop(request_id, None)
-        released = (
-            self.num_released.pop(request_id, None) if self.skips_blocks else None
-        )
-        blocks = self.req_to_blocks.pop(request_id, None)
+        the list is not changed afterwards): :meth:`pop_twins` over this
+        group alone."""
+        return type(self)._own_pop_twins(self, (self,), request_id)[0]
+
+    def pop_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str
+    ) -> list[list[KVCacheBlock] | None]:
+        """:meth:`pop_blocks` in each of ``twins`` (this manager first; see
+        :meth:`allocate_twins`): each twin's table, or None where it holds
+        none, with one journal record for the class.  A subclass that
+        keeps more per-request state overrides this method (or
+        :meth:`pop_blocks`, which pops its twins group by group)."""
+        skips = self.skips_blocks  # twins are one class
+        out: list[list[KVCacheBlock] | None] = []
+        entries: list[tuple[Any, ...]] = []
+        for twin in twins:
+            blocks = twin.req_to_blocks.pop(request_id, None)
+            out.append(blocks)
+            entries.append(
+                (
+                    twin,
+                    blocks,
+                    -1 if blocks is None else len(blocks),
+                    twin.num_cached_block.pop(request_id, None),
+                    twin.num_released.pop(request_id, None) if skips else None,
+                )
+            )
         journal = self.block_pool.journal
         if journal is not None:
-            table = None if blocks is None else (blocks, len(blocks))
-            args = (self, request_id, table, cached, released)
-            journal.append((UNDO_CALL, put_back, args))
-        return blocks
+            journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
+        return out
+
+    _own_pop_twins = pop_twins
 
     # -- transactions -----------------------------------------------------------
 
@@ -790,6 +812,13 @@ def _cache_each(
         twin.cache_blocks(request, num_tokens)
 
 
+def _pop_each(
+    self: SingleTypeManager, twins: Sequence[SingleTypeManager], request_id: str
+) -> list[list[KVCacheBlock] | None]:
+    """The twin step of a class that overrides only pop_blocks."""
+    return [twin.pop_blocks(request_id) for twin in twins]
+
+
 #: (flag, the methods whose override drops its promise): see
 #: :meth:`SingleTypeManager.__init_subclass__`.
 _PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -805,6 +834,7 @@ _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
     ("allocate_new_blocks", "allocate_twins", _allocate_each),
     ("remove_skipped_blocks", "release_twins", _release_each),
     ("cache_blocks", "cache_twins", _cache_each),
+    ("pop_blocks", "pop_twins", _pop_each),
     ("kept_for_later", "kept_twins", kept_each),
     ("kept_if_room", "kept_if_room_twins", kept_if_room_each),
 )

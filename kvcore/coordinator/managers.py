@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import is_not
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
@@ -185,14 +185,18 @@ class WindowManager(SingleTypeManager):
         self.hit_points.pop(request_id, None)
         self.grid_end.pop(request_id, None)
 
-    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
-        points = self.hit_points.pop(request_id, None)
-        if points is not None:
-            self.block_pool.record(self.hit_points.__setitem__, request_id, points)
-        end = self.grid_end.pop(request_id, None)
-        if end is not None:
-            self.block_pool.record(self.grid_end.__setitem__, request_id, end)
-        return super().pop_blocks(request_id)
+    def pop_twins(
+        self, twins: Sequence[SingleTypeManager], request_id: str
+    ) -> list[list[KVCacheBlock] | None]:
+        record = self.block_pool.record
+        for twin in cast("Sequence[WindowManager]", twins):
+            points = twin.hit_points.pop(request_id, None)
+            if points is not None:
+                record(twin.hit_points.__setitem__, request_id, points)
+            end = twin.grid_end.pop(request_id, None)
+            if end is not None:
+                record(twin.grid_end.__setitem__, request_id, end)
+        return super().pop_twins(twins, request_id)
 
     def kept_for_later(
         self,
@@ -362,12 +366,13 @@ class FixedBlocksManager(SingleTypeManager):
     ) -> list[list[KVCacheBlock]] | None:
         if request_id in self.req_to_blocks:
             return None
-        out = []
-        for twin in twins:
-            twin.record_request_state(request_id)
-            new = self.block_pool.get_new_blocks(self.fixed_blocks)
-            twin.req_to_blocks[request_id] = list(new)
-            out.append(new)
+        # One hand-out for the class, split in group order.
+        self.record_twins(twins, request_id)
+        each = self.fixed_blocks
+        new = self.block_pool.get_new_blocks(each * len(twins))
+        out = [new[i * each : (i + 1) * each] for i in range(len(twins))]
+        for twin, blocks in zip(twins, out, strict=True):
+            twin.req_to_blocks[request_id] = blocks[:]
         return out
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

@@ -38,13 +38,14 @@ def twin_key(manager: SingleTypeManager) -> Any:
 Runs = tuple[tuple[int, tuple[SingleTypeManager, ...]], ...]
 
 
-def twin_runs(managers: Sequence[SingleTypeManager], flag: str) -> Runs:
-    """The managers whose ``flag`` is set, in group order, cut into runs of
-    consecutive twins (see twin_key), each with its class's first group."""
+def twin_runs(managers: Sequence[SingleTypeManager], flag: str | None = None) -> Runs:
+    """The managers whose ``flag`` is set (all of them for None), in their
+    order, cut into runs of consecutive twins (see twin_key), each with its
+    class's first group."""
     firsts: dict[Any, int] = {}
     runs: list[tuple[int, list[SingleTypeManager]]] = []
     for manager in managers:
-        if not getattr(manager, flag):
+        if flag is not None and not getattr(manager, flag):
             continue
         first = firsts.setdefault(twin_key(manager), manager.kv_cache_group_id)
         if runs and runs[-1][0] == first:

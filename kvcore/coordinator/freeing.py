@@ -1,0 +1,139 @@
+"""Freeing a request: the coordinator's free step (a base class of
+:class:`~kvcore.coordinator.coordinator.KVCacheCoordinator`).
+
+Every group's table is popped, one ``pop_twins`` call per run of
+consecutive twins in free order (groups that evict last at the end); the
+blocks a running request held back rejoin their group's table; the blocks
+are queued for eviction by hit point across caching groups
+(:class:`~kvcore.coordinator.free_order.HitPointOrder`), else group by
+group, each tail first; the states a state group kept go to the back of
+the eviction order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcore.coordinator.block_pool import KVCacheBlock
+from kvcore.coordinator.free_order import HitPointOrder
+from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.twins import twin_runs
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.block_pool import BlockPool
+    from kvcore.errors import PluginError
+
+__all__ = ["FreeSteps"]
+
+
+class FreeSteps:
+    """The free step of the coordinator, which supplies the pool, the
+    managers' error reports and cache spans."""
+
+    block_pool: BlockPool
+
+    if TYPE_CHECKING:  # the coordinator's
+
+        def plugin_error(
+            self, gid: int, method: str, exc: BaseException
+        ) -> PluginError: ...
+
+        def forget_span(self, request_id: str) -> None: ...
+
+        def _each(
+            self, managers: Sequence[SingleTypeManager], method: str, *args: Any
+        ) -> list[Any]: ...
+
+    def _init_free_order(self, managers: Sequence[SingleTypeManager]) -> None:
+        """The free order of ``managers`` (each one's ``holds_back`` set):
+        groups that evict last at the end, cut into runs of twins."""
+        #: Managers in the order their tables are popped and laid out.
+        self._free_order = tuple(m for m in managers if not m.evicts_last) + tuple(
+            m for m in managers if m.evicts_last
+        )
+        self._pop_runs = twin_runs(self._free_order)
+        #: Managers whose freed blocks go to the back of the eviction order.
+        self._evicting_last = tuple(m for m in managers if m.evicts_last)
+        #: Those that hold back released blocks, freed before the state
+        #: groups: a freed request's held-back blocks rejoin their group's
+        #: table (state groups move theirs to the back, see
+        #: :meth:`_refresh_checkpoints`).
+        self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
+        #: Their indices in the free order.
+        self._holding_at = tuple(self._free_order.index(m) for m in self._holding)
+        #: Two or more caching groups: freed blocks queue by hit point.
+        self._by_hit_points: HitPointOrder | None = None
+        if sum(m.caching for m in managers) > 1:
+            self._by_hit_points = HitPointOrder(self._free_order, self.plugin_error)
+
+    def free(self, request_id: str) -> None:
+        """Free every group's blocks at once, the tail first."""
+        freed = self._pop_tables(request_id)
+        if freed:
+            self.block_pool.free_table(freed)
+        if self._evicting_last:
+            self._refresh_checkpoints(request_id)
+
+    def pop_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and hand back every group's blocks, still
+        held, in the order :meth:`free` would free them."""
+        freed = self._pop_tables(request_id)
+        if self._evicting_last:
+            self._refresh_checkpoints(request_id)
+        return freed
+
+    def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's blocks as :meth:`BlockPool.free_table` takes them:
+        by hit point across caching groups (:class:`HitPointOrder`), else
+        group by group in free order, each tail first; the blocks it held
+        back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
+        self.forget_span(request_id)
+        tables: list[list[KVCacheBlock] | None] = []
+        gid = 0
+        try:
+            for _, members in self._pop_runs:
+                gid = members[0].kv_cache_group_id
+                tables += members[0].pop_twins(members, request_id)
+        except Exception as exc:
+            raise self.plugin_error(gid, "pop_blocks", exc) from exc
+        if self._holding:
+            self._rejoin_held_back(request_id, tables)
+        if self._by_hit_points is not None:
+            return self._by_hit_points(tables)
+        freed: list[KVCacheBlock] = []
+        for blocks in reversed(tables):
+            if blocks:
+                freed += blocks
+        return freed
+
+    def _rejoin_held_back(
+        self, request_id: str, tables: list[list[KVCacheBlock] | None]
+    ) -> None:
+        """Take again the blocks the request held back that are still
+        cached and put each in a copy of its group's table at its position
+        (released there, so the null block): its group frees it with the
+        rest of the table, tail first, and the hit points it completes
+        leave the cache with the request's other blocks."""
+        held = self._each(self._holding, "take_held_back", request_id)
+        revived: list[KVCacheBlock] = []
+        for index, pairs in zip(self._holding_at, held, strict=True):
+            table = tables[index]
+            if not pairs or not table:
+                continue
+            merged = list(table)
+            for pos, block in pairs:
+                merged[pos] = block
+            tables[index] = merged
+            revived += [block for _, block in pairs]
+        if revived:
+            self.block_pool.touch(revived)
+
+    def _refresh_checkpoints(self, request_id: str) -> None:
+        """Move the states a freed request kept, released earlier, to the
+        back of the eviction order with its other blocks."""
+        for blocks in self._each(
+            self._evicting_last, "take_released_checkpoints", request_id
+        ):
+            if blocks:
+                self.block_pool.requeue_at_back(blocks)
