@@ -286,13 +286,12 @@ class FailingFullAttention(FullAttention):
     manager_type = FailingManager
 
 
-@pytest.mark.parametrize("step", ["free", "grow"])
-def test_a_manager_that_raises_leaves_everything_as_it_was(step: str) -> None:
-    """Transactions hold for a manager that runs kvcore's own full-attention
-    steps: a group manager that raises mid-step (here the second group's,
-    after the first has changed the pool) is reported as its plugin's
-    failure, and the pool, tables, keys and the request are as before."""
-    # Two specs: the groups are not twins, so each is stepped on its own.
+def _running_in_two_groups(
+    kind: FullAttention,
+) -> tuple[KVCacheManager, Request, Any]:
+    """A manager of two full-attention groups of ``kind`` (two specs, so the
+    groups are not twins and each is stepped on its own), a request running
+    in it with 10 tokens computed, and the second group's manager."""
     other = FullAttentionSpec(
         block_size=4, num_kv_heads=1, head_size=2, dtype=torch.float16
     )
@@ -301,12 +300,21 @@ def test_a_manager_that_raises_leaves_everything_as_it_was(step: str) -> None:
         32,
         scheduler_block_size=4,
         hash_block_size=4,
-        registry=KindRegistry.from_kinds([FailingFullAttention()]),
+        registry=KindRegistry.from_kinds([kind]),
     )
     req = Request("a", list(range(2, 12)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
     req.num_computed_tokens = 10
-    manager = mgr.coordinator.single_type_managers[1]
+    return mgr, req, mgr.coordinator.single_type_managers[1]
+
+
+@pytest.mark.parametrize("step", ["free", "grow"])
+def test_a_manager_that_raises_leaves_everything_as_it_was(step: str) -> None:
+    """Transactions hold for a manager that runs kvcore's own full-attention
+    steps: a group manager that raises mid-step (here the second group's,
+    after the first has changed the pool) is reported as its plugin's
+    failure, and the pool, tables, keys and the request are as before."""
+    mgr, req, manager = _running_in_two_groups(FailingFullAttention())
     assert isinstance(manager, FailingManager)
     manager.fail = "pop_blocks" if step == "free" else "allocate_twins"
     before = observed(mgr)
@@ -447,20 +455,7 @@ def test_a_manager_copying_inside_its_step_has_the_step_undone(
     pool, or itself, which holds the pool) from inside a step is refused;
     the refusal propagates as its plugin's failure, the whole step is
     undone, and between steps the same copy works."""
-    other = FullAttentionSpec(
-        block_size=4, num_kv_heads=1, head_size=2, dtype=torch.float16
-    )
-    mgr = setup.manager_for(
-        [setup.fa(4), other],
-        32,
-        scheduler_block_size=4,
-        hash_block_size=4,
-        registry=KindRegistry.from_kinds([CopyingFullAttention()]),
-    )
-    req = Request("a", list(range(2, 12)), hash_block_size=4)
-    assert mgr.allocate_slots(req, 10) is not None
-    req.num_computed_tokens = 10
-    manager = mgr.coordinator.single_type_managers[1]
+    mgr, req, manager = _running_in_two_groups(CopyingFullAttention())
     assert isinstance(manager, CopyingManager)
     target = {"manager": mgr, "pool": mgr.block_pool, "itself": manager}[what]
     manager.target, manager.how = target, how

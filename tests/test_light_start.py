@@ -24,6 +24,17 @@ print("torch" in sys.modules, "kvcore.spec" in sys.modules)
 """
 
 
+def _fresh(probe: str) -> list[str]:
+    """The words a fresh interpreter prints running ``probe``."""
+    return subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+
+
 @pytest.mark.parametrize(
     ("argv", "code"),
     [
@@ -53,14 +64,7 @@ def test_import_kvcore_is_light_and_its_names_resolve() -> None:
         "from kvcore import plan_kv_cache, KVCachePool; "
         "print(light, 'torch' in sys.modules, plan_kv_cache.__module__)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout.split()
-    assert out == ["True", "True", "kvcore.plan.plan"]
+    assert _fresh(probe) == ["True", "True", "kvcore.plan.plan"]
 
 
 def test_every_public_name_is_lazy_and_listed() -> None:
@@ -104,11 +108,4 @@ def test_import_kvcore_loads_no_file_or_archive_modules() -> None:
         "print(sorted(m for m in ('importlib.abc', 'importlib.resources', "
         "'tempfile', 'shutil', 'bz2', 'lzma', 'random') if m in sys.modules))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout.split()
-    assert out == ["[]"]
+    assert _fresh(probe) == ["[]"]

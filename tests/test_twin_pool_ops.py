@@ -147,15 +147,19 @@ def test_cache_twin_blocks_is_one_store_and_drop_per_group(
             one.drop_from_cache(table[0])
     before = snapshot(each)
     each.begin()
-    each.cache_twin_blocks(
-        block_hashes=hashes,
-        tables=tables_each,
-        group_ids=[0, 1, 2],
-        num_cached_blocks=2,
-        num_full_blocks=4,
-        token_ids=tokens,
-        replaced=[tables_each[0][0], tables_each[1][0], None],
-    )
+
+    def store() -> None:
+        each.cache_twin_blocks(
+            block_hashes=hashes,
+            tables=tables_each,
+            group_ids=[0, 1, 2],
+            num_cached_blocks=2,
+            num_full_blocks=4,
+            token_ids=tokens,
+            replaced=[tables_each[0][0], tables_each[1][0], None],
+        )
+
+    store()
     assert snapshot(each) == snapshot(one)
     if caching:
         assert each.num_cached_blocks == before[5] + 2 * 3 - 2
@@ -164,15 +168,7 @@ def test_cache_twin_blocks_is_one_store_and_drop_per_group(
     assert snapshot(each) == before
     assert each.take_events() == []
     # Kept, the twin call records the per-group calls' events.
-    each.cache_twin_blocks(
-        block_hashes=hashes,
-        tables=tables_each,
-        group_ids=[0, 1, 2],
-        num_cached_blocks=2,
-        num_full_blocks=4,
-        token_ids=tokens,
-        replaced=[tables_each[0][0], tables_each[1][0], None],
-    )
+    store()
     assert snapshot(each) == snapshot(one)
     expected = one.take_events()
     assert bool(expected) == (events and caching)
