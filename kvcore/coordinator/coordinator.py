@@ -9,50 +9,34 @@ every group's manager.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
+from kvcore.coordinator.assembly import (
+    ManagerSettings,
+    SpecGroup,
+    aligned_partial_units,
+    build_managers,
+    checkpoint_twins,
+    event_groups,
+    search_groups,
+)
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
 from kvcore.coordinator.cache_spans import CacheSpans
-from kvcore.coordinator.declared import check_manager, declared_policy
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
-from kvcore.coordinator.managers import (
-    CheckpointManager,
-)
+from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import PartialKeys, copy_hit_units, partial_prefix_hit
 from kvcore.coordinator.request import Request
-from kvcore.coordinator.twins import Runs, twin_key, twin_runs
+from kvcore.coordinator.twins import Runs, twin_runs
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
-from kvcore.plan import effective_block_size, hit_alignment
-from kvcore.plan.declarations import checked_event_window
+from kvcore.plan import hit_alignment
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
 
 __all__ = ["KVCacheCoordinator", "SpecGroup"]
-
-
-@attrs.define
-class SpecGroup:
-    """Prefix-cacheable groups with one spec, searched together."""
-
-    spec: Any
-    group_ids: list[int]
-    manager_type: type[SingleTypeManager]
-    block_size: int
-    #: A hit under a bound stays a hit under any smaller aligned bound (a
-    #: left-to-right search), so the fixed point trims instead of searching.
-    monotone: bool = False
-    #: Recurrent-state groups (``HitPolicy.CHECKPOINT``), searched last.
-    states: bool = False
-    #: The copy-on-write hit unit in tokens when these groups serve hits
-    #: that end inside a block (see :mod:`kvcore.coordinator.partial`), else 0.
-    partial_unit: int = 0
 
 
 class KVCacheCoordinator(FreeSteps):
@@ -101,17 +85,7 @@ class KVCacheCoordinator(FreeSteps):
             enable_caching=enable_caching,
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
-            # What each group's BlockStored events say about the group.
-            # A group finer than the hash block keys one block per hash chunk,
-            # so its events describe chunks (see CheckpointManager).
-            event_groups=[
-                (
-                    max(effective_block_size(g, dcp), hash_block_size),
-                    g.manager_spec.kind,
-                    checked_event_window(g.manager_spec),
-                )
-                for g in groups
-            ]
+            event_groups=event_groups(groups, hash_block_size, dcp)
             if enable_kv_cache_events
             else (),
             kv_events_medium=kv_events_medium,
@@ -140,77 +114,68 @@ class KVCacheCoordinator(FreeSteps):
             if enable_caching
             else scheduler_block_size
         )
-        if partial_units:
-            # Hits end only on the alignment: a group keys (and copies) only
-            # there, and one whose blocks the alignment never falls inside
-            # takes no partial hit at all.
-            alignment = self.cache_hit_alignment
-            partial_units = {
-                gid: math.lcm(unit, alignment)
-                for gid, unit in partial_units.items()
-                if math.lcm(unit, alignment) % effective_block_size(groups[gid], dcp)
-            }
-        managers: list[SingleTypeManager] = []
-        #: The plugin that registered each group's kind.
-        owners: list[str] = []
-        #: Each group's declared hit policy.
-        policies: list[HitPolicy] = []
-        for gid, group in enumerate(groups):
-            layer_spec = group.manager_spec
-            block_size = effective_block_size(group, dcp)
-            if scheduler_block_size % block_size:
-                msg = (
-                    f"cache group {gid} ({layer_spec.kind}, block {block_size}) does not "
-                    f"divide scheduler_block_size={scheduler_block_size}; the scheduler "
-                    "block must be a multiple of every group's block size"
-                )
-                raise BlockSizeError(msg)
-            kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
-            owners.append(registry.owner(kind.name))
-            policy = declared_policy(layer_spec, kind.name, owners[-1])
-            policies.append(policy)
-            manager = kind.make_manager(
-                layer_spec,
-                self.block_pool,
-                group_id=gid,
-                block_size=block_size,
+        partial_units = aligned_partial_units(
+            partial_units, self.cache_hit_alignment, groups, dcp
+        )
+        built = build_managers(
+            groups,
+            self.block_pool,
+            registry,
+            ManagerSettings(
                 hash_block_size=hash_block_size,
+                scheduler_block_size=scheduler_block_size,
                 enable_caching=enable_caching,
                 max_model_len=max_model_len,
-                # With EAGLE a hit may end on any block of the group; a
-                # state serves only a hit that ends on it, and hits end on
-                # the hit alignment.
-                hit_alignment=(
-                    block_size
-                    if use_eagle and policy is not HitPolicy.CHECKPOINT
-                    else self.cache_hit_alignment
-                ),
-            )
-            check_manager(manager, policy, kind.name, owners[-1])
-            manager.use_eagle = use_eagle
-            # Only groups whose manager hashes its blocks must align with the
-            # hash block (a recurrent state that is never kept hashes nothing);
-            # a manager that keys only hash-boundary blocks accepts finer ones.
-            if (
-                manager.caching
-                and block_size % hash_block_size
-                and not (
-                    manager.accepts_coarse_hashes and hash_block_size % block_size == 0
-                )
-            ):
-                msg = (
-                    f"prefix-cacheable cache group {gid} ({layer_spec.kind}) has "
-                    f"block size {block_size}, not a multiple of "
-                    f"hash_block_size={hash_block_size}"
-                )
-                raise BlockSizeError(msg)
-            managers.append(manager)
-        self.single_type_managers: tuple[SingleTypeManager, ...] = tuple(managers)
-        self._owners = tuple(owners)
+                dcp=dcp,
+                use_eagle=use_eagle,
+                hit_alignment=self.cache_hit_alignment,
+            ),
+        )
+        managers = built.managers
+        self.single_type_managers: tuple[SingleTypeManager, ...] = managers
+        self._owners = built.owners
         self._plugin_manager = getattr(registry, "_pm", None)
         #: Each plugin's distribution, kept by a copy (which drops the
         #: plugin manager) for its error messages.
         self._distributions: dict[str, str | None] = {}
+        self.num_groups = len(managers)
+        self._init_steps(managers)
+        # Prefix-cacheable groups with equal specs are searched together.
+        self.attention_groups: list[SpecGroup] = search_groups(
+            managers, built.policies, partial_units
+        )
+        #: After a lookup: tokens the groups before the state groups served
+        #: (an upper bound when several window groups iterate), where a
+        #: state group keeps a branch-point checkpoint.
+        self.last_shared_prefix = 0
+        #: Managers that choose checkpoint positions at admission.
+        self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
+        # A group that releases blocks while a request runs, beside one that
+        # keeps the request's whole prefix (which no eviction can reach
+        # while it runs), holds back the released blocks its hits need.
+        if any(m.caching and not m.skips_blocks for m in managers):
+            for m in managers:
+                m.holds_back = m.caching and m.skips_blocks
+        self._init_free_order(managers)
+        self._init_partial(managers)
+        #: Groups whose kind declares ``HitPolicy.BLOCKS_HITS`` (a state that
+        #: needs the whole prefix but keeps nothing to restore it from): no
+        #: request of the model gets a hit.
+        self.hit_blockers = tuple(
+            gid
+            for gid, policy in enumerate(built.policies)
+            if enable_caching and policy is HitPolicy.BLOCKS_HITS
+        )
+        self.lookahead_refusers = tuple(
+            gid for gid, m in enumerate(managers) if not m.supports_lookahead
+        )
+        #: Classes of two or more twin state groups (see twin_key): they
+        #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
+        self._path_twins = checkpoint_twins(self.planning)
+
+    def _init_steps(self, managers: tuple[SingleTypeManager, ...]) -> None:
+        """How a request's steps visit the groups: who skips, who takes
+        encoder tokens, the runs of twins each step walks."""
         #: Managers that release blocks a request no longer reads.
         self.skipping = tuple(m for m in managers if m.skips_blocks)
         #: Groups whose tables are sized by the request's encoder tokens
@@ -251,47 +216,8 @@ class KVCacheCoordinator(FreeSteps):
         #: passes it over (every growing manager's ``grows_by_count``).
         self.idle_steps = all(m.grows_by_count for m in managers if m.position_indexed)
 
-        # Prefix-cacheable groups with equal specs are searched together;
-        # monotone (left-to-right) searches go first: they bound the others.
-        spec_groups: dict[Any, SpecGroup] = {}
-        for gid, manager in enumerate(managers):
-            if not manager.caching:
-                continue
-            key = (manager.kv_cache_spec, type(manager), manager.block_size)
-            if key in spec_groups:
-                spec_groups[key].group_ids.append(gid)
-            else:
-                spec_groups[key] = SpecGroup(
-                    manager.kv_cache_spec,
-                    [gid],
-                    type(manager),
-                    manager.block_size,
-                    monotone=policies[gid] is HitPolicy.PREFIX,
-                    states=policies[gid] is HitPolicy.CHECKPOINT,
-                    partial_unit=partial_units.get(gid, 0)
-                    if type(manager).partial_copy_hits is True
-                    else 0,
-                )
-        # Left-to-right searches first (they bound the others), states last:
-        # the length before them is the prefix the token-indexed groups share
-        # (see last_shared_prefix).
-        self.attention_groups: list[SpecGroup] = sorted(
-            spec_groups.values(), key=lambda g: (not g.monotone, g.states)
-        )
-        #: After a lookup: tokens the groups before the state groups served
-        #: (an upper bound when several window groups iterate), where a
-        #: state group keeps a branch-point checkpoint.
-        self.last_shared_prefix = 0
-        #: Managers that choose checkpoint positions at admission.
-        self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
-        # A group that releases blocks while a request runs, beside one that
-        # keeps the request's whole prefix (which no eviction can reach
-        # while it runs), holds back the released blocks its hits need.
-        if any(m.caching and not m.skips_blocks for m in managers):
-            for m in managers:
-                m.holds_back = m.caching and m.skips_blocks
-        self._init_free_order(managers)
-        self.num_groups = len(managers)
+    def _init_partial(self, managers: tuple[SingleTypeManager, ...]) -> None:
+        """The groups that serve copy-on-write hits inside their blocks."""
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
         self.partial_units: dict[int, int] = {
@@ -313,24 +239,6 @@ class KVCacheCoordinator(FreeSteps):
             if self.partial_units
             else None
         )
-        #: Groups whose kind declares ``HitPolicy.BLOCKS_HITS`` (a state that
-        #: needs the whole prefix but keeps nothing to restore it from): no
-        #: request of the model gets a hit.
-        self.hit_blockers = tuple(
-            gid
-            for gid, policy in enumerate(policies)
-            if enable_caching and policy is HitPolicy.BLOCKS_HITS
-        )
-        self.lookahead_refusers = tuple(
-            gid for gid, m in enumerate(managers) if not m.supports_lookahead
-        )
-        #: Classes of two or more twin state groups (see twin_key): they
-        #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
-        twins: dict[Any, list[CheckpointManager]] = {}
-        for m in self.planning:
-            if isinstance(m, CheckpointManager):
-                twins.setdefault(twin_key(m), []).append(m)
-        self._path_twins = tuple(c for c in twins.values() if len(c) > 1)
 
     def __getstate__(self) -> dict[str, Any]:
         """The coordinator's state without the plugin manager, which holds
