@@ -19,9 +19,10 @@ from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.declared import check_manager, declared_policy
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.managers import CheckpointManager
+from kvcore.coordinator.partial import copy_hit_units
 from kvcore.coordinator.twins import twin_key
 from kvcore.errors import BlockSizeError
-from kvcore.plan import effective_block_size
+from kvcore.plan import effective_block_size, hit_alignment
 from kvcore.plan.declarations import checked_event_window
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
@@ -31,10 +32,10 @@ __all__ = [
     "BuiltManagers",
     "ManagerSettings",
     "SpecGroup",
-    "aligned_partial_units",
     "build_managers",
     "checkpoint_twins",
     "event_groups",
+    "hit_units",
     "search_groups",
 ]
 
@@ -98,16 +99,38 @@ def event_groups(
     ]
 
 
-def aligned_partial_units(
-    units: dict[int, int],
-    alignment: int,
+def hit_units(
     groups: Sequence[KVCacheGroupSpec],
-    dcp: int,
-) -> dict[int, int]:
-    """The copy-on-write hit units once hits end only on ``alignment``: a
-    group keys (and copies) only there, and one whose blocks the alignment
-    never falls inside takes no partial hit at all."""
-    return {
+    registry: KindRegistry,
+    block_sizes: tuple[int, int, int],
+    *,
+    enable_caching: bool,
+    enable_partial_hits: bool,
+) -> tuple[int, dict[int, int]]:
+    """The hit alignment (hits are multiples of it, see hit_alignment) and
+    the groups whose managers take copy-on-write hits inside their blocks,
+    with their units; ``block_sizes``: the scheduler block, the hash block
+    and the decode context parallelism."""
+    scheduler_block_size, hash_block_size, dcp = block_sizes
+    if not enable_caching:
+        return scheduler_block_size, {}
+    units = (
+        copy_hit_units(groups, registry, hash_block_size, dcp)
+        if enable_partial_hits
+        else {}
+    )
+    alignment = hit_alignment(
+        groups,
+        scheduler_block_size,
+        hash_block_size,
+        dcp,
+        partial_hits=bool(units),
+        units=units,
+    )
+    # Hits end only on the alignment: a group keys (and copies) only there,
+    # and one whose blocks the alignment never falls inside takes no partial
+    # hit at all.
+    return alignment, {
         gid: math.lcm(unit, alignment)
         for gid, unit in units.items()
         if math.lcm(unit, alignment) % effective_block_size(groups[gid], dcp)

@@ -85,6 +85,49 @@ __all__ = [
 # ---------------------------------------------------------------------------
 
 
+def check_num_blocks(num_blocks: object) -> None:
+    """A pool's block count: an int from 1 (the null block) to
+    MAX_NUM_BLOCKS whose per-block state fits in the host's memory."""
+    if type(num_blocks) is not int:
+        msg = f"num_blocks must be an int, not {type(num_blocks).__name__}"
+        raise KvcoreTypeError(msg)
+    if num_blocks < 1:
+        msg = (
+            f"num_blocks must be >= 1 (block 0 is the null block), got "
+            f"{num_blocks}; give the pool more memory or smaller blocks"
+        )
+        raise KvcoreValueError(msg)
+    if num_blocks > MAX_NUM_BLOCKS:
+        msg = (
+            f"num_blocks is {num_blocks:,}, more than kvcore's limit of "
+            f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS), checked before one object "
+            "per block is built; plan with larger blocks or fewer of them"
+        )
+        raise KvcoreValueError(msg)
+    available = available_memory_bytes()
+    if available is not None and num_blocks * BLOCK_STATE_BYTES > available:
+        msg = (
+            f"num_blocks is {num_blocks:,}: their coordinator state takes "
+            f"about {num_blocks * BLOCK_STATE_BYTES / 2**30:.1f} GiB of host "
+            f"memory ({BLOCK_STATE_BYTES} B a block) and "
+            f"{available / 2**30:.1f} GiB is available; plan with larger "
+            "blocks or fewer of them"
+        )
+        raise KvcoreValueError(msg)
+
+
+def check_events_medium(kv_events_medium: object) -> None:
+    """The medium KV events name: a non-empty str."""
+    if type(kv_events_medium) is not str or not kv_events_medium:
+        msg = (
+            f"kv_events_medium must be a non-empty str such as 'GPU' or "
+            f"'CPU', got {kv_events_medium!r}"
+        )
+        if type(kv_events_medium) is str:
+            raise KvcoreValueError(msg)
+        raise KvcoreTypeError(msg)
+
+
 class BlockPool(TwinPoolOps):
     """All blocks of the KV cache, shared by every cache group.
 
@@ -130,32 +173,7 @@ class BlockPool(TwinPoolOps):
         event_groups: Sequence[tuple[int, str, int | None]] = (),
         kv_events_medium: str = MEDIUM_GPU,
     ) -> None:
-        if type(num_blocks) is not int:
-            msg = f"num_blocks must be an int, not {type(num_blocks).__name__}"
-            raise KvcoreTypeError(msg)
-        if num_blocks < 1:
-            msg = (
-                f"num_blocks must be >= 1 (block 0 is the null block), got "
-                f"{num_blocks}; give the pool more memory or smaller blocks"
-            )
-            raise KvcoreValueError(msg)
-        if num_blocks > MAX_NUM_BLOCKS:
-            msg = (
-                f"num_blocks is {num_blocks:,}, more than kvcore's limit of "
-                f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS), checked before one object "
-                "per block is built; plan with larger blocks or fewer of them"
-            )
-            raise KvcoreValueError(msg)
-        available = available_memory_bytes()
-        if available is not None and num_blocks * BLOCK_STATE_BYTES > available:
-            msg = (
-                f"num_blocks is {num_blocks:,}: their coordinator state takes "
-                f"about {num_blocks * BLOCK_STATE_BYTES / 2**30:.1f} GiB of host "
-                f"memory ({BLOCK_STATE_BYTES} B a block) and "
-                f"{available / 2**30:.1f} GiB is available; plan with larger "
-                "blocks or fewer of them"
-            )
-            raise KvcoreValueError(msg)
+        check_num_blocks(num_blocks)
         if type(hash_block_size) is not int or hash_block_size < 1:
             msg = (
                 f"hash_block_size must be a positive int, got {hash_block_size!r}; "
@@ -167,14 +185,7 @@ class BlockPool(TwinPoolOps):
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self._event_groups = check_event_groups(event_groups)
-        if type(kv_events_medium) is not str or not kv_events_medium:
-            msg = (
-                f"kv_events_medium must be a non-empty str such as 'GPU' or "
-                f"'CPU', got {kv_events_medium!r}"
-            )
-            if type(kv_events_medium) is str:
-                raise KvcoreValueError(msg)
-            raise KvcoreTypeError(msg)
+        check_events_medium(kv_events_medium)
         self.kv_events_medium = kv_events_medium
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -626,40 +637,11 @@ class BlockPool(TwinPoolOps):
             elif cnt > 1:
                 block.ref_cnt = cnt - 1
             elif not block.is_null:
-                done = len(blocks) - len(list(it)) - 1
-                front_end.prev_free = front_end.next_free = None
-                back_end.prev_free = back_end.next_free = None
-                for undo in blocks[:done]:
-                    if not undo.is_null:
-                        if undo.ref_cnt == 0:
-                            undo.prev_free = undo.next_free = None
-                        undo.ref_cnt += 1
+                queue.drop_chains()
+                _restore_counts(blocks[: len(blocks) - len(list(it)) - 1])
                 raise double_free(block)
         if freed:
-            head = queue._head
-            tail = queue._tail
-            # The segments in queue order, each (first, last): the front
-            # chain, the blocks queued before, the back chain.
-            segments: list[tuple[KVCacheBlock | None, KVCacheBlock | None]]
-            if table:
-                segments = [(front, front_end.prev_free), (back, back_end.prev_free)]
-            else:
-                segments = [(front_end.next_free, front), (back_end.next_free, back)]
-            if head.next_free is not tail:
-                segments.insert(1, (head.next_free, tail.prev_free))
-            prev = head
-            for first, last in segments:
-                if first is front_end or first is back_end or first is None:
-                    continue  # an empty chain
-                assert last is not None  # a chain's ends are linked
-                prev.next_free = first
-                first.prev_free = prev
-                prev = last
-            prev.next_free = tail
-            tail.prev_free = prev
-            front_end.prev_free = front_end.next_free = None
-            back_end.prev_free = back_end.next_free = None
-            queue.num_free += freed
+            queue.splice_chains(front, back, table, freed)
         journal = self.journal
         if journal is not None:
             journal.append((_RELEASE, tuple(blocks)))
@@ -888,3 +870,13 @@ class BlockPool(TwinPoolOps):
             return []
         self._events = []
         return events
+
+
+def _restore_counts(blocks: Sequence[KVCacheBlock]) -> None:
+    """Undo a release's count drops on ``blocks`` (all it walked before a
+    double free): each gets its reference back and leaves the chains."""
+    for block in blocks:
+        if not block.is_null:
+            if block.ref_cnt == 0:
+                block.prev_free = block.next_free = None
+            block.ref_cnt += 1

@@ -318,6 +318,47 @@ class FreeBlockQueue:
             if prev is held_head or prev in held:
                 held.add(block)
 
+    def drop_chains(self) -> None:
+        """Unlink the scratch ends of the chains a release builds (see
+        :meth:`BlockPool._release`), leaving the queue as it was."""
+        front_end = self._front
+        back_end = self._back
+        front_end.prev_free = front_end.next_free = None
+        back_end.prev_free = back_end.next_free = None
+
+    def splice_chains(
+        self, front: KVCacheBlock, back: KVCacheBlock, table: bool, freed: int
+    ) -> None:
+        """Splice the two chains of ``freed`` blocks a release built into the
+        queue: the front chain before the blocks queued already, the back
+        chain after them.  ``front``/``back``: each chain's first block
+        (``table``: the chains grew at the front) or its last."""
+        front_end = self._front
+        back_end = self._back
+        head = self._head
+        tail = self._tail
+        # The segments in queue order, each (first, last): the front
+        # chain, the blocks queued before, the back chain.
+        segments: list[tuple[KVCacheBlock | None, KVCacheBlock | None]]
+        if table:
+            segments = [(front, front_end.prev_free), (back, back_end.prev_free)]
+        else:
+            segments = [(front_end.next_free, front), (back_end.next_free, back)]
+        if head.next_free is not tail:
+            segments.insert(1, (head.next_free, tail.prev_free))
+        prev = head
+        for first, last in segments:
+            if first is front_end or first is back_end or first is None:
+                continue  # an empty chain
+            assert last is not None  # a chain's ends are linked
+            prev.next_free = first
+            first.prev_free = prev
+            prev = last
+        prev.next_free = tail
+        tail.prev_free = prev
+        self.drop_chains()
+        self.num_free += freed
+
     def first_held(self) -> KVCacheBlock | None:
         """The held-back block evicted first, or None when none is held."""
         block = self._held_head.next_free

@@ -18,16 +18,44 @@ from kvcore.errors import (
     InvalidRequestTypeError,
     KvcoreTypeError,
 )
+from kvcore.registry import KindRegistry
+from kvcore.structs import KVCacheConfig
 
 
 class EngineStepKeywords(TypedDict, total=False):
     """The keywords an engine may pass to :meth:`KVCacheManager.allocate_slots`
-    besides its positional parameters (each described there)."""
+    by name, besides its positional parameters."""
 
+    #: Tokens after the hit whose KV a KV connector loads.  They get slots
+    #: (new blocks, or the null block at positions the group's kind skips)
+    #: but take no cached block, and they count as computed: positions
+    #: before them that a kind skips are not allocated.  Only when the
+    #: request is admitted (it holds no blocks); ``num_new_tokens`` may then
+    #: be 0 (a load that completes in a later step).  With a prefix hit
+    #: attached (``num_new_computed_tokens``), ``num_new_tokens`` may be 0
+    #: too: a chunk that only adopts the hit.
     num_external_computed_tokens: int
+    #: The request's encoder tokens, for the groups whose manager takes them
+    #: (``takes_encoder_tokens``: encoder cross-attention), which hold
+    #: ``ceil(num_encoder_tokens / block_size)`` blocks from admission until
+    #: the request is freed.  Only when the request is admitted; refused
+    #: when no group of the plan takes encoder tokens.
     num_encoder_tokens: int
+    #: Admit only when the pool can hold the request's whole current
+    #: sequence (``request.num_tokens``, capped at ``max_model_len``) as well
+    #: as this step, so chunked prefill does not admit a request whose later
+    #: chunks cannot fit (see :meth:`KVCacheManager.can_fit_full_sequence`).
     full_sequence_must_fit: bool
+    #: Tokens of ``request.num_computed_tokens`` that a step still in flight
+    #: computes (asynchronous scheduling, pipeline parallelism).  Blocks the
+    #: request no longer reads are released only below
+    #: ``num_computed_tokens - num_in_flight_tokens``, so none that an
+    #: in-flight step reads returns to the pool; call
+    #: :meth:`KVCacheManager.remove_skipped_blocks` once the step has
+    #: completed.
     num_in_flight_tokens: int
+    #: Free blocks the step must leave free (for other requests already in
+    #: flight, or a watermark); the step is refused when it would need them.
     reserved_blocks: int
 
 
@@ -393,3 +421,43 @@ def not_a_request(value: object) -> KvcoreTypeError:
         "requests with Request(request_id, prompt_token_ids, hash_block_size=...)"
     )
     return KvcoreTypeError(msg)
+
+
+def check_manager_settings(
+    kv_cache_config: object,
+    registry: object,
+    kv_events_medium: object,
+    *,
+    counts: dict[str, object],
+    flags: dict[str, object],
+) -> None:
+    """KVCacheManager's arguments, checked before anything is built: the
+    plan, the registry, the events medium, the positive int ``counts`` and
+    the bool ``flags`` (by parameter name)."""
+    require_type(
+        "kv_cache_config",
+        kv_cache_config,
+        KVCacheConfig,
+        "a kvcore.KVCacheConfig (the scheduler's view of a plan)",
+    )
+    for name, value in counts.items():
+        positive_int(name, value)
+    for name, flag in flags.items():
+        require_type(name, flag, bool, "a bool (True or False)", exact=True)
+    require_type(
+        "kv_events_medium", kv_events_medium, str, "a str such as 'GPU'", exact=True
+    )
+    if not kv_events_medium:
+        msg = (
+            "KVCacheManager: kv_events_medium must be a non-empty str such "
+            "as 'GPU' or 'CPU', got ''"
+        )
+        raise InvalidRequestError(msg)
+    if registry is not None:
+        require_type(
+            "registry",
+            registry,
+            KindRegistry,
+            "a kvcore.KindRegistry or None (kvcore.default_registry() or "
+            "KindRegistry.from_plugin_manager)",
+        )

@@ -15,10 +15,10 @@ from typing import Any
 from kvcore.coordinator.assembly import (
     ManagerSettings,
     SpecGroup,
-    aligned_partial_units,
     build_managers,
     checkpoint_twins,
     event_groups,
+    hit_units,
     search_groups,
 )
 from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
@@ -27,11 +27,10 @@ from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import CheckpointManager
-from kvcore.coordinator.partial import PartialKeys, copy_hit_units, partial_prefix_hit
+from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, twin_runs
 from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
-from kvcore.plan import hit_alignment
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
@@ -95,27 +94,15 @@ class KVCacheCoordinator(FreeSteps):
         self.scheduler_block_size = scheduler_block_size
         self.max_model_len = max_model_len
         self.use_eagle = use_eagle
-        # Groups whose managers take copy-on-write hits inside their blocks.
-        partial_units = (
-            copy_hit_units(groups, registry, hash_block_size, dcp)
-            if enable_caching and enable_partial_hits
-            else {}
-        )
-        #: Hits are multiples of this many tokens (see hit_alignment).
-        self.cache_hit_alignment = (
-            hit_alignment(
-                groups,
-                scheduler_block_size,
-                hash_block_size,
-                dcp,
-                partial_hits=bool(partial_units),
-                units=partial_units,
-            )
-            if enable_caching
-            else scheduler_block_size
-        )
-        partial_units = aligned_partial_units(
-            partial_units, self.cache_hit_alignment, groups, dcp
+        #: Hits are multiples of ``cache_hit_alignment`` tokens (see
+        #: hit_alignment); ``partial_units``: the groups that copy hits
+        #: ending inside their blocks, and their units.
+        self.cache_hit_alignment, partial_units = hit_units(
+            groups,
+            registry,
+            (scheduler_block_size, hash_block_size, dcp),
+            enable_caching=enable_caching,
+            enable_partial_hits=enable_partial_hits,
         )
         built = build_managers(
             groups,
@@ -148,36 +135,25 @@ class KVCacheCoordinator(FreeSteps):
         #: (an upper bound when several window groups iterate), where a
         #: state group keeps a branch-point checkpoint.
         self.last_shared_prefix = 0
-        #: Managers that choose checkpoint positions at admission.
-        self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
-        # A group that releases blocks while a request runs, beside one that
-        # keeps the request's whole prefix (which no eviction can reach
-        # while it runs), holds back the released blocks its hits need.
-        if any(m.caching and not m.skips_blocks for m in managers):
-            for m in managers:
-                m.holds_back = m.caching and m.skips_blocks
         self._init_free_order(managers)
-        self._init_partial(managers)
-        #: Groups whose kind declares ``HitPolicy.BLOCKS_HITS`` (a state that
-        #: needs the whole prefix but keeps nothing to restore it from): no
-        #: request of the model gets a hit.
-        self.hit_blockers = tuple(
-            gid
-            for gid, policy in enumerate(built.policies)
-            if enable_caching and policy is HitPolicy.BLOCKS_HITS
-        )
-        self.lookahead_refusers = tuple(
-            gid for gid, m in enumerate(managers) if not m.supports_lookahead
-        )
-        #: Classes of two or more twin state groups (see twin_key): they
-        #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
-        self._path_twins = checkpoint_twins(self.planning)
+        self._init_hits(managers, built.policies)
 
     def _init_steps(self, managers: tuple[SingleTypeManager, ...]) -> None:
         """How a request's steps visit the groups: who skips, who takes
         encoder tokens, the runs of twins each step walks."""
         #: Managers that release blocks a request no longer reads.
         self.skipping = tuple(m for m in managers if m.skips_blocks)
+        #: Managers that choose checkpoint positions at admission.
+        self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
+        self.lookahead_refusers = tuple(
+            gid for gid, m in enumerate(managers) if not m.supports_lookahead
+        )
+        # A group that releases blocks while a request runs, beside one that
+        # keeps the request's whole prefix (which no eviction can reach
+        # while it runs), holds back the released blocks its hits need.
+        if any(m.caching and not m.skips_blocks for m in managers):
+            for m in managers:
+                m.holds_back = m.caching and m.skips_blocks
         #: Groups whose tables are sized by the request's encoder tokens
         #: (``SingleTypeManager.takes_encoder_tokens``); empty for a
         #: decoder-only plan.
@@ -216,8 +192,22 @@ class KVCacheCoordinator(FreeSteps):
         #: passes it over (every growing manager's ``grows_by_count``).
         self.idle_steps = all(m.grows_by_count for m in managers if m.position_indexed)
 
-    def _init_partial(self, managers: tuple[SingleTypeManager, ...]) -> None:
-        """The groups that serve copy-on-write hits inside their blocks."""
+    def _init_hits(
+        self, managers: tuple[SingleTypeManager, ...], policies: Sequence[HitPolicy]
+    ) -> None:
+        """Who blocks hits, who serves copy-on-write hits inside their
+        blocks, and which state groups agree on one checkpoint path."""
+        #: Groups whose kind declares ``HitPolicy.BLOCKS_HITS`` (a state that
+        #: needs the whole prefix but keeps nothing to restore it from): no
+        #: request of the model gets a hit.
+        self.hit_blockers = tuple(
+            gid
+            for gid, policy in enumerate(policies)
+            if self.enable_caching and policy is HitPolicy.BLOCKS_HITS
+        )
+        #: Classes of two or more twin state groups (see twin_key): they
+        #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
+        self._path_twins = checkpoint_twins(self.planning)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
         self.partial_units: dict[int, int] = {

@@ -10,27 +10,25 @@ from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
 from kvcore.coordinator.blocks import KVCacheBlocks
 from kvcore.coordinator.checks import (
     EngineStepKeywords,
-    check_counts,
     check_engine_keywords,
-    check_external,
     check_hashing,
+    check_manager_settings,
     check_same_request,
     check_step_limits,
     check_tokens,
     checked_hit,
     not_a_request,
-    positive_int,
-    require_type,
 )
-from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
+from kvcore.coordinator.coordinator import KVCacheCoordinator
 from kvcore.coordinator.engine_calls import (
     EngineCalls,
     GroupPrefixCacheStats,
     PrefixCacheStats,
 )
 from kvcore.coordinator.locking import ManagerLock, locked_class
-from kvcore.coordinator.partial import BlockCopy, split_copy_sources
+from kvcore.coordinator.partial import BlockCopy
 from kvcore.coordinator.request import Request, RequestStatus
+from kvcore.coordinator.step_needs import StepNeeds
 from kvcore.errors import (
     InvalidRequestError,
     KvcoreTypeError,
@@ -47,7 +45,7 @@ __all__ = [
 ]
 
 
-class KVCacheManager(EngineCalls):
+class KVCacheManager(StepNeeds, EngineCalls):
     """Allocates, caches and frees every group's blocks for each request.
 
     :param kv_cache_config: the scheduler's view of the plan
@@ -95,46 +93,26 @@ class KVCacheManager(EngineCalls):
         thread_safe: bool = False,
         enable_partial_hits: bool = True,
     ) -> None:
-        require_type(
-            "kv_cache_config",
-            kv_cache_config,
-            KVCacheConfig,
-            "a kvcore.KVCacheConfig (the scheduler's view of a plan)",
-        )
         if hash_block_size is None:
             hash_block_size = scheduler_block_size
-        for name, value in (
-            ("max_model_len", max_model_len),
-            ("scheduler_block_size", scheduler_block_size),
-            ("hash_block_size", hash_block_size),
-            ("dcp", dcp),
-        ):
-            positive_int(name, value)
-        for name, flag in (
-            ("enable_caching", enable_caching),
-            ("use_eagle", use_eagle),
-            ("enable_kv_cache_events", enable_kv_cache_events),
-            ("thread_safe", thread_safe),
-            ("enable_partial_hits", enable_partial_hits),
-        ):
-            require_type(name, flag, bool, "a bool (True or False)", exact=True)
-        require_type(
-            "kv_events_medium", kv_events_medium, str, "a str such as 'GPU'", exact=True
+        check_manager_settings(
+            kv_cache_config,
+            registry,
+            kv_events_medium,
+            counts={
+                "max_model_len": max_model_len,
+                "scheduler_block_size": scheduler_block_size,
+                "hash_block_size": hash_block_size,
+                "dcp": dcp,
+            },
+            flags={
+                "enable_caching": enable_caching,
+                "use_eagle": use_eagle,
+                "enable_kv_cache_events": enable_kv_cache_events,
+                "thread_safe": thread_safe,
+                "enable_partial_hits": enable_partial_hits,
+            },
         )
-        if not kv_events_medium:
-            msg = (
-                "KVCacheManager: kv_events_medium must be a non-empty str such "
-                "as 'GPU' or 'CPU', got ''"
-            )
-            raise InvalidRequestError(msg)
-        if registry is not None:
-            require_type(
-                "registry",
-                registry,
-                KindRegistry,
-                "a kvcore.KindRegistry or None (kvcore.default_registry() or "
-                "KindRegistry.from_plugin_manager)",
-            )
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -287,35 +265,9 @@ class KVCacheManager(EngineCalls):
         :param delay_cache_blocks: hash nothing this step (the blocks' KV
             arrives later, e.g. an asynchronous connector load); call
             :meth:`cache_blocks` once it has arrived.
-        :param num_external_computed_tokens: tokens after the hit whose KV a
-            KV connector loads.  They get slots (new blocks, or the null block
-            at positions the group's kind skips) but take no cached block, and
-            they count as computed: positions before them that a kind skips
-            are not allocated.  Only when the request is admitted (it holds no
-            blocks); ``num_new_tokens`` may then be 0 (a load that completes
-            in a later step).  With a prefix hit attached
-            (``num_new_computed_tokens``), ``num_new_tokens`` may be 0 too:
-            a chunk that only adopts the hit.
-        :param num_encoder_tokens: the request's encoder tokens, for the
-            groups whose manager takes them (``takes_encoder_tokens``:
-            encoder cross-attention), which hold ``ceil(num_encoder_tokens /
-            block_size)`` blocks from admission until the request is freed.
-            Only when the request is admitted; refused when no group of the
-            plan takes encoder tokens.
-        :param full_sequence_must_fit: admit only when the pool can hold the
-            request's whole current sequence (``request.num_tokens``, capped at
-            ``max_model_len``) as well as this step, so chunked prefill does
-            not admit a request whose later chunks cannot fit (see
-            :meth:`can_fit_full_sequence`).
-        :param num_in_flight_tokens: tokens of ``request.num_computed_tokens``
-            that a step still in flight computes (asynchronous scheduling,
-            pipeline parallelism).  Blocks the request no longer reads are
-            released only below ``num_computed_tokens - num_in_flight_tokens``,
-            so none that an in-flight step reads returns to the pool; call
-            :meth:`remove_skipped_blocks` once the step has completed.
-        :param reserved_blocks: free blocks the step must leave free (for
-            other requests already in flight, or a watermark); the step is
-            refused when it would need them.
+        :param engine: the engine's keywords, by name only (connector
+            loads, encoder tokens, whole-sequence admission, tokens in
+            flight, reserved blocks): see :class:`EngineStepKeywords`.
         :returns: the newly allocated blocks per group, or ``None`` when the
             pool cannot satisfy the step (nothing is changed then, the
             request's status included); on success the request's status is
@@ -339,93 +291,75 @@ class KVCacheManager(EngineCalls):
             num_lookahead_tokens,
             num_external_computed_tokens,
         )
-        coordinator = self.coordinator
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        if num_external_computed_tokens:
-            num_computed += num_external_computed_tokens
-        num_tokens = num_computed + num_new_tokens
-        if num_tokens > self.max_model_len:
-            msg = (
-                f"request {rid!r} would hold {num_tokens} tokens, past "
-                f"max_model_len={self.max_model_len}; stop or truncate it first"
-            )
-            raise InvalidRequestError(msg)
-        cache_to = -1
-        if self.enable_caching and not delay_cache_blocks:
-            cache_to = min(num_tokens, len(request.all_token_ids))
-        if num_lookahead_tokens:
-            if coordinator.lookahead_refusers:
-                gid = coordinator.lookahead_refusers[0]
-                kind = self._managers[gid].kv_cache_spec.kind
-                msg = (
-                    f"request {rid!r}: group {gid} ({kind}) cannot hold speculative "
-                    "lookahead slots (its state sits at the last computed "
-                    "position); schedule without lookahead for this plan"
-                )
-                raise InvalidRequestError(msg)
-            num_tokens += num_lookahead_tokens
-            if num_tokens > self.max_model_len:
-                num_tokens = self.max_model_len
+        hit_end = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = hit_end + num_external_computed_tokens
+        num_tokens, cache_to = self._step_span(
+            request,
+            num_computed + num_new_tokens,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+        )
         held = self._requests.get(rid)
         if held is not request and held is not None:
             check_same_request(self, held, request)
         # A live request (held) with no new hit grows; any other is admitted.
-        running = computed is None and held is not None
         # Every group's table is sized by one rule at num_computed tokens:
         # positions its kind skips are null, the others hold a block.  A
         # running request first releases the blocks it no longer reads; a new
         # one never takes them (see SingleTypeManager.num_skipped_blocks).
+        running = computed is None and held is not None
         attach: tuple[list[KVCacheBlock], ...] = ()
         # Copy-on-write sources of a partial hit (None: none, the usual case).
         sources: list[tuple[int, KVCacheBlock, int]] | None = None
         held_sources = 0
         if running:
-            need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
+            need = self.coordinator.get_num_blocks_to_grow(rid, num_tokens)
         else:
-            if self.enable_caching:
-                check_hashing(self, request)
-            if computed is not None and coordinator.partial_groups:
-                # A hit that ends inside a block of a partial-hit group: its
-                # last block is copied into a fresh one, not attached.
-                computed, found = split_copy_sources(
-                    computed,
-                    coordinator.partial_groups,
-                    request.num_computed_tokens + num_new_computed_tokens,
-                )
-                if found:
-                    sources = found
-            attach = coordinator.admission_blocks(
-                computed if computed is not None else self.empty_kv_cache_blocks.blocks,
-                num_computed,
+            attach, sources, held_sources, need = self._admission_need(
+                request, computed, (hit_end, num_computed), num_tokens, num_encoder
             )
-            if coordinator.planning:
-                coordinator.plan_checkpoints(request, num_computed)
-            need = coordinator.get_num_blocks_to_allocate(
-                rid, num_tokens, attach, num_encoder
-            )
-            if sources:
-                # A free source leaves the free queue for the step.
-                held_sources = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
-                need += held_sources
-        if (
-            full_sequence_must_fit
-            and self._full_sequence_blocks(
-                request,
-                min(request.num_tokens, self.max_model_len),
-                attach,
-                num_encoder,
-            )
-            + held_sources
-            > self.block_pool.free_queue.num_free
+        if full_sequence_must_fit and not self._whole_sequence_fits(
+            request, running, attach, num_encoder, held_sources
         ):
-            if not running and coordinator.planning:
-                coordinator.forget_checkpoints(rid)
             return None
+        return self._fit_and_run(
+            request,
+            held,
+            (running, need, held_sources, reserved),
+            (attach, sources, num_computed - num_in_flight, num_tokens, cache_to),
+            (num_encoder, hit_end),
+        )
+
+    def _fit_and_run(
+        self,
+        request: Request,
+        held: Request | None,
+        counts: tuple[bool, int, int, int],
+        step: tuple[
+            tuple[list[KVCacheBlock], ...],
+            list[tuple[int, KVCacheBlock, int]] | None,
+            int,
+            int,
+            int,
+        ],
+        tokens: tuple[int, int],
+    ) -> KVCacheBlocks | None:
+        """Run a step whose need is counted, if it fits: ``counts`` are
+        whether the request runs, the blocks it needs, how many partial-hit
+        sources leave the free queue and the blocks it must leave free;
+        ``step`` the admission blocks, the copy-on-write sources, the tokens
+        processed (released below), the tokens covered and the keyed end;
+        ``tokens`` the encoder tokens and where the hit ends.  None when the
+        pool cannot satisfy it (nothing changed)."""
+        running, need, held_sources, reserved = counts
+        attach, sources, processed, num_tokens, cache_to = step
+        num_encoder, num_hit_tokens = tokens
+        rid = request.request_id
+        coordinator = self.coordinator
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
         # Released only below the tokens no step in flight still computes.
-        processed = num_computed - num_in_flight
         skipping = running and bool(coordinator.skipping) and processed > 0
         free = self.block_pool.free_queue.num_free - reserved
         shed = None
@@ -433,31 +367,13 @@ class KVCacheManager(EngineCalls):
             not skipping
             or need > free + coordinator.count_freeable_skipped(rid, processed)
         ):
-            # Checkpoints are optional: a step that fits without them runs
-            # without them (the request gives up the states it would keep
-            # inside the step and those it holds for others).
-            shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
-            if shed is not None:
-                if running:
-                    need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
-                else:
-                    need = (
-                        coordinator.get_num_blocks_to_allocate(
-                            rid, num_tokens, attach, num_encoder
-                        )
-                        + held_sources
-                    )
-            if shed is None or (
-                need > free
-                and (
-                    not skipping
-                    or need > free + coordinator.count_freeable_skipped(rid, processed)
-                )
-            ):
-                if shed is not None:
-                    coordinator.restore_checkpoints(rid, shed)
-                if not running and coordinator.planning:
-                    coordinator.forget_checkpoints(rid)
+            fits, shed = self._shed_to_fit(
+                rid,
+                (running, skipping, attach, processed, num_tokens, -1, num_encoder),
+                held_sources,
+                free,
+            )
+            if not fits:
                 return None
         if (
             running
@@ -480,7 +396,7 @@ class KVCacheManager(EngineCalls):
             (running, skipping, attach, processed, num_tokens, cache_to, num_encoder),
             sources,
             shed,
-            request.num_computed_tokens + num_new_computed_tokens,
+            num_hit_tokens,
         )
 
     def _run_step(
@@ -567,107 +483,6 @@ class KVCacheManager(EngineCalls):
             dst = manager.req_to_blocks[rid][num_hit_tokens // manager.block_size]
             out.append(BlockCopy(gid, src.block_id, dst.block_id, num_tokens))
         return tuple(out)
-
-    def _full_sequence_blocks(
-        self,
-        request: Request,
-        num_tokens: int,
-        attach: Sequence[Sequence[KVCacheBlock]],
-        num_encoder: int = 0,
-    ) -> int:
-        """Free blocks the request draws from the pool, at its peak, to cover
-        ``num_tokens`` with ``attach`` (its admission blocks, or nothing for
-        a request that holds blocks).  A group whose kind skips positions
-        holds at most its per-request bound of blocks at once (blocks it
-        holds now count toward that bound); other groups hold every block."""
-        rid = request.request_id
-        total = 0
-        empty: tuple[KVCacheBlock, ...] = ()
-        for gid, manager in enumerate(self._managers):
-            computed = attach[gid] if attach else empty
-            try:
-                tokens = num_encoder if manager.takes_encoder_tokens else num_tokens
-                need = _count(manager.get_num_blocks_to_allocate(rid, tokens, computed))
-            except Exception as exc:
-                err = self.coordinator.plugin_error(
-                    gid, "get_num_blocks_to_allocate", exc
-                )
-                raise err from exc
-            spec = manager.kv_cache_spec
-            if manager.skips_blocks and manager.block_size == spec.block_size:
-                held = manager.req_to_blocks.get(rid, empty)
-                live = sum(1 for b in held if not b.is_null)
-                bound = spec.max_num_blocks_per_request(num_tokens) - live
-                need = min(need, bound if bound > 0 else 0)
-            total += need
-        return total
-
-    def can_fit_full_sequence(
-        self,
-        request: Request,
-        num_tokens: int | None = None,
-        *,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_new_computed_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-    ) -> bool:
-        """Whether the free blocks could hold the request's whole sequence now.
-
-        :param num_tokens: the sequence length (default ``request.num_tokens``;
-            an engine passes prompt + max tokens); capped at ``max_model_len``.
-        :param new_computed_blocks: the hit the request would attach (from
-            :meth:`get_computed_blocks`), with ``num_new_computed_tokens``.
-        :param num_external_computed_tokens: tokens a KV connector would load.
-
-        Nothing changes.  The count is the one ``full_sequence_must_fit``
-        applies; it does not include the current step's lookahead slots.
-        """
-        if not isinstance(request, Request):
-            raise not_a_request(request)
-        rid = request.request_id
-        if num_tokens is None:
-            num_tokens = request.num_tokens
-        if type(num_tokens) is not int or num_tokens <= 0:
-            msg = (
-                f"can_fit_full_sequence for request {rid!r}: num_tokens must be a "
-                f"positive int, got {num_tokens!r}"
-            )
-            raise InvalidRequestError(msg)
-        check_counts(rid, num_new_computed_tokens, 0)
-        check_external(self, request, num_external_computed_tokens, 0, False)
-        attach: tuple[list[KVCacheBlock], ...] = ()
-        held = 0
-        if rid not in self._requests:
-            hit = (
-                new_computed_blocks.blocks
-                if new_computed_blocks is not None and any(new_computed_blocks.blocks)
-                else self.empty_kv_cache_blocks.blocks
-            )
-            if len(hit) != self.num_kv_cache_groups:
-                msg = (
-                    f"can_fit_full_sequence for request {rid!r}: the hit has "
-                    f"{len(hit)} block lists for {self.num_kv_cache_groups} groups"
-                )
-                raise InvalidRequestError(msg)
-            if self.coordinator.partial_groups and num_new_computed_tokens:
-                # A copy-on-write source is not attached (a fresh block takes
-                # its place) but is held while the step runs.
-                hit, sources = split_copy_sources(
-                    hit, self.coordinator.partial_groups, num_new_computed_tokens
-                )
-                held = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
-            attach = self.coordinator.admission_blocks(
-                hit, num_new_computed_tokens + num_external_computed_tokens
-            )
-        elif new_computed_blocks is not None and any(new_computed_blocks.blocks):
-            msg = (
-                f"can_fit_full_sequence for request {rid!r}: the request already "
-                "holds blocks; a prefix hit attaches only at admission"
-            )
-            raise InvalidRequestError(msg)
-        full = min(num_tokens, self.max_model_len)
-        need = self._full_sequence_blocks(request, full, attach) + held
-        return need <= self.block_pool.free_queue.num_free
 
     def _step(
         self,

@@ -1,0 +1,290 @@
+"""What a step needs from the pool, and whether it fits: the blocks an
+admission or a running request's growth takes, the checkpoints a step that
+does not fit sheds, and the whole-sequence check of chunked prefill.
+
+Nothing here changes the pool: a step is counted, then run (see
+:meth:`KVCacheManager.allocate_slots`), so a refused step changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcore.coordinator.block_pool import KVCacheBlock
+from kvcore.coordinator.blocks import KVCacheBlocks
+from kvcore.coordinator.checks import (
+    check_counts,
+    check_external,
+    check_hashing,
+    not_a_request,
+)
+from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
+from kvcore.coordinator.partial import split_copy_sources
+from kvcore.coordinator.request import Request
+from kvcore.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.block_pool import BlockPool
+    from kvcore.coordinator.manager import SingleTypeManager
+
+__all__ = ["StepNeeds"]
+
+
+class StepNeeds:
+    """The counting half of :class:`KVCacheManager`'s step (a base class;
+    the manager supplies the pool, the coordinator and its live requests)."""
+
+    block_pool: BlockPool
+    coordinator: KVCacheCoordinator
+    _requests: dict[str, Request]
+    _managers: Sequence[SingleTypeManager]
+    enable_caching: bool
+    max_model_len: int
+    num_kv_cache_groups: int
+    empty_kv_cache_blocks: KVCacheBlocks
+
+    def _step_span(
+        self,
+        request: Request,
+        num_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> tuple[int, int]:
+        """The tokens the request's tables cover after a step that ends at
+        ``num_tokens`` (lookahead slots included, up to ``max_model_len``),
+        and where its blocks are keyed up to (-1: nowhere)."""
+        rid = request.request_id
+        if num_tokens > self.max_model_len:
+            msg = (
+                f"request {rid!r} would hold {num_tokens} tokens, past "
+                f"max_model_len={self.max_model_len}; stop or truncate it first"
+            )
+            raise InvalidRequestError(msg)
+        cache_to = -1
+        if self.enable_caching and not delay_cache_blocks:
+            cache_to = min(num_tokens, len(request.all_token_ids))
+        if num_lookahead_tokens:
+            if self.coordinator.lookahead_refusers:
+                gid = self.coordinator.lookahead_refusers[0]
+                kind = self._managers[gid].kv_cache_spec.kind
+                msg = (
+                    f"request {rid!r}: group {gid} ({kind}) cannot hold "
+                    "speculative lookahead slots (its state sits at the last "
+                    "computed position); schedule without lookahead for this plan"
+                )
+                raise InvalidRequestError(msg)
+            num_tokens = min(num_tokens + num_lookahead_tokens, self.max_model_len)
+        return num_tokens, cache_to
+
+    def _whole_sequence_fits(
+        self,
+        request: Request,
+        running: bool,
+        attach: tuple[list[KVCacheBlock], ...],
+        num_encoder: int,
+        held_sources: int,
+    ) -> bool:
+        """Whether the pool holds the request's whole current sequence
+        (``full_sequence_must_fit``); an admission that does not forgets the
+        checkpoints it planned."""
+        need = (
+            self._full_sequence_blocks(
+                request,
+                min(request.num_tokens, self.max_model_len),
+                attach,
+                num_encoder,
+            )
+            + held_sources
+        )
+        if need <= self.block_pool.free_queue.num_free:
+            return True
+        if not running and self.coordinator.planning:
+            self.coordinator.forget_checkpoints(request.request_id)
+        return False
+
+    def _admission_need(
+        self,
+        request: Request,
+        computed: tuple[Sequence[KVCacheBlock], ...] | None,
+        computed_tokens: tuple[int, int],
+        num_tokens: int,
+        num_encoder: int,
+    ) -> tuple[
+        tuple[list[KVCacheBlock], ...],
+        list[tuple[int, KVCacheBlock, int]] | None,
+        int,
+        int,
+    ]:
+        """What admitting ``request`` attaches and needs: every group's
+        admission blocks, the copy-on-write sources of a partial hit (None:
+        none), how many of them leave the free queue, and the blocks the
+        step takes from it.  ``computed_tokens``: where the hit ends, and
+        the tokens computed once it and any KV a connector loads are
+        attached.  Checkpoint positions are planned here; a refused step
+        forgets them."""
+        hit_end, num_computed = computed_tokens
+        coordinator = self.coordinator
+        if self.enable_caching:
+            check_hashing(self, request)
+        sources: list[tuple[int, KVCacheBlock, int]] | None = None
+        if computed is not None and coordinator.partial_groups:
+            # A hit that ends inside a block of a partial-hit group: its
+            # last block is copied into a fresh one, not attached.
+            computed, found = split_copy_sources(
+                computed, coordinator.partial_groups, hit_end
+            )
+            if found:
+                sources = found
+        attach = coordinator.admission_blocks(
+            computed if computed is not None else self.empty_kv_cache_blocks.blocks,
+            num_computed,
+        )
+        if coordinator.planning:
+            coordinator.plan_checkpoints(request, num_computed)
+        need = coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens, attach, num_encoder
+        )
+        held_sources = 0
+        if sources:
+            # A free source leaves the free queue for the step.
+            held_sources = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
+            need += held_sources
+        return attach, sources, held_sources, need
+
+    def _shed_to_fit(
+        self,
+        rid: str,
+        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int, int],
+        held_sources: int,
+        free: int,
+    ) -> tuple[bool, list[Any] | None]:
+        """A step that does not fit sheds its checkpoints, which are
+        optional: one that fits without them runs without them (the request
+        gives up the states it would keep inside the step and those it holds
+        for others).  Whether it fits now, and what was shed; a step that
+        still does not fit gets its checkpoints back (and an admission
+        forgets those it planned)."""
+        running, skipping, attach, processed, num_tokens, _, num_encoder = args
+        coordinator = self.coordinator
+        shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
+        if shed is not None:
+            if running:
+                need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
+            else:
+                need = (
+                    coordinator.get_num_blocks_to_allocate(
+                        rid, num_tokens, attach, num_encoder
+                    )
+                    + held_sources
+                )
+            if need <= free or (
+                skipping
+                and need <= free + coordinator.count_freeable_skipped(rid, processed)
+            ):
+                return True, shed
+            coordinator.restore_checkpoints(rid, shed)
+        if not running and coordinator.planning:
+            coordinator.forget_checkpoints(rid)
+        return False, None
+
+    def _full_sequence_blocks(
+        self,
+        request: Request,
+        num_tokens: int,
+        attach: Sequence[Sequence[KVCacheBlock]],
+        num_encoder: int = 0,
+    ) -> int:
+        """Free blocks the request draws from the pool, at its peak, to cover
+        ``num_tokens`` with ``attach`` (its admission blocks, or nothing for
+        a request that holds blocks).  A group whose kind skips positions
+        holds at most its per-request bound of blocks at once (blocks it
+        holds now count toward that bound); other groups hold every block."""
+        rid = request.request_id
+        total = 0
+        empty: tuple[KVCacheBlock, ...] = ()
+        for gid, manager in enumerate(self._managers):
+            computed = attach[gid] if attach else empty
+            try:
+                tokens = num_encoder if manager.takes_encoder_tokens else num_tokens
+                need = _count(manager.get_num_blocks_to_allocate(rid, tokens, computed))
+            except Exception as exc:
+                err = self.coordinator.plugin_error(
+                    gid, "get_num_blocks_to_allocate", exc
+                )
+                raise err from exc
+            spec = manager.kv_cache_spec
+            if manager.skips_blocks and manager.block_size == spec.block_size:
+                held = manager.req_to_blocks.get(rid, empty)
+                live = sum(1 for b in held if not b.is_null)
+                bound = spec.max_num_blocks_per_request(num_tokens) - live
+                need = min(need, bound if bound > 0 else 0)
+            total += need
+        return total
+
+    def can_fit_full_sequence(
+        self,
+        request: Request,
+        num_tokens: int | None = None,
+        *,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> bool:
+        """Whether the free blocks could hold the request's whole sequence now.
+
+        :param num_tokens: the sequence length (default ``request.num_tokens``;
+            an engine passes prompt + max tokens); capped at ``max_model_len``.
+        :param new_computed_blocks: the hit the request would attach (from
+            :meth:`get_computed_blocks`), with ``num_new_computed_tokens``.
+        :param num_external_computed_tokens: tokens a KV connector would load.
+
+        Nothing changes.  The count is the one ``full_sequence_must_fit``
+        applies; it does not include the current step's lookahead slots.
+        """
+        if not isinstance(request, Request):
+            raise not_a_request(request)
+        rid = request.request_id
+        if num_tokens is None:
+            num_tokens = request.num_tokens
+        if type(num_tokens) is not int or num_tokens <= 0:
+            msg = (
+                f"can_fit_full_sequence for request {rid!r}: num_tokens must be a "
+                f"positive int, got {num_tokens!r}"
+            )
+            raise InvalidRequestError(msg)
+        check_counts(rid, num_new_computed_tokens, 0)
+        check_external(self, request, num_external_computed_tokens, 0, False)
+        attach: tuple[list[KVCacheBlock], ...] = ()
+        held = 0
+        if rid not in self._requests:
+            hit = (
+                new_computed_blocks.blocks
+                if new_computed_blocks is not None and any(new_computed_blocks.blocks)
+                else self.empty_kv_cache_blocks.blocks
+            )
+            if len(hit) != self.num_kv_cache_groups:
+                msg = (
+                    f"can_fit_full_sequence for request {rid!r}: the hit has "
+                    f"{len(hit)} block lists for {self.num_kv_cache_groups} groups"
+                )
+                raise InvalidRequestError(msg)
+            if self.coordinator.partial_groups and num_new_computed_tokens:
+                # A copy-on-write source is not attached (a fresh block takes
+                # its place) but is held while the step runs.
+                hit, sources = split_copy_sources(
+                    hit, self.coordinator.partial_groups, num_new_computed_tokens
+                )
+                held = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
+            attach = self.coordinator.admission_blocks(
+                hit, num_new_computed_tokens + num_external_computed_tokens
+            )
+        elif new_computed_blocks is not None and any(new_computed_blocks.blocks):
+            msg = (
+                f"can_fit_full_sequence for request {rid!r}: the request already "
+                "holds blocks; a prefix hit attaches only at admission"
+            )
+            raise InvalidRequestError(msg)
+        full = min(num_tokens, self.max_model_len)
+        need = self._full_sequence_blocks(request, full, attach) + held
+        return need <= self.block_pool.free_queue.num_free
