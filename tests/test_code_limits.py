@@ -1,6 +1,7 @@
 """The code limits of pyproject's ``[tool.kvcore.limits]``: no module of
 ``kvcore/`` or ``plugins/`` over ``max-module-lines`` lines, no function over
-ruff's ``max-statements`` (PLR0915).
+ruff's ``max-statements`` (PLR0915), and no function of the
+``line-limited-folders`` over ``max-function-lines`` lines.
 
 Each exception is listed once, with its reason, the day it was listed and the
 issue that removes it. An exception that is no longer needed fails as surely
@@ -43,6 +44,8 @@ CONFIG = _pyproject()
 LIMITS: dict[str, Any] = CONFIG["tool"]["kvcore"]["limits"]
 MAX_LINES: int = LIMITS["max-module-lines"]
 MAX_STATEMENTS: int = CONFIG["tool"]["ruff"]["lint"]["pylint"]["max-statements"]
+MAX_FUNCTION_LINES: int = LIMITS["max-function-lines"]
+LINE_LIMITED: list[str] = LIMITS["line-limited-folders"]
 
 
 def module_lines(folders: Iterable[Path], root: Path) -> dict[str, int]:
@@ -76,6 +79,21 @@ def module_problems(
         if lines.get(path, 0) <= limit
     ]
     return problems
+
+
+def function_lines(folders: Iterable[Path], root: Path) -> dict[tuple[str, str], int]:
+    """Lines of every function (decorators aside, docstring included) of the
+    ``.py`` files under ``folders``, by ``(path from root, qualified name)``."""
+    out: dict[tuple[str, str], int] = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            names = _qualified_names(tree)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    key = (path.relative_to(root).as_posix(), names[node.lineno])
+                    out[key] = (node.end_lineno or node.lineno) - node.lineno + 1
+    return out
 
 
 def _qualified_names(tree: ast.Module) -> dict[int, str]:
@@ -183,6 +201,37 @@ def test_no_function_is_over_the_statement_limit_unless_listed() -> None:
     found = long_functions([ROOT], ROOT)
     listed = [(e["path"], e["function"]) for e in LIMITS["long-functions"]]
     assert function_problems(found, listed) == []
+
+
+def test_no_function_of_the_line_limited_folders_is_over_the_line_limit() -> None:
+    assert LINE_LIMITED, "line-limited-folders names no folder"
+    lines = function_lines([ROOT / folder for folder in LINE_LIMITED], ROOT)
+    assert lines, f"no function found under {LINE_LIMITED}"
+    long = {
+        f"{path}: {name}": n
+        for (path, name), n in sorted(lines.items())
+        if n > MAX_FUNCTION_LINES
+    }
+    assert long == {}, (
+        f"over max-function-lines = {MAX_FUNCTION_LINES}: split them into "
+        "steps with one job each"
+    )
+
+
+def test_the_function_line_count_covers_methods_and_docstrings(
+    tmp_path: Path,
+) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "mod.py").write_text(
+        'def short() -> None:\n    """Doc."""\n\n\n'
+        "class Box:\n    @staticmethod\n    def long() -> None:\n"
+        '        """One\n        two."""\n        x = 1\n        y = 2\n'
+    )
+    assert function_lines([package], tmp_path) == {
+        ("pkg/mod.py", "short"): 2,
+        ("pkg/mod.py", "Box.long"): 5,
+    }
 
 
 def test_each_long_function_file_has_its_per_file_ignore_and_no_other() -> None:

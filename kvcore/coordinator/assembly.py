@@ -33,6 +33,7 @@ __all__ = [
     "ManagerSettings",
     "SpecGroup",
     "build_managers",
+    "check_hash_block",
     "checkpoint_twins",
     "event_groups",
     "hit_units",
@@ -80,6 +81,17 @@ class BuiltManagers:
     managers: tuple[SingleTypeManager, ...]
     owners: tuple[str, ...]
     policies: tuple[HitPolicy, ...]
+
+
+def check_hash_block(hash_block_size: int, scheduler_block_size: int) -> None:
+    """The hash block divides the scheduler block."""
+    if scheduler_block_size % hash_block_size:
+        msg = (
+            f"hash_block_size={hash_block_size} must divide "
+            f"scheduler_block_size={scheduler_block_size}; resolve both with "
+            "kvcore.resolve_kv_cache_block_sizes"
+        )
+        raise BlockSizeError(msg)
 
 
 def event_groups(

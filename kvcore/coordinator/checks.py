@@ -111,9 +111,9 @@ def checked_hit(
 
 def check_engine_keywords(
     manager: Any, request: Request, engine: Mapping[str, object]
-) -> tuple[int, bool, int]:
+) -> tuple[int, bool, int, int, int]:
     """The checked engine keywords: (external tokens, full sequence, encoder
-    tokens)."""
+    tokens, tokens in flight, reserved blocks)."""
     unknown = sorted(set(engine) - _ENGINE_KEYWORDS)
     if unknown:
         msg = (
@@ -126,10 +126,13 @@ def check_engine_keywords(
     num_encoder = engine.get("num_encoder_tokens", 0)
     full_sequence_must_fit = engine.get("full_sequence_must_fit", False)
     check_external(manager, request, num_external, num_encoder, full_sequence_must_fit)
+    num_in_flight, reserved = check_step_limits(request.request_id, engine)
     return (
         cast(int, num_external),
         cast(bool, full_sequence_must_fit),
         cast(int, num_encoder),
+        num_in_flight,
+        reserved,
     )
 
 
@@ -262,17 +265,8 @@ def check_hit(
         )
         raise InvalidRequestError(msg)
     check_hashing(kv, request)
-    own = pool.blocks
-    for gid, blocks in enumerate(() if fresh else computed):
-        for block in blocks:
-            if not owned(own, block):
-                msg = (
-                    f"request {rid!r}: the hit's blocks for group {gid} do not "
-                    "belong to this manager's block pool (they came from another "
-                    "KVCacheManager, or were built by hand); attach only the hit "
-                    "this manager's get_computed_blocks returned"
-                )
-                raise InvalidRequestError(msg)
+    if not fresh:
+        _check_owned(rid, pool, computed)
     for gid, (manager, blocks) in enumerate(zip(kv._managers, computed, strict=True)):
         if not manager.caching:
             if blocks:
@@ -282,57 +276,101 @@ def check_hit(
                 )
                 raise InvalidRequestError(msg)
             continue
-        # A partial-hit group's hit may end inside its last block, a
-        # copy source.
-        partial = gid in coordinator.partial_units and bool(
-            num_tokens % manager.block_size
+        partial = _check_hit_shape(
+            rid, (gid, manager, blocks), num_tokens, gid in coordinator.partial_units
         )
-        expected = -(-num_tokens // manager.block_size)
-        if len(blocks) * manager.block_size != num_tokens and not (
-            partial and len(blocks) == expected
-        ):
-            msg = (
-                f"request {rid!r}: the hit covers {num_tokens} tokens but group "
-                f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
+        if not fresh:
+            _check_keys(
+                request,
+                (gid, manager, pool, blocks),
+                -(-num_tokens // manager.block_size) - 1 if partial else -1,
+                num_tokens // kv.hash_block_size - 1,
             )
-            raise InvalidRequestError(msg)
-        if not manager.hit_serves(blocks):
-            msg = (
-                f"request {rid!r}: the hit's blocks for group {gid} "
-                f"({manager.kv_cache_spec.kind}) lack what the next token reads "
-                "(a window or state cut off by truncation); attach the hit "
-                "get_computed_blocks returned, uncut"
-            )
-            raise InvalidRequestError(msg)
-        if fresh:
+
+
+def _check_hit_shape(
+    rid: str,
+    group: tuple[int, Any, Sequence[KVCacheBlock]],
+    num_tokens: int,
+    partial_group: bool,
+) -> bool:
+    """One caching group's hit covers exactly ``num_tokens`` and serves the
+    next token; whether it ends inside its last block (a copy source,
+    only in a ``partial_group``)."""
+    gid, manager, blocks = group
+    partial = partial_group and bool(num_tokens % manager.block_size)
+    expected = -(-num_tokens // manager.block_size)
+    if len(blocks) * manager.block_size != num_tokens and not (
+        partial and len(blocks) == expected
+    ):
+        msg = (
+            f"request {rid!r}: the hit covers {num_tokens} tokens but group "
+            f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
+        )
+        raise InvalidRequestError(msg)
+    if not manager.hit_serves(blocks):
+        msg = (
+            f"request {rid!r}: the hit's blocks for group {gid} "
+            f"({manager.kv_cache_spec.kind}) lack what the next token reads "
+            "(a window or state cut off by truncation); attach the hit "
+            "get_computed_blocks returned, uncut"
+        )
+        raise InvalidRequestError(msg)
+    return partial
+
+
+def _check_owned(
+    rid: str, pool: BlockPool, computed: Sequence[Sequence[KVCacheBlock]]
+) -> None:
+    """Every block of a hit belongs to ``pool``."""
+    own = pool.blocks
+    for gid, blocks in enumerate(computed):
+        for block in blocks:
+            if not owned(own, block):
+                msg = (
+                    f"request {rid!r}: the hit's blocks for group {gid} do not "
+                    "belong to this manager's block pool (they came from another "
+                    "KVCacheManager, or were built by hand); attach only the hit "
+                    "this manager's get_computed_blocks returned"
+                )
+                raise InvalidRequestError(msg)
+
+
+def _check_keys(
+    request: Request,
+    group: tuple[int, Any, BlockPool, Sequence[KVCacheBlock]],
+    copy_at: int,
+    last_chunk: int,
+) -> None:
+    """Every block of one group's hit (``group``: its id, manager, pool and
+    blocks) still holds the request's prefix (its key; for the copy source at index ``copy_at``, -1 for none, the
+    partial key of chunk ``last_chunk``)."""
+    gid, manager, pool, blocks = group
+    rid = request.request_id
+    chunks = request.block_hashes
+    key_of = manager.block_hash
+    for i, block in enumerate(blocks):
+        if block.is_null:
             continue
-        chunks = request.block_hashes
-        key_of = manager.block_hash
-        for i, block in enumerate(blocks):
-            if block.is_null:
+        if i == copy_at:
+            chunk = chunks[last_chunk] if 0 <= last_chunk < len(chunks) else None
+            if copy_source_valid(pool, block, gid, key_of(chunks, i), chunk):
                 continue
-            if partial and i == expected - 1:
-                end = num_tokens // kv.hash_block_size - 1
-                chunk = chunks[end] if 0 <= end < len(chunks) else None
-                if copy_source_valid(
-                    kv.block_pool, block, gid, key_of(chunks, i), chunk
-                ):
-                    continue
-                msg = (
-                    f"request {rid!r}: the copy source block {block.block_id} "
-                    f"of group {gid} no longer holds this request's prefix (it "
-                    "was evicted after the lookup); call get_computed_blocks "
-                    "again right before allocate_slots"
-                )
-                raise InvalidRequestError(msg)
-            if block.key_group != gid or block.key_hash != key_of(chunks, i):
-                msg = (
-                    f"request {rid!r}: hit block {block.block_id} of group {gid} "
-                    "no longer holds this request's prefix (it was evicted after "
-                    "the lookup); call get_computed_blocks again right before "
-                    "allocate_slots"
-                )
-                raise InvalidRequestError(msg)
+            msg = (
+                f"request {rid!r}: the copy source block {block.block_id} "
+                f"of group {gid} no longer holds this request's prefix (it "
+                "was evicted after the lookup); call get_computed_blocks "
+                "again right before allocate_slots"
+            )
+            raise InvalidRequestError(msg)
+        if block.key_group != gid or block.key_hash != key_of(chunks, i):
+            msg = (
+                f"request {rid!r}: hit block {block.block_id} of group {gid} "
+                "no longer holds this request's prefix (it was evicted after "
+                "the lookup); call get_computed_blocks again right before "
+                "allocate_slots"
+            )
+            raise InvalidRequestError(msg)
 
 
 def check_hashing(manager: Any, request: Request) -> None:

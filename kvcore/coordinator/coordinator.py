@@ -16,6 +16,7 @@ from kvcore.coordinator.assembly import (
     ManagerSettings,
     SpecGroup,
     build_managers,
+    check_hash_block,
     checkpoint_twins,
     event_groups,
     hit_units,
@@ -30,7 +31,7 @@ from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, twin_runs
-from kvcore.errors import BlockSizeError, KvcoreValueError, PluginError
+from kvcore.errors import KvcoreValueError, PluginError
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
@@ -72,13 +73,7 @@ class KVCacheCoordinator(FreeSteps):
         enable_partial_hits: bool = True,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
-        if scheduler_block_size % hash_block_size:
-            msg = (
-                f"hash_block_size={hash_block_size} must divide "
-                f"scheduler_block_size={scheduler_block_size}; resolve both with "
-                "kvcore.resolve_kv_cache_block_sizes"
-            )
-            raise BlockSizeError(msg)
+        check_hash_block(hash_block_size, scheduler_block_size)
         self.block_pool = BlockPool(
             kv_cache_config.num_blocks,
             enable_caching=enable_caching,
@@ -118,8 +113,7 @@ class KVCacheCoordinator(FreeSteps):
                 hit_alignment=self.cache_hit_alignment,
             ),
         )
-        managers = built.managers
-        self.single_type_managers: tuple[SingleTypeManager, ...] = managers
+        self.single_type_managers = managers = built.managers
         self._owners = built.owners
         self._plugin_manager = getattr(registry, "_pm", None)
         #: Each plugin's distribution, kept by a copy (which drops the

@@ -14,7 +14,6 @@ from kvcore.coordinator.checks import (
     check_hashing,
     check_manager_settings,
     check_same_request,
-    check_step_limits,
     check_tokens,
     checked_hit,
     not_a_request,
@@ -35,6 +34,9 @@ from kvcore.errors import (
 )
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
+
+#: The engine keywords' values when an engine passes none.
+_NO_ENGINE = (0, False, 0, 0, 0)
 
 __all__ = [
     "EngineStepKeywords",
@@ -258,30 +260,25 @@ class KVCacheManager(StepNeeds, EngineCalls):
         hit attached now, the tokens a KV connector loads, the new tokens
         and the lookahead slots.
 
-        :param num_new_computed_tokens: tokens of a prefix hit attached now
-            (from :meth:`get_computed_blocks`).
-        :param new_computed_blocks: the hit's blocks.
+        :param num_new_computed_tokens: tokens of a prefix hit attached now,
+            with its blocks ``new_computed_blocks`` (from
+            :meth:`get_computed_blocks`).
         :param num_lookahead_tokens: extra slots for speculative tokens.
         :param delay_cache_blocks: hash nothing this step (the blocks' KV
-            arrives later, e.g. an asynchronous connector load); call
-            :meth:`cache_blocks` once it has arrived.
-        :param engine: the engine's keywords, by name only (connector
-            loads, encoder tokens, whole-sequence admission, tokens in
-            flight, reserved blocks): see :class:`EngineStepKeywords`.
-        :returns: the newly allocated blocks per group, or ``None`` when the
-            pool cannot satisfy the step (nothing is changed then, the
-            request's status included); on success the request's status is
-            ``RUNNING``.
+            arrives later); call :meth:`cache_blocks` once it has arrived.
+        :param engine: the engine's keywords, by name only: see
+            :class:`EngineStepKeywords`.
+        :returns: the newly allocated blocks per group (the request's status
+            is then ``RUNNING``), or ``None`` when the pool cannot satisfy
+            the step: nothing is changed then, the status included.
         """
         if not isinstance(request, Request):
             raise not_a_request(request)
         rid = request.request_id
-        # The engine keywords travel in a dict so a step without them pays
-        # for no keyword-only defaults.
-        num_external_computed_tokens, full_sequence_must_fit, num_encoder = (
-            check_engine_keywords(self, request, engine) if engine else (0, False, 0)
+        # Engine keywords come in a dict: a step without them pays no defaults.
+        external, whole_sequence, num_encoder, num_in_flight, reserved = (
+            check_engine_keywords(self, request, engine) if engine else _NO_ENGINE
         )
-        num_in_flight, reserved = check_step_limits(rid, engine) if engine else (0, 0)
         computed = checked_hit(
             self,
             request,
@@ -289,10 +286,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
             num_new_computed_tokens,
             new_computed_blocks,
             num_lookahead_tokens,
-            num_external_computed_tokens,
+            external,
         )
         hit_end = request.num_computed_tokens + num_new_computed_tokens
-        num_computed = hit_end + num_external_computed_tokens
+        num_computed = hit_end + external
         num_tokens, cache_to = self._step_span(
             request,
             num_computed + num_new_tokens,
@@ -303,10 +300,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
         if held is not request and held is not None:
             check_same_request(self, held, request)
         # A live request (held) with no new hit grows; any other is admitted.
-        # Every group's table is sized by one rule at num_computed tokens:
-        # positions its kind skips are null, the others hold a block.  A
-        # running request first releases the blocks it no longer reads; a new
-        # one never takes them (see SingleTypeManager.num_skipped_blocks).
+        # Tables are sized at num_computed tokens: positions a kind skips are
+        # null (see SingleTypeManager.num_skipped_blocks).
         running = computed is None and held is not None
         attach: tuple[list[KVCacheBlock], ...] = ()
         # Copy-on-write sources of a partial hit (None: none, the usual case).
@@ -318,7 +313,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             attach, sources, held_sources, need = self._admission_need(
                 request, computed, (hit_end, num_computed), num_tokens, num_encoder
             )
-        if full_sequence_must_fit and not self._whole_sequence_fits(
+        if whole_sequence and not self._whole_sequence_fits(
             request, running, attach, num_encoder, held_sources
         ):
             return None
