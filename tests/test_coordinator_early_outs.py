@@ -1,7 +1,8 @@
 """The coordinator's early-outs: a ``cache_blocks`` call inside the
 request's cache span asks no manager, and a running step that no class
 grows, releases in or keys in returns at once.  Both rest on the managers'
-promise flags (``caches_at_chunk_ends``, ``grows_by_count``); with them,
+promise flags (``caches_at_chunk_ends``, ``grows_by_count``,
+``releases_by_count``); with them,
 a manager does exactly what it does with both early-outs turned off, and a
 step that raises leaves the spans as they were.
 """
@@ -27,6 +28,8 @@ from kvcore.errors import KvcoreError, PluginError
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
 from kvcore_mla import MLAAttentionSpec
+from kvcore_sliding_window import SlidingWindow, SlidingWindowSpec
+from kvcore_sliding_window.manager import SlidingWindowManager
 
 # -- a manager that counts (and may fail) its steps ----------------------------
 
@@ -77,10 +80,40 @@ def counted(block_size: int = 4) -> CountedSpec:
     )
 
 
+@attrs.frozen(kw_only=True)
+class CountedWindowSpec(SlidingWindowSpec):
+    kind: ClassVar[str] = "counted_window"
+
+
+class CountedWindowManager(SlidingWindowManager):
+    """A sliding window keeping its promises, counting its releases."""
+
+    releases_by_count: ClassVar[bool] = True
+
+    def release_twins(
+        self,
+        twins: Sequence[SingleTypeManager],
+        request_id: str,
+        num_computed_tokens: int,
+    ) -> None:
+        super().release_twins(twins, request_id, num_computed_tokens)
+        CountedManager.calls["release_twins"] = (
+            CountedManager.calls.get("release_twins", 0) + 1
+        )
+
+
+class CountedWindow(SlidingWindow):
+    name: ClassVar[str] = "counted_window"
+    spec_type = CountedWindowSpec
+    manager_type = CountedWindowManager
+
+
 @pytest.fixture
 def counting() -> Any:
     CountedManager.calls.clear()
-    registry = KindRegistry.from_kinds([*setup.builtin_kinds(), Counted()])
+    registry = KindRegistry.from_kinds(
+        [*setup.builtin_kinds(), Counted(), CountedWindow()]
+    )
     yield lambda specs, num_blocks: setup.small_manager(
         specs, num_blocks, registry=registry, enable_kv_cache_events=True
     )
@@ -147,6 +180,39 @@ def test_a_step_that_changes_nothing_returns_at_once(counting: Any) -> None:
     assert CountedManager.calls["allocate_twins"] == calls["allocate_twins"] + 2
 
 
+def test_a_step_that_releases_nothing_returns_at_once(counting: Any) -> None:
+    window = CountedWindowSpec(
+        block_size=4,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=setup.fa(4).dtype,
+        sliding_window=4,
+    )
+    mgr: KVCacheManager = counting([counted(), window], 32)
+    r = Request("r", list(range(1, 7)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 6) is not None
+    r.num_computed_tokens = 6
+    r.append_output_token_ids(7)
+    calls = dict(CountedManager.calls)
+    # At 6 computed tokens the window (4 tokens) reads from token 2 on:
+    # block 0 is still read, nothing is released, nothing grows or is
+    # keyed, so no manager is asked.
+    out = mgr.allocate_slots(r, 1)
+    assert out is not None
+    assert out.get_block_ids() == ([], [])
+    assert CountedManager.calls == calls
+    assert all(b != 0 for b in mgr.get_block_ids("r")[1])
+    for n, token in ((7, 8), (8, 9)):
+        r.num_computed_tokens = n
+        r.append_output_token_ids(token)
+        assert mgr.allocate_slots(r, 1) is not None
+    # At 8 computed tokens the window starts at token 4: block 0 of the
+    # window group is released (the null block takes its place).
+    assert CountedManager.calls["release_twins"] > calls.get("release_twins", 0)
+    assert mgr.get_block_ids("r")[1][0] == 0
+    assert mgr.get_block_ids("r")[0][0] != 0
+
+
 def test_overriding_a_step_drops_its_promise() -> None:
     class OwnCache(FullAttentionManager):
         def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -163,6 +229,12 @@ def test_overriding_a_step_drops_its_promise() -> None:
                 request_id, num_tokens, new_computed_blocks
             )
 
+    class OwnRelease(SlidingWindowManager):
+        def remove_skipped_blocks(
+            self, request_id: str, num_computed_tokens: int
+        ) -> None:
+            super().remove_skipped_blocks(request_id, num_computed_tokens)
+
     class Promised(OwnCache):
         caches_at_chunk_ends: ClassVar[bool] = True
 
@@ -178,6 +250,11 @@ def test_overriding_a_step_drops_its_promise() -> None:
     assert Promised.caches_at_chunk_ends
     assert Inherits.caches_at_chunk_ends
     assert Inherits.grows_by_count
+    assert SlidingWindowManager.releases_by_count
+    assert Inherits.releases_by_count
+    assert not OwnRelease.releases_by_count
+    assert OwnRelease.grows_by_count
+    assert CountedWindowManager.releases_by_count
 
 
 def test_a_rolled_back_step_puts_the_spans_back(counting: Any) -> None:

@@ -161,6 +161,14 @@ class KVCacheCoordinator(FreeSteps):
         # decision for the class), and a class whose run changed nothing
         # is passed over.
         self._skip_runs = twin_runs(managers, "skips_blocks")
+        #: The first manager of each run of skipping twins, when every
+        #: skipping manager keeps the ``releases_by_count`` promise (a step
+        #: may then ask them whether it releases anything), else None.
+        self._release_leads: tuple[SingleTypeManager, ...] | None = (
+            tuple(members[0] for _, members in self._skip_runs)
+            if all(m.releases_by_count for m in self.skipping)
+            else None
+        )
         self._cache_runs = twin_runs(managers, "caching")
         self._grow_runs = twin_runs(managers, "position_indexed")
         self._admit_runs = twin_runs(managers)
@@ -442,6 +450,23 @@ class KVCacheCoordinator(FreeSteps):
             num_computed_tokens,
         )
         self._changed(request_id, journal, mark)
+
+    def releases_nothing(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether releasing the blocks the request no longer reads at
+        ``num_computed_tokens`` would change nothing (False where a
+        skipping manager makes no promise, or answers anything but True)."""
+        leads = self._release_leads
+        if leads is None:
+            return False
+        lead = None
+        try:
+            for lead in leads:
+                if lead.releases_nothing(request_id, num_computed_tokens) is not True:
+                    return False
+        except Exception as exc:
+            gid = 0 if lead is None else lead.kv_cache_group_id
+            raise self.plugin_error(gid, "releases_nothing", exc) from exc
+        return True
 
     def _changed(self, request_id: str, journal: list[Any] | None, mark: int) -> None:
         """After a step that may have changed the request's tables: drop its

@@ -373,7 +373,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         if (
             running
             and not need
-            and not skipping
+            and (not skipping or coordinator.releases_nothing(rid, processed))
             and shed is None
             and held is request
             and coordinator.idle_steps

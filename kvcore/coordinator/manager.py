@@ -148,6 +148,13 @@ class SingleTypeManager:
     #: :meth:`allocate_new_blocks` or :meth:`allocate_twins` makes no such
     #: promise unless it sets this flag in its own body.
     grows_by_count: ClassVar[bool] = True
+    #: Whether :meth:`release_twins` releases and changes nothing for a
+    #: request when :meth:`releases_nothing` says so: the coordinator then
+    #: passes over a running request's step that no class grows, releases
+    #: or keys in.  A subclass that overrides :meth:`remove_skipped_blocks`
+    #: or :meth:`release_twins` makes no such promise unless it sets this
+    #: flag in its own body.
+    releases_by_count: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -211,7 +218,8 @@ class SingleTypeManager:
         its twins are stepped group by group through that override.  The
         one-group step of a class that does not override it runs the twin
         step it inherits over the group alone.  A promise flag
-        (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`) is dropped
+        (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`,
+        :attr:`releases_by_count`) is dropped
         where the class overrides a method it covers and does not set the
         flag itself."""
         super().__init_subclass__(**kwargs)
@@ -246,6 +254,18 @@ class SingleTypeManager:
         if not self.skips_blocks or num_computed_tokens <= 0:
             return 0
         return self.num_skipped_blocks(num_computed_tokens)
+
+    def releases_nothing(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether releasing at ``num_computed_tokens`` would leave the
+        request's table as it is: no position past those already released
+        (or never taken) is skipped yet.  The test :meth:`release_twins`
+        makes first; consulted only where :attr:`releases_by_count` is
+        set."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return True
+        last = min(self._skip(num_computed_tokens), len(blocks))
+        return last <= self.num_released.get(request_id, 0)
 
     # -- checkpoints ----------------------------------------------------------
 
@@ -723,12 +743,9 @@ class SingleTypeManager:
         positions it releases found once (twins hold tables of one shape and
         pin the same positions), each twin's blocks freed in group order.
         A subclass that changes what is released overrides this method."""
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
+        if self.releases_nothing(request_id, num_computed_tokens):
             return
-        last = min(self._skip(num_computed_tokens), len(blocks))
-        if last <= self.num_released.get(request_id, 0):
-            return
+        last = min(self._skip(num_computed_tokens), len(self.req_to_blocks[request_id]))
         positions = self._skipped(request_id, num_computed_tokens)
         self.record_twins(twins, request_id)
         for twin in twins:
@@ -827,6 +844,7 @@ _PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "grows_by_count",
         ("get_num_blocks_to_allocate", "allocate_new_blocks", "allocate_twins"),
     ),
+    ("releases_by_count", ("remove_skipped_blocks", "release_twins")),
 )
 
 #: (one-group step, twin step, the twin step through the one-group one).
