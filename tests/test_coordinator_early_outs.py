@@ -150,18 +150,26 @@ def test_a_cache_call_inside_the_span_asks_no_manager(counting: Any) -> None:
     assert mgr.coordinator.cache_spans == {}
 
 
-def test_a_step_that_changes_nothing_returns_at_once(counting: Any) -> None:
-    mgr: KVCacheManager = counting([counted()], 32)
+def _idle_seventh_token(mgr: KVCacheManager) -> tuple[Request, dict[str, int]]:
+    """Run a 6-token prompt, then the step of its 7th token, which fits the
+    blocks held and ends no chunk: it must ask no manager.  The request and
+    the calls counted before that step."""
     r = Request("r", list(range(1, 7)), hash_block_size=4)
     assert mgr.allocate_slots(r, 6) is not None
     r.num_computed_tokens = 6
     r.append_output_token_ids(7)
     calls = dict(CountedManager.calls)
-    # 7 tokens fit the 2 blocks held and no chunk ends: nothing is asked.
     out = mgr.allocate_slots(r, 1)
     assert out is not None
-    assert out.get_block_ids() == ([],)
+    assert out.get_block_ids() == tuple([] for _ in range(mgr.num_kv_cache_groups))
     assert CountedManager.calls == calls
+    return r, calls
+
+
+def test_a_step_that_changes_nothing_returns_at_once(counting: Any) -> None:
+    mgr: KVCacheManager = counting([counted()], 32)
+    # 7 tokens fit the 2 blocks held and no chunk ends: nothing is asked.
+    r, calls = _idle_seventh_token(mgr)
     r.num_computed_tokens = 7
     r.append_output_token_ids(8)
     # The 8th token ends a chunk: the step runs and caches inside it.
@@ -189,18 +197,10 @@ def test_a_step_that_releases_nothing_returns_at_once(counting: Any) -> None:
         sliding_window=4,
     )
     mgr: KVCacheManager = counting([counted(), window], 32)
-    r = Request("r", list(range(1, 7)), hash_block_size=4)
-    assert mgr.allocate_slots(r, 6) is not None
-    r.num_computed_tokens = 6
-    r.append_output_token_ids(7)
-    calls = dict(CountedManager.calls)
     # At 6 computed tokens the window (4 tokens) reads from token 2 on:
     # block 0 is still read, nothing is released, nothing grows or is
     # keyed, so no manager is asked.
-    out = mgr.allocate_slots(r, 1)
-    assert out is not None
-    assert out.get_block_ids() == ([], [])
-    assert CountedManager.calls == calls
+    r, calls = _idle_seventh_token(mgr)
     assert all(b != 0 for b in mgr.get_block_ids("r")[1])
     for n, token in ((7, 8), (8, 9)):
         r.num_computed_tokens = n
