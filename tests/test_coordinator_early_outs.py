@@ -213,6 +213,36 @@ def test_a_step_that_releases_nothing_returns_at_once(counting: Any) -> None:
     assert mgr.get_block_ids("r")[0][0] != 0
 
 
+def test_a_step_with_no_partial_key_due_returns_at_once() -> None:
+    registry = KindRegistry.from_kinds([*setup.builtin_kinds(), Counted()])
+    # 16-token blocks hashed every 4 tokens: a hit may end inside a block,
+    # so the group keys a partial key at every chunk end inside a block.
+    mgr = setup.manager_for(
+        [counted(16)], 8, scheduler_block_size=16, hash_block_size=4, registry=registry
+    )
+    assert mgr.coordinator.partial is not None
+    CountedManager.calls.clear()
+    try:
+        r = Request("r", list(range(1, 6)), hash_block_size=4)
+        assert mgr.allocate_slots(r, 5) is not None
+        assert mgr.block_pool.num_partial_keys == 0
+        keyed = []
+        for n in range(5, 13):
+            r.num_computed_tokens = n
+            r.append_output_token_ids(n + 1)
+            before = dict(CountedManager.calls)
+            assert mgr.allocate_slots(r, 1) is not None
+            keyed.append(mgr.block_pool.num_partial_keys)
+            asked = CountedManager.calls != before
+            # The step registers the chunk ends its computed tokens reach:
+            # 4 at 5 computed, 8 at 8, 12 at 12; the others ask no manager
+            # (and no chunk of the group's own keys ends in them).
+            assert asked == (n in (5, 7, 8, 11, 12)), n
+        assert keyed == [1, 1, 1, 2, 2, 2, 2, 3]
+    finally:
+        CountedManager.calls.clear()
+
+
 def test_overriding_a_step_drops_its_promise() -> None:
     class OwnCache(FullAttentionManager):
         def cache_blocks(self, request: Request, num_tokens: int) -> None:

@@ -622,8 +622,9 @@ class KVCacheCoordinator(FreeSteps):
 
     def keys_nothing(self, request: Request, num_tokens: int) -> bool:
         """Whether :meth:`cache_blocks` at ``num_tokens`` keys nothing: inside
-        the request's cache span, no partial keys (False where unknown)."""
-        if self.partial is not None:
+        the request's cache span, no partial key due (False where unknown)."""
+        partial = self.partial
+        if partial is not None and not partial.keys_nothing(request, num_tokens):
             return False
         spans = self.cache_spans
         if spans is None:

@@ -116,7 +116,7 @@ class PartialKeys:
     copy-on-write hits, how far each live request's partial keys are
     registered (so a step keys only its new chunk ends)."""
 
-    __slots__ = ("groups", "marks", "pool")
+    __slots__ = ("groups", "marks", "pool", "steps")
 
     def __init__(
         self, pool: BlockPool, groups: Sequence[tuple[SingleTypeManager, int]]
@@ -124,23 +124,39 @@ class PartialKeys:
         self.pool = pool
         #: ``(manager, unit)`` of every partial-hit group.
         self.groups = tuple(groups)
+        #: The groups' spacings of partial-key ends, in tokens (each once).
+        self.steps = tuple(
+            sorted({math.lcm(unit, m.hash_block_size) for m, unit in self.groups})
+        )
         #: request id -> tokens up to which its partial keys are registered.
         self.marks: dict[str, int] = {}
+
+    def _span(self, request: Request, num_tokens: int) -> tuple[int, int]:
+        """Where registering at ``num_tokens`` starts (the request's mark)
+        and ends: its computed, hashed tokens up to ``num_tokens``."""
+        top = min(
+            num_tokens,
+            request.num_computed_tokens,
+            len(request.block_hashes) * self.pool.hash_block_size,
+        )
+        return self.marks.get(request.request_id, 0), top
+
+    def keys_nothing(self, request: Request, num_tokens: int) -> bool:
+        """Whether :meth:`register` at ``num_tokens`` would key nothing: no
+        group's partial-key end lies past the request's mark and up to
+        ``num_tokens``.  Such a call may be passed over: a later one scans
+        from the same mark."""
+        mark, top = self._span(request, num_tokens)
+        return all(mark - mark % step + step > top for step in self.steps)
 
     def register(self, request: Request, num_tokens: int) -> None:
         """Register the partial keys of ``request``'s computed chunk ends
         below ``num_tokens`` (see :func:`register_partial_keys`)."""
         rid = request.request_id
-        hash_size = self.pool.hash_block_size
-        top = min(
-            num_tokens,
-            request.num_computed_tokens,
-            len(request.block_hashes) * hash_size,
-        )
-        marks = self.marks
-        mark = marks.get(rid, 0)
+        mark, top = self._span(request, num_tokens)
         if top <= mark:
             return
+        marks = self.marks
         for manager, unit in self.groups:
             register_partial_keys(manager, unit, request, mark, top)
         marks[rid] = top
