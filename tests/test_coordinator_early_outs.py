@@ -243,6 +243,50 @@ def test_a_step_with_no_partial_key_due_returns_at_once() -> None:
         CountedManager.calls.clear()
 
 
+class RaisingWindowManager(SlidingWindowManager):
+    """A window whose release rule raises once a request passes 6 tokens."""
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        if num_computed_tokens > 6:
+            msg = "plugin bug"
+            raise RuntimeError(msg)
+        return super().num_skipped_blocks(num_computed_tokens)
+
+
+def test_a_release_rule_that_raises_is_the_release_steps_failure() -> None:
+    @attrs.frozen(kw_only=True)
+    class RaisingSpec(SlidingWindowSpec):
+        kind: ClassVar[str] = "raising_window"
+
+    class Raising(SlidingWindow):
+        name: ClassVar[str] = "raising_window"
+        spec_type = RaisingSpec
+        manager_type = RaisingWindowManager
+
+    registry = KindRegistry.from_kinds([*setup.builtin_kinds(), Raising()])
+    window = RaisingSpec(
+        block_size=4,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=setup.fa(4).dtype,
+        sliding_window=8,
+    )
+    mgr = setup.small_manager([setup.fa(4), window], 32, registry=registry)
+    r = Request("r", list(range(1, 7)), hash_block_size=4)
+    assert mgr.allocate_slots(r, 6) is not None
+    r.num_computed_tokens = 7
+    r.append_output_token_ids(7)
+    r.append_output_token_ids(8)
+    tables = mgr.get_block_ids("r")
+    free = mgr.get_num_free_blocks()
+    with pytest.raises(PluginError, match="raised in remove_skipped_blocks") as info:
+        mgr.allocate_slots(r, 1)
+    assert "RaisingWindowManager of cache group 1" in str(info.value)
+    assert "plugin bug" in str(info.value)
+    assert mgr.get_block_ids("r") == tables
+    assert mgr.get_num_free_blocks() == free
+
+
 def test_overriding_a_step_drops_its_promise() -> None:
     class OwnCache(FullAttentionManager):
         def cache_blocks(self, request: Request, num_tokens: int) -> None:

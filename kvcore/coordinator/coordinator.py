@@ -464,8 +464,12 @@ class KVCacheCoordinator(FreeSteps):
                 if lead.releases_nothing(request_id, num_computed_tokens) is not True:
                     return False
         except Exception as exc:
+            # Asked on behalf of the release the step would run: reported as
+            # that step's failure (nothing has changed yet).
             gid = 0 if lead is None else lead.kv_cache_group_id
-            raise self.plugin_error(gid, "releases_nothing", exc) from exc
+            raise self.plugin_error(
+                gid, "remove_skipped_blocks (releases_nothing)", exc
+            ) from exc
         return True
 
     def _changed(self, request_id: str, journal: list[Any] | None, mark: int) -> None:
