@@ -65,14 +65,13 @@ _ENGINE_KEYWORDS = frozenset(EngineStepKeywords.__annotations__)
 def checked_hit(
     manager: Any,
     request: Request,
-    num_new_tokens: int,
-    num_new_computed_tokens: int,
     new_computed_blocks: KVCacheBlocks | None,
-    num_lookahead_tokens: int,
-    num_external: int,
+    counts: tuple[int, int, int, int],
 ) -> tuple[Sequence[KVCacheBlock], ...] | None:
-    """allocate_slots' counts and hit, checked: the hit's block lists,
-    or None when it attaches no block."""
+    """allocate_slots' counts (new, hit, lookahead and external tokens) and
+    hit, checked: the hit's block lists, or None when it attaches no
+    block."""
+    num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external = counts
     rid = request.request_id
     if (type(num_new_tokens) is not int or num_new_tokens <= 0) and not (
         num_new_tokens == 0

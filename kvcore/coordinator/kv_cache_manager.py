@@ -27,7 +27,7 @@ from kvcore.coordinator.engine_calls import (
 from kvcore.coordinator.locking import ManagerLock, locked_class
 from kvcore.coordinator.partial import BlockCopy
 from kvcore.coordinator.request import Request, RequestStatus
-from kvcore.coordinator.step_needs import StepNeeds
+from kvcore.coordinator.step_needs import StepNeed, StepNeeds
 from kvcore.errors import (
     InvalidRequestError,
     KvcoreTypeError,
@@ -254,23 +254,18 @@ class KVCacheManager(StepNeeds, EngineCalls):
         delay_cache_blocks: bool = False,
         **engine: Unpack[EngineStepKeywords],
     ) -> KVCacheBlocks | None:
-        """Give the request slots for ``num_new_tokens`` more tokens.
-
-        The table covers, in order: the tokens already computed, the prefix
-        hit attached now, the tokens a KV connector loads, the new tokens
-        and the lookahead slots.
+        """Give the request slots for ``num_new_tokens`` more tokens: its
+        table covers the computed tokens, the hit attached now, the tokens a
+        KV connector loads, the new tokens and the lookahead slots.
 
         :param num_new_computed_tokens: tokens of a prefix hit attached now,
-            with its blocks ``new_computed_blocks`` (from
-            :meth:`get_computed_blocks`).
+            with its blocks ``new_computed_blocks`` (get_computed_blocks').
         :param num_lookahead_tokens: extra slots for speculative tokens.
         :param delay_cache_blocks: hash nothing this step (the blocks' KV
             arrives later); call :meth:`cache_blocks` once it has arrived.
-        :param engine: the engine's keywords, by name only: see
-            :class:`EngineStepKeywords`.
-        :returns: the newly allocated blocks per group (the request's status
-            is then ``RUNNING``), or ``None`` when the pool cannot satisfy
-            the step: nothing is changed then, the status included.
+        :param engine: the engine's keywords, by name: :class:`EngineStepKeywords`.
+        :returns: the new blocks per group (the request is then ``RUNNING``),
+            or ``None`` when the pool cannot satisfy the step (nothing changes).
         """
         if not isinstance(request, Request):
             raise not_a_request(request)
@@ -282,85 +277,89 @@ class KVCacheManager(StepNeeds, EngineCalls):
         computed = checked_hit(
             self,
             request,
-            num_new_tokens,
-            num_new_computed_tokens,
             new_computed_blocks,
-            num_lookahead_tokens,
-            external,
+            (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, external),
         )
         hit_end = request.num_computed_tokens + num_new_computed_tokens
         num_computed = hit_end + external
-        num_tokens, cache_to = self._step_span(
-            request,
-            num_computed + num_new_tokens,
-            num_lookahead_tokens,
-            delay_cache_blocks,
-        )
+        num_tokens = num_computed + num_new_tokens
+        keyed = self.enable_caching and not delay_cache_blocks
+        cache_to = min(num_tokens, len(request.all_token_ids)) if keyed else -1
+        if num_lookahead_tokens or num_tokens > self.max_model_len:
+            num_tokens = self._with_lookahead(rid, num_tokens, num_lookahead_tokens)
         held = self._requests.get(rid)
         if held is not request and held is not None:
             check_same_request(self, held, request)
+        coordinator = self.coordinator
+        # Blocks are released only below the tokens no step in flight computes.
+        processed = num_computed - num_in_flight
         # A live request (held) with no new hit grows; any other is admitted.
-        # Tables are sized at num_computed tokens: positions a kind skips are
-        # null (see SingleTypeManager.num_skipped_blocks).
         running = computed is None and held is not None
-        attach: tuple[list[KVCacheBlock], ...] = ()
-        # Copy-on-write sources of a partial hit (None: none, the usual case).
-        sources: list[tuple[int, KVCacheBlock, int]] | None = None
-        held_sources = 0
-        if running:
-            need = self.coordinator.get_num_blocks_to_grow(rid, num_tokens)
-        else:
-            attach, sources, held_sources, need = self._admission_need(
+        if not running:
+            step = self._admission_need(
                 request, computed, (hit_end, num_computed), num_tokens, num_encoder
             )
-        if whole_sequence and not self._whole_sequence_fits(
-            request, running, attach, num_encoder, held_sources
-        ):
-            return None
+        else:
+            need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
+            skipping = bool(coordinator.skipping) and processed > 0
+            if (
+                not need
+                and held is request
+                and coordinator.idle_steps
+                and not whole_sequence
+                and reserved <= self.block_pool.free_queue.num_free
+                and (not skipping or coordinator.releases_nothing(rid, processed))
+                and (cache_to < 0 or coordinator.keys_nothing(request, cache_to))
+                and self.block_pool.journal is None
+            ):
+                # Nothing grows, is released or keyed: the step changes nothing
+                # (a step already open refuses it, in BlockPool.begin).
+                request.status = RequestStatus.RUNNING
+                return self.empty_kv_cache_blocks
+            step = ((), None, 0, need)
         return self._fit_and_run(
             request,
             held,
-            (running, need, held_sources, reserved),
-            (attach, sources, num_computed - num_in_flight, num_tokens, cache_to),
-            (num_encoder, hit_end),
+            step,
+            (running, processed, num_tokens, cache_to, reserved),
+            (num_encoder, hit_end, whole_sequence),
         )
 
     def _fit_and_run(
         self,
         request: Request,
         held: Request | None,
-        counts: tuple[bool, int, int, int],
-        step: tuple[
-            tuple[list[KVCacheBlock], ...],
-            list[tuple[int, KVCacheBlock, int]] | None,
-            int,
-            int,
-            int,
-        ],
-        tokens: tuple[int, int],
+        need: StepNeed,
+        span: tuple[bool, int, int, int, int],
+        tokens: tuple[int, int, bool],
     ) -> KVCacheBlocks | None:
-        """Run a step whose need is counted, if it fits: ``counts`` are
-        whether the request runs, the blocks it needs, how many partial-hit
-        sources leave the free queue and the blocks it must leave free;
-        ``step`` the admission blocks, the copy-on-write sources, the tokens
-        processed (released below), the tokens covered and the keyed end;
-        ``tokens`` the encoder tokens and where the hit ends.  None when the
-        pool cannot satisfy it (nothing changed)."""
-        running, need, held_sources, reserved = counts
-        attach, sources, processed, num_tokens, cache_to = step
-        num_encoder, num_hit_tokens = tokens
+        """Run a step whose need is counted, if it fits.  ``need``: the
+        admission blocks (``()`` for a running request, which grows), the
+        copy-on-write sources, how many of them leave the free queue and
+        the blocks the step takes; ``span``: whether the request runs (it
+        holds blocks and attaches no hit), the tokens processed (released
+        below), the tokens covered, the keyed end and the blocks it must
+        leave free; ``tokens``: the encoder tokens, where the hit ends and
+        whether the whole sequence must fit.  None when the pool cannot
+        satisfy it (nothing changed)."""
+        attach, sources, held_sources, num_needed = need
+        running, processed, num_tokens, cache_to, reserved = span
+        num_encoder, num_hit_tokens, whole_sequence = tokens
         rid = request.request_id
         coordinator = self.coordinator
+        if whole_sequence and not self._whole_sequence_fits(
+            request, running, attach, num_encoder, held_sources
+        ):
+            return None
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
-        # Released only below the tokens no step in flight still computes.
         skipping = running and bool(coordinator.skipping) and processed > 0
         free = self.block_pool.free_queue.num_free - reserved
         shed = None
-        if need > free and (
+        if num_needed > free and (
             not skipping
-            or need > free + coordinator.count_freeable_skipped(rid, processed)
+            or num_needed > free + coordinator.count_freeable_skipped(rid, processed)
         ):
             fits, shed = self._shed_to_fit(
                 rid,
@@ -370,21 +369,6 @@ class KVCacheManager(StepNeeds, EngineCalls):
             )
             if not fits:
                 return None
-        if (
-            running
-            and not need
-            and (not skipping or coordinator.releases_nothing(rid, processed))
-            and shed is None
-            and held is request
-            and coordinator.idle_steps
-            and (cache_to < 0 or coordinator.keys_nothing(request, cache_to))
-            and self.block_pool.journal is None
-        ):
-            # No class grows, nothing is released and no chunk ended: the
-            # step would change nothing (a step already open refuses it, in
-            # BlockPool.begin).
-            request.status = RequestStatus.RUNNING
-            return self.empty_kv_cache_blocks
         return self._run_step(
             request,
             held,

@@ -9,7 +9,7 @@ Nothing here changes the pool: a step is counted, then run (see
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvcore.coordinator.block_pool import KVCacheBlock
 from kvcore.coordinator.blocks import KVCacheBlocks
@@ -28,7 +28,17 @@ if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
     from kvcore.coordinator.manager import SingleTypeManager
 
-__all__ = ["StepNeeds"]
+__all__ = ["StepNeed", "StepNeeds"]
+
+#: What a step takes from the pool: every group's admission blocks (none for
+#: a running request), the copy-on-write sources of a partial hit (None:
+#: none), how many of them leave the free queue, and the blocks it needs.
+StepNeed: TypeAlias = tuple[
+    tuple[list[KVCacheBlock], ...],
+    list[tuple[int, KVCacheBlock, int]] | None,
+    int,
+    int,
+]
 
 
 class StepNeeds:
@@ -44,38 +54,28 @@ class StepNeeds:
     num_kv_cache_groups: int
     empty_kv_cache_blocks: KVCacheBlocks
 
-    def _step_span(
-        self,
-        request: Request,
-        num_tokens: int,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> tuple[int, int]:
-        """The tokens the request's tables cover after a step that ends at
-        ``num_tokens`` (lookahead slots included, up to ``max_model_len``),
-        and where its blocks are keyed up to (-1: nowhere)."""
-        rid = request.request_id
+    def _with_lookahead(
+        self, rid: str, num_tokens: int, num_lookahead_tokens: int
+    ) -> int:
+        """The tokens a step that ends at ``num_tokens`` covers with its
+        lookahead slots (up to ``max_model_len``); called only when it has
+        some, or ends past ``max_model_len`` (refused)."""
         if num_tokens > self.max_model_len:
             msg = (
                 f"request {rid!r} would hold {num_tokens} tokens, past "
                 f"max_model_len={self.max_model_len}; stop or truncate it first"
             )
             raise InvalidRequestError(msg)
-        cache_to = -1
-        if self.enable_caching and not delay_cache_blocks:
-            cache_to = min(num_tokens, len(request.all_token_ids))
-        if num_lookahead_tokens:
-            if self.coordinator.lookahead_refusers:
-                gid = self.coordinator.lookahead_refusers[0]
-                kind = self._managers[gid].kv_cache_spec.kind
-                msg = (
-                    f"request {rid!r}: group {gid} ({kind}) cannot hold "
-                    "speculative lookahead slots (its state sits at the last "
-                    "computed position); schedule without lookahead for this plan"
-                )
-                raise InvalidRequestError(msg)
-            num_tokens = min(num_tokens + num_lookahead_tokens, self.max_model_len)
-        return num_tokens, cache_to
+        if self.coordinator.lookahead_refusers:
+            gid = self.coordinator.lookahead_refusers[0]
+            kind = self._managers[gid].kv_cache_spec.kind
+            msg = (
+                f"request {rid!r}: group {gid} ({kind}) cannot hold "
+                "speculative lookahead slots (its state sits at the last "
+                "computed position); schedule without lookahead for this plan"
+            )
+            raise InvalidRequestError(msg)
+        return min(num_tokens + num_lookahead_tokens, self.max_model_len)
 
     def _whole_sequence_fits(
         self,
@@ -110,12 +110,7 @@ class StepNeeds:
         computed_tokens: tuple[int, int],
         num_tokens: int,
         num_encoder: int,
-    ) -> tuple[
-        tuple[list[KVCacheBlock], ...],
-        list[tuple[int, KVCacheBlock, int]] | None,
-        int,
-        int,
-    ]:
+    ) -> StepNeed:
         """What admitting ``request`` attaches and needs: every group's
         admission blocks, the copy-on-write sources of a partial hit (None:
         none), how many of them leave the free queue, and the blocks the
