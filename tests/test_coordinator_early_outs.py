@@ -102,6 +102,17 @@ class CountedWindowManager(SlidingWindowManager):
         )
 
 
+def _window(spec_type: type[SlidingWindowSpec], window: int) -> Any:
+    """A one-head window layer of 4-token blocks, of ``spec_type``."""
+    return spec_type(
+        block_size=4,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=setup.fa(4).dtype,
+        sliding_window=window,
+    )
+
+
 class CountedWindow(SlidingWindow):
     name: ClassVar[str] = "counted_window"
     spec_type = CountedWindowSpec
@@ -189,14 +200,7 @@ def test_a_step_that_changes_nothing_returns_at_once(counting: Any) -> None:
 
 
 def test_a_step_that_releases_nothing_returns_at_once(counting: Any) -> None:
-    window = CountedWindowSpec(
-        block_size=4,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=setup.fa(4).dtype,
-        sliding_window=4,
-    )
-    mgr: KVCacheManager = counting([counted(), window], 32)
+    mgr: KVCacheManager = counting([counted(), _window(CountedWindowSpec, 4)], 32)
     # At 6 computed tokens the window (4 tokens) reads from token 2 on:
     # block 0 is still read, nothing is released, nothing grows or is
     # keyed, so no manager is asked.
@@ -264,13 +268,7 @@ def test_a_release_rule_that_raises_is_the_release_steps_failure() -> None:
         manager_type = RaisingWindowManager
 
     registry = KindRegistry.from_kinds([*setup.builtin_kinds(), Raising()])
-    window = RaisingSpec(
-        block_size=4,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=setup.fa(4).dtype,
-        sliding_window=8,
-    )
+    window = _window(RaisingSpec, 8)
     mgr = setup.small_manager([setup.fa(4), window], 32, registry=registry)
     r = Request("r", list(range(1, 7)), hash_block_size=4)
     assert mgr.allocate_slots(r, 6) is not None
