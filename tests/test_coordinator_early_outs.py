@@ -238,9 +238,10 @@ def test_a_step_with_no_partial_key_due_returns_at_once() -> None:
             assert mgr.allocate_slots(r, 1) is not None
             keyed.append(mgr.block_pool.num_partial_keys)
             asked = CountedManager.calls != before
-            # The step registers the chunk ends its computed tokens reach:
-            # 4 at 5 computed, 8 at 8, 12 at 12; the others ask no manager
-            # (and no chunk of the group's own keys ends in them).
+            # A step registers the partial keys its computed tokens reach (4
+            # at 5 computed, 8 at 8, 12 at 12), and the steps at 7 and 11
+            # key the full chunks ending at 8 and 12; the others ask no
+            # manager.
             assert asked == (n in (5, 7, 8, 11, 12)), n
         assert keyed == [1, 1, 1, 2, 2, 2, 2, 3]
     finally:

@@ -355,24 +355,17 @@ class KVCacheManager(StepNeeds, EngineCalls):
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
         skipping = running and bool(coordinator.skipping) and processed > 0
+        args = (running, skipping, attach, processed, num_tokens, cache_to, num_encoder)
         free = self.block_pool.free_queue.num_free - reserved
         shed = None
-        if num_needed > free and (
-            not skipping
-            or num_needed > free + coordinator.count_freeable_skipped(rid, processed)
-        ):
-            fits, shed = self._shed_to_fit(
-                rid,
-                (running, skipping, attach, processed, num_tokens, -1, num_encoder),
-                held_sources,
-                free,
-            )
+        if num_needed > free and not self._fits(rid, num_needed, free, args):
+            fits, shed = self._shed_to_fit(rid, args, held_sources, free)
             if not fits:
                 return None
         return self._run_step(
             request,
             held,
-            (running, skipping, attach, processed, num_tokens, cache_to, num_encoder),
+            args,
             sources,
             shed,
             num_hit_tokens,

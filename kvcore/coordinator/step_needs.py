@@ -147,6 +147,22 @@ class StepNeeds:
             need += held_sources
         return attach, sources, held_sources, need
 
+    def _fits(
+        self,
+        rid: str,
+        need: int,
+        free: int,
+        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int, int],
+    ) -> bool:
+        """Whether a step needing ``need`` blocks fits in ``free``: a running
+        request that skips (``args``: the step's, see ``_run_step``) counts
+        the blocks its release would return as free."""
+        skipping, processed = args[1], args[3]
+        return need <= free or (
+            skipping
+            and need <= free + self.coordinator.count_freeable_skipped(rid, processed)
+        )
+
     def _shed_to_fit(
         self,
         rid: str,
@@ -160,7 +176,7 @@ class StepNeeds:
         for others).  Whether it fits now, and what was shed; a step that
         still does not fit gets its checkpoints back (and an admission
         forgets those it planned)."""
-        running, skipping, attach, processed, num_tokens, _, num_encoder = args
+        running, _, attach, _, num_tokens, _, num_encoder = args
         coordinator = self.coordinator
         shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
         if shed is not None:
@@ -173,10 +189,7 @@ class StepNeeds:
                     )
                     + held_sources
                 )
-            if need <= free or (
-                skipping
-                and need <= free + coordinator.count_freeable_skipped(rid, processed)
-            ):
+            if self._fits(rid, need, free, args):
                 return True, shed
             coordinator.restore_checkpoints(rid, shed)
         if not running and coordinator.planning:
