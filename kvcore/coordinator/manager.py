@@ -261,11 +261,17 @@ class SingleTypeManager:
         (or never taken) is skipped yet.  The test :meth:`release_twins`
         makes first; consulted only where :attr:`releases_by_count` is
         set."""
+        return self._release_line(request_id, num_computed_tokens) < 0
+
+    def _release_line(self, request_id: str, num_computed_tokens: int) -> int:
+        """The table position below which releasing at
+        ``num_computed_tokens`` leaves the null block, or -1 when that
+        releases nothing new."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
-            return True
+            return -1
         last = min(self._skip(num_computed_tokens), len(blocks))
-        return last <= self.num_released.get(request_id, 0)
+        return last if last > self.num_released.get(request_id, 0) else -1
 
     # -- checkpoints ----------------------------------------------------------
 
@@ -743,9 +749,9 @@ class SingleTypeManager:
         positions it releases found once (twins hold tables of one shape and
         pin the same positions), each twin's blocks freed in group order.
         A subclass that changes what is released overrides this method."""
-        if self.releases_nothing(request_id, num_computed_tokens):
+        last = self._release_line(request_id, num_computed_tokens)
+        if last < 0:
             return
-        last = min(self._skip(num_computed_tokens), len(self.req_to_blocks[request_id]))
         positions = self._skipped(request_id, num_computed_tokens)
         self.record_twins(twins, request_id)
         for twin in twins:
