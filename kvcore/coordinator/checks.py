@@ -342,8 +342,9 @@ def _check_keys(
     last_chunk: int,
 ) -> None:
     """Every block of one group's hit (``group``: its id, manager, pool and
-    blocks) still holds the request's prefix (its key; for the copy source at index ``copy_at``, -1 for none, the
-    partial key of chunk ``last_chunk``)."""
+    blocks) still holds the request's prefix: its key, or for the copy
+    source at index ``copy_at`` (-1: none) the partial key of chunk
+    ``last_chunk``."""
     gid, manager, pool, blocks = group
     rid = request.request_id
     chunks = request.block_hashes
