@@ -7,7 +7,7 @@ import pytest
 import torch
 from budgets import budget
 from coordinator_setup import builtin_registry
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvcore
@@ -112,6 +112,33 @@ def layer_mixes(draw: st.DrawFn) -> dict[str, kvcore.KVCacheSpec]:
     return specs
 
 
+def _narrow_window_and_full_layers() -> dict[str, kvcore.KVCacheSpec]:
+    """One window layer and nine full layers of one narrow head: ``seed``'s
+    ten groups and ``min_waste``'s two hold equal bytes per request."""
+    specs: dict[str, kvcore.KVCacheSpec] = {"w62.0": _window(992, heads=1)}
+    return specs | {f"f{i}": _full(heads=1) for i in range(9)}
+
+
+def test_a_tie_per_byte_goes_to_the_plan_holding_more_at_this_memory() -> None:
+    # At 2**28 bytes: seed's 32,768 blocks of 8,192 B, 630 a request, hold
+    # 1 + (32,767 - 630) // 630 = 52; min_waste's two groups (3,640 blocks of
+    # 73,728 B, 70 a request) hold 1 + (3,639 - 70) // 70 = 51, as the null
+    # block and the remainder cost a stride nine times wider.
+    specs = _narrow_window_and_full_layers()
+    got = _capacities(specs, 1000, 2**28, cap=2)
+    (seed, seed_groups), (best, best_groups) = got["seed"], got["min_waste"]
+    assert (seed.concurrency, seed_groups) == (52, 10)
+    assert (best.concurrency, best_groups) == (52, 10)
+    assert best.bytes_per_request == seed.bytes_per_request
+    # With ample memory the wider stride costs nothing: the fewer groups stay.
+    ample = _capacities(specs, 1000, 2**34, cap=2)["min_waste"]
+    assert ample[1] == 2
+    assert (
+        ample[0].concurrency
+        >= _capacities(specs, 1000, 2**34, cap=2)["seed"][0].concurrency
+    )
+
+
 @budget(quick=25, full=150)
 def test_min_waste_is_never_below_seed(examples: int) -> None:
     @settings(
@@ -120,6 +147,7 @@ def test_min_waste_is_never_below_seed(examples: int) -> None:
         derandomize=examples < 150 or settings.default.derandomize,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+    @example(_narrow_window_and_full_layers(), 1000, 2, False, 28)
     @given(
         layer_mixes(),
         st.sampled_from([1000, 4096, 4097, 32768]),
