@@ -165,45 +165,77 @@ class KVCachePool:
                 self.views[name] = checked_view(spec, name, raw, view, buffer)
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
-        """Run copy-on-write block copies (``KVCacheBlocks.copies``), in
+        """Run copy-on-write block copies (``KVCacheBlocks.copies``) as if in
         order: for every layer of the copy's group, the whole page of block
         ``src_block_id`` into block ``dst_block_id`` (the slots past
         ``num_tokens`` are overwritten by the request later).  Works on the
         raw page of each layer, so every layout, packing, kernel-block split
         and host-resident tensor is copied alike.  Run them before the
-        step's forward pass."""
-        groups = self.config.kv_cache_groups
-        num_blocks = self.config.num_blocks
-        for i, copy in enumerate(copies):
-            gid = getattr(copy, "group_id", None)
-            src = getattr(copy, "src_block_id", None)
-            dst = getattr(copy, "dst_block_id", None)
-            if type(gid) is not int or not 0 <= gid < len(groups):
-                msg = (
-                    f"copies[{i}].group_id is {gid!r}; it must name one of the "
-                    f"plan's {len(groups)} cache groups (pass the copies "
-                    "allocate_slots returned)"
-                )
-                raise KvcoreValueError(msg)
-            for field, block in (("src_block_id", src), ("dst_block_id", dst)):
-                if type(block) is not int or not 0 < block < num_blocks:
-                    msg = (
-                        f"copies[{i}].{field} is {block!r}; it must be a block id "
-                        f"in 1..{num_blocks - 1} (block 0 is the null block)"
-                    )
-                    raise KvcoreValueError(msg)
-            assert type(src) is int
-            assert type(dst) is int
+        step's forward pass.
+
+        Every copy is checked before any runs, so a refused call copies
+        nothing.  Copies run in batches of one gather and one scatter per
+        layer (a step admitting many partial hits would otherwise launch one
+        copy per layer per block); a batch ends where a copy reads or writes
+        a block an earlier copy of the batch wrote, so the result is the
+        in-order one."""
+        checked = [self._checked_copy(i, copy) for i, copy in enumerate(copies)]
+        batch: dict[int, tuple[list[int], list[int]]] = {}
+        written: set[int] = set()
+        for gid, src, dst in checked:
             if src == dst:
                 continue
+            if src in written or dst in written:
+                self._copy_batch(batch)
+                batch, written = {}, set()
+            srcs, dsts = batch.setdefault(gid, ([], []))
+            srcs.append(src)
+            dsts.append(dst)
+            written.add(dst)
+        self._copy_batch(batch)
+
+    def _checked_copy(self, i: int, copy: object) -> tuple[int, int, int]:
+        """``copies[i]`` as ``(group_id, src, dst)``, or a clear error."""
+        groups = self.config.kv_cache_groups
+        num_blocks = self.config.num_blocks
+        gid = getattr(copy, "group_id", None)
+        if type(gid) is not int or not 0 <= gid < len(groups):
+            msg = (
+                f"copies[{i}].group_id is {gid!r}; it must name one of the "
+                f"plan's {len(groups)} cache groups (pass the copies "
+                "allocate_slots returned)"
+            )
+            raise KvcoreValueError(msg)
+        ids = []
+        for field in ("src_block_id", "dst_block_id"):
+            block = getattr(copy, field, None)
+            if type(block) is not int or not 0 < block < num_blocks:
+                msg = (
+                    f"copies[{i}].{field} is {block!r}; it must be a block id "
+                    f"in 1..{num_blocks - 1} (block 0 is the null block)"
+                )
+                raise KvcoreValueError(msg)
+            ids.append(block)
+        return gid, ids[0], ids[1]
+
+    def _copy_batch(self, batch: dict[int, tuple[list[int], list[int]]]) -> None:
+        """Copies no two of which touch a block another writes: per layer,
+        gather every source page, then scatter them to their destinations."""
+        groups = self.config.kv_cache_groups
+        for gid, (srcs, dsts) in batch.items():
+            index: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
             for name in groups[gid].layer_names:
                 found = self._raws.get(name)
                 if found is None:
                     continue  # a layer with no tensor in this plan
                 raw, ratio = found
-                raw[dst * ratio : (dst + 1) * ratio].copy_(
-                    raw[src * ratio : (src + 1) * ratio]
-                )
+                key = (raw.device, ratio)
+                if key not in index:
+                    index[key] = tuple(
+                        _kernel_rows(ids, ratio, raw.device) for ids in (srcs, dsts)
+                    )
+                src_rows, dst_rows = index[key]
+                raw.index_copy_(0, dst_rows, raw.index_select(0, src_rows))
 
     def raw_view(self, layer: str) -> torch.Tensor:
         """Layer ``layer``'s pages as raw bytes: the ``uint8`` view of the
@@ -378,6 +410,15 @@ class ByteRegion:
     def describe(self) -> str:
         dims = ", ".join(f"{d} x {s} B" for d, s in self.dims)
         return f"from byte {self.start}: [{dims}] runs of {self.run} B"
+
+
+def _kernel_rows(blocks: list[int], ratio: int, device: torch.device) -> torch.Tensor:
+    """The rows of a raw page grid (``ratio`` kernel blocks a block) that
+    hold ``blocks``, in order."""
+    rows = torch.tensor(blocks, dtype=torch.int64)
+    if ratio != 1:
+        rows = (rows[:, None] * ratio + torch.arange(ratio)).reshape(-1)
+    return rows.to(device)
 
 
 def _declared_dtypes(spec: KVCacheSpec, count: int) -> list[torch.dtype] | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore import (
     CacheConfig,
@@ -676,6 +678,73 @@ def test_copy_blocks_refuses_a_bad_copy() -> None:
         pool.copy_blocks([BlockCopy(9, 1, 2, 4)])
     with pytest.raises(KvcoreValueError, match="dst_block_id"):
         pool.copy_blocks([BlockCopy(0, 1, 0, 4)])
+
+
+def _random_pool(config: KVCacheConfig, **kwargs: object) -> KVCachePool:
+    pool = KVCachePool(config, **kwargs)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(3)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, generator=gen))
+    return pool
+
+
+def test_copy_blocks_runs_chained_copies_in_order() -> None:
+    """A copy reading a block an earlier copy wrote reads the new page; two
+    copies into one block leave the later one's page."""
+    from kvcore.coordinator import BlockCopy
+
+    pool = _random_pool(_plan())
+    raw = pool.raw_view("full.0")
+    one, two = raw[1].clone(), raw[2].clone()
+    pool.copy_blocks([BlockCopy(0, 1, 3, 4), BlockCopy(0, 3, 4, 4)])
+    assert torch.equal(raw[3], one)
+    assert torch.equal(raw[4], one)
+    pool.copy_blocks([BlockCopy(0, 1, 5, 4), BlockCopy(0, 2, 5, 4)])
+    assert torch.equal(raw[5], two)
+    # A swap written as two copies: the second reads what the first wrote.
+    pool.copy_blocks([BlockCopy(0, 1, 2, 4), BlockCopy(0, 2, 1, 4)])
+    assert torch.equal(raw[1], one)
+    assert torch.equal(raw[2], one)
+
+
+def test_a_refused_copy_blocks_call_copies_nothing() -> None:
+    from kvcore.coordinator import BlockCopy
+
+    pool = _random_pool(_plan())
+    before = pool.buffer.clone()
+    with pytest.raises(KvcoreValueError, match=r"copies\[2\]\.src_block_id"):
+        pool.copy_blocks(
+            [BlockCopy(0, 1, 2, 4), BlockCopy(1, 3, 4, 4), BlockCopy(0, 0, 5, 4)]
+        )
+    assert torch.equal(pool.buffer, before)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@given(
+    copies=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 5), st.integers(1, 5)),
+        max_size=12,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_copy_blocks_in_one_call_equals_one_call_a_copy(
+    kernel: bool, copies: list[tuple[int, int, int]]
+) -> None:
+    """Batched copies give the bytes the copies give one call at a time, in
+    every group, with and without kernel blocks."""
+    from kvcore.coordinator import BlockCopy
+
+    if kernel:
+        config, kwargs = _full_plan("LBNHC"), {"kernel_block_sizes": [8]}
+        copies = [(0, 1 + s % 3, 1 + d % 3) for _, s, d in copies]
+    else:
+        config, kwargs = _plan(), {}
+        groups = len(config.kv_cache_groups)
+        copies = [(g % groups, s, d) for g, s, d in copies]
+    batched, alone = _random_pool(config, **kwargs), _random_pool(config, **kwargs)
+    batched.copy_blocks([BlockCopy(g, s, d, 1) for g, s, d in copies])
+    for g, s, d in copies:
+        alone.copy_blocks([BlockCopy(g, s, d, 1)])
+    assert torch.equal(batched.buffer, alone.buffer)
 
 
 @cuda
