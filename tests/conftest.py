@@ -44,6 +44,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     kvcore.default_registry.cache_clear()
 
 
+@pytest.fixture(autouse=True)
+def _plain_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output is read as a pipe's, whatever terminal the suite runs in: no
+    width or colour the environment forces (a test that means one sets it)."""
+    for name in ("COLUMNS", "LINES", "FORCE_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session")
 def builtin_registry() -> kvcore.KindRegistry:
     """kvcore's built-in kinds only, whatever is installed: for tests that do

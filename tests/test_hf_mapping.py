@@ -393,15 +393,13 @@ def test_the_docs_list_every_built_in_mapper() -> None:
 
 
 def test_plan_from_a_config_json_matches_the_shipped_file(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The CLI planned from Gemma-3-27B's config.json gives the shipped
     file's answer (62 requests of 32k on two H100s at fp8, hand-worked in
     test_cli.py)."""
     from kvcore.tools.cli import main
 
-    # The headline is one line whatever the terminal this runs in says.
-    monkeypatch.setenv("COLUMNS", "160")
     args = [
         "--gpu",
         "H100",
