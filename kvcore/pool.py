@@ -176,21 +176,26 @@ class KVCachePool:
         Every copy is checked before any runs, so a refused call copies
         nothing.  Copies run in batches of one gather and one scatter per
         layer (a step admitting many partial hits would otherwise launch one
-        copy per layer per block); a batch ends where a copy reads or writes
-        a block an earlier copy of the batch wrote, so the result is the
-        in-order one."""
+        copy per layer per block); a batch ends before a copy that reads a
+        block an earlier copy of the batch wrote or writes one it read or
+        wrote, so the result is the in-order one."""
         checked = [self._checked_copy(i, copy) for i, copy in enumerate(copies)]
         batch: dict[int, tuple[list[int], list[int]]] = {}
+        read: set[int] = set()
         written: set[int] = set()
         for gid, src, dst in checked:
             if src == dst:
                 continue
-            if src in written or dst in written:
+            if src in written or dst in written or dst in read:
+                # Groups overlay one another's bytes and a batch runs group
+                # by group: a block read or written earlier in the batch is
+                # written only in the next one.
                 self._copy_batch(batch)
-                batch, written = {}, set()
+                batch, read, written = {}, set(), set()
             srcs, dsts = batch.setdefault(gid, ([], []))
             srcs.append(src)
             dsts.append(dst)
+            read.add(src)
             written.add(dst)
         self._copy_batch(batch)
 
@@ -414,10 +419,18 @@ class ByteRegion:
 
 def _kernel_rows(blocks: list[int], ratio: int, device: torch.device) -> torch.Tensor:
     """The rows of a raw page grid (``ratio`` kernel blocks a block) that
-    hold ``blocks``, in order."""
+    hold ``blocks``, in order, on ``device``.
+
+    A CUDA device gets them from pinned memory without blocking: a copy from
+    pageable memory would wait for the work already queued on the device,
+    stalling the engine's host thread before its forward pass."""
     rows = torch.tensor(blocks, dtype=torch.int64)
     if ratio != 1:
         rows = (rows[:, None] * ratio + torch.arange(ratio)).reshape(-1)
+    if device.type == "cpu":
+        return rows
+    if device.type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True)
     return rows.to(device)
 
 
