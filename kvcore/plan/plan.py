@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import attrs
-
 from kvcore.config import CacheConfig, EngineConfig
-from kvcore.errors import KvcoreError, PlanError, require_instance
+from kvcore.errors import PlanError, require_instance
 from kvcore.limits import MAX_NUM_BLOCKS
 from kvcore.plan.block_sizes import resolve_block_sizes
-from kvcore.plan.capacity import min_blocks_for_one_request, mix_capacity, plan_capacity
+from kvcore.plan.capacity import min_blocks_for_one_request
 from kvcore.plan.declarations import check_spec_answers
 from kvcore.plan.grouping import get_kv_cache_groups
 from kvcore.plan.placement import (
@@ -183,54 +181,6 @@ def plan_kv_cache(
     require_instance(config, EngineConfig, "plan_kv_cache: config")
     groups = get_kv_cache_groups(config, specs, registry=registry)
     plan = get_kv_cache_config_from_groups(config, groups, available_memory)
-    if config.cache_config.packing_policy != "seed":
-        plan = _no_fewer_than_seed(config, specs, plan, available_memory, registry)
-        groups = plan.kv_cache_groups
     if groups:
         _check_fits_one_request(config, groups, plan.num_blocks, plan.bytes_per_block)
     return plan
-
-
-def _no_fewer_than_seed(
-    config: EngineConfig,
-    specs: Mapping[str, KVCacheSpec],
-    plan: KVCacheConfig,
-    available_memory: int,
-    registry: KindRegistry | None,
-) -> KVCacheConfig:
-    """``seed``'s grouping where, sized for this memory, it holds more
-    requests of the target than ``plan`` does.
-
-    Grouping policies compare plans per byte, without the memory: two plans
-    of equal bytes per request tie, and the tie goes to fewer groups.  But
-    the null block, the memory's remainder and the prefill peak each cost
-    whole blocks, and a plan of fewer, wider groups pays them in a wider
-    stride: at a small memory it can hold one request fewer than ``seed``.
-    Only here is the memory known, so only here can that be settled.
-    """
-    seed_config = attrs.evolve(
-        config,
-        cache_config=attrs.evolve(config.cache_config, packing_policy="seed"),
-    )
-    try:
-        seed_groups = get_kv_cache_groups(seed_config, specs, registry=registry)
-        if seed_groups == plan.kv_cache_groups:
-            return plan
-        seed = get_kv_cache_config_from_groups(config, seed_groups, available_memory)
-        if _held(seed, config) > _held(plan, config):
-            return seed
-    except KvcoreError:
-        # seed cannot plan this model or memory, or the target is not one
-        # a capacity is defined for: the policy's plan stands.
-        pass
-    return plan
-
-
-def _held(plan: KVCacheConfig, config: EngineConfig) -> tuple[int, float]:
-    """Requests of the plan's target it holds, then its unreserved share."""
-    mix = config.cache_config.target_lengths
-    if mix is not None:
-        got = mix_capacity(plan, mix)
-        return got.concurrency, got.unreserved_concurrency
-    one = plan_capacity(plan, config.resolved_target_context())
-    return one.concurrency, one.unreserved_concurrency

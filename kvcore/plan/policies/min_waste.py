@@ -13,8 +13,12 @@ fewest groups whose widest fits the stride, jointly with a block-size growth
 factor where its kind declares one (:meth:`KVCacheSpec.grown`).  The stride
 and choices with the fewest bytes per request win.  Plans within
 :data:`TIE_TOLERANCE` of the best are ties and go to fewer groups, then to
-fewer bytes and the narrower stride, but never to a plan that holds fewer
-requests than ``seed`` would.
+fewer bytes and the narrower stride, but never to a plan that needs more
+bytes per request than ``seed``.  The memory is not known here, and the
+grouping must not depend on it (every rank of an engine plans the same
+groups): at one memory a tie of fewer, wider groups can hold fewer requests
+than ``seed`` by what its wider stride rounds away (the null block and the
+prefill peak are paid in whole strides), never more.
 
 No plan has more than ``CacheConfig.max_kv_cache_groups`` groups (each costs
 the scheduler a block table and a manager), with two exceptions that both
