@@ -100,8 +100,8 @@ class CacheConfig:
     :param max_kv_cache_groups: the most groups ``min_waste`` may plan (each
         costs the scheduler a block table and a manager per step); a model
         with more buckets gets one group a bucket, and where ``seed`` plans
-        more groups, ``min_waste`` may plan as many (it never holds fewer
-        requests than ``seed``).
+        more groups, ``min_waste`` may plan as many (it never needs more
+        bytes per request than ``seed``).
     :param max_block_growth: the largest factor ``min_waste`` may grow a
         kind's block size by (1: keep the model's block sizes).  Larger blocks
         fill strides that large states force, but prefix hits become

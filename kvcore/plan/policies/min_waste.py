@@ -22,7 +22,7 @@ prefill peak are paid in whole strides), never more.
 
 No plan has more than ``CacheConfig.max_kv_cache_groups`` groups (each costs
 the scheduler a block table and a manager), with two exceptions that both
-keep ``min_waste`` from holding fewer requests than ``seed``: a model with
+keep ``min_waste`` from needing more bytes per request than ``seed``: a model with
 more buckets than the cap gets one group a bucket at least (no fewer can
 hold it), and where ``seed``'s own plan has more groups than the cap, the
 cap rises to that count.  ``seed`` is the reference engine's grouping, which
