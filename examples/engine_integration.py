@@ -130,7 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         # Chunked prefill in whole scheduler blocks: a recurrent state is
         # cached where a step ends, so steps end on block boundaries.
         chunk = 4 * block
-        shared = [(7 * i) % 50_000 + 1 for i in range(12 * block)]  # a system prompt
+        # A system prompt of up to 12 scheduler blocks, leaving room in
+        # max_model_len for each question and three decode steps.
+        num_shared = min(12, (args.max_model_len - 8) // block)
+        if num_shared < 1:
+            msg = (
+                f"--max-model-len {args.max_model_len} holds no shared prompt of "
+                f"one {block}-token scheduler block and a question; pass at least "
+                f"{block + 8}"
+            )
+            raise SystemExit(msg)
+        shared = [(7 * i) % 50_000 + 1 for i in range(num_shared * block)]
         hits = []
         for i, question in enumerate(([11, 12, 13], [21, 22, 23, 24])):
             request = Request(
