@@ -98,6 +98,9 @@ def test_remove_skipped_blocks_checks_its_request_and_count() -> None:
         mgr.remove_skipped_blocks(a, -1)
     with pytest.raises(InvalidRequestError, match="num_in_flight_tokens must be"):
         mgr.allocate_slots(a, 1, num_in_flight_tokens=-1)
+    # Past the 20 computed tokens: it would release what the next step reads.
+    with pytest.raises(InvalidRequestError, match="past the 20 tokens it has computed"):
+        mgr.remove_skipped_blocks(a, 400)
     assert mgr.get_block_ids("A") == ([1, 2, 3, 4, 5],)
 
 
@@ -199,6 +202,25 @@ def test_deferred_free_holds_blocks_until_released() -> None:
     with pytest.raises(InvalidRequestError):
         mgr.release_blocks(blocks)
     assert mgr.get_num_free_blocks() == 9
+
+
+def test_a_list_released_twice_is_refused_once_its_blocks_are_reused() -> None:
+    mgr = manager([setup.fa(4)], 4)
+    a = req("A", range(1, 9))
+    assert mgr.allocate_slots(a, 8) is not None
+    blocks = mgr.pop_blocks_for_free(a)
+    mgr.release_blocks(blocks)
+    # B takes every block, A's two among them: a second release of A's
+    # list would drop B's references.
+    b = req("B", range(100, 112))
+    assert mgr.allocate_slots(b, 12) is not None
+    assert mgr.get_num_free_blocks() == 0
+    with pytest.raises(InvalidRequestError, match="not held for release"):
+        mgr.release_blocks(blocks)
+    with pytest.raises(InvalidRequestError, match="not held for release"):
+        mgr.release_blocks(mgr.get_blocks("B").blocks[0])
+    assert mgr.get_num_free_blocks() == 0
+    assert mgr.get_block_ids("B") == ([3, 2, 1],)
 
 
 # -- bounded lookups ------------------------------------------------------------------

@@ -10,6 +10,7 @@ leaves the pool, the tables and the keys as they were.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -66,6 +67,7 @@ class EngineCalls:
     block_pool: BlockPool
     coordinator: KVCacheCoordinator
     _requests: dict[str, Request]
+    _popped: Counter[int]
     prefix_cache_stats: PrefixCacheStats
     enable_caching: bool
 
@@ -103,7 +105,15 @@ class EngineCalls:
         check_tokens(
             f"remove_skipped_blocks for request {rid!r}: num_tokens", num_tokens
         )
-        self._require_live(rid)
+        held = self._require_live(rid)
+        if num_tokens > held.num_computed_tokens:
+            msg = (
+                f"remove_skipped_blocks for request {rid!r}: num_tokens={num_tokens} "
+                f"is past the {held.num_computed_tokens} tokens it has computed, so "
+                "it would release blocks its next step reads; pass the tokens whose "
+                "steps have completed (at most num_computed_tokens)"
+            )
+            raise InvalidRequestError(msg)
         coordinator = self.coordinator
         if not coordinator.skipping or not num_tokens:
             return
@@ -117,6 +127,7 @@ class EngineCalls:
         blocks: list[KVCacheBlock] = self._finish(
             request, self.coordinator.pop_for_free
         )
+        self._popped.update(b.block_id for b in blocks if not b.is_null)
         return blocks
 
     def _finish(self, request: Request | str, call: Any) -> Any:
@@ -137,7 +148,8 @@ class EngineCalls:
     def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Return the blocks :meth:`pop_blocks_for_free` handed out to the
         pool, each list once (tail first; cached prefixes stay cached).  A
-        block released twice is refused and nothing changes."""
+        block released twice, or never handed out, is refused and nothing
+        changes, even once the pool has given it to another request."""
         given: object = blocks  # checked: engines pass anything
         if not isinstance(given, (list, tuple)) or not all(
             owned(self.block_pool.blocks, b) for b in given
@@ -147,7 +159,21 @@ class EngineCalls:
                 "(blocks of this manager's pool)"
             )
             raise KvcoreTypeError(msg)
+        listed = Counter(b.block_id for b in blocks if not b.is_null)
+        popped = self._popped
+        extra = sorted(i for i, n in listed.items() if n > popped[i])
+        if extra:
+            msg = (
+                f"release_blocks: blocks {extra[:8]} are not held for release: "
+                "this list was released already, or pop_blocks_for_free did not "
+                "hand them out; pass each list it returned once"
+            )
+            raise InvalidRequestError(msg)
         self._guarded(self.block_pool.free_table, blocks)
+        popped.subtract(listed)
+        for block_id in listed:
+            if not popped[block_id]:
+                del popped[block_id]
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-hit statistics since the last call (or since the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar, Self, Unpack
 
@@ -144,6 +145,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
         #: The request object of each live id (one holding blocks), so
         #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
+        #: Block id -> listings pop_blocks_for_free handed out and
+        #: release_blocks has not taken back: a list released twice is
+        #: refused even once its blocks were handed out again.
+        self._popped: Counter[int] = Counter()
         #: The re-entrant lock every public method of a thread-safe manager
         #: holds (hold it around a lookup and the allocation that uses its
         #: hit), else None.
