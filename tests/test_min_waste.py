@@ -440,6 +440,8 @@ def test_search_is_exact_under_a_group_cap(specs, context, cap):
 def test_a_kinds_declared_sizes_are_checked():
     import attrs
 
+    from kvcore.errors import PluginResultError
+
     @attrs.frozen(kw_only=True)
     class NoElements(FullAttentionSpec):
         @property
@@ -448,7 +450,7 @@ def test_a_kinds_declared_sizes_are_checked():
 
     spec = NoElements(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     state = MambaSpec(block_size=16, shapes=((32768,),), dtypes=(torch.bfloat16,))
-    with pytest.raises(kvcore.PluginError, match=r"NoElements.element_size .* is 0"):
+    with pytest.raises(PluginResultError, match=r"NoElements.element_size is 0"):
         kvcore.kv_cache_bytes_per_block(
             [
                 kvcore.KVCacheGroupSpec(["a"], spec),

@@ -30,10 +30,21 @@ __all__ = [
 ]
 
 
+#: The yes-or-no declarations the planner reads of every spec.
+_FLAGS = (
+    "scales_with_context_parallel",
+    "allows_sub_block_hashing",
+    "caches_partial_block_hits",
+    "copies_partial_block_hits",
+)
+
+
 def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
-    """The page size, page grid and grouping key of each distinct spec,
-    checked once as a plan starts: a positive int page, a grid of three
-    positive ints that fits in it, and a key (and spec) that hash."""
+    """Each distinct spec's declarations, checked once as a plan starts (a
+    raising one is its plugin's failure): a positive int page, a grid of
+    three positive ints that fits in it, a key (and spec) that hash, the
+    positive int sizes and alignments, the yes-or-no flags, and the tokens
+    it skips (an int from 0 to the tokens computed)."""
     seen: set[int] = set()
     for spec in specs:
         if id(spec) in seen:
@@ -66,6 +77,30 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
         key: object = call_plugin(spec, "group_key()", spec.group_key)
         _check_hashable(spec, f"what group_key() returned ({_short(key)})", key)
         _check_hashable(spec, "the spec itself", spec)
+        layer_alignment(spec)
+        checked_positive(spec, "tokens_per_state", declared(spec, "tokens_per_state"))
+        for flag in _FLAGS:
+            value = declared(spec, flag)
+            if type(value) is not bool:
+                raise spec_plugin_error(
+                    spec, f"{flag} is {_short(value)}; it must be True or False"
+                )
+        _check_skipped_tokens(spec)
+
+
+def _check_skipped_tokens(spec: KVCacheSpec) -> None:
+    """``skipped_tokens(n)`` at a few ``n``: an int from 0 to ``n`` (a
+    negative count would make a request hold more blocks than its tokens)."""
+    for n in (0, 1, spec.block_size, 4 * spec.block_size + 1, 1 << 20):
+        skipped: object = call_plugin(
+            spec, f"skipped_tokens({n})", functools.partial(spec.skipped_tokens, n)
+        )
+        if type(skipped) is not int or not 0 <= skipped <= n:
+            raise spec_plugin_error(
+                spec,
+                f"skipped_tokens({n}) returned {_short(skipped)}; it must return an "
+                f"int from 0 to {n} (the leading tokens never read again)",
+            )
 
 
 def resolved_defaults(
@@ -156,7 +191,7 @@ def _short(value: object) -> str:
 def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:
     """``spec.grown(factor)``, which must be ``None`` or a spec of the same
     type with ``factor`` times the block size."""
-    grown: object = spec.grown(factor)
+    grown: object = call_plugin(spec, f"grown({factor})", lambda: spec.grown(factor))
     if grown is None:
         return None
     if type(grown) is type(spec):
@@ -164,27 +199,30 @@ def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:
             return grown
         got = f"a {type(grown).__name__} of block_size {grown.block_size}"
     else:
-        got = repr(grown)
-    msg = (
-        f"{type(spec).__name__}.grown({factor}) (kind {spec.kind!r}) returned "
-        f"{got}; it must return None or a {type(spec).__name__} with block_size "
-        f"{spec.block_size * factor}"
+        got = _short(grown)
+    raise spec_plugin_error(
+        spec,
+        f"{type(spec).__name__}.grown({factor}) returned {got}; it must return "
+        f"None or a {type(spec).__name__} with block_size {spec.block_size * factor}",
     )
-    raise PluginError(msg, plugin_name=spec.kind)
 
 
 def checked_blocks_held(
     spec: KVCacheSpec, num_computed_tokens: int, num_tokens: int, block_size: int
 ) -> int:
     """``spec.num_blocks_held(...)``, which must be a non-negative int."""
-    held = spec.num_blocks_held(num_computed_tokens, num_tokens, block_size)
+    call = f"num_blocks_held({num_computed_tokens}, {num_tokens}, {block_size})"
+    held: object = call_plugin(
+        spec,
+        call,
+        lambda: spec.num_blocks_held(num_computed_tokens, num_tokens, block_size),
+    )
     if type(held) is not int or held < 0:
-        msg = (
-            f"{type(spec).__name__}.num_blocks_held({num_computed_tokens}, "
-            f"{num_tokens}, {block_size}) (kind {spec.kind!r}) returned {held!r}; it "
-            "must return the non-negative int number of blocks the kind's manager holds"
+        raise spec_plugin_error(
+            spec,
+            f"{type(spec).__name__}.{call} returned {_short(held)}; it must return "
+            "the non-negative int number of blocks the kind's manager holds",
         )
-        raise PluginError(msg, plugin_name=spec.kind)
     return held
 
 
@@ -220,18 +258,19 @@ def checked_positive(spec: KVCacheSpec, what: str, value: object) -> int:
     """A declared size (``element_size``, ``stride_alignment()``,
     ``max_block_growth``), which must be a positive int."""
     if type(value) is not int or value < 1:
-        msg = (
-            f"{type(spec).__name__}.{what} (kind {spec.kind!r}) is {value!r}; it "
-            "must be a positive int"
+        raise spec_plugin_error(
+            spec,
+            f"{type(spec).__name__}.{what} is {_short(value)}; it must be a "
+            "positive int",
         )
-        raise PluginError(msg, plugin_name=spec.kind)
     return value
 
 
 def layer_alignment(spec: KVCacheSpec) -> int:
     """The byte alignment a layer imposes on the block stride: its stride
     alignment and its element size."""
+    alignment = call_plugin(spec, "stride_alignment()", spec.stride_alignment)
     return math.lcm(
-        checked_positive(spec, "stride_alignment()", spec.stride_alignment()),
-        checked_positive(spec, "element_size", spec.element_size),
+        checked_positive(spec, "stride_alignment()", alignment),
+        checked_positive(spec, "element_size", declared(spec, "element_size")),
     )
