@@ -189,3 +189,45 @@ def test_per_group_hits_show_a_deeper_state_than_attention() -> None:
     _, common = mgr.get_computed_blocks(replay)
     assert common == 16
     assert mgr.find_longest_cache_hit_per_group(replay, 40)[1] == (32, 16)
+
+
+def test_cache_blocks_again_for_computed_tokens_changes_nothing(
+    zoo_registry: Any,
+) -> None:
+    """An engine that also calls cache_blocks for the tokens a step already
+    keyed (Jamba: interval checkpoints every 1,024 tokens, chunked prefill)
+    keeps the same states, and the request decodes on."""
+    import kvcore
+    from kvcore.serialize import load_model_file
+    from kvcore.tools import zoo
+
+    model = load_model_file(zoo.path("jamba-1-5-mini"), zoo_registry)
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC", enable_prefix_caching=True, target_context=9000
+        ),
+        max_model_len=9000,
+        max_num_batched_tokens=2048,
+    )
+    plan = kvcore.plan_kv_cache(config, model.layers, 2 * 2**30, registry=zoo_registry)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, 50_000) for _ in range(8999)]
+    managers = [KVCacheManager.from_plan(plan, registry=zoo_registry) for _ in "ab"]
+    requests = [
+        Request("r", prompt, hash_block_size=plan.hash_block_size) for _ in "ab"
+    ]
+    for mgr, again, req in zip(managers, (False, True), requests, strict=True):
+        done = 0
+        while done < len(prompt):
+            step = min(2048, len(prompt) - done)
+            assert mgr.allocate_slots(req, step) is not None
+            done += step
+            req.num_computed_tokens = done
+            if again:
+                mgr.cache_blocks(req, done)
+                mgr.cache_blocks(req, done)
+        req.append_output_token_ids(7)
+        assert mgr.allocate_slots(req, 1) is not None
+    plain, repeated = managers
+    assert repeated.get_block_ids("r") == plain.get_block_ids("r")
+    assert repeated.block_pool.num_cached_blocks == plain.block_pool.num_cached_blocks

@@ -428,6 +428,11 @@ class CheckpointManager(SingleTypeManager):
         if reached < 0 and not every and not step_end:
             return
         pos = num_tokens // self.block_size - 1
+        if reached < 0 and self.num_cached_block.get(rid, 0) > pos:
+            # An earlier call keyed these tokens (the step's own, then the
+            # engine's cache_blocks): keeping the state again as a step end
+            # would replace, and so drop, a checkpoint kept there.
+            return
         # Twins are one class: CheckpointManagers like this one.
         states = cast("Sequence[CheckpointManager]", twins)
         if step_end:
