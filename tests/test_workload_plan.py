@@ -380,3 +380,15 @@ def test_compare_keeps_the_vllm_row_and_adds_the_workload(capsys):
     # (the stride is two words: "2.0 MiB")
     assert vllm.split()[5:7] == ["-", "-"]
     assert seed.split()[5:7] == [str(fit), "1.00x"]
+
+
+def test_fixed_lengths_of_a_mix_with_huge_weights_are_its_order_statistics() -> None:
+    """Weights are counts, not a list to lay out: 10**20 requests of 4K and
+    one of 8K give a median and 90th percentile of 4K at once."""
+    from kvcore.length_mix import LengthMix
+    from kvcore.tools.length_mixes import fixed_lengths
+
+    assert fixed_lengths(LengthMix.of([(4096, 10**20), (8192, 1)])) == (4096, 8192)
+    # Three of 2K and one of 32K: median 2K, mean 9.5K, 90th percentile and
+    # longest 32K.
+    assert fixed_lengths(LengthMix.of([(2000, 3), (32000, 1)])) == (2000, 9500, 32000)

@@ -98,17 +98,26 @@ def parse_length_mix(
 def fixed_lengths(mix: LengthMix) -> tuple[int, ...]:
     """The single lengths reported beside a mix: its median, mean, 90th
     percentile and longest, in increasing order, each once."""
-    ordered = [
-        k for k, w in zip(mix.lengths, mix.weights, strict=True) for _ in range(w)
-    ]
-    n = len(ordered)
+    n = mix.total_weight
     picks = {
-        ordered[(n - 1) // 2],
+        _nth(mix, (n - 1) // 2),
         round(mix.mean),
-        ordered[(9 * n) // 10 - (n % 10 == 0)],
+        _nth(mix, (9 * n) // 10 - (n % 10 == 0)),
         mix.longest,
     }
     return tuple(sorted(picks))
+
+
+def _nth(mix: LengthMix, index: int) -> int:
+    """The ``index``-th length (from 0) of the mix laid out in increasing
+    order, each length as many times as its weight, without laying it out
+    (a weight can be in the billions)."""
+    pairs = sorted(zip(mix.lengths, mix.weights, strict=True))
+    for length, weight in pairs:
+        if index < weight:
+            return length
+        index -= weight
+    return pairs[-1][0]
 
 
 def _tokens(text: str, what: str) -> int:

@@ -409,7 +409,10 @@ def _positive(text: str, option: str) -> int:
     """A positive whole number (``--tp 2``, ``--block-size 32``)."""
     value = str(text).strip()
     if not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < 1:
-        msg = f"{option} takes a positive whole number such as 2, got {text!r}"
+        msg = (
+            f"{option} takes a positive whole number up to 999,999,999, such as "
+            f"2, got {text!r}"
+        )
         raise CliUsageError(msg)
     return int(value)
 
