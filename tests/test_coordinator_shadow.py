@@ -102,6 +102,10 @@ class Shadow:
         self.path_block = 0
         #: Requests being planned without their optional checkpoints.
         self.shedding: set[str] = set()
+        #: Writer -> the new state blocks of its latest step: written only
+        #: by that step's forward, so no admission's hit may end on one
+        #: until the writer's next step or free.
+        self.unwritten: dict[str, set[int]] = {}
         alignment = mgr.coordinator.cache_hit_alignment
         self.state_units = [
             math.lcm(m.block_size, alignment, mgr.hash_block_size)
@@ -388,9 +392,15 @@ class Shadow:
         hit_blocks = None
         hit = 0
         hit_ids: tuple[list[int], ...] | None = None
+        self.unwritten.pop(r.request_id, None)  # its last step has run
         if admit:
             hit_blocks, hit = mgr.get_computed_blocks(r)
             hit_ids = hit_blocks.get_block_ids() if hit else None
+        pending = set().union(*self.unwritten.values())
+        waits = hit_ids is not None and any(
+            unit and hit_ids[g] and hit_ids[g][-1] in pending
+            for g, unit in enumerate(self.state_units)
+        )
         num_computed = r.num_computed_tokens + hit
         num_new = min(num_new, r.num_tokens - num_computed)
         num_tokens = num_computed + num_new
@@ -423,6 +433,11 @@ class Shadow:
                     self.targets[k], self.holding[k] = targets, holding
                     self.branch_at[k], self.grid[k] = branch, grid
         out = mgr.allocate_slots(r, num_new, hit, hit_blocks if hit else None)
+        if out is None and waits:
+            assert mgr.get_num_free_blocks() == free
+            self.check_pool()
+            return False
+        assert not waits, f"{r.request_id}: admitted on a state not yet written"
         if out is None:
             assert take + held > free + give, (
                 f"{r.request_id}: refused with {free} free + {give} released "
@@ -436,6 +451,17 @@ class Shadow:
             self.waiting.remove(r)
             self.running.append(r)
         tables = self.tables(r.request_id)
+        # The step's new state blocks: what its forward writes.
+        new_ids = out.get_block_ids()
+        taken = {
+            bid
+            for g, unit in enumerate(self.state_units)
+            if unit
+            for bid in new_ids[g]
+            if bid
+        }
+        if taken:
+            self.unwritten[r.request_id] = taken
         self.check_copies(r, out.copies, hit, hit_ids, tables)
         self.record_shared(r, hit_ids, num_computed, num_tokens, tables)
         for g, table in enumerate(tables):
@@ -479,6 +505,7 @@ class Shadow:
 
     def free(self, r: Request, *, preempt: bool) -> None:
         self.mgr.free(r)
+        self.unwritten.pop(r.request_id, None)
         self.running.remove(r)
         if preempt:
             r.num_computed_tokens = 0

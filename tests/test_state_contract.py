@@ -231,3 +231,66 @@ def test_cache_blocks_again_for_computed_tokens_changes_nothing(
     plain, repeated = managers
     assert repeated.get_block_ids("r") == plain.get_block_ids("r")
     assert repeated.block_pool.num_cached_blocks == plain.block_pool.num_cached_blocks
+
+
+def _jamba_manager(zoo_registry: Any) -> KVCacheManager:
+    import kvcore
+    from kvcore.serialize import load_model_file
+    from kvcore.tools import zoo
+
+    model = load_model_file(zoo.path("jamba-1-5-mini"), zoo_registry)
+    config = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC",
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=150,
+        )
+    )
+    groups = kvcore.get_kv_cache_groups(config, model.layers, registry=zoo_registry)
+    plan = kvcore.get_kv_cache_config_from_groups(config, groups, 0)
+    scheduler, hashing = kvcore.resolve_kv_cache_block_sizes(plan, config)
+    return KVCacheManager(
+        kvcore.generate_scheduler_kv_cache_config([plan]),
+        64 * scheduler,
+        scheduler_block_size=scheduler,
+        hash_block_size=hashing,
+        registry=zoo_registry,
+    )
+
+
+@pytest.mark.parametrize("boundary", ["writer's next step", "new_step_starts"])
+def test_no_hit_resumes_from_a_state_its_step_has_not_written(
+    zoo_registry: Any, boundary: str
+) -> None:
+    """A admits 100 tokens and keeps the state after the 48 it shares with
+    an earlier request; that state is written only by this step's forward.
+    B, admitted in the same step, would resume from it before the scan
+    writes it: it waits a step, then gets its whole hit."""
+    mgr = _jamba_manager(zoo_registry)
+    shared = list(range(1, 49))
+    x = Request("X", [*shared, *range(1000, 1052)], hash_block_size=16)
+    for n in (50, 50):
+        assert mgr.allocate_slots(x, n) is not None
+        x.num_computed_tokens += n
+    mgr.free(x)
+    # One engine step: A, then B.
+    a = Request("A", [*shared, *range(2000, 2052)], hash_block_size=16)
+    hit, num_hit = mgr.get_computed_blocks(a)
+    assert mgr.allocate_slots(a, 100 - num_hit, num_hit, hit) is not None
+    a.num_computed_tokens = 100
+    assert 48 in mgr.state_write_positions(a, 0, 100)[0]
+    b = Request("B", a.all_token_ids[:70], hash_block_size=16)
+    hit_b, num_b = mgr.get_computed_blocks(b)
+    assert num_b == 48
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(b, 70 - num_b, num_b, hit_b) is None
+    assert mgr.get_num_free_blocks() == free
+    # The next step: A's forward has run.
+    if boundary == "new_step_starts":
+        mgr.new_step_starts()
+    else:
+        a.append_output_token_ids(5)
+        assert mgr.allocate_slots(a, 1) is not None
+    hit_b, num_b = mgr.get_computed_blocks(b)
+    assert num_b == 48
+    assert mgr.allocate_slots(b, 70 - num_b, num_b, hit_b) is not None

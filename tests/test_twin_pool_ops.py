@@ -220,6 +220,9 @@ def test_twin_state_groups_store_in_group_order_with_eagle() -> None:
     )
     seen = 0
     for n, prompt in enumerate((192, 224, 224)):
+        # Each request is admitted in its own engine step: the states the
+        # one before wrote are there to resume from.
+        mgr.new_step_starts()
         # A whole prompt on a block boundary in one step: it reaches the
         # two boundaries before its end (kept with EAGLE) and keeps its end.
         req = Request(f"r{n}", list(range(1000, 1000 + prompt)), hash_block_size=16)

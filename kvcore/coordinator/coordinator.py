@@ -31,6 +31,7 @@ from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, twin_runs
+from kvcore.coordinator.unwritten import UnwrittenStates
 from kvcore.errors import KvcoreValueError, PluginError
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
@@ -129,6 +130,9 @@ class KVCacheCoordinator(FreeSteps):
         #: (an upper bound when several window groups iterate), where a
         #: state group keeps a branch-point checkpoint.
         self.last_shared_prefix = 0
+        #: States taken by steps whose forward may not have run: no
+        #: admission's hit ends on one (see kvcore.coordinator.unwritten).
+        self.unwritten = UnwrittenStates(managers)
         self._init_free_order(managers)
         self._init_hits(managers, built.policies)
 

@@ -137,6 +137,7 @@ class EngineCalls:
         held = self._requests.get(rid) or self._require_live(rid)
         out = self._guarded(call, rid)
         coordinator = self.coordinator
+        coordinator.unwritten.written(rid)
         if coordinator.partial is not None:
             coordinator.partial.forget(rid)
         del self._requests[rid]
@@ -174,6 +175,13 @@ class EngineCalls:
         for block_id in listed:
             if not popped[block_id]:
                 del popped[block_id]
+
+    def new_step_starts(self) -> None:
+        """Say a new engine step starts: the states earlier steps keyed are
+        written, so hits may end on them.  Optional: without it a state
+        counts as written at its writer's next call (see
+        :mod:`kvcore.coordinator.unwritten`)."""
+        self.coordinator.unwritten.new_step_starts()
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-hit statistics since the last call (or since the

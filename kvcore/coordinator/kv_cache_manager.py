@@ -142,6 +142,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         )
         self.prefix_cache_stats = PrefixCacheStats()
         self._managers = self.coordinator.single_type_managers
+        self._unwritten = self.coordinator.unwritten
         #: The request object of each live id (one holding blocks), so
         #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
@@ -263,14 +264,11 @@ class KVCacheManager(StepNeeds, EngineCalls):
         table covers the computed tokens, the hit attached now, the tokens a
         KV connector loads, the new tokens and the lookahead slots.
 
-        :param num_new_computed_tokens: tokens of a prefix hit attached now,
-            with its blocks ``new_computed_blocks`` (get_computed_blocks').
-        :param num_lookahead_tokens: extra slots for speculative tokens.
-        :param delay_cache_blocks: hash nothing this step (the blocks' KV
-            arrives later); call :meth:`cache_blocks` once it has arrived.
+        :param num_new_computed_tokens: tokens of the hit ``new_computed_blocks``.
+        :param delay_cache_blocks: key nothing; call :meth:`cache_blocks` later.
         :param engine: the engine's keywords, by name: :class:`EngineStepKeywords`.
-        :returns: the new blocks per group (the request is then ``RUNNING``),
-            or ``None`` when the pool cannot satisfy the step (nothing changes).
+        :returns: the new blocks per group (the request is then ``RUNNING``), or
+            ``None`` when it cannot run now: a full pool, or a hit's unwritten state.
         """
         if not isinstance(request, Request):
             raise not_a_request(request)
@@ -285,6 +283,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
             new_computed_blocks,
             (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, external),
         )
+        unwritten = self._unwritten
+        if unwritten.by_writer and not unwritten.admits(rid, computed):
+            return None  # its hit's state is written by a step not yet run
         hit_end = request.num_computed_tokens + num_new_computed_tokens
         num_computed = hit_end + external
         num_tokens = num_computed + num_new_tokens
@@ -413,6 +414,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 coordinator.forget_checkpoints(rid)
             raise
         pool.commit()
+        if new_blocks is not None and self._unwritten.managers:
+            self._unwritten.took(rid, new_blocks)
         request.status = RequestStatus.RUNNING
         if held is not request:
             self._requests[rid] = request

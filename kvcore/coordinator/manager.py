@@ -140,6 +140,12 @@ class SingleTypeManager:
     #: :meth:`cache_blocks` or :meth:`cache_twins` makes no such promise
     #: unless it sets this flag in its own body.
     caches_at_chunk_ends: ClassVar[bool] = True
+    #: Whether a hit's last block is read before the step that admits it
+    #: writes anything (a recurrent state the resuming scan starts from),
+    #: so a block keyed by a step whose forward has not run cannot end a
+    #: hit yet (see :mod:`kvcore.coordinator.unwritten`).  Attention blocks
+    #: keyed in the same step can: each layer writes before it attends.
+    reads_hit_before_step: ClassVar[bool] = False
     #: Whether :meth:`allocate_twins` adds and changes nothing for a request
     #: that holds a table when :meth:`get_num_blocks_to_allocate` counts 0
     #: blocks for it (no hit attached): the coordinator then passes over a

@@ -47,6 +47,8 @@ class CheckpointManager(SingleTypeManager):
     than the hash block is fine: the unit is a multiple of the hash block.
     """
 
+    reads_hit_before_step: ClassVar[bool] = True
+
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.CHECKPOINT})
     skips_blocks: ClassVar[bool] = True
     # The state is written at the last computed position; slots past it for

@@ -513,12 +513,15 @@ class KVCacheManager:
         coordinator = self.kvcore
         pool = coordinator.block_pool
         rid = request.request_id
+        unwritten = coordinator.unwritten
         hit = (
             new_computed_blocks.blocks
             if new_computed_blocks is not None
             else self.empty_kv_cache_blocks.blocks
         )
         has_hit = any(hit)
+        if unwritten.by_writer and not unwritten.admits(rid, hit if has_hit else None):
+            return None  # its hit's state is written by a step not yet run
         num_local = request.num_computed_tokens + num_new_computed_tokens
         total = min(num_local + num_external_computed_tokens, self.max_model_len)
         watermark = 0
@@ -585,6 +588,8 @@ class KVCacheManager:
             pool.rollback()
             raise
         pool.commit()
+        if new is not None and unwritten.managers:
+            unwritten.took(rid, new)
         self._live.add(rid)
         if before is not None:
             self._record_zeroing(rid, before, total, skip_zeroing_group_ids)
@@ -643,6 +648,7 @@ class KVCacheManager:
             pool.rollback()
             raise
         pool.commit()
+        self.kvcore.unwritten.written(rid)
         self._live.discard(rid)
 
     def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
@@ -656,6 +662,7 @@ class KVCacheManager:
         for manager in self.kvcore.single_type_managers:
             out += manager.pop_blocks(rid) or ()
         self.kvcore.forget_span(rid)
+        self.kvcore.unwritten.written(rid)
         self._live.discard(rid)
         return out
 
@@ -825,4 +832,6 @@ class KVCacheManager:
         return []
 
     def new_step_starts(self) -> None:
-        return None
+        """vLLM's step boundary: the states earlier steps keyed are
+        written (see :mod:`kvcore.coordinator.unwritten`)."""
+        self.kvcore.unwritten.new_step_starts()
