@@ -126,6 +126,9 @@ def run_once(
         for i in range(start, min(start + args.batch, len(trace))):
             tokens = trace[i]
             req = Request(f"r{i}", tokens[:PROMPT], hash_block_size=16)
+            # Each prefill is its own engine step: the states the one before
+            # took are written before this one resumes from them.
+            manager.new_step_starts()
             t0 = pc()
             blocks, hit = manager.get_computed_blocks(req)
             t1 = pc()
