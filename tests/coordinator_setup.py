@@ -12,6 +12,8 @@ import torch
 import kvcore
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import CheckpointManager, KVCacheManager, Request
+from kvcore.serialize import load_model_file
+from kvcore.tools import zoo
 from kvcore_chunked_local import ChunkedLocalAttention
 from kvcore_circular_buffer import CircularBuffer
 from kvcore_cross_attention import CrossAttention
@@ -197,3 +199,26 @@ def assert_free_links_agree(queue: Any) -> None:
             assert y.prev_free is x
         ends += [head, tail]
     assert len({id(end) for end in ends}) == len(ends)
+
+
+def zoo_manager(name: str, registry: KindRegistry, num_blocks: int) -> KVCacheManager:
+    """A manager for a shipped model file's plan of ``num_blocks`` blocks
+    (``min_waste``, BLHNC, prefix caching on), as its scheduler builds it."""
+    model = load_model_file(zoo.path(name), registry)
+    cfg = kvcore.EngineConfig(
+        cache_config=kvcore.CacheConfig(
+            kv_cache_layout="BLHNC",
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=num_blocks,
+        )
+    )
+    groups = kvcore.get_kv_cache_groups(cfg, model.layers, registry=registry)
+    plan = kvcore.get_kv_cache_config_from_groups(cfg, groups, 0)
+    sched, hash_bs = kvcore.resolve_kv_cache_block_sizes(plan, cfg)
+    return KVCacheManager(
+        kvcore.generate_scheduler_kv_cache_config([plan]),
+        64 * sched,
+        scheduler_block_size=sched,
+        hash_block_size=hash_bs,
+        registry=registry,
+    )

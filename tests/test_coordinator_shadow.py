@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import torch
+from coordinator_setup import zoo_manager
 
 import kvcore
-import kvcore.tools.zoo
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.checkpoints import (
     CHECKPOINT_POLICIES,
@@ -33,7 +33,6 @@ from kvcore.checkpoints import (
     checkpoint_policy,
 )
 from kvcore.coordinator import KVCacheManager, Request
-from kvcore.serialize import load_model_file
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
@@ -537,27 +536,6 @@ class Shadow:
 # ---------------------------------------------------------------------------
 # plans
 # ---------------------------------------------------------------------------
-
-
-def zoo_manager(name: str, registry: KindRegistry, num_blocks: int) -> KVCacheManager:
-    model = load_model_file(kvcore.tools.zoo.path(name), registry)
-    cfg = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(
-            kv_cache_layout="BLHNC",
-            enable_prefix_caching=True,
-            num_gpu_blocks_override=num_blocks,
-        )
-    )
-    groups = kvcore.get_kv_cache_groups(cfg, model.layers, registry=registry)
-    plan = kvcore.get_kv_cache_config_from_groups(cfg, groups, 0)
-    sched, hash_bs = kvcore.resolve_kv_cache_block_sizes(plan, cfg)
-    return KVCacheManager(
-        kvcore.generate_scheduler_kv_cache_config([plan]),
-        64 * sched,
-        scheduler_block_size=sched,
-        hash_block_size=hash_bs,
-        registry=registry,
-    )
 
 
 @pytest.mark.parametrize("name", kvcore.tools.zoo.names())

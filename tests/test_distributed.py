@@ -735,8 +735,8 @@ def test_a_dead_rank_gives_an_error_not_a_hang(
     assert "dead" not in pipeline_ranks[3]
 
 
-@pytest.mark.slow  # torchrun and two more ranks
-def test_engine_integration_example_under_torchrun() -> None:
+def _run_engine_example(ranks: int, *args: str) -> str:
+    """``examples/engine_integration.py`` under torchrun: its output."""
     env = dict(os.environ)
     paths = [str(ROOT), str(ROOT / "plugins")]
     env["PYTHONPATH"] = os.pathsep.join(
@@ -748,12 +748,13 @@ def test_engine_integration_example_under_torchrun() -> None:
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(ranks),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
         str(_free_port()),
         str(ROOT / "examples" / "engine_integration.py"),
+        *args,
     ]
     done = subprocess.run(
         command,
@@ -764,10 +765,16 @@ def test_engine_integration_example_under_torchrun() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow  # torchrun and two more ranks
+def test_engine_integration_example_under_torchrun() -> None:
+    out = _run_engine_example(2)
     # 64 and 63 MiB of 655360-byte blocks: 102 and 100; both run 100.
-    assert "rank 0 (stage 0, TP 2): planned 102 blocks, agreed 100" in done.stdout
-    assert "rank 1 (stage 0, TP 2): planned 100 blocks, agreed 100" in done.stdout
-    assert "prefix hit of the second request: 960 tokens" in done.stdout
+    assert "rank 0 (stage 0, TP 2): planned 102 blocks, agreed 100" in out
+    assert "rank 1 (stage 0, TP 2): planned 100 blocks, agreed 100" in out
+    assert "prefix hit of the second request: 960 tokens" in out
 
 
 @pytest.mark.slow  # torchrun
@@ -775,33 +782,8 @@ def test_engine_integration_example_keeps_its_prompt_within_max_model_len() -> N
     """DeepSeek-V4's 2,048-token scheduler blocks: 12 of them would pass
     max_model_len=8192; the example shares 3 and the second request hits
     all 6,144 tokens."""
-    env = dict(os.environ)
-    paths = [str(ROOT), str(ROOT / "plugins")]
-    env["PYTHONPATH"] = os.pathsep.join(
-        paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    env["OMP_NUM_THREADS"] = "1"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        str(ROOT / "examples" / "engine_integration.py"),
-        *("--model", "deepseek-v4-flash", "--memory-mib", "256"),
-        *("--max-model-len", "8192"),
-    ]
-    done = subprocess.run(
-        command,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "prefix hit of the second request: 6144 tokens" in done.stdout
+    out = _run_engine_example(
+        1, "--model", "deepseek-v4-flash", "--memory-mib", "256",
+        "--max-model-len", "8192",
+    )  # fmt: skip
+    assert "prefix hit of the second request: 6144 tokens" in out

@@ -233,31 +233,6 @@ def test_cache_blocks_again_for_computed_tokens_changes_nothing(
     assert repeated.block_pool.num_cached_blocks == plain.block_pool.num_cached_blocks
 
 
-def _jamba_manager(zoo_registry: Any) -> KVCacheManager:
-    import kvcore
-    from kvcore.serialize import load_model_file
-    from kvcore.tools import zoo
-
-    model = load_model_file(zoo.path("jamba-1-5-mini"), zoo_registry)
-    config = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(
-            kv_cache_layout="BLHNC",
-            enable_prefix_caching=True,
-            num_gpu_blocks_override=150,
-        )
-    )
-    groups = kvcore.get_kv_cache_groups(config, model.layers, registry=zoo_registry)
-    plan = kvcore.get_kv_cache_config_from_groups(config, groups, 0)
-    scheduler, hashing = kvcore.resolve_kv_cache_block_sizes(plan, config)
-    return KVCacheManager(
-        kvcore.generate_scheduler_kv_cache_config([plan]),
-        64 * scheduler,
-        scheduler_block_size=scheduler,
-        hash_block_size=hashing,
-        registry=zoo_registry,
-    )
-
-
 @pytest.mark.parametrize("boundary", ["writer's next step", "new_step_starts"])
 def test_no_hit_resumes_from_a_state_its_step_has_not_written(
     zoo_registry: Any, boundary: str
@@ -266,7 +241,7 @@ def test_no_hit_resumes_from_a_state_its_step_has_not_written(
     an earlier request; that state is written only by this step's forward.
     B, admitted in the same step, would resume from it before the scan
     writes it: it waits a step, then gets its whole hit."""
-    mgr = _jamba_manager(zoo_registry)
+    mgr = setup.zoo_manager("jamba-1-5-mini", zoo_registry, 150)
     shared = list(range(1, 49))
     x = Request("X", [*shared, *range(1000, 1052)], hash_block_size=16)
     for n in (50, 50):
