@@ -269,3 +269,47 @@ def test_no_hit_resumes_from_a_state_its_step_has_not_written(
     hit_b, num_b = mgr.get_computed_blocks(b)
     assert num_b == 48
     assert mgr.allocate_slots(b, 70 - num_b, num_b, hit_b) is not None
+
+
+def test_a_refused_call_leaves_the_writers_state_unwritten(zoo_registry: Any) -> None:
+    """A call that raises (another request under a live id) is no step of
+    the writer: the state its step took stays unwritten."""
+    mgr = setup.zoo_manager("jamba-1-5-mini", zoo_registry, 150)
+    shared = list(range(1, 49))
+    x = Request("X", [*shared, *range(1000, 1052)], hash_block_size=16)
+    for n in (50, 50):
+        assert mgr.allocate_slots(x, n) is not None
+        x.num_computed_tokens += n
+    mgr.free(x)
+    # A keeps the state after the 48 tokens it shares with X.
+    a = Request("A", [*shared, *range(2000, 2052)], hash_block_size=16)
+    hit, num_hit = mgr.get_computed_blocks(a)
+    assert mgr.allocate_slots(a, 100 - num_hit, num_hit, hit) is not None
+    a.num_computed_tokens = 100
+    with pytest.raises(InvalidRequestError):
+        mgr.allocate_slots(
+            Request("A", list(range(3000, 3010)), hash_block_size=16), 10
+        )
+    b = Request("B", a.all_token_ids[:70], hash_block_size=16)
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 48
+    assert mgr.allocate_slots(b, 70 - num_hit, num_hit, hit) is None
+
+
+def test_a_state_taken_again_stays_noted_for_its_new_writer(zoo_registry: Any) -> None:
+    """A block released while noted and taken by another step is that
+    step's until its writer's next call, not the first writer's."""
+    mgr = setup.zoo_manager("jamba-1-5-mini", zoo_registry, 150)
+    unwritten = mgr.coordinator.unwritten
+    group = unwritten.managers[0].kv_cache_group_id
+    block = mgr.block_pool.blocks[7]
+    new = [[] for _ in range(mgr.num_kv_cache_groups)]
+    new[group] = [block]
+    unwritten.took("A", new)
+    unwritten.took("D", new)
+    unwritten.written("A")
+    hit = [[] for _ in range(mgr.num_kv_cache_groups)]
+    hit[group] = [block]
+    assert unwritten.hit_ends_unwritten(hit)
+    unwritten.written("D")
+    assert not unwritten.hit_ends_unwritten(hit)

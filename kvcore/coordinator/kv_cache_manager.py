@@ -283,9 +283,6 @@ class KVCacheManager(StepNeeds, EngineCalls):
             new_computed_blocks,
             (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, external),
         )
-        unwritten = self._unwritten
-        if unwritten.by_writer and not unwritten.admits(rid, computed):
-            return None  # its hit's state is written by a step not yet run
         hit_end = request.num_computed_tokens + num_new_computed_tokens
         num_computed = hit_end + external
         num_tokens = num_computed + num_new_tokens
@@ -296,6 +293,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
         held = self._requests.get(rid)
         if held is not request and held is not None:
             check_same_request(self, held, request)
+        unwritten = self._unwritten
+        if unwritten.by_writer and not unwritten.admits(rid, computed):
+            return None  # its hit's state is written by a step not yet run
         coordinator = self.coordinator
         # Blocks are released only below the tokens no step in flight computes.
         processed = num_computed - num_in_flight

@@ -37,8 +37,9 @@ class UnwrittenStates:
         self.managers = tuple(m for m in managers if m.reads_hit_before_step)
         #: Writer request id -> the state blocks its latest step took.
         self.by_writer: dict[str, list[KVCacheBlock]] = {}
-        #: Every noted block, for a hit's look-up.
-        self.blocks: set[KVCacheBlock] = set()
+        #: Every noted block -> the writer whose step took it last (a block
+        #: released while noted may be taken again by another step).
+        self.blocks: dict[KVCacheBlock, str] = {}
 
     def took(
         self, request_id: str, new_blocks: Sequence[Sequence[KVCacheBlock]]
@@ -53,13 +54,16 @@ class UnwrittenStates:
         ]
         if taken:
             self.by_writer[request_id] = taken
-            self.blocks.update(taken)
+            self.blocks.update(dict.fromkeys(taken, request_id))
 
     def written(self, request_id: str) -> None:
         """The request's next call: what its last step took is written."""
         noted = self.by_writer.pop(request_id, None)
         if noted:
-            self.blocks.difference_update(noted)
+            blocks = self.blocks
+            for block in noted:
+                if blocks.get(block) == request_id:
+                    del blocks[block]
 
     def new_step_starts(self) -> None:
         """A new engine step: every state taken before it is written."""
