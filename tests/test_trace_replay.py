@@ -575,9 +575,12 @@ def test_a_trace_streamed_through_a_pipe_is_read_once(
     try:
         assert read_trace_lines(fifo) == lines
     finally:
-        # Let the writer's second open return.
-        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
-        writer.join()
+        # Let the writer's second open return: hold a reader open until the
+        # writer is done (its open may come after this one, on a busy host).
+        while writer.is_alive():
+            reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            writer.join(0.05)
+            os.close(reader)
 
 
 def test_a_corrupt_deflate_stream_is_a_trace_error(tmp_path: Path) -> None:
