@@ -201,9 +201,15 @@ def assert_free_links_agree(queue: Any) -> None:
     assert len({id(end) for end in ends}) == len(ends)
 
 
-def zoo_manager(name: str, registry: KindRegistry, num_blocks: int) -> KVCacheManager:
+def zoo_manager(
+    name: str,
+    registry: KindRegistry,
+    num_blocks: int,
+    max_model_len: int | None = None,
+) -> KVCacheManager:
     """A manager for a shipped model file's plan of ``num_blocks`` blocks
-    (``min_waste``, BLHNC, prefix caching on), as its scheduler builds it."""
+    (``min_waste``, BLHNC, prefix caching on), as its scheduler builds it;
+    ``max_model_len`` defaults to 64 scheduler blocks."""
     model = load_model_file(zoo.path(name), registry)
     cfg = kvcore.EngineConfig(
         cache_config=kvcore.CacheConfig(
@@ -217,7 +223,7 @@ def zoo_manager(name: str, registry: KindRegistry, num_blocks: int) -> KVCacheMa
     sched, hash_bs = kvcore.resolve_kv_cache_block_sizes(plan, cfg)
     return KVCacheManager(
         kvcore.generate_scheduler_kv_cache_config([plan]),
-        64 * sched,
+        64 * sched if max_model_len is None else max_model_len,
         scheduler_block_size=sched,
         hash_block_size=hash_bs,
         registry=registry,

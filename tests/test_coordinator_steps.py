@@ -24,7 +24,6 @@ from kvcore.coordinator import (
     Request,
     RequestStatus,
 )
-from kvcore.serialize import load_model_file
 from kvcore.spec import AttentionSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
@@ -153,24 +152,7 @@ def test_replay_window_admission_is_refused_only_below_its_need(
 def scout_manager(
     registry: KindRegistry, num_blocks: int
 ) -> tuple[KVCacheManager, list[str]]:
-    model = load_model_file(kvcore.tools.zoo.path("llama-4-scout-17b-16e"), registry)
-    cfg = kvcore.EngineConfig(
-        cache_config=kvcore.CacheConfig(
-            kv_cache_layout="BLHNC",
-            enable_prefix_caching=True,
-            num_gpu_blocks_override=num_blocks,
-        )
-    )
-    groups = kvcore.get_kv_cache_groups(cfg, model.layers, registry=registry)
-    plan = kvcore.get_kv_cache_config_from_groups(cfg, groups, 0)
-    sched, hash_bs = kvcore.resolve_kv_cache_block_sizes(plan, cfg)
-    mgr = KVCacheManager(
-        kvcore.generate_scheduler_kv_cache_config([plan]),
-        32768,
-        scheduler_block_size=sched,
-        hash_block_size=hash_bs,
-        registry=registry,
-    )
+    mgr = setup.zoo_manager("llama-4-scout-17b-16e", registry, num_blocks, 32768)
     kinds = [type(m).__name__ for m in mgr.coordinator.single_type_managers]
     return mgr, kinds
 

@@ -233,6 +233,24 @@ def test_cache_blocks_again_for_computed_tokens_changes_nothing(
     assert repeated.block_pool.num_cached_blocks == plain.block_pool.num_cached_blocks
 
 
+def _a_branching_from_x(zoo_registry: Any) -> tuple[KVCacheManager, Request]:
+    """Jamba, with X (100 tokens) computed and freed, and A admitted for its
+    100-token prompt, whose first 48 tokens are X's: A keeps the state
+    after those 48, written only by this step's forward."""
+    mgr = setup.zoo_manager("jamba-1-5-mini", zoo_registry, 150)
+    shared = list(range(1, 49))
+    x = Request("X", [*shared, *range(1000, 1052)], hash_block_size=16)
+    for n in (50, 50):
+        assert mgr.allocate_slots(x, n) is not None
+        x.num_computed_tokens += n
+    mgr.free(x)
+    a = Request("A", [*shared, *range(2000, 2052)], hash_block_size=16)
+    hit, num_hit = mgr.get_computed_blocks(a)
+    assert mgr.allocate_slots(a, 100 - num_hit, num_hit, hit) is not None
+    a.num_computed_tokens = 100
+    return mgr, a
+
+
 @pytest.mark.parametrize("boundary", ["writer's next step", "new_step_starts"])
 def test_no_hit_resumes_from_a_state_its_step_has_not_written(
     zoo_registry: Any, boundary: str
@@ -241,18 +259,8 @@ def test_no_hit_resumes_from_a_state_its_step_has_not_written(
     an earlier request; that state is written only by this step's forward.
     B, admitted in the same step, would resume from it before the scan
     writes it: it waits a step, then gets its whole hit."""
-    mgr = setup.zoo_manager("jamba-1-5-mini", zoo_registry, 150)
-    shared = list(range(1, 49))
-    x = Request("X", [*shared, *range(1000, 1052)], hash_block_size=16)
-    for n in (50, 50):
-        assert mgr.allocate_slots(x, n) is not None
-        x.num_computed_tokens += n
-    mgr.free(x)
     # One engine step: A, then B.
-    a = Request("A", [*shared, *range(2000, 2052)], hash_block_size=16)
-    hit, num_hit = mgr.get_computed_blocks(a)
-    assert mgr.allocate_slots(a, 100 - num_hit, num_hit, hit) is not None
-    a.num_computed_tokens = 100
+    mgr, a = _a_branching_from_x(zoo_registry)
     assert 48 in mgr.state_write_positions(a, 0, 100)[0]
     b = Request("B", a.all_token_ids[:70], hash_block_size=16)
     hit_b, num_b = mgr.get_computed_blocks(b)
@@ -274,18 +282,7 @@ def test_no_hit_resumes_from_a_state_its_step_has_not_written(
 def test_a_refused_call_leaves_the_writers_state_unwritten(zoo_registry: Any) -> None:
     """A call that raises (another request under a live id) is no step of
     the writer: the state its step took stays unwritten."""
-    mgr = setup.zoo_manager("jamba-1-5-mini", zoo_registry, 150)
-    shared = list(range(1, 49))
-    x = Request("X", [*shared, *range(1000, 1052)], hash_block_size=16)
-    for n in (50, 50):
-        assert mgr.allocate_slots(x, n) is not None
-        x.num_computed_tokens += n
-    mgr.free(x)
-    # A keeps the state after the 48 tokens it shares with X.
-    a = Request("A", [*shared, *range(2000, 2052)], hash_block_size=16)
-    hit, num_hit = mgr.get_computed_blocks(a)
-    assert mgr.allocate_slots(a, 100 - num_hit, num_hit, hit) is not None
-    a.num_computed_tokens = 100
+    mgr, a = _a_branching_from_x(zoo_registry)
     with pytest.raises(InvalidRequestError):
         mgr.allocate_slots(
             Request("A", list(range(3000, 3010)), hash_block_size=16), 10
