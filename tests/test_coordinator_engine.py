@@ -340,3 +340,98 @@ def test_unknown_engine_keyword_refused() -> None:
     assert isinstance(info.value, TypeError)
     assert "num_external_computed_tokens" in str(info.value)
     assert mgr.get_num_free_blocks() == 9
+
+
+# -- a step dropped before its forward ------------------------------------------
+
+
+def _preempted_in_its_step(**kw: object) -> tuple[object, object]:
+    """A computes its first 8 of 16 tokens, then is scheduled for the last 8
+    and dropped before that step's forward runs."""
+    mgr = manager([fa()], 12, **kw)
+    a = req("A", range(1, 17))
+    assert mgr.allocate_slots(a, 8) is not None
+    a.num_computed_tokens = 8
+    assert mgr.allocate_slots(a, 8) is not None  # keys all four blocks
+    assert mgr.get_computed_blocks(req("X", range(1, 18)))[1] == 16
+    return mgr, a
+
+
+def test_a_step_dropped_before_its_forward_leaves_no_key_on_its_blocks() -> None:
+    mgr, a = _preempted_in_its_step()
+    mgr.free(a, forward_ran=False)
+    assert a.status is RequestStatus.FINISHED
+    assert mgr.get_num_free_blocks() == 11
+    # Only the blocks the first step wrote are hit; the last two are
+    # reused first, as blocks without a key are.
+    blocks, hit = mgr.get_computed_blocks(req("B", range(1, 18)))
+    assert (blocks.get_block_ids(), hit) == (([1, 2],), 8)
+    out = mgr.allocate_slots(req("C", range(100, 104)), 4)
+    assert out is not None
+    assert out.get_block_ids() in (([3],), ([4],))
+
+
+def test_a_step_whose_forward_ran_keeps_its_keys() -> None:
+    mgr, a = _preempted_in_its_step()
+    mgr.free(a)
+    assert mgr.get_computed_blocks(req("B", range(1, 18)))[1] == 16
+
+
+def test_a_dropped_step_tells_the_router_its_blocks_are_gone() -> None:
+    mgr, a = _preempted_in_its_step(enable_kv_cache_events=True)
+    stored = mgr.take_events()
+    assert sum(len(e.block_hashes) for e in stored) == 4
+    mgr.free(a, forward_ran=False)
+    removed = mgr.take_events()
+    assert [type(e).__name__ for e in removed] == ["BlockRemoved", "BlockRemoved"]
+    assert [e.block_hashes for e in removed] == [
+        stored[-1].block_hashes[-2:-1],
+        stored[-1].block_hashes[-1:],
+    ]
+
+
+def test_a_dropped_step_keeps_keys_a_shared_block_had_before_it() -> None:
+    """Keys older than the step stay, even on a block another request shares."""
+    mgr = manager([fa()], 12)
+    b = req("B", range(1, 9))
+    assert mgr.allocate_slots(b, 8) is not None  # keys blocks 1 and 2
+    a = req("A", range(1, 13))
+    hit, n = mgr.get_computed_blocks(a)
+    assert n == 8
+    assert mgr.allocate_slots(a, 4, n, hit) is not None
+    mgr.free(a, forward_ran=False)  # A's own step wrote nothing
+    blocks, n = mgr.get_computed_blocks(req("C", range(1, 14)))
+    assert (blocks.get_block_ids(), n) == (([1, 2],), 8)
+
+
+def test_a_dropped_step_of_a_state_hybrid_leaves_no_state_to_resume_from() -> None:
+    mgr = setup.state_hybrid(40, 4)
+    a = req("A", range(1, 17))
+    assert mgr.allocate_slots(a, 8) is not None
+    a.num_computed_tokens = 8
+    mgr.new_step_starts()
+    assert mgr.allocate_slots(a, 8) is not None
+    assert mgr.get_block_ids("A") == ([1, 2, 4, 5], [0, 3, 6, 7])
+    mgr.free(a, forward_ran=False)
+    mgr.new_step_starts()
+    # The state at token 16 (block 7) was never written: B resumes from
+    # the state the first step wrote at token 8.
+    blocks, n = mgr.get_computed_blocks(req("B", range(1, 18)))
+    assert (blocks.get_block_ids(), n) == (([1, 2], [0, 3]), 8)
+
+
+def test_pop_blocks_for_free_drops_the_keys_of_a_dropped_step() -> None:
+    mgr, a = _preempted_in_its_step()
+    blocks = mgr.pop_blocks_for_free(a, forward_ran=False)
+    mgr.release_blocks(blocks)
+    assert mgr.get_computed_blocks(req("B", range(1, 18)))[1] == 8
+
+
+def test_forward_ran_must_be_a_bool_and_a_refusal_changes_nothing() -> None:
+    mgr, a = _preempted_in_its_step()
+    with pytest.raises(KvcoreTypeError, match="forward_ran must be a bool"):
+        mgr.free(a, forward_ran="no")  # type: ignore[arg-type]
+    assert mgr.live_request_ids() == ("A",)
+    assert mgr.get_computed_blocks(req("B", range(1, 18)))[1] == 16
+    mgr.free(a, forward_ran=False)
+    assert mgr.live_request_ids() == ()

@@ -377,3 +377,26 @@ def test_a_step_that_rolls_back_records_no_copy_and_changes_nothing():
     out = mgr.allocate_slots(b, 302 - hit, hit, blocks)
     assert out is not None
     assert [c.num_tokens for c in out.copies] == [256, 256]
+
+
+@pytest.mark.parametrize(("forward_ran", "c_hit"), [(True, 2048), (False, 256)])
+def test_a_dropped_admission_keys_nothing_its_copy_would_have_written(
+    forward_ran: bool, c_hit: int
+) -> None:
+    """b is admitted on a 256-token partial hit and scheduled through a whole
+    2048-token block, whose first 256 tokens a copy fills: dropped before
+    its forward (no copy, no write), the block keeps no key, and a later
+    request resumes from a's partial hit instead."""
+    mgr = dsv4()
+    shared = prompt(300)
+    run_and_free(mgr, "a", shared, [300])
+    tokens = [*shared, *prompt(2000, seed=3)]
+    b = Request("b", tokens, hash_block_size=128)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 256
+    out = mgr.allocate_slots(b, len(tokens) - hit, hit, blocks)
+    assert out is not None
+    assert out.copies
+    mgr.free(b, forward_ran=forward_ran)
+    c = Request("c", [*tokens, 5], hash_block_size=128)
+    assert mgr.get_computed_blocks(c)[1] == c_hit

@@ -429,6 +429,13 @@ class BlockPool(TwinPoolOps):
         if self.enable_kv_cache_events:
             self._events.append(BlockRemoved((key,), gid, self.kv_events_medium))
 
+    def forget_keys(self, block: KVCacheBlock) -> None:
+        """Drop every key ``block`` holds, full and partial, leaving it where
+        it is (held or queued): content that was never written.  Does
+        nothing for a block without a key."""
+        if block.key_hash is not None or block.partial_keys is not None:
+            self._drop_keys(block)
+
     def drop_from_cache(self, block: KVCacheBlock) -> None:
         """Forget ``block``'s prefix-cache key: content no later request is
         expected to read (a state a newer one replaced).  A free block then

@@ -68,6 +68,7 @@ class EngineCalls:
     coordinator: KVCacheCoordinator
     _requests: dict[str, Request]
     _popped: Counter[int]
+    _admitted_with: dict[str, int]
     prefix_cache_stats: PrefixCacheStats
     enable_caching: bool
 
@@ -119,23 +120,43 @@ class EngineCalls:
             return
         self._guarded(coordinator.remove_skipped_blocks, rid, num_tokens)
 
-    def pop_blocks_for_free(self, request: Request | str) -> list[KVCacheBlock]:
+    def pop_blocks_for_free(
+        self, request: Request | str, *, forward_ran: bool = True
+    ) -> list[KVCacheBlock]:
         """Finish the request (``FINISHED``, its id free for reuse) but keep
         its blocks out of the pool: a step still in flight may read them.
         Pass the list to :meth:`release_blocks` once that step completes;
-        until then no other request can be given them."""
+        until then no other request can be given them.  ``forward_ran``
+        is :meth:`KVCacheManager.free`'s."""
         blocks: list[KVCacheBlock] = self._finish(
-            request, self.coordinator.pop_for_free
+            request, self.coordinator.pop_for_free, forward_ran
         )
         self._popped.update(b.block_id for b in blocks if not b.is_null)
         return blocks
 
-    def _finish(self, request: Request | str, call: Any) -> Any:
+    def _finish(self, request: Request | str, call: Any, forward_ran: bool) -> Any:
         """Run ``call(request_id)`` as a transaction, then forget the request
-        and mark it ``FINISHED``; returns what ``call`` returned."""
+        and mark it ``FINISHED``; returns what ``call`` returned.  With
+        ``forward_ran`` false, the keys of the blocks past the request's
+        computed tokens go first, in the same transaction."""
         rid = _request_id(request)
         held = self._requests.get(rid) or self._require_live(rid)
-        out = self._guarded(call, rid)
+        given: object = forward_ran  # checked: engines pass anything
+        if type(given) is not bool:
+            msg = (
+                f"free for request {rid!r}: forward_ran must be a bool (whether "
+                "the forward pass of the request's last scheduled step ran), "
+                f"got {forward_ran!r}"
+            )
+            raise KvcoreTypeError(msg)
+        admitted_with = self._admitted_with.get(rid, 0)
+        if forward_ran:
+            out = self._guarded(call, rid)
+        else:
+            engine_view = request if isinstance(request, Request) else held
+            written = max(engine_view.num_computed_tokens, admitted_with)
+            out = self._guarded(_forget_then, self.coordinator, call, rid, written)
+        self._admitted_with.pop(rid, None)
         coordinator = self.coordinator
         coordinator.unwritten.written(rid)
         if coordinator.partial is not None:
@@ -312,3 +333,13 @@ def _request_id(request: object) -> str:
     if isinstance(request, Request):
         return request.request_id
     raise not_a_request(request)
+
+
+def _forget_then(
+    coordinator: KVCacheCoordinator, call: Any, rid: str, num_computed_tokens: int
+) -> Any:
+    """Drop the keys of the blocks past ``num_computed_tokens``, then run
+    ``call(rid)``: one transaction for both (see
+    :meth:`KVCacheCoordinator.forget_unwritten`)."""
+    coordinator.forget_unwritten(rid, num_computed_tokens)
+    return call(rid)

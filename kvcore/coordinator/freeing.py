@@ -32,6 +32,7 @@ class FreeSteps:
     managers' error reports and cache spans."""
 
     block_pool: BlockPool
+    single_type_managers: tuple[SingleTypeManager, ...]
 
     if TYPE_CHECKING:  # the coordinator's
 
@@ -66,6 +67,21 @@ class FreeSteps:
         self._by_hit_points: HitPointOrder | None = None
         if sum(m.caching for m in managers) > 1:
             self._by_hit_points = HitPointOrder(self._free_order, self.plugin_error)
+
+    def forget_unwritten(self, request_id: str, num_computed_tokens: int) -> None:
+        """Drop the prefix-cache keys (full and partial) of the request's
+        blocks that hold a token past ``num_computed_tokens``: a step keys
+        its blocks when it is scheduled, so when the engine drops that step
+        before its forward pass runs (a preemption in the scheduling step),
+        those blocks were never written and no later hit may read them.
+        Only position-indexed tables map blocks to tokens; the others never
+        key blocks by token."""
+        pool = self.block_pool
+        for manager in self.single_type_managers:
+            table = manager.req_to_blocks.get(request_id)
+            if table and manager.position_indexed:
+                for block in table[num_computed_tokens // manager.block_size :]:
+                    pool.forget_keys(block)
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, the tail first."""

@@ -150,6 +150,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
         #: release_blocks has not taken back: a list released twice is
         #: refused even once its blocks were handed out again.
         self._popped: Counter[int] = Counter()
+        #: Live id -> the tokens its admission's hit covered, written before
+        #: it: what a step dropped before its forward keeps keyed (see
+        #: :meth:`free`), however far the engine had advanced the request.
+        self._admitted_with: dict[str, int] = {}
         #: The re-entrant lock every public method of a thread-safe manager
         #: holds (hold it around a lookup and the allocation that uses its
         #: hit), else None.
@@ -419,6 +423,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
         request.status = RequestStatus.RUNNING
         if held is not request:
             self._requests[rid] = request
+        if not running:
+            self._admitted_with[rid] = num_hit_tokens
         if sources is not None:
             copies = self._copies(rid, sources, num_hit_tokens)
             return KVCacheBlocks(
@@ -504,10 +510,19 @@ class KVCacheManager(StepNeeds, EngineCalls):
             self._require_live(request.request_id)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
-    def free(self, request: Request | str) -> None:
+    def free(self, request: Request | str, *, forward_ran: bool = True) -> None:
         """Release every block the request holds (tail blocks evicted first)
-        and mark the request ``FINISHED``."""
-        self._finish(request, self.coordinator.free)
+        and mark the request ``FINISHED``.
+
+        ``forward_ran=False``: the step :meth:`allocate_slots` last scheduled
+        for the request is dropped before its forward pass runs (a
+        preemption in the scheduling step), with ``num_computed_tokens``
+        not yet advanced past it.  Blocks holding a token past what was
+        written (the computed tokens, or the admission's hit where that
+        covers more) were keyed when the step was scheduled but never
+        written, so they lose their prefix-cache keys before they are
+        freed, and no later request hits them."""
+        self._finish(request, self.coordinator.free, forward_ran)
 
     # -- block lists ------------------------------------------------------------
 

@@ -116,6 +116,7 @@ def _scheduler(
     prefix_caching: bool = False,
     connector: bool = True,
     max_model_len: int = 2048,
+    policy: str = "fcfs",
 ) -> AsyncScheduler:
     """vLLM's AsyncScheduler over ``groups``, built through vLLM's public
     configs.  ``connector``: :class:`ConsumerConnector`, a KV consumer, which
@@ -139,6 +140,7 @@ def _scheduler(
             async_scheduling=True,
             is_encoder_decoder=False,
             watermark=0.0,
+            policy=policy,  # type: ignore[arg-type]
         ),
         model_config=ModelConfig(
             model=MODEL,
@@ -224,7 +226,9 @@ class ConsumerConnector(KVConnectorBase_V1, SupportsHMA):
 _hashing_ready = False
 
 
-def _request(rid: str, tokens: list[int], max_tokens: int) -> Request:
+def _request(
+    rid: str, tokens: list[int], max_tokens: int, priority: int = 0
+) -> Request:
     global _hashing_ready
     if not _hashing_ready:
         init_none_hash(sha256)
@@ -237,6 +241,7 @@ def _request(rid: str, tokens: list[int], max_tokens: int) -> Request:
         sampling_params=params,
         pooling_params=None,
         block_hasher=get_request_block_hasher(BS, sha256),
+        priority=priority,
     )
 
 
@@ -268,6 +273,13 @@ class Worker:
         #: ``state_write_positions`` asks for more than the step's end.
         self.state_steps = 0
         self.asked_inside_steps: list[str] = []
+        #: Full attention: block id -> slot -> (writer, token position) of
+        #: the KV it holds.
+        self.kv: dict[int, dict[int, tuple[Request, int]]] = {}
+        #: (reader, token position, writer or None, written position) of
+        #: each token a request's first step reads from blocks it did not
+        #: write (a prefix hit), compared once every sampled token is known.
+        self.kv_reads: list[tuple[Request, int, Request | None, int]] = []
 
     def _take(self, step: int, rid: str, groups: Any, *, replace: bool) -> None:
         if replace or rid not in self.tables:
@@ -293,14 +305,19 @@ class Worker:
             self.tables.pop(rid, None)
             self.since.pop(rid, None)
         starts: dict[str, int] = {}
+        #: Requests whose table starts afresh this step (new or resumed).
+        fresh: set[str] = set()
         for new in out.scheduled_new_reqs:
             self._take(step, new.req_id, new.block_ids, replace=True)
             starts[new.req_id] = new.num_computed_tokens
+            fresh.add(new.req_id)
         for i, rid in enumerate(cached.req_ids):
             resumed = rid in cached.resumed_req_ids
             if cached.new_block_ids[i] is not None:
                 self._take(step, rid, cached.new_block_ids[i], replace=resumed)
             starts[rid] = cached.num_computed_tokens[i]
+            if resumed:
+                fresh.add(rid)
         reads: dict[int, list[tuple[str, int]]] = {}
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests.setdefault(rid, self.scheduler.requests[rid])
@@ -312,6 +329,8 @@ class Worker:
                     f"step {step}: request {rid} computes tokens {start}-{end} "
                     f"but its {type(spec).__name__} table has {len(table)} blocks"
                 )
+                if type(spec) is FullAttentionSpec:
+                    self._attend(request, table, start, end, rid in fresh)
                 if isinstance(spec, MambaSpec):
                     positions = self._mamba(request, table, start, end)
                     self._asked(gid, rid, start, end)
@@ -325,6 +344,38 @@ class Worker:
                     if bid != self.null_id:
                         reads.setdefault(bid, []).append((rid, since[pos]))
         return reads
+
+    def _attend(
+        self, request: Request, table: list[int], start: int, end: int, fresh: bool
+    ) -> None:
+        """Full attention: a fresh table's first step reads the KV of the
+        tokens before ``start`` from its hit blocks; every step writes its
+        own tokens' KV."""
+        if fresh:
+            for pos in range(start):
+                slot = self.kv.get(table[pos // BS], {}).get(pos % BS)
+                writer, written = slot if slot is not None else (None, -1)
+                self.kv_reads.append((request, pos, writer, written))
+        for pos in range(start, end):
+            self.kv.setdefault(table[pos // BS], {})[pos % BS] = (request, pos)
+
+    def unwritten_kv(self) -> tuple[int, int]:
+        """(tokens read from hit blocks, those whose KV no step wrote for that
+        prefix at that position)."""
+        prefix: dict[str, list[int]] = {}
+        bad = 0
+        for reader, pos, writer, written in self.kv_reads:
+            if writer is None or written != pos:
+                bad += 1
+                continue
+            if writer is reader:
+                continue
+            for r in (reader, writer):
+                if r.request_id not in prefix:
+                    prefix[r.request_id] = _prefix_hashes(r.all_token_ids)
+            if prefix[reader.request_id][pos] != prefix[writer.request_id][pos]:
+                bad += 1
+        return len(self.kv_reads), bad
 
     def _mamba(
         self, request: Request, table: list[int], start: int, end: int
@@ -506,22 +557,43 @@ class Harness:
         )
 
 
+def _prefix_hashes(tokens: Any) -> list[int]:
+    """Per position, a hash of the tokens up to and including it."""
+    out: list[int] = []
+    h = 0
+    for token in tokens:
+        h = hash((h, token))
+        out.append(h)
+    return out
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
 def _attention_trace(
-    seed: int, *, num: int, lengths: tuple[int, int], shared: bool = False
+    seed: int,
+    *,
+    num: int,
+    lengths: tuple[int, int],
+    shared: bool = False,
+    priorities: int = 1,
 ) -> dict[int, list[Request]]:
     """``num`` requests arriving over the first steps; with ``shared`` their
-    prompts start with one of three common prefixes (prefix hits)."""
+    prompts start with one of three common prefixes (prefix hits); each of
+    ``priorities`` levels drawn at random (only 0 by default)."""
     rng = random.Random(seed)
     prefixes = [_tokens(rng, rng.randrange(32, 96)) for _ in range(3)]
     arrivals: dict[int, list[Request]] = {}
     for i in range(num):
         body = _tokens(rng, rng.randrange(*lengths))
         prompt = (rng.choice(prefixes) + body) if shared else body
-        request = _request(f"r{i}", prompt, rng.randrange(4, 40))
+        request = _request(
+            f"r{i}",
+            prompt,
+            rng.randrange(4, 40),
+            rng.randrange(priorities) if priorities > 1 else 0,
+        )
         arrivals.setdefault(rng.randrange(0, 3 * num), []).append(request)
     return arrivals
 
@@ -543,6 +615,55 @@ def _preemption_run(seed: int = 2) -> tuple[Harness, int]:
     )
     harness = Harness(scheduler, seed)
     arrivals = _attention_trace(seed, num=24, lengths=(60, 200), shared=True)
+    harness.run(arrivals, {})
+    preemptions = sum(r.num_preemptions for rs in arrivals.values() for r in rs)
+    return harness, preemptions
+
+
+def _in_step_preemption_run(seed: int = 5) -> tuple[Harness, Request]:
+    """vLLM preempts a request it already scheduled in the same step, which
+    is freed before that step's forward runs.
+
+    ``c`` (priority 0, 8 tokens) and ``a`` (priority 1, 150 tokens, in
+    48-token chunks) are admitted at step 0, ``b`` (priority 0, 16 tokens)
+    at step 1: the running queue is ``c, a, b``.  At step 2, ``a``'s third
+    chunk takes the last three free blocks (keyed: they fill), then ``b``'s
+    first decode token needs a block: vLLM preempts ``a``, already
+    scheduled, and ``a`` later resumes on a prefix hit."""
+    scheduler = _scheduler(
+        [_attention()],
+        num_blocks=12,
+        long_prefill=48,
+        prefix_caching=True,
+        policy="priority",
+        # No connector: vLLM frees a preempted request at once (with one, it
+        # never preempts a request whose step is not yet out).
+        connector=False,
+    )
+    rng = random.Random(seed)
+    a = _request("a", _tokens(rng, 150), 4, priority=1)
+    b = _request("b", _tokens(rng, 16), 8, priority=0)
+    c = _request("c", _tokens(rng, 8), 4, priority=0)
+    harness = Harness(scheduler, seed)
+    harness.run({0: [a, c], 1: [b]}, {})
+    return harness, a
+
+
+def _priority_run(seed: int = 5) -> tuple[Harness, int]:
+    """Priority scheduling of a trace with shared prefixes and too few
+    blocks: vLLM preempts the running request of lowest priority."""
+    scheduler = _scheduler(
+        [_attention()],
+        num_blocks=40,
+        long_prefill=48,
+        prefix_caching=True,
+        policy="priority",
+        connector=False,
+    )
+    harness = Harness(scheduler, seed)
+    arrivals = _attention_trace(
+        seed, num=24, lengths=(60, 200), shared=True, priorities=4
+    )
     harness.run(arrivals, {})
     preemptions = sum(r.num_preemptions for rs in arrivals.values() for r in rs)
     return harness, preemptions
@@ -585,10 +706,43 @@ def test_preemption_frees_nothing_a_step_in_flight_reads() -> None:
     while a step in flight reads them) and readmitted on prefix hits, with
     out-of-window blocks released along the way."""
     harness, preemptions = _preemption_run()
-    print(f"preemption: {preemptions} preemptions, {harness.summary()}")
+    reads, unwritten = harness.worker.unwritten_kv()
+    print(
+        f"preemption: {preemptions} preemptions, {reads} hit tokens read, "
+        f"{unwritten} never written; {harness.summary()}"
+    )
     assert harness.violations == []
     assert preemptions >= 5
     assert harness.deferred_checked >= 20
+    assert unwritten == 0
+    assert reads >= 200
+
+
+def test_preemption_in_the_scheduling_step_leaves_no_stale_hit() -> None:
+    """A request preempted in the step that scheduled it never runs that
+    step, so the blocks it keyed there hold no KV: every token a later hit
+    reads was written by an earlier step for that same prefix.  (Without a
+    connector vLLM frees a preempted request's blocks while its last step
+    is in flight, which the device's stream order makes safe, so the
+    release check does not apply here.)"""
+    harness, a = _in_step_preemption_run()
+    reads, unwritten = harness.worker.unwritten_kv()
+    print(
+        f"in-step preemption: {a.num_preemptions} of a, {reads} hit tokens "
+        f"read, {unwritten} never written; {harness.summary()}"
+    )
+    assert a.num_preemptions >= 1
+    assert reads == 96  # the two chunks whose forward ran
+    assert unwritten == 0
+    harness, preemptions = _priority_run()
+    reads, unwritten = harness.worker.unwritten_kv()
+    print(
+        f"priority trace: {preemptions} preemptions, {reads} hit tokens "
+        f"read, {unwritten} never written; {harness.summary()}"
+    )
+    assert unwritten == 0
+    assert reads >= 200
+    assert preemptions >= 5
 
 
 def test_finished_and_aborted_requests_free_nothing_in_flight() -> None:
@@ -734,6 +888,20 @@ def test_undeferred_frees_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     harness, _ = _abort_run()
     print("broken (frees not deferred):", harness.summary())
     assert len(harness.violations) >= 5
+
+
+def test_keys_kept_by_a_step_dropped_before_its_forward_are_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kvcore as it was: a request freed in the step that scheduled it kept
+    that step's keys, and later hits read blocks no forward wrote."""
+    monkeypatch.setattr(
+        kvcore_vllm.KVCacheManager, "_forget_unwritten", lambda self, request: None
+    )
+    harness, _ = _in_step_preemption_run()
+    _, unwritten = harness.worker.unwritten_kv()
+    print(f"keys of dropped steps kept: {unwritten} hit tokens never written")
+    assert unwritten > 0
 
 
 def test_states_kept_inside_steps_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -369,6 +369,10 @@ class KVCacheManager:
         )
         #: Ids of the requests that hold blocks.
         self._live: set[str] = set()
+        #: Live requests given slots since the step began: one freed while
+        #: still RUNNING is a preemption in its scheduling step, whose
+        #: forward never runs (see :meth:`free`).
+        self._scheduled: set[str] = set()
         # vLLM's workers zero new blocks of attention groups (not rings)
         # when the config asks; the scheduler drains their ids each step.
         from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
@@ -591,6 +595,7 @@ class KVCacheManager:
         if new is not None and unwritten.managers:
             unwritten.took(rid, new)
         self._live.add(rid)
+        self._scheduled.add(rid)
         if before is not None:
             self._record_zeroing(rid, before, total, skip_zeroing_group_ids)
         if new is None or not any(new):
@@ -643,6 +648,7 @@ class KVCacheManager:
         pool = self.kvcore.block_pool
         pool.begin()
         try:
+            self._forget_unwritten(request)
             self.kvcore.free(rid)
         except BaseException:
             pool.rollback()
@@ -659,6 +665,14 @@ class KVCacheManager:
         if rid not in self._live:
             return []
         out: list[KVCacheBlock] = []
+        pool = self.kvcore.block_pool
+        pool.begin()
+        try:
+            self._forget_unwritten(request)
+        except BaseException:
+            pool.rollback()
+            raise
+        pool.commit()
         for manager in self.kvcore.single_type_managers:
             out += manager.pop_blocks(rid) or ()
         self.kvcore.forget_span(rid)
@@ -835,3 +849,18 @@ class KVCacheManager:
         """vLLM's step boundary: the states earlier steps keyed are
         written (see :mod:`kvcore.coordinator.unwritten`)."""
         self.kvcore.unwritten.new_step_starts()
+        self._scheduled.clear()
+
+    def _forget_unwritten(self, request: Any) -> None:
+        """vLLM preempts a request it scheduled in this step (a RUNNING one
+        given slots since the step began) by freeing it before the step's
+        forward runs and before ``num_computed_tokens`` advances: the blocks
+        this step keyed past its computed tokens were never written, so they
+        lose their keys (see :meth:`KVCacheCoordinator.forget_unwritten`)."""
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if rid in self._scheduled:
+            self._scheduled.discard(rid)
+            if request.status == RequestStatus.RUNNING:
+                self.kvcore.forget_unwritten(rid, request.num_computed_tokens)
