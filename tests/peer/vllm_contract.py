@@ -620,6 +620,20 @@ def _preemption_run(seed: int = 2) -> tuple[Harness, int]:
     return harness, preemptions
 
 
+def _priority_scheduler(num_blocks: int) -> AsyncScheduler:
+    """One full-attention group, prefix caching, 48-token prefill chunks,
+    priority scheduling and no connector: vLLM frees a preempted request at
+    once (with one, it never preempts a request whose step is not yet out)."""
+    return _scheduler(
+        [_attention()],
+        num_blocks=num_blocks,
+        long_prefill=48,
+        prefix_caching=True,
+        policy="priority",
+        connector=False,
+    )
+
+
 def _in_step_preemption_run(seed: int = 5) -> tuple[Harness, Request]:
     """vLLM preempts a request it already scheduled in the same step, which
     is freed before that step's forward runs.
@@ -630,16 +644,7 @@ def _in_step_preemption_run(seed: int = 5) -> tuple[Harness, Request]:
     chunk takes the last three free blocks (keyed: they fill), then ``b``'s
     first decode token needs a block: vLLM preempts ``a``, already
     scheduled, and ``a`` later resumes on a prefix hit."""
-    scheduler = _scheduler(
-        [_attention()],
-        num_blocks=12,
-        long_prefill=48,
-        prefix_caching=True,
-        policy="priority",
-        # No connector: vLLM frees a preempted request at once (with one, it
-        # never preempts a request whose step is not yet out).
-        connector=False,
-    )
+    scheduler = _priority_scheduler(num_blocks=12)
     rng = random.Random(seed)
     a = _request("a", _tokens(rng, 150), 4, priority=1)
     b = _request("b", _tokens(rng, 16), 8, priority=0)
@@ -652,14 +657,7 @@ def _in_step_preemption_run(seed: int = 5) -> tuple[Harness, Request]:
 def _priority_run(seed: int = 5) -> tuple[Harness, int]:
     """Priority scheduling of a trace with shared prefixes and too few
     blocks: vLLM preempts the running request of lowest priority."""
-    scheduler = _scheduler(
-        [_attention()],
-        num_blocks=40,
-        long_prefill=48,
-        prefix_caching=True,
-        policy="priority",
-        connector=False,
-    )
+    scheduler = _priority_scheduler(num_blocks=40)
     harness = Harness(scheduler, seed)
     arrivals = _attention_trace(
         seed, num=24, lengths=(60, 200), shared=True, priorities=4
