@@ -24,7 +24,7 @@ from kvcore.coordinator import (
     Request,
     SingleTypeManager,
 )
-from kvcore.errors import KvcoreError, PluginError
+from kvcore.errors import InvalidRequestError, KvcoreError, PluginError
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
 from kvcore_mla import MLAAttentionSpec
@@ -153,10 +153,12 @@ def test_a_cache_call_inside_the_span_asks_no_manager(counting: Any) -> None:
     assert CountedManager.calls["cache_twins"] == 3
     assert mgr.block_pool.num_cached_blocks == 2
     assert mgr.coordinator.cache_spans == {"r": (9, 12)}
-    # Past the request's hashed chunks (10 tokens: 2 chunks) no span is
-    # kept: its tokens may be hashed later.
-    mgr.cache_blocks(r, 13)
-    assert mgr.coordinator.cache_spans == {}
+    # Past the 10 tokens its step was given slots for: refused, and the
+    # span and the keys stay as they were.
+    with pytest.raises(InvalidRequestError, match="past the 10 tokens"):
+        mgr.cache_blocks(r, 13)
+    assert mgr.coordinator.cache_spans == {"r": (9, 12)}
+    assert mgr.block_pool.num_cached_blocks == 2
     mgr.free(r)
     assert mgr.coordinator.cache_spans == {}
 

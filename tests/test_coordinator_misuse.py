@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from coordinator_setup import small_manager
+from coordinator_setup import sw as setup_sw
 
 import kvcore
 from kvcore import KVCacheConfig, KVCacheGroupSpec
@@ -409,3 +411,51 @@ def test_planning_and_wire_entry_points_refuse_wrong_types(
         eval(call, names)
     assert isinstance(info.value, TypeError)
     assert fragment in str(info.value)
+
+
+def test_cache_blocks_past_the_scheduled_tokens_is_refused() -> None:
+    """A step of 6 tokens with 4 lookahead slots: the table covers 10 slots,
+    but only 6 tokens were scheduled, so keying 8 would key a block whose
+    last two tokens no step computed."""
+    mgr = fa_manager(12)
+    r = req("r", 12)
+    assert mgr.allocate_slots(r, 6, num_lookahead_tokens=4) is not None
+    assert mgr.get_block_ids("r") == ([1, 2, 3],)
+    before = snapshot(mgr)
+    with pytest.raises(kvcore.errors.InvalidRequestError, match="past the 6 tokens"):
+        mgr.cache_blocks(r, 8)
+    assert snapshot(mgr) == before
+    mgr.cache_blocks(r, 6)  # what was scheduled: fine
+    r.num_computed_tokens = 6
+    assert mgr.allocate_slots(r, 2) is not None
+    mgr.cache_blocks(r, 8)
+    assert mgr.block_pool.num_cached_blocks == 2
+
+
+def test_a_step_below_the_released_window_is_refused() -> None:
+    """After the window's old blocks are released at 40 tokens, a step that
+    starts at 10 would read and write positions that are the null block."""
+    mgr = small_manager([setup_sw(4, 8)], 32)
+    r = req("r", 48)
+    assert mgr.allocate_slots(r, 40) is not None
+    r.num_computed_tokens = 40
+    assert mgr.allocate_slots(r, 1) is not None  # releases below the window
+    table = mgr.get_block_ids("r")[0]
+    assert table[:8] == [0] * 8
+    r.num_computed_tokens = 10
+    before = snapshot(mgr)
+    with pytest.raises(
+        kvcore.errors.InvalidRequestError, match="starts at 10 computed tokens"
+    ):
+        mgr.allocate_slots(r, 1)
+    assert snapshot(mgr) == before
+    assert mgr.get_block_ids("r")[0] == table
+    # Released by the engine's own call too.
+    r.num_computed_tokens = 44
+    mgr.remove_skipped_blocks(r, 44)
+    r.num_computed_tokens = 41
+    with pytest.raises(kvcore.errors.InvalidRequestError, match="at 44 processed"):
+        mgr.allocate_slots(r, 1)
+    # At or past the released tokens, steps run.
+    r.num_computed_tokens = 44
+    assert mgr.allocate_slots(r, 1) is not None

@@ -32,6 +32,7 @@ from kvcore.coordinator.hashing import TOKEN_ID_LIMIT as HASHED_TOKEN_LIMIT
 from kvcore.coordinator.hashing import BlockHasher
 from kvcore.errors import (
     BlockSizeError,
+    InvalidRequestError,
     InvalidSpecError,
     KvcoreKeyError,
     KvcoreTypeError,
@@ -749,6 +750,15 @@ CASES = [
         lambda tmp: _coordinator_call("mgr.cache_blocks(req, -4)"),
         KvcoreValueError,
         "num_computed_tokens must be a non-negative int number of tokens, got -4",
+    ),
+    Case(
+        "caching tokens no step was given slots for",
+        "manager.cache_blocks(request, 8) after a 4-token step",
+        lambda tmp: _coordinator_call(
+            "(mgr.allocate_slots(req, 4), mgr.cache_blocks(req, 8))"
+        ),
+        InvalidRequestError,
+        "num_computed_tokens=8 is past the 4 tokens its steps have been given slots",
     ),
     Case(
         "truncating a hit to a negative length",

@@ -20,6 +20,7 @@ from kvcore.coordinator.checks import check_hashing, check_tokens, not_a_request
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.coordinator.state_manager import CheckpointManager
+from kvcore.coordinator.step_marks import StepMarks
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class EngineCalls:
     coordinator: KVCacheCoordinator
     _requests: dict[str, Request]
     _popped: Counter[int]
-    _admitted_with: dict[str, int]
+    _marks: StepMarks
     prefix_cache_stats: PrefixCacheStats
     enable_caching: bool
 
@@ -119,6 +120,7 @@ class EngineCalls:
         if not coordinator.skipping or not num_tokens:
             return
         self._guarded(coordinator.remove_skipped_blocks, rid, num_tokens)
+        self._marks.released(rid, num_tokens)
 
     def pop_blocks_for_free(
         self, request: Request | str, *, forward_ran: bool = True
@@ -149,14 +151,13 @@ class EngineCalls:
                 f"got {forward_ran!r}"
             )
             raise KvcoreTypeError(msg)
-        admitted_with = self._admitted_with.get(rid, 0)
         if forward_ran:
             out = self._guarded(call, rid)
         else:
             engine_view = request if isinstance(request, Request) else held
-            written = max(engine_view.num_computed_tokens, admitted_with)
+            written = self._marks.written(rid, engine_view.num_computed_tokens)
             out = self._guarded(_forget_then, self.coordinator, call, rid, written)
-        self._admitted_with.pop(rid, None)
+        self._marks.forget(rid)
         coordinator = self.coordinator
         coordinator.unwritten.written(rid)
         if coordinator.partial is not None:

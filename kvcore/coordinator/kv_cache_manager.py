@@ -28,6 +28,7 @@ from kvcore.coordinator.engine_calls import (
 from kvcore.coordinator.locking import ManagerLock, locked_class
 from kvcore.coordinator.partial import BlockCopy
 from kvcore.coordinator.request import Request, RequestStatus
+from kvcore.coordinator.step_marks import StepMarks
 from kvcore.coordinator.step_needs import StepNeed, StepNeeds
 from kvcore.errors import (
     InvalidRequestError,
@@ -150,10 +151,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
         #: release_blocks has not taken back: a list released twice is
         #: refused even once its blocks were handed out again.
         self._popped: Counter[int] = Counter()
-        #: Live id -> the tokens its admission's hit covered, written before
-        #: it: what a step dropped before its forward keeps keyed (see
-        #: :meth:`free`), however far the engine had advanced the request.
-        self._admitted_with: dict[str, int] = {}
+        #: Each live request's admission hit, step end and release point.
+        self._marks = StepMarks()
         #: The re-entrant lock every public method of a thread-safe manager
         #: holds (hold it around a lookup and the allocation that uses its
         #: hit), else None.
@@ -281,15 +280,11 @@ class KVCacheManager(StepNeeds, EngineCalls):
         external, whole_sequence, num_encoder, num_in_flight, reserved = (
             check_engine_keywords(self, request, engine) if engine else _NO_ENGINE
         )
-        computed = checked_hit(
-            self,
-            request,
-            new_computed_blocks,
-            (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, external),
-        )
+        want = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, external)
+        computed = checked_hit(self, request, new_computed_blocks, want)
         hit_end = request.num_computed_tokens + num_new_computed_tokens
         num_computed = hit_end + external
-        num_tokens = num_computed + num_new_tokens
+        num_tokens = scheduled_to = num_computed + num_new_tokens
         keyed = self.enable_caching and not delay_cache_blocks
         cache_to = min(num_tokens, len(request.all_token_ids)) if keyed else -1
         if num_lookahead_tokens or num_tokens > self.max_model_len:
@@ -297,10 +292,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
         held = self._requests.get(rid)
         if held is not request and held is not None:
             check_same_request(self, held, request)
-        unwritten = self._unwritten
-        if unwritten.by_writer and not unwritten.admits(rid, computed):
+        if self._unwritten.by_writer and not self._unwritten.admits(rid, computed):
             return None  # its hit's state is written by a step not yet run
-        coordinator = self.coordinator
         # Blocks are released only below the tokens no step in flight computes.
         processed = num_computed - num_in_flight
         # A live request (held) with no new hit grows; any other is admitted.
@@ -310,8 +303,11 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 request, computed, (hit_end, num_computed), num_tokens, num_encoder
             )
         else:
+            coordinator = self.coordinator
             need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
-            skipping = bool(coordinator.skipping) and processed > 0
+            skipping = bool(coordinator.skipping) and self._marks.releases_from(
+                rid, num_computed, processed
+            )
             if (
                 not need
                 and held is request
@@ -325,6 +321,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 # Nothing grows, is released or keyed: the step changes nothing
                 # (a step already open refuses it, in BlockPool.begin).
                 request.status = RequestStatus.RUNNING
+                self._marks.scheduled_to[rid] = scheduled_to
                 return self.empty_kv_cache_blocks
             step = ((), None, 0, need)
         return self._fit_and_run(
@@ -332,7 +329,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             held,
             step,
             (running, processed, num_tokens, cache_to, reserved),
-            (num_encoder, hit_end, whole_sequence),
+            (num_encoder, hit_end, whole_sequence, scheduled_to),
         )
 
     def _fit_and_run(
@@ -341,7 +338,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         held: Request | None,
         need: StepNeed,
         span: tuple[bool, int, int, int, int],
-        tokens: tuple[int, int, bool],
+        tokens: tuple[int, int, bool, int],
     ) -> KVCacheBlocks | None:
         """Run a step whose need is counted, if it fits.  ``need``: the
         admission blocks (``()`` for a running request, which grows), the
@@ -354,7 +351,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         satisfy it (nothing changed)."""
         attach, sources, held_sources, num_needed = need
         running, processed, num_tokens, cache_to, reserved = span
-        num_encoder, num_hit_tokens, whole_sequence = tokens
+        num_encoder, num_hit_tokens, whole_sequence, scheduled_to = tokens
         rid = request.request_id
         coordinator = self.coordinator
         if whole_sequence and not self._whole_sequence_fits(
@@ -378,7 +375,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             args,
             sources,
             shed,
-            num_hit_tokens,
+            (num_hit_tokens, scheduled_to),
         )
 
     def _run_step(
@@ -388,12 +385,13 @@ class KVCacheManager(StepNeeds, EngineCalls):
         args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int, int],
         sources: list[tuple[int, KVCacheBlock, int]] | None,
         shed: list[Any] | None,
-        num_hit_tokens: int,
+        tokens: tuple[int, int],
     ) -> KVCacheBlocks:
         """Run a step that fits (``args``: :meth:`_step`'s after the
         request) as a transaction and hand out its new blocks."""
         rid = request.request_id
         running = args[0]
+        num_hit_tokens, scheduled_to = tokens
         coordinator = self.coordinator
         step = (
             self._step
@@ -418,13 +416,17 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 coordinator.forget_checkpoints(rid)
             raise
         pool.commit()
+        marks = self._marks
+        marks.scheduled_to[rid] = scheduled_to
+        if args[1]:  # skipped blocks were released below the processed tokens
+            marks.released(rid, args[3])
         if new_blocks is not None and self._unwritten.managers:
             self._unwritten.took(rid, new_blocks)
         request.status = RequestStatus.RUNNING
         if held is not request:
             self._requests[rid] = request
         if not running:
-            self._admitted_with[rid] = num_hit_tokens
+            marks.admitted_with[rid] = num_hit_tokens
         if sources is not None:
             copies = self._copies(rid, sources, num_hit_tokens)
             return KVCacheBlocks(
@@ -507,7 +509,11 @@ class KVCacheManager(StepNeeds, EngineCalls):
             request.request_id,
         )
         if self.enable_caching:
-            self._require_live(request.request_id)
+            rid = request.request_id
+            self._require_live(rid)
+            self._marks.check_keyed(
+                rid, request.num_computed_tokens, num_computed_tokens
+            )
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request | str, *, forward_ran: bool = True) -> None:
