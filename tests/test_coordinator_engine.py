@@ -435,3 +435,18 @@ def test_forward_ran_must_be_a_bool_and_a_refusal_changes_nothing() -> None:
     assert mgr.get_computed_blocks(req("B", range(1, 18)))[1] == 16
     mgr.free(a, forward_ran=False)
     assert mgr.live_request_ids() == ()
+
+
+def test_a_step_hit_by_a_later_admission_cannot_be_dropped() -> None:
+    """B hits the blocks A's step keyed, in the same step: dropping A's step
+    would leave B reading KV no step writes, so it is refused, changing
+    nothing; an engine drops a step before admitting others."""
+    mgr, a = _preempted_in_its_step()
+    b = req("B", range(1, 21))
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 16
+    assert mgr.allocate_slots(b, 4, n, hit) is not None
+    with pytest.raises(InvalidRequestError, match="also in another request"):
+        mgr.free(a, forward_ran=False)
+    assert mgr.live_request_ids() == ("A", "B")
+    assert mgr.get_computed_blocks(req("C", range(1, 18)))[1] == 16

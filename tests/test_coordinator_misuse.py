@@ -459,3 +459,35 @@ def test_a_step_below_the_released_window_is_refused() -> None:
     # At or past the released tokens, steps run.
     r.num_computed_tokens = 44
     assert mgr.allocate_slots(r, 1) is not None
+
+
+def test_a_refused_step_below_a_release_changes_nothing_in_state_notes() -> None:
+    """The refusal comes before anything else the step would do: the
+    states the request's last step took stay noted as unwritten."""
+    import coordinator_setup as setup
+
+    mgr = setup.state_hybrid(40, 4)
+    a = req("a", 29)
+    assert mgr.allocate_slots(a, 8) is not None
+    a.num_computed_tokens = 8
+    assert mgr.allocate_slots(a, 8) is not None
+    noted = dict(mgr.coordinator.unwritten.by_writer)
+    assert noted
+    a.num_computed_tokens = 4
+    with pytest.raises(kvcore.errors.InvalidRequestError, match="starts at 4"):
+        mgr.allocate_slots(a, 4)
+    assert mgr.coordinator.unwritten.by_writer == noted
+
+
+def test_a_step_below_an_admission_that_took_no_blocks_is_refused() -> None:
+    """Admitted at 32 tokens a connector loads, a window takes no block for
+    the positions it does not read; a later step may not start there."""
+    mgr = small_manager([setup_sw(4, 8)], 32)
+    r = req("r", 48)
+    assert mgr.allocate_slots(r, 4, num_external_computed_tokens=32) is not None
+    assert mgr.get_block_ids("r")[0][:6] == [0] * 6
+    r.num_computed_tokens = 10
+    with pytest.raises(kvcore.errors.InvalidRequestError, match="starts at 10"):
+        mgr.allocate_slots(r, 1)
+    r.num_computed_tokens = 36
+    assert mgr.allocate_slots(r, 1) is not None

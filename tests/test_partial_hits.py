@@ -400,3 +400,22 @@ def test_a_dropped_admission_keys_nothing_its_copy_would_have_written(
     mgr.free(b, forward_ran=forward_ran)
     c = Request("c", [*tokens, 5], hash_block_size=128)
     assert mgr.get_computed_blocks(c)[1] == c_hit
+
+
+def test_a_dropped_decode_step_keeps_the_partial_keys_of_written_tokens() -> None:
+    """Partial keys name prefixes of computed tokens only: a decode step
+    dropped before its forward leaves them, and a later request still
+    copies the 256 tokens it would copy had the step run."""
+    mgr = dsv4()
+    tokens = prompt(300)
+    a = Request("a", tokens, hash_block_size=128)
+    assert mgr.allocate_slots(a, 300) is not None
+    a.num_computed_tokens = 300
+    a.append_output_token_ids(7)
+    assert mgr.allocate_slots(a, 1) is not None
+    keys = mgr.block_pool.num_partial_keys
+    assert keys
+    mgr.free(a, forward_ran=False)
+    assert mgr.block_pool.num_partial_keys == keys
+    c = Request("c", [*tokens, 9, 9], hash_block_size=128)
+    assert mgr.get_computed_blocks(c)[1] == 256

@@ -429,12 +429,13 @@ class BlockPool(TwinPoolOps):
         if self.enable_kv_cache_events:
             self._events.append(BlockRemoved((key,), gid, self.kv_events_medium))
 
-    def forget_keys(self, block: KVCacheBlock) -> None:
-        """Drop every key ``block`` holds, full and partial, leaving it where
-        it is (held or queued): content that was never written.  Does
-        nothing for a block without a key."""
-        if block.key_hash is not None or block.partial_keys is not None:
-            self._drop_keys(block)
+    def forget_key(self, block: KVCacheBlock) -> None:
+        """Drop ``block``'s full key, leaving the block where it is (held or
+        queued) and its partial keys (each names a prefix that ends inside
+        it, keyed once computed): its last slots were never written.  Does
+        nothing for a block without a full key."""
+        if block.key_hash is not None:
+            self._evict(block)
 
     def drop_from_cache(self, block: KVCacheBlock) -> None:
         """Forget ``block``'s prefix-cache key: content no later request is

@@ -19,6 +19,7 @@ from kvcore.coordinator.block_pool import KVCacheBlock
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.twins import twin_runs
+from kvcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
@@ -69,19 +70,35 @@ class FreeSteps:
             self._by_hit_points = HitPointOrder(self._free_order, self.plugin_error)
 
     def forget_unwritten(self, request_id: str, num_computed_tokens: int) -> None:
-        """Drop the prefix-cache keys (full and partial) of the request's
-        blocks that hold a token past ``num_computed_tokens``: a step keys
-        its blocks when it is scheduled, so when the engine drops that step
-        before its forward pass runs (a preemption in the scheduling step),
-        those blocks were never written and no later hit may read them.
-        Only position-indexed tables map blocks to tokens; the others never
-        key blocks by token."""
-        pool = self.block_pool
-        for manager in self.single_type_managers:
-            table = manager.req_to_blocks.get(request_id)
-            if table and manager.position_indexed:
-                for block in table[num_computed_tokens // manager.block_size :]:
-                    pool.forget_keys(block)
+        """Drop the full prefix-cache keys of the request's blocks that hold
+        a token past ``num_computed_tokens``: a step keys its blocks when it
+        is scheduled, so when the engine drops that step before its forward
+        pass runs (a preemption in the scheduling step), those blocks were
+        never filled and no later hit may read them.  Partial keys stay:
+        they are given only for computed tokens.  Only position-indexed
+        tables map blocks to tokens; the others never key blocks by token."""
+        unwritten = [
+            (manager.kv_cache_group_id, block)
+            for manager in self.single_type_managers
+            if manager.position_indexed
+            for block in manager.req_to_blocks.get(request_id, ())[
+                num_computed_tokens // manager.block_size :
+            ]
+            if not block.is_null
+        ]
+        for gid, block in unwritten:
+            if block.ref_cnt > 1:
+                msg = (
+                    f"free(forward_ran=False) for request {request_id!r}: block "
+                    f"{block.block_id} of group {gid}, which the dropped step was "
+                    "to fill, is also in another request's table (a hit taken "
+                    "after the step was scheduled), whose forward would read KV "
+                    "no step writes; drop a step before admitting other requests "
+                    "in the same step, or drop theirs too"
+                )
+                raise InvalidRequestError(msg)
+        for _, block in unwritten:
+            self.block_pool.forget_key(block)
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, the tail first."""

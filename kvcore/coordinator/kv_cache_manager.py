@@ -292,12 +292,14 @@ class KVCacheManager(StepNeeds, EngineCalls):
         held = self._requests.get(rid)
         if held is not request and held is not None:
             check_same_request(self, held, request)
+        # A live request (held) with no new hit grows; any other is admitted.
+        running = computed is None and held is not None
+        if running and self.coordinator.skipping:
+            self._marks.check_start(rid, num_computed)
         if self._unwritten.by_writer and not self._unwritten.admits(rid, computed):
             return None  # its hit's state is written by a step not yet run
         # Blocks are released only below the tokens no step in flight computes.
         processed = num_computed - num_in_flight
-        # A live request (held) with no new hit grows; any other is admitted.
-        running = computed is None and held is not None
         if not running:
             step = self._admission_need(
                 request, computed, (hit_end, num_computed), num_tokens, num_encoder
@@ -305,9 +307,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         else:
             coordinator = self.coordinator
             need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
-            skipping = bool(coordinator.skipping) and self._marks.releases_from(
-                rid, num_computed, processed
-            )
+            skipping = bool(coordinator.skipping) and processed > 0
             if (
                 not need
                 and held is request
@@ -418,7 +418,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
         pool.commit()
         marks = self._marks
         marks.scheduled_to[rid] = scheduled_to
-        if args[1]:  # skipped blocks were released below the processed tokens
+        if args[1] or (not running and coordinator.skipping):
+            # Blocks below the processed tokens were released, or (at an
+            # admission) never taken: no later step may start below them.
             marks.released(rid, args[3])
         if new_blocks is not None and self._unwritten.managers:
             self._unwritten.took(rid, new_blocks)

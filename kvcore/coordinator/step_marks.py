@@ -8,7 +8,8 @@ Three marks per live request, each set where a step passes it:
 - ``scheduled_to``: the end of its latest step (lookahead slots left out),
   the most ``cache_blocks`` may key;
 - ``released_at``: the processed tokens of its latest release of the blocks
-  it no longer reads, below which no later step may start.
+  it no longer reads (or its admission's, below which a plan that skips
+  blocks took none), below which no later step may start.
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ class StepMarks:
         if num_processed > self.released_at.get(rid, 0):
             self.released_at[rid] = num_processed
 
-    def releases_from(self, rid: str, num_computed: int, num_processed: int) -> bool:
-        """Whether a running step of a plan that skips blocks may release
-        some (it has processed tokens), once checked that it does not start
-        below the tokens at which the request last gave blocks back: it would
-        read or write them."""
+    def check_start(self, rid: str, num_computed: int) -> None:
+        """A running step of a plan that skips blocks may not start below
+        the tokens at which the request last gave blocks back (or, at its
+        admission, never took them): it would read or write them."""
         released_at = self.released_at.get(rid, 0)
         if num_computed >= released_at:
-            return num_processed > 0
+            return
         msg = (
             f"allocate_slots for request {rid!r}: the step starts at "
             f"{num_computed} computed tokens, but the request already released "

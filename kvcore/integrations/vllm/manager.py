@@ -656,6 +656,7 @@ class KVCacheManager:
         pool.commit()
         self.kvcore.unwritten.written(rid)
         self._live.discard(rid)
+        self._scheduled.discard(rid)
 
     def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
         """The request's blocks, released from its tables but still held:
@@ -678,6 +679,7 @@ class KVCacheManager:
         self.kvcore.forget_span(rid)
         self.kvcore.unwritten.written(rid)
         self._live.discard(rid)
+        self._scheduled.discard(rid)
         return out
 
     def remove_skipped_blocks(
@@ -860,7 +862,5 @@ class KVCacheManager:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
-        if rid in self._scheduled:
-            self._scheduled.discard(rid)
-            if request.status == RequestStatus.RUNNING:
-                self.kvcore.forget_unwritten(rid, request.num_computed_tokens)
+        if rid in self._scheduled and request.status == RequestStatus.RUNNING:
+            self.kvcore.forget_unwritten(rid, request.num_computed_tokens)
