@@ -40,6 +40,9 @@ def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
     (long lists show their first items), escaped, and cut to ``limit``
     characters with ``...``, so a two-million-item field gives a readable
     line, not megabytes."""
+    if type(value) is int and value.bit_length() > 256:
+        # Printing it may take long or be refused (the int-to-string limit).
+        return f"an int of about {value.bit_length() * 30103 // 100000 + 1:,} digits"
     text = escape_controls(_REPR.repr(value))
     if len(text) > limit:
         text = text[: limit - 3] + "..."

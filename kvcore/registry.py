@@ -17,6 +17,7 @@ from kvcore.errors import (
     UnknownKindError,
     collect,
     did_you_mean,
+    echo,
 )
 from kvcore.kinds import CacheKind
 from kvcore.spec import KVCacheSpec
@@ -388,17 +389,12 @@ def _registered_kinds(
         raise PluginError.blockable(text, owner, distribution) from exc
     if not isinstance(kinds, list | tuple):
         msg = (
-            f"kvcore {who}: kvcore_register_kinds returned {_short(kinds)} "
+            f"kvcore {who}: kvcore_register_kinds returned {echo(kinds)} "
             f"({type(kinds).__name__}); it must return a list of kind objects "
             "(kvcore.kinds.CacheKind instances), e.g. [MyKind()], or [] for none"
         )
         raise PluginResultError(msg, plugin_name=owner, distribution=distribution)
     return list(kinds)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_kind(kind: Any, owner: str, distribution: str | None = None) -> None:
@@ -414,13 +410,13 @@ def _kind_problem(kind: Any) -> str | None:
     """The first rule ``kind`` breaks, or ``None``."""
     if not isinstance(kind, CacheKind):
         return (
-            f"registered {_short(kind)}, which is not a kvcore.kinds.CacheKind "
+            f"registered {echo(kind)}, which is not a kvcore.kinds.CacheKind "
             "instance; return kind objects from kvcore_register_kinds"
         )
     spec_type = getattr(kind, "spec_type", None)
     name = getattr(kind, "name", None)
     if not isinstance(name, str) or not name:
-        return f"registered a kind with no name: {_short(kind)}; set its name"
+        return f"registered a kind with no name: {echo(kind)}; set its name"
     if not (isinstance(spec_type, type) and issubclass(spec_type, KVCacheSpec)):
         return (
             f"kind {name!r} has spec_type={spec_type!r}; it must be a "
@@ -448,7 +444,7 @@ def _kind_problem(kind: Any) -> str | None:
 
         if not (isinstance(manager, type) and issubclass(manager, SingleTypeManager)):
             return (
-                f"kind {name!r} has manager_type={_short(manager)}; it must be a "
+                f"kind {name!r} has manager_type={echo(manager)}; it must be a "
                 "kvcore.coordinator.SingleTypeManager subclass (or None)"
             )
     return None

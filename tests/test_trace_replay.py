@@ -198,10 +198,13 @@ def test_a_bailian_turn_extends_its_parents_chat() -> None:
     result = Driver(plan, registry=registry).run(loaded.workload)
     assert result.completed == 4
     assert result.prefix_hit_tokens == 48
-    # The ceiling counts the ids alone: turn 2 shares 32 tokens of turn 1.
-    ceiling = loaded.ceiling()
+    # The ceiling counts what an unbounded cache serves, the parent's output
+    # too: the 49 tokens turn 1 computed (its last output token is sampled,
+    # never computed); in 16-token hits, the 48 the replay served.
+    ceiling = loaded.ceiling(16)
     assert ceiling is not None
-    assert ceiling.ceiling_tokens == 32
+    assert (ceiling.ceiling_tokens, ceiling.aligned_tokens) == (49, 48)
+    assert ceiling.aligned_tokens == result.prefix_hit_tokens
 
 
 def test_the_ceiling_counts_whole_shared_blocks() -> None:
@@ -244,6 +247,8 @@ def test_the_ceiling_counts_whole_shared_blocks() -> None:
         ),
         (mooncake(0, 10, 10**12, [1]), "output_length", "MAX_TRACE_REQUEST_TOKENS"),
         (mooncake(-1, 10, 1, [1]), "timestamp", "finite number"),
+        (mooncake(10**400, 10, 1, [1]), "timestamp", "an int of about 401 digits"),
+        (mooncake(0, 10**400, 1, [1]), "input_length", "an int of about 401 digits"),
         (
             '{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": []}',
             "timestamp",
@@ -624,3 +629,22 @@ def test_a_trace_splits_lines_only_at_line_feeds(tmp_path: Path) -> None:
     path.write_bytes(text.encode())
     assert len(read_trace_lines(path)) == 3
     assert [r.id for r in load_trace(path).requests] == ids
+
+
+def test_ids_with_lone_surrogates_replay() -> None:
+    """``"\\ud800"`` is valid JSON: a chat id or a request id holding it
+    names its request like any other text."""
+    chat = '{"chat_id": "\\ud800", "parent_chat_id": -1, "timestamp": 0, '
+    chat += '"input_length": 10, "output_length": 2, "hash_ids": [1]}'
+    loaded = parse_any_trace([chat, chat.replace("0, ", "1, ", 1)])
+    assert [r.id for r in loaded.workload.requests] == ["\ud800", "\ud800#2"]
+    kv = parse_any_trace(['{"id": "\\ud800", "prompt_len": 10, "output_len": 2}'])
+    assert len(kv.workload.requests[0].prompt) == 10
+
+
+def test_an_int_too_long_to_print_is_refused_on_any_line() -> None:
+    first = '{"prompt_len": 10, "output_len": 2}'
+    huge = '{"prompt_len": ' + "9" * 5000 + ', "output_len": 2}'
+    with pytest.raises(TraceError, match="line 2: not valid JSON") as info:
+        parse_any_trace([first, huge], source="t.jsonl")
+    assert info.value.line == 2

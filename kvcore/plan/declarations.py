@@ -13,7 +13,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvcore.errors import PluginError
+from kvcore.errors import PluginError, echo
 from kvcore.registry import call_plugin, declared, spec_plugin_error
 from kvcore.spec import KVCacheSpec
 
@@ -58,7 +58,7 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
         ):
             raise spec_plugin_error(
                 spec,
-                f"page_grid is {_short(grid)}; it must be a tuple of three positive "
+                f"page_grid is {echo(grid)}; it must be a tuple of three positive "
                 "ints (heads, states per block, bytes per state)",
             )
         page = declared(spec, "page_size_bytes")
@@ -75,7 +75,7 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                 f"page_size_bytes of {page:,}; the grid must fit in the page",
             )
         key: object = call_plugin(spec, "group_key()", spec.group_key)
-        _check_hashable(spec, f"what group_key() returned ({_short(key)})", key)
+        _check_hashable(spec, f"what group_key() returned ({echo(key)})", key)
         _check_hashable(spec, "the spec itself", spec)
         layer_alignment(spec)
         checked_positive(spec, "tokens_per_state", declared(spec, "tokens_per_state"))
@@ -83,7 +83,7 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
             value = declared(spec, flag)
             if type(value) is not bool:
                 raise spec_plugin_error(
-                    spec, f"{flag} is {_short(value)}; it must be True or False"
+                    spec, f"{flag} is {echo(value)}; it must be True or False"
                 )
         _check_skipped_tokens(spec)
 
@@ -98,7 +98,7 @@ def _check_skipped_tokens(spec: KVCacheSpec) -> None:
         if type(skipped) is not int or not 0 <= skipped <= n:
             raise spec_plugin_error(
                 spec,
-                f"skipped_tokens({n}) returned {_short(skipped)}; it must return an "
+                f"skipped_tokens({n}) returned {echo(skipped)}; it must return an "
                 f"int from 0 to {n} (the leading tokens never read again)",
             )
 
@@ -138,7 +138,7 @@ def resolved_defaults(
             else:
                 raise spec_plugin_error(
                     spec,
-                    f"resolve_defaults() returned {_short(answer)}; it must return "
+                    f"resolve_defaults() returned {echo(answer)}; it must return "
                     f"a {type(spec).__name__} or None",
                 )
             # An unhashable spec stays as it is: check_spec_answers refuses it.
@@ -176,16 +176,11 @@ def checked_merge(cls: type[KVCacheSpec], specs: Sequence[KVCacheSpec]) -> KVCac
         raise spec_plugin_error(
             specs[0],
             f"{cls.__name__}.merge() of {len(specs)} spec(s) returned "
-            f"{_short(merged)}; merge must return an instance of {cls.__name__} "
+            f"{echo(merged)}; merge must return an instance of {cls.__name__} "
             "(the group's spec, of the same kind) or raise kvcore.MergeError "
             "when the specs do not merge",
         )
     return merged
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:
@@ -199,7 +194,7 @@ def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:
             return grown
         got = f"a {type(grown).__name__} of block_size {grown.block_size}"
     else:
-        got = _short(grown)
+        got = echo(grown)
     raise spec_plugin_error(
         spec,
         f"{type(spec).__name__}.grown({factor}) returned {got}; it must return "
@@ -220,7 +215,7 @@ def checked_blocks_held(
     if type(held) is not int or held < 0:
         raise spec_plugin_error(
             spec,
-            f"{type(spec).__name__}.{call} returned {_short(held)}; it must return "
+            f"{type(spec).__name__}.{call} returned {echo(held)}; it must return "
             "the non-negative int number of blocks the kind's manager holds",
         )
     return held
@@ -233,7 +228,7 @@ def checked_event_window(spec: KVCacheSpec) -> int | None:
     if window is not None and (type(window) is not int or window < 1):
         raise spec_plugin_error(
             spec,
-            f"event_window is {_short(window)} ({type(window).__name__}); it must "
+            f"event_window is {echo(window)} ({type(window).__name__}); it must "
             "be None (a router needs the whole prefix) or the positive int number "
             "of tokens of the window a hit needs (a bool or float is not one)",
         )
@@ -247,7 +242,7 @@ def checked_state_cache_mode(spec: KVCacheSpec) -> str | None:
     if mode is not None and type(mode) is not str:
         raise spec_plugin_error(
             spec,
-            f"state_cache_mode is {_short(mode)} ({type(mode).__name__}); it must "
+            f"state_cache_mode is {echo(mode)} ({type(mode).__name__}); it must "
             "be None (the kind keeps no recurrent state) or the str name of the "
             "mode its states are cached under ('none', 'align' or 'all')",
         )
@@ -260,8 +255,7 @@ def checked_positive(spec: KVCacheSpec, what: str, value: object) -> int:
     if type(value) is not int or value < 1:
         raise spec_plugin_error(
             spec,
-            f"{type(spec).__name__}.{what} is {_short(value)}; it must be a "
-            "positive int",
+            f"{type(spec).__name__}.{what} is {echo(value)}; it must be a positive int",
         )
     return value
 

@@ -27,23 +27,26 @@ and output long, is the parent's prompt, the parent's output, then the
 tokens of its own blocks from that position on: it waits for the parent to
 finish and the cache can serve it the parent's output as an engine would.
 
-:func:`trace_ceiling` is computed from the ids alone: the prompt tokens an
-unbounded cache could serve, counting whole shared blocks (a shared last
-block counts the tokens shared with the longest earlier copy of it) and at
-most all but one token of a request, which must be computed.
+The ceiling (:meth:`LoadedTrace.ceiling`, :func:`trace_ceiling`) is what an
+unbounded cache could serve of each prompt, in arrival order, from every
+token earlier requests computed (their prompts and all but their last
+output token), at most all but one token of a request, which must be
+computed.  From ids alone that is the whole shared blocks (a shared last
+block counts the tokens shared with the longest earlier copy of it); a
+chat turn can also be served its parent's output.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
 
 import attrs
 
+from kvcore.errors import echo
 from kvcore.tools.choices import TRACE_FORMATS
 from kvcore.tools.limits import (
     MAX_TRACE_BLOCK_TOKENS,
@@ -54,11 +57,13 @@ from kvcore.tools.limits import (
     MAX_WORKLOAD_REQUESTS,
 )
 from kvcore.tools.records import Record
+from kvcore.tools.simulate.bound import ComputedPrefixes
 from kvcore.tools.simulate.trace import TraceError, parse_trace, read_trace_lines
 from kvcore.tools.simulate.workload import (
     TokenRun,
     Workload,
     WorkloadRequest,
+    pack_words,
 )
 
 __all__ = [
@@ -105,7 +110,9 @@ def _own_tokens(key: str, count: int) -> bytes:
     """``count`` token ids drawn from a request's own key (never shared)."""
     if count <= 0:
         return b""
-    return hashlib.shake_128(f"{_KEY}:own:{key}".encode()).digest(4 * count)
+    # A key from a trace may hold a lone surrogate ("\ud800" is valid JSON).
+    own = f"{_KEY}:own:{key}".encode("utf-8", "surrogatepass")
+    return hashlib.shake_128(own).digest(4 * count)
 
 
 @attrs.frozen
@@ -162,10 +169,11 @@ class LoadedTrace:
     chat_turns: int = 0
 
     def ceiling(self, granularity: int = 1) -> TraceCeiling | None:
-        """:func:`trace_ceiling` of the trace (``None`` without hash ids)."""
+        """The trace's ceiling (see the module docs; ``None`` for the kvcore
+        format, which has no hash ids)."""
         if self.block_tokens is None:
             return None
-        return _ceiling(self.records, self.block_tokens, granularity)
+        return _ceiling(self.workload, granularity)
 
 
 def trace_ceiling(
@@ -177,48 +185,32 @@ def trace_ceiling(
     arrival order, blocks of ``block_tokens`` tokens (see the module docs);
     ``aligned_tokens`` rounds each request's share down to a multiple of
     ``granularity``."""
-    return _ceiling(
-        [
-            _Record(0, str(i), 0.0, length, 1, tuple(ids), None)
-            for i, (length, ids) in enumerate(records)
-        ],
-        block_tokens,
-        granularity,
-    )
+    recs = [
+        _Record(0, str(i), 0.0, length, 1, tuple(ids), None)
+        for i, (length, ids) in enumerate(records)
+    ]
+    workload, _ = _workload(recs, "mooncake", block_tokens, timing=False)
+    return _ceiling(workload, granularity)
 
 
-def _ceiling(
-    records: Sequence[_Record], block_tokens: int, granularity: int
-) -> TraceCeiling:
+def _ceiling(workload: Workload, granularity: int) -> TraceCeiling:
     if type(granularity) is not int or granularity < 1:
-        msg = f"granularity must be a positive int, got {granularity!r}"
+        msg = f"granularity must be a positive int, got {echo(granularity)}"
         raise TraceError(msg, line=0)
-    # A trie over chained ids: node -> (the most tokens any request had in
-    # this block, its children).
-    root: dict[int, list[Any]] = {}
+    computed = ComputedPrefixes()
     total = served = aligned = 0
-    for rec in records:
-        length = rec.input_length
+    for request in workload.requests:
+        prompt = request.prompt
+        words = prompt.words() if isinstance(prompt, TokenRun) else pack_words(prompt)
+        length = len(prompt)
         total += length
-        node = root
-        shared = 0
-        counting = True
-        for i, bid in enumerate(rec.hash_ids):
-            size = min(block_tokens, length - i * block_tokens)
-            entry = node.get(bid)
-            if entry is None:
-                entry = node[bid] = [size, {}]
-                counting = False
-            else:
-                if counting:
-                    shared += min(size, entry[0])
-                    if entry[0] < size:
-                        counting = False
-                entry[0] = max(entry[0], size)
-            node = entry[1]
-        share = max(0, min(shared, length - 1))
+        share = computed.longest_prefix(words, length - 1) if length > 1 else 0
         served += share
         aligned += share - share % granularity
+        # What the request computes: its prompt and every output token but
+        # the last, which is sampled and never fed back.
+        output = request.output[:-1]
+        computed.extend(request.id, words + pack_words(output), length + len(output))
     return TraceCeiling(total, served, granularity, aligned)
 
 
@@ -292,7 +284,7 @@ def parse_any_trace(
     if type(size) is not int or not 1 <= size <= MAX_TRACE_BLOCK_TOKENS:
         msg = (
             f"{source}: the block length must be an int in "
-            f"[1, {MAX_TRACE_BLOCK_TOKENS}], got {size!r}"
+            f"[1, {MAX_TRACE_BLOCK_TOKENS}], got {echo(size)}"
         )
         raise TraceError(msg, line=0)
     records = _records(lines, source, trace_format, size)
@@ -348,28 +340,28 @@ def _records(
         def length(field: str, low: int, data: dict[str, Any] = data) -> int:
             value = data[field]
             if type(value) is not int or value < low:
-                fail(field, f"must be an int >= {low}, got {value!r}")
+                fail(field, f"must be an int >= {low}, got {echo(value)}")
             if value > MAX_TRACE_REQUEST_TOKENS:
                 fail(
                     field,
-                    f"{value:,} tokens is more than kvcore's limit of "
+                    f"{echo(value) if value > 2**256 else format(value, ',')} "
+                    "tokens is more than kvcore's limit of "
                     f"{MAX_TRACE_REQUEST_TOKENS:,} (MAX_TRACE_REQUEST_TOKENS)",
                 )
             return value
 
         stamp = data["timestamp"]
-        if (
-            type(stamp) not in (int, float)
-            or not math.isfinite(stamp)
-            or stamp < 0
-            or stamp > 1e15
-        ):
-            fail("timestamp", f"must be a finite number in [0, 1e15], got {stamp!r}")
+        # Compared, never converted: NaN and the infinities fail the range,
+        # and an int too large for a float is compared exactly.
+        if type(stamp) not in (int, float) or not 0 <= stamp <= 1e15:
+            fail(
+                "timestamp", f"must be a finite number in [0, 1e15], got {echo(stamp)}"
+            )
         time_s = stamp * unit
         if time_s < last_time:
             fail(
                 "timestamp",
-                f"{stamp!r} is before the previous line's; list requests in "
+                f"{echo(stamp)} is before the previous line's; list requests in "
                 "arrival order",
             )
         last_time = time_s
@@ -389,7 +381,7 @@ def _records(
             if type(bid) is not int or not 0 <= bid < MAX_TRACE_HASH_ID:
                 fail(
                     "hash_ids",
-                    f"id {pos} is {bid!r}; ids are ints in [0, 2**63)",
+                    f"id {pos} is {echo(bid)}; ids are ints in [0, 2**63)",
                 )
         total += input_length + output_length
         if total > MAX_TRACE_TOTAL_TOKENS:
@@ -418,7 +410,7 @@ def _records(
             latest[chat] = key
             turn = data.get("turn")
             if turn is not None and (type(turn) is not int or turn < 0):
-                fail("turn", f"must be an int >= 0, got {turn!r}")
+                fail("turn", f"must be an int >= 0, got {echo(turn)}")
         else:
             key = f"line-{number}"
         keys.add(key)
@@ -446,7 +438,9 @@ def _chat_id(value: object, field: str, fail: Any) -> str | None:
         return str(value)
     if type(value) is str and value and len(value) <= 256:
         return value
-    fail(field, f"must be an int >= 0, a short string, or -1 for none; got {value!r}")
+    fail(
+        field, f"must be an int >= 0, a short string, or -1 for none; got {echo(value)}"
+    )
     return None  # not reached: fail raises
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvcore.coordinator.hashing import TOKEN_ID_LIMIT
-from kvcore.errors import KvcoreValueError
+from kvcore.errors import KvcoreValueError, echo
 from kvcore.tools.limits import MAX_TRACE_BYTES, MAX_TRACE_REQUEST_TOKENS
 from kvcore.tools.simulate.workload import (
     Workload,
@@ -179,7 +179,7 @@ def _parse_line(
 
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         msg = f"{source} line {number}: not valid JSON ({exc})"
         raise TraceError(msg, line=number) from exc
     if not isinstance(data, dict):
@@ -191,20 +191,23 @@ def _parse_line(
     def count(field: str, low: int, default: int | None = None) -> int:
         value = data.get(field, default)
         if type(value) is not int or value < low:
-            fail(field, f"must be an int >= {low}, got {value!r}")
+            fail(field, f"must be an int >= {low}, got {echo(value)}")
         if value > MAX_TRACE_REQUEST_TOKENS:
-            fail(field, f"must be at most {MAX_TRACE_REQUEST_TOKENS:,}, got {value!r}")
+            fail(
+                field,
+                f"must be at most {MAX_TRACE_REQUEST_TOKENS:,}, got {echo(value)}",
+            )
         return value
 
     def name(field: str) -> str | None:
         value = data.get(field)
         if value is not None and (type(value) is not str or not value):
-            fail(field, f"must be a non-empty string, got {value!r}")
+            fail(field, f"must be a non-empty string, got {echo(value)}")
         return value
 
     rid = name("id") or f"line-{number}"
     if rid in by_id:
-        fail("id", f"{rid!r} is used by an earlier line; ids must be unique")
+        fail("id", f"{echo(rid)} is used by an earlier line; ids must be unique")
     arrival = count("arrival", 0, 0)
     if arrival < last_arrival:
         fail(
@@ -229,7 +232,7 @@ def _parse_line(
     if parent_id is not None:
         parent = by_id.get(parent_id)
         if parent is None:
-            fail("parent", f"{parent_id!r} is not the id of an earlier line")
+            fail("parent", f"{echo(parent_id)} is not the id of an earlier line")
         head = as_tuple(parent.prompt) + parent.output
     if prefix_id is not None:
         length = count("prefix_len", 1)
@@ -260,6 +263,6 @@ def _tokens(
         if type(tok) is not int or not 0 <= tok < TOKEN_ID_LIMIT:
             fail(
                 "prompt",
-                f"token {pos} is {tok!r}; token ids are ints in [0, {TOKEN_ID_LIMIT})",
+                f"token {pos} is {echo(tok)}; token ids are ints in [0, {TOKEN_ID_LIMIT})",
             )
     return tuple(value)

@@ -50,7 +50,10 @@ def token_stream(key: str, count: int) -> list[int]:
     """``count`` token ids determined by ``key`` alone."""
     if count <= 0:
         return []
-    raw = random.Random(key).randbytes(4 * count)
+    # Seeded by the key's UTF-8 bytes (what seeding by the str does), lone
+    # surrogates passed through: a trace's ids may hold them.
+    seed = key.encode("utf-8", "surrogatepass")
+    raw = random.Random(seed).randbytes(4 * count)
     return (np.frombuffer(raw, dtype="<u4") % VOCAB_SIZE).tolist()  # type: ignore[no-any-return]
 
 
