@@ -450,3 +450,41 @@ def test_a_step_hit_by_a_later_admission_cannot_be_dropped() -> None:
         mgr.free(a, forward_ran=False)
     assert mgr.live_request_ids() == ("A", "B")
     assert mgr.get_computed_blocks(req("C", range(1, 18)))[1] == 16
+
+
+def test_external_tokens_give_a_state_group_its_starting_state() -> None:
+    """A connector loads 12 tokens of a state hybrid: the state after them
+    (table position 2), which the connector writes and the first step
+    reads, takes a block of its own beside the step's end (position 4); the
+    next step releases it like any old state."""
+    mgr = setup.state_hybrid(40, 4)
+    a = req("A", range(1, 30))
+    assert mgr.allocate_slots(a, 8, num_external_computed_tokens=12) is not None
+    assert mgr.get_block_ids("A") == ([1, 2, 3, 4, 5], [0, 0, 6, 0, 7])
+    assert mgr.get_num_free_blocks() == 32
+    assert mgr.state_write_positions("A", 12, 20) == {1: (20,)}
+    a.num_computed_tokens = 20
+    assert mgr.allocate_slots(a, 4) is not None
+    assert mgr.get_block_ids("A") == ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 7, 8])
+    mgr.free(a)
+    assert mgr.get_num_free_blocks() == 39
+
+
+def test_a_hit_holding_the_starting_state_takes_no_extra_block() -> None:
+    mgr = setup.state_hybrid(40, 4)
+    a = req("A", range(1, 30))
+    assert mgr.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    mgr.free(a)
+    mgr.new_step_starts()
+    b = req("B", range(1, 30))
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 16
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(b, 4, n, hit) is not None
+    state = mgr.get_block_ids("B")[1]
+    assert 0 not in state[3:5]
+    # The hit's four attention blocks and its state block leave the free
+    # queue, and the step takes one attention block and one state block for
+    # its end: nothing for a loaded state.
+    assert free - mgr.get_num_free_blocks() == 4 + 1 + 1 + 1

@@ -298,6 +298,23 @@ class CheckpointManager(SingleTypeManager):
 
     # -- allocation -------------------------------------------------------------
 
+    def admission_blocks(
+        self, hit: Sequence[KVCacheBlock], num_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """The hit, with the null block at the positions no step reads again
+        and, where no hit block holds the state the first step starts from
+        (a KV connector loads it), the null block at its position too: that
+        position takes a fresh block when the request is admitted (see
+        :meth:`allocate_twins`), for the connector to write and the step to
+        read."""
+        out = super().admission_blocks(hit, num_computed_tokens)
+        if num_computed_tokens <= 0 or self.keep_all:
+            return out  # nothing read yet, or every position takes a block
+        read = (num_computed_tokens - 1) // self.block_size
+        if len(out) > read:
+            return out
+        return [*out, *[self.null_block] * (read + 1 - len(out))]
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -306,6 +323,9 @@ class CheckpointManager(SingleTypeManager):
     ) -> int:
         held = self.req_to_blocks.get(request_id)
         have = len(new_computed_blocks) + (len(held) if held is not None else 0)
+        # An admission whose starting state no hit holds: a block for it.
+        loaded = held is None and bool(new_computed_blocks)
+        loaded = loaded and new_computed_blocks[-1].is_null
         target = cdiv(num_tokens, self.block_size)
         # Every missing position gets a state block, or only the newest and
         # the checkpoints inside the step.
@@ -330,7 +350,7 @@ class CheckpointManager(SingleTypeManager):
             path = self.on_path.get(request_id)
             if path is not None and path[1].ref_cnt == 0:
                 need += 1  # the shared state it will hold leaves the free queue
-        return need
+        return need + loaded
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
@@ -339,12 +359,17 @@ class CheckpointManager(SingleTypeManager):
         start = 0 if held is None else len(held)
         end = cdiv(num_tokens, self.block_size)
         missing = end - start
-        if held is not None and missing <= 0:
+        # Just admitted with its starting state's position null (see
+        # admission_blocks): the state a connector loads takes a block.
+        loaded = held is not None and len(held) > 0 and held[-1].is_null
+        if held is not None and missing <= 0 and not loaded:
             return None
         self.record_twins(twins, request_id)
         if held is None:
             for twin in twins:
                 twin.req_to_blocks[request_id] = []
+        if loaded:
+            self._give_loaded_state(twins, request_id, start - 1)
         if missing <= 0:
             return None
         # Every missing position gets a state block, or only the step's last
@@ -376,6 +401,18 @@ class CheckpointManager(SingleTypeManager):
             extension[-1] = blocks[-1]
             table.extend(extension)
         return out
+
+    def _give_loaded_state(
+        self, twins: Sequence[SingleTypeManager], request_id: str, pos: int
+    ) -> None:
+        """Put a fresh block at position ``pos`` of each twin's table, where
+        a just-admitted request's first step reads a state no hit holds; the
+        position is no longer counted as released."""
+        fresh = self.block_pool.get_new_blocks(len(twins))
+        for twin, block in zip(twins, fresh, strict=True):
+            twin.req_to_blocks[request_id][pos] = block
+            if twin.num_released.get(request_id, 0) > pos:
+                twin.num_released[request_id] = pos
 
     def state_writes(self, request_id: str, start: int, end: int) -> list[int]:
         """The token counts after which a step computing tokens ``start`` to

@@ -839,6 +839,38 @@ def test_align_mode_restores_only_states_vllm_wrote(num_blocks: int) -> None:
         assert preemptions >= 3
 
 
+@pytest.mark.parametrize("loaded", [48, 40], ids=["aligned", "inside-a-block"])
+def test_a_connector_load_gives_the_starting_state_a_block(
+    monkeypatch: pytest.MonkeyPatch, loaded: int
+) -> None:
+    """A connector loads a prompt's first tokens synchronously on a Mamba
+    hybrid: the Mamba state after them, which the connector writes and the
+    first step reads at table position ``(loaded - 1) // BS``, is a block of
+    the request's own, not the null block (as in plain vLLM)."""
+    told: dict[str, tuple[int, tuple[list[int], ...]]] = {}
+
+    def matched(self: Any, request: Request, num_computed: int) -> tuple[int, bool]:
+        return max(0, loaded - num_computed), False
+
+    def after_alloc(self: Any, request: Request, blocks: Any, n: int) -> None:
+        told[request.request_id] = (n, blocks.get_block_ids())
+
+    monkeypatch.setattr(ConsumerConnector, "get_num_new_matched_tokens", matched)
+    monkeypatch.setattr(ConsumerConnector, "update_state_after_alloc", after_alloc)
+    scheduler = _scheduler([_attention(), _mamba()], num_blocks=64, prefix_caching=True)
+    scheduler.add_request(_request("a", _tokens(random.Random(0), 100), 4))
+    out = scheduler.schedule()
+    new = out.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == loaded
+    table = new.block_ids[1]
+    start = table[(loaded - 1) // BS]
+    null = scheduler.kv_cache_manager.kvcore.block_pool.null_block.block_id
+    print(f"connector load of {loaded} tokens: mamba table {table}")
+    assert start != null
+    assert told["a"] == (loaded, new.block_ids)
+    assert start not in new.block_ids[0]
+
+
 # -- the checks see a broken kvcore ----------------------------------------------
 
 
