@@ -871,6 +871,28 @@ def test_a_connector_load_gives_the_starting_state_a_block(
     assert start not in new.block_ids[0]
 
 
+def test_a_shared_prefix_without_a_state_ends_a_chunk_where_siblings_resume() -> None:
+    """Three prompts share a 64-token prefix, one after another, each in one
+    chunk: the second finds the prefix in the attention group but no Mamba
+    state there, so kvcore reports the shared-prefix boundary, vLLM ends
+    its chunk at 64, and the state kept there serves the third (as on plain
+    vLLM: one state restored, 64 hit tokens, all written)."""
+    scheduler = _scheduler(
+        [_attention(), _mamba()], num_blocks=200, prefix_caching=True
+    )
+    harness = Harness(scheduler, 0)
+    rng = random.Random(0)
+    prefix = _tokens(rng, 64)
+    for name in "abc":
+        harness.run({0: [_request(name, prefix + _tokens(rng, 40), 2)]}, {})
+    restored, _, unwritten = harness.worker.unwritten_states()
+    reads, stale = harness.worker.unwritten_kv()
+    print(f"shared prefix: {reads} hit tokens, {restored} states restored")
+    assert (reads, stale) == (64, 0)
+    assert (restored, unwritten) == (1, 0)
+    assert harness.violations == []
+
+
 # -- the checks see a broken kvcore ----------------------------------------------
 
 

@@ -421,17 +421,24 @@ class KVCacheManager:
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[Any, int, int]:
-        """The prefix hit: (blocks, tokens, shared-prefix boundary, always 0)."""
+        """The prefix hit: (blocks, tokens, shared-prefix boundary).  The
+        boundary is how far the token-indexed groups share the prompt where
+        a state group holds no state that far (else 0): vLLM ends a chunk
+        there, so the step's end state is kept where the next request that
+        shares the prefix resumes."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        blocks, length = self.kvcore.find_longest_cache_hit(
+        coordinator = self.kvcore
+        blocks, length = coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
+        shared = coordinator.last_shared_prefix
+        boundary = shared if shared > length else 0
         if not length:
-            return self.empty_kv_cache_blocks, 0, 0
-        return self._blocks_cls(blocks), length, 0
+            return self.empty_kv_cache_blocks, 0, boundary
+        return self._blocks_cls(blocks), length, boundary
 
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
