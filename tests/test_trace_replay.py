@@ -137,6 +137,11 @@ def test_a_mooncake_line_becomes_its_blocks_tokens() -> None:
     # The partial last block is the first tokens of its id's stream.
     assert tokens_a[512:] == list(TokenRun((block_tokens_of(8, 512),)))[:488]
     assert tokens_b[512:] != tokens_a[512:600]
+    # The clock starts at the first arrival, however the trace stamps it.
+    epoch = parse_any_trace(
+        [mooncake(1_700_000_000_000 + t, 10, 1, [t]) for t in (0, 250)]
+    )
+    assert [r.arrival_s for r in epoch.workload.requests] == [0.0, 0.25]
     untimed = parse_any_trace([mooncake(0, 10, 1, [1])], timing=False)
     assert untimed.workload.requests[0].arrival_s is None
     assert not untimed.workload.timed

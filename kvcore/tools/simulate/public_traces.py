@@ -474,6 +474,8 @@ def _workload(
     by_key: dict[str, tuple[_Record, WorkloadRequest]] = {}
     requests: list[WorkloadRequest] = []
     turns = 0
+    # The clock starts at the first arrival (a trace may stamp epoch times).
+    start_s = records[0].time_s if records else 0.0
     for rec in records:
         output_raw = _own_tokens(f"{rec.key}:output", rec.output_length)
         output = tuple(TokenRun((output_raw,)).tokens())
@@ -498,7 +500,7 @@ def _workload(
             prompt,
             output,
             parent=parent_id,
-            arrival_s=rec.time_s if timing else None,
+            arrival_s=rec.time_s - start_s if timing else None,
         )
         requests.append(request)
         by_key[rec.key] = (rec, request)
