@@ -829,3 +829,43 @@ def test_numpy_token_ids_reach_the_wire_as_plain_ints() -> None:
     assert tokens == list(range(1, 13))
     assert {type(t) for t in tokens} == {int}
     assert decode_event_batch(encode_event_batch(events)).events == tuple(events)
+
+
+def test_events_count_blocks_so_a_counting_mirror_matches_the_pool() -> None:
+    """Two requests compute the same prefix in one step: each block raises
+    its own BlockStored, and evicting one raises one BlockRemoved while the
+    other block still holds the hash; a router counting per hash still
+    finds it cached, as the pool does."""
+    from collections import Counter
+
+    import coordinator_setup as setup
+
+    mgr = setup.small_manager([setup.fa(4)], 10, enable_kv_cache_events=True)
+    a = setup.small_request("a", range(1, 10))
+    b = setup.small_request("b", range(1, 10))
+    assert mgr.get_computed_blocks(b)[1] == 0  # looked up before a is keyed
+    assert mgr.allocate_slots(a, 9) is not None
+    assert mgr.allocate_slots(b, 9) is not None
+    mirror: Counter[bytes] = Counter()
+
+    def replay() -> None:
+        for event in mgr.take_events():
+            for h in event.block_hashes:
+                mirror[h] += 1 if isinstance(event, BlockStored) else -1
+
+    replay()
+    assert len(mirror) == 2
+    assert set(mirror.values()) == {2}
+    mgr.free(a)
+    mgr.free(b)
+    assert mgr.evict_blocks([1]) == 1
+    replay()
+    held = Counter(
+        {
+            h: len(entry) if isinstance(entry, dict) else 1
+            for h, entry in mgr.block_pool.cached_blocks_of(0).items()
+        }
+    )
+    assert +mirror == held
+    assert sorted(held.values()) == [1, 2]
+    assert mgr.get_computed_blocks(setup.small_request("c", range(1, 10)))[1] == 8
