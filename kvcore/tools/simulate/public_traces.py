@@ -164,8 +164,7 @@ class LoadedTrace:
     format: str
     #: Tokens per hash id (``None`` for the kvcore format, which has none).
     block_tokens: int | None
-    #: The ceiling from the hash ids (``None`` for the kvcore format).
-    records: tuple[_Record, ...] = ()
+    #: Chat turns replayed as their parent's prompt and output extended.
     chat_turns: int = 0
 
     def ceiling(self, granularity: int = 1) -> TraceCeiling | None:
@@ -289,7 +288,7 @@ def parse_any_trace(
         raise TraceError(msg, line=0)
     records = _records(lines, source, trace_format, size)
     workload, turns = _workload(records, trace_format, size, timing)
-    return LoadedTrace(workload, trace_format, size, records, turns)
+    return LoadedTrace(workload, trace_format, size, turns)
 
 
 def _load(raw: str, number: int, source: str) -> object:
