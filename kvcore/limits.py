@@ -41,8 +41,9 @@ MAX_JSON_INT_DIGITS = 20
 MAX_NAME_CHARS = 256
 
 #: The most blocks one pool may have (2**24, about 16.8 million).  Every
-#: block costs the coordinator a Python object of about 100 bytes, so a pool
-#: past this is a page size or memory figure off by orders of magnitude.
+#: block costs the coordinator about 90 bytes of host memory (see
+#: :data:`BLOCK_STATE_BYTES`), so a pool past this is a page size or memory
+#: figure off by orders of magnitude.
 MAX_NUM_BLOCKS = 2**24
 
 #: The largest byte size, offset or stride a plan may carry (2**60, an
@@ -50,12 +51,12 @@ MAX_NUM_BLOCKS = 2**24
 #: pool comes near it.
 MAX_BYTE_OFFSET = 2**60
 
-#: What one block's coordinator state costs in host memory, rounded up (the
-#: block object, its free-queue links and its slot in the pool's list;
-#: ``benchmarks/coordinator.py`` measures it at 10**6 blocks).  A pool is
+#: What one block's coordinator state costs in host memory, rounded up (its
+#: reference count, keys and free-queue links in the pool's lists, and its
+#: id; ``benchmarks/coordinator.py`` measures it at 10**6 blocks).  A pool is
 #: refused before it is built when ``num_blocks * BLOCK_STATE_BYTES`` is
 #: more than the memory the machine has available.
-BLOCK_STATE_BYTES = 160
+BLOCK_STATE_BYTES = 96
 
 #: Token ids and token counts are ints in ``[0, TOKEN_ID_LIMIT)``: ids are
 #: hashed as 4-byte unsigned ints.

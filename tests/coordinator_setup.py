@@ -12,6 +12,7 @@ import torch
 import kvcore
 from kvcore import KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import CheckpointManager, KVCacheManager, Request
+from kvcore.coordinator.blocks import UNLINKED, FreeBlockQueue
 from kvcore.serialize import load_model_file
 from kvcore.tools import zoo
 from kvcore_chunked_local import ChunkedLocalAttention
@@ -177,28 +178,35 @@ def one_layer_plan(
     return plan
 
 
-def assert_free_links_agree(queue: Any) -> None:
+def assert_free_links_agree(
+    queue: FreeBlockQueue, num_blocks: int | None = None
+) -> None:
     """The free queue's two lists (the queue, then the held-back blocks)
     are linked both ways, as the public walks see them: each block's
     neighbours point back at it, and each list's ends lead to its own
-    sentinels (blocks of id -1 that no pool hands out), which point back."""
+    sentinels (ids past the pool's ``num_blocks`` blocks; by default every
+    id below the sentinels is a block), which point back.  Every block in
+    neither list, and the scratch ends a release builds its chains on, is
+    unlinked."""
     held = queue.held_blocks()
     order = queue.get_all_free_blocks()
     assert order[len(order) - len(held) :] == held
-    ends = []
-    for run in (order[: len(order) - len(held)], held):
-        if not run:
-            continue
-        head, tail = run[0].prev_free, run[-1].next_free
-        assert head is not None
-        assert tail is not None
-        assert head.block_id == tail.block_id == -1
-        assert head is not tail
+    prev, nxt = queue.prev, queue.next
+    ends = [queue.head, queue.tail, queue.held_head, queue.held_tail]
+    assert len(set(ends)) == len(ends)
+    if num_blocks is None:
+        num_blocks = queue.head  # the sentinels follow the blocks' ids
+    assert min(ends) >= num_blocks
+    runs = ((order[: len(order) - len(held)], ends[:2]), (held, ends[2:]))
+    for run, (head, tail) in runs:
         for x, y in zip([head, *run], [*run, tail], strict=True):
-            assert x.next_free is y
-            assert y.prev_free is x
-        ends += [head, tail]
-    assert len({id(end) for end in ends}) == len(ends)
+            assert nxt[x] == y
+            assert prev[y] == x
+    queued = set(order)
+    assert len(queued) == len(order)
+    for b in [*range(num_blocks), queue.front, queue.back]:
+        if b not in queued:
+            assert prev[b] == nxt[b] == UNLINKED, b
 
 
 def zoo_manager(

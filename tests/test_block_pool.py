@@ -15,8 +15,8 @@ from kvcore.coordinator.block_pool import (
     BlockRemoved,
     BlockStored,
     FreeBlockQueue,
-    KVCacheBlock,
 )
+from kvcore.coordinator.blocks import UNLINKED
 from kvcore.errors import (
     BlockSizeError,
     InvalidRequestError,
@@ -27,12 +27,13 @@ from kvcore.errors import (
 )
 
 
-def ids(blocks: list[KVCacheBlock]) -> list[int]:
-    return [b.block_id for b in blocks]
-
-
 def free_ids(pool: BlockPool) -> list[int]:
-    return ids(pool.free_queue.get_all_free_blocks())
+    return pool.free_queue.get_all_free_blocks()
+
+
+def unlinked(queue: FreeBlockQueue, block: int) -> bool:
+    """Whether ``block`` has no free-queue links (it is not queued)."""
+    return queue.prev[block] == UNLINKED and queue.next[block] == UNLINKED
 
 
 def h(i: int) -> bytes:
@@ -55,27 +56,26 @@ def pool(
 # -- FreeBlockQueue ---------------------------------------------------------------
 
 
-def make_queue(n: int) -> tuple[FreeBlockQueue, list[KVCacheBlock]]:
-    blocks = [KVCacheBlock(i) for i in range(n)]
-    return FreeBlockQueue(blocks), blocks
+def make_queue(n: int) -> tuple[FreeBlockQueue, list[int]]:
+    return FreeBlockQueue(n), list(range(n))
 
 
 def test_queue_starts_in_block_id_order() -> None:
     queue, _ = make_queue(5)
     assert queue.num_free == len(queue) == 5
-    assert ids(queue.get_all_free_blocks()) == [0, 1, 2, 3, 4]
+    assert queue.get_all_free_blocks() == [0, 1, 2, 3, 4]
 
 
 def test_queue_popleft_and_popleft_n() -> None:
     queue, _ = make_queue(5)
-    assert queue.popleft().block_id == 0
-    assert ids(queue.popleft_n(3)) == [1, 2, 3]
+    assert queue.popleft() == 0
+    assert queue.popleft_n(3) == [1, 2, 3]
     assert queue.popleft_n(0) == []
     assert queue.num_free == 1
     with pytest.raises(NoFreeBlocksError, match="asked the free block queue for 2"):
         queue.popleft_n(2)
     assert queue.num_free == 1  # unchanged by the failed call
-    assert queue.popleft().block_id == 4
+    assert queue.popleft() == 4
     with pytest.raises(NoFreeBlocksError, match="empty"):
         queue.popleft()
     assert queue.get_all_free_blocks() == []
@@ -84,12 +84,12 @@ def test_queue_popleft_and_popleft_n() -> None:
 def test_queue_popped_blocks_are_unlinked() -> None:
     queue, blocks = make_queue(3)
     block = queue.popleft()
-    assert block.prev_free is None
-    assert block.next_free is None
+    assert queue.prev[block] == UNLINKED
+    assert queue.next[block] == UNLINKED
     for b in queue.popleft_n(2):
-        assert b.prev_free is None
-        assert b.next_free is None
-    assert blocks[2].next_free is None
+        assert queue.prev[b] == UNLINKED
+        assert queue.next[b] == UNLINKED
+    assert queue.next[blocks[2]] == UNLINKED
 
 
 def test_queue_remove_from_the_middle_and_ends() -> None:
@@ -97,7 +97,7 @@ def test_queue_remove_from_the_middle_and_ends() -> None:
     queue.remove(blocks[2])
     queue.remove(blocks[0])
     queue.remove(blocks[4])
-    assert ids(queue.get_all_free_blocks()) == [1, 3]
+    assert queue.get_all_free_blocks() == [1, 3]
     assert queue.num_free == 2
     with pytest.raises(
         KvcoreValueError, match="block 2 is not in the free block queue"
@@ -111,11 +111,11 @@ def test_queue_append_and_prepend_keep_given_order() -> None:
     queue.append(taken[0])  # 4 5 0
     queue.append_n([taken[1], taken[2]])  # 4 5 0 1 2
     queue.prepend_n([taken[3]])  # 3 4 5 0 1 2
-    assert ids(queue.get_all_free_blocks()) == [3, 4, 5, 0, 1, 2]
+    assert queue.get_all_free_blocks() == [3, 4, 5, 0, 1, 2]
     got = queue.popleft_n(6)
     queue.prepend_n([got[5], got[4]])  # the first given comes out first
     queue.prepend_n([got[0]])
-    assert ids(queue.get_all_free_blocks()) == [3, 2, 1]
+    assert queue.get_all_free_blocks() == [3, 2, 1]
     queue.append_n([])
     queue.prepend_n([])
     assert queue.num_free == 3
@@ -129,7 +129,7 @@ def test_queue_rejects_a_block_queued_twice() -> None:
     with pytest.raises(KvcoreValueError, match="block 2 is already"):
         queue.prepend_n([outside, blocks[2]])
     # Validated before linking: nothing changed.
-    assert ids(queue.get_all_free_blocks()) == [1, 2]
+    assert queue.get_all_free_blocks() == [1, 2]
     assert queue.num_free == 2
 
 
@@ -154,13 +154,13 @@ def test_queue_matches_a_list_model(n: int, ops: list[tuple[str, int, int]]) -> 
         outside = [i for i in range(n) if i not in model]
         if op == "popleft":
             if model:
-                assert queue.popleft().block_id == model.pop(0)
+                assert queue.popleft() == model.pop(0)
             else:
                 with pytest.raises(NoFreeBlocksError):
                     queue.popleft()
         elif op == "popleft_n":
             if count <= len(model):
-                assert ids(queue.popleft_n(count)) == model[:count]
+                assert queue.popleft_n(count) == model[:count]
                 del model[:count]
             else:
                 with pytest.raises(NoFreeBlocksError):
@@ -185,12 +185,12 @@ def test_queue_matches_a_list_model(n: int, ops: list[tuple[str, int, int]]) -> 
                 queue.prepend_n(chosen_blocks)
                 model[:0] = chosen_ids
         assert queue.num_free == len(model)
-        assert ids(queue.get_all_free_blocks()) == model
+        assert queue.get_all_free_blocks() == model
     # Links are consistent in both directions.
     forward = queue.get_all_free_blocks()
     for a, b in pairwise(forward):
-        assert a.next_free is b
-        assert b.prev_free is a
+        assert queue.next[a] == b
+        assert queue.prev[b] == a
 
 
 # -- BlockPool construction and allocation ----------------------------------------
@@ -199,8 +199,9 @@ def test_queue_matches_a_list_model(n: int, ops: list[tuple[str, int, int]]) -> 
 def test_pool_reserves_block_0_as_the_null_block() -> None:
     p = pool(10)
     assert p.num_blocks == 10
-    assert p.null_block is p.blocks[0]
-    assert p.null_block.is_null
+    assert p.null_block == 0
+    assert p.blocks[0] is p.block(p.null_block)
+    assert p.block(p.null_block).is_null
     assert p.get_num_free_blocks() == 9
     assert free_ids(p) == list(range(1, 10))
     assert p.get_usage() == 0.0
@@ -243,11 +244,11 @@ def test_pool_with_only_the_null_block() -> None:
 def test_get_new_blocks_takes_from_the_front_with_ref_1() -> None:
     p = pool(10)
     got = p.get_new_blocks(3)
-    assert ids(got) == [1, 2, 3]
-    assert [b.ref_cnt for b in got] == [1, 1, 1]
+    assert got == [1, 2, 3]
+    assert [p.ref_cnt[b] for b in got] == [1, 1, 1]
     assert p.get_num_free_blocks() == 6
     assert p.get_usage() == pytest.approx(3 / 9)
-    assert ids(p.get_new_blocks(1)) == [4]
+    assert p.get_new_blocks(1) == [4]
 
 
 def test_get_new_blocks_fails_before_touching_anything() -> None:
@@ -261,7 +262,7 @@ def test_get_new_blocks_fails_before_touching_anything() -> None:
     assert "only 2 of 4 are free" in msg
     assert "free or preempt" in msg
     assert free_ids(p) == before
-    assert all(p.blocks[i].ref_cnt == 0 for i in before)
+    assert all(p.ref_cnt[i] == 0 for i in before)
     with pytest.raises(KvcoreValueError, match="-1"):
         p.get_new_blocks(-1)
 
@@ -274,9 +275,9 @@ def test_free_unhashed_blocks_go_to_the_front_in_given_order() -> None:
     a = p.get_new_blocks(3)  # 1 2 3
     p.free_blocks(reversed(a))  # tail first: 3 2 1
     assert free_ids(p) == [3, 2, 1, 4, 5, 6, 7, 8, 9]
-    assert [b.ref_cnt for b in a] == [0, 0, 0]
+    assert [p.ref_cnt[b] for b in a] == [0, 0, 0]
     # Reused first, for locality.
-    assert ids(p.get_new_blocks(2)) == [3, 2]
+    assert p.get_new_blocks(2) == [3, 2]
 
 
 def test_free_hashed_blocks_go_to_the_back_in_given_order() -> None:
@@ -312,14 +313,14 @@ def test_held_back_first_blocks_go_before_the_other_held_back_ones() -> None:
     p.begin()
     p.hold_back_first([a[2], a[1]])
     assert free_ids(p) == [6, 7, 4, 5, 3, 2, 1]
-    assert ids(p.free_queue.held_blocks()) == [3, 2, 1]
+    assert p.free_queue.held_blocks() == [3, 2, 1]
     p.rollback()
     assert free_ids(p) == [6, 7, 2, 3, 4, 5, 1]
     p.hold_back_first([a[2], a[1]])
-    assert ids(p.get_new_blocks(6)) == [6, 7, 4, 5, 3, 2]
+    assert p.get_new_blocks(6) == [6, 7, 4, 5, 3, 2]
 
 
-def _cached_free_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list]:
+def _cached_free_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list[int]]:
     """A pool whose first ``num_cached`` blocks are cached and freed, in
     order, behind the never-used ones."""
     p = pool(num_blocks)
@@ -341,19 +342,19 @@ def test_held_back_blocks_are_at_most_half_the_free_blocks() -> None:
     block back where it was, held back again."""
     p, a = _cached_free_pool(9, 6)  # queue 7 8 1 2 3 4 5 6
     p.hold_back(a[:2])
-    assert ids(p.free_queue.held_blocks()) == [1, 2]
+    assert p.free_queue.held_blocks() == [1, 2]
     p.begin()
     p.hold_back(a[2:5])  # 5 held of 8 free: 1 spills
-    assert ids(p.free_queue.held_blocks()) == [2, 3, 4, 5]
+    assert p.free_queue.held_blocks() == [2, 3, 4, 5]
     assert free_ids(p) == [7, 8, 6, 1, 2, 3, 4, 5]
     p.hold_back_first([a[5]])  # 6 in front of the held: it spills first
-    assert ids(p.free_queue.held_blocks()) == [2, 3, 4, 5]
+    assert p.free_queue.held_blocks() == [2, 3, 4, 5]
     assert free_ids(p) == [7, 8, 1, 6, 2, 3, 4, 5]
     p.rollback()
-    assert ids(p.free_queue.held_blocks()) == [1, 2]
+    assert p.free_queue.held_blocks() == [1, 2]
     assert free_ids(p) == [7, 8, 3, 4, 5, 6, 1, 2]
     p.hold_back(a[2:4])  # 4 held of 8 free: none spills
-    assert ids(p.free_queue.held_blocks()) == [1, 2, 3, 4]
+    assert p.free_queue.held_blocks() == [1, 2, 3, 4]
 
 
 def test_blocks_leaving_the_held_back_ones_count_no_more() -> None:
@@ -364,19 +365,19 @@ def test_blocks_leaving_the_held_back_ones_count_no_more() -> None:
     p.hold_back(a[:4])  # 1 2 3 4 held of 8
     p.begin()
     p.touch([a[0]])  # a hit revives 1
-    assert ids(p.free_queue.held_blocks()) == [2, 3, 4]
+    assert p.free_queue.held_blocks() == [2, 3, 4]
     p.rollback()
-    assert ids(p.free_queue.held_blocks()) == [1, 2, 3, 4]
+    assert p.free_queue.held_blocks() == [1, 2, 3, 4]
     p.touch([a[0], a[1]])  # queue 7 8 5 6, held 3 4
     p.hold_back(a[4:5])  # 3 held, 3 others: none spills
     assert free_ids(p) == [7, 8, 6, 3, 4, 5]
     taken = p.get_new_blocks(5)  # on into the held-back blocks
-    assert ids(taken) == [7, 8, 6, 3, 4]
-    assert ids(p.free_queue.held_blocks()) == [5]
+    assert taken == [7, 8, 6, 3, 4]
+    assert p.free_queue.held_blocks() == [5]
     assert p.free_queue.held == {a[4]}
     p.free_blocks(a[:2])  # 1 2 cached: to the back of the queue
     p.hold_back(a[:1])  # 2 held, 1 other: 5 spills
-    assert ids(p.free_queue.held_blocks()) == [1]
+    assert p.free_queue.held_blocks() == [1]
     assert free_ids(p) == [2, 5, 1]
 
 
@@ -408,12 +409,12 @@ def test_shared_block_is_freed_only_at_ref_0() -> None:
     p = pool(5)
     (b,) = p.get_new_blocks(1)
     p.touch([b])
-    assert b.ref_cnt == 2
+    assert p.ref_cnt[b] == 2
     p.free_blocks([b])
-    assert b.ref_cnt == 1
+    assert p.ref_cnt[b] == 1
     assert 1 not in free_ids(p)
     p.free_blocks([b])
-    assert b.ref_cnt == 0
+    assert p.ref_cnt[b] == 0
     assert free_ids(p)[0] == 1
 
 
@@ -427,12 +428,12 @@ def test_double_free_raises_and_changes_nothing() -> None:
     # In a longer list, the blocks before the bad one are restored.
     with pytest.raises(InvalidRequestError, match="block 1"):
         p.free_blocks([a[2], a[1], a[0]])
-    assert [b.ref_cnt for b in a] == [0, 1, 1]
+    assert [p.ref_cnt[b] for b in a] == [0, 1, 1]
     assert free_ids(p) == before
     # The same block twice in one call with a single reference.
     with pytest.raises(InvalidRequestError, match="block 2"):
         p.free_blocks([a[1], a[1]])
-    assert a[1].ref_cnt == 1
+    assert p.ref_cnt[a[1]] == 1
     assert free_ids(p) == before
 
 
@@ -441,7 +442,7 @@ def test_block_listed_twice_with_two_references() -> None:
     (b,) = p.get_new_blocks(1)
     p.touch([b])
     p.free_blocks([b, b])
-    assert b.ref_cnt == 0
+    assert p.ref_cnt[b] == 0
     assert free_ids(p) == [1, 2, 3]  # queued once
 
 
@@ -453,7 +454,7 @@ def test_null_block_is_never_freed_or_counted() -> None:
     assert 0 not in free_ids(p)
     assert p.get_num_free_blocks() == 3
     p.touch([p.null_block, p.null_block])
-    assert p.null_block.ref_cnt == 0
+    assert p.ref_cnt[p.null_block] == 0
 
 
 def test_free_table_frees_tail_first_and_leaves_the_list_alone() -> None:
@@ -472,7 +473,7 @@ def test_free_table_frees_tail_first_and_leaves_the_list_alone() -> None:
     p.free_table(table)
     assert table == snapshot
     assert free_ids(p) == [4, 3, 5, 6, 7, 1]
-    assert [b.ref_cnt for b in a] == [0, 1, 0, 0]
+    assert [p.ref_cnt[b] for b in a] == [0, 1, 0, 0]
     assert p.get_num_free_blocks() == 6
 
 
@@ -485,14 +486,15 @@ def test_free_table_double_free_restores_what_it_dropped() -> None:
     # Tail first: 3 is freed and 2 dropped to 1 before 1 fails.
     with pytest.raises(InvalidRequestError, match="block 1 freed more often"):
         p.free_table([bad, shared, fresh])
-    assert [b.ref_cnt for b in (bad, shared, fresh)] == [0, 2, 1]
+    assert [p.ref_cnt[b] for b in (bad, shared, fresh)] == [0, 2, 1]
     assert free_ids(p) == before
     assert p.get_num_free_blocks() == len(before)
-    forward = p.free_queue.get_all_free_blocks()
-    assert fresh.prev_free is None
-    assert fresh.next_free is None
+    queue = p.free_queue
+    forward = queue.get_all_free_blocks()
+    assert queue.prev[fresh] == UNLINKED
+    assert queue.next[fresh] == UNLINKED
     for x, y in pairwise(forward):
-        assert y.prev_free is x
+        assert queue.prev[y] == x
 
 
 def _free_model(
@@ -544,11 +546,12 @@ def test_free_matches_a_model(
 ) -> None:
     n = len(refs)
     p = pool(n + 4, caching=caching)
-    blocks = p.get_new_blocks(n)  # ids 1..n
+    blocks = p.get_new_blocks(n)
+    assert blocks == list(range(1, n + 1))  # table entries name them by id
     for b in blocks:
-        if b.block_id in keyed:
+        if b in keyed:
             p.cache_full_blocks(
-                block_hashes=[h(b.block_id)],
+                block_hashes=[h(b)],
                 blocks=[b],
                 num_cached_blocks=0,
                 num_full_blocks=1,
@@ -558,14 +561,13 @@ def test_free_matches_a_model(
         p.touch([b] * r)
         p.free_blocks([b])
     table = [i for i in table if i <= n]
-    by_id = {0: p.null_block, **{b.block_id: b for b in blocks}}
-    given_list = [by_id[i] for i in table]
+    given_list = list(table)
     snapshot = list(given_list)
-    before_refs = {b.block_id: b.ref_cnt for b in blocks}
+    before_refs = {b: p.ref_cnt[b] for b in blocks}
     before_queue = free_ids(p)
     expect = _free_model(
         before_refs,
-        {b.block_id for b in blocks if b.key_hash is not None},
+        {b for b in blocks if p.key_hash[b] is not None},
         before_queue,
         table,
         caching=caching,
@@ -575,7 +577,7 @@ def test_free_matches_a_model(
         # A table listing each block once: free_blocks of it reversed.
         assert expect == _free_model(
             before_refs,
-            {b.block_id for b in blocks if b.key_hash is not None},
+            {b for b in blocks if p.key_hash[b] is not None},
             before_queue,
             table[::-1],
             caching=caching,
@@ -594,15 +596,14 @@ def test_free_matches_a_model(
     elif transaction == "commit":
         p.commit()
     assert given_list == snapshot
-    assert {b.block_id: b.ref_cnt for b in blocks} == expect[0]
+    assert {b: p.ref_cnt[b] for b in blocks} == expect[0]
     assert free_ids(p) == expect[1]
     assert p.get_num_free_blocks() == len(expect[1])
-    assert p.null_block.ref_cnt == 0
-    assert_free_links_agree(p.free_queue)
+    assert p.ref_cnt[p.null_block] == 0
+    assert_free_links_agree(p.free_queue, p.num_blocks)
     for b in blocks:
-        if b.ref_cnt:
-            assert b.prev_free is None
-            assert b.next_free is None
+        if p.ref_cnt[b]:
+            assert unlinked(p.free_queue, b)
 
 
 # -- touch and the prefix cache -----------------------------------------------------
@@ -623,11 +624,11 @@ def test_touch_revives_free_cached_blocks() -> None:
     hit = p.get_cached_block(h(1), [0])
     assert hit == [a[0]]
     p.touch(hit)
-    assert a[0].ref_cnt == 1
+    assert p.ref_cnt[a[0]] == 1
     assert free_ids(p) == [3, 4, 5, 2]
-    assert a[0].block_hash == (h(1), 0)  # still cached while in use
+    assert p.block(a[0]).block_hash == (h(1), 0)  # still cached while in use
     p.touch(hit)
-    assert a[0].ref_cnt == 2
+    assert p.ref_cnt[a[0]] == 2
 
 
 def test_cached_lookup_needs_every_group() -> None:
@@ -653,9 +654,9 @@ def test_cached_lookup_needs_every_group() -> None:
     assert p.get_cached_block(h(2), [0, 1]) is None  # group 1 only cached block 0
     assert p.get_cached_block(h(9), [0]) is None
     assert p.get_cached_block(h(1), []) == []
-    assert b[1].block_hash is None
-    assert p.lookup(h(1), 1) is b[0]
-    assert p.lookup(h(2), 0) is a[1]
+    assert p.block(b[1]).block_hash is None
+    assert p.lookup(h(1), 1) == b[0]
+    assert p.lookup(h(2), 0) == a[1]
     assert p.lookup(h(2), 1) is None
 
 
@@ -671,9 +672,9 @@ def test_cache_full_blocks_range_and_skips() -> None:
         num_full_blocks=2,
         group_id=3,
     )
-    assert p.null_block.block_hash is None
-    assert a[0].block_hash == (h(1), 3)
-    assert a[1].block_hash is None  # outside [0, 2)
+    assert p.block(p.null_block).block_hash is None
+    assert p.block(a[0]).block_hash == (h(1), 3)
+    assert p.block(a[1]).block_hash is None  # outside [0, 2)
     # Already-cached blocks are left alone; the range continues.
     p.cache_full_blocks(
         block_hashes=hashes,
@@ -682,7 +683,12 @@ def test_cache_full_blocks_range_and_skips() -> None:
         num_full_blocks=4,
         group_id=3,
     )
-    assert [b.block_hash for b in a] == [(h(1), 3), (h(2), 3), (h(3), 3), None]
+    assert [p.block(b).block_hash for b in a] == [
+        (h(1), 3),
+        (h(2), 3),
+        (h(3), 3),
+        None,
+    ]
     assert p.num_cached_blocks == 3
 
 
@@ -709,7 +715,7 @@ def test_cache_full_blocks_rejects_bad_ranges(
             num_full_blocks=full,
             group_id=0,
         )
-    assert all(b.block_hash is None for b in a)
+    assert all(p.key_hash[b] is None for b in a)
 
 
 def test_cache_full_blocks_does_nothing_without_caching() -> None:
@@ -722,7 +728,7 @@ def test_cache_full_blocks_does_nothing_without_caching() -> None:
         num_full_blocks=2,
         group_id=0,
     )
-    assert a[0].block_hash is None
+    assert p.block(a[0]).block_hash is None
     assert p.get_cached_block(h(1), [0]) is None
 
 
@@ -738,9 +744,9 @@ def test_reusing_a_cached_block_evicts_its_hash() -> None:
     )
     p.free_blocks(a[::-1])  # queue: 2 1
     (reused,) = p.get_new_blocks(1)
-    assert reused is a[1]
-    assert reused.block_hash is None
-    assert reused.ref_cnt == 1
+    assert reused == a[1]
+    assert p.block(reused).block_hash is None
+    assert p.ref_cnt[reused] == 1
     assert p.get_cached_block(h(2), [0]) is None
     assert p.get_cached_block(h(1), [0]) == [a[0]]
 
@@ -764,10 +770,10 @@ def test_duplicate_keys_are_all_kept() -> None:
     # Evict two of them: the third still hits.
     p.free_blocks(a + b)
     p.get_new_blocks(4)  # 4 5, then a (block 1), then b (block 2)
-    assert a[0].block_hash is None
-    assert b[0].block_hash is None
+    assert p.block(a[0]).block_hash is None
+    assert p.block(b[0]).block_hash is None
     assert p.get_cached_block(h(7), [0]) == [c[0]]
-    assert p.lookup(h(7), 0) is c[0]
+    assert p.lookup(h(7), 0) == c[0]
     p.free_blocks(c)
     p.get_new_blocks(1)
     assert p.get_cached_block(h(7), [0]) is None
@@ -822,7 +828,7 @@ def test_reset_prefix_cache_only_when_idle() -> None:
     )
     p.take_events()
     assert p.reset_prefix_cache() is False
-    assert a[0].block_hash == (h(1), 0)
+    assert p.block(a[0]).block_hash == (h(1), 0)
     assert p.take_events() == []
     p.free_blocks(a[::-1])
     assert p.reset_prefix_cache() is True
@@ -908,7 +914,7 @@ def test_events_are_frozen() -> None:
 def test_a_pool_whose_block_state_would_not_fit_in_host_memory_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Checked before one block object is built: 2**20 blocks at
+    """Checked before the per-block state is built: 2**20 blocks at
     BLOCK_STATE_BYTES each against 64 MiB available."""
     import kvcore.coordinator.block_pool as block_pool
     from kvcore.errors import KvcoreValueError
@@ -942,62 +948,77 @@ def test_free_table_takes_any_iterable(transaction: bool) -> None:
         p.free_table(iter(table) if as_iterator else table)
         if transaction:
             p.commit()
-        results.append((free_ids(p), [b.ref_cnt for b in table]))
+        results.append((free_ids(p), [p.ref_cnt[b] for b in table]))
         assert p.get_num_free_blocks() == 7
     assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_long_free_queue_copies_as_its_order(how: str) -> None:
-    """A queue of 50,000 blocks copies without recursing along its links:
-    the copy holds copies of the blocks in the same order, linked among
-    themselves, and the original is untouched."""
+    """A queue of 50,000 blocks copies as its order: the copy holds the same
+    blocks in the same order, linked among themselves in link lists of its
+    own, and the original is untouched."""
     import copy
     import pickle
 
-    blocks = [KVCacheBlock(i) for i in range(50_000)]
-    queue = FreeBlockQueue(blocks)
+    queue, blocks = make_queue(50_000)
     taken = queue.popleft_n(3)
     queue.remove(blocks[100])
     queue.append(taken[1])
     clone = (
         copy.deepcopy(queue) if how == "deepcopy" else pickle.loads(pickle.dumps(queue))
     )
-    order = [b.block_id for b in queue.get_all_free_blocks()]
+    order = queue.get_all_free_blocks()
     copied = clone.get_all_free_blocks()
-    assert [b.block_id for b in copied] == order
+    assert copied == order
     assert len(clone) == len(queue) == 49_997
-    assert not {id(b) for b in copied} & {id(b) for b in blocks}
-    assert all(a.next_free is b and b.prev_free is a for a, b in pairwise(copied))
+    assert clone.prev is not queue.prev
+    assert clone.next is not queue.next
+    assert clone.held is not queue.held
+    assert all(clone.next[a] == b and clone.prev[b] == a for a, b in pairwise(copied))
+    assert_free_links_agree(clone, 50_000)
     # Each side runs on its own.
-    assert clone.popleft().block_id == queue.popleft().block_id == 3
+    assert clone.popleft() == queue.popleft() == 3
     assert len(clone) == len(queue) == 49_996
+    assert queue.get_all_free_blocks() == clone.get_all_free_blocks() == order[1:]
 
 
-def test_a_copied_block_keeps_every_field_but_its_links() -> None:
-    """A block's copy keeps its fields, a subclass's own slots and
-    attributes included, and starts outside any queue."""
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_pool_keeps_every_block_state(how: str) -> None:
+    """A pool's copy keeps each block's state (reference count, full key and
+    its group, partial keys); a block in use stays outside the copy's queue,
+    and the copy's block views read the copy."""
     import copy
+    import pickle
 
-    class Tagged(KVCacheBlock):
-        __slots__ = ("tag",)
-
-    block = Tagged(5)
-    block.tag = "t"
-    block.ref_cnt = 2
-    block.key_hash = b"h"
-    block.key_group = 3
-    FreeBlockQueue([KVCacheBlock(1), block])
-    assert block.prev_free is not None
-    clone = copy.deepcopy(block)
-    assert (clone.tag, clone.block_id, clone.ref_cnt, clone.block_hash) == (
-        "t",
-        5,
-        2,
-        (b"h", 3),
+    p = pool(8)
+    a = p.get_new_blocks(5)  # 1 2 3 4 5
+    p.touch([a[4]])  # block 5: two references
+    p.cache_full_blocks(
+        block_hashes=[h(i) for i in range(1, 6)],
+        blocks=a,
+        num_cached_blocks=0,
+        num_full_blocks=5,
+        group_id=3,
     )
-    assert clone.prev_free is None
-    assert clone.next_free is None
+    p.add_partial_key(a[4], h(9), 3)
+    p.free_blocks(a[:4])
+    view = p.block(5)
+    assert not unlinked(p.free_queue, 1)
+    clone = copy.deepcopy(p) if how == "deepcopy" else pickle.loads(pickle.dumps(p))
+    copied = clone.block(5)
+    assert copied is not view
+    assert (copied.block_id, copied.ref_cnt, copied.block_hash) == (5, 2, (h(5), 3))
+    assert clone.partial_keys[5] == [h(9)]
+    assert clone.partial_group == {5: 3}
+    assert clone.lookup(h(5), 3) == 5
+    assert clone.lookup_partial(h(9), [3]) == [5]
+    assert unlinked(clone.free_queue, 5)
+    assert free_ids(clone) == free_ids(p) == [6, 7, 1, 2, 3, 4]
+    assert_free_links_agree(clone.free_queue, clone.num_blocks)
+    # The copy changes alone.
+    clone.free_blocks([5])
+    assert (copied.ref_cnt, view.ref_cnt, p.ref_cnt[5]) == (1, 2, 2)
 
 
 def test_reset_prefix_cache_releases_the_held_back_blocks() -> None:
@@ -1007,13 +1028,13 @@ def test_reset_prefix_cache_releases_the_held_back_blocks() -> None:
     p, a = _cached_free_pool(10, 4)
     p.hold_back(a[:2])
     order = free_ids(p)
-    assert ids(p.free_queue.held_blocks()) == [1, 2]
+    assert p.free_queue.held_blocks() == [1, 2]
     assert p.reset_prefix_cache()
     assert free_ids(p) == order
     assert p.free_queue.held == set()
     assert p.free_queue.held_blocks() == []
     assert p.get_num_free_blocks() == 9
-    assert ids(p.get_new_blocks(9)) == order
+    assert p.get_new_blocks(9) == order
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
@@ -1036,9 +1057,56 @@ def test_a_pool_inside_a_transaction_refuses_to_be_copied(how: str) -> None:
     with pytest.raises(ReentrantCallError, match="between steps"):
         take(p)
     p.rollback()
-    assert all(b.ref_cnt == 0 for b in taken)
+    assert all(p.ref_cnt[b] == 0 for b in taken)
     assert free_ids(p) == [5, 6, 7, 8, 9, 1, 2, 3, 4]
     clone = take(p)
     assert free_ids(clone) == free_ids(p)
-    assert ids(clone.get_new_blocks(2)) == [5, 6]
+    assert clone.get_new_blocks(2) == [5, 6]
     assert free_ids(p) == [5, 6, 7, 8, 9, 1, 2, 3, 4]
+
+
+def test_a_rolled_back_partial_drop_restores_the_keys_group() -> None:
+    """Handing out a block drops its partial keys; rolling the hand-out back
+    gives them back under the group they had, so the block still answers
+    for them and takes more keys of that group."""
+    p = BlockPool(2, enable_caching=True, hash_block_size=16)
+    (b,) = p.get_new_blocks(1)
+    p.add_partial_key(b, h(1), 0)
+    p.free_blocks([b])
+    p.begin()
+    assert p.get_new_blocks(1) == [b]
+    p.add_partial_key(b, h(2), 1)
+    p.rollback()
+    assert p.has_partial_key(b, h(1), 0)
+    assert not p.has_partial_key(b, h(2), 1)
+    assert p.lookup_partial(h(1), [0]) == [b]
+    assert p.lookup_partial(h(2), [1]) is None
+    p.add_partial_key(b, h(3), 0)
+    assert p.partial_keys[b] == [h(1), h(3)]
+    assert p.partial_group == {b: 0}
+
+
+def test_block_state_fits_its_budget() -> None:
+    """A pool's per-block state (ids, counts, keys, links) stays within
+    BLOCK_STATE_BYTES a block, the figure host-memory checks use; block
+    views cost nothing until an engine asks for one."""
+    import tracemalloc
+
+    from kvcore.limits import BLOCK_STATE_BYTES
+
+    n = 200_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        p = BlockPool(n, enable_caching=True, hash_block_size=16)
+        built = tracemalloc.get_traced_memory()[0] - before
+        blocks = p.get_new_blocks(n - 1)
+        p.free_table(blocks)
+        del blocks
+        cycled = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert built / n <= BLOCK_STATE_BYTES
+    assert cycled / n <= BLOCK_STATE_BYTES
+    assert p.block(5) is p.block(5)
+    assert p.block(5).ref_cnt == 0

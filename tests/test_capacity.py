@@ -78,7 +78,7 @@ def test_capacity_model_matches_a_filling_manager(
     # Steady state: the admitted requests hold exactly what the model says.
     held = plan.num_blocks - 1 - manager.block_pool.free_queue.num_free
     partial = manager.coordinator.get_blocks(f"r{predicted.concurrency}")
-    in_flight = sum(len([b for b in g if not b.is_null]) for g in partial)
+    in_flight = sum(len([b for b in g if b != 0]) for g in partial)
     assert held - in_flight == predicted.concurrency * predicted.blocks_per_request
 
 

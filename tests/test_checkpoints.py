@@ -115,8 +115,8 @@ def test_a_shared_prefix_is_kept_where_the_second_request_branches() -> None:
     free = mgr.get_num_free_blocks()
     assert mgr.allocate_slots(b, 120, hit, blocks) is not None
     assert free - mgr.get_num_free_blocks() == 8 + 3
-    table = mgr.get_blocks("b").blocks[1]
-    assert [i for i, blk in enumerate(table) if not blk.is_null] == [2, 6, 7]
+    table = mgr.get_blocks("b").ids[1]
+    assert [i for i, blk in enumerate(table) if blk != 0] == [2, 6, 7]
     b.num_computed_tokens = 120
     mgr.cache_blocks(b, 120)
     mgr.free(b)
@@ -144,13 +144,13 @@ def test_a_finished_requests_states_are_evicted_after_its_attention_blocks() -> 
     req = Request("a", tokens(100), hash_block_size=BS)
     run(mgr, req, tokens(40, 1000))
     queue = mgr.block_pool.free_queue.get_all_free_blocks()
-    where = {b.block_id: i for i, b in enumerate(queue)}
+    where = {b: i for i, b in enumerate(queue)}
     pool = mgr.block_pool
     states = [pool.lookup(req.block_hashes[i], 1) for i in (5, 7)]  # 96, 128
     attention = [pool.lookup(h, 0) for h in req.block_hashes[:8]]
     assert all(b is not None for b in states + attention)
-    last_attention = max(where[b.block_id] for b in attention if b is not None)
-    assert all(where[b.block_id] > last_attention for b in states if b is not None)
+    last_attention = max(where[b] for b in attention if b is not None)
+    assert all(where[b] > last_attention for b in states if b is not None)
 
 
 def test_a_refused_admission_forgets_its_checkpoints() -> None:
@@ -210,14 +210,14 @@ def test_a_step_that_fits_only_without_its_checkpoints_runs_without_them() -> No
     assert mgr.allocate_slots(req, 100) is not None
     assert mgr.get_num_free_blocks() == 0
     assert state(mgr).targets == {}
-    table = mgr.get_blocks("a").blocks[1]
-    assert [i for i, b in enumerate(table) if not b.is_null] == [6]
+    table = mgr.get_blocks("a").ids[1]
+    assert [i for i, b in enumerate(table) if b != 0] == [6]
     # With one block more the checkpoint is kept.
     roomy = hybrid(num_blocks=10)
     again = Request("a", tokens(100), hash_block_size=BS)
     assert roomy.allocate_slots(again, 100) is not None
-    table = roomy.get_blocks("a").blocks[1]
-    assert [i for i, b in enumerate(table) if not b.is_null] == [5, 6]
+    table = roomy.get_blocks("a").ids[1]
+    assert [i for i, b in enumerate(table) if b != 0] == [5, 6]
 
 
 def test_a_refused_step_keeps_its_checkpoints() -> None:
@@ -265,17 +265,17 @@ def test_interval_states_of_a_hybrid_follow_its_prompt_end_to_the_back() -> None
     a = Request("a", tokens(2600), hash_block_size=BS)
     run(mgr, a, [1], chunk=1000)
     pool = mgr.block_pool
-    where = {b.block_id: i for i, b in enumerate(pool.free_queue.get_all_free_blocks())}
+    where = {b: i for i, b in enumerate(pool.free_queue.get_all_free_blocks())}
     interval = [pool.lookup(a.block_hashes[i], 1) for i in (63, 127)]  # 1024, 2048
     prompt_end = pool.lookup(a.block_hashes[161], 1)  # 2592
     attention = [pool.lookup(h, 0) for h in a.block_hashes]
     assert all(b is not None for b in [*interval, prompt_end, *attention])
-    first_attention = min(where[b.block_id] for b in attention if b is not None)
-    last_attention = max(where[b.block_id] for b in attention if b is not None)
-    at_1024, at_2048 = (where[b.block_id] for b in interval if b is not None)
+    first_attention = min(where[b] for b in attention if b is not None)
+    last_attention = max(where[b] for b in attention if b is not None)
+    at_1024, at_2048 = (where[b] for b in interval if b is not None)
     assert first_attention < last_attention
     assert prompt_end is not None
-    assert last_attention < min(where[prompt_end.block_id], at_1024, at_2048)
+    assert last_attention < min(where[prompt_end], at_1024, at_2048)
     assert pool.free_queue.held_blocks() == []
 
 
@@ -291,8 +291,8 @@ def test_a_long_step_keeps_at_most_interval_per_step_interval_states() -> None:
     # 375 attention blocks, the state at the last position, the prompt end
     # (5984) and 3 interval states.
     assert free - mgr.get_num_free_blocks() == 375 + 1 + 1 + 3
-    table = mgr.get_blocks("a").blocks[1]
-    kept = [(i + 1) * BS for i, b in enumerate(table) if not b.is_null]
+    table = mgr.get_blocks("a").ids[1]
+    kept = [(i + 1) * BS for i, b in enumerate(table) if b != 0]
     assert kept == [1024, 3072, 5120, 5984, 6000]
 
 
@@ -350,23 +350,23 @@ def test_a_running_request_holds_the_shared_state_on_its_path() -> None:
     pool = mgr.block_pool
     at_160 = pool.lookup(d.block_hashes[9], 1)
     assert at_160 is not None
-    assert at_160.ref_cnt == 0
+    assert pool.ref_cnt[at_160] == 0
     free = mgr.get_num_free_blocks()
     assert mgr.allocate_slots(d, d.num_tokens - hit, hit, blocks) is not None
     # Attention: the 13 hit blocks leave the free queue and 3 are new
     # (208..250).  The state: the hit's (208) and 160 leave it, and the
     # prompt end (240) and the step's last position are new.
     assert free - mgr.get_num_free_blocks() == 13 + 3 + 2 + 2
-    table = mgr.get_blocks("d").blocks[1]
-    assert table[9] is at_160
-    assert at_160.ref_cnt == 1
+    table = mgr.get_blocks("d").ids[1]
+    assert table[9] == at_160
+    assert pool.ref_cnt[at_160] == 1
     d.num_computed_tokens = d.num_tokens
     assert mgr.allocate_slots(d, 1) is not None  # a decode step keeps holding it
-    assert mgr.get_blocks("d").blocks[1][9] is at_160
-    assert at_160.ref_cnt == 1
+    assert mgr.get_blocks("d").ids[1][9] == at_160
+    assert pool.ref_cnt[at_160] == 1
     mgr.free(d)
-    assert at_160.ref_cnt == 0
-    assert pool.lookup(d.block_hashes[9], 1) is at_160
+    assert pool.ref_cnt[at_160] == 0
+    assert pool.lookup(d.block_hashes[9], 1) == at_160
     assert mgr.get_num_free_blocks() == 199
 
 
@@ -392,14 +392,12 @@ def test_a_second_resume_makes_a_state_shared() -> None:
     assert mgr.allocate_slots(d, d.num_tokens - hit, hit, blocks) is not None
     at_96 = mgr.block_pool.lookup(d.block_hashes[5], 1)
     assert at_96 is not None
-    assert mgr.get_blocks("d").blocks[1][5] is at_96
-    assert at_96.ref_cnt == 1
+    assert mgr.get_blocks("d").ids[1][5] == at_96
+    assert mgr.block_pool.ref_cnt[at_96] == 1
 
 
-def _queue_position(mgr: KVCacheManager, block: Any) -> int:
-    return [b.block_id for b in mgr.block_pool.free_queue.get_all_free_blocks()].index(
-        block.block_id
-    )
+def _queue_position(mgr: KVCacheManager, block: int) -> int:
+    return mgr.block_pool.free_queue.get_all_free_blocks().index(block)
 
 
 def test_twin_state_groups_hold_the_shared_state_at_one_position() -> None:
@@ -435,8 +433,10 @@ def test_twin_state_groups_hold_the_shared_state_at_one_position() -> None:
     pool.free_blocks(pool.get_new_blocks(_queue_position(mgr, first) + 1))
     # The first twin's state block was handed out again; the second's is
     # still cached as that twin's state under the key.
-    assert (first.key_hash, first.key_group) != (key, twins[0].kv_cache_group_id)
-    assert (second.key_hash, second.key_group) == (key, twins[1].kv_cache_group_id)
+    first_key = (pool.key_hash[first], pool.key_group[first])
+    second_key = (pool.key_hash[second], pool.key_group[second])
+    assert first_key != (key, twins[0].kv_cache_group_id)
+    assert second_key == (key, twins[1].kv_cache_group_id)
     d = Request("d", c_prompt + c_output + tokens(30, 8000), hash_block_size=BS)
     blocks, hit = mgr.get_computed_blocks(d)
     assert hit == 208
@@ -445,8 +445,8 @@ def test_twin_state_groups_hold_the_shared_state_at_one_position() -> None:
     # r holds the hit's blocks: d takes 3 new attention blocks and, in each
     # twin, the prompt end (240) and the last position, and no hold at 160.
     assert free - mgr.get_num_free_blocks() == 3 + 2 * 2
-    tables = mgr.get_blocks("d").blocks
-    held = [[i for i, b in enumerate(tables[g]) if not b.is_null] for g in (1, 2)]
+    tables = mgr.get_blocks("d").ids
+    held = [[i for i, b in enumerate(tables[g]) if b != 0] for g in (1, 2)]
     assert held[0] == held[1] == [12, 14, 15]
     mgr.free(d)
     mgr.free(r)
@@ -465,7 +465,7 @@ def test_a_connector_admission_counts_no_hold_it_does_not_take() -> None:
     assert state(mgr).shared_states  # b's branch point at 160
     x = Request("x", preamble + tokens(60, 7000), hash_block_size=BS)
     coordinator = mgr.coordinator
-    attach = coordinator.admission_blocks(mgr.empty_kv_cache_blocks.blocks, 176)
+    attach = coordinator.admission_blocks(mgr.empty_kv_cache_blocks.ids, 176)
     coordinator.plan_checkpoints(x, 176)
     planned = coordinator.get_num_blocks_to_allocate("x", x.num_tokens, attach)
     coordinator.forget_checkpoints("x")

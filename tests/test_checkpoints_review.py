@@ -119,24 +119,25 @@ def test_a_superseded_state_does_not_drop_a_block_another_request_cached() -> No
     # a's decode reaches 112 (its step-end state is kept), then passes it:
     # the block holding it is released into the free queue.
     decode(mgr, a, 114)
+    pool = mgr.block_pool
     x = manager.step_end["a"][1]
-    assert x.ref_cnt == 0
-    assert x.key_hash is not None
+    assert pool.ref_cnt[x] == 0
+    assert pool.key_hash[x] is not None
     # b takes every free block, x included, and caches its own prefix in it.
     free = mgr.get_num_free_blocks()
     b = Request("b", list(range(5000, 5000 + BS * (free - 2))), hash_block_size=BS)
     blocks, hit = mgr.get_computed_blocks(b)
     assert mgr.allocate_slots(b, b.num_tokens, hit, blocks) is not None
-    assert any(blk is x for group in mgr.get_blocks("b").blocks for blk in group)
+    assert any(blk == x for group in mgr.get_blocks("b").ids for blk in group)
     b.num_computed_tokens = b.num_tokens
     mgr.free(b)
-    key = x.key_hash
+    key = pool.key_hash[x]
     assert key is not None
-    assert x.ref_cnt == 0
+    assert pool.ref_cnt[x] == 0
     # a's next step end (128) supersedes its state at 112, which left the
     # cache long ago; the block now holds b's content and stays cached.
     decode(mgr, a, 128)
-    assert x.key_hash == key
+    assert pool.key_hash[x] == key
 
 
 class BranchOnly(MambaManager):
@@ -276,32 +277,33 @@ def test_a_freed_request_does_not_requeue_a_block_another_request_reused() -> No
     a.num_computed_tokens = 100
     # a keeps its prompt's state at 96 (an inner block of its prefill),
     # released once a's decode passes it.
-    x = mgr.get_blocks("a").blocks[1][5]
-    assert x.key_hash is not None
+    pool = mgr.block_pool
+    x = mgr.get_blocks("a").ids[1][5]
+    assert pool.key_hash[x] is not None
     decode(mgr, a, 102)
-    assert x.ref_cnt == 0
+    assert pool.ref_cnt[x] == 0
     # b takes every free block, x included, caches its prefix and finishes.
     free = mgr.get_num_free_blocks()
     b = Request("b", list(range(5000, 5000 + BS * (free - 2))), hash_block_size=BS)
     blocks, hit = mgr.get_computed_blocks(b)
     assert mgr.allocate_slots(b, b.num_tokens, hit, blocks) is not None
-    assert any(blk is x for group in mgr.get_blocks("b").blocks for blk in group)
+    assert any(blk == x for group in mgr.get_blocks("b").ids for blk in group)
     b.num_computed_tokens = b.num_tokens
     mgr.free(b)
-    queue = mgr.block_pool.free_queue
-    before = [blk.block_id for blk in queue.get_all_free_blocks()]
+    queue = pool.free_queue
+    before = queue.get_all_free_blocks()
     cached = [
         blk
-        for group in mgr.get_blocks("a").blocks
+        for group in mgr.get_blocks("a").ids
         for blk in group
-        if blk.key_hash is not None
+        if pool.key_hash[blk] is not None
     ]
     mgr.free(a)
-    after = [blk.block_id for blk in queue.get_all_free_blocks()]
+    after = queue.get_all_free_blocks()
     # b's blocks, x among them, keep their order; a's cached blocks go
     # behind them.
     assert [i for i in after if i in before] == before
-    assert all(after.index(x.block_id) < after.index(blk.block_id) for blk in cached)
+    assert all(after.index(x) < after.index(blk) for blk in cached)
 
 
 def test_a_step_that_raises_after_shedding_keeps_its_checkpoints() -> None:

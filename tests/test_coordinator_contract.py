@@ -298,7 +298,7 @@ def test_a_state_kind_releases_every_old_state_across_multi_block_steps() -> Non
         assert mgr.allocate_slots(r, step) is not None
         computed += step
         r.num_computed_tokens = computed
-        state = [b for b in mgr.get_blocks("r").blocks[1] if not b.is_null]
+        state = [b for b in mgr.get_blocks("r").ids[1] if b != 0]
         held.append(len(state))
     # The state a step reads and the one it writes; nothing older.  The last
     # step (tokens 288..320) also keeps the state at 304, where the same
@@ -329,20 +329,20 @@ def test_a_window_block_no_aligned_hit_reads_is_not_hashed_and_is_reused_first()
     )
     r = Request("r", tokens(112), hash_block_size=16)
     assert mgr.allocate_slots(r, 112) is not None
-    window = mgr.get_blocks("r").blocks[1]
+    window = mgr.get_blocks("r").ids[1]
     pool = mgr.block_pool
-    assert [b.block_id for b in window] == [5, 6, 7, 8, 9, 10, 11]
-    assert [b.block_hash is not None for b in window] == [True] * 6 + [False]
+    assert window == [5, 6, 7, 8, 9, 10, 11]
+    assert [pool.key_hash[b] is not None for b in window] == [True] * 6 + [False]
     mgr.free(r)
     # Unhashed blocks go to the front of the free queue: the partial full-
     # attention block and window block 6 are reused before any cached block.
-    front = [b.block_id for b in pool.free_queue.get_all_free_blocks()[:2]]
+    front = pool.free_queue.get_all_free_blocks()[:2]
     assert sorted(front) == [4, 11]
 
     again = Request("again", tokens(112), hash_block_size=16)
     hit, length = mgr.get_computed_blocks(again)
     assert length == 96
-    assert [b.block_id for b in hit.blocks[1][-2:]] == [9, 10]
+    assert hit.ids[1][-2:] == [9, 10]
 
 
 def test_a_short_window_hashes_one_block_per_alignment_unit() -> None:
@@ -358,17 +358,18 @@ def test_a_short_window_hashes_one_block_per_alignment_unit() -> None:
     )
     r = Request("r", tokens(130), hash_block_size=16)
     assert mgr.allocate_slots(r, 130) is not None
-    window = mgr.get_blocks("r").blocks[1]
-    hashed = [i for i, b in enumerate(window) if b.block_hash is not None]
+    window = mgr.get_blocks("r").ids[1]
+    key_hash = mgr.block_pool.key_hash
+    hashed = [i for i, b in enumerate(window) if key_hash[b] is not None]
     assert hashed == [3, 7]
-    ids = {i: window[i].block_id for i in hashed}
+    ids = {i: window[i] for i in hashed}
     mgr.free(r)
 
     again = Request("again", tokens(130), hash_block_size=16)
     hit, length = mgr.get_computed_blocks(again)
     assert length == 128
-    assert [b.is_null for b in hit.blocks[1]] == [True] * 7 + [False]
-    assert hit.blocks[1][7].block_id == ids[7]
+    assert [b == 0 for b in hit.ids[1]] == [True] * 7 + [False]
+    assert hit.ids[1][7] == ids[7]
 
 
 def test_with_eagle_a_window_group_hashes_every_full_block() -> None:
@@ -383,8 +384,8 @@ def test_with_eagle_a_window_group_hashes_every_full_block() -> None:
     )
     r = Request("r", tokens(112), hash_block_size=16)
     assert mgr.allocate_slots(r, 112) is not None
-    window = mgr.get_blocks("r").blocks[1]
-    assert all(b.block_hash is not None for b in window)
+    window = mgr.get_blocks("r").ids[1]
+    assert all(mgr.block_pool.key_hash[b] is not None for b in window)
 
 
 # ---------------------------------------------------------------------------
@@ -415,18 +416,19 @@ def test_a_mamba_group_finer_than_the_hash_block_builds_and_hits() -> None:
     assert mgr.allocate_slots(first, 128) is not None
     first.num_computed_tokens = 128
     assert mgr.allocate_slots(first, 2) is not None
-    states = mgr.get_blocks("first").blocks[0]
-    keyed = [i for i, b in enumerate(states) if b.block_hash is not None]
+    states = mgr.get_blocks("first").ids[0]
+    key_hash = mgr.block_pool.key_hash
+    keyed = [i for i, b in enumerate(states) if key_hash[b] is not None]
     assert keyed == [3, 7]
-    state_at_128 = states[7].block_id
+    state_at_128 = states[7]
     mgr.free(first)
 
     second = Request("second", tokens(130), hash_block_size=64)
     hit, length = mgr.get_computed_blocks(second)
     assert length == 128
-    assert hit.blocks[0][-1].block_id == state_at_128
-    assert len(hit.blocks[0]) == 8
-    assert len(hit.blocks[1]) == 2
+    assert hit.ids[0][-1] == state_at_128
+    assert len(hit.ids[0]) == 8
+    assert len(hit.ids[1]) == 2
     assert mgr.allocate_slots(second, 2, 128, new_computed_blocks=hit) is not None
     mgr.free(second)
 

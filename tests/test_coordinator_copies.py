@@ -31,14 +31,18 @@ from kvcore_full_attention.manager import FullAttentionManager
 def observed(mgr: KVCacheManager) -> tuple[Any, ...]:
     """What an engine can observe: eviction order, counts, keys, tables."""
     pool = mgr.block_pool
+    ref, key_hash, key_group = pool.ref_cnt, pool.key_hash, pool.key_group
     return (
-        [b.block_id for b in pool.free_queue.get_all_free_blocks()],
-        [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
+        pool.free_queue.get_all_free_blocks(),
+        [
+            (b, ref[b], None if key_hash[b] is None else (key_hash[b], key_group[b]))
+            for b in range(pool.num_blocks)
+        ],
         pool.num_cached_blocks,
         sorted(mgr.live_request_ids()),
         [
             (
-                {rid: [b.block_id for b in t] for rid, t in m.req_to_blocks.items()},
+                {rid: list(t) for rid, t in m.req_to_blocks.items()},
                 dict(m.num_cached_block),
                 dict(m.num_released),
             )
@@ -179,15 +183,16 @@ def test_free_reports_a_double_free_and_changes_nothing(groups: int) -> None:
     )
     req = Request("a", list(range(10)), hash_block_size=4)
     assert mgr.allocate_slots(req, 10) is not None
-    table = mgr.get_blocks("a").blocks[0]
-    table[1].ref_cnt = 0
+    table = mgr.get_blocks("a").ids[0]
+    ref = mgr.block_pool.ref_cnt
+    ref[table[1]] = 0
     before = observed(mgr)
     with pytest.raises(InvalidRequestError, match="freed more often") as info:
         mgr.free(req)
     assert isinstance(info.value, KvcoreError)
     assert observed(mgr) == before
     assert req.status is RequestStatus.RUNNING
-    table[1].ref_cnt = 1
+    ref[table[1]] = 1
     mgr.free("a")
     assert req.status is RequestStatus.FINISHED
     assert mgr.block_pool.get_num_free_blocks() == 63

@@ -18,12 +18,7 @@ import coordinator_setup as setup
 import pytest
 
 from kvcore import KindRegistry
-from kvcore.coordinator import (
-    KVCacheBlock,
-    KVCacheManager,
-    Request,
-    SingleTypeManager,
-)
+from kvcore.coordinator import KVCacheManager, Request, SingleTypeManager
 from kvcore.errors import InvalidRequestError, KvcoreError, PluginError
 from kvcore_full_attention import FullAttention, FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
@@ -56,7 +51,7 @@ class CountedManager(FullAttentionManager):
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
-    ) -> list[list[KVCacheBlock]] | None:
+    ) -> list[list[int]] | None:
         out = super().allocate_twins(twins, request_id, num_tokens)
         self._count("allocate_twins")
         return out
@@ -298,7 +293,7 @@ def test_overriding_a_step_drops_its_promise() -> None:
             self,
             request_id: str,
             num_tokens: int,
-            new_computed_blocks: Sequence[KVCacheBlock],
+            new_computed_blocks: Sequence[int],
         ) -> int:
             return super().get_num_blocks_to_allocate(
                 request_id, num_tokens, new_computed_blocks
@@ -418,15 +413,18 @@ def _state(mgr: KVCacheManager) -> Any:
     pool = mgr.block_pool
     return (
         [
-            (b.ref_cnt, b.key_hash, b.key_group, tuple(b.partial_keys or ()))
-            for b in pool.blocks
+            (
+                pool.ref_cnt[b],
+                pool.key_hash[b],
+                pool.key_group[b],
+                tuple(pool.partial_keys[b] or ()),
+            )
+            for b in range(pool.num_blocks)
         ],
-        [b.block_id for b in pool.free_queue.get_all_free_blocks()],
+        pool.free_queue.get_all_free_blocks(),
         [
             (
-                sorted(
-                    (rid, [b.block_id for b in t]) for rid, t in m.req_to_blocks.items()
-                ),
+                sorted((rid, list(t)) for rid, t in m.req_to_blocks.items()),
                 sorted(m.num_cached_block.items()),
                 sorted(m.num_released.items()),
             )

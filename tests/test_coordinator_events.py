@@ -333,11 +333,11 @@ def test_a_block_listed_twice_is_stored_once_in_the_event() -> None:
         group_id=0,
         token_ids=[1, 2, 3, 4],
     )
-    assert block.block_hash == (h(1), 0)
+    assert (p.key_hash[block], p.key_group[block]) == (h(1), 0)
     (event,) = p.take_events()
     assert isinstance(event, BlockStored)
     assert event.block_hashes == (h(1),)
-    assert event.block_ids == (block.block_id,)
+    assert event.block_ids == (block,)
     assert event.token_ids == (1, 2)
 
 
@@ -351,7 +351,7 @@ def test_events_off_needs_no_tokens() -> None:
         num_full_blocks=1,
         group_id=0,
     )
-    assert a[0].block_hash == (h(1), 0)
+    assert (p.key_hash[a[0]], p.key_group[a[0]]) == (h(1), 0)
     assert p.take_events() == []
 
 
@@ -384,7 +384,7 @@ def test_rollback_drops_the_transactions_events() -> None:
     step()
     p.rollback()
     assert p.take_events() == [before]
-    assert p.lookup(h(1), 0) is a[0]
+    assert p.lookup(h(1), 0) == a[0]
     # The same step committed keeps its events: the eviction, then the store.
     p.begin()
     step()

@@ -37,8 +37,8 @@ def req(rid: str, n: int) -> Request:
 def snapshot(mgr: KVCacheManager) -> tuple[object, ...]:
     pool = mgr.block_pool
     return (
-        [b.ref_cnt for b in pool.blocks],
-        [b.block_id for b in pool.free_queue.get_all_free_blocks()],
+        list(pool.ref_cnt),
+        pool.free_queue.get_all_free_blocks(),
         pool.num_cached_blocks,
     )
 

@@ -60,7 +60,7 @@ def _observed(mgr: KVCacheManager, *requests: Request) -> tuple[Any, ...]:
     pool = mgr.block_pool
     return (
         pool.get_num_free_blocks(),
-        [b.block_id for b in pool.free_queue.get_all_free_blocks()],
+        pool.free_queue.get_all_free_blocks(),
         [
             mgr.get_block_ids(r.request_id)
             for r in requests

@@ -17,6 +17,7 @@ import kvcore
 from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import (
     AllBlocksCleared,
+    BlockHashWithGroupId,
     BlockRemoved,
     BlockStored,
     KVCacheManager,
@@ -135,26 +136,29 @@ def ids(mgr: KVCacheManager, rid: str) -> tuple[list[int], ...]:
 
 
 def free_ids(mgr: KVCacheManager) -> list[int]:
-    return [b.block_id for b in mgr.block_pool.free_queue.get_all_free_blocks()]
-
-
-def block(mgr: KVCacheManager, block_id: int) -> kvcore.coordinator.KVCacheBlock:
-    return mgr.block_pool.blocks[block_id]
+    return mgr.block_pool.free_queue.get_all_free_blocks()
 
 
 def refs(mgr: KVCacheManager, *block_ids: int) -> list[int]:
-    return [block(mgr, i).ref_cnt for i in block_ids]
+    return [mgr.block_pool.ref_cnt[i] for i in block_ids]
+
+
+def key(mgr: KVCacheManager, block_id: int) -> BlockHashWithGroupId | None:
+    """Block ``block_id``'s prefix-cache key ``(block hash, group id)``, else None."""
+    pool = mgr.block_pool
+    h = pool.key_hash[block_id]
+    return None if h is None else (h, pool.key_group[block_id])
 
 
 def hashed(mgr: KVCacheManager, block_id: int) -> bool:
-    return block(mgr, block_id).block_hash is not None
+    return mgr.block_pool.key_hash[block_id] is not None
 
 
 def snapshot(mgr: KVCacheManager, rids: list[str]) -> object:
     """Everything a refused allocation must leave alone."""
     pool = mgr.block_pool
     return (
-        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+        [(pool.ref_cnt[b], key(mgr, b)) for b in range(pool.num_blocks)],
         free_ids(mgr),
         pool.get_num_free_blocks(),
         {rid: ids(mgr, rid) for rid in rids},
@@ -284,7 +288,7 @@ class TestFullAttention:
         assert hashed(mgr, 2)
         pool = mgr.block_pool
         assert pool.lookup(a_hashes[2], 0) is None
-        assert pool.lookup(a_hashes[1], 0) is block(mgr, 2)
+        assert pool.lookup(a_hashes[1], 0) == 2
 
         # a's prompt again: blocks 1, 2 are revived from the free queue
         # (touch), block 3's hash is gone -> hit 8.
@@ -357,7 +361,7 @@ class TestSlidingWindow:
         pool = mgr.block_pool
         assert pool.lookup(a.block_hashes[2], 0) is None
         assert pool.lookup(a.block_hashes[3], 0) is None
-        assert pool.lookup(a.block_hashes[1], 0) is block(mgr, 2)
+        assert pool.lookup(a.block_hashes[1], 0) == 2
         # b shares a's 24 prompt tokens.  Bound 24 -> 6 blocks; from the right:
         # block 6 (pos 5) and 5 (pos 4) are cached = cdiv(8-1, 4) = 2 blocks,
         # the whole window -> hit 24 though positions 2, 3 are evicted.
@@ -425,7 +429,7 @@ class TestMamba:
         # is read: block 3 goes back to the pool (hashed -> at the back).
         assert ids(mgr, "a") == ([1, 2, 4], [0, 0, 5])
         assert free_ids(mgr)[-1] == 3
-        assert block(mgr, 3).ref_cnt == 0
+        assert refs(mgr, 3) == [0]
 
         # b shares a's first 8 tokens: FA hits [1, 2]; the Mamba search at 8
         # finds the state after token 8 (block 3) -> hit 8.
@@ -467,14 +471,14 @@ class TestMamba:
         m_ids = ids(mgr, "a")[1]
         s16, s24 = m_ids[3], m_ids[5]
         assert m_ids == [0, 0, 0, s16, 0, s24]
-        assert block(mgr, s8).ref_cnt == 0
+        assert refs(mgr, s8) == [0]
         assert hashed(mgr, s8)
         step(mgr, a, 1)
         m_ids = ids(mgr, "a")[1]
         assert m_ids[:5] == [0, 0, 0, 0, 0]
         assert m_ids[5] == s24
         assert len(m_ids) == 7
-        assert block(mgr, s16).ref_cnt == 0
+        assert refs(mgr, s16) == [0]
         assert hashed(mgr, s16)
         # The freed states are still cached: b resumes from the state at 16.
         blocks, hit = mgr.get_computed_blocks(req("b", [*T[:18], 1]))
@@ -497,7 +501,7 @@ class TestMamba:
         decode(mgr, b, 1)
         # n=20: only position (20-1)//4 = 4 is read; the hit state 3 is freed.
         assert ids(mgr, "b")[1][:5] == [0, 0, 0, 0, m_ids[4]]
-        assert block(mgr, 3).ref_cnt == 0
+        assert refs(mgr, 3) == [0]
 
     def test_none_mode_one_block_for_life_and_no_hit(self):
         mgr = make_manager([fa(4), mamba(4, "none")], num_blocks=40)
@@ -518,7 +522,7 @@ class TestMamba:
         assert hit == 0
         assert blocks.get_block_ids() == ([], [])
         mgr.free(a)
-        assert block(mgr, state[0]).ref_cnt == 0
+        assert refs(mgr, state[0]) == [0]
 
 
 # ---------------------------------------------------------------------------
@@ -704,7 +708,7 @@ class TestMultiGroupHits:
         assert ids(mgr, "f") == ([24, 25, 26, 27], [28, 29], [30, 31, 18, 17])
         assert mgr.block_pool.lookup(a.block_hashes[5], 2) is None
         assert mgr.block_pool.lookup(a.block_hashes[4], 2) is None
-        assert mgr.block_pool.lookup(a.block_hashes[3], 2) is block(mgr, 16)
+        assert mgr.block_pool.lookup(a.block_hashes[3], 2) == 16
 
         # c shares 26 tokens (6 full 4-blocks).  FA4 -> 24 tokens [1..6]; FA8
         # at 24 -> [9, 10, 11]; SW at 24: positions 5, 4 evicted, 3 (16) and
@@ -992,7 +996,7 @@ def test_window_hit_covers_the_extra_retained_tokens() -> None:
     # 512 tokens hit; the token after them reads 99 + 64 = 163 tokens back,
     # blocks 5..7 (cdiv(163, 64) = 3 blocks), all cached.
     assert hit == 512
-    assert [blk.is_null for blk in blocks.blocks[0]] == [True] * 5 + [False] * 3
+    assert [blk == 0 for blk in blocks.ids[0]] == [True] * 5 + [False] * 3
     assert (
         manager.allocate_slots(
             b,

@@ -164,11 +164,7 @@ class Shadow:
                 self.path_block = 0
                 held_below = self.states_held(r, g, hit, num_computed)
                 after += len(held_below)
-                if (
-                    not live
-                    and self.path_block
-                    and pool.blocks[self.path_block].ref_cnt
-                ):
+                if not live and self.path_block and pool.ref_cnt[self.path_block]:
                     take -= 1  # another request holds it: not from the free queue
             expected.append(after)
             if not self.positioned[g]:
@@ -191,11 +187,11 @@ class Shadow:
                     and num_computed % bs
                     and len(blocks) == -(-num_computed // bs)
                 ):
-                    held += pool.blocks[blocks[-1]].ref_cnt == 0
+                    held += pool.ref_cnt[blocks[-1]] == 0
                     blocks = blocks[:-1]
                 kept = sum(1 for bid in blocks[below:] if bid)
                 take += sum(
-                    1 for bid in blocks[below:] if bid and pool.blocks[bid].ref_cnt == 0
+                    1 for bid in blocks[below:] if bid and pool.ref_cnt[bid] == 0
                 )
             take += after - kept
         return expected, take, give, held
@@ -257,8 +253,7 @@ class Shadow:
             bid = states.get(key)
             if bid is None:
                 continue
-            block = pool.blocks[bid]
-            if block.key_hash == key and block.key_group == g:
+            if pool.key_hash[bid] == key and pool.key_group[bid] == g:
                 best = (tokens, bid)
         return best
 
@@ -494,7 +489,7 @@ class Shadow:
                 src = hit_ids[g][-1]
                 dst = tables[g][hit // bs]
                 assert dst != src
-                assert self.mgr.block_pool.blocks[dst].ref_cnt == 1
+                assert self.mgr.block_pool.ref_cnt[dst] == 1
                 want.append((g, src, dst, hit % bs))
         got = [
             (c.group_id, c.src_block_id, c.dst_block_id, c.num_tokens) for c in copies

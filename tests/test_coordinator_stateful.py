@@ -29,6 +29,8 @@ from hypothesis.stateful import (
 import kvcore
 from kvcore import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import (
+    BlockHashWithGroupId,
+    BlockPool,
     FixedBlocksManager,
     KVCacheBlocks,
     KVCacheManager,
@@ -171,6 +173,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _key(pool: BlockPool, b: int) -> BlockHashWithGroupId | None:
+    """Block ``b``'s prefix-cache key ``(block hash, group id)``, else None."""
+    h = pool.key_hash[b]
+    return None if h is None else (h, pool.key_group[b])
+
+
 class CoordinatorMachine(RuleBasedStateMachine):
     PLAN: ClassVar[str] = "full"
     USE_EAGLE: ClassVar[bool] = False
@@ -218,8 +226,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def _snapshot(self) -> object:
         pool = self.mgr.block_pool
         return (
-            [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-            [b.block_id for b in pool.free_queue.get_all_free_blocks()],
+            [(pool.ref_cnt[b], _key(pool, b)) for b in range(pool.num_blocks)],
+            pool.free_queue.get_all_free_blocks(),
             pool.get_num_free_blocks(),
             {rid: self.mgr.get_block_ids(rid) for rid in self.running},
             [dict(m.num_cached_block) for m in self.managers],
@@ -231,9 +239,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         coordinator = self.mgr.coordinator
         assert 0 <= hit <= r.num_tokens - 1
         assert hit % coordinator.cache_hit_alignment == 0
-        assert len(blocks.blocks) == len(self.managers)
+        assert len(blocks.ids) == len(self.managers)
         for gid, (m, hit_blocks) in enumerate(
-            zip(self.managers, blocks.blocks, strict=True)
+            zip(self.managers, blocks.ids, strict=True)
         ):
             if not m.caching:
                 assert len(hit_blocks) == 0, f"group {gid} is not cacheable"
@@ -248,33 +256,29 @@ class CoordinatorMachine(RuleBasedStateMachine):
             hashes = hashes_at_block_size(r.block_hashes, self.hash_bs, m.block_size)
             pool = self.mgr.block_pool
             for i, b in enumerate(hit_blocks):
-                if b.is_null:
+                if b == 0:
                     assert m.skips_blocks, f"null block in group {gid}'s hit"
                 elif partial and i == want - 1:
                     chunk = r.block_hashes[hit // self.hash_bs - 1]
-                    assert b.block_hash == (
+                    assert _key(pool, b) == (
                         hashes[i] if i < len(hashes) else None,
                         gid,
                     ) or pool.has_partial_key(b, chunk, gid), (gid, i)
                 else:
-                    assert b.block_hash == (hashes[i], gid)
+                    assert _key(pool, b) == (hashes[i], gid)
                 # No hit serves a slot whose content is not this request's.
-                if self._tracks(m) and not b.is_null:
-                    slots = self.content.get(b.block_id, {})
+                if self._tracks(m) and b != 0:
+                    slots = self.content.get(b, {})
                     for slot in range(min(m.block_size, hit - i * m.block_size)):
                         pos = i * m.block_size + slot
-                        assert slots.get(slot) == r.all_token_ids[pos], (
-                            gid,
-                            b.block_id,
-                            pos,
-                        )
-            assert not hit_blocks[-1].is_null
+                        assert slots.get(slot) == r.all_token_ids[pos], (gid, b, pos)
+            assert hit_blocks[-1] != 0
             if isinstance(m, SlidingWindowManager):
                 need = _cdiv(m.kv_cache_spec.sliding_window - 1, m.block_size)
                 tail = hit_blocks[-need:]
-                assert not any(b.is_null for b in tail)
+                assert 0 not in tail
             if isinstance(m, MambaManager):
-                assert all(b.is_null for b in hit_blocks[:-1])
+                assert all(b == 0 for b in hit_blocks[:-1])
         if self.PLAN == "full" and hit + 4 <= r.num_tokens - 1:
             # The hit is the longest: the next block is not cached.
             assert self.mgr.block_pool.lookup(r.block_hashes[hit // 4], 0) is None
@@ -314,18 +318,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
         """The engine's side of a step: fresh blocks hold nothing, the copies
         run (each source's slots below its count into its destination, at the
         position the hit ends in), then the step's tokens are written."""
-        for group in out.blocks:
+        for group in out.ids:
             for b in group:
-                self.content[b.block_id] = {}
-        tables = self.mgr.get_blocks(r.request_id).blocks
+                self.content[b] = {}
+        tables = self.mgr.get_blocks(r.request_id).ids
         for copy in out.copies:
             m = self.managers[copy.group_id]
             assert hit
             assert hit % m.block_size == copy.num_tokens
             # The destination is the fresh block at the hit's last position.
-            assert tables[copy.group_id][hit // m.block_size].block_id == (
-                copy.dst_block_id
-            )
+            assert tables[copy.group_id][hit // m.block_size] == copy.dst_block_id
             src = self.content.get(copy.src_block_id, {})
             self.content[copy.dst_block_id] = {
                 slot: tok for slot, tok in src.items() if slot < copy.num_tokens
@@ -341,10 +343,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             bs = m.block_size
             for pos in range(start, min(end, r.num_tokens)):
                 b = table[pos // bs]
-                if not b.is_null:
-                    self.content.setdefault(b.block_id, {})[pos % bs] = r.all_token_ids[
-                        pos
-                    ]
+                if b != 0:
+                    self.content.setdefault(b, {})[pos % bs] = r.all_token_ids[pos]
 
     def _admit(self, r: Request, chunk: int) -> None:
         blocks, hit = self.mgr.get_computed_blocks(r)
@@ -471,50 +471,55 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     holders[bid] += 1
                     # A block id belongs to one group at a time.
                     assert group_of.setdefault(bid, gid) == gid, (bid, gid)
-        for b in pool.blocks:
-            assert b.ref_cnt >= 0
-            if b.is_null:
-                assert b.block_id == 0
-                assert b.block_hash is None
+        ref = pool.ref_cnt
+        assert pool.null_block == 0
+        for b in range(pool.num_blocks):
+            assert ref[b] >= 0
+            if b == 0:
+                assert _key(pool, b) is None
                 continue
             # Reference count == number of table entries holding the block;
             # a block in several tables must be a shared cached block.
-            assert b.ref_cnt == holders.get(b.block_id, 0), (b, holders.get(b.block_id))
-            if holders.get(b.block_id, 0) > 1:
-                assert b.block_hash is not None, b
-                assert b.block_hash[1] == group_of[b.block_id]
+            assert ref[b] == holders.get(b, 0), (pool.block(b), holders.get(b))
+            if holders.get(b, 0) > 1:
+                full = _key(pool, b)
+                assert full is not None, pool.block(b)
+                assert full[1] == group_of[b]
         free_blocks = pool.free_queue.get_all_free_blocks()
-        free_set = {b.block_id for b in free_blocks}
+        free_set = set(free_blocks)
         assert len(free_set) == len(free_blocks) == pool.get_num_free_blocks()
-        assert free_set == {
-            b.block_id for b in pool.blocks if not b.is_null and b.ref_cnt == 0
-        }
+        assert free_set == {b for b in range(pool.num_blocks) if b != 0 and ref[b] == 0}
         used = len(holders)
         assert pool.get_num_free_blocks() + used == self.num_blocks - 1
         assert self.mgr.usage == pytest.approx(used / (self.num_blocks - 1))
-        hashed = [b for b in pool.blocks if b.block_hash is not None]
+        hashed = [(b, h) for b, h in enumerate(pool.key_hash) if h is not None]
         assert pool.num_cached_blocks == len(hashed)
-        for b in hashed:
-            assert pool.lookup(b.block_hash[0], b.block_hash[1]) is not None
-        keyed = [b for b in pool.blocks if b.partial_keys is not None]
-        assert pool.num_partial_keys == sum(len(b.partial_keys) for b in keyed)
-        for b in keyed:
-            assert b.partial_group in self.mgr.coordinator.partial_units
-            for key in b.partial_keys:
-                assert pool.has_partial_key(b, key, b.partial_group)
-                assert pool.lookup_partial(key, [b.partial_group]) is not None
+        for b, h in hashed:
+            assert pool.lookup(h, pool.key_group[b]) is not None
+        keyed = [
+            (b, keys) for b, keys in enumerate(pool.partial_keys) if keys is not None
+        ]
+        assert pool.num_partial_keys == sum(len(keys) for _, keys in keyed)
+        assert set(pool.partial_group) == {b for b, _ in keyed}
+        for b, keys in keyed:
+            group = pool.partial_group[b]
+            assert group in self.mgr.coordinator.partial_units
+            for key in keys:
+                assert pool.has_partial_key(b, key, group)
+                assert pool.lookup_partial(key, [group]) is not None
 
     @invariant()
     def tables_match_the_model(self) -> None:
         for rid, r in self.running.items():
-            tables = self.mgr.get_blocks(rid).blocks
+            pool = self.mgr.block_pool
+            tables = self.mgr.get_blocks(rid).ids
             nc0 = self.nc_at_alloc[rid]
             allocated = self.allocated[rid]
             cached = self.cached[rid]
             for gid, (m, table) in enumerate(zip(self.managers, tables, strict=True)):
                 if isinstance(m, FixedBlocksManager):
                     assert len(table) == m.fixed_blocks
-                    assert all(not b.is_null and b.block_hash is None for b in table)
+                    assert all(b != 0 and _key(pool, b) is None for b in table)
                     continue
                 # Position-indexed: one entry per block of allocated tokens.
                 assert len(table) == _cdiv(allocated, m.block_size), (gid, len(table))
@@ -522,59 +527,61 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     r.block_hashes, self.hash_bs, m.block_size
                 )
                 for i, b in enumerate(table):
-                    if self._tracks(m) and not b.is_null:
+                    if self._tracks(m) and b != 0:
                         # Every computed slot holds this request's token.
-                        slots = self.content.get(b.block_id, {})
+                        slots = self.content.get(b, {})
                         for slot in range(m.block_size):
                             pos = i * m.block_size + slot
                             if pos < r.num_computed_tokens and pos < r.num_tokens:
                                 assert slots.get(slot) == r.all_token_ids[pos]
-                    if b.block_hash is not None:
+                    key = _key(pool, b)
+                    if key is not None:
                         # Hashed under this request's own chained hash, and
                         # only once its tokens are computed.
-                        assert b.block_hash == (hashes[i], gid), (rid, gid, i)
+                        assert key == (hashes[i], gid), (rid, gid, i)
                         assert (i + 1) * m.block_size <= cached, (rid, gid, i, cached)
                 if isinstance(m, SlidingWindowManager):
                     spec = m.kv_cache_spec
                     dead = spec.skipped_tokens(nc0) // m.block_size
-                    assert all(b.is_null for b in table[:dead])
+                    assert all(b == 0 for b in table[:dead])
                     # Live full blocks of computed tokens are hashed exactly
                     # when some aligned hit reads them.
                     for i in range(dead, cached // m.block_size):
                         b = table[i]
-                        if not b.is_null and m.caching:
+                        if b != 0 and m.caching:
                             want = _window_block_serves(m, i, cached)
-                            assert (b.block_hash is not None) == want, (gid, i)
+                            assert (_key(pool, b) is not None) == want, (gid, i)
                 elif isinstance(m, MambaManager):
                     dead = max(nc0 - 1, 0) // m.block_size
                     # Below the read state: only the states a running request
                     # holds (its hit's, its branch point, the shared state on
                     # its path), each hashed.
-                    below = [i for i, b in enumerate(table[:dead]) if not b.is_null]
+                    below = [i for i, b in enumerate(table[:dead]) if b != 0]
                     assert len(below) <= 3, (rid, gid, below)
                     assert set(below) <= set(m.pinned.get(rid, ())), (rid, gid)
                     for i in below:
-                        assert table[i].block_hash is not None, (rid, gid, i)
+                        assert _key(pool, table[i]) is not None, (rid, gid, i)
                     # The state read, the one written, and the checkpoints
                     # the policy keeps inside the step, each hashed once its
                     # tokens are computed.
                     extra = m.kv_cache_spec.checkpoint_blocks_per_step
-                    real = [i for i, b in enumerate(table) if not b.is_null]
+                    real = [i for i, b in enumerate(table) if b != 0]
                     assert len(real) <= 2 + extra, (rid, gid, table)
-                    assert not table[-1].is_null
+                    assert table[-1] != 0
                     # (Between the read state and the last position.)
                     for i in real:
                         if (
                             dead < i < len(table) - 1
                             and (i + 1) * m.block_size <= cached
                         ):
-                            assert table[i].block_hash is not None, (rid, gid, i)
+                            assert _key(pool, table[i]) is not None, (rid, gid, i)
                     if cached and cached % m.unit == 0:
-                        assert table[cached // m.block_size - 1].block_hash is not None
+                        last = table[cached // m.block_size - 1]
+                        assert _key(pool, last) is not None
                 else:  # full attention / MLA keep every block
-                    assert not any(b.is_null for b in table)
+                    assert 0 not in table
                     assert all(
-                        b.block_hash is not None
+                        _key(pool, b) is not None
                         for b in table[: cached // m.block_size]
                     )
 
@@ -584,7 +591,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.running.clear()
         pool = self.mgr.block_pool
         assert pool.get_num_free_blocks() == self.num_blocks - 1
-        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert all(cnt == 0 for cnt in pool.ref_cnt)
         assert self.mgr.usage == 0.0
         assert self.mgr.reset_prefix_cache() is True
         assert pool.num_cached_blocks == 0

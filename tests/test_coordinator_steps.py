@@ -18,12 +18,7 @@ import torch
 import kvcore
 import kvcore.tools.zoo
 from kvcore import AttentionKind, KindRegistry, KVCacheConfig, KVCacheGroupSpec
-from kvcore.coordinator import (
-    KVCacheBlock,
-    KVCacheManager,
-    Request,
-    RequestStatus,
-)
+from kvcore.coordinator import KVCacheManager, Request, RequestStatus
 from kvcore.spec import AttentionSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
@@ -67,11 +62,15 @@ def pool_state(mgr: KVCacheManager) -> tuple[object, ...]:
     """Everything a step may change in the pool: ref counts, free-queue
     order, every block's prefix-cache key and the cache's entries."""
     pool = mgr.block_pool
+    key_hash, key_group = pool.key_hash, pool.key_group
     return (
-        [b.ref_cnt for b in pool.blocks],
-        [b.block_id for b in pool.free_queue.get_all_free_blocks()],
+        list(pool.ref_cnt),
+        pool.free_queue.get_all_free_blocks(),
         pool.free_queue.num_free,
-        [b.block_hash for b in pool.blocks],
+        [
+            None if key_hash[b] is None else (key_hash[b], key_group[b])
+            for b in range(pool.num_blocks)
+        ],
         pool.num_cached_blocks,
     )
 
@@ -112,7 +111,7 @@ def test_replay_window_beside_a_hit_takes_only_the_window() -> None:
     assert hit == 1024
     out = mgr.allocate_slots(b, 1, hit, blocks)
     assert out is not None
-    assert [len(g) for g in out.blocks] == [1, 3]
+    assert [len(g) for g in out.ids] == [1, 3]
     assert mgr.get_num_free_blocks() == 27
     window = mgr.get_block_ids("B")[1]
     assert len(window) == 65
@@ -181,7 +180,7 @@ def test_chunked_local_groups_beside_a_hit_take_one_block(
     assert hit == 16384
     out = mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks)
     assert out is not None
-    assert [len(g) for g in out.blocks] == [1, 1, 1, 1]
+    assert [len(g) for g in out.ids] == [1, 1, 1, 1]
     assert mgr.get_num_free_blocks() == 2971 - 4
     assert [real(t) for t in mgr.get_block_ids("B")] == [1, 1, 1, 1025]
     # One decode step: 16,401 tokens, 16,400 computed: positions 1,024 and
@@ -207,9 +206,7 @@ class BadManager(FullAttentionManager):
 
     fail: ClassVar[str] = ""
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         new = super().allocate_new_blocks(request_id, num_tokens)
         if self.fail == "allocate_new_blocks":
             msg = "plugin manager bug"
@@ -222,7 +219,7 @@ class BadManager(FullAttentionManager):
             msg = "plugin manager bug"
             raise RuntimeError(msg)
 
-    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+    def pop_blocks(self, request_id: str) -> list[int] | None:
         if self.fail == "pop_blocks":
             msg = "plugin manager bug"
             raise RuntimeError(msg)
@@ -287,7 +284,7 @@ def test_a_failing_manager_leaves_the_pool_as_it_was(
     BadManager.fail = ""
     out = mgr.allocate_slots(r2, 1, hit, blocks)
     assert out is not None
-    assert [len(g) for g in out.blocks] == [1, 1]
+    assert [len(g) for g in out.ids] == [1, 1]
     assert mgr.get_num_free_blocks() == 31 - 6
 
 
@@ -330,9 +327,7 @@ class CountingManager(FullAttentionManager):
         self.grown: dict[str, int] = {}
         self.snapshots = 0
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         new = super().allocate_new_blocks(request_id, num_tokens)
         if new:
             self.record_request_state(request_id)  # recorded by super already
@@ -422,7 +417,7 @@ class NegativeCount(FullAttentionManager):
         self,
         request_id: str,
         num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
+        new_computed_blocks: Sequence[int],
     ) -> int:
         return -3
 
@@ -502,9 +497,9 @@ def test_free_does_not_change_handed_out_lists() -> None:
     assert held.get_block_ids() == ([1, 2, 3],)
     mgr.free("a")
     assert held.get_block_ids() == ([1, 2, 3],)
-    assert [mgr.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [0, 0, 0]
+    assert [mgr.block_pool.ref_cnt[i] for i in (1, 2, 3)] == [0, 0, 0]
     # Freed tail first: the hashed blocks sit at the back as 3, 2, 1.
-    free_ids = [b.block_id for b in mgr.block_pool.free_queue.get_all_free_blocks()]
+    free_ids = mgr.block_pool.free_queue.get_all_free_blocks()
     assert free_ids[-3:] == [3, 2, 1]
 
 

@@ -105,8 +105,8 @@ def test_eight_threads_on_one_manager_leave_every_block_free() -> None:
     pool = mgr.block_pool
     assert mgr.get_num_free_blocks() == NUM_BLOCKS - 1
     queued = pool.free_queue.get_all_free_blocks()
-    assert sorted(b.block_id for b in queued) == list(range(1, NUM_BLOCKS))
-    assert [b.ref_cnt for b in pool.blocks] == [0] * NUM_BLOCKS
+    assert sorted(queued) == list(range(1, NUM_BLOCKS))
+    assert pool.ref_cnt == [0] * NUM_BLOCKS
     assert mgr.group_usage() == (0, 0)
     assert mgr.reset_prefix_cache() is True
 

@@ -22,7 +22,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool
+from kvcore.coordinator.blocks import UNLINKED
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.errors import ReentrantCallError
@@ -67,10 +68,10 @@ class Model:
 
 
 def _entry_ids(cached: dict[bytes, Any]) -> dict[bytes, Any]:
-    """A group's prefix cache with block ids for blocks (a copy's blocks
-    are other objects)."""
+    """A group's prefix cache with each key's block ids (sorted where
+    several blocks hold it)."""
     return {
-        key: sorted(entry) if isinstance(entry, dict) else entry.block_id
+        key: sorted(entry) if isinstance(entry, dict) else entry
         for key, entry in cached.items()
     }
 
@@ -84,9 +85,6 @@ class HeldBackMachine(RuleBasedStateMachine):
         self.next_hash = 1
 
     # -- helpers ------------------------------------------------------------
-
-    def block(self, i: int) -> KVCacheBlock:
-        return self.pool.blocks[i]
 
     def pick(
         self, data: st.DataObject, ids: Sequence[int], *, most: int = 5
@@ -104,11 +102,11 @@ class HeldBackMachine(RuleBasedStateMachine):
         p = self.pool
         q = p.free_queue
         return (
-            [b.block_id for b in q.get_all_free_blocks()],
-            [b.block_id for b in q.held_blocks()],
-            sorted(b.block_id for b in q.held),
+            q.get_all_free_blocks(),
+            q.held_blocks(),
+            sorted(q.held),
             q.num_free,
-            [(b.ref_cnt, b.key_hash, b.key_group) for b in p.blocks],
+            list(zip(p.ref_cnt, p.key_hash, p.key_group, strict=True)),
             # Group 0 is the only group the rules key blocks in.
             _entry_ids(p.cached_blocks_of(0)),
             p.num_cached_blocks_of(0),
@@ -132,7 +130,7 @@ class HeldBackMachine(RuleBasedStateMachine):
         self.get_new_blocks_n(data.draw(st.integers(min(low, free), free)))
 
     def get_new_blocks_n(self, n: int) -> None:
-        got = [b.block_id for b in self.pool.get_new_blocks(n)]
+        got = self.pool.get_new_blocks(n)
         free = self.model.queue + self.model.held
         assert got == free[:n]
         for i in got:
@@ -151,7 +149,7 @@ class HeldBackMachine(RuleBasedStateMachine):
         self.next_hash += len(chosen)
         self.pool.cache_full_blocks(
             block_hashes=hashes,
-            blocks=[self.block(i) for i in chosen],
+            blocks=list(chosen),
             num_cached_blocks=0,
             num_full_blocks=len(chosen),
             group_id=0,
@@ -184,13 +182,13 @@ class HeldBackMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free_blocks(self, data: st.DataObject) -> None:
         chosen = self._free_pick(data)
-        self.pool.free_blocks([self.block(i) for i in chosen])
+        self.pool.free_blocks(list(chosen))
         self._free(chosen, table=False)
 
     @rule(data=st.data())
     def free_table(self, data: st.DataObject) -> None:
         chosen = list(dict.fromkeys(self._free_pick(data)))
-        self.pool.free_table([self.block(i) for i in chosen])
+        self.pool.free_table(list(chosen))
         self._free(chosen, table=True)
 
     @rule(data=st.data())
@@ -202,7 +200,7 @@ class HeldBackMachine(RuleBasedStateMachine):
             ids = list(range(1, NUM_BLOCKS))
         ids = [i for i in ids if self.model.ref[i] or i in self.model.keyed]
         chosen = self.pick(data, ids)
-        self.pool.touch([self.block(i) for i in chosen])
+        self.pool.touch(list(chosen))
         for i in chosen:
             if self.model.ref[i] == 0:
                 self.model.unlink(i)
@@ -213,22 +211,21 @@ class HeldBackMachine(RuleBasedStateMachine):
             chosen = self.pick(data, self.free_keyed(), most=NUM_BLOCKS)
         else:
             chosen = self.pick(data, range(1, NUM_BLOCKS))
-        blocks = [self.block(i) for i in chosen]
         m = self.model
         if how == "hold_back":
-            self.pool.hold_back(blocks)
+            self.pool.hold_back(list(chosen))
             for i in chosen:
                 if m.movable(i):
                     m.unlink(i)
                     m.held.append(i)
         elif how == "hold_back_first":
-            self.pool.hold_back_first(blocks)
+            self.pool.hold_back_first(list(chosen))
             for i in reversed(chosen):
                 if m.movable(i):
                     m.unlink(i)
                     m.held.insert(0, i)
         else:
-            self.pool.requeue_at_back(blocks)
+            self.pool.requeue_at_back(list(chosen))
             for i in chosen:
                 if m.movable(i):
                     m.unlink(i)
@@ -252,7 +249,7 @@ class HeldBackMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(1, NUM_BLOCKS - 1))
     def drop_from_cache(self, i: int) -> None:
-        self.pool.drop_from_cache(self.block(i))
+        self.pool.drop_from_cache(i)
         m = self.model
         if i in m.keyed:
             m.keyed.discard(i)
@@ -311,20 +308,20 @@ class HeldBackMachine(RuleBasedStateMachine):
         held = q.held_blocks()
         assert q.held == set(held)
         order = q.get_all_free_blocks()
-        assert [b.block_id for b in order] == m.queue + m.held
-        assert [b.block_id for b in held] == m.held
+        assert order == m.queue + m.held
+        assert held == m.held
         assert q.num_free == len(order)
-        assert all(b.ref_cnt == 0 and not b.is_null for b in order)
-        assert {b.block_id: b.ref_cnt for b in p.blocks[1:]} == m.ref
-        keyed = {b.block_id for b in p.blocks if b.key_hash is not None}
+        assert all(p.ref_cnt[b] == 0 and b != 0 for b in order)
+        assert {b: p.ref_cnt[b] for b in range(1, p.num_blocks)} == m.ref
+        keyed = {b for b in range(p.num_blocks) if p.key_hash[b] is not None}
         assert keyed == m.keyed
         assert p.num_cached_blocks_of(0) == len(m.keyed)
         # Links agree both ways across both lists and their sentinels.
-        assert_free_links_agree(q)
-        for b in p.blocks:
-            if b.ref_cnt or b.is_null:
-                assert b.prev_free is None
-                assert b.next_free is None
+        assert_free_links_agree(q, p.num_blocks)
+        for b in range(p.num_blocks):
+            if p.ref_cnt[b] or b == 0:
+                assert q.prev[b] == UNLINKED
+                assert q.next[b] == UNLINKED
 
 
 _FAST = settings(
@@ -366,10 +363,10 @@ class _Readings:
 
 
 def _old_by_hit_points(
-    managers: Sequence[_Readings], tables: Sequence[Sequence[KVCacheBlock] | None]
-) -> list[KVCacheBlock]:
+    managers: Sequence[_Readings], tables: Sequence[Sequence[int] | None]
+) -> list[int]:
     """The per-block sort HitPointOrder replaced: (reading, -rank, position)."""
-    entries: list[tuple[int, int, int, KVCacheBlock]] = []
+    entries: list[tuple[int, int, int, int]] = []
     for rank, (manager, blocks) in enumerate(zip(managers, tables, strict=True)):
         if not blocks:
             continue
@@ -377,7 +374,7 @@ def _old_by_hit_points(
         entries += [
             (reading(pos), -rank, pos, block)
             for pos, block in enumerate(blocks)
-            if not block.is_null
+            if block != 0
         ]
     entries.sort(key=lambda entry: entry[:3])
     return [entry[3] for entry in entries]
@@ -407,22 +404,19 @@ def _check_hit_point_order(
     readings, requests = data
     managers = [_Readings(gid, r) for gid, r in enumerate(readings)]
     order = HitPointOrder(cast("list[SingleTypeManager]", managers))
-    null = KVCacheBlock(0)
-    null.is_null = True
     serial = iter(range(1, 10_000))
     for request in requests:
-        # Each listing its own block (0: the null block); an empty table
-        # stands for a group without blocks (None or []).
-        tables: list[list[KVCacheBlock] | None] = [
-            [null if z == 0 else KVCacheBlock(next(serial)) for z in table] or None
-            for table in request
+        # Each listing its own block, a fresh id (0: the null block), so the
+        # ids name the listings; an empty table stands for a group without
+        # blocks (None or []).
+        tables: list[list[int] | None] = [
+            [0 if z == 0 else next(serial) for z in table] or None for table in request
         ]
         expected = _old_by_hit_points(managers, tables)
         for m in managers:
             m.asked.clear()
         got = order(tables)
-        assert [b.block_id for b in got] == [b.block_id for b in expected]
-        assert all(x is y for x, y in zip(got, expected, strict=True))
+        assert got == expected
         # Each position is read once per order, ever.
         for m in managers:
             assert len(m.asked) == len(set(m.asked))
@@ -453,10 +447,10 @@ def test_hit_point_order_is_the_per_block_sort_long(
 def _state(p: BlockPool) -> tuple[list[int], list[int], list[int], list[int]]:
     q = p.free_queue
     return (
-        [b.block_id for b in q.get_all_free_blocks()],
-        [b.block_id for b in q.held_blocks()],
-        sorted(b.block_id for b in q.held),
-        [b.ref_cnt for b in p.blocks],
+        q.get_all_free_blocks(),
+        q.held_blocks(),
+        sorted(q.held),
+        list(p.ref_cnt),
     )
 
 
@@ -491,7 +485,7 @@ def test_holding_spills_the_fewest_and_rolls_back(first: bool, num_free: int) ->
         before = _state(p)
         p.begin()
         chosen = blocks[held : held + k]
-        ids = [b.block_id for b in chosen]
+        ids = list(chosen)
         if first:
             p.hold_back_first(chosen)
             model.held[:0] = ids
@@ -508,12 +502,12 @@ def test_holding_spills_the_fewest_and_rolls_back(first: bool, num_free: int) ->
             sorted(model.held),
         )
         if j < len(model.held):
-            target = p.blocks[model.held[j]]
+            target = model.held[j]
             p.touch([target])
             assert q.held == set(q.held_blocks())
             p.free_blocks([target])
             p.hold_back([target])
-            p.requeue_at_back([p.blocks[model.held[-1]]])
+            p.requeue_at_back([model.held[-1]])
             assert q.held == set(q.held_blocks())
         p.rollback()
         assert _state(p) == before

@@ -17,7 +17,7 @@ import pytest
 from coordinator_setup import fa, small_manager, small_request, sw
 
 from kvcore import KindRegistry
-from kvcore.coordinator import KVCacheBlock, KVCacheManager, Request
+from kvcore.coordinator import KVCacheManager, Request
 from kvcore.errors import KvcoreError, PluginError, PluginResultError
 from kvcore_full_attention import FullAttention
 from kvcore_sliding_window import SlidingWindow
@@ -53,7 +53,7 @@ def _fill(mgr: KVCacheManager, leave: int) -> list[Request]:
     return fillers
 
 
-def _free_order(mgr: KVCacheManager) -> list[KVCacheBlock]:
+def _free_order(mgr: KVCacheManager) -> list[int]:
     return mgr.block_pool.free_queue.get_all_free_blocks()
 
 
@@ -68,27 +68,23 @@ def test_a_running_requests_released_window_blocks_outlive_other_free_blocks() -
     mgr = _window_hybrid(40)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 8)
-    window = mgr.get_blocks("a").blocks[1]
-    assert [b.is_null for b in window] == [True] * 4 + [False] * 2
+    window = mgr.get_blocks("a").ids[1]
+    assert [b == 0 for b in window] == [True] * 4 + [False] * 2
     fillers = _fill(mgr, leave=3)
     held = _free_order(mgr)
     assert held == mgr.block_pool.free_queue.held_blocks()
     assert len(held) == 3
-    assert all(b.key_hash is not None for b in held)
+    assert all(mgr.block_pool.key_hash[b] is not None for b in held)
     b = small_request("b", [*PROMPT, 7])
     blocks, hit = mgr.get_computed_blocks(b)
     assert hit == 16
-    assert [blk.block_id for blk in blocks.blocks[1][2:]] == [
-        blk.block_id for blk in held[1:]
-    ]
+    assert blocks.ids[1][2:] == held[1:]
     # Once nothing else is free the pool hands out held-back blocks, the
     # lowest position first.
     c = small_request("c", [7000, 7001, 7002])
     got = mgr.allocate_slots(c, 3)
     assert got is not None
-    assert [blk.block_id for g in got.blocks for blk in g] == [
-        blk.block_id for blk in held[:2]
-    ]
+    assert [blk for g in got.ids for blk in g] == held[:2]
     assert mgr.get_computed_blocks(b)[1] == 0
     assert len(fillers) == 14
 
@@ -102,7 +98,7 @@ def test_a_freed_requests_held_back_blocks_rejoin_its_table() -> None:
     mgr = _window_hybrid(64)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 8)
-    full, window = mgr.get_blocks("a").blocks
+    full, window = mgr.get_blocks("a").ids
     held = mgr.block_pool.free_queue.held_blocks()
     assert len(held) == 3
     mgr.free(a)
@@ -129,15 +125,15 @@ def test_eviction_takes_a_freed_hybrids_hit_points_whole_from_the_tail() -> None
     mgr = _window_hybrid(64)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 8)
-    full, _ = mgr.get_blocks("a").blocks
+    full, _ = mgr.get_blocks("a").ids
     mgr.free(a)
     _fill(mgr, leave=7)
     assert mgr.get_num_free_blocks() == 7
-    assert all(block.key_hash is None for block in full[4:])
+    assert all(mgr.block_pool.key_hash[block] is None for block in full[4:])
     b = small_request("b", [*PROMPT, 7])
     blocks, hit = mgr.get_computed_blocks(b)
     assert hit == 16
-    assert blocks.blocks[0] == full[:4]
+    assert blocks.ids[0] == full[:4]
 
 
 def _grid_run(mgr: KVCacheManager) -> int:
@@ -193,7 +189,7 @@ def test_a_one_group_plan_frees_tail_first_as_before() -> None:
     mgr = small_manager([fa(4)], 16)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 4)
-    (table,) = mgr.get_blocks("a").blocks
+    (table,) = mgr.get_blocks("a").ids
     mgr.free(a)
     assert mgr.block_pool.free_queue.held_blocks() == []
     assert _free_order(mgr)[-len(table) :] == table[::-1]
@@ -209,10 +205,10 @@ class _KeepsWrongly(SlidingWindowManager):
         self,
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
+        released: Sequence[int],
+    ) -> list[int]:
         if self.answer == "foreign":
-            return [*released, self.block_pool.blocks[-1]]
+            return [*released, self.block_pool.num_blocks - 1]
         if self.answer == "twice":
             return [*released, *released[:1]]
         return tuple(released)  # type: ignore[return-value]
@@ -269,8 +265,8 @@ class _KeepsIfRoomTwice(SlidingWindowManager):
         self,
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
+        released: Sequence[int],
+    ) -> list[int]:
         return self.kept_for_later(request_id, positions, released)
 
 
@@ -305,8 +301,8 @@ class _KeepsNoListPerTwin(SlidingWindowManager):
         twins: Sequence[Any],
         request_id: str,
         positions: Sequence[int],
-        removed: Sequence[Sequence[KVCacheBlock]],
-    ) -> list[list[KVCacheBlock]]:
+        removed: Sequence[Sequence[int]],
+    ) -> list[list[int]]:
         return [block for released in removed for block in released]  # type: ignore[misc]
 
 
@@ -339,8 +335,8 @@ class _KeepsNoListPerTwinIfRoom(SlidingWindowManager):
         twins: Sequence[Any],
         request_id: str,
         positions: Sequence[int],
-        removed: Sequence[Sequence[KVCacheBlock]],
-    ) -> list[list[KVCacheBlock]]:
+        removed: Sequence[Sequence[int]],
+    ) -> list[list[int]]:
         return [block for released in removed for block in released]  # type: ignore[misc]
 
 
@@ -375,8 +371,8 @@ class _KeepsTheRestIfRoom(SlidingWindowManager):
         self,
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
+        released: Sequence[int],
+    ) -> list[int]:
         self.asked.append(self.kv_cache_group_id)
         kept = self.kept_for_later(request_id, positions, released)
         return [block for block in released if block not in kept]

@@ -17,7 +17,7 @@ import pytest
 from coordinator_setup import one_layer_plan
 
 import kvcore
-from kvcore.coordinator import HitQuery, KVCacheBlock, KVCacheManager
+from kvcore.coordinator import HitQuery, KVCacheManager
 from kvcore.tools.cli import main
 from kvcore.tools.simulate import (
     NAMED_WORKLOADS,
@@ -193,14 +193,15 @@ class CorruptingManager(FullAttentionManager):
     one."""
 
     @classmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         hits = super().find_longest_cache_hit(query)
         if hits and hits[0]:
             blocks = hits[0]
+            key_hash = query.block_pool.key_hash
             others = [
                 b
-                for b in query.block_pool.blocks
-                if b.key_hash is not None and b not in blocks
+                for b in range(query.block_pool.num_blocks)
+                if key_hash[b] is not None and b not in blocks
             ]
             if others:
                 hits = [[*blocks[:-1], others[0]], *hits[1:]]
@@ -256,7 +257,7 @@ def test_the_oracle_applies_the_copies_a_step_asks_for() -> None:
 def test_partial_block_content_and_copies_in_the_model() -> None:
     manager = KVCacheManager.from_plan(_plan16())
     oracle = ContentOracle(manager)
-    b1, b2, b3 = manager.block_pool.blocks[1:4]
+    b1, b2, b3 = range(1, 4)  # block ids
     tokens = list(range(500, 540))
     oracle.write("r", tokens, 0, 20, [[b1, b2]])
     assert oracle.check_hit("s", tokens, [[b1]], 16)

@@ -669,7 +669,7 @@ CASES = [
         lambda tmp: BlockPool(2**30, enable_caching=True, hash_block_size=16),
         KvcoreValueError,
         "num_blocks is 1,073,741,824, more than kvcore's limit of 16,777,216 "
-        "(MAX_NUM_BLOCKS), checked before one object per block is built",
+        "(MAX_NUM_BLOCKS), checked before the per-block state is built",
     ),
     # -- messages ----------------------------------------------------------------
     Case(

@@ -206,8 +206,8 @@ class TestDeepSeekV4Style:
         # included (their partial keys are dropped).
         pool = mgr.block_pool
         pool.get_new_blocks(pool.get_num_free_blocks())
-        src = blocks.blocks[0][0]
-        assert src.partial_keys is None
+        src = blocks.ids[0][0]
+        assert pool.partial_keys[src] is None
         with pytest.raises(InvalidRequestError, match="no longer holds"):
             mgr.allocate_slots(b, 1 + 200 - hit, hit, blocks)
 
@@ -256,7 +256,8 @@ class TestPartialKeys:
         assert pool.num_partial_keys == 4  # chunk 128 and 256, two MLA groups
         assert mgr.reset_prefix_cache()
         assert pool.num_partial_keys == 0
-        assert all(b.partial_keys is None for b in pool.blocks)
+        assert all(keys is None for keys in pool.partial_keys)
+        assert pool.partial_group == {}
 
     def test_only_computed_tokens_are_keyed(self):
         mgr = dsv4()
@@ -277,13 +278,13 @@ class TestPartialKeys:
         pool.add_partial_key(block, b"x" * 32, 0)
         assert pool.lookup_partial(b"x" * 32, [0]) == [block]
         pool.rollback()
-        assert block.partial_keys is None
+        assert pool.partial_keys[block] is None
         assert pool.lookup_partial(b"x" * 32, [0]) is None
         pool.add_partial_key(block, b"x" * 32, 0)
         pool.free_blocks([block])
         pool.begin()
         assert pool.get_new_blocks(pool.get_num_free_blocks())
-        assert block.partial_keys is None
+        assert pool.partial_keys[block] is None
         pool.rollback()
         assert pool.lookup_partial(b"x" * 32, [0]) == [block]
 
@@ -355,9 +356,13 @@ def test_a_step_that_rolls_back_records_no_copy_and_changes_nothing():
     assert hit == 256
 
     def state() -> object:
+        keys = pool.partial_keys
         return (
-            [(blk.ref_cnt, blk.block_hash, blk.partial_keys) for blk in pool.blocks],
-            [blk.block_id for blk in pool.free_queue.get_all_free_blocks()],
+            [
+                (pool.ref_cnt[b], pool.block(b).block_hash, keys[b])
+                for b in range(pool.num_blocks)
+            ],
+            pool.free_queue.get_all_free_blocks(),
             pool.num_partial_keys,
         )
 

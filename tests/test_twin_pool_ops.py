@@ -10,12 +10,7 @@ import torch
 
 import kvcore
 from kvcore.coordinator import KVCacheManager, Request
-from kvcore.coordinator.block_pool import (
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    KVCacheBlock,
-)
+from kvcore.coordinator.block_pool import BlockPool, BlockRemoved, BlockStored
 from kvcore.errors import InvalidRequestError
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec
@@ -39,12 +34,12 @@ def snapshot(p: BlockPool) -> tuple[Any, ...]:
     """Everything a step may change but its events (taken only outside a
     transaction, see the tests): queue order, counts, keys."""
     return (
-        [b.block_id for b in p.free_queue.get_all_free_blocks()],
-        [b.block_id for b in p.free_queue.held_blocks()],
+        p.free_queue.get_all_free_blocks(),
+        p.free_queue.held_blocks(),
         p.free_queue.num_free,
         [
-            (b.ref_cnt, b.key_hash, b.key_group if b.key_hash else None)
-            for b in p.blocks
+            (ref, key, gid if key else None)
+            for ref, key, gid in zip(p.ref_cnt, p.key_hash, p.key_group, strict=True)
         ],
         {
             gid: {k: _ids(e) for k, e in p.cached_blocks_of(gid).items()}
@@ -57,10 +52,10 @@ def snapshot(p: BlockPool) -> tuple[Any, ...]:
 def _ids(entry: Any) -> Any:
     if isinstance(entry, dict):
         return sorted(entry)
-    return entry.block_id
+    return entry
 
 
-def setup(p: BlockPool) -> list[list[KVCacheBlock]]:
+def setup(p: BlockPool) -> list[list[int]]:
     """Three groups' tables of 4 blocks, the first two keyed, the third of
     each group shared (a second reference); a few free blocks keyed too."""
     p.get_new_blocks(2)  # ids 1, 2 stay in use
@@ -103,9 +98,8 @@ def test_free_each_is_one_free_blocks_per_list(caching: bool) -> None:
     assert snapshot(each) == snapshot(one)
     # Unkeyed blocks: the later list's go before the earlier's, at the front.
     if caching:
-        assert snapshot(each)[0][:3] == [tables_each[2][3].block_id,
-                                         tables_each[1][3].block_id,
-                                         tables_each[0][3].block_id]  # fmt: skip
+        later_first = [tables_each[2][3], tables_each[1][3], tables_each[0][3]]
+        assert snapshot(each)[0][:3] == later_first
     each.rollback()
     assert snapshot(each) == before
 
@@ -163,7 +157,7 @@ def test_cache_twin_blocks_is_one_store_and_drop_per_group(
     assert snapshot(each) == snapshot(one)
     if caching:
         assert each.num_cached_blocks == before[5] + 2 * 3 - 2
-        assert snapshot(each)[0][0] == tables_each[0][0].block_id
+        assert snapshot(each)[0][0] == tables_each[0][0]
     each.rollback()
     assert snapshot(each) == before
     assert each.take_events() == []

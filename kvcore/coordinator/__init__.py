@@ -16,6 +16,7 @@ from kvcore.coordinator.block_pool import (
     FreeBlockQueue,
     KVCacheBlock,
 )
+from kvcore.coordinator.blocks import BlockId
 from kvcore.coordinator.coordinator import KVCacheCoordinator, SpecGroup
 from kvcore.coordinator.events import (
     MEDIUM_GPU,
@@ -100,6 +101,7 @@ __all__ = [
     "create_requests",
     "make_requests",
     # block pool
+    "BlockId",
     "BlockHashWithGroupId",
     "BlockPool",
     "FreeBlockQueue",

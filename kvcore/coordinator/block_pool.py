@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvcore.coordinator.blocks import (
+    UNLINKED,
     BlockHashWithGroupId,
+    BlockId,
     FreeBlockQueue,
     KVCacheBlock,
 )
@@ -42,23 +44,21 @@ from kvcore.coordinator.events import (
     stored_events,
 )
 from kvcore.coordinator.hashing import BlockHash
-from kvcore.coordinator.twin_ops import (
-    _KEY,
-    _MOVE,
-    _NOTHING,
-    _PARTIAL,
-    _RELEASE,
-    _TOUCH,
-    _UNGET,
-    _UNKEY,
-    _UNPARTIAL,
+from kvcore.coordinator.pool_journal import (
+    KEY,
+    MOVE,
+    NOTHING,
+    PARTIAL,
+    RELEASE,
+    TOUCH,
     UNDO_CALL,
-    TwinPoolOps,
-    _Record,
-    check_store,
-    double_free,
-    key_span,
+    UNGET,
+    UNKEY,
+    UNPARTIAL,
+    Record,
+    undo,
 )
+from kvcore.coordinator.twin_ops import TwinPoolOps, check_store, double_free, key_span
 from kvcore.errors import (
     BlockSizeError,
     InvalidRequestError,
@@ -72,6 +72,7 @@ from kvcore.limits import BLOCK_STATE_BYTES, MAX_NUM_BLOCKS, available_memory_by
 __all__ = [
     "AllBlocksCleared",
     "BlockHashWithGroupId",
+    "BlockId",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
@@ -100,8 +101,8 @@ def check_num_blocks(num_blocks: object) -> None:
     if num_blocks > MAX_NUM_BLOCKS:
         msg = (
             f"num_blocks is {num_blocks:,}, more than kvcore's limit of "
-            f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS), checked before one object "
-            "per block is built; plan with larger blocks or fewer of them"
+            f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS), checked before the per-block "
+            "state is built; plan with larger blocks or fewer of them"
         )
         raise KvcoreValueError(msg)
     available = available_memory_bytes()
@@ -131,6 +132,11 @@ def check_events_medium(kv_events_medium: object) -> None:
 class BlockPool(TwinPoolOps):
     """All blocks of the KV cache, shared by every cache group.
 
+    A block is its id.  The pool keeps every block's state in lists indexed
+    by id, read by the coordinator and written only here: :attr:`ref_cnt`,
+    the full prefix-cache key (:attr:`key_hash`, :attr:`key_group`), the
+    partial keys (:attr:`partial_keys`) and the free queue's links.
+
     Block 0 is the *null block*: a placeholder for positions a group does not
     keep (e.g. outside a sliding window).  It is taken out at construction,
     never freed, hashed or reference-counted, and does not count as free or
@@ -150,16 +156,21 @@ class BlockPool(TwinPoolOps):
         "_events_mark",
         "_num_cached",
         "_partial",
-        "blocks",
+        "_views",
         "enable_caching",
         "enable_kv_cache_events",
         "evictions",
         "free_queue",
         "hash_block_size",
         "journal",
+        "key_group",
+        "key_hash",
         "kv_events_medium",
         "null_block",
         "num_blocks",
+        "partial_group",
+        "partial_keys",
+        "ref_cnt",
         "transactions",
     )
 
@@ -187,12 +198,23 @@ class BlockPool(TwinPoolOps):
         self._event_groups = check_event_groups(event_groups)
         check_events_medium(kv_events_medium)
         self.kv_events_medium = kv_events_medium
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        # group id -> (block hash -> block, or {block_id: block} when several
-        # blocks hold that key).  Keyed by the raw hash: no key tuple per block.
+        #: Block id -> its reference count (the null block's stays 0).
+        self.ref_cnt: list[int] = [0] * num_blocks
+        #: Block id -> the hash of its full prefix-cache key, else None; and
+        #: that key's group id (meaningful only while the hash is set).
+        self.key_hash: list[BlockHash | None] = [None] * num_blocks
+        self.key_group: list[int] = [0] * num_blocks
+        #: Block id -> its partial keys: the chunk hashes of the prefixes
+        #: that end inside it (a copy-on-write hit source, see
+        #: :meth:`add_partial_key`), else None; and (for blocks holding
+        #: some) their group id.
+        self.partial_keys: list[list[BlockHash] | None] = [None] * num_blocks
+        self.partial_group: dict[BlockId, int] = {}
+        self.free_queue = FreeBlockQueue(num_blocks)
+        # group id -> (block hash -> block id, or {block id: None} in key
+        # order when several blocks hold that key).
         self._cached: dict[int, dict[BlockHash, Entry]] = {}
-        #: group id -> (chunk hash -> block, or {block_id: block}): the
+        #: group id -> (chunk hash -> block id, or {block id: None}): the
         #: partial keys (prefixes ending inside a block).
         self._partial: dict[int, dict[BlockHash, Entry]] = {}
         #: group id -> blocks holding a full key of that group (the entries
@@ -201,7 +223,7 @@ class BlockPool(TwinPoolOps):
         self._events: list[KVCacheEvent] = []
         #: Undo records of the open transaction (see :meth:`begin`), else
         #: None: plain tuples, an op code first (see :meth:`rollback`).
-        self.journal: list[_Record] | None = None
+        self.journal: list[Record] | None = None
         #: Transactions begun so far: state kept beside the pool records
         #: its undo once per transaction (see
         #: SingleTypeManager.record_request_state).
@@ -210,13 +232,14 @@ class BlockPool(TwinPoolOps):
         #: Prefix-cache keys dropped so far (evictions and resets): a hit
         #: looked up when this was ``n`` still holds its keys while it is ``n``.
         self.evictions = 0
-        self.null_block = self.free_queue.popleft()
-        self.null_block.is_null = True
+        #: Block id -> its view once one was asked for (see :meth:`block`);
+        #: the list is made on the first request.
+        self._views: list[KVCacheBlock | None] | None = None
+        self.null_block: BlockId = self.free_queue.popleft()
 
     def __getstate__(self) -> object:
-        """The pool's slots, refused while a transaction is open: its undo
-        records point at the free queue's links, which a copy rebuilds, so a
-        copy could not roll back."""
+        """The pool's slots, refused while a transaction is open: a copy
+        could not roll back the open step."""
         if self.journal is not None:
             msg = (
                 "a block pool (or the KVCacheManager holding it) was copied or "
@@ -224,6 +247,33 @@ class BlockPool(TwinPoolOps):
             )
             raise ReentrantCallError(msg)
         return object.__getstate__(self)
+
+    def block(self, block_id: BlockId) -> KVCacheBlock:
+        """A read-only view of block ``block_id`` (one per id, kept once
+        made), for engines and tools that read block objects."""
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:
+            msg = (
+                f"block id {block_id!r} is not a block of this pool; ids "
+                f"run from 0 to {self.num_blocks - 1}"
+            )
+            raise KvcoreValueError(msg)
+        views = self._views
+        if views is None:
+            views = self._views = [None] * self.num_blocks
+        view = views[block_id]
+        if view is None:
+            view = views[block_id] = KVCacheBlock(self, block_id)
+        return view
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:
+        """Every block as a view, by id (O(n); for engines and tests that
+        index the pool's blocks)."""
+        return [self.block(i) for i in range(self.num_blocks)]
+
+    def is_free(self, block: BlockId) -> bool:
+        """Whether ``block`` sits in the free queue (or is held back)."""
+        return self.free_queue.prev[block] != UNLINKED
 
     # -- transactions -------------------------------------------------------
 
@@ -261,71 +311,8 @@ class BlockPool(TwinPoolOps):
         if journal is None:
             return
         for record in reversed(journal):
-            self._undo(record)
+            undo(self, record)
         del self._events[self._events_mark :]
-
-    def _undo(self, record: _Record) -> None:
-        """Undo one journal record (see the op codes at the module's end)."""
-        op = record[0]
-        queue = self.free_queue
-        if op == _TOUCH:
-            # (op, blocks, unlinked): counts first, then the relinks newest first.
-            for block in record[1]:
-                if not block.is_null:
-                    block.ref_cnt -= 1
-            queue.relink(record[2])
-        elif op == _KEY:
-            # (op, block, key, group id, entry as it was or None): an eviction.
-            _, block, key, gid, saved = record
-            block.key_hash = key
-            block.key_group = gid
-            cached = self._cached[gid]
-            if saved is None:
-                cached.pop(key, None)
-            elif isinstance(saved, dict):
-                cached[key] = dict(saved)
-            else:
-                cached[key] = saved
-            self._num_cached[gid] += 1
-        elif op == _UNGET:
-            # (op, blocks, how many came from the queue before the held-back)
-            _, blocks, from_queue = record
-            for block in blocks:
-                block.ref_cnt = 0
-            queue.prepend_held_n(blocks[from_queue:])
-            queue.prepend_n(blocks[:from_queue])
-        elif op == _RELEASE:
-            for block in record[1]:
-                if not block.is_null:
-                    if block.ref_cnt == 0:
-                        queue.remove(block)
-                    block.ref_cnt += 1
-        elif op == _MOVE:
-            queue.remove(record[1])  # (op, block, prev, next)
-            queue.relink(record[1:])
-        elif op == _UNKEY:
-            # (op, group id, [(block, key), ...]): keys a store gave.
-            gid = record[1]
-            cached = self._cached[gid]
-            for block, key in reversed(record[2]):
-                block.key_hash = None
-                remove_entry(cached, key, block)
-            self._num_cached[gid] -= len(record[2])
-        elif op == _PARTIAL:
-            _, group, key, block = record
-            remove_entry(group, key, block)
-            assert block.partial_keys is not None
-            block.partial_keys.remove(key)
-            if not block.partial_keys:
-                block.partial_keys = None
-        elif op == _UNPARTIAL:
-            _, group, keys, block = record
-            block.partial_keys = keys
-            for key in keys:
-                insert_entry(group, key, block)
-        else:
-            # (op, function, args): state kept beside the pool.
-            record[1](*record[2])
 
     def record(self, undo: Callable[..., object], *args: Any) -> None:
         """Call ``undo(*args)`` if the open transaction rolls back (nothing
@@ -337,7 +324,7 @@ class BlockPool(TwinPoolOps):
 
     # -- allocation ---------------------------------------------------------
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
         """Hand out ``num_blocks`` free blocks with reference count 1.
 
         Blocks come from the front of the free queue; any prefix-cache key they
@@ -347,7 +334,7 @@ class BlockPool(TwinPoolOps):
         queue = self.free_queue
         if num_blocks > queue.num_free or num_blocks < 0:
             raise self._no_free_blocks(num_blocks)
-        blocks: list[KVCacheBlock] = []
+        blocks: list[BlockId] = []
         if not num_blocks:
             return blocks
         journal = self.journal
@@ -355,37 +342,40 @@ class BlockPool(TwinPoolOps):
             # The hand-out's undo goes before the key drops' (a rollback
             # runs newest first); it is filled in once the blocks are known.
             mark = len(journal)
-            journal.append(_NOTHING)
+            journal.append(NOTHING)
         # One walk from the front: unlink, drop keys, take the reference;
         # past the queue's back, on into the held-back blocks.
+        prev_links = queue.prev
+        next_links = queue.next
+        ref = self.ref_cnt
+        key_hash = self.key_hash
+        partial = self.partial_keys
         append = blocks.append
-        head = queue._head
-        tail = queue._tail
-        block = head.next_free
+        head = queue.head
+        tail = queue.tail
+        block = next_links[head]
         from_queue = num_blocks
         for i in range(num_blocks):
-            if block is tail:
+            if block == tail:
                 from_queue = i
-                head = queue._held_head
-                block = head.next_free
-            assert block is not None  # num_free counts the linked blocks
+                head = queue.held_head
+                block = next_links[head]
             append(block)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            if block.key_hash is not None or block.partial_keys is not None:
+            nxt = next_links[block]
+            prev_links[block] = next_links[block] = UNLINKED
+            if key_hash[block] is not None or partial[block] is not None:
                 self._drop_keys(block)
-            block.ref_cnt = 1
+            ref[block] = 1
             block = nxt
-        assert block is not None
         if from_queue < num_blocks:
-            queue._head.next_free = tail
-            tail.prev_free = queue._head
+            next_links[queue.head] = tail
+            prev_links[tail] = queue.head
             queue.held.difference_update(blocks[from_queue:])
-        head.next_free = block
-        block.prev_free = head
+        next_links[head] = block
+        prev_links[block] = head
         queue.num_free -= num_blocks
         if journal is not None:
-            journal[mark] = (_UNGET, list(blocks), from_queue)
+            journal[mark] = (UNGET, blocks[:], from_queue)
         return blocks
 
     def _no_free_blocks(self, num_blocks: int) -> KvcoreValueError:
@@ -400,18 +390,18 @@ class BlockPool(TwinPoolOps):
         )
         return NoFreeBlocksError(msg)
 
-    def _drop_keys(self, block: KVCacheBlock) -> None:
+    def _drop_keys(self, block: BlockId) -> None:
         """Evict every key ``block`` holds: its full key and its partial keys."""
-        if block.key_hash is not None:
+        if self.key_hash[block] is not None:
             self._evict(block)
-        if block.partial_keys is not None:
+        if self.partial_keys[block] is not None:
             self._drop_partial(block)
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        key = block.key_hash
-        assert key is not None
-        gid = block.key_group
-        block.key_hash = None
+    def _evict(self, block: BlockId) -> None:
+        key = self.key_hash[block]
+        assert key is not None  # callers check the block holds a key
+        gid = self.key_group[block]
+        self.key_hash[block] = None
         self.evictions += 1
         cached = self._cached[gid]
         entry = cached.get(key)
@@ -419,64 +409,65 @@ class BlockPool(TwinPoolOps):
         journal = self.journal
         if journal is not None:
             saved = dict(entry) if isinstance(entry, dict) else entry
-            journal.append((_KEY, block, key, gid, saved))
-        if entry is block:
+            journal.append((KEY, block, key, gid, saved))
+        if entry == block:
             del cached[key]
         elif isinstance(entry, dict):
-            entry.pop(block.block_id, None)
+            entry.pop(block, None)
             if len(entry) == 1:
-                cached[key] = next(iter(entry.values()))
+                cached[key] = next(iter(entry))
         if self.enable_kv_cache_events:
             self._events.append(BlockRemoved((key,), gid, self.kv_events_medium))
 
-    def forget_key(self, block: KVCacheBlock) -> None:
+    def forget_key(self, block: BlockId) -> None:
         """Drop ``block``'s full key, leaving the block where it is (held or
         queued) and its partial keys (each names a prefix that ends inside
         it, keyed once computed): its last slots were never written.  Does
         nothing for a block without a full key."""
-        if block.key_hash is not None:
+        if self.key_hash[block] is not None:
             self._evict(block)
 
-    def drop_from_cache(self, block: KVCacheBlock) -> None:
+    def drop_from_cache(self, block: BlockId) -> None:
         """Forget ``block``'s prefix-cache key: content no later request is
         expected to read (a state a newer one replaced).  A free block then
         moves to the front of the free queue, so it is reused first; one in
         use stays with its holders.  Does nothing for the null block or a
         block without a key."""
-        if block.is_null or block.key_hash is None:
+        if not block or self.key_hash[block] is None:
             return
         self._evict(block)
-        if block.ref_cnt:
+        if self.ref_cnt[block]:
             return
-        prev = block.prev_free
-        nxt = block.next_free
-        if prev is None or nxt is None:
-            self.free_queue.remove(block)  # raises: a free block not queued
+        queue = self.free_queue
+        prev_links = queue.prev
+        next_links = queue.next
+        prev = prev_links[block]
+        nxt = next_links[block]
+        if prev == UNLINKED:
+            queue.remove(block)  # raises: a free block not queued
             return
         journal = self.journal
         if journal is not None:
-            journal.append((_MOVE, block, prev, nxt))
+            journal.append((MOVE, block, prev, nxt))
         # To the front: unlinked, then linked after the queue's head.
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        queue = self.free_queue
+        next_links[prev] = nxt
+        prev_links[nxt] = prev
         if queue.held:
             queue.held.discard(block)
-        head = queue._head
-        first = head.next_free
-        assert first is not None
-        head.next_free = block
-        block.prev_free = head
-        block.next_free = first
-        first.prev_free = block
+        head = queue.head
+        first = next_links[head]
+        next_links[head] = block
+        prev_links[block] = head
+        next_links[block] = first
+        prev_links[first] = block
 
-    def requeue_at_back(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def requeue_at_back(self, blocks: Sequence[BlockId]) -> None:
         """Move free blocks to the back of the free queue (held-back ones
         included), in the given order, as if just freed; blocks in use, the
         null block and blocks without a key are left where they are."""
         self._move_free(blocks, self.free_queue.append)
 
-    def hold_back(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def hold_back(self, blocks: Sequence[BlockId]) -> None:
         """Move free blocks behind every other free block, in the given
         order: they are evicted only once no other free block is left
         (blocks a running request released that later requests' hits need,
@@ -494,7 +485,7 @@ class BlockPool(TwinPoolOps):
         self._move_free(blocks, self.free_queue.hold)
         self._spill_held()
 
-    def hold_back_first(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def hold_back_first(self, blocks: Sequence[BlockId]) -> None:
         """:meth:`hold_back`, but in front of the held-back blocks (in the
         given order): evicted once no other free block is left, before
         every block held back with :meth:`hold_back` (blocks kept only
@@ -515,21 +506,25 @@ class BlockPool(TwinPoolOps):
             excess -= 2
 
     def _move_free(
-        self, blocks: Sequence[KVCacheBlock], put: Callable[[KVCacheBlock], None]
+        self, blocks: Sequence[BlockId], put: Callable[[BlockId], None]
     ) -> None:
         queue = self.free_queue
+        prev_links = queue.prev
+        next_links = queue.next
         journal = self.journal
+        ref = self.ref_cnt
+        key_hash = self.key_hash
         for block in blocks:
-            if block.ref_cnt or block.is_null or block.key_hash is None:
+            if not block or ref[block] or key_hash[block] is None:
                 continue
-            if block.prev_free is None or block.next_free is None:
+            if prev_links[block] == UNLINKED:
                 continue  # not queued: nothing to move
             if journal is not None:
-                journal.append((_MOVE, block, block.prev_free, block.next_free))
+                journal.append((MOVE, block, prev_links[block], next_links[block]))
             queue.remove(block)
             put(block)
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def touch(self, blocks: Iterable[BlockId]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).
 
         The null block is skipped.
@@ -537,52 +532,55 @@ class BlockPool(TwinPoolOps):
         if type(blocks) is not list and type(blocks) is not tuple:
             blocks = list(blocks)  # any iterable, walked once
         queue = self.free_queue
+        prev_links = queue.prev
+        next_links = queue.next
+        ref = self.ref_cnt
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null and block.prev_free is None:
+            if block and ref[block] == 0 and prev_links[block] == UNLINKED:
                 queue.remove(block)  # raises, before anything changes: not queued
         # The unlinked blocks with their links, flat: (block, prev, next)...
-        unlinked: list[KVCacheBlock] = []
+        unlinked: list[BlockId] = []
+        held = queue.held
         for block in blocks:
-            cnt = block.ref_cnt
+            cnt = ref[block]
             if cnt == 0:
-                if block.is_null:
+                if not block:
                     continue
                 # Unlink from the free queue (FreeBlockQueue.remove).
-                prev = block.prev_free
-                nxt = block.next_free
-                assert prev is not None
-                assert nxt is not None
+                prev = prev_links[block]
+                nxt = next_links[block]
                 unlinked += (block, prev, nxt)
-                prev.next_free = nxt
-                nxt.prev_free = prev
-                block.prev_free = block.next_free = None
+                next_links[prev] = nxt
+                prev_links[nxt] = prev
+                prev_links[block] = next_links[block] = UNLINKED
                 queue.num_free -= 1
-                if queue.held:
-                    queue.held.discard(block)
-            block.ref_cnt = cnt + 1
+                if held:
+                    held.discard(block)
+            ref[block] = cnt + 1
         journal = self.journal
         if journal is not None:
-            journal.append((_TOUCH, tuple(blocks), unlinked))
+            journal.append((TOUCH, tuple(blocks), unlinked))
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[BlockId]) -> None:
         """Drop one reference on each block; blocks reaching 0 become free.
 
         Pass a request's blocks tail first, so its tail is evicted first (or
         its table as allocated to :meth:`free_table`).  Freed blocks with a
-        prefix-cache key (full or partial) go to the back of the free queue (least recently used
-        order, kept as given); with caching on, blocks without one go to the
-        front, so they are reused before any cached block.  The null block is
-        skipped.  Dropping a reference a block does not hold (a double free)
-        raises :class:`InvalidRequestError` and changes nothing.
+        prefix-cache key (full or partial) go to the back of the free queue
+        (least recently used order, kept as given); with caching on, blocks
+        without one go to the front, so they are reused before any cached
+        block.  The null block is skipped.  Dropping a reference a block
+        does not hold (a double free) raises :class:`InvalidRequestError`
+        and changes nothing.
         """
-        blocks: Sequence[KVCacheBlock] = (
+        blocks: Sequence[BlockId] = (
             ordered_blocks
             if type(ordered_blocks) is list or type(ordered_blocks) is tuple
             else list(ordered_blocks)
         )
         self._release(blocks, table=False)
 
-    def free_table(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def free_table(self, blocks: Sequence[BlockId]) -> None:
         """Free a request's table, given in allocation order, tail first:
         :meth:`free_blocks` of ``blocks[::-1]`` for a table that lists each
         block once (every table a manager keeps), without copying it
@@ -598,7 +596,7 @@ class BlockPool(TwinPoolOps):
             blocks = list(blocks)  # any iterable, walked once
         self._release(blocks, table=True)
 
-    def _release(self, blocks: Sequence[KVCacheBlock], *, table: bool) -> None:
+    def _release(self, blocks: Sequence[BlockId], *, table: bool) -> None:
         """Drop one reference per listing of ``blocks`` and queue the blocks
         that reach 0: keyed ones (full or partial key, or every block with
         caching off) at the back, the others at the front, in the order
@@ -608,72 +606,88 @@ class BlockPool(TwinPoolOps):
         One walk: each block reaching 0 joins one of two chains, the front
         one or the back one, in its final place (``table``: each new block
         before the chain's first, else after its last), each chain ending
-        on a scratch block of the queue; the chains are spliced in around
+        on a scratch id of the queue; the chains are spliced in around
         the queued blocks at the end.  Blocks in use are never queued, so
         no link is checked."""
         queue = self.free_queue
-        front_end = queue._front
-        back_end = queue._back
+        prev_links = queue.prev
+        next_links = queue.next
+        ref = self.ref_cnt
+        key_hash = self.key_hash
+        partial = self.partial_keys
         front_ok = self.enable_caching
         # table: the chains' first blocks (they grow at the front);
         # otherwise their last (they grow at the back).
-        front = front_end
-        back = back_end
+        front = queue.front
+        back = queue.back
         freed = 0
         it = iter(blocks)
         for block in it:
-            cnt = block.ref_cnt
+            cnt = ref[block]
             if cnt == 1:
-                block.ref_cnt = 0
+                ref[block] = 0
                 freed += 1
-                if front_ok and block.key_hash is None and block.partial_keys is None:
+                if front_ok and key_hash[block] is None and partial[block] is None:
                     if table:
-                        block.next_free = front
-                        front.prev_free = block
+                        next_links[block] = front
+                        prev_links[front] = block
                     else:
-                        block.prev_free = front
-                        front.next_free = block
+                        prev_links[block] = front
+                        next_links[front] = block
                     front = block
                 else:
                     if table:
-                        block.next_free = back
-                        back.prev_free = block
+                        next_links[block] = back
+                        prev_links[back] = block
                     else:
-                        block.prev_free = back
-                        back.next_free = block
+                        prev_links[block] = back
+                        next_links[back] = block
                     back = block
             elif cnt > 1:
-                block.ref_cnt = cnt - 1
-            elif not block.is_null:
-                queue.drop_chains()
-                _restore_counts(blocks[: len(blocks) - len(list(it)) - 1])
+                ref[block] = cnt - 1
+            elif block:
+                self._restore_release(blocks[: len(blocks) - len(list(it)) - 1])
                 raise double_free(block)
         if freed:
             queue.splice_chains(front, back, table, freed)
         journal = self.journal
         if journal is not None:
-            journal.append((_RELEASE, tuple(blocks)))
+            journal.append((RELEASE, tuple(blocks)))
+
+    def _restore_release(self, blocks: Sequence[BlockId]) -> None:
+        """Undo a release's count drops on ``blocks`` (all it walked before a
+        double free): each gets its reference back and leaves the chains."""
+        queue = self.free_queue
+        queue.drop_chains()
+        prev_links = queue.prev
+        next_links = queue.next
+        ref = self.ref_cnt
+        for block in blocks:
+            if block:
+                if ref[block] == 0:
+                    prev_links[block] = next_links[block] = UNLINKED
+                ref[block] += 1
 
     # -- prefix cache ---------------------------------------------------------
 
     def cached_blocks_of(self, group_id: int) -> dict[BlockHash, Entry]:
         """The live prefix cache of one group, for hit searches to read
-        (never change it): block hash -> the block holding it, or
-        ``{block_id: block}`` when several do."""
+        (never change it): block hash -> the block id holding it, or
+        ``{block id: None}`` (in key order) when several do."""
         group = self._cached.get(group_id)
         if group is None:
             group = self._cached[group_id] = {}
             self._num_cached[group_id] = 0
         return group
 
-    def lookup(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
+    def lookup(self, block_hash: BlockHash, group_id: int) -> BlockId | None:
         """The cached block of one group for ``block_hash``, or None."""
         hit = one_per_group(self._cached, block_hash, (group_id,))
         return None if hit is None else hit[0]
 
     def get_cached_block(
         self, block_hash: BlockHash, group_ids: Sequence[int]
-    ) -> list[KVCacheBlock] | None:
+    ) -> list[BlockId] | None:
         """One cached block per group for ``block_hash``, or None if any misses."""
         return one_per_group(self._cached, block_hash, group_ids)
 
@@ -681,7 +695,7 @@ class BlockPool(TwinPoolOps):
         self,
         *,
         block_hashes: Sequence[BlockHash],
-        blocks: Sequence[KVCacheBlock],
+        blocks: Sequence[BlockId],
         num_cached_blocks: int,
         num_full_blocks: int,
         group_id: int,
@@ -704,26 +718,25 @@ class BlockPool(TwinPoolOps):
         if not self.enable_caching or num_cached_blocks == num_full_blocks:
             return
         span = range(num_cached_blocks, num_full_blocks)
+        key_hash = self.key_hash
         #: Table positions that may be stored (only with events on): the
         #: blocks not yet keyed.
         unkeyed: list[int] | None = None
         if self.enable_kv_cache_events:
             check_event_inputs(self._event_groups, group_id, token_ids, num_full_blocks)
             unkeyed = [
-                pos
-                for pos in span
-                if blocks[pos].key_hash is None and not blocks[pos].is_null
+                pos for pos in span if blocks[pos] and key_hash[blocks[pos]] is None
             ]
         cached = self.cached_blocks_of(group_id)
-        keyed = key_span(cached, blocks, block_hashes, span, group_id)
+        keyed = key_span(self, cached, blocks, block_hashes, span, group_id)
         self._num_cached[group_id] += len(keyed)
         if keyed and self.journal is not None:
-            self.journal.append((_UNKEY, group_id, keyed))
+            self.journal.append((UNKEY, group_id, keyed))
         if unkeyed:
             # A position is stored if its block took that position's hash (a
             # block listed twice is keyed by its first listing only).
             stored = [
-                pos for pos in unkeyed if blocks[pos].key_hash is block_hashes[pos]
+                pos for pos in unkeyed if key_hash[blocks[pos]] is block_hashes[pos]
             ]
             assert token_ids is not None  # checked by check_event_inputs
             self._events += stored_events(
@@ -739,7 +752,7 @@ class BlockPool(TwinPoolOps):
     # -- partial keys (copy-on-write hit sources) --------------------------------
 
     def add_partial_key(
-        self, block: KVCacheBlock, block_hash: BlockHash, group_id: int
+        self, block: BlockId, block_hash: BlockHash, group_id: int
     ) -> None:
         """Register ``block`` of group ``group_id`` under ``block_hash``, the
         chunk hash of a prefix that ends inside the block: a later request
@@ -749,17 +762,17 @@ class BlockPool(TwinPoolOps):
         again or the cache is reset.  Does nothing when caching is off, for
         the null block, or when the block already holds the key.  Raises no
         event."""
-        if not self.enable_caching or block.is_null:
+        if not self.enable_caching or not block:
             return
-        keys = block.partial_keys
+        keys = self.partial_keys[block]
         if keys is None:
-            keys = block.partial_keys = []
-            block.partial_group = group_id
-        elif block.partial_group != group_id:
+            keys = self.partial_keys[block] = []
+            self.partial_group[block] = group_id
+        elif self.partial_group[block] != group_id:
             msg = (
-                f"add_partial_key: block {block.block_id} holds partial keys of "
-                f"group {block.partial_group}, not {group_id}; a block belongs to "
-                "one group's table at a time"
+                f"add_partial_key: block {block} holds partial keys of "
+                f"group {self.partial_group[block]}, not {group_id}; a block "
+                "belongs to one group's table at a time"
             )
             raise InvalidRequestError(msg)
         elif block_hash in keys:
@@ -771,35 +784,38 @@ class BlockPool(TwinPoolOps):
         insert_entry(group, block_hash, block)
         journal = self.journal
         if journal is not None:
-            journal.append((_PARTIAL, group, block_hash, block))
+            journal.append((PARTIAL, group, block_hash, block))
 
-    def _drop_partial(self, block: KVCacheBlock) -> None:
-        keys = block.partial_keys
-        assert keys is not None
-        block.partial_keys = None
+    def _drop_partial(self, block: BlockId) -> None:
+        keys = self.partial_keys[block]
+        assert keys is not None  # callers check the block holds some
+        self.partial_keys[block] = None
+        gid = self.partial_group.pop(block)
         self.evictions += 1
-        group = self._partial[block.partial_group]
+        group = self._partial[gid]
         for key in keys:
             remove_entry(group, key, block)
         journal = self.journal
         if journal is not None:
-            journal.append((_UNPARTIAL, group, keys, block))
+            journal.append((UNPARTIAL, group, keys, block, gid))
 
     def lookup_partial(
         self, block_hash: BlockHash, group_ids: Sequence[int]
-    ) -> list[KVCacheBlock] | None:
+    ) -> list[BlockId] | None:
         """One block per group holding the partial key ``block_hash``, or
         None if any group has none."""
         return one_per_group(self._partial, block_hash, group_ids)
 
     def has_partial_key(
-        self, block: KVCacheBlock, block_hash: BlockHash, group_id: int
+        self, block: BlockId, block_hash: BlockHash, group_id: int
     ) -> bool:
         """Whether ``block`` holds the partial key ``block_hash`` of group
         ``group_id``."""
-        keys = block.partial_keys
+        keys = self.partial_keys[block]
         return (
-            keys is not None and block.partial_group == group_id and block_hash in keys
+            keys is not None
+            and self.partial_group[block] == group_id
+            and block_hash in keys
         )
 
     @property
@@ -848,9 +864,10 @@ class BlockPool(TwinPoolOps):
         for group in self._partial.values():
             group.clear()
         self.evictions += 1
-        for block in self.blocks:
-            block.key_hash = None
-            block.partial_keys = None
+        n = self.num_blocks
+        self.key_hash[:] = [None] * n
+        self.partial_keys[:] = [None] * n
+        self.partial_group.clear()
         # No request runs, so no hit is worth holding back: the held-back
         # blocks join the queue's back, in the order they had.
         self.free_queue.release_held()
@@ -878,13 +895,3 @@ class BlockPool(TwinPoolOps):
             return []
         self._events = []
         return events
-
-
-def _restore_counts(blocks: Sequence[KVCacheBlock]) -> None:
-    """Undo a release's count drops on ``blocks`` (all it walked before a
-    double free): each gets its reference back and leaves the chains."""
-    for block in blocks:
-        if not block.is_null:
-            if block.ref_cnt == 0:
-                block.prev_free = block.next_free = None
-            block.ref_cnt += 1

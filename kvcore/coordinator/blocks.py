@@ -1,124 +1,99 @@
-"""Blocks: the pool's per-block metadata (:class:`KVCacheBlock`), the free
-queue threaded through it (:class:`FreeBlockQueue`), and the per-group block
-lists a step hands the engine (:class:`KVCacheBlocks`) with the block
-copies it runs first (:class:`BlockCopy`)."""
+"""Blocks: block ids, the free queue threaded through the pool's link lists
+(:class:`FreeBlockQueue`), the read-only per-block view engines may read
+(:class:`KVCacheBlock`), and the per-group block lists a step hands the
+engine (:class:`KVCacheBlocks`) with the block copies it runs first
+(:class:`BlockCopy`).
+
+Inside the coordinator a block is its id, a plain int: tables are lists of
+ids, and the pool keeps every block's state in lists indexed by id.  Block 0
+is the null block.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Protocol, TypeAlias
 
 import attrs
 
 from kvcore.coordinator.hashing import BlockHash
-from kvcore.errors import KvcoreValueError, NoFreeBlocksError
+from kvcore.errors import KvcoreTypeError, KvcoreValueError, NoFreeBlocksError
 
 __all__ = [
+    "NULL_BLOCK",
     "BlockCopy",
     "BlockHashWithGroupId",
+    "BlockId",
     "FreeBlockQueue",
     "KVCacheBlock",
     "KVCacheBlocks",
 ]
 
+BlockId: TypeAlias = int
+"""A physical block: its index in the pool's tensors and state lists."""
+
+NULL_BLOCK: BlockId = 0
+"""The pool's placeholder block, for positions a group does not keep."""
+
 BlockHashWithGroupId: TypeAlias = tuple[BlockHash, int]
 """Prefix-cache key: the block's chained hash and its cache group id."""
 
+#: The link of a block that is not in the free queue.
+UNLINKED: BlockId = -1
+
+
+class BlockState(Protocol):
+    """What a block view reads: the per-block state lists of a
+    :class:`~kvcore.coordinator.block_pool.BlockPool`, and its views."""
+
+    ref_cnt: list[int]
+    key_hash: list[BlockHash | None]
+    key_group: list[int]
+
+    def block(self, block_id: BlockId) -> KVCacheBlock: ...
+
 
 class KVCacheBlock:
-    """Metadata of one physical block (the data lives in the pool's tensors)."""
+    """A read-only view of one block's state in its pool, for engines and
+    tools that read block objects (see :meth:`BlockPool.block`).  The
+    coordinator itself passes block ids; a view reads the pool's state
+    when asked, so it is never stale."""
 
-    # Slots are laid out in this order: the fields freeing and allocating
-    # touch come first, next to the object header, so that a block's hot
-    # fields share a cache line more often (freeing a request's blocks is
-    # bound by cache misses).
-    __slots__ = (  # noqa: RUF023
-        "ref_cnt",
-        "key_hash",
-        "prev_free",
-        "next_free",
-        "partial_keys",
-        "is_null",
-        "block_id",
-        "key_group",
-        "partial_group",
-    )
+    __slots__ = ("_pool", "block_id")
 
-    block_id: int
-    ref_cnt: int
-    key_hash: BlockHash | None
-    key_group: int
-    prev_free: KVCacheBlock | None
-    next_free: KVCacheBlock | None
-    is_null: bool
-    partial_keys: list[BlockHash] | None
-    partial_group: int
-
-    def __init__(self, block_id: int) -> None:
+    def __init__(self, pool: BlockState, block_id: BlockId) -> None:
+        self._pool = pool
         self.block_id = block_id
-        self.ref_cnt = 0
-        #: The prefix-cache key's two parts, stored apart (no tuple per cached
-        #: block): its hash while the block is registered, else None, and its
-        #: group id (meaningful only while ``key_hash`` is not None).
-        self.key_hash = None
-        self.key_group = 0
-        #: Free-queue links; both None while the block is not in a queue.
-        self.prev_free = None
-        self.next_free = None
-        #: True only for the pool's placeholder block (id 0).
-        self.is_null = False
-        #: Partial keys: the chunk hashes of the prefixes that end inside
-        #: this block (a copy-on-write hit source, see
-        #: :meth:`BlockPool.add_partial_key`), else None; and their group.
-        self.partial_keys = None
-        self.partial_group = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        """The block's fields (a subclass's too) but its free-queue links:
-        the queue relinks its blocks (see :meth:`FreeBlockQueue.__setstate__`),
-        so copying or pickling a pool never recurses along the queue."""
-        state = {
-            name: getattr(self, name)
-            for name in _copied_fields(type(self))
-            if hasattr(self, name)
-        }
-        state.update(getattr(self, "__dict__", ()))
-        return state
+    @property
+    def ref_cnt(self) -> int:
+        """Requests (and hits being attached) holding the block."""
+        return self._pool.ref_cnt[self.block_id]
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.prev_free = self.next_free = None
-        for name, value in state.items():
-            setattr(self, name, value)
+    @property
+    def key_hash(self) -> BlockHash | None:
+        """The hash of the block's full prefix-cache key, else None."""
+        return self._pool.key_hash[self.block_id]
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
         """Prefix-cache key ``(block hash, group id)`` while registered, else
-        None (built on each read)."""
-        h = self.key_hash
-        return None if h is None else (h, self.key_group)
+        None."""
+        h = self._pool.key_hash[self.block_id]
+        return None if h is None else (h, self._pool.key_group[self.block_id])
+
+    @property
+    def is_null(self) -> bool:
+        """True only for the pool's placeholder block (id 0)."""
+        return self.block_id == NULL_BLOCK
 
     def __repr__(self) -> str:
-        key = None if self.key_hash is None else self.key_hash.hex()[:12]
+        key = self.key_hash
+        shown = None if key is None else key.hex()[:12]
         null = ", null" if self.is_null else ""
         return (
-            f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={key}{null})"
+            f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={shown}{null})"
         )
-
-
-def _copied_fields(cls: type) -> tuple[str, ...]:
-    """The slots of a block class that a copy keeps: all but the links."""
-    fields = _COPIED_FIELDS.get(cls)
-    if fields is None:
-        fields = _COPIED_FIELDS[cls] = tuple(
-            name
-            for klass in cls.__mro__
-            for name in getattr(klass, "__slots__", ())
-            if name not in ("prev_free", "next_free", "__dict__", "__weakref__")
-        )
-    return fields
-
-
-_COPIED_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 # ---------------------------------------------------------------------------
@@ -127,12 +102,14 @@ _COPIED_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks threaded through the blocks themselves.
+    """Doubly linked list of free block ids, its links held in two lists
+    indexed by block id (``prev``, ``next``; :data:`UNLINKED` for a block
+    not in the queue).
 
-    The front is evicted (handed out) first.  Every operation is O(1) per block;
-    ``remove`` takes a block out of the middle, which is how a prefix-cache hit
-    revives a free block.  Sentinel head and tail blocks (id -1) remove all
-    end-of-list special cases.
+    The front is evicted (handed out) first.  Every operation is O(1) per
+    block; ``remove`` takes a block out of the middle, which is how a
+    prefix-cache hit revives a free block.  Sentinel ids past the pool's
+    blocks (a head and a tail) remove all end-of-list special cases.
 
     Behind the back of the queue, a second list holds *held-back* blocks
     (:meth:`hold`): free blocks evicted only once every other free block is
@@ -142,60 +119,71 @@ class FreeBlockQueue:
     """
 
     __slots__ = (
-        "_back",
-        "_front",
-        "_head",
-        "_held_head",
-        "_held_tail",
-        "_tail",
+        "back",
+        "front",
+        "head",
         "held",
+        "held_head",
+        "held_tail",
+        "next",
         "num_free",
+        "prev",
+        "tail",
     )
 
-    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        self._held_head = KVCacheBlock(-1)
-        self._held_tail = KVCacheBlock(-1)
-        self._held_head.next_free = self._held_tail
-        self._held_tail.prev_free = self._held_head
+    def __init__(self, num_blocks: int, order: Iterable[BlockId] | None = None) -> None:
+        """A queue over block ids ``0..num_blocks-1`` holding ``order`` (all
+        of them, in id order, by default)."""
+        if type(num_blocks) is not int or num_blocks < 0:
+            msg = f"num_blocks must be an int >= 0, got {num_blocks!r}"
+            raise KvcoreTypeError(msg)
+        n = num_blocks
+        #: Sentinel ids: the queue's ends, the held-back list's ends, and the
+        #: scratch ends of the chains a release builds (see BlockPool._release).
+        self.head = n
+        self.tail = n + 1
+        self.held_head = n + 2
+        self.held_tail = n + 3
+        self.front = n + 4
+        self.back = n + 5
+        self.prev: list[BlockId] = [UNLINKED] * (n + 6)
+        self.next: list[BlockId] = [UNLINKED] * (n + 6)
+        self.next[self.head] = self.tail
+        self.prev[self.tail] = self.head
+        self.next[self.held_head] = self.held_tail
+        self.prev[self.held_tail] = self.held_head
         #: The held-back blocks, as a set (their order is the held list's).
-        self.held: set[KVCacheBlock] = set()
-        #: Scratch ends of the two chains a release builds before it splices
-        #: them in (see BlockPool._release); unlinked between calls.
-        self._front = KVCacheBlock(-1)
-        self._back = KVCacheBlock(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
+        self.held: set[BlockId] = set()
         self.num_free = 0
-        self.append_n(list(blocks))
+        if order is None:
+            ids = list(range(n))
+            if ids:
+                # Linked in one pass, the lists sharing one int per id.
+                self.next[self.head] = ids[0]
+                self.prev[ids[0]] = self.head
+                self.next[: n - 1] = ids[1:]
+                self.prev[1:n] = ids[:-1]
+                self.next[n - 1] = self.tail
+                self.prev[self.tail] = n - 1
+                self.num_free = n
+        else:
+            self.append_n(list(order))
 
     def __len__(self) -> int:
         return self.num_free
 
-    def __getstate__(self) -> dict[str, Any]:
-        """The queue as its blocks, front first, and the held-back blocks
-        (the links are not copied: a copy of a long queue would recurse
-        along them)."""
-        return {"order": _chain(self._head, self._tail), "held": self.held_blocks()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        FreeBlockQueue.__init__(self, state["order"])
-        for block in state.get("held", ()):
-            self.hold(block)
-
-    def popleft(self) -> KVCacheBlock:
+    def popleft(self) -> BlockId:
         """Take the front block (a held-back one once no other is left)."""
-        block = self._head.next_free
-        if block is self._tail:
-            block = self._held_head.next_free
-        if block is self._held_tail or block is None:
+        block = self.next[self.head]
+        if block == self.tail:
+            block = self.next[self.held_head]
+        if block == self.held_tail:
             msg = "the free block queue is empty; free blocks before taking one"
             raise NoFreeBlocksError(msg)
         self.remove(block)
         return block
 
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+    def popleft_n(self, n: int) -> list[BlockId]:
         """Take the ``n`` front blocks, front first."""
         if n > self.num_free or n < 0:
             msg = (
@@ -205,91 +193,71 @@ class FreeBlockQueue:
             raise NoFreeBlocksError(msg)
         return [self.popleft() for _ in range(n)]
 
-    def remove(self, block: KVCacheBlock) -> None:
+    def is_queued(self, block: BlockId) -> bool:
+        """Whether ``block`` is in the queue (or held back)."""
+        return self.prev[block] != UNLINKED
+
+    def remove(self, block: BlockId) -> None:
         """Unlink ``block`` from wherever it is in the queue."""
-        prev = block.prev_free
-        nxt = block.next_free
-        if prev is None or nxt is None:
+        prev_links = self.prev
+        next_links = self.next
+        prev = prev_links[block]
+        nxt = next_links[block]
+        if prev == UNLINKED:
             msg = (
-                f"block {block.block_id} is not in the free block queue; only a "
+                f"block {block} is not in the free block queue; only a "
                 "free block (reference count 0) can be removed from it"
             )
             raise KvcoreValueError(msg)
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
+        next_links[prev] = nxt
+        prev_links[nxt] = prev
+        prev_links[block] = next_links[block] = UNLINKED
         self.num_free -= 1
         if self.held:
             self.held.discard(block)
 
-    def append(self, block: KVCacheBlock) -> None:
+    def append(self, block: BlockId) -> None:
         """Put ``block`` at the back (evicted last)."""
-        if block.prev_free is not None:
-            raise _already_queued(block)
-        tail = self._tail
-        last = tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = tail
-        tail.prev_free = block
-        self.num_free += 1
+        self._link_after(self.prev[self.tail], self.tail, (block,))
 
-    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def append_n(self, blocks: Sequence[BlockId]) -> None:
         """Put ``blocks`` at the back, in order (the first given leaves first)."""
-        if not blocks:
-            return
-        tail = self._tail
-        last = tail.prev_free
-        assert last is not None
-        self._link_after(last, tail, blocks)
+        if blocks:
+            self._link_after(self.prev[self.tail], self.tail, blocks)
 
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def prepend_n(self, blocks: Sequence[BlockId]) -> None:
         """Put ``blocks`` at the front, in order (the first given leaves first)."""
-        if not blocks:
-            return
-        head = self._head
-        first = head.next_free
-        assert first is not None
-        self._link_after(head, first, blocks)
+        if blocks:
+            self._link_after(self.head, self.next[self.head], blocks)
 
     def _link_after(
-        self, left: KVCacheBlock, right: KVCacheBlock, blocks: Sequence[KVCacheBlock]
+        self, left: BlockId, right: BlockId, blocks: Sequence[BlockId]
     ) -> None:
+        prev_links = self.prev
+        next_links = self.next
         for block in blocks:
-            if block.prev_free is not None:
+            if prev_links[block] != UNLINKED:
                 raise _already_queued(block)
         prev = left
         for block in blocks:
-            prev.next_free = block
-            block.prev_free = prev
+            next_links[prev] = block
+            prev_links[block] = prev
             prev = block
-        prev.next_free = right
-        right.prev_free = prev
+        next_links[prev] = right
+        prev_links[right] = prev
         self.num_free += len(blocks)
 
-    def hold(self, block: KVCacheBlock) -> None:
+    def hold(self, block: BlockId) -> None:
         """Put ``block`` at the back of the held-back blocks: evicted after
         every block of the queue and every block held back before it."""
-        if block.prev_free is not None:
-            raise _already_queued(block)
-        tail = self._held_tail
-        last = tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = tail
-        tail.prev_free = block
-        self.num_free += 1
+        self._link_after(self.prev[self.held_tail], self.held_tail, (block,))
         self.held.add(block)
 
-    def prepend_held_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def prepend_held_n(self, blocks: Sequence[BlockId]) -> None:
         """Put ``blocks`` at the front of the held-back blocks, in order."""
         if not blocks:
             return
-        first = self._held_head.next_free
-        assert first is not None
-        self._link_after(self._held_head, first, blocks)
+        self._link_after(self.held_head, self.next[self.held_head], blocks)
         self.held.update(blocks)
 
     def release_held(self) -> None:
@@ -300,93 +268,96 @@ class FreeBlockQueue:
             self.remove(block)
         self.append_n(held)
 
-    def relink(self, links: Sequence[KVCacheBlock]) -> None:
+    def relink(self, links: Sequence[BlockId]) -> None:
         """Put unlinked blocks back, given flat as ``(block, prev, next)`` in
         the order they were unlinked: newest first, so each goes back
         between the neighbours it had (held back again when they are)."""
+        prev_links = self.prev
+        next_links = self.next
         held = self.held
-        held_head = self._held_head
+        held_head = self.held_head
         for i in range(len(links) - 3, -1, -3):
             block = links[i]
             prev = links[i + 1]
             nxt = links[i + 2]
-            prev.next_free = block
-            block.prev_free = prev
-            block.next_free = nxt
-            nxt.prev_free = block
+            next_links[prev] = block
+            prev_links[block] = prev
+            next_links[block] = nxt
+            prev_links[nxt] = block
             self.num_free += 1
-            if prev is held_head or prev in held:
+            if prev == held_head or prev in held:
                 held.add(block)
 
     def drop_chains(self) -> None:
         """Unlink the scratch ends of the chains a release builds (see
         :meth:`BlockPool._release`), leaving the queue as it was."""
-        front_end = self._front
-        back_end = self._back
-        front_end.prev_free = front_end.next_free = None
-        back_end.prev_free = back_end.next_free = None
+        prev_links = self.prev
+        next_links = self.next
+        prev_links[self.front] = next_links[self.front] = UNLINKED
+        prev_links[self.back] = next_links[self.back] = UNLINKED
 
     def splice_chains(
-        self, front: KVCacheBlock, back: KVCacheBlock, table: bool, freed: int
+        self, front: BlockId, back: BlockId, table: bool, freed: int
     ) -> None:
         """Splice the two chains of ``freed`` blocks a release built into the
         queue: the front chain before the blocks queued already, the back
         chain after them.  ``front``/``back``: each chain's first block
         (``table``: the chains grew at the front) or its last."""
-        front_end = self._front
-        back_end = self._back
-        head = self._head
-        tail = self._tail
+        prev_links = self.prev
+        next_links = self.next
+        front_end = self.front
+        back_end = self.back
+        head = self.head
+        tail = self.tail
         # The segments in queue order, each (first, last): the front
         # chain, the blocks queued before, the back chain.
-        segments: list[tuple[KVCacheBlock | None, KVCacheBlock | None]]
+        segments: list[tuple[BlockId, BlockId]]
         if table:
-            segments = [(front, front_end.prev_free), (back, back_end.prev_free)]
+            segments = [(front, prev_links[front_end]), (back, prev_links[back_end])]
         else:
-            segments = [(front_end.next_free, front), (back_end.next_free, back)]
-        if head.next_free is not tail:
-            segments.insert(1, (head.next_free, tail.prev_free))
+            segments = [(next_links[front_end], front), (next_links[back_end], back)]
+        if next_links[head] != tail:
+            segments.insert(1, (next_links[head], prev_links[tail]))
         prev = head
         for first, last in segments:
-            if first is front_end or first is back_end or first is None:
+            if first in (front_end, back_end, UNLINKED):
                 continue  # an empty chain
-            assert last is not None  # a chain's ends are linked
-            prev.next_free = first
-            first.prev_free = prev
+            next_links[prev] = first
+            prev_links[first] = prev
             prev = last
-        prev.next_free = tail
-        tail.prev_free = prev
+        next_links[prev] = tail
+        prev_links[tail] = prev
         self.drop_chains()
         self.num_free += freed
 
-    def first_held(self) -> KVCacheBlock | None:
+    def first_held(self) -> BlockId | None:
         """The held-back block evicted first, or None when none is held."""
-        block = self._held_head.next_free
-        return None if block is self._held_tail else block
+        block = self.next[self.held_head]
+        return None if block == self.held_tail else block
 
-    def held_blocks(self) -> list[KVCacheBlock]:
+    def held_blocks(self) -> list[BlockId]:
         """The held-back blocks, front first (O(n))."""
-        return _chain(self._held_head, self._held_tail)
+        return self._chain(self.held_head, self.held_tail)
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+    def get_all_free_blocks(self) -> list[BlockId]:
         """All free blocks in eviction order, front first: the queue, then
         the held-back blocks (O(n); for tests and debugging)."""
-        return _chain(self._head, self._tail) + self.held_blocks()
+        return self._chain(self.head, self.tail) + self.held_blocks()
+
+    def _chain(self, head: BlockId, tail: BlockId) -> list[BlockId]:
+        """The blocks linked between two sentinels, in order."""
+        next_links = self.next
+        out = []
+        block = next_links[head]
+        while block != tail and block != UNLINKED:
+            out.append(block)
+            block = next_links[block]
+        return out
 
 
-def _chain(head: KVCacheBlock, tail: KVCacheBlock) -> list[KVCacheBlock]:
-    """The blocks linked between two sentinels, in order."""
-    out = []
-    block = head.next_free
-    while block is not tail and block is not None:
-        out.append(block)
-        block = block.next_free
-    return out
-
-
-def _already_queued(block: KVCacheBlock) -> KvcoreValueError:
+def _already_queued(block: BlockId) -> KvcoreValueError:
     msg = (
-        f"block {block.block_id} is already in the free block queue; a block can "
+        f"block {block} is already in the free block queue; a block can "
         "be queued once (take it out with remove() or popleft() first)"
     )
     return KvcoreValueError(msg)
@@ -407,7 +378,8 @@ class BlockCopy:
 
 
 class KVCacheBlocks:
-    """Blocks of one request step: ``blocks[group]`` is that group's list.
+    """Blocks of one request step: ``ids[group]`` is that group's list of
+    block ids (``blocks[group]``: the same as block views).
 
     ``copies`` are the block copies the engine runs before the step's
     forward pass, in order (copy-on-write partial hits, see
@@ -416,30 +388,46 @@ class KVCacheBlocks:
     inside a block.
     """
 
-    __slots__ = ("_lookup", "blocks", "copies")
+    __slots__ = ("_lookup", "_pool", "copies", "ids")
 
     def __init__(
         self,
-        blocks: tuple[Sequence[KVCacheBlock], ...],
+        ids: tuple[Sequence[BlockId], ...],
         copies: tuple[BlockCopy, ...] = (),
+        pool: BlockState | None = None,
     ) -> None:
-        self.blocks = blocks
+        self.ids = ids
         self.copies = copies
+        self._pool = pool
         #: Set by KVCacheManager.get_computed_blocks on the hit it returns:
-        #: (its pool, the pool's eviction count then, the request, ``blocks``).
+        #: (its pool, the pool's eviction count then, the request, ``ids``).
         self._lookup: tuple[object, int, object, object] | None = None
 
+    @property
+    def blocks(self) -> tuple[list[KVCacheBlock], ...]:
+        """The blocks as views of their pool's state (made on each read)."""
+        pool = self._pool
+        if pool is None:
+            msg = (
+                "these KVCacheBlocks were built without their pool, so they "
+                "have ids but no block views; read get_block_ids() or .ids"
+            )
+            raise KvcoreValueError(msg)
+        view = pool.block
+        return tuple([view(b) for b in group] for group in self.ids)
+
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple(list(group) for group in self.ids)
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(
-            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)),
+            tuple([*a, *b] for a, b in zip(self.ids, other.ids, strict=True)),
             self.copies + other.copies,
+            self._pool if self._pool is not None else other._pool,
         )
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.ids)
 
     def __repr__(self) -> str:
         return f"KVCacheBlocks({self.get_block_ids()})"

@@ -1,7 +1,7 @@
 """The prefix cache's tables: block hash -> the block holding it.
 
-Each group's table maps a block hash to the one block holding it, or to
-``{block_id: block}`` when several do (two requests computed the same
+Each group's table maps a block hash to the id of the one block holding
+it, or to ``{block id: None}`` (the ids in key order) when several do (two requests computed the same
 prefix before either was cached).  :class:`~kvcore.coordinator.BlockPool`
 keeps one table per group for full keys and one for partial keys; these
 functions read and change one entry.
@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from kvcore.coordinator.blocks import KVCacheBlock
+from kvcore.coordinator.blocks import BlockId
 from kvcore.coordinator.hashing import BlockHash
 
 __all__ = ["Entry", "insert_entry", "num_entries", "one_per_group", "remove_entry"]
 
-Entry: TypeAlias = KVCacheBlock | dict[int, KVCacheBlock]
+Entry: TypeAlias = BlockId | dict[BlockId, None]
 
 
 def num_entries(group: dict[BlockHash, Entry]) -> int:
@@ -29,7 +29,7 @@ def one_per_group(
     table: dict[int, dict[BlockHash, Entry]],
     block_hash: BlockHash,
     group_ids: Sequence[int],
-) -> list[KVCacheBlock] | None:
+) -> list[BlockId] | None:
     """One block per group keyed ``block_hash`` in ``table`` (any one where
     several share the key), or None if a group has none."""
     out = []
@@ -39,32 +39,28 @@ def one_per_group(
         if entry is None:
             return None
         if isinstance(entry, dict):
-            entry = next(iter(entry.values()))
+            entry = next(iter(entry))
         out.append(entry)
     return out
 
 
-def insert_entry(
-    group: dict[BlockHash, Entry], key: BlockHash, block: KVCacheBlock
-) -> None:
+def insert_entry(group: dict[BlockHash, Entry], key: BlockHash, block: BlockId) -> None:
     entry = group.get(key)
     if entry is None:
         group[key] = block
     elif isinstance(entry, dict):
-        entry[block.block_id] = block
-    elif entry is not block:
-        group[key] = {entry.block_id: entry, block.block_id: block}
+        entry[block] = None
+    elif entry != block:
+        group[key] = {entry: None, block: None}
 
 
-def remove_entry(
-    group: dict[BlockHash, Entry], key: BlockHash, block: KVCacheBlock
-) -> None:
+def remove_entry(group: dict[BlockHash, Entry], key: BlockHash, block: BlockId) -> None:
     entry = group.get(key)
-    if entry is block:
+    if entry == block:
         del group[key]
     elif isinstance(entry, dict):
-        entry.pop(block.block_id, None)
+        entry.pop(block, None)
         if len(entry) == 1:
-            group[key] = next(iter(entry.values()))
+            group[key] = next(iter(entry))
         elif not entry:
             del group[key]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict, cast
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
-from kvcore.coordinator.blocks import KVCacheBlocks
+from kvcore.coordinator.block_pool import BlockPool
+from kvcore.coordinator.blocks import BlockId, KVCacheBlock, KVCacheBlocks
 from kvcore.coordinator.partial import copy_source_valid
 from kvcore.coordinator.request import Request
 from kvcore.errors import (
@@ -67,9 +67,9 @@ def checked_hit(
     request: Request,
     new_computed_blocks: KVCacheBlocks | None,
     counts: tuple[int, int, int, int],
-) -> tuple[Sequence[KVCacheBlock], ...] | None:
+) -> tuple[Sequence[BlockId], ...] | None:
     """allocate_slots' counts (new, hit, lookahead and external tokens) and
-    hit, checked: the hit's block lists, or None when it attaches no
+    hit, checked: the hit's block id lists, or None when it attaches no
     block."""
     num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external = counts
     rid = request.request_id
@@ -98,7 +98,7 @@ def checked_hit(
             f"{type(hit).__name__}"
         )
         raise KvcoreTypeError(msg)
-    computed = new_computed_blocks.blocks if new_computed_blocks is not None else None
+    computed = new_computed_blocks.ids if new_computed_blocks is not None else None
     if computed is not None and not any(computed):
         computed = None
     if num_new_computed_tokens or computed is not None:
@@ -222,7 +222,7 @@ def check_hit(
     kv: Any,
     request: Request,
     hit: KVCacheBlocks | None,
-    computed: tuple[Sequence[KVCacheBlock], ...] | None,
+    computed: tuple[Sequence[BlockId], ...] | None,
     num_tokens: int,
 ) -> None:
     """A prefix hit may attach only to a new request, as one block list
@@ -265,7 +265,7 @@ def check_hit(
         raise InvalidRequestError(msg)
     check_hashing(kv, request)
     if not fresh:
-        _check_owned(rid, pool, computed)
+        _check_owned(rid, pool, hit, computed)
     for gid, (manager, blocks) in enumerate(zip(kv._managers, computed, strict=True)):
         if not manager.caching:
             if blocks:
@@ -289,7 +289,7 @@ def check_hit(
 
 def _check_hit_shape(
     rid: str,
-    group: tuple[int, Any, Sequence[KVCacheBlock]],
+    group: tuple[int, Any, Sequence[BlockId]],
     num_tokens: int,
     partial_group: bool,
 ) -> bool:
@@ -319,13 +319,18 @@ def _check_hit_shape(
 
 
 def _check_owned(
-    rid: str, pool: BlockPool, computed: Sequence[Sequence[KVCacheBlock]]
+    rid: str,
+    pool: BlockPool,
+    hit: KVCacheBlocks | None,
+    computed: Sequence[Sequence[BlockId]],
 ) -> None:
-    """Every block of a hit belongs to ``pool``."""
-    own = pool.blocks
+    """Every block of a hit belongs to ``pool``: the hit was built by its
+    manager and each id is one of its blocks."""
+    ours = hit is not None and hit._pool is pool
+    num_blocks = pool.num_blocks
     for gid, blocks in enumerate(computed):
         for block in blocks:
-            if not owned(own, block):
+            if not ours or type(block) is not int or not 0 <= block < num_blocks:
                 msg = (
                     f"request {rid!r}: the hit's blocks for group {gid} do not "
                     "belong to this manager's block pool (they came from another "
@@ -337,7 +342,7 @@ def _check_owned(
 
 def _check_keys(
     request: Request,
-    group: tuple[int, Any, BlockPool, Sequence[KVCacheBlock]],
+    group: tuple[int, Any, BlockPool, Sequence[BlockId]],
     copy_at: int,
     last_chunk: int,
 ) -> None:
@@ -349,23 +354,25 @@ def _check_keys(
     rid = request.request_id
     chunks = request.block_hashes
     key_of = manager.block_hash
+    key_hash = pool.key_hash
+    key_group = pool.key_group
     for i, block in enumerate(blocks):
-        if block.is_null:
+        if not block:
             continue
         if i == copy_at:
             chunk = chunks[last_chunk] if 0 <= last_chunk < len(chunks) else None
             if copy_source_valid(pool, block, gid, key_of(chunks, i), chunk):
                 continue
             msg = (
-                f"request {rid!r}: the copy source block {block.block_id} "
+                f"request {rid!r}: the copy source block {block} "
                 f"of group {gid} no longer holds this request's prefix (it "
                 "was evicted after the lookup); call get_computed_blocks "
                 "again right before allocate_slots"
             )
             raise InvalidRequestError(msg)
-        if block.key_group != gid or block.key_hash != key_of(chunks, i):
+        if key_group[block] != gid or key_hash[block] != key_of(chunks, i):
             msg = (
-                f"request {rid!r}: hit block {block.block_id} of group {gid} "
+                f"request {rid!r}: hit block {block} of group {gid} "
                 "no longer holds this request's prefix (it was evicted after "
                 "the lookup); call get_computed_blocks again right before "
                 "allocate_slots"
@@ -387,12 +394,12 @@ def check_hashing(manager: Any, request: Request) -> None:
 # -- allocation -------------------------------------------------------------
 
 
-def owned(own: list[KVCacheBlock], block: object) -> bool:
-    """Whether ``block`` is one of the pool's own block objects."""
-    if not isinstance(block, KVCacheBlock):
+def owned(pool: BlockPool, block: object) -> bool:
+    """Whether ``block`` is one of ``pool``'s own block views."""
+    if not isinstance(block, KVCacheBlock) or block._pool is not pool:
         return False
     bid = block.block_id
-    return 0 <= bid < len(own) and own[bid] is block
+    return type(bid) is int and 0 <= bid < pool.num_blocks
 
 
 def check_counts(

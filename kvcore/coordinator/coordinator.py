@@ -22,7 +22,7 @@ from kvcore.coordinator.assembly import (
     hit_units,
     search_groups,
 )
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.cache_spans import CacheSpans
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
@@ -251,8 +251,8 @@ class KVCacheCoordinator(FreeSteps):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """Every group's hit blocks and the common hit length in tokens.
+    ) -> tuple[tuple[list[int], ...], int]:
+        """Every group's hit block ids and the common hit length in tokens.
 
         A fixed point: each group's search is bounded by the shortest hit so
         far, and groups whose hit is not monotone are searched again until no
@@ -337,8 +337,8 @@ class KVCacheCoordinator(FreeSteps):
 
     def _fixed_point(
         self, block_hashes: Sequence[BlockHash], limit: int, alignment: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        found: dict[int, list[list[KVCacheBlock]]] = {}
+    ) -> tuple[tuple[list[int], ...], int]:
+        found: dict[int, list[list[int]]] = {}
         searched_at: dict[int, int] = {}
         views: dict[int, Sequence[BlockHash]] = {}
         length = limit
@@ -389,7 +389,7 @@ class KVCacheCoordinator(FreeSteps):
             first_pass = False
             if length == 0:
                 break
-        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        out: list[list[int]] = [[] for _ in range(self.num_groups)]
         for index, group in enumerate(self.attention_groups):
             blocks_per_group = found.get(index)
             if blocks_per_group is None:
@@ -411,7 +411,7 @@ class KVCacheCoordinator(FreeSteps):
 
     def _run_twins(
         self, runs: Runs, method: str, step: str, *args: Any
-    ) -> list[list[KVCacheBlock]] | None:
+    ) -> list[list[int]] | None:
         """Call the class step ``method`` (``allocate_twins``,
         ``release_twins`` or ``cache_twins``) once per run of twins, in group
         order, on the run's first manager with the run; pass over a class
@@ -421,7 +421,7 @@ class KVCacheCoordinator(FreeSteps):
         plugin's failure in ``step``, the one-group step."""
         journal = self.block_pool.journal
         idle: list[int] = []
-        out: list[list[KVCacheBlock]] | None = None
+        out: list[list[int]] | None = None
         gid = -1
         try:
             for first, members in runs:
@@ -497,13 +497,13 @@ class KVCacheCoordinator(FreeSteps):
 
     def admission_blocks(
         self,
-        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        new_computed_blocks: Sequence[Sequence[int]],
         num_computed_tokens: int,
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[list[int], ...]:
         """Every group's admission blocks for a new request with
         ``num_computed_tokens`` computed (see
         :meth:`SingleTypeManager.admission_blocks`)."""
-        out: list[list[KVCacheBlock]] = []
+        out: list[list[int]] = []
         gid = 0
         try:
             for manager, computed in zip(
@@ -519,7 +519,7 @@ class KVCacheCoordinator(FreeSteps):
         self,
         request_id: str,
         num_tokens: int,
-        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        new_computed_blocks: Sequence[Sequence[int]],
         num_encoder_tokens: int = 0,
     ) -> int:
         """Blocks a new request needs to cover ``num_tokens`` with
@@ -543,7 +543,7 @@ class KVCacheCoordinator(FreeSteps):
         return total
 
     def add_computed_blocks(
-        self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]]
+        self, request_id: str, new_computed_blocks: Sequence[Sequence[int]]
     ) -> None:
         """Phase one: touch every group's hit blocks before anything allocates."""
         self.forget_span(request_id)
@@ -560,12 +560,12 @@ class KVCacheCoordinator(FreeSteps):
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[list[int], ...]:
         """Phase two: grow every group's table to cover ``num_tokens`` (the
         groups that take encoder tokens: ``num_encoder_tokens``), one
         ``allocate_twins`` call per run of twins, in group order."""
         self.forget_span(request_id)
-        out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
+        out: list[list[int]] = [[] for _ in range(self.num_groups)]
         gid = 0
         try:
             for _, members in self._admit_runs:
@@ -597,9 +597,7 @@ class KVCacheCoordinator(FreeSteps):
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
 
-    def grow(
-        self, request_id: str, num_tokens: int
-    ) -> tuple[list[KVCacheBlock], ...] | None:
+    def grow(self, request_id: str, num_tokens: int) -> tuple[list[int], ...] | None:
         """Grow a running request's tables, in group order; ``None`` if no
         block was added."""
         journal = self.block_pool.journal
@@ -691,7 +689,7 @@ class KVCacheCoordinator(FreeSteps):
         self.forget_span(request_id)
         self._each(self.planning, "forget_checkpoints", request_id)
 
-    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+    def get_blocks(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(
             m.req_to_blocks.get(request_id, []) for m in self.single_type_managers
         )

@@ -14,8 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvcore.coordinator.block_pool import KVCacheBlock
-from kvcore.coordinator.blocks import KVCacheBlocks
+from kvcore.coordinator.blocks import BlockId, KVCacheBlock, KVCacheBlocks
 from kvcore.coordinator.checks import check_hashing, check_tokens, not_a_request, owned
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.request import Request, RequestStatus
@@ -127,14 +126,16 @@ class EngineCalls:
     ) -> list[KVCacheBlock]:
         """Finish the request (``FINISHED``, its id free for reuse) but keep
         its blocks out of the pool: a step still in flight may read them.
-        Pass the list to :meth:`release_blocks` once that step completes;
-        until then no other request can be given them.  ``forward_ran``
-        is :meth:`KVCacheManager.free`'s."""
-        blocks: list[KVCacheBlock] = self._finish(
+        Pass the list (the blocks as views of the pool) to
+        :meth:`release_blocks` once that step completes; until then no
+        other request can be given them.  ``forward_ran`` is
+        :meth:`KVCacheManager.free`'s."""
+        ids: list[BlockId] = self._finish(
             request, self.coordinator.pop_for_free, forward_ran
         )
-        self._popped.update(b.block_id for b in blocks if not b.is_null)
-        return blocks
+        self._popped.update(b for b in ids if b)
+        view = self.block_pool.block
+        return [view(b) for b in ids]
 
     def _finish(self, request: Request | str, call: Any, forward_ran: bool) -> Any:
         """Run ``call(request_id)`` as a transaction, then forget the request
@@ -174,15 +175,17 @@ class EngineCalls:
         block released twice, or never handed out, is refused and nothing
         changes, even once the pool has given it to another request."""
         given: object = blocks  # checked: engines pass anything
+        pool = self.block_pool
         if not isinstance(given, (list, tuple)) or not all(
-            owned(self.block_pool.blocks, b) for b in given
+            owned(pool, b) for b in given
         ):
             msg = (
                 "release_blocks: pass the list pop_blocks_for_free returned "
                 "(blocks of this manager's pool)"
             )
             raise KvcoreTypeError(msg)
-        listed = Counter(b.block_id for b in blocks if not b.is_null)
+        ids = [b.block_id for b in blocks]
+        listed = Counter(b for b in ids if b)
         popped = self._popped
         extra = sorted(i for i, n in listed.items() if n > popped[i])
         if extra:
@@ -192,7 +195,7 @@ class EngineCalls:
                 "hand them out; pass each list it returned once"
             )
             raise InvalidRequestError(msg)
-        self._guarded(self.block_pool.free_table, blocks)
+        self._guarded(pool.free_table, ids)
         popped.subtract(listed)
         for block_id in listed:
             if not popped[block_id]:
@@ -228,12 +231,11 @@ class EngineCalls:
                 f"(0 to {pool.num_blocks - 1}); pass ids the manager handed out"
             )
             raise InvalidRequestError(msg)
-        blocks = pool.blocks
         before = pool.evictions
 
         def drop() -> None:
             for bid in ids:
-                pool.drop_from_cache(blocks[bid])
+                pool.drop_from_cache(bid)
 
         self._guarded(drop)
         return pool.evictions - before
@@ -257,15 +259,17 @@ class EngineCalls:
             )
             bound = min(bound, max_cache_hit_length)
         coordinator = self.coordinator
+        pool = self.block_pool
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return KVCacheBlocks(tuple([] for _ in range(coordinator.num_groups))), (
-                0,
-            ) * coordinator.num_groups
+            none: tuple[list[BlockId], ...] = tuple(
+                [] for _ in range(coordinator.num_groups)
+            )
+            return KVCacheBlocks(none, pool=pool), (0,) * coordinator.num_groups
         check_hashing(self, request)
-        blocks, lengths = find_longest_cache_hit_per_group(
+        ids, lengths = find_longest_cache_hit_per_group(
             coordinator, request.block_hashes, bound
         )
-        return KVCacheBlocks(blocks), lengths
+        return KVCacheBlocks(ids, pool=pool), lengths
 
     def state_write_positions(
         self, request: Request | str, num_computed_tokens: int, num_tokens: int

@@ -19,7 +19,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol, Self, TypeAlias
+from typing import NamedTuple, Protocol, Self, TypeAlias
 
 from kvcore.coordinator.hashing import BlockHash
 from kvcore.errors import InvalidRequestError, KvcoreTypeError
@@ -210,14 +210,14 @@ def stored_events(
     info: GroupEventInfo,
     group_id: int,
     block_hashes: Sequence[BlockHash],
-    blocks: Sequence[Any],
+    blocks: Sequence[int],
     token_ids: Sequence[int],
     stored: list[int],
     medium: str,
 ) -> list[BlockStored]:
     """One :class:`BlockStored` per unbroken run of ``stored`` positions of
-    ``blocks`` (the pool's blocks), so each event's parent hash is the block
-    right before its first."""
+    ``blocks`` (a table of block ids), so each event's parent hash is the
+    block right before its first."""
     size = info.block_size
     out = []
     start = prev = stored[0]
@@ -237,7 +237,7 @@ def stored_events(
                 group_id,
                 info.kind,
                 info.sliding_window,
-                tuple(b.block_id for b in blocks[start:end]),
+                tuple(blocks[start:end]),
                 medium,
             )
         )

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvcore.coordinator.block_pool import KVCacheBlock
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.errors import PluginResultError
 
@@ -44,9 +43,7 @@ class HitPointOrder:
         #: Per manager, its readings of positions 0, 1, ... asked so far.
         self.readings: list[list[int]] = [[] for _ in self.managers]
 
-    def __call__(
-        self, tables: Sequence[Sequence[KVCacheBlock] | None]
-    ) -> list[KVCacheBlock]:
+    def __call__(self, tables: Sequence[Sequence[int] | None]) -> list[int]:
         """The blocks of ``tables`` (one per manager, in free order; None or
         empty for a group without blocks) as one list that
         :meth:`BlockPool.free_table` takes: the null block left out, the
@@ -55,7 +52,7 @@ class HitPointOrder:
         same shortest hit reads are queued in the managers' order, each
         table's in position order from the tail."""
         keys: list[int] = []
-        blocks: list[KVCacheBlock] = []
+        blocks: list[int] = []
         # Laid end to end last manager first, each in position order: the
         # stable sort breaks a tie by the later manager, then the position.
         all_readings = self.readings
@@ -70,7 +67,7 @@ class HitPointOrder:
             keys += readings[:num]
             blocks += table
         order = sorted(range(len(keys)), key=keys.__getitem__)
-        return [block for i in order if not (block := blocks[i]).is_null]
+        return [block for i in order if (block := blocks[i])]
 
     def _read(self, index: int, num_positions: int) -> None:
         """Ask manager ``index`` for its readings up to ``num_positions``,

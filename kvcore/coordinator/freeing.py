@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcore.coordinator.block_pool import KVCacheBlock
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.twins import twin_runs
@@ -84,13 +83,14 @@ class FreeSteps:
             for block in manager.req_to_blocks.get(request_id, ())[
                 num_computed_tokens // manager.block_size :
             ]
-            if not block.is_null
+            if block
         ]
+        ref = self.block_pool.ref_cnt
         for gid, block in unwritten:
-            if block.ref_cnt > 1:
+            if ref[block] > 1:
                 msg = (
                     f"free(forward_ran=False) for request {request_id!r}: block "
-                    f"{block.block_id} of group {gid}, which the dropped step was "
+                    f"{block} of group {gid}, which the dropped step was "
                     "to fill, is also in another request's table (a hit taken "
                     "after the step was scheduled), whose forward would read KV "
                     "no step writes; drop a step before admitting other requests "
@@ -108,7 +108,7 @@ class FreeSteps:
         if self._evicting_last:
             self._refresh_checkpoints(request_id)
 
-    def pop_for_free(self, request_id: str) -> list[KVCacheBlock]:
+    def pop_for_free(self, request_id: str) -> list[int]:
         """Forget the request and hand back every group's blocks, still
         held, in the order :meth:`free` would free them."""
         freed = self._pop_tables(request_id)
@@ -116,13 +116,13 @@ class FreeSteps:
             self._refresh_checkpoints(request_id)
         return freed
 
-    def _pop_tables(self, request_id: str) -> list[KVCacheBlock]:
+    def _pop_tables(self, request_id: str) -> list[int]:
         """The request's blocks as :meth:`BlockPool.free_table` takes them:
         by hit point across caching groups (:class:`HitPointOrder`), else
         group by group in free order, each tail first; the blocks it held
         back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
         self.forget_span(request_id)
-        tables: list[list[KVCacheBlock] | None] = []
+        tables: list[list[int] | None] = []
         gid = 0
         try:
             for _, members in self._pop_runs:
@@ -134,14 +134,14 @@ class FreeSteps:
             self._rejoin_held_back(request_id, tables)
         if self._by_hit_points is not None:
             return self._by_hit_points(tables)
-        freed: list[KVCacheBlock] = []
+        freed: list[int] = []
         for blocks in reversed(tables):
             if blocks:
                 freed += blocks
         return freed
 
     def _rejoin_held_back(
-        self, request_id: str, tables: list[list[KVCacheBlock] | None]
+        self, request_id: str, tables: list[list[int] | None]
     ) -> None:
         """Take again the blocks the request held back that are still
         cached and put each in a copy of its group's table at its position
@@ -149,7 +149,7 @@ class FreeSteps:
         rest of the table, tail first, and the hit points it completes
         leave the cache with the request's other blocks."""
         held = self._each(self._holding, "take_held_back", request_id)
-        revived: list[KVCacheBlock] = []
+        revived: list[int] = []
         for index, pairs in zip(self._holding_at, held, strict=True):
             table = tables[index]
             if not pairs or not table:

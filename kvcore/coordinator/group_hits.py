@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvcore.coordinator.block_pool import KVCacheBlock
 from kvcore.coordinator.hashing import BlockHash
 from kvcore.coordinator.partial import partial_prefix_hit
 
@@ -28,9 +27,9 @@ def find_longest_cache_hit_per_group(
     coordinator: KVCacheCoordinator,
     block_hashes: Sequence[BlockHash],
     max_length: int,
-) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
-    """Each group's own longest hit up to ``max_length`` tokens: its blocks
-    and its length, by group id.
+) -> tuple[tuple[list[int], ...], tuple[int, ...]]:
+    """Each group's own longest hit up to ``max_length`` tokens: its block
+    ids and its length, by group id.
 
     Each prefix-cacheable group is searched alone at the hit alignment (a
     state group ends on a saved state, a prefix group on its last cached
@@ -41,7 +40,7 @@ def find_longest_cache_hit_per_group(
     0.  Nothing is attached and no statistic is counted.
     """
     num = coordinator.num_groups
-    blocks: list[list[KVCacheBlock]] = [[] for _ in range(num)]
+    blocks: list[list[int]] = [[] for _ in range(num)]
     lengths = [0] * num
     alignment = coordinator.cache_hit_alignment
     limit = max_length - max_length % alignment

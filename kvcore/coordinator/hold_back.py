@@ -17,13 +17,10 @@ kind, and notes what a group freed before the others holds back for
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 from kvcore.coordinator.undo import truncate
 from kvcore.errors import PluginResultError
-
-if TYPE_CHECKING:
-    from kvcore.coordinator.blocks import KVCacheBlock
 
 #: A ``SingleTypeManager`` (kvcore.coordinator.manager, which imports this
 #: module: named here without importing it back).
@@ -37,7 +34,7 @@ def hold_back_twins(
     twins: Sequence[Manager],
     request_id: str,
     positions: Sequence[int],
-    removed: Sequence[Sequence[KVCacheBlock]],
+    removed: Sequence[Sequence[int]],
 ) -> None:
     """Hold back the released blocks each of ``twins`` (``lead`` first)
     keeps: those ``kept_for_later`` names behind the held-back blocks, in
@@ -53,8 +50,8 @@ def hold_back_twins(
     spares = lead.kept_if_room_twins(twins, request_id, positions, removed)
     if type(spares) is not list or len(spares) != num:
         raise _answers_error(lead, "kept_if_room_twins", request_id, spares, num)
-    held: list[KVCacheBlock] = []
-    first: list[list[KVCacheBlock]] = []
+    held: list[int] = []
+    first: list[list[int]] = []
     for i, kept in enumerate(answers):
         # Lowest position first: the running request holds its whole
         # attention prefix, so its longest hit points go last.
@@ -72,7 +69,12 @@ def hold_back_twins(
                 twin, request_id, spare, where, seen, "kept_if_room"
             )
             first.append(spare)
-        elif type(kept) is not list or len(kept) > 1 or kept[0] not in released:
+        elif (
+            type(kept) is not list
+            or len(kept) > 1
+            or type(kept[0]) is not int
+            or kept[0] not in released
+        ):
             where = _where(positions, released)
             kept = answers[i] = _checked(twin, request_id, kept, where, set())
         if kept:
@@ -94,17 +96,15 @@ def hold_back_twins(
             _remember_held(twin, request_id, both, _where(positions, released))
 
 
-def _where(
-    positions: Sequence[int], released: Sequence[KVCacheBlock]
-) -> dict[int, int]:
-    """Each released block's table position, by the block's id."""
-    return {id(block): pos for pos, block in zip(positions, released, strict=True)}
+def _where(positions: Sequence[int], released: Sequence[int]) -> dict[int, int]:
+    """Each released block's table position, by block id."""
+    return dict(zip(released, positions, strict=True))
 
 
 def _remember_held(
     manager: Manager,
     request_id: str,
-    kept: list[KVCacheBlock],
+    kept: list[int],
     where: dict[int, int],
 ) -> None:
     """Note the blocks the running request held back in ``manager``'s
@@ -116,7 +116,8 @@ def _remember_held(
         pool.record(manager.held_back.pop, request_id, None)
     else:
         pool.record(truncate, held, len(held))
-    held += [(where[id(block)], block, block.key_hash) for block in kept]
+    key_hash = pool.key_hash
+    held += [(where[block], block, key_hash[block]) for block in kept]
 
 
 def _answers_error(
@@ -144,7 +145,7 @@ def _checked(
     where: dict[int, int],
     seen: set[int],
     method: str = "kept_for_later",
-) -> list[KVCacheBlock]:
+) -> list[int]:
     """``method``'s answer for one group as the core takes it: a list of
     distinct blocks among those just released (``where``) and not in
     ``seen`` (the ids named so far, which it extends), lowest position
@@ -160,7 +161,7 @@ def _checked(
         )
         raise PluginResultError(msg, plugin_name=plugin)
     for block in kept:
-        if id(block) not in where or id(block) in seen:
+        if type(block) is not int or block not in where or block in seen:
             msg = (
                 f"{owner}.{method} returned {block!r} for request "
                 f"{request_id!r}, which is not one of the blocks it just "
@@ -169,8 +170,8 @@ def _checked(
                 "hold back once"
             )
             raise PluginResultError(msg, plugin_name=plugin)
-        seen.add(id(block))
-    return sorted(kept, key=lambda block: where[id(block)])
+        seen.add(block)
+    return sorted(kept, key=where.__getitem__)
 
 
 def kept_each(
@@ -178,8 +179,8 @@ def kept_each(
     twins: Sequence[Manager],
     request_id: str,
     positions: Sequence[int],
-    removed: Sequence[Sequence[KVCacheBlock]],
-) -> list[list[KVCacheBlock]]:
+    removed: Sequence[Sequence[int]],
+) -> list[list[int]]:
     """The ``kept_twins`` of a class that overrides only ``kept_for_later``."""
     return [
         twin.kept_for_later(request_id, positions, released)
@@ -192,8 +193,8 @@ def kept_if_room_each(
     twins: Sequence[Manager],
     request_id: str,
     positions: Sequence[int],
-    removed: Sequence[Sequence[KVCacheBlock]],
-) -> list[list[KVCacheBlock]]:
+    removed: Sequence[Sequence[int]],
+) -> list[list[int]]:
     """The ``kept_if_room_twins`` of a class that overrides only
     ``kept_if_room``."""
     return [

@@ -7,8 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar, Self, Unpack
 
-from kvcore.coordinator.block_pool import KVCacheBlock, KVCacheEvent
-from kvcore.coordinator.blocks import KVCacheBlocks
+from kvcore.coordinator.block_pool import KVCacheEvent
+from kvcore.coordinator.blocks import BlockId, KVCacheBlocks
 from kvcore.coordinator.checks import (
     EngineStepKeywords,
     check_engine_keywords,
@@ -139,7 +139,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
-            tuple(() for _ in range(self.num_kv_cache_groups))
+            tuple(() for _ in range(self.num_kv_cache_groups)), pool=self.block_pool
         )
         self.prefix_cache_stats = PrefixCacheStats()
         self._managers = self.coordinator.single_type_managers
@@ -248,8 +248,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
         stats.hits += length
         if not length:
             return self.empty_kv_cache_blocks, 0
-        out = KVCacheBlocks(blocks)
         pool = self.block_pool
+        out = KVCacheBlocks(blocks, pool=pool)
         out._lookup = (pool, pool.evictions, request, blocks)
         return out, length
 
@@ -382,8 +382,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
         self,
         request: Request,
         held: Request | None,
-        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int, int],
-        sources: list[tuple[int, KVCacheBlock, int]] | None,
+        args: tuple[bool, bool, tuple[list[BlockId], ...], int, int, int, int],
+        sources: list[tuple[int, BlockId, int]] | None,
         shed: list[Any] | None,
         tokens: tuple[int, int],
     ) -> KVCacheBlocks:
@@ -434,8 +434,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
             return KVCacheBlocks(
                 new_blocks
                 if new_blocks is not None
-                else self.empty_kv_cache_blocks.blocks,
+                else self.empty_kv_cache_blocks.ids,
                 copies,
+                pool=self.block_pool,
             )
         if new_blocks is None:
             return self.empty_kv_cache_blocks
@@ -443,10 +444,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
 
     def _copy_step(
         self,
-        sources: list[tuple[int, KVCacheBlock, int]],
+        sources: list[tuple[int, BlockId, int]],
         request: Request,
         *args: Any,
-    ) -> tuple[list[KVCacheBlock], ...] | None:
+    ) -> tuple[list[BlockId], ...] | None:
         """:meth:`_step` (``args``: its arguments after the request) for an
         admission with copy-on-write sources: each source is held for the
         step (so this step's allocation cannot evict it) and released after;
@@ -462,7 +463,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
     def _copies(
         self,
         rid: str,
-        sources: list[tuple[int, KVCacheBlock, int]],
+        sources: list[tuple[int, BlockId, int]],
         num_hit_tokens: int,
     ) -> tuple[BlockCopy, ...]:
         """The copies of an admission: each source into the fresh block at
@@ -471,7 +472,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         for gid, src, num_tokens in sources:
             manager = self._managers[gid]
             dst = manager.req_to_blocks[rid][num_hit_tokens // manager.block_size]
-            out.append(BlockCopy(gid, src.block_id, dst.block_id, num_tokens))
+            out.append(BlockCopy(gid, src, dst, num_tokens))
         return tuple(out)
 
     def _step(
@@ -479,19 +480,19 @@ class KVCacheManager(StepNeeds, EngineCalls):
         request: Request,
         running: bool,
         skipping: bool,
-        attach: tuple[list[KVCacheBlock], ...],
+        attach: tuple[list[BlockId], ...],
         num_computed: int,
         num_tokens: int,
         cache_to: int,
         num_encoder: int = 0,
-    ) -> tuple[list[KVCacheBlock], ...] | None:
+    ) -> tuple[list[BlockId], ...] | None:
         """The changes of one validated allocate_slots step (``num_encoder``:
         the encoder tokens of an admission)."""
         coordinator = self.coordinator
         rid = request.request_id
         if skipping:
             coordinator.remove_skipped_blocks(rid, num_computed)
-        new_blocks: tuple[list[KVCacheBlock], ...] | None
+        new_blocks: tuple[list[BlockId], ...] | None
         if running:
             new_blocks = coordinator.grow(rid, num_tokens)
         else:
@@ -535,12 +536,13 @@ class KVCacheManager(StepNeeds, EngineCalls):
     # -- block lists ------------------------------------------------------------
 
     def create_kv_cache_blocks(
-        self, blocks: tuple[Sequence[KVCacheBlock], ...]
+        self, blocks: tuple[Sequence[BlockId], ...]
     ) -> KVCacheBlocks:
-        """Wrap per-group block lists (the shared empty instance if all empty)."""
+        """Wrap per-group block id lists (the shared empty instance if all
+        empty)."""
         for group in blocks:
             if group:
-                return KVCacheBlocks(blocks)
+                return KVCacheBlocks(blocks, pool=self.block_pool)
         return self.empty_kv_cache_blocks
 
     def truncate_computed_blocks(
@@ -558,9 +560,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
         check_tokens(
             "truncate_computed_blocks: num_computed_tokens", num_computed_tokens
         )
-        out: list[list[KVCacheBlock]] = []
+        out: list[list[BlockId]] = []
         for gid, (manager, group_blocks) in enumerate(
-            zip(self._managers, blocks.blocks, strict=True)
+            zip(self._managers, blocks.ids, strict=True)
         ):
             if not manager.kv_cache_spec.prefix_cacheable:
                 if group_blocks:
@@ -597,11 +599,16 @@ class KVCacheManager(StepNeeds, EngineCalls):
                     )
                     raise InvalidRequestError(msg)
             out.append(manager.truncate_hit(list(group_blocks), num_computed_tokens))
-        return self.create_kv_cache_blocks(tuple(out))
+        if not any(out):
+            return self.empty_kv_cache_blocks
+        # The hit's own pool: a hit of another manager stays foreign.
+        return KVCacheBlocks(tuple(out), pool=blocks._pool)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         self._require_live(request_id)
-        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+        return KVCacheBlocks(
+            self.coordinator.get_blocks(request_id), pool=self.block_pool
+        )
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Every group's block ids for the request (0 is the null block)."""
@@ -629,10 +636,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
         out = []
         for manager in self._managers:
             ids = {
-                block.block_id
+                block
                 for blocks in manager.req_to_blocks.values()
                 for block in blocks
-                if not block.is_null
+                if block
             }
             out.append(len(ids))
         return tuple(out)

@@ -18,11 +18,11 @@ from typing import Any, ClassVar
 
 import attrs
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins, kept_each, kept_if_room_each
+from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
-from kvcore.coordinator.twin_ops import UNDO_CALL
 from kvcore.coordinator.undo import put_at_each, put_back, put_back_each
 from kvcore.spec import HitPolicy
 
@@ -192,8 +192,9 @@ class SingleTypeManager:
         #: released blocks :meth:`kept_for_later` names are then held back.
         self.holds_back = False
         self.null_block = block_pool.null_block
-        #: request id -> the request's blocks (null blocks where skipped).
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        #: request id -> the request's block ids (the null block, 0, where
+        #: skipped).
+        self.req_to_blocks: dict[str, list[int]] = {}
         #: request id -> how many of its blocks are already hashed.
         self.num_cached_block: dict[str, int] = {}
         #: request id -> table positions below this hold the null block
@@ -206,7 +207,7 @@ class SingleTypeManager:
         #: request id -> (table position, block, its key) of the blocks the
         #: running request released and held back (see
         #: :meth:`remove_skipped_blocks`), for :meth:`take_held_back`.
-        self.held_back: dict[str, list[tuple[int, KVCacheBlock, Any]]] = {}
+        self.held_back: dict[str, list[tuple[int, int, Any]]] = {}
         #: The transaction and the requests it recorded, each with whether
         #: their whole table was (see :meth:`record_request_state`).
         self._recorded: tuple[int, dict[str, bool]] = (-1, {})
@@ -303,8 +304,8 @@ class SingleTypeManager:
         self,
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
+        released: Sequence[int],
+    ) -> list[int]:
         """Of the blocks a running request just released (skipped) from
         table ``positions``, those it keeps for later requests' hits: they
         are held back, evicted only after every other free block, until
@@ -320,8 +321,8 @@ class SingleTypeManager:
         twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        removed: Sequence[Sequence[KVCacheBlock]],
-    ) -> list[list[KVCacheBlock]]:
+        removed: Sequence[Sequence[int]],
+    ) -> list[list[int]]:
         """:meth:`kept_for_later` in each of ``twins`` (this manager first;
         see :meth:`allocate_twins`), which released ``removed`` (one list
         per twin) from table ``positions``: one list per twin.  A subclass
@@ -334,8 +335,8 @@ class SingleTypeManager:
         self,
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
+        released: Sequence[int],
+    ) -> list[int]:
         """Like :meth:`kept_for_later` (and never naming a block it names),
         the released blocks kept for hits that are less likely (a grid of
         points where a later request may branch): held back in front of
@@ -353,8 +354,8 @@ class SingleTypeManager:
         twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        removed: Sequence[Sequence[KVCacheBlock]],
-    ) -> list[list[KVCacheBlock]]:
+        removed: Sequence[Sequence[int]],
+    ) -> list[list[int]]:
         """:meth:`kept_if_room` in each of ``twins``, as :meth:`kept_twins`
         is :meth:`kept_for_later`'s: one list per twin.  A subclass that
         changes what is kept if room overrides this method."""
@@ -362,7 +363,7 @@ class SingleTypeManager:
 
     _own_kept_if_room_twins = kept_if_room_twins
 
-    def take_held_back(self, request_id: str) -> list[tuple[int, KVCacheBlock]]:
+    def take_held_back(self, request_id: str) -> list[tuple[int, int]]:
         """When the request is freed: ``(table position, block)`` of the
         blocks it held back that sit free still holding the key they were
         released with; the coordinator puts them back in the eviction
@@ -370,14 +371,17 @@ class SingleTypeManager:
         held = self.held_back.pop(request_id, None)
         if not held:
             return []
-        self.block_pool.record(self.held_back.__setitem__, request_id, held)
+        pool = self.block_pool
+        pool.record(self.held_back.__setitem__, request_id, held)
+        ref = pool.ref_cnt
+        key_hash = pool.key_hash
         return [
             (pos, block)
             for pos, block, key in held
-            if block.ref_cnt == 0 and block.key_hash is key
+            if ref[block] == 0 and key_hash[block] is key
         ]
 
-    def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+    def take_released_checkpoints(self, request_id: str) -> list[int]:
         """After the request is freed: blocks it kept for later requests
         that were released earlier and sit free; the coordinator moves them
         to the back of the eviction order.  None by default."""
@@ -400,8 +404,8 @@ class SingleTypeManager:
     # -- allocation -----------------------------------------------------------
 
     def admission_blocks(
-        self, hit: Sequence[KVCacheBlock], num_computed_tokens: int
-    ) -> list[KVCacheBlock]:
+        self, hit: Sequence[int], num_computed_tokens: int
+    ) -> list[int]:
         """What a new request attaches at admission with ``num_computed_tokens``
         computed (its hit included): the hit with the null block at every
         position the kind skips, padded with the null block up to the first
@@ -422,7 +426,7 @@ class SingleTypeManager:
         self,
         request_id: str,
         num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
+        new_computed_blocks: Sequence[int],
     ) -> int:
         """Free blocks this group needs so the request covers ``num_tokens``:
         new blocks plus hit blocks that must leave the free queue (null
@@ -436,14 +440,13 @@ class SingleTypeManager:
         need -= len(new_computed_blocks)
         if need < 0:
             need = 0
+        ref = self.block_pool.ref_cnt
         for block in new_computed_blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block and ref[block] == 0:
                 need += 1
         return need
 
-    def add_computed_blocks(
-        self, request_id: str, blocks: Sequence[KVCacheBlock]
-    ) -> None:
+    def add_computed_blocks(self, request_id: str, blocks: Sequence[int]) -> None:
         """Attach admission blocks (see :meth:`admission_blocks`) to a
         request, taking a reference on each that is not the null block."""
         if not blocks:
@@ -457,7 +460,7 @@ class SingleTypeManager:
                 # Leading null blocks are positions already skipped.
                 lead = 0
                 for block in held:
-                    if not block.is_null:
+                    if block:
                         break
                     lead += 1
                 self.num_released[request_id] = lead
@@ -465,9 +468,7 @@ class SingleTypeManager:
             held.extend(blocks)
         self.num_cached_block[request_id] = len(held)
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int
-    ) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to cover ``num_tokens``; return new blocks
         (:meth:`allocate_twins` over this group alone)."""
         new = type(self)._own_allocate_twins(self, (self,), request_id, num_tokens)
@@ -475,7 +476,7 @@ class SingleTypeManager:
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
-    ) -> list[list[KVCacheBlock]] | None:
+    ) -> list[list[int]] | None:
         """Grow the request's table in each of ``twins`` (this manager first,
         then the other groups of its class: one manager class, spec, block
         size, caching and hit alignment, so their tables have one shape) to
@@ -570,7 +571,7 @@ class SingleTypeManager:
         if blocks:
             self.block_pool.free_table(blocks)
 
-    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+    def pop_blocks(self, request_id: str) -> list[int] | None:
         """Forget the request and hand back its table (the caller frees it;
         the list is not changed afterwards): :meth:`pop_twins` over this
         group alone."""
@@ -578,14 +579,14 @@ class SingleTypeManager:
 
     def pop_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str
-    ) -> list[list[KVCacheBlock] | None]:
+    ) -> list[list[int] | None]:
         """:meth:`pop_blocks` in each of ``twins`` (this manager first; see
         :meth:`allocate_twins`): each twin's table, or None where it holds
         none, with one journal record for the class.  A subclass that
         keeps more per-request state overrides this method (or
         :meth:`pop_blocks`, which pops its twins group by group)."""
         skips = self.skips_blocks  # twins are one class
-        out: list[list[KVCacheBlock] | None] = []
+        out: list[list[int] | None] = []
         entries: list[tuple[Any, ...]] = []
         for twin in twins:
             blocks = twin.req_to_blocks.pop(request_id, None)
@@ -724,19 +725,20 @@ class SingleTypeManager:
             return [
                 i
                 for i in range(last - 1, start - 1, -1)
-                if blocks[i] is not null and i not in pinned
+                if blocks[i] != null and i not in pinned
             ]
-        return [i for i in range(last - 1, start - 1, -1) if blocks[i] is not null]
+        return [i for i in range(last - 1, start - 1, -1) if blocks[i] != null]
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks :meth:`remove_skipped_blocks` would return to the free queue."""
         if not self.skips_blocks:
             return 0
         blocks = self.req_to_blocks.get(request_id)
+        ref = self.block_pool.ref_cnt
         return sum(
             1
             for i in self._skipped(request_id, num_computed_tokens)
-            if blocks is not None and blocks[i].ref_cnt == 1
+            if blocks is not None and ref[blocks[i]] == 1
         )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -766,7 +768,7 @@ class SingleTypeManager:
             return
         null = self.null_block
         tables = [twin.req_to_blocks[request_id] for twin in twins]
-        removed: list[list[KVCacheBlock]] = []
+        removed: list[list[int]] = []
         for table in tables:
             blocks = []
             for i in positions:
@@ -781,14 +783,12 @@ class SingleTypeManager:
 
     _own_release_twins = release_twins
 
-    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+    def hit_serves(self, blocks: Sequence[int]) -> bool:
         """Whether a hit of ``blocks`` holds what the next token reads.  The
         base rule: every block of the prefix is present."""
         return self.null_block not in blocks
 
-    def truncate_hit(
-        self, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> list[KVCacheBlock]:
+    def truncate_hit(self, blocks: list[int], num_tokens: int) -> list[int]:
         """The first blocks of a hit that cover ``num_tokens`` tokens."""
         return blocks[: num_tokens // self.block_size]
 
@@ -796,7 +796,7 @@ class SingleTypeManager:
 
     @classmethod
     @abc.abstractmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         """The longest cached prefix the query allows: one block list per
         ``query.group_ids``, all of one length, covering a multiple of
         ``query.alignment`` tokens (null blocks where the kind reads
@@ -813,7 +813,7 @@ def _allocate_each(
     twins: Sequence[SingleTypeManager],
     request_id: str,
     num_tokens: int,
-) -> list[list[KVCacheBlock]] | None:
+) -> list[list[int]] | None:
     """The twin step of a class that overrides only allocate_new_blocks."""
     new = [twin.allocate_new_blocks(request_id, num_tokens) for twin in twins]
     return new if any(new) else None
@@ -843,7 +843,7 @@ def _cache_each(
 
 def _pop_each(
     self: SingleTypeManager, twins: Sequence[SingleTypeManager], request_id: str
-) -> list[list[KVCacheBlock] | None]:
+) -> list[list[int] | None]:
     """The twin step of a class that overrides only pop_blocks."""
     return [twin.pop_blocks(request_id) for twin in twins]
 

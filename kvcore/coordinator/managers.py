@@ -23,7 +23,7 @@ from itertools import islice, takewhile
 from operator import is_not
 from typing import Any, ClassVar, cast
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
@@ -48,7 +48,7 @@ class PrefixManager(SingleTypeManager):
     partial_copy_hits: ClassVar[bool] = True
 
     @classmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         return prefix_hit(
             query.block_hashes,
             query.max_blocks,
@@ -66,13 +66,13 @@ def prefix_hit(
     pool: BlockPool,
     block_size: int,
     alignment: int,
-) -> list[list[KVCacheBlock]]:
+) -> list[list[int]]:
     """:class:`PrefixManager`'s search over at most ``limit`` blocks; the
     coordinator calls it directly for a group whose manager keeps that search
     (one lookup a step, so no query object is built)."""
     if len(group_ids) == 1:
         # The group's hash -> block map, read directly (see
-        # BlockPool.lookup): an entry is a block or {block_id: block}.
+        # BlockPool.lookup): an entry is a block id or {block_id: None}.
         hits = [_cached_run(pool.cached_blocks_of(group_ids[0]), hashes, limit)]
     else:
         # Group by group: each group's run of cached blocks, bounded by the
@@ -95,14 +95,14 @@ def prefix_hit(
 
 def _cached_run(
     cached: dict[BlockHash, Any], hashes: Sequence[BlockHash], limit: int
-) -> list[KVCacheBlock]:
+) -> list[int]:
     """The blocks ``cached`` (one group's live map, see
     :meth:`BlockPool.cached_blocks_of`) holds for ``hashes[0]``,
     ``hashes[1]``, ... up to the first miss, at most ``limit``."""
     run: list[Any] = list(takewhile(_is_entry, map(cached.get, islice(hashes, limit))))
     if dict in map(type, run):
         # Several blocks hold the hash: the first stands for them.
-        run = [next(iter(e.values())) if type(e) is dict else e for e in run]
+        run = [next(iter(e)) if type(e) is dict else e for e in run]
     return run
 
 
@@ -187,7 +187,7 @@ class WindowManager(SingleTypeManager):
 
     def pop_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str
-    ) -> list[list[KVCacheBlock] | None]:
+    ) -> list[list[int] | None]:
         record = self.block_pool.record
         for twin in cast("Sequence[WindowManager]", twins):
             points = twin.hit_points.pop(request_id, None)
@@ -202,8 +202,8 @@ class WindowManager(SingleTypeManager):
         self,
         request_id: str,
         positions: Sequence[int],
-        released: Sequence[KVCacheBlock],
-    ) -> list[KVCacheBlock]:
+        released: Sequence[int],
+    ) -> list[int]:
         """The released blocks a hit at one of the request's hit points
         reads (see :meth:`plan_checkpoints`)."""
         points = self.hit_points.get(request_id)
@@ -215,8 +215,9 @@ class WindowManager(SingleTypeManager):
         reads = [(skipped(p) // size, p // size) for p in points or ()]
         every = self.hold_interval
         kept = []
+        key_hash = self.block_pool.key_hash
         for pos, block in zip(positions, released, strict=True):
-            if block.key_hash is None:
+            if key_hash[block] is None:
                 continue
             if any(first <= pos < end for first, end in reads):
                 kept.append(block)
@@ -228,10 +229,10 @@ class WindowManager(SingleTypeManager):
                     kept.append(block)
         return kept
 
-    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+    def hit_serves(self, blocks: Sequence[int]) -> bool:
         # The next token reads the blocks from the release line on.
         skipped = self.kv_cache_spec.skipped_tokens(len(blocks) * self.block_size)
-        return not any(block.is_null for block in blocks[skipped // self.block_size :])
+        return self.null_block not in blocks[skipped // self.block_size :]
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         block_size = self.block_size
@@ -279,7 +280,7 @@ class WindowManager(SingleTypeManager):
         self.num_cached_block[rid] = decided
 
     @classmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         """The longest aligned hit whose read blocks are all cached.
 
         Ends are tried from the right.  A miss at block ``j`` rules out every
@@ -292,7 +293,7 @@ class WindowManager(SingleTypeManager):
         pool = query.block_pool
         group_ids = query.group_ids
         hashes = query.block_hashes
-        seen: dict[int, list[KVCacheBlock] | None] = {}
+        seen: dict[int, list[int] | None] = {}
         end = query.max_blocks
         while end > 0:
             if (end * block_size) % alignment:
@@ -350,20 +351,18 @@ class FixedBlocksManager(SingleTypeManager):
         self,
         request_id: str,
         num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
+        new_computed_blocks: Sequence[int],
     ) -> int:
         if request_id in self.req_to_blocks:
             return 0
         return self.fixed_blocks
 
-    def add_computed_blocks(
-        self, request_id: str, blocks: Sequence[KVCacheBlock]
-    ) -> None:
+    def add_computed_blocks(self, request_id: str, blocks: Sequence[int]) -> None:
         return
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
-    ) -> list[list[KVCacheBlock]] | None:
+    ) -> list[list[int]] | None:
         if request_id in self.req_to_blocks:
             return None
         # One hand-out for the class, split in group order.
@@ -379,5 +378,5 @@ class FixedBlocksManager(SingleTypeManager):
         return
 
     @classmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         return [[] for _ in query.group_ids]

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.blocks import BlockCopy
 from kvcore.coordinator.manager import HitQuery
 from kvcore.coordinator.managers import prefix_hit
@@ -54,9 +54,7 @@ __all__ = [
 ]
 
 
-def partial_prefix_hit(
-    query: HitQuery, unit: int
-) -> tuple[list[list[KVCacheBlock]], int]:
+def partial_prefix_hit(query: HitQuery, unit: int) -> tuple[list[list[int]], int]:
     """A prefix search that may end inside a block: the run of cached full
     blocks, then at most one block holding a partial key at the deepest
     boundary below the next block end that is a multiple of ``unit`` and of
@@ -91,18 +89,15 @@ def partial_prefix_hit(
 
 def copy_source_valid(
     pool: BlockPool,
-    block: KVCacheBlock,
+    block: int,
     group_id: int,
     full_key: object,
     chunk_key: object,
 ) -> bool:
     """Whether ``block`` still holds a prefix a copy may read: its full key
     (the whole block is the prefix) or the partial key of the hit's end."""
-    if (
-        block.key_hash is not None
-        and block.key_group == group_id
-        and block.key_hash == full_key
-    ):
+    key = pool.key_hash[block]
+    if key is not None and pool.key_group[block] == group_id and key == full_key:
         return True
     return chunk_key is not None and pool.has_partial_key(
         block,
@@ -192,21 +187,21 @@ def register_partial_keys(
     while end <= top:
         if end % block_size:
             block = blocks[end // block_size]
-            if not block.is_null:
+            if block:
                 add(block, chunks[end // hash_size - 1], gid)
         end += step
 
 
 def split_copy_sources(
-    computed: tuple[Sequence[KVCacheBlock], ...],
+    computed: tuple[Sequence[int], ...],
     partial_groups: Sequence[tuple[int, int]],
     hit_end: int,
-) -> tuple[tuple[Sequence[KVCacheBlock], ...], list[tuple[int, KVCacheBlock, int]]]:
+) -> tuple[tuple[Sequence[int], ...], list[tuple[int, int, int]]]:
     """The hit without its copy sources, and the sources ``(group id, block,
     tokens to copy)``: for each partial-hit group ``(group id, block size)``
     whose hit ends inside a block, the hit's last block."""
-    sources: list[tuple[int, KVCacheBlock, int]] = []
-    out: list[Sequence[KVCacheBlock]] | None = None
+    sources: list[tuple[int, int, int]] = []
+    out: list[Sequence[int]] | None = None
     for gid, block_size in partial_groups:
         rest = hit_end % block_size
         blocks = computed[gid]

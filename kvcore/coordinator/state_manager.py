@@ -17,7 +17,7 @@ from kvcore.checkpoints import (
     CheckpointPolicy,
     CheckpointPolicyError,
 )
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
@@ -85,21 +85,21 @@ class CheckpointManager(SingleTypeManager):
         self.targets: dict[str, list[int]] = {}
         #: request id -> (position, block, key) of its newest step-end
         #: state, which the next one replaces.
-        self.step_end: dict[str, tuple[int, KVCacheBlock, Any]] = {}
+        self.step_end: dict[str, tuple[int, int, Any]] = {}
         #: With EAGLE: request id -> the step-end state before the newest,
         #: kept too (a hit drops a block, so it may end there).
-        self.step_before: dict[str, tuple[int, KVCacheBlock, Any]] = {}
+        self.step_before: dict[str, tuple[int, int, Any]] = {}
         #: request id -> checkpoint blocks it kept (refreshed in the
         #: eviction order when the request is freed).
         #: Each with the key it was cached under: a block evicted since may
         #: hold another request's content.
-        self.kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
+        self.kept: dict[str, list[tuple[int, Any]]] = {}
         #: request id -> interval states it kept while the group holds back
         #: (see :meth:`kept_if_room_twins`), each with the key it was cached under.
-        self.spaced: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
+        self.spaced: dict[str, list[tuple[int, Any]]] = {}
         #: freed request id -> the kept blocks :meth:`take_released_checkpoints`
         #: hands the coordinator once.
-        self._released_kept: dict[str, list[tuple[KVCacheBlock, Any]]] = {}
+        self._released_kept: dict[str, list[tuple[int, Any]]] = {}
         #: request id -> the branch-point target planned at admission.
         self.branch: dict[str, int] = {}
         #: request id -> its targets that only the interval placed (thinned
@@ -109,14 +109,14 @@ class CheckpointManager(SingleTypeManager):
         #: Shared states (branch points, and states more than one request
         #: resumed from) by the tokens they resume after: key -> block.
         #: Entries evicted since are skipped, and pruned with hit_counts.
-        self.shared_states: dict[int, dict[Any, KVCacheBlock]] = {}
+        self.shared_states: dict[int, dict[Any, int]] = {}
         self._num_shared = 0
         #: State block -> (the key it was hit under, hits under that key).
-        self.hit_counts: dict[KVCacheBlock, tuple[Any, int]] = {}
+        self.hit_counts: dict[int, tuple[Any, int]] = {}
         #: request id -> (tokens, block, key) of the longest shared state
         #: below its hit on its prompt's path, found at admission: the
         #: request holds it while it runs.
-        self.on_path: dict[str, tuple[int, KVCacheBlock, Any]] = {}
+        self.on_path: dict[str, tuple[int, int, Any]] = {}
 
     def keeps_every_state(self, spec: Any) -> bool:
         """Whether every block-boundary state stays for the request's life
@@ -299,8 +299,8 @@ class CheckpointManager(SingleTypeManager):
     # -- allocation -------------------------------------------------------------
 
     def admission_blocks(
-        self, hit: Sequence[KVCacheBlock], num_computed_tokens: int
-    ) -> list[KVCacheBlock]:
+        self, hit: Sequence[int], num_computed_tokens: int
+    ) -> list[int]:
         """The hit, with the null block at the positions no step reads again
         and, where no hit block holds the state the first step starts from
         (a KV connector loads it), the null block at its position too: that
@@ -319,13 +319,13 @@ class CheckpointManager(SingleTypeManager):
         self,
         request_id: str,
         num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
+        new_computed_blocks: Sequence[int],
     ) -> int:
         held = self.req_to_blocks.get(request_id)
         have = len(new_computed_blocks) + (len(held) if held is not None else 0)
         # An admission whose starting state no hit holds: a block for it.
         loaded = held is None and bool(new_computed_blocks)
-        loaded = loaded and new_computed_blocks[-1].is_null
+        loaded = loaded and not new_computed_blocks[-1]
         target = cdiv(num_tokens, self.block_size)
         # Every missing position gets a state block, or only the newest and
         # the checkpoints inside the step.
@@ -337,31 +337,32 @@ class CheckpointManager(SingleTypeManager):
                 need += len(self._inner_targets(request_id, have, target))
         else:
             need = 0
+        ref = self.block_pool.ref_cnt
         for block in new_computed_blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block and ref[block] == 0:
                 need += 1
         if (
             held is None
             and self.on_path
             and new_computed_blocks
-            and not new_computed_blocks[-1].is_null
+            and new_computed_blocks[-1]
         ):
             # Held with a hit's state (see add_computed_blocks).
             path = self.on_path.get(request_id)
-            if path is not None and path[1].ref_cnt == 0:
+            if path is not None and ref[path[1]] == 0:
                 need += 1  # the shared state it will hold leaves the free queue
         return need + loaded
 
     def allocate_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str, num_tokens: int
-    ) -> list[list[KVCacheBlock]] | None:
+    ) -> list[list[int]] | None:
         held = self.req_to_blocks.get(request_id)
         start = 0 if held is None else len(held)
         end = cdiv(num_tokens, self.block_size)
         missing = end - start
         # Just admitted with its starting state's position null (see
         # admission_blocks): the state a connector loads takes a block.
-        loaded = held is not None and len(held) > 0 and held[-1].is_null
+        loaded = held is not None and len(held) > 0 and not held[-1]
         if held is not None and missing <= 0 and not loaded:
             return None
         self.record_twins(twins, request_id)
@@ -432,9 +433,7 @@ class CheckpointManager(SingleTypeManager):
         first = cdiv(start, size)
         if start % size and (self.keep_all or self._targets_on):
             first -= 1
-        out = [
-            (pos + 1) * size for pos in range(first, last) if not blocks[pos].is_null
-        ]
+        out = [(pos + 1) * size for pos in range(first, last) if blocks[pos]]
         out.append(end)
         return out
 
@@ -506,7 +505,8 @@ class CheckpointManager(SingleTypeManager):
             block = self._keep(request, blocks, pos, kept=not spaced)
             if spaced and block is not None and self.holds_back:
                 self._save(self.spaced, rid)
-                self.spaced.setdefault(rid, []).append((block, block.key_hash))
+                key = self.block_pool.key_hash[block]
+                self.spaced.setdefault(rid, []).append((block, key))
             if block is not None and self.branch.get(rid) == reached:
                 self._mark_shared(reached, block)
                 if self._holds_shared:
@@ -530,27 +530,28 @@ class CheckpointManager(SingleTypeManager):
             pos += per_unit
 
     def _keep(
-        self, request: Request, blocks: list[KVCacheBlock], pos: int, *, kept: bool
-    ) -> KVCacheBlock | None:
+        self, request: Request, blocks: list[int], pos: int, *, kept: bool
+    ) -> int | None:
         """Hash the state at table position ``pos``; the block, or None when
         there is no real block there or its prefix is not hashed yet."""
         if pos < 0 or pos >= len(blocks):
             return None
         block = blocks[pos]
-        if block.is_null:
+        if not block:
             return None
         rid = request.request_id
         chunks = request.block_hashes
         if self.block_hash(chunks, pos) is None:
             return None
-        newly = block.key_hash is None
+        key_hash = self.block_pool.key_hash
+        newly = key_hash[block] is None
         if newly:
             if self.block_size % self.hash_block_size:
                 # Finer than the hash block: the table is seen one position
                 # per hash chunk (the state at each chunk's end), so the key,
                 # its parent and the event's tokens all describe whole chunks.
                 ratio = self.hash_block_size // self.block_size
-                view: Sequence[KVCacheBlock] = ChunkEnds(blocks, ratio)
+                view: Sequence[int] = ChunkEnds(blocks, ratio)
                 index = (pos + 1) // ratio - 1
                 self.block_pool.cache_full_blocks(
                     block_hashes=chunks,
@@ -576,12 +577,12 @@ class CheckpointManager(SingleTypeManager):
             self.num_cached_block[rid] = pos + 1
         if kept and newly and not self.keep_all:
             self._save(self.kept, rid)
-            self.kept.setdefault(rid, []).append((block, block.key_hash))
+            self.kept.setdefault(rid, []).append((block, key_hash[block]))
         return block
 
-    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+    def hit_serves(self, blocks: Sequence[int]) -> bool:
         # The next token reads the state at the hit's last position.
-        return not blocks or not blocks[-1].is_null
+        return not blocks or blocks[-1] != 0
 
     def shortest_hit_reading(self, position: int) -> int:
         # The state at a position serves only the hit ending there.
@@ -595,14 +596,12 @@ class CheckpointManager(SingleTypeManager):
 
     # -- freeing ----------------------------------------------------------------
 
-    def add_computed_blocks(
-        self, request_id: str, blocks: Sequence[KVCacheBlock]
-    ) -> None:
+    def add_computed_blocks(self, request_id: str, blocks: Sequence[int]) -> None:
         super().add_computed_blocks(request_id, blocks)
-        if not blocks or blocks[-1].is_null:
+        if not blocks or not blocks[-1]:
             return
         hit = blocks[-1]
-        key = hit.key_hash
+        key = self.block_pool.key_hash[hit]
         counted = self.hit_counts.get(hit)
         # Keyed by block: at most one entry per block, a stale key replaced
         # when the block is hit again.
@@ -628,7 +627,7 @@ class CheckpointManager(SingleTypeManager):
             tokens, block, key = path
             pos = tokens // self.block_size - 1
             table = self.req_to_blocks[request_id]
-            if pos < len(table) - 1 and table[pos].is_null and self._holds(block, key):
+            if pos < len(table) - 1 and not table[pos] and self._holds(block, key):
                 self.record_request_state(request_id, whole=True)
                 self.block_pool.touch((block,))
                 table[pos] = block
@@ -638,11 +637,11 @@ class CheckpointManager(SingleTypeManager):
 
     def _uncount(
         self,
-        hit: KVCacheBlock,
+        hit: int,
         counted: tuple[Any, int] | None,
         tokens: int,
         key: Any,
-        shared_before: KVCacheBlock | None,
+        shared_before: int | None,
     ) -> None:
         """Undo one hit's count (its step rolled back)."""
         if counted is None:
@@ -659,21 +658,24 @@ class CheckpointManager(SingleTypeManager):
             if not states:
                 del self.shared_states[tokens]
 
-    def _mark_shared(self, tokens: int, block: KVCacheBlock) -> None:
+    def _mark_shared(self, tokens: int, block: int) -> None:
         states = self.shared_states.setdefault(tokens, {})
-        if block.key_hash not in states:
+        key = self.block_pool.key_hash[block]
+        if key not in states:
             self._num_shared += 1
             if self._num_shared > 2 * self.block_pool.num_blocks:
                 self._prune_shared()
-        states[block.key_hash] = block
+        states[key] = block
 
     def _prune_shared(self) -> None:
         """Forget the states evicted since they were hit or marked shared."""
         group = self.kv_cache_group_id
+        key_hash = self.block_pool.key_hash
+        key_group = self.block_pool.key_group
         self.hit_counts = {
             b: v
             for b, v in self.hit_counts.items()
-            if b.key_hash == v[0] and b.key_group == group
+            if key_hash[b] == v[0] and key_group[b] == group
         }
         self._num_shared = 0
         for tokens, states in list(self.shared_states.items()):
@@ -686,7 +688,7 @@ class CheckpointManager(SingleTypeManager):
 
     def _shared_on_path(
         self, request: Request, limit: int
-    ) -> tuple[int, KVCacheBlock, Any] | None:
+    ) -> tuple[int, int, Any] | None:
         """The longest shared state at or below ``limit`` tokens that
         ``request``'s prompt passes through (probing whichever is fewer:
         the positions shared states sit at, or the request's boundaries)."""
@@ -710,7 +712,7 @@ class CheckpointManager(SingleTypeManager):
                 return (tokens, block, key)
         return None
 
-    def pop_blocks(self, request_id: str) -> list[KVCacheBlock] | None:
+    def pop_blocks(self, request_id: str) -> list[int] | None:
         if self.block_pool.journal is not None:
             self.block_pool.record_undo(
                 partial(
@@ -744,31 +746,33 @@ class CheckpointManager(SingleTypeManager):
         twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        removed: Sequence[Sequence[KVCacheBlock]],
-    ) -> list[list[KVCacheBlock]]:
+        removed: Sequence[Sequence[int]],
+    ) -> list[list[int]]:
         """The released states each twin keeps for later requests (its
         prompt end, branch point, step ends; not the interval states): held
         back until it is freed, then moved to the back of the eviction
         order (:meth:`take_released_checkpoints`)."""
-        out: list[list[KVCacheBlock]] = []
+        out: list[list[int]] = []
         states = cast("Sequence[CheckpointManager]", twins)
         for twin, released in zip(states, removed, strict=True):
             kept = twin.kept.get(request_id)
             end = twin.step_end.get(request_id)
             before = twin.step_before.get(request_id)
-            mine: list[KVCacheBlock] = []
+            mine: list[int] = []
             out.append(mine)
             if not kept and end is None and before is None:
                 continue
             gid = twin.kv_cache_group_id
+            key_hash = twin.block_pool.key_hash
+            key_group = twin.block_pool.key_group
             for block in released:
-                key = block.key_hash
-                if key is None or block.key_group != gid:
+                key = key_hash[block]
+                if key is None or key_group[block] != gid:
                     continue  # held under no key of this group: not kept
                 if (
-                    (end is not None and end[1] is block and end[2] == key)
-                    or (before is not None and before[1] is block and before[2] == key)
-                    or (kept and any(b is block and k == key for b, k in kept))
+                    (end is not None and end[1] == block and end[2] == key)
+                    or (before is not None and before[1] == block and before[2] == key)
+                    or (kept and any(b == block and k == key for b, k in kept))
                 ):
                     mine.append(block)
         return out
@@ -778,25 +782,25 @@ class CheckpointManager(SingleTypeManager):
         twins: Sequence[SingleTypeManager],
         request_id: str,
         positions: Sequence[int],
-        removed: Sequence[Sequence[KVCacheBlock]],
-    ) -> list[list[KVCacheBlock]]:
+        removed: Sequence[Sequence[int]],
+    ) -> list[list[int]]:
         """The released interval states each twin kept (where the group
         holds back): held back in front of the states :meth:`kept_twins`
         names until the request is freed, then moved to the back of the
         eviction order with them (a request branching from the running
         prompt resumes at the interval state below its branch)."""
-        out: list[list[KVCacheBlock]] = []
+        out: list[list[int]] = []
         states = cast("Sequence[CheckpointManager]", twins)
         for twin, released in zip(states, removed, strict=True):
             spaced = twin.spaced.get(request_id)
             if not spaced:
                 out.append([])
                 continue
-            keep = {id(block) for block, key in spaced if twin._holds(block, key)}
-            out.append([block for block in released if id(block) in keep])
+            keep = {block for block, key in spaced if twin._holds(block, key)}
+            out.append([block for block in released if block in keep])
         return out
 
-    def take_released_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+    def take_released_checkpoints(self, request_id: str) -> list[int]:
         """The states the freed request kept for later requests that sit
         free in the pool already (released after their step): the
         coordinator moves them to the back of the eviction order with the
@@ -804,7 +808,8 @@ class CheckpointManager(SingleTypeManager):
         kept = self._released_kept.pop(request_id, None)
         if not kept:
             return []
-        return [b for b, key in kept if b.ref_cnt == 0 and self._holds(b, key)]
+        ref = self.block_pool.ref_cnt
+        return [b for b, key in kept if ref[b] == 0 and self._holds(b, key)]
 
     def _save(self, store: dict[str, Any], request_id: str) -> None:
         """Inside a step: record ``store``'s entry for the request (a list
@@ -815,13 +820,14 @@ class CheckpointManager(SingleTypeManager):
                 value = list(value)
             self.block_pool.record_undo(partial(put_entry, store, request_id, value))
 
-    def _holds(self, block: KVCacheBlock, key: Any) -> bool:
+    def _holds(self, block: int, key: Any) -> bool:
         """Whether ``block`` is still cached as the state this group kept
         under ``key`` (not evicted and reused since)."""
+        pool = self.block_pool
         return (
             key is not None
-            and block.key_hash == key
-            and block.key_group == self.kv_cache_group_id
+            and pool.key_hash[block] == key
+            and pool.key_group[block] == self.kv_cache_group_id
         )
 
     def request_state(self, request_id: str) -> Any:
@@ -861,7 +867,7 @@ class CheckpointManager(SingleTypeManager):
         self._released_kept.pop(request_id, None)
 
     @classmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         """The latest cached state at an aligned block end that is also a
         hash boundary."""
         block_size = query.block_size

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from kvcore.coordinator.blocks import KVCacheBlock
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.undo import put_entries
 
@@ -40,7 +39,7 @@ def replace_step_ends(
     its drop).  The caller recorded the tables and counts."""
     rid = request.request_id
     blocks = self.req_to_blocks[rid]
-    if pos < 0 or pos >= len(blocks) or blocks[pos].is_null:
+    if pos < 0 or pos >= len(blocks) or not blocks[pos]:
         return  # twins' tables have one shape: no state there in any
     chunks = request.block_hashes
     key = self.block_hash(chunks, pos)
@@ -49,7 +48,7 @@ def replace_step_ends(
     rows = [t.req_to_blocks[rid] for t in twins]
     news = [row[pos] for row in rows]
     gids = [t.kv_cache_group_id for t in twins]
-    tables: Sequence[Sequence[KVCacheBlock]] = rows
+    tables: Sequence[Sequence[int]] = rows
     index = pos
     hashes: Sequence[Any] = chunks
     if self.block_size % self.hash_block_size:  # finer: see _keep
@@ -61,12 +60,14 @@ def replace_step_ends(
     replaces = self._replaces
     eagle = self.use_eagle
     kept_too = not replaces and not self.keep_all
-    drops: list[KVCacheBlock | None] = []
+    drops: list[int | None] = []
     saved: list[tuple[dict[str, Any], str, Any]] = []  # the step ends before
+    pool = self.block_pool
+    key_hash = pool.key_hash
     if replaces:
-        self.block_pool.record(put_entries, saved)
+        pool.record(put_entries, saved)
     for twin, row, block, gid in zip(twins, rows, news, gids, strict=True):
-        newly = block.key_hash is None
+        newly = key_hash[block] is None
         if twin.num_cached_block.get(rid, 0) <= pos:
             twin.num_cached_block[rid] = pos + 1
         if not replaces:
@@ -77,24 +78,26 @@ def replace_step_ends(
             continue
         previous = twin.step_end.get(rid)
         saved.append((twin.step_end, rid, previous))
-        twin.step_end[rid] = (pos, block, key if newly else block.key_hash)
-        if eagle and previous is not None and previous[1] is not block:
+        twin.step_end[rid] = (pos, block, key if newly else key_hash[block])
+        if eagle and previous is not None and previous[1] != block:
             # A hit that drops a block may end at the state before the
             # newest: that one is kept, and the one before it replaced.
             replaced = twin.step_before.get(rid)
             twin._save(twin.step_before, rid)
             twin.step_before[rid] = previous
             previous = replaced
-        if previous is None or previous[1] is block:
+        if previous is None or previous[1] == block:
             drops.append(None)
             continue
         old_pos, old, old_key = previous
-        in_table = old_pos < len(row) and row[old_pos] is old
-        held = old.ref_cnt == (1 if in_table else 0) and (  # see _holds
-            old_key is not None and old.key_hash == old_key and old.key_group == gid
+        in_table = old_pos < len(row) and row[old_pos] == old
+        held = pool.ref_cnt[old] == (1 if in_table else 0) and (  # see _holds
+            old_key is not None
+            and key_hash[old] == old_key
+            and pool.key_group[old] == gid
         )
         drops.append(old if held else None)
-    self.block_pool.cache_twin_blocks(
+    pool.cache_twin_blocks(
         block_hashes=hashes,
         tables=tables,
         group_ids=gids,
@@ -105,11 +108,11 @@ def replace_step_ends(
     )
 
 
-class ChunkEnds(Sequence[KVCacheBlock]):
+class ChunkEnds(Sequence[int]):
     """A checkpoint table finer than the hash block, one entry per hash
-    chunk: the block holding the state at the chunk's end."""
+    chunk: the block id holding the state at the chunk's end."""
 
-    def __init__(self, blocks: Sequence[KVCacheBlock], ratio: int) -> None:
+    def __init__(self, blocks: Sequence[int], ratio: int) -> None:
         self._blocks = blocks
         self._ratio = ratio
         self._len = len(blocks) // ratio

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from kvcore.coordinator.block_pool import KVCacheBlock
 from kvcore.coordinator.blocks import KVCacheBlocks
 from kvcore.coordinator.checks import (
     check_counts,
@@ -30,12 +29,13 @@ if TYPE_CHECKING:
 
 __all__ = ["StepNeed", "StepNeeds"]
 
-#: What a step takes from the pool: every group's admission blocks (none for
-#: a running request), the copy-on-write sources of a partial hit (None:
-#: none), how many of them leave the free queue, and the blocks it needs.
+#: What a step takes from the pool: every group's admission block ids (none
+#: for a running request), the copy-on-write sources of a partial hit
+#: (``(group id, block id, tokens)``; None: none), how many of them leave the
+#: free queue, and the blocks it needs.
 StepNeed: TypeAlias = tuple[
-    tuple[list[KVCacheBlock], ...],
-    list[tuple[int, KVCacheBlock, int]] | None,
+    tuple[list[int], ...],
+    list[tuple[int, int, int]] | None,
     int,
     int,
 ]
@@ -81,7 +81,7 @@ class StepNeeds:
         self,
         request: Request,
         running: bool,
-        attach: tuple[list[KVCacheBlock], ...],
+        attach: tuple[list[int], ...],
         num_encoder: int,
         held_sources: int,
     ) -> bool:
@@ -106,7 +106,7 @@ class StepNeeds:
     def _admission_need(
         self,
         request: Request,
-        computed: tuple[Sequence[KVCacheBlock], ...] | None,
+        computed: tuple[Sequence[int], ...] | None,
         computed_tokens: tuple[int, int],
         num_tokens: int,
         num_encoder: int,
@@ -122,7 +122,7 @@ class StepNeeds:
         coordinator = self.coordinator
         if self.enable_caching:
             check_hashing(self, request)
-        sources: list[tuple[int, KVCacheBlock, int]] | None = None
+        sources: list[tuple[int, int, int]] | None = None
         if computed is not None and coordinator.partial_groups:
             # A hit that ends inside a block of a partial-hit group: its
             # last block is copied into a fresh one, not attached.
@@ -132,7 +132,7 @@ class StepNeeds:
             if found:
                 sources = found
         attach = coordinator.admission_blocks(
-            computed if computed is not None else self.empty_kv_cache_blocks.blocks,
+            computed if computed is not None else self.empty_kv_cache_blocks.ids,
             num_computed,
         )
         if coordinator.planning:
@@ -143,7 +143,8 @@ class StepNeeds:
         held_sources = 0
         if sources:
             # A free source leaves the free queue for the step.
-            held_sources = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
+            ref = self.block_pool.ref_cnt
+            held_sources = sum(1 for _, src, _ in sources if ref[src] == 0)
             need += held_sources
         return attach, sources, held_sources, need
 
@@ -152,7 +153,7 @@ class StepNeeds:
         rid: str,
         need: int,
         free: int,
-        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int, int],
+        args: tuple[bool, bool, tuple[list[int], ...], int, int, int, int],
     ) -> bool:
         """Whether a step needing ``need`` blocks fits in ``free``: a running
         request that skips (``args``: the step's, see ``_run_step``) counts
@@ -166,7 +167,7 @@ class StepNeeds:
     def _shed_to_fit(
         self,
         rid: str,
-        args: tuple[bool, bool, tuple[list[KVCacheBlock], ...], int, int, int, int],
+        args: tuple[bool, bool, tuple[list[int], ...], int, int, int, int],
         held_sources: int,
         free: int,
     ) -> tuple[bool, list[Any] | None]:
@@ -200,7 +201,7 @@ class StepNeeds:
         self,
         request: Request,
         num_tokens: int,
-        attach: Sequence[Sequence[KVCacheBlock]],
+        attach: Sequence[Sequence[int]],
         num_encoder: int = 0,
     ) -> int:
         """Free blocks the request draws from the pool, at its peak, to cover
@@ -210,7 +211,7 @@ class StepNeeds:
         holds now count toward that bound); other groups hold every block."""
         rid = request.request_id
         total = 0
-        empty: tuple[KVCacheBlock, ...] = ()
+        empty: tuple[int, ...] = ()
         for gid, manager in enumerate(self._managers):
             computed = attach[gid] if attach else empty
             try:
@@ -224,7 +225,7 @@ class StepNeeds:
             spec = manager.kv_cache_spec
             if manager.skips_blocks and manager.block_size == spec.block_size:
                 held = manager.req_to_blocks.get(rid, empty)
-                live = sum(1 for b in held if not b.is_null)
+                live = sum(1 for b in held if b)
                 bound = spec.max_num_blocks_per_request(num_tokens) - live
                 need = min(need, bound if bound > 0 else 0)
             total += need
@@ -263,13 +264,13 @@ class StepNeeds:
             raise InvalidRequestError(msg)
         check_counts(rid, num_new_computed_tokens, 0)
         check_external(self, request, num_external_computed_tokens, 0, False)
-        attach: tuple[list[KVCacheBlock], ...] = ()
+        attach: tuple[list[int], ...] = ()
         held = 0
         if rid not in self._requests:
             hit = (
-                new_computed_blocks.blocks
-                if new_computed_blocks is not None and any(new_computed_blocks.blocks)
-                else self.empty_kv_cache_blocks.blocks
+                new_computed_blocks.ids
+                if new_computed_blocks is not None and any(new_computed_blocks.ids)
+                else self.empty_kv_cache_blocks.ids
             )
             if len(hit) != self.num_kv_cache_groups:
                 msg = (
@@ -283,11 +284,12 @@ class StepNeeds:
                 hit, sources = split_copy_sources(
                     hit, self.coordinator.partial_groups, num_new_computed_tokens
                 )
-                held = sum(1 for _, src, _ in sources if src.ref_cnt == 0)
+                ref = self.block_pool.ref_cnt
+                held = sum(1 for _, src, _ in sources if ref[src] == 0)
             attach = self.coordinator.admission_blocks(
                 hit, num_new_computed_tokens + num_external_computed_tokens
             )
-        elif new_computed_blocks is not None and any(new_computed_blocks.blocks):
+        elif new_computed_blocks is not None and any(new_computed_blocks.ids):
             msg = (
                 f"can_fit_full_sequence for request {rid!r}: the request already "
                 "holds blocks; a prefix hit attaches only at admission"

@@ -7,39 +7,19 @@ operations do what one :class:`~kvcore.coordinator.block_pool.BlockPool`
 call per group would (same reference counts, free-queue order, keys,
 events and journal effect) in one call: a class of twins costs a few
 Python calls and a tight loop over its groups, not a round of calls per
-group.  :class:`TwinPoolOps` is a base of ``BlockPool``; this module also
-holds the pool's journal op codes, which both share.
+group.  :class:`TwinPoolOps` is a base of ``BlockPool``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any
 
 from kvcore.coordinator.hashing import BlockHash
+from kvcore.coordinator.pool_journal import RELEASE, UNKEY
 from kvcore.errors import InvalidRequestError
 
-if TYPE_CHECKING:
-    from kvcore.coordinator.blocks import KVCacheBlock
-
-__all__ = ["UNDO_CALL", "TwinPoolOps", "check_store", "double_free", "key_span"]
-
-_Record: TypeAlias = tuple[Any, ...]
-"""A journal record: an op code, then what its undo needs (see
-:meth:`BlockPool._undo`)."""
-
-# Journal op codes, one per kind of change a step records.
-_TOUCH = 0  # references taken (and free blocks unlinked) by a hit
-_KEY = 1  # a full key evicted
-_UNGET = 2  # blocks handed out
-_RELEASE = 3  # references dropped (and blocks queued)
-_MOVE = 4  # a free block moved within the queue
-_UNKEY = 5  # full keys given by a store
-_PARTIAL = 6  # a partial key added
-_UNPARTIAL = 7  # a block's partial keys dropped
-UNDO_CALL = 8  # state kept beside the pool: (op, function, args)
-
-_NOTHING: _Record = (UNDO_CALL, tuple, ())  # a place held; undoes nothing
+__all__ = ["TwinPoolOps", "check_store", "double_free", "key_span"]
 
 
 def check_store(
@@ -68,29 +48,32 @@ def check_store(
 
 
 def key_span(
+    pool: Any,
     cached: dict[BlockHash, Any],
-    table: Sequence[KVCacheBlock],
+    table: Sequence[int],
     block_hashes: Sequence[BlockHash],
     span: range,
     group_id: int,
-) -> list[tuple[KVCacheBlock, BlockHash]]:
+) -> list[tuple[int, BlockHash]]:
     """Key the blocks of ``table`` at positions ``span`` that hold no key
     (the null block skipped) with their hashes under ``group_id``, entering
     each in the group's table ``cached``: the (block, key) pairs keyed, in
     order (what a rolled-back store unkeys)."""
     keyed = []
+    key_hash = pool.key_hash
+    key_group = pool.key_group
     for i in span:
         block = table[i]
-        if block.key_hash is None and not block.is_null:
+        if block and key_hash[block] is None:
             key = block_hashes[i]
-            block.key_hash = key
-            block.key_group = group_id
+            key_hash[block] = key
+            key_group[block] = group_id
             entry = cached.setdefault(key, block)
-            if entry is not block:
+            if entry != block:
                 if isinstance(entry, dict):
-                    entry[block.block_id] = block
+                    entry[block] = None
                 else:
-                    cached[key] = {entry.block_id: entry, block.block_id: block}
+                    cached[key] = {entry: None, block: None}
             keyed.append((block, key))
     return keyed
 
@@ -104,12 +87,12 @@ class TwinPoolOps:
         self,
         *,
         block_hashes: Sequence[BlockHash],
-        tables: Sequence[Sequence[KVCacheBlock]],
+        tables: Sequence[Sequence[int]],
         group_ids: Sequence[int],
         num_cached_blocks: int,
         num_full_blocks: int,
         token_ids: Sequence[int] | None = None,
-        replaced: Sequence[KVCacheBlock | None] | None = None,
+        replaced: Sequence[int | None] | None = None,
     ) -> None:
         """:meth:`~BlockPool.cache_full_blocks` of each of ``tables`` under
         its group id, in order, and with ``replaced`` (one per table, or
@@ -154,15 +137,15 @@ class TwinPoolOps:
             cached = groups.get(gid)
             if cached is None:
                 cached = pool.cached_blocks_of(gid)
-            keyed = key_span(cached, table, block_hashes, span, gid)
+            keyed = key_span(pool, cached, table, block_hashes, span, gid)
             if keyed:
                 counts[gid] += len(keyed)
                 if journal is not None:
-                    journal.append((_UNKEY, gid, keyed))
+                    journal.append((UNKEY, gid, keyed))
             if old is not None:
                 drop(old)
 
-    def free_each(self, lists: Sequence[Sequence[KVCacheBlock]]) -> None:
+    def free_each(self, lists: Sequence[Sequence[int]]) -> None:
         """:meth:`~BlockPool.free_blocks` of each of ``lists``, in order: one
         reference dropped per listing; the blocks that reach 0 are queued,
         keyed ones at the back in the order they reached it, the others
@@ -171,56 +154,47 @@ class TwinPoolOps:
         changing nothing."""
         pool: Any = self
         queue = pool.free_queue
+        ref = pool.ref_cnt
+        key_hash = pool.key_hash
+        partial = pool.partial_keys
         front_ok = pool.enable_caching
-        fronts: list[list[KVCacheBlock]] = []
-        backs: list[KVCacheBlock] = []
+        fronts: list[list[int]] = []
+        backs: list[int] = []
         for index, blocks in enumerate(lists):
-            front: list[KVCacheBlock] = []
+            front: list[int] = []
             it = iter(blocks)
             for block in it:
-                cnt = block.ref_cnt
+                cnt = ref[block]
                 if cnt == 1:
-                    block.ref_cnt = 0
-                    if (
-                        front_ok
-                        and block.key_hash is None
-                        and block.partial_keys is None
-                    ):
+                    ref[block] = 0
+                    if front_ok and key_hash[block] is None and partial[block] is None:
                         front.append(block)
                     else:
                         backs.append(block)
                 elif cnt > 1:
-                    block.ref_cnt = cnt - 1
-                elif not block.is_null:
-                    done = len(blocks) - len(list(it)) - 1
-                    _restore_counts([*lists[:index], blocks[:done]])
+                    ref[block] = cnt - 1
+                elif block:
+                    done_here = blocks[: len(blocks) - len(list(it)) - 1]
+                    for done in (*lists[:index], done_here):
+                        for b in done:
+                            if b:
+                                ref[b] += 1
                     raise double_free(block)
             if front:
                 fronts.append(front)
         if fronts:
             chain = [block for front in reversed(fronts) for block in front]
-            head = queue._head
-            queue._link_after(head, head.next_free, chain)
+            queue._link_after(queue.head, queue.next[queue.head], chain)
         if backs:
-            tail = queue._tail
-            queue._link_after(tail.prev_free, tail, backs)
+            queue._link_after(queue.prev[queue.tail], queue.tail, backs)
         journal = pool.journal
         if journal is not None:
-            journal.append((_RELEASE, tuple(b for blocks in lists for b in blocks)))
+            journal.append((RELEASE, tuple(b for blocks in lists for b in blocks)))
 
 
-def _restore_counts(lists: Sequence[Sequence[KVCacheBlock]]) -> None:
-    """Undo :meth:`TwinPoolOps.free_each`'s count drops over ``lists`` (the
-    listings before a double free; nothing is queued yet)."""
-    for blocks in lists:
-        for block in blocks:
-            if not block.is_null:
-                block.ref_cnt += 1
-
-
-def double_free(block: KVCacheBlock) -> InvalidRequestError:
+def double_free(block: int) -> InvalidRequestError:
     msg = (
-        f"block {block.block_id} freed more often than it was taken (reference "
+        f"block {block} freed more often than it was taken (reference "
         "count would drop below 0); free each block once per allocate/touch"
     )
     return InvalidRequestError(msg)

@@ -7,10 +7,7 @@ the managers' tables, counts and per-request entries (journaled with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvcore.coordinator.blocks import KVCacheBlock
+from typing import Any
 
 __all__ = [
     "put_at",
@@ -24,9 +21,9 @@ __all__ = [
 
 
 def put_at(
-    blocks: list[KVCacheBlock],
+    blocks: list[int],
     positions: Sequence[int],
-    removed: Sequence[KVCacheBlock],
+    removed: Sequence[int],
 ) -> None:
     """Put released blocks back at their table positions."""
     for i, block in zip(positions, removed, strict=True):
@@ -43,9 +40,9 @@ def put_back_each(request_id: str, entries: Sequence[tuple[Any, ...]]) -> None:
 
 
 def put_at_each(
-    tables: Sequence[list[KVCacheBlock]],
+    tables: Sequence[list[int]],
     positions: Sequence[int],
-    removed: Sequence[Sequence[KVCacheBlock]],
+    removed: Sequence[Sequence[int]],
 ) -> None:
     """:func:`put_at` for each twin's table."""
     for blocks, blocks_removed in zip(tables, removed, strict=True):
@@ -59,7 +56,7 @@ def truncate(items: list[Any], length: int) -> None:
 def put_back(
     manager: Any,
     request_id: str,
-    table: tuple[list[KVCacheBlock], list[KVCacheBlock] | int] | None,
+    table: tuple[list[int], list[int] | int] | None,
     cached: int | None,
     released: int | None,
 ) -> None:

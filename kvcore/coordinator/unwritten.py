@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvcore.coordinator.block_pool import KVCacheBlock
     from kvcore.coordinator.manager import SingleTypeManager
 
 __all__ = ["UnwrittenStates"]
@@ -36,21 +35,19 @@ class UnwrittenStates:
         #: The managers whose hits read their last block before the step.
         self.managers = tuple(m for m in managers if m.reads_hit_before_step)
         #: Writer request id -> the state blocks its latest step took.
-        self.by_writer: dict[str, list[KVCacheBlock]] = {}
-        #: Every noted block -> the writer whose step took it last (a block
+        self.by_writer: dict[str, list[int]] = {}
+        #: Every noted block id -> the writer whose step took it last (a block
         #: released while noted may be taken again by another step).
-        self.blocks: dict[KVCacheBlock, str] = {}
+        self.blocks: dict[int, str] = {}
 
-    def took(
-        self, request_id: str, new_blocks: Sequence[Sequence[KVCacheBlock]]
-    ) -> None:
+    def took(self, request_id: str, new_blocks: Sequence[Sequence[int]]) -> None:
         """Note the state blocks a step of the request took (its new blocks
         per group), once the step is done."""
         taken = [
             block
             for manager in self.managers
             for block in new_blocks[manager.kv_cache_group_id]
-            if not block.is_null
+            if block
         ]
         if taken:
             self.by_writer[request_id] = taken
@@ -70,16 +67,14 @@ class UnwrittenStates:
         self.by_writer.clear()
         self.blocks.clear()
 
-    def admits(
-        self, request_id: str, hit: Sequence[Sequence[KVCacheBlock]] | None
-    ) -> bool:
+    def admits(self, request_id: str, hit: Sequence[Sequence[int]] | None) -> bool:
         """A step of the request: what its last step took is written now;
         whether a hit it attaches (``None``: none) can be admitted this
         step (it ends on no state still unwritten)."""
         self.written(request_id)
         return hit is None or not self.hit_ends_unwritten(hit)
 
-    def hit_ends_unwritten(self, hit: Sequence[Sequence[KVCacheBlock]]) -> bool:
+    def hit_ends_unwritten(self, hit: Sequence[Sequence[int]]) -> bool:
         """Whether a hit (blocks per group) ends on a state not yet written."""
         blocks = self.blocks
         if not blocks:

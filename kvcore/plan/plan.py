@@ -110,7 +110,7 @@ def _check_block_limit(
 ) -> None:
     """A pool of more than :data:`~kvcore.limits.MAX_NUM_BLOCKS` blocks is a
     page size or memory figure off by orders of magnitude; the coordinator
-    would build one object per block before it failed."""
+    would build per-block state for every one before it failed."""
     if num_blocks <= MAX_NUM_BLOCKS:
         return
     if cache.num_gpu_blocks_override is not None:

@@ -282,7 +282,7 @@ def _one_layer_manager(
 def _held(manager: KVCacheManager, rid: str) -> int:
     """Distinct real blocks in the request's table of group 0."""
     table = manager.coordinator.get_blocks(rid)[0]
-    return len({b.block_id for b in table if not b.is_null})
+    return len({b for b in table if b})
 
 
 def _check_hit_cycle(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
 
@@ -31,9 +31,7 @@ class CrossAttentionManager(SingleTypeManager):
         super().__init__(spec, block_pool, **kwargs)
         self.caching = False
 
-    def add_computed_blocks(
-        self, request_id: str, blocks: Sequence[KVCacheBlock]
-    ) -> None:
+    def add_computed_blocks(self, request_id: str, blocks: Sequence[int]) -> None:
         # Never hit: an admission attaches nothing here.
         return
 
@@ -41,5 +39,5 @@ class CrossAttentionManager(SingleTypeManager):
         return
 
     @classmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         return [[] for _ in query.group_ids]

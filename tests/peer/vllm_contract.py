@@ -255,7 +255,7 @@ class Worker:
         ]
         self.scheduler = scheduler
         manager = scheduler.kv_cache_manager
-        self.null_id = manager.kvcore.block_pool.null_block.block_id
+        self.null_id = manager.kvcore.block_pool.null_block
         #: request id -> per group, the block ids the worker's table holds.
         self.tables: dict[str, list[list[int]]] = {}
         #: request id -> per group and position, the step that handed the
@@ -443,10 +443,10 @@ class Harness:
         self.deferred_checked = 0
         self.violations: list[str] = []
         self.pool = scheduler.kv_cache_manager.kvcore.block_pool
-        self.null_id = self.pool.null_block.block_id
+        self.null_id = self.pool.null_block
 
     def _ref_counts(self) -> list[int]:
-        return [block.ref_cnt for block in self.pool.blocks]
+        return list(self.pool.ref_cnt)
 
     def _released(self, before: list[int], out: Any = None) -> list[int]:
         """The blocks the call since ``before`` released (see the class)."""
@@ -864,7 +864,7 @@ def test_a_connector_load_gives_the_starting_state_a_block(
     assert new.num_computed_tokens == loaded
     table = new.block_ids[1]
     start = table[(loaded - 1) // BS]
-    null = scheduler.kv_cache_manager.kvcore.block_pool.null_block.block_id
+    null = scheduler.kv_cache_manager.kvcore.block_pool.null_block
     print(f"connector load of {loaded} tokens: mamba table {table}")
     assert start != null
     assert told["a"] == (loaded, new.block_ids)

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import attrs
 
 from kvcore import AttentionKind, AttentionSpec, CacheKind, HitPolicy, hookimpl
-from kvcore.coordinator import BlockPool, HitQuery, KVCacheBlock, SingleTypeManager
+from kvcore.coordinator import BlockPool, HitQuery, SingleTypeManager
 from kvcore.spec import PackingRole, cdiv, positive_int
 
 __all__ = ["AttentionSinks", "AttentionSinksManager", "AttentionSinksSpec"]
@@ -95,6 +95,9 @@ class AttentionSinksManager(SingleTypeManager):
     """Keeps a request's sink blocks and window blocks; the blocks between
     them go back to the pool (their table positions become the null block).
 
+    Tables hold block ids (ints); the null block is id 0, and a block's
+    reference count is ``self.block_pool.ref_cnt[block]``.
+
     Every full block is hashed.  A hit of ``n`` blocks needs the sink blocks
     and the blocks from the window of token ``n * block_size`` on cached,
     and holds the null block in between.
@@ -127,27 +130,31 @@ class AttentionSinksManager(SingleTypeManager):
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         blocks = self.req_to_blocks.get(request_id, [])
+        ref = self.block_pool.ref_cnt
         return sum(
             1
             for i in self._released(request_id, num_computed_tokens)
-            if not blocks[i].is_null and blocks[i].ref_cnt == 1
+            if blocks[i] and ref[blocks[i]] == 1
         )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         positions = self._released(request_id, num_computed_tokens)
         if not positions:
             return
+        # Record the table and counts first, so a rolled-back step puts
+        # them back with the pool.
+        self.record_request_state(request_id, whole=True)
         blocks = self.req_to_blocks[request_id]
         self.num_released[request_id] = positions.start + 1
-        removed = [blocks[i] for i in positions if not blocks[i].is_null]
+        removed = [blocks[i] for i in positions if blocks[i]]
         for i in positions:
             blocks[i] = self.null_block
         if removed:
             self.block_pool.free_blocks(removed)
 
     def admission_blocks(
-        self, hit: Sequence[KVCacheBlock], num_computed_tokens: int
-    ) -> list[KVCacheBlock]:
+        self, hit: Sequence[int], num_computed_tokens: int
+    ) -> list[int]:
         """The hit, with the null block between the sinks and the window."""
         out = list(hit)
         first = self.first_read(num_computed_tokens)
@@ -160,15 +167,14 @@ class AttentionSinksManager(SingleTypeManager):
             out.extend([null] * (first - len(out)))
         return out
 
-    def hit_serves(self, blocks: Sequence[KVCacheBlock]) -> bool:
+    def hit_serves(self, blocks: Sequence[int]) -> bool:
         sinks = min(self.sink_blocks, len(blocks))
         first = self.first_read(len(blocks) * self.block_size)
-        return not any(b.is_null for b in blocks[:sinks]) and not any(
-            b.is_null for b in blocks[max(first, sinks) :]
-        )
+        null = self.null_block
+        return null not in blocks[:sinks] and null not in blocks[max(first, sinks) :]
 
     @classmethod
-    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[KVCacheBlock]]:
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
         """The longest aligned hit whose sink and window blocks are cached.
 
         Ends are tried from the right; a miss in the window at block ``j``
@@ -180,9 +186,9 @@ class AttentionSinksManager(SingleTypeManager):
         pool = query.block_pool
         hashes = query.block_hashes
         sinks = spec.sink_blocks(size)
-        seen: dict[int, list[KVCacheBlock] | None] = {}
+        seen: dict[int, list[int] | None] = {}
 
-        def cached(j: int) -> list[KVCacheBlock] | None:
+        def cached(j: int) -> list[int] | None:
             if j not in seen:
                 seen[j] = pool.get_cached_block(hashes[j], query.group_ids)
             return seen[j]

@@ -3,7 +3,9 @@
 vLLM's types go in and out: the scheduler's ``Request`` (read where it is:
 ids, block hashes, token counts; nothing is copied per request), vLLM's
 ``KVCacheBlocks`` and ``PrefixCacheStats``.  kvcore's coordinator owns the
-blocks, the prefix cache and every group's table.
+blocks, the prefix cache and every group's table (lists of block ids); vLLM
+gets and gives block objects, the pool's read-only views
+(:meth:`BlockPool.block`).
 
 Blocks are released on a processed-tokens basis: what a running request no
 longer reads is released at ``num_computed_tokens - num_in_flight_tokens``
@@ -13,11 +15,10 @@ with its processed count), never on tokens a step in flight still computes.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from kvcore.coordinator.block_pool import BlockPool, KVCacheBlock
+from kvcore.coordinator.blocks import BlockId, KVCacheBlock
 from kvcore.coordinator.checks import check_tokens
 from kvcore.coordinator.coordinator import KVCacheCoordinator
 from kvcore.coordinator.engine_calls import state_writes
@@ -28,124 +29,10 @@ from kvcore.integrations.vllm.lookahead import (
     reprefillable_tokens,
 )
 from kvcore.integrations.vllm.specs import to_kvcore_config
+from kvcore.integrations.vllm.views import BlockPoolView, ids_of, view_type, views_of
 from kvcore.registry import default_registry
 
 __all__ = ["KVCacheManager", "UnsupportedFeatureError"]
-
-
-class _FreeQueueView:
-    """vLLM's ``free_block_queue`` counters over kvcore's free queue."""
-
-    __slots__ = ("_pool",)
-
-    def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pool.free_queue.num_free
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        return self._pool.free_queue.get_all_free_blocks()
-
-
-class BlockPoolView:
-    """The block-pool calls vLLM's scheduler makes (deferred frees, counts,
-    evictions), each one kvcore transaction."""
-
-    def __init__(self, pool: BlockPool) -> None:
-        self.pool = pool
-        self.hash_block_size = pool.hash_block_size
-        self.null_block = pool.null_block
-        self.num_gpu_blocks = pool.num_blocks
-        self.free_block_queue = _FreeQueueView(pool)
-        self.blocks = pool.blocks
-
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block, tail first as given (vLLM's
-        deferred frees, once the step that read them has completed)."""
-        pool = self.pool
-        pool.begin()
-        try:
-            pool.free_blocks(list(ordered_blocks))
-        except BaseException:
-            pool.rollback()
-            raise
-        pool.commit()
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """``num_blocks`` free blocks, each with one reference."""
-        pool = self.pool
-        pool.begin()
-        try:
-            blocks = pool.get_new_blocks(num_blocks)
-        except BaseException:
-            pool.rollback()
-            raise
-        pool.commit()
-        return blocks
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        """Drop the prefix-cache key of each block (a block in use stays with
-        its holders; a free one is reused first)."""
-        pool = self.pool
-        pool.begin()
-        for bid in sorted(block_ids):
-            if 0 <= bid < len(pool.blocks):
-                pool.drop_from_cache(pool.blocks[bid])
-        pool.commit()
-
-    def get_cached_block(
-        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
-    ) -> list[KVCacheBlock] | None:
-        """One cached block per group for ``block_hash``, or None."""
-        return self.pool.get_cached_block(block_hash, kv_cache_group_ids)
-
-    def get_num_free_blocks(self) -> int:
-        return self.pool.get_num_free_blocks()
-
-    def get_usage(self) -> float:
-        return self.pool.get_usage()
-
-    def take_events(self) -> list[Any]:
-        return self.pool.take_events()
-
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
-
-
-class _ManagerView:
-    """What vLLM's scheduler (and its tests) read of one group's manager:
-    its group, block size and vLLM spec, and the request tables, which are
-    kvcore's own (the null block at positions a request no longer reads)."""
-
-    def __init__(self, manager: Any, spec: Any, pool: BlockPoolView) -> None:
-        self.kv_cache_group_id = manager.kv_cache_group_id
-        self.block_size = manager.block_size
-        self.kv_cache_spec = spec
-        self.block_pool = pool
-        self.req_to_blocks = manager.req_to_blocks
-        self.num_cached_block = manager.num_cached_block
-        self._null_block = pool.null_block
-
-
-@functools.cache
-def _cross_attention_view() -> type[_ManagerView]:
-    """The view of a cross-attention group: also a vLLM
-    ``CrossAttentionManager``, the class by which vLLM's code and tests tell
-    the group (only the view's attributes are read; kvcore runs it)."""
-    from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
-
-    bases = (_ManagerView, CrossAttentionManager)
-    return type("CrossAttentionManagerView", bases, {})
-
-
-def _view_type(spec: Any) -> type[_ManagerView]:
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec
-
-    if isinstance(spec, CrossAttentionSpec):
-        return _cross_attention_view()
-    return _ManagerView
 
 
 class CoordinatorView:
@@ -158,7 +45,7 @@ class CoordinatorView:
         self.coordinator = owner.kvcore
         self.num_reprefillable_tokens = owner.num_reprefillable_tokens
         self.single_type_managers = tuple(
-            _view_type(vllm_group.kv_cache_spec)(
+            view_type(vllm_group.kv_cache_spec)(
                 manager, vllm_group.kv_cache_spec, owner.block_pool
             )
             for manager, vllm_group in zip(
@@ -175,7 +62,8 @@ class CoordinatorView:
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
         **_: Any,
     ) -> int:
-        return self._owner._blocks_needed(request_id, num_tokens, new_computed_blocks)
+        hit = ids_of(new_computed_blocks)
+        return self._owner._blocks_needed(request_id, num_tokens, hit)
 
     @property
     def full_attention_group_id(self) -> int | None:
@@ -187,9 +75,11 @@ class CoordinatorView:
         self, block_hashes: Sequence[Any], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
         """Each group's own hit (blocks, tokens), searched alone."""
-        return find_longest_cache_hit_per_group(
+        ids, lengths = find_longest_cache_hit_per_group(
             self.coordinator, block_hashes, max_cache_hit_length
         )
+        pool = self.coordinator.block_pool
+        return tuple(views_of(pool, group) for group in ids), lengths
 
 
 class HybridCoordinatorView(CoordinatorView):
@@ -265,15 +155,15 @@ def _table_extensions(
     managers: Sequence[Any],
     rid: str,
     lengths: Sequence[int],
-    new: tuple[list[KVCacheBlock], ...],
-) -> tuple[list[KVCacheBlock], ...]:
+    new: tuple[list[BlockId], ...],
+) -> tuple[list[BlockId], ...]:
     """A running request's new table positions per group, from the table
     lengths before the step.  vLLM's workers append a running request's new
     block ids to their tables, so a group that grows by more positions than
     new blocks (a state group keeps the null block where it holds no state)
     must hand out its whole extension, nulls included, else the worker's
     positions shift."""
-    out: list[list[KVCacheBlock]] | None = None
+    out: list[list[BlockId]] | None = None
     for gid, (manager, length) in enumerate(zip(managers, lengths, strict=True)):
         table = manager.req_to_blocks.get(rid, ())
         if len(table) - length != len(new[gid]):
@@ -438,7 +328,7 @@ class KVCacheManager:
         boundary = shared if shared > length else 0
         if not length:
             return self.empty_kv_cache_blocks, 0, boundary
-        return self._blocks_cls(blocks), length, boundary
+        return self._wrap(blocks), length, boundary
 
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
@@ -466,7 +356,7 @@ class KVCacheManager:
             return *self.get_computed_blocks(request, max_cache_hit_length), False
         if not num_local:
             return self.empty_kv_cache_blocks, 0, 0, False
-        return self.create_kv_cache_blocks(blocks), num_local, 0, min(hits) < num_local
+        return self._wrap(blocks), num_local, 0, min(hits) < num_local
 
     # -- allocation -------------------------------------------------------------
 
@@ -474,7 +364,7 @@ class KVCacheManager:
         self,
         request_id: str,
         num_tokens: int,
-        hit: Sequence[Sequence[KVCacheBlock]],
+        hit: Sequence[Sequence[BlockId]],
         num_computed: int = 0,
     ) -> int:
         coordinator = self.kvcore
@@ -525,7 +415,7 @@ class KVCacheManager:
         pool = coordinator.block_pool
         rid = request.request_id
         unwritten = coordinator.unwritten
-        hit = (
+        hit = ids_of(
             new_computed_blocks.blocks
             if new_computed_blocks is not None
             else self.empty_kv_cache_blocks.blocks
@@ -542,7 +432,7 @@ class KVCacheManager:
         ):
             watermark = self.watermark_blocks
         running = rid in self._live and not has_hit and not num_external_computed_tokens
-        attach: tuple[list[KVCacheBlock], ...] = ()
+        attach: tuple[list[BlockId], ...] = ()
         if not running:
             attach = coordinator.admission_blocks(hit, total)
         if full_sequence_must_fit:
@@ -607,17 +497,15 @@ class KVCacheManager:
             self._record_zeroing(rid, before, total, skip_zeroing_group_ids)
         if new is None or not any(new):
             return self.empty_kv_cache_blocks
-        return self._blocks_cls(new)
+        return self._wrap(new)
 
-    def _held_ids(
-        self, rid: str, hit: Sequence[Sequence[KVCacheBlock]]
-    ) -> list[set[int]]:
+    def _held_ids(self, rid: str, hit: Sequence[Sequence[BlockId]]) -> list[set[int]]:
         """Per zeroed group, the blocks the request holds or attaches now."""
         managers = self.kvcore.single_type_managers
         out = []
         for gid in self._zeroed_groups:
-            ids = {b.block_id for b in managers[gid].req_to_blocks.get(rid, ())}
-            ids.update(b.block_id for b in hit[gid])
+            ids = set(managers[gid].req_to_blocks.get(rid, ()))
+            ids.update(hit[gid])
             out.append(ids)
         return out
 
@@ -631,9 +519,9 @@ class KVCacheManager:
             manager = managers[gid]
             loaded_to = -(-total // manager.block_size) if gid in skip else 0
             for pos, block in enumerate(manager.req_to_blocks.get(rid, ())):
-                if block.is_null or block.block_id in held or pos < loaded_to:
+                if not block or block in held or pos < loaded_to:
                     continue
-                self._new_block_ids.append(block.block_id)
+                self._new_block_ids.append(block)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching and request.request_id in self._live:
@@ -672,7 +560,7 @@ class KVCacheManager:
         rid = request.request_id
         if rid not in self._live:
             return []
-        out: list[KVCacheBlock] = []
+        out: list[BlockId] = []
         pool = self.kvcore.block_pool
         pool.begin()
         try:
@@ -687,7 +575,7 @@ class KVCacheManager:
         self.kvcore.unwritten.written(rid)
         self._live.discard(rid)
         self._scheduled.discard(rid)
-        return out
+        return views_of(pool, out)
 
     def remove_skipped_blocks(
         self,
@@ -768,10 +656,12 @@ class KVCacheManager:
     def get_blocks(self, request_id: str) -> Any:
         if request_id not in self._live:
             return self.empty_kv_cache_blocks
-        return self.create_kv_cache_blocks(self.kvcore.get_blocks(request_id))
+        return self._wrap(self.kvcore.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return self.get_blocks(request_id).get_block_ids()  # type: ignore[no-any-return]
+        if request_id not in self._live:
+            return tuple([] for _ in range(self.num_kv_cache_groups))
+        return tuple(list(table) for table in self.kvcore.get_blocks(request_id))
 
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
@@ -792,6 +682,7 @@ class KVCacheManager:
         if request.request_id not in self._live:
             return 0
         least: int | None = None
+        key_hash = self.kvcore.block_pool.key_hash
         for manager, blocks in zip(
             self.kvcore.single_type_managers,
             self.kvcore.get_blocks(request.request_id),
@@ -801,7 +692,7 @@ class KVCacheManager:
                 continue
             keyed = 0
             for i, block in enumerate(blocks):
-                if block.key_hash is not None:
+                if key_hash[block] is not None:
                     keyed = (i + 1) * manager.block_size
             least = keyed if least is None else min(least, keyed)
         return least or 0
@@ -809,11 +700,23 @@ class KVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> Any:
         return self._blocks_cls(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
+    def _wrap(self, ids: tuple[Sequence[BlockId], ...]) -> Any:
+        """vLLM's ``KVCacheBlocks`` of per-group block id lists (the shared
+        empty instance if all are empty)."""
+        pool = self.kvcore.block_pool
+        return self.create_kv_cache_blocks(
+            tuple(views_of(pool, group) for group in ids)
+        )
+
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        pool = self.kvcore.block_pool
         out = [
             list(group)
             if not manager.caching
-            else manager.truncate_hit(list(group), num_computed_tokens)
+            else views_of(
+                pool,
+                manager.truncate_hit([b.block_id for b in group], num_computed_tokens),
+            )
             for group, manager in zip(
                 blocks.blocks, self.kvcore.single_type_managers, strict=True
             )
@@ -838,9 +741,7 @@ class KVCacheManager:
             manager = managers[gid]
             start = start_token // manager.block_size
             self._new_block_ids.extend(
-                b.block_id
-                for b in manager.req_to_blocks[request_id][start:]
-                if not b.is_null
+                b for b in manager.req_to_blocks[request_id][start:] if b
             )
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:

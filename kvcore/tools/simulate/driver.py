@@ -42,8 +42,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvcore.coordinator import (
+    BlockId,
     CheckpointManager,
-    KVCacheBlock,
     KVCacheBlocks,
     KVCacheManager,
     Request,
@@ -237,11 +237,10 @@ class Driver:
 
         Python's cyclic garbage collector is paused while the run lasts
         (and restored after it): a run builds millions of objects that live
-        until it ends (the pool's blocks, the bound's trie, the requests'
-        tables and tokens) and no reference cycle it drops on the way (the
-        pool's linked free queue is freed with the manager), so the
-        collector's passes over them reclaimed nothing and took about a
-        quarter of a long replay's CPU time."""
+        until it ends (the bound's trie, the requests' tables and tokens)
+        and drops no reference cycle on the way, so the collector's passes
+        over them reclaimed nothing and took about a quarter of a long
+        replay's CPU time."""
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -477,7 +476,7 @@ class _Run:
             )
             if self.oracle is not None:
                 self.oracle.check_hit(
-                    live.spec.id, request.all_token_ids, blocks.blocks, hit
+                    live.spec.id, request.all_token_ids, blocks.ids, hit
                 )
                 self._copies(new)
             request.num_computed_tokens = hit
@@ -505,7 +504,7 @@ class _Run:
                     request.all_token_ids,
                     start,
                     start + n,
-                    manager.get_blocks(live.spec.id).blocks,
+                    manager.get_blocks(live.spec.id).ids,
                 )
             # ``live.generated`` counts the output tokens the request holds
             # (its last sampled token finishes it, never appended).
@@ -562,18 +561,17 @@ class _Run:
             # One group: every block in use is in some table of it.
             counts = [in_use]
         else:
-            # Blocks hash by identity (one object per block id): the sets
-            # fill at C speed, and the null block is taken out once per group.
-            null = manager.block_pool.null_block
-            groups: list[set[KVCacheBlock]] = [set() for _ in self.peak]
+            # Sets of block ids fill at C speed, and the null block (id 0)
+            # is taken out once per group.
+            groups: list[set[BlockId]] = [set() for _ in self.peak]
             for live in (*self.running, *self.held):
                 for ids, blocks in zip(
-                    groups, manager.get_blocks(live.spec.id).blocks, strict=True
+                    groups, manager.get_blocks(live.spec.id).ids, strict=True
                 ):
                     ids.update(blocks)
             counts = []
             for ids in groups:
-                ids.discard(null)
+                ids.discard(0)
                 counts.append(len(ids))
         for g, count in enumerate(counts):
             self.total[g] += count

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvcore.coordinator import CheckpointManager, KVCacheBlock, KVCacheManager
+from kvcore.coordinator import BlockId, CheckpointManager, KVCacheManager
 
 __all__ = ["MAX_REPORTS", "ContentOracle"]
 
@@ -126,10 +126,10 @@ class ContentOracle:
         tokens: Sequence[int],
         start: int,
         end: int,
-        tables: Sequence[Sequence[KVCacheBlock]],
+        tables: Sequence[Sequence[BlockId]],
     ) -> None:
         """A step computed ``tokens[start:end]`` of ``rid``, whose tables are
-        ``tables`` (one block list per group)."""
+        ``tables`` (one block id list per group)."""
         if end <= start:
             return
         content = self.content
@@ -140,10 +140,9 @@ class ContentOracle:
                 continue
             last = min((end - 1) // size, len(blocks) - 1)
             for i in range(start // size, last + 1):
-                block = blocks[i]
-                if block.is_null:
+                bid = blocks[i]
+                if not bid:
                     continue
-                bid = block.block_id
                 base = i * size
                 if kind == _TOKENS:
                     slots = content.get(bid)
@@ -162,7 +161,7 @@ class ContentOracle:
         self,
         rid: str,
         tokens: Sequence[int],
-        tables: Sequence[Sequence[KVCacheBlock]],
+        tables: Sequence[Sequence[BlockId]],
         length: int,
     ) -> bool:
         """Whether a hit of ``length`` tokens on ``tables`` serves ``rid``
@@ -183,7 +182,7 @@ class ContentOracle:
         self,
         rid: str,
         tokens: Sequence[int],
-        tables: Sequence[Sequence[KVCacheBlock]],
+        tables: Sequence[Sequence[BlockId]],
         length: int,
     ) -> str | None:
         content = self.content
@@ -194,9 +193,9 @@ class ContentOracle:
                 continue
             if kind == _STATE:
                 last = blocks[-1] if blocks else None
-                if last is None or last.is_null:
+                if not last:
                     return f"group {group} gives no state block for it"
-                held = content.get(last.block_id)
+                held = content.get(last)
                 want = (length, self._prefix(rid, tokens, length))
                 if held != want:
                     what = (
@@ -208,7 +207,7 @@ class ContentOracle:
                         + ("" if held[0] != length else " of other tokens")
                     )
                     return (
-                        f"group {group}'s block {last.block_id} holds {what}, not "
+                        f"group {group}'s block {last} holds {what}, not "
                         f"the state after its first {length} tokens"
                     )
                 continue
@@ -222,17 +221,16 @@ class ContentOracle:
                 hi = min(lo + size, length)
                 if hi <= lo:
                     break
-                if block.is_null:
+                if not block:
                     continue
-                held = content.get(block.block_id)
+                held = content.get(block)
                 if not isinstance(held, list) or len(held) != size:
                     return (
-                        f"group {group}'s block {block.block_id} at position {i} "
-                        "holds no tokens"
+                        f"group {group}'s block {block} at position {i} holds no tokens"
                     )
                 if held[: hi - lo] != list(tokens[lo:hi]):
                     return (
-                        f"group {group}'s block {block.block_id} at position {i} "
+                        f"group {group}'s block {block} at position {i} "
                         f"does not hold its tokens [{lo}, {hi})"
                     )
         return None
