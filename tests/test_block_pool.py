@@ -917,10 +917,11 @@ def test_a_pool_whose_block_state_would_not_fit_in_host_memory_is_refused(
     """Checked before the per-block state is built: 2**20 blocks at
     BLOCK_STATE_BYTES each against 64 MiB available."""
     import kvcore.coordinator.block_pool as block_pool
+    import kvcore.coordinator.pool_checks as pool_checks
     from kvcore.errors import KvcoreValueError
     from kvcore.limits import BLOCK_STATE_BYTES
 
-    monkeypatch.setattr(block_pool, "available_memory_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(pool_checks, "available_memory_bytes", lambda: 64 * 2**20)
     with pytest.raises(KvcoreValueError) as info:
         block_pool.BlockPool(2**20, enable_caching=True, hash_block_size=16)
     assert str(info.value).startswith(
@@ -929,7 +930,7 @@ def test_a_pool_whose_block_state_would_not_fit_in_host_memory_is_refused(
     )
     assert "0.1 GiB is available" in str(info.value)
     # The same count fits when the memory is there.
-    monkeypatch.setattr(block_pool, "available_memory_bytes", lambda: 2**40)
+    monkeypatch.setattr(pool_checks, "available_memory_bytes", lambda: 2**40)
     assert (
         block_pool.BlockPool(1000, enable_caching=True, hash_block_size=16).num_blocks
         == 1000
@@ -1110,3 +1111,23 @@ def test_block_state_fits_its_budget() -> None:
     assert cycled / n <= BLOCK_STATE_BYTES
     assert p.block(5) is p.block(5)
     assert p.block(5).ref_cnt == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(True, KvcoreTypeError), (2.0, KvcoreTypeError), (-1, KvcoreValueError),
+     (8, KvcoreValueError), ("3", KvcoreTypeError)],
+)  # fmt: skip
+def test_touch_refuses_what_is_not_a_block_id(bad: object, error: type) -> None:
+    """A hit's ids cross from a manager into the pool at touch: a bool, a
+    float, a negative or out-of-range id is refused there, naming it, and
+    nothing changes (a negative int would otherwise index from the end)."""
+    p = BlockPool(8, enable_caching=True, hash_block_size=16)
+    a = p.get_new_blocks(2)
+    p.free_blocks(a)
+    before = (list(p.ref_cnt), p.free_queue.get_all_free_blocks())
+    with pytest.raises(error, match=r"touch: .* is not a block id of this pool"):
+        p.touch([a[0], bad])  # type: ignore[list-item]
+    assert (list(p.ref_cnt), p.free_queue.get_all_free_blocks()) == before
+    with pytest.raises(error, match="moving free blocks"):
+        p.hold_back([bad])  # type: ignore[list-item]

@@ -847,3 +847,51 @@ def test_region_refuses_views_that_leave_it(padding: int) -> None:
         ((4, 64), (block, 1), 1),  # one byte late
     ):
         assert not region.contains(torch.as_strided(buffer, shape, strides, offset))
+
+
+def test_a_hit_of_values_that_are_not_block_ids_is_refused_naming_the_plugin() -> None:
+    """Block ids are ints the pool handed out: a manager whose hit holds
+    numpy ints or bools (ids computed with numpy, say) is refused when the
+    hit is attached, naming its plugin, and the pool is as it was."""
+    from kvcore.coordinator import KVCacheManager, Request
+    from kvcore_full_attention import FullAttention, FullAttentionManager
+
+    class NumpyHits(FullAttentionManager):
+        @classmethod
+        def find_longest_cache_hit(cls, query: Any) -> list[list[int]]:
+            found = super().find_longest_cache_hit(query)
+            return [[bool(b) if b == 1 else b for b in group] for group in found]
+
+    class NumpyKind(FullAttention):
+        manager_type = NumpyHits
+
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    config = kvcore.KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[kvcore.KVCacheGroupSpec(["layer.0"], spec)],
+    )
+    mgr = KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        enable_caching=True,
+        registry=KindRegistry.from_kinds([NumpyKind()]),
+    )
+    first = Request("a", list(range(64)), hash_block_size=16)
+    mgr.allocate_slots(first, 64)
+    first.num_computed_tokens = 64
+    mgr.free(first)
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    second = Request("b", [*range(64), 7, 8], hash_block_size=16)
+    blocks, hit = mgr.get_computed_blocks(second)
+    assert hit == 64
+    with pytest.raises(
+        PluginError, match=r"NumpyHits.*True \(bool\) is not a block id"
+    ):
+        mgr.allocate_slots(second, 66 - hit, hit, blocks)
+    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before

@@ -44,6 +44,11 @@ from kvcore.coordinator.events import (
     stored_events,
 )
 from kvcore.coordinator.hashing import BlockHash
+from kvcore.coordinator.pool_checks import (
+    check_events_medium,
+    check_num_blocks,
+    not_a_block,
+)
 from kvcore.coordinator.pool_journal import (
     KEY,
     MOVE,
@@ -62,12 +67,10 @@ from kvcore.coordinator.twin_ops import TwinPoolOps, check_store, double_free, k
 from kvcore.errors import (
     BlockSizeError,
     InvalidRequestError,
-    KvcoreTypeError,
     KvcoreValueError,
     NoFreeBlocksError,
     ReentrantCallError,
 )
-from kvcore.limits import BLOCK_STATE_BYTES, MAX_NUM_BLOCKS, available_memory_bytes
 
 __all__ = [
     "AllBlocksCleared",
@@ -80,53 +83,6 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheEvent",
 ]
-
-# ---------------------------------------------------------------------------
-# Block pool
-# ---------------------------------------------------------------------------
-
-
-def check_num_blocks(num_blocks: object) -> None:
-    """A pool's block count: an int from 1 (the null block) to
-    MAX_NUM_BLOCKS whose per-block state fits in the host's memory."""
-    if type(num_blocks) is not int:
-        msg = f"num_blocks must be an int, not {type(num_blocks).__name__}"
-        raise KvcoreTypeError(msg)
-    if num_blocks < 1:
-        msg = (
-            f"num_blocks must be >= 1 (block 0 is the null block), got "
-            f"{num_blocks}; give the pool more memory or smaller blocks"
-        )
-        raise KvcoreValueError(msg)
-    if num_blocks > MAX_NUM_BLOCKS:
-        msg = (
-            f"num_blocks is {num_blocks:,}, more than kvcore's limit of "
-            f"{MAX_NUM_BLOCKS:,} (MAX_NUM_BLOCKS), checked before the per-block "
-            "state is built; plan with larger blocks or fewer of them"
-        )
-        raise KvcoreValueError(msg)
-    available = available_memory_bytes()
-    if available is not None and num_blocks * BLOCK_STATE_BYTES > available:
-        msg = (
-            f"num_blocks is {num_blocks:,}: their coordinator state takes "
-            f"about {num_blocks * BLOCK_STATE_BYTES / 2**30:.1f} GiB of host "
-            f"memory ({BLOCK_STATE_BYTES} B a block) and "
-            f"{available / 2**30:.1f} GiB is available; plan with larger "
-            "blocks or fewer of them"
-        )
-        raise KvcoreValueError(msg)
-
-
-def check_events_medium(kv_events_medium: object) -> None:
-    """The medium KV events name: a non-empty str."""
-    if type(kv_events_medium) is not str or not kv_events_medium:
-        msg = (
-            f"kv_events_medium must be a non-empty str such as 'GPU' or "
-            f"'CPU', got {kv_events_medium!r}"
-        )
-        if type(kv_events_medium) is str:
-            raise KvcoreValueError(msg)
-        raise KvcoreTypeError(msg)
 
 
 class BlockPool(TwinPoolOps):
@@ -514,7 +470,11 @@ class BlockPool(TwinPoolOps):
         journal = self.journal
         ref = self.ref_cnt
         key_hash = self.key_hash
+        num_blocks = self.num_blocks
         for block in blocks:
+            if type(block) is not int or not 0 <= block < num_blocks:
+                error = not_a_block("moving free blocks", block, num_blocks)
+                raise error
             if not block or ref[block] or key_hash[block] is None:
                 continue
             if prev_links[block] == UNLINKED:
@@ -535,7 +495,11 @@ class BlockPool(TwinPoolOps):
         prev_links = queue.prev
         next_links = queue.next
         ref = self.ref_cnt
+        num_blocks = self.num_blocks
         for block in blocks:
+            if type(block) is not int or not 0 <= block < num_blocks:
+                error = not_a_block("touch", block, num_blocks)
+                raise error
             if block and ref[block] == 0 and prev_links[block] == UNLINKED:
                 queue.remove(block)  # raises, before anything changes: not queued
         # The unlinked blocks with their links, flat: (block, prev, next)...
