@@ -46,8 +46,8 @@ from kvcore.coordinator.events import (
 from kvcore.coordinator.hashing import BlockHash
 from kvcore.coordinator.pool_checks import (
     check_events_medium,
+    check_ids,
     check_num_blocks,
-    not_a_block,
 )
 from kvcore.coordinator.pool_journal import (
     KEY,
@@ -366,12 +366,7 @@ class BlockPool(TwinPoolOps):
         if journal is not None:
             saved = dict(entry) if isinstance(entry, dict) else entry
             journal.append((KEY, block, key, gid, saved))
-        if entry == block:
-            del cached[key]
-        elif isinstance(entry, dict):
-            entry.pop(block, None)
-            if len(entry) == 1:
-                cached[key] = next(iter(entry))
+        remove_entry(cached, key, block)
         if self.enable_kv_cache_events:
             self._events.append(BlockRemoved((key,), gid, self.kv_events_medium))
 
@@ -470,11 +465,8 @@ class BlockPool(TwinPoolOps):
         journal = self.journal
         ref = self.ref_cnt
         key_hash = self.key_hash
-        num_blocks = self.num_blocks
+        check_ids("moving free blocks", blocks, self.num_blocks)
         for block in blocks:
-            if type(block) is not int or not 0 <= block < num_blocks:
-                error = not_a_block("moving free blocks", block, num_blocks)
-                raise error
             if not block or ref[block] or key_hash[block] is None:
                 continue
             if prev_links[block] == UNLINKED:
@@ -495,11 +487,8 @@ class BlockPool(TwinPoolOps):
         prev_links = queue.prev
         next_links = queue.next
         ref = self.ref_cnt
-        num_blocks = self.num_blocks
+        check_ids("touch", blocks, self.num_blocks)
         for block in blocks:
-            if type(block) is not int or not 0 <= block < num_blocks:
-                error = not_a_block("touch", block, num_blocks)
-                raise error
             if block and ref[block] == 0 and prev_links[block] == UNLINKED:
                 queue.remove(block)  # raises, before anything changes: not queued
         # The unlinked blocks with their links, flat: (block, prev, next)...

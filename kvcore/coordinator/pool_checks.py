@@ -4,10 +4,12 @@ rule broken and the fix."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvcore.errors import KvcoreError, KvcoreTypeError, KvcoreValueError
 from kvcore.limits import BLOCK_STATE_BYTES, MAX_NUM_BLOCKS, available_memory_bytes
 
-__all__ = ["check_events_medium", "check_num_blocks", "not_a_block"]
+__all__ = ["check_events_medium", "check_ids", "check_num_blocks"]
 
 
 def check_num_blocks(num_blocks: object) -> None:
@@ -53,9 +55,17 @@ def check_events_medium(kv_events_medium: object) -> None:
         raise KvcoreTypeError(msg)
 
 
-def not_a_block(call: str, block: object, num_blocks: int) -> KvcoreError:
-    """The error for a value passed as a block id that is not one of a
-    pool's ``num_blocks`` (a manager's hit or answer built by hand)."""
+def check_ids(call: str, blocks: Sequence[object], num_blocks: int) -> None:
+    """Refuse, naming it and ``call``, a value in ``blocks`` that is not a
+    block id of a pool of ``num_blocks`` (a manager's hit or answer built
+    by hand): an int from 0 to ``num_blocks - 1``, not a bool, a numpy int
+    or a negative int (which would index the pool's lists from the end)."""
+    for block in blocks:
+        if type(block) is not int or not 0 <= block < num_blocks:
+            raise _not_a_block(call, block, num_blocks)
+
+
+def _not_a_block(call: str, block: object, num_blocks: int) -> KvcoreError:
     msg = (
         f"{call}: {block!r} ({type(block).__name__}) is not a block id of "
         f"this pool; block ids are ints from 0 to {num_blocks - 1}, handed "
