@@ -188,6 +188,29 @@ def test_a_readmission_counts_in_the_hits_and_the_bound_alike() -> None:
 
 
 class CorruptingManager(FullAttentionManager):
+    """A faulty third-party manager: it keys a request's first two full
+    blocks crosswise (the first under the second's hash, the second under
+    the first's).  Every key names the right prefix length, so the hits it
+    serves pass the core's key check, but they read the two blocks in the
+    wrong order, which only the blocks' content shows."""
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        rid = request.request_id
+        table = self.req_to_blocks[rid]
+        crosswise = (
+            self.num_cached_block.get(rid, 0) == 0
+            and num_tokens // self.block_size >= 2
+            and len(table) >= 2
+        )
+        if crosswise:
+            self.record_request_state(rid, whole=True)
+            table[0], table[1] = table[1], table[0]
+        super().cache_blocks(request, num_tokens)
+        if crosswise:
+            table[0], table[1] = table[1], table[0]
+
+
+class HitSwappingManager(FullAttentionManager):
     """A faulty third-party manager: each non-empty hit's last block is
     swapped for another cached block (another request's), when there is
     one."""
@@ -208,29 +231,52 @@ class CorruptingManager(FullAttentionManager):
         return hits
 
 
+class HitSwappingFullAttention(FullAttention):
+    """The built-in full-attention kind with the hit-swapping manager."""
+
+    manager_type = HitSwappingManager
+
+
 class CorruptingFullAttention(FullAttention):
     """The built-in full-attention kind with the faulty manager above."""
 
     manager_type = CorruptingManager
 
 
-def test_the_oracle_catches_a_hit_on_another_requests_block() -> None:
-    # C's hit (step 5) finds only A's two blocks cached: nothing to swap in.
-    # B's and D's hits get another request's block at position 1.
+def test_the_oracle_catches_a_hit_on_blocks_keyed_crosswise() -> None:
+    # A keys its two full blocks crosswise; C, B and D each hit 32 tokens
+    # of them, reading A's second block where their first 16 tokens go.
     faulty = kvcore.KindRegistry.from_kinds([CorruptingFullAttention()])
     result = Driver(_plan16(), registry=faulty, validate=True).run(_hand_workload())
     assert result.completed == 4
-    assert (result.checked_hits, result.invalid_hits) == (3, 2)
-    assert len(result.invalid_hit_reports) == 2
+    assert (result.checked_hits, result.invalid_hits) == (3, 3)
+    assert result.prefix_hit_tokens == 96
+    assert [r.split(",")[0] for r in result.invalid_hit_reports] == [
+        "request 'C'",
+        "request 'B'",
+        "request 'D'",
+    ]
     first = result.invalid_hit_reports[0]
-    assert first.startswith("request 'B', hit of 32 tokens: group 0's block")
-    assert "at position 1 does not hold its tokens [16, 32)" in first
+    assert first.startswith("request 'C', hit of 32 tokens: group 0's block 2")
+    assert "at position 0 does not hold its tokens [0, 16)" in first
     # Without validation nothing is checked or counted.
     plain = Driver(_plan16(), registry=faulty).run(_hand_workload())
     assert (plain.validated, plain.checked_hits, plain.invalid_hits) == (False, 0, 0)
     # The built-in manager's hits are all valid.
     honest = Driver(_plan16(), validate=True).run(_hand_workload())
     assert (honest.checked_hits, honest.invalid_hits) == (3, 0)
+
+
+def test_a_hit_naming_another_prefixs_block_is_refused_at_lookup() -> None:
+    """A manager whose hit names a block keyed by another prefix is
+    refused where the hit enters the core, before anything reads it,
+    naming the manager, the block and its position."""
+    faulty = kvcore.KindRegistry.from_kinds([HitSwappingFullAttention()])
+    with pytest.raises(kvcore.errors.PluginResultError) as info:
+        Driver(_plan16(), registry=faulty).run(_hand_workload())
+    message = str(info.value)
+    assert message.startswith("test_hit_rate.HitSwappingManager.find_longest_cache_hit")
+    assert "at position 1 of group 0, which is not keyed there" in message
 
 
 def test_the_oracle_applies_the_copies_a_step_asks_for() -> None:

@@ -851,8 +851,8 @@ def test_region_refuses_views_that_leave_it(padding: int) -> None:
 
 def test_a_hit_of_values_that_are_not_block_ids_is_refused_naming_the_plugin() -> None:
     """Block ids are ints the pool handed out: a manager whose hit holds
-    numpy ints or bools (ids computed with numpy, say) is refused when the
-    hit is attached, naming its plugin, and the pool is as it was."""
+    numpy ints or bools (ids computed with numpy, say) is refused where the
+    hit enters the core, naming the manager, and the pool is as it was."""
     from kvcore.coordinator import KVCacheManager, Request
     from kvcore_full_attention import FullAttention, FullAttentionManager
 
@@ -888,10 +888,10 @@ def test_a_hit_of_values_that_are_not_block_ids_is_refused_naming_the_plugin() -
     pool = mgr.block_pool
     before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
     second = Request("b", [*range(64), 7, 8], hash_block_size=16)
-    blocks, hit = mgr.get_computed_blocks(second)
-    assert hit == 64
     with pytest.raises(
-        PluginError, match=r"NumpyHits.*True \(bool\) is not a block id"
+        PluginResultError,
+        match=r"NumpyHits.find_longest_cache_hit returned True \(bool\) at "
+        r"position 0 of group 0, not a block id",
     ):
-        mgr.allocate_slots(second, 66 - hit, hit, blocks)
+        mgr.get_computed_blocks(second)
     assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before

@@ -24,6 +24,7 @@ from kvcore.coordinator.assembly import (
 )
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.cache_spans import CacheSpans
+from kvcore.coordinator.found_hits import check_found_hit
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
@@ -289,20 +290,27 @@ class KVCacheCoordinator(FreeSteps):
         """
         bound = 0
         for group in self.attention_groups:
-            blocks = group.manager_type.find_longest_cache_hit(
+            blocks = self.search(
+                group,
                 self._query(
                     group,
                     block_hashes,
                     self._hashes_of(group, block_hashes),
                     max_length,
                     group.block_size,
-                )
+                ),
             )
             if not blocks[0]:
                 continue
             dropped = (len(blocks[0]) - 1) * group.block_size
             bound = max(bound, dropped)
         return bound
+
+    def search(self, group: SpecGroup, query: HitQuery) -> list[list[int]]:
+        """``group``'s hit as its manager class finds it, checked where it
+        enters the core (see :mod:`kvcore.coordinator.found_hits`)."""
+        found = group.manager_type.find_longest_cache_hit(query)
+        return check_found_hit(found, query, self.single_type_managers)
 
     def _hashes_of(
         self, group: SpecGroup, block_hashes: Sequence[BlockHash]
@@ -375,7 +383,7 @@ class KVCacheCoordinator(FreeSteps):
                 if group.partial_unit:
                     blocks, hit = partial_prefix_hit(query, group.partial_unit)
                 else:
-                    blocks = group.manager_type.find_longest_cache_hit(query)
+                    blocks = self.search(group, query)
                     hit = len(blocks[0]) * group.block_size
                 found[index] = blocks
                 searched_at[index] = length

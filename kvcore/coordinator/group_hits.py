@@ -55,7 +55,7 @@ def find_longest_cache_hit_per_group(
         if group.partial_unit:
             found, hit = partial_prefix_hit(query, group.partial_unit)
         else:
-            found = group.manager_type.find_longest_cache_hit(query)
+            found = coordinator.search(group, query)
             hit = len(found[0]) * size
             if coordinator.use_eagle and not group.states and hit:
                 hit -= size

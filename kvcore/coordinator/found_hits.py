@@ -1,0 +1,90 @@
+"""A manager's prefix hit, checked where it enters the core.
+
+``find_longest_cache_hit`` is a kind's own search; what it returns becomes
+blocks the request reads.  A hit that names a block holding another
+prefix's KV (a wrong position, a repeated block, an id computed by hand)
+would be read as this request's prefix, so every hit is checked before the
+coordinator uses it: one list per group searched, all of one length, and
+each block that is not the null block an id of the pool keyed, in its
+group, by the prefix ending with it (the manager's own ``block_hash``).
+The same check runs for every kind, built in or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcore.errors import PluginResultError
+
+__all__ = ["check_found_hit"]
+
+
+def check_found_hit(
+    found: object, query: Any, managers: Sequence[Any]
+) -> list[list[int]]:
+    """``found``, what the manager class of ``query``'s groups returned, if
+    it is a hit of their blocks (see the module); else a
+    :class:`~kvcore.errors.PluginResultError` naming the class and why.
+    ``managers``: every group's manager, by group id."""
+    gids = query.group_ids
+    if type(found) is not list or len(found) != len(gids):
+        raise _hit_error(
+            managers[gids[0]],
+            f"returned {_short(found)}; it must return a list of {len(gids)} "
+            "block lists, one per group searched",
+        )
+    pool = query.block_pool
+    key_hash = pool.key_hash
+    key_group = pool.key_group
+    num_blocks = pool.num_blocks
+    chunks = query.chunk_hashes
+    # The prefix hashes at the groups' block size (none for a block finer
+    # than the hash block): the key of every position a manager keys the
+    # usual way, so its own block_hash is asked only where they differ.
+    hashes = query.block_hashes
+    length = -1
+    for gid, blocks in zip(gids, found, strict=True):
+        manager = managers[gid]
+        if type(blocks) is not list or (length >= 0 and len(blocks) != length):
+            raise _hit_error(
+                manager,
+                f"returned block lists {_short(found)}; each must be a list, "
+                "all of one length (the hit's blocks in every group searched)",
+            )
+        length = len(blocks)
+        key_of = manager.block_hash
+        usual = len(hashes) >= length
+        for i, block in enumerate(blocks):
+            if type(block) is not int or not 0 <= block < num_blocks:
+                raise _hit_error(
+                    manager,
+                    f"returned {block!r} ({type(block).__name__}) at position "
+                    f"{i} of group {gid}, not a block id of the pool (an int "
+                    f"from 0 to {num_blocks - 1})",
+                )
+            if not block:
+                continue
+            key = key_hash[block]
+            if key_group[block] != gid or (
+                (not usual or key != hashes[i]) and key != key_of(chunks, i)
+            ):
+                raise _hit_error(
+                    manager,
+                    f"returned block {block} at position {i} of group {gid}, "
+                    "which is not keyed there by the prefix ending with that "
+                    "position (a hit's blocks are the cached blocks of its own "
+                    "prefix, the null block where the kind reads nothing)",
+                )
+    return found
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _hit_error(manager: Any, problem: str) -> PluginResultError:
+    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+    msg = f"{owner}.find_longest_cache_hit {problem}"
+    return PluginResultError(msg, plugin_name=type(manager).__module__)
