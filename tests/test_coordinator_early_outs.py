@@ -561,3 +561,42 @@ def test_the_early_outs_change_nothing(plan: str, seed: int) -> None:
                 skipped += 1
         assert seen[0] == seen[1], f"{plan} seed {seed}: step {step} differs"
     assert skipped, "the trace never kept a span across a call"
+
+
+def test_a_search_of_its_own_drops_the_cache_table_promise() -> None:
+    """The core's searches read only the cache tables at each position's
+    key, so their hits go unchecked; a class that searches or keys its own
+    way is checked unless it makes the promise itself, built in or not."""
+    from kvcore.coordinator.manager import HitQuery
+    from kvcore.coordinator.managers import PrefixManager, WindowManager
+    from kvcore.coordinator.state_manager import CheckpointManager
+
+    class OwnSearch(PrefixManager):
+        @classmethod
+        def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+            return super().find_longest_cache_hit(query)
+
+    class OwnKeys(CheckpointManager):
+        def block_hash(self, chunk_hashes: Any, index: int) -> Any:
+            return super().block_hash(chunk_hashes, index)
+
+    class Promises(PrefixManager):
+        hits_from_cache_tables = True
+
+        @classmethod
+        def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+            return super().find_longest_cache_hit(query)
+
+    class Inherits(WindowManager):
+        pass
+
+    assert PrefixManager.hits_from_cache_tables
+    assert WindowManager.hits_from_cache_tables
+    assert CheckpointManager.hits_from_cache_tables
+    assert FullAttentionManager.hits_from_cache_tables
+    assert SlidingWindowManager.hits_from_cache_tables
+    assert Inherits.hits_from_cache_tables
+    assert Promises.hits_from_cache_tables
+    assert not OwnSearch.hits_from_cache_tables
+    assert not OwnKeys.hits_from_cache_tables
+    assert not SingleTypeManager.hits_from_cache_tables

@@ -57,6 +57,10 @@ class SpecGroup:
     #: The copy-on-write hit unit in tokens when these groups serve hits
     #: that end inside a block (see :mod:`kvcore.coordinator.partial`), else 0.
     partial_unit: int = 0
+    #: Whether their manager class's hits are checked as they enter the
+    #: core (its search is not one that returns only what the cache tables
+    #: key at each position: see ``hits_from_cache_tables``).
+    checks_hits: bool = True
 
 
 @attrs.frozen
@@ -247,6 +251,7 @@ def search_groups(
                 partial_unit=partial_units.get(gid, 0)
                 if type(manager).partial_copy_hits is True
                 else 0,
+                checks_hits=type(manager).hits_from_cache_tables is not True,
             )
     return sorted(spec_groups.values(), key=lambda g: (not g.monotone, g.states))
 

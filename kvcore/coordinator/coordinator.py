@@ -308,9 +308,13 @@ class KVCacheCoordinator(FreeSteps):
 
     def search(self, group: SpecGroup, query: HitQuery) -> list[list[int]]:
         """``group``'s hit as its manager class finds it, checked where it
-        enters the core (see :mod:`kvcore.coordinator.found_hits`)."""
+        enters the core unless the class's search returns only what the
+        cache tables key at each position (see
+        :mod:`kvcore.coordinator.found_hits`)."""
         found = group.manager_type.find_longest_cache_hit(query)
-        return check_found_hit(found, query, self.single_type_managers)
+        if group.checks_hits:
+            return check_found_hit(found, query, self.single_type_managers)
+        return found
 
     def _hashes_of(
         self, group: SpecGroup, block_hashes: Sequence[BlockHash]

@@ -7,7 +7,12 @@ would be read as this request's prefix, so every hit is checked before the
 coordinator uses it: one list per group searched, all of one length, and
 each block that is not the null block an id of the pool keyed, in its
 group, by the prefix ending with it (the manager's own ``block_hash``).
-The same check runs for every kind, built in or not.
+
+The searches of kvcore's manager bases (prefix, window, checkpoint) read
+only the pool's cache tables at each position's key, so their hits hold
+this by construction; a class that keeps one of them, built in or not, is
+not checked (``SingleTypeManager.hits_from_cache_tables``), and every class
+with a search of its own is.
 """
 
 from __future__ import annotations

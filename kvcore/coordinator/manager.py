@@ -154,6 +154,15 @@ class SingleTypeManager:
     #: :meth:`allocate_new_blocks` or :meth:`allocate_twins` makes no such
     #: promise unless it sets this flag in its own body.
     grows_by_count: ClassVar[bool] = True
+    #: Whether :meth:`find_longest_cache_hit` returns only blocks the pool's
+    #: cache tables hold, each under the key of its position (its group and
+    #: :meth:`block_hash`), as the searches of kvcore's manager bases do: the
+    #: coordinator then takes its hits as they are.  Otherwise every hit is
+    #: checked where it enters the core (see
+    #: :mod:`kvcore.coordinator.found_hits`).  A subclass that overrides
+    #: :meth:`find_longest_cache_hit` or :meth:`block_hash` makes no such
+    #: promise unless it sets this flag in its own body.
+    hits_from_cache_tables: ClassVar[bool] = False
     #: Whether :meth:`release_twins` releases and changes nothing for a
     #: request when :meth:`releases_nothing` says so: the coordinator then
     #: passes over a running request's step that no class grows, releases
@@ -226,7 +235,7 @@ class SingleTypeManager:
         one-group step of a class that does not override it runs the twin
         step it inherits over the group alone.  A promise flag
         (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`,
-        :attr:`releases_by_count`) is dropped
+        :attr:`releases_by_count`, :attr:`hits_from_cache_tables`) is dropped
         where the class overrides a method it covers and does not set the
         flag itself."""
         super().__init_subclass__(**kwargs)
@@ -857,6 +866,7 @@ _PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("get_num_blocks_to_allocate", "allocate_new_blocks", "allocate_twins"),
     ),
     ("releases_by_count", ("remove_skipped_blocks", "release_twins")),
+    ("hits_from_cache_tables", ("find_longest_cache_hit", "block_hash")),
 )
 
 #: (one-group step, twin step, the twin step through the one-group one).
