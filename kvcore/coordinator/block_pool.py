@@ -299,23 +299,31 @@ class BlockPool(TwinPoolOps):
             # runs newest first); it is filled in once the blocks are known.
             mark = len(journal)
             journal.append(NOTHING)
-        # One walk from the front: unlink, drop keys, take the reference;
-        # past the queue's back, on into the held-back blocks.
+        # The queue's blocks first, front first, then the held-back ones.
+        from_queue = min(num_blocks, queue.num_free - len(queue.held))
+        self._take(queue.head, from_queue, blocks)
+        if from_queue < num_blocks:
+            self._take(queue.held_head, num_blocks - from_queue, blocks)
+            queue.held.difference_update(blocks[from_queue:])
+        queue.num_free -= num_blocks
+        if journal is not None:
+            journal[mark] = (UNGET, blocks[:], from_queue)
+        return blocks
+
+    def _take(self, head: BlockId, count: int, out: list[BlockId]) -> None:
+        """Hand out the ``count`` blocks linked after sentinel ``head`` (all
+        of them there), appending them to ``out``: one walk that unlinks
+        each, drops its keys and gives it one reference, then links
+        ``head`` to the block after the last."""
+        queue = self.free_queue
         prev_links = queue.prev
         next_links = queue.next
         ref = self.ref_cnt
         key_hash = self.key_hash
         partial = self.partial_keys
-        append = blocks.append
-        head = queue.head
-        tail = queue.tail
+        append = out.append
         block = next_links[head]
-        from_queue = num_blocks
-        for i in range(num_blocks):
-            if block == tail:
-                from_queue = i
-                head = queue.held_head
-                block = next_links[head]
+        for _ in range(count):
             append(block)
             nxt = next_links[block]
             prev_links[block] = next_links[block] = UNLINKED
@@ -323,16 +331,8 @@ class BlockPool(TwinPoolOps):
                 self._drop_keys(block)
             ref[block] = 1
             block = nxt
-        if from_queue < num_blocks:
-            next_links[queue.head] = tail
-            prev_links[tail] = queue.head
-            queue.held.difference_update(blocks[from_queue:])
         next_links[head] = block
         prev_links[block] = head
-        queue.num_free -= num_blocks
-        if journal is not None:
-            journal[mark] = (UNGET, blocks[:], from_queue)
-        return blocks
 
     def _no_free_blocks(self, num_blocks: int) -> KvcoreValueError:
         if num_blocks < 0:
@@ -487,8 +487,10 @@ class BlockPool(TwinPoolOps):
         prev_links = queue.prev
         next_links = queue.next
         ref = self.ref_cnt
-        check_ids("touch", blocks, self.num_blocks)
+        num_blocks = self.num_blocks
         for block in blocks:
+            if type(block) is not int or not 0 <= block < num_blocks:
+                check_ids("touch", (block,), num_blocks)  # raises, naming it
             if block and ref[block] == 0 and prev_links[block] == UNLINKED:
                 queue.remove(block)  # raises, before anything changes: not queued
         # The unlinked blocks with their links, flat: (block, prev, next)...
