@@ -508,10 +508,10 @@ class BlockPool(TwinPoolOps):
                 next_links[prev] = nxt
                 prev_links[nxt] = prev
                 prev_links[block] = next_links[block] = UNLINKED
-                queue.num_free -= 1
                 if held:
                     held.discard(block)
             ref[block] = cnt + 1
+        queue.num_free -= len(unlinked) // 3
         journal = self.journal
         if journal is not None:
             journal.append((TOUCH, tuple(blocks), unlinked))
@@ -565,8 +565,13 @@ class BlockPool(TwinPoolOps):
         the queued blocks at the end.  Blocks in use are never queued, so
         no link is checked."""
         queue = self.free_queue
-        prev_links = queue.prev
-        next_links = queue.next
+        # A chain grows by linking each new block to the chain's end block:
+        # ``table``: before it (the block's next, the end's prev); otherwise
+        # after it (the block's prev, the end's next).
+        if table:
+            to_end, from_end = queue.next, queue.prev
+        else:
+            to_end, from_end = queue.prev, queue.next
         ref = self.ref_cnt
         key_hash = self.key_hash
         partial = self.partial_keys
@@ -575,34 +580,29 @@ class BlockPool(TwinPoolOps):
         # otherwise their last (they grow at the back).
         front = queue.front
         back = queue.back
-        freed = 0
+        not_freed = 0  # listings whose block stays held, or the null block
         it = iter(blocks)
         for block in it:
             cnt = ref[block]
             if cnt == 1:
                 ref[block] = 0
-                freed += 1
                 if front_ok and key_hash[block] is None and partial[block] is None:
-                    if table:
-                        next_links[block] = front
-                        prev_links[front] = block
-                    else:
-                        prev_links[block] = front
-                        next_links[front] = block
+                    to_end[block] = front
+                    from_end[front] = block
                     front = block
                 else:
-                    if table:
-                        next_links[block] = back
-                        prev_links[back] = block
-                    else:
-                        prev_links[block] = back
-                        next_links[back] = block
+                    to_end[block] = back
+                    from_end[back] = block
                     back = block
             elif cnt > 1:
                 ref[block] = cnt - 1
+                not_freed += 1
             elif block:
                 self._restore_release(blocks[: len(blocks) - len(list(it)) - 1])
                 raise double_free(block)
+            else:
+                not_freed += 1
+        freed = len(blocks) - not_freed
         if freed:
             queue.splice_chains(front, back, table, freed)
         journal = self.journal
