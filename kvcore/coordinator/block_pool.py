@@ -227,10 +227,6 @@ class BlockPool(TwinPoolOps):
         index the pool's blocks)."""
         return [self.block(i) for i in range(self.num_blocks)]
 
-    def is_free(self, block: BlockId) -> bool:
-        """Whether ``block`` sits in the free queue (or is held back)."""
-        return self.free_queue.prev[block] != UNLINKED
-
     # -- transactions -------------------------------------------------------
 
     def begin(self) -> None:

@@ -11,13 +11,13 @@ is the null block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
 import attrs
 
 from kvcore.coordinator.hashing import BlockHash
-from kvcore.errors import KvcoreTypeError, KvcoreValueError, NoFreeBlocksError
+from kvcore.errors import KvcoreValueError, NoFreeBlocksError
 
 __all__ = [
     "NULL_BLOCK",
@@ -131,12 +131,9 @@ class FreeBlockQueue:
         "tail",
     )
 
-    def __init__(self, num_blocks: int, order: Iterable[BlockId] | None = None) -> None:
-        """A queue over block ids ``0..num_blocks-1`` holding ``order`` (all
-        of them, in id order, by default)."""
-        if type(num_blocks) is not int or num_blocks < 0:
-            msg = f"num_blocks must be an int >= 0, got {num_blocks!r}"
-            raise KvcoreTypeError(msg)
+    def __init__(self, num_blocks: int) -> None:
+        """A queue of block ids ``0..num_blocks-1``, in id order (the pool
+        checks ``num_blocks`` first)."""
         n = num_blocks
         #: Sentinel ids: the queue's ends, the held-back list's ends, and the
         #: scratch ends of the chains a release builds (see BlockPool._release).
@@ -154,20 +151,16 @@ class FreeBlockQueue:
         self.prev[self.held_tail] = self.held_head
         #: The held-back blocks, as a set (their order is the held list's).
         self.held: set[BlockId] = set()
-        self.num_free = 0
-        if order is None:
+        self.num_free = n
+        if n:
+            # Linked in one pass, the lists sharing one int per id.
             ids = list(range(n))
-            if ids:
-                # Linked in one pass, the lists sharing one int per id.
-                self.next[self.head] = ids[0]
-                self.prev[ids[0]] = self.head
-                self.next[: n - 1] = ids[1:]
-                self.prev[1:n] = ids[:-1]
-                self.next[n - 1] = self.tail
-                self.prev[self.tail] = n - 1
-                self.num_free = n
-        else:
-            self.append_n(list(order))
+            self.next[self.head] = ids[0]
+            self.prev[ids[0]] = self.head
+            self.next[: n - 1] = ids[1:]
+            self.prev[1:n] = ids[:-1]
+            self.next[n - 1] = self.tail
+            self.prev[self.tail] = n - 1
 
     def __len__(self) -> int:
         return self.num_free
@@ -192,10 +185,6 @@ class FreeBlockQueue:
             )
             raise NoFreeBlocksError(msg)
         return [self.popleft() for _ in range(n)]
-
-    def is_queued(self, block: BlockId) -> bool:
-        """Whether ``block`` is in the queue (or held back)."""
-        return self.prev[block] != UNLINKED
 
     def remove(self, block: BlockId) -> None:
         """Unlink ``block`` from wherever it is in the queue."""
