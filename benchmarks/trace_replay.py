@@ -116,14 +116,13 @@ def model_rows(
     start = time.monotonic()
     probe = plan_model(model, registry, 2**30)
     probe_driver = Driver(probe.plan, registry=registry)
+    everything = blocks_for_everything(probe_driver, loaded.workload)
     ample = plan_with_blocks(
-        model,
-        registry,
-        blocks_for_everything(probe_driver, loaded.workload),
-        probe=probe,
+        model, registry, min(everything, MAX_AMPLE_BLOCKS), probe=probe
     )
     result = replay(ample, loaded)
-    rows = [_row(model, "ample", ample, loaded, result)]
+    pool = "ample" if everything <= MAX_AMPLE_BLOCKS else "ample (capped)"
+    rows = [_row(model, pool, ample, loaded, result)]
     tight_blocks = math.ceil(TIGHT_FACTOR * result.peak_blocks_in_use) + 1
     tight = plan_with_blocks(model, registry, tight_blocks, probe=probe)
     rows.append(_row(model, "tight", tight, loaded, replay(tight, loaded)))
