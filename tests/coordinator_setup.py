@@ -181,23 +181,37 @@ def one_layer_plan(
 def assert_free_links_agree(
     queue: FreeBlockQueue, num_blocks: int | None = None
 ) -> None:
-    """The free queue's two lists (the queue, then the held-back blocks)
-    are linked both ways, as the public walks see them: each block's
-    neighbours point back at it, and each list's ends lead to its own
-    sentinels (ids past the pool's ``num_blocks`` blocks; by default every
-    id below the sentinels is a block), which point back.  Every block in
-    neither list, and the scratch ends a release builds its chains on, is
-    unlinked."""
+    """The free queue's three lists (the queue, the spare blocks, the
+    held-back blocks) are linked both ways, as the public walks see them:
+    each block's neighbours point back at it, and each list's ends lead to
+    its own sentinels (ids past the pool's ``num_blocks`` blocks; by
+    default every id below the sentinels is a block), which point back.
+    Every block in no list, and the scratch ends a release builds its
+    chains on, is unlinked."""
     held = queue.held_blocks()
+    spare = queue.spare_blocks()
     order = queue.get_all_free_blocks()
+    num_queue = len(order) - len(held) - len(spare)
+    assert order[num_queue : num_queue + len(spare)] == spare
     assert order[len(order) - len(held) :] == held
     prev, nxt = queue.prev, queue.next
-    ends = [queue.head, queue.tail, queue.held_head, queue.held_tail]
+    ends = [
+        queue.head,
+        queue.tail,
+        queue.spare_head,
+        queue.spare_tail,
+        queue.held_head,
+        queue.held_tail,
+    ]
     assert len(set(ends)) == len(ends)
     if num_blocks is None:
         num_blocks = queue.head  # the sentinels follow the blocks' ids
     assert min(ends) >= num_blocks
-    runs = ((order[: len(order) - len(held)], ends[:2]), (held, ends[2:]))
+    runs = (
+        (order[:num_queue], ends[:2]),
+        (spare, ends[2:4]),
+        (held, ends[4:]),
+    )
     for run, (head, tail) in runs:
         for x, y in zip([head, *run], [*run, tail], strict=True):
             assert nxt[x] == y

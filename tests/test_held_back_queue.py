@@ -1,6 +1,6 @@
-"""Held-back blocks against a list model: free order, the held set, the
-cap on held-back blocks, rollback, copies; and the hit-point free order
-against the per-block sort it replaced."""
+"""Held-back and spare blocks against a list model: free order, the held
+and spare sets, the cap on held-back blocks, rollback, copies; and the
+hit-point free order against the per-block sort it replaced."""
 
 from __future__ import annotations
 
@@ -37,10 +37,12 @@ def h(i: int) -> bytes:
 
 class Model:
     """The pool as plain lists of block ids: the queue front first, the
-    held-back blocks front first, reference counts and keyed blocks."""
+    spare and the held-back blocks front first, reference counts and keyed
+    blocks."""
 
     def __init__(self) -> None:
         self.queue = list(range(1, NUM_BLOCKS))
+        self.spare: list[int] = []
         self.held: list[int] = []
         self.ref = dict.fromkeys(range(1, NUM_BLOCKS), 0)
         self.keyed: set[int] = set()
@@ -48,6 +50,7 @@ class Model:
     def copy(self) -> Model:
         other = Model()
         other.queue = list(self.queue)
+        other.spare = list(self.spare)
         other.held = list(self.held)
         other.ref = dict(self.ref)
         other.keyed = set(self.keyed)
@@ -56,14 +59,25 @@ class Model:
     def unlink(self, i: int) -> None:
         if i in self.queue:
             self.queue.remove(i)
+        elif i in self.spare:
+            self.spare.remove(i)
         else:
             self.held.remove(i)
+
+    def order(self) -> list[int]:
+        """The order hand-outs take free blocks in: the queue's blocks
+        without a key (at its front), the spare ones, the queue's others,
+        the held-back ones."""
+        unkeyed = 0
+        while unkeyed < len(self.queue) and self.queue[unkeyed] not in self.keyed:
+            unkeyed += 1
+        return self.queue[:unkeyed] + self.spare + self.queue[unkeyed:] + self.held
 
     def movable(self, i: int) -> bool:
         return self.ref[i] == 0 and i in self.keyed
 
     def spill(self) -> None:
-        while 2 * len(self.held) > len(self.queue) + len(self.held):
+        while 2 * len(self.held) > len(self.queue) + len(self.spare) + len(self.held):
             self.queue.append(self.held.pop(0))
 
 
@@ -96,7 +110,7 @@ class HeldBackMachine(RuleBasedStateMachine):
 
     def free_keyed(self) -> list[int]:
         m = self.model
-        return [i for i in m.queue + m.held if i in m.keyed]
+        return [i for i in m.queue + m.spare + m.held if i in m.keyed]
 
     def snapshot(self) -> Any:
         p = self.pool
@@ -105,6 +119,8 @@ class HeldBackMachine(RuleBasedStateMachine):
             q.get_all_free_blocks(),
             q.held_blocks(),
             sorted(q.held),
+            q.spare_blocks(),
+            sorted(q.spare),
             q.num_free,
             list(zip(p.ref_cnt, p.key_hash, p.key_group, strict=True)),
             # Group 0 is the only group the rules key blocks in.
@@ -124,14 +140,16 @@ class HeldBackMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def get_new_blocks(self, data: st.DataObject) -> None:
-        free = len(self.model.queue) + len(self.model.held)
-        # Often past the queue, on into the held-back blocks.
-        low = len(self.model.queue) if data.draw(st.booleans()) else 0
+        m = self.model
+        free = len(m.queue) + len(m.spare) + len(m.held)
+        # Often past the queue and the spare blocks, on into the held-back.
+        low = len(m.queue) + len(m.spare) if data.draw(st.booleans()) else 0
         self.get_new_blocks_n(data.draw(st.integers(min(low, free), free)))
 
     def get_new_blocks_n(self, n: int) -> None:
+        free = self.model.order()
+        assert self.pool.eviction_order() == free
         got = self.pool.get_new_blocks(n)
-        free = self.model.queue + self.model.held
         assert got == free[:n]
         for i in got:
             self.model.unlink(i)
@@ -190,6 +208,33 @@ class HeldBackMachine(RuleBasedStateMachine):
         chosen = list(dict.fromkeys(self._free_pick(data)))
         self.pool.free_table(list(chosen))
         self._free(chosen, table=True)
+
+    @rule(data=st.data())
+    def release_stopped_reading(self, data: st.DataObject) -> None:
+        """Blocks running requests stopped reading (free_each): keyed ones
+        to the back of the spare blocks, the others to the queue's front."""
+        budget = dict(self.model.ref)
+        lists = []
+        for _ in range(data.draw(st.integers(1, 2))):
+            chosen = []
+            for i in self.pick(data, [i for i, r in budget.items() if r]):
+                if budget[i]:
+                    budget[i] -= 1
+                    chosen.append(i)
+            lists.append(chosen)
+        self.pool.free_each(lists)
+        fronts: list[list[int]] = []
+        for chosen in lists:
+            front = []
+            for i in chosen:
+                self.model.ref[i] -= 1
+                if self.model.ref[i] == 0:
+                    if i in self.model.keyed:
+                        self.model.spare.append(i)
+                    else:
+                        front.append(i)
+            fronts.append(front)
+        self.model.queue = [i for f in reversed(fronts) for i in f] + self.model.queue
 
     @rule(data=st.data())
     def touch(self, data: st.DataObject) -> None:
@@ -307,8 +352,10 @@ class HeldBackMachine(RuleBasedStateMachine):
         m = self.model
         held = q.held_blocks()
         assert q.held == set(held)
+        assert q.spare == set(q.spare_blocks())
         order = q.get_all_free_blocks()
-        assert order == m.queue + m.held
+        assert order == m.queue + m.spare + m.held
+        assert p.eviction_order() == m.order()
         assert held == m.held
         assert q.num_free == len(order)
         assert all(p.ref_cnt[b] == 0 and b != 0 for b in order)

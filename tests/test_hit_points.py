@@ -54,7 +54,7 @@ def _fill(mgr: KVCacheManager, leave: int) -> list[Request]:
 
 
 def _free_order(mgr: KVCacheManager) -> list[int]:
-    return mgr.block_pool.free_queue.get_all_free_blocks()
+    return mgr.block_pool.eviction_order()
 
 
 def test_a_running_requests_released_window_blocks_outlive_other_free_blocks() -> None:
@@ -464,3 +464,56 @@ def test_each_position_is_read_once() -> None:
     asked = _CountsReadings.asked
     assert asked
     assert sorted(asked) == list(range(len(asked)))
+
+
+def test_a_window_block_released_for_no_hit_goes_before_cached_prefixes() -> None:
+    """X's prompt is cached and freed; then A decodes past its prompt and
+    releases its window block at position 0, which no hit point of A's
+    needs (positions 1-3 are held back).  That block is spare: hand-outs
+    take it after the blocks without a key and before X's cached prefix,
+    so a pool short by one block loses A's position-0 window block, not
+    X's prefix, and a repeat of X's prompt still hits whole."""
+    mgr = _window_hybrid(40)
+    pool = mgr.block_pool
+    x_prompt = list(range(300, 316))
+    x = small_request("x", x_prompt)
+    assert mgr.allocate_slots(x, 16) is not None
+    x.num_computed_tokens = 16
+    mgr.free(x)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 8)
+    spare = pool.free_queue.spare_blocks()
+    assert len(spare) == 1
+    assert pool.key_hash[spare[0]] is not None
+    order = pool.eviction_order()
+    unkeyed = [b for b in order if pool.key_hash[b] is None]
+    assert order[: len(unkeyed) + 1] == unkeyed + spare
+    got = pool.get_new_blocks(len(unkeyed) + 1)
+    assert got == unkeyed + spare
+    assert pool.key_hash[spare[0]] is None  # evicted with its hand-out
+    y = small_request("y", [*x_prompt, 7])
+    assert mgr.get_computed_blocks(y)[1] == 16
+
+
+def test_a_rolled_back_hand_out_puts_spare_blocks_back_in_their_place() -> None:
+    """A step that draws blocks without a key, a spare block and a keyed
+    one, then fails, leaves the eviction order exactly as it was."""
+    mgr = _window_hybrid(40)
+    pool = mgr.block_pool
+    x = small_request("x", list(range(300, 316)))
+    assert mgr.allocate_slots(x, 16) is not None
+    x.num_computed_tokens = 16
+    mgr.free(x)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 8)
+    before = pool.eviction_order()
+    spare = pool.free_queue.spare_blocks()
+    unkeyed = sum(1 for b in before if pool.key_hash[b] is None)
+    keys = list(pool.key_hash)
+    pool.begin()
+    got = pool.get_new_blocks(unkeyed + len(spare) + 1)
+    assert got == before[: len(got)]
+    pool.rollback()
+    assert pool.eviction_order() == before
+    assert pool.free_queue.spare_blocks() == spare
+    assert pool.key_hash == keys

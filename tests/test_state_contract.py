@@ -129,7 +129,9 @@ def test_steps_policy_restores_only_states_written_at_step_ends(
     )
     engine.run(_trace(3), chunks=[16, 32, 48, 64, 37])
     assert engine.listed_inside_steps == 0
-    assert engine.restored >= 40
+    # Enough restores for the check to mean something (superseded step
+    # ends are spare blocks, the first keyed blocks a tight pool reuses).
+    assert engine.restored >= 30
     assert engine.never_written == 0
 
 

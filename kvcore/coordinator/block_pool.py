@@ -5,7 +5,11 @@ Every cache group draws block ids from one :class:`BlockPool`.  A block is
 blocks wait in a :class:`FreeBlockQueue` in eviction order.  A full block can
 be registered in the prefix cache under ``(block hash, group id)``; it keeps
 that key while free, so a later request can hit it, and loses it only when the
-pool hands the block out again (or the cache is reset).
+pool hands the block out again (or the cache is reset).  Hand-outs take the
+queue's blocks without a key first, then the *spare* blocks (keyed blocks a
+running request stopped reading and kept for no hit), then the queue's keyed
+blocks, the least recently freed first, then the *held-back* blocks (kept
+for later hits; see :mod:`kvcore.coordinator.free_moves`).
 
 A block of a group that serves copy-on-write partial hits may also carry
 *partial keys*: the chunk hashes of prefixes that end inside it (see
@@ -43,6 +47,7 @@ from kvcore.coordinator.events import (
     check_event_inputs,
     stored_events,
 )
+from kvcore.coordinator.free_moves import FreeMoves
 from kvcore.coordinator.hashing import BlockHash
 from kvcore.coordinator.pool_checks import (
     check_events_medium,
@@ -85,7 +90,7 @@ __all__ = [
 ]
 
 
-class BlockPool(TwinPoolOps):
+class BlockPool(FreeMoves, TwinPoolOps):
     """All blocks of the KV cache, shared by every cache group.
 
     A block is its id.  The pool keeps every block's state in lists indexed
@@ -280,8 +285,10 @@ class BlockPool(TwinPoolOps):
         """Hand out ``num_blocks`` free blocks with reference count 1.
 
         Blocks come from the front of the free queue; any prefix-cache key they
-        still hold is evicted.  Raises :class:`NoFreeBlocksError`, changing
-        nothing, when fewer blocks are free.
+        still hold is evicted.  Spare blocks (see :class:`FreeBlockQueue`)
+        go after the queue's blocks without a key and before its keyed
+        ones; held-back blocks go last.  Raises :class:`NoFreeBlocksError`,
+        changing nothing, when fewer blocks are free.
         """
         queue = self.free_queue
         if num_blocks > queue.num_free or num_blocks < 0:
@@ -295,16 +302,63 @@ class BlockPool(TwinPoolOps):
             # runs newest first); it is filled in once the blocks are known.
             mark = len(journal)
             journal.append(NOTHING)
-        # The queue's blocks first, front first, then the held-back ones.
-        from_queue = min(num_blocks, queue.num_free - len(queue.held))
-        self._take(queue.head, from_queue, blocks)
-        if from_queue < num_blocks:
-            self._take(queue.held_head, num_blocks - from_queue, blocks)
-            queue.held.difference_update(blocks[from_queue:])
+        # The queue's blocks first, front first, then the held-back ones;
+        # spare blocks after the queue's blocks without a key.
+        spare = queue.spare
+        in_queue = queue.num_free - len(queue.held) - len(spare)
+        if spare:
+            unkeyed = self._count_unkeyed(min(num_blocks, in_queue))
+            num_spare = min(num_blocks - unkeyed, len(spare))
+            rest = min(num_blocks - unkeyed - num_spare, in_queue - unkeyed)
+            from_queue = unkeyed + rest
+            self._take(queue.head, unkeyed, blocks)
+            self._take(queue.spare_head, num_spare, blocks)
+            spare.difference_update(blocks[unkeyed:])
+            self._take(queue.head, rest, blocks)
+        else:
+            from_queue = unkeyed = min(num_blocks, in_queue)
+            num_spare = 0
+            self._take(queue.head, from_queue, blocks)
+        taken = from_queue + num_spare
+        if taken < num_blocks:
+            self._take(queue.held_head, num_blocks - taken, blocks)
+            queue.held.difference_update(blocks[taken:])
         queue.num_free -= num_blocks
         if journal is not None:
-            journal[mark] = (UNGET, blocks[:], from_queue)
+            journal[mark] = (UNGET, blocks[:], from_queue, unkeyed, num_spare)
         return blocks
+
+    def _count_unkeyed(self, most: int) -> int:
+        """How many of the queue's first ``most`` blocks hold no key (the
+        blocks freed without one, queued at the front)."""
+        next_links = self.free_queue.next
+        key_hash = self.key_hash
+        partial = self.partial_keys
+        block = next_links[self.free_queue.head]
+        count = 0
+        while count < most and key_hash[block] is None and partial[block] is None:
+            count += 1
+            block = next_links[block]
+        return count
+
+    def eviction_order(self) -> list[BlockId]:
+        """Every free block in the order hand-outs take them, front first:
+        the queue's blocks without a key, the spare blocks, the queue's
+        others, the held-back blocks (O(n); for engines' views, tests and
+        debugging)."""
+        queue = self.free_queue
+        listed = queue.get_all_free_blocks()
+        num_queue = queue.num_free - len(queue.held) - len(queue.spare)
+        if not queue.spare:
+            return listed
+        unkeyed = self._count_unkeyed(num_queue)
+        num_spare = len(queue.spare)
+        return (
+            listed[:unkeyed]
+            + listed[num_queue : num_queue + num_spare]
+            + listed[unkeyed:num_queue]
+            + listed[num_queue + num_spare :]
+        )
 
     def _take(self, head: BlockId, count: int, out: list[BlockId]) -> None:
         """Hand out the ``count`` blocks linked after sentinel ``head`` (all
@@ -401,76 +455,14 @@ class BlockPool(TwinPoolOps):
         prev_links[nxt] = prev
         if queue.held:
             queue.held.discard(block)
+        if queue.spare:
+            queue.spare.discard(block)
         head = queue.head
         first = next_links[head]
         next_links[head] = block
         prev_links[block] = head
         next_links[block] = first
         prev_links[first] = block
-
-    def requeue_at_back(self, blocks: Sequence[BlockId]) -> None:
-        """Move free blocks to the back of the free queue (held-back ones
-        included), in the given order, as if just freed; blocks in use, the
-        null block and blocks without a key are left where they are."""
-        self._move_free(blocks, self.free_queue.append)
-
-    def hold_back(self, blocks: Sequence[BlockId]) -> None:
-        """Move free blocks behind every other free block, in the given
-        order: they are evicted only once no other free block is left
-        (blocks a running request released that later requests' hits need,
-        see :meth:`FreeBlockQueue.hold`).  Blocks in use, the null block and
-        blocks without a key are left where they are; a block revived by a
-        hit leaves the held-back blocks, and :meth:`requeue_at_back` puts
-        one back in the queue.
-
-        Holding back leaves the held-back blocks at most as many as the
-        other free blocks: past that, those evicted first among them go to
-        the back of the queue.  Holding back bets on later hits of running
-        requests, the queue's order on returning prefixes; neither bet may
-        take the whole free pool.  (Hand-outs draw the queue first, so
-        between holds the held-back blocks may outnumber the rest.)"""
-        self._move_free(blocks, self.free_queue.hold)
-        self._spill_held()
-
-    def hold_back_first(self, blocks: Sequence[BlockId]) -> None:
-        """:meth:`hold_back`, but in front of the held-back blocks (in the
-        given order): evicted once no other free block is left, before
-        every block held back with :meth:`hold_back` (blocks kept only
-        while the pool has room for them)."""
-        queue = self.free_queue
-        self._move_free(blocks[::-1], lambda block: queue.prepend_held_n([block]))
-        self._spill_held()
-
-    def _spill_held(self) -> None:
-        """Move the held-back blocks evicted first to the back of the queue
-        until they are at most as many as the other free blocks."""
-        queue = self.free_queue
-        excess = 2 * len(queue.held) - queue.num_free
-        while excess > 0:
-            block = queue.first_held()
-            assert block is not None  # excess > 0: a block is held
-            self._move_free((block,), queue.append)
-            excess -= 2
-
-    def _move_free(
-        self, blocks: Sequence[BlockId], put: Callable[[BlockId], None]
-    ) -> None:
-        queue = self.free_queue
-        prev_links = queue.prev
-        next_links = queue.next
-        journal = self.journal
-        ref = self.ref_cnt
-        key_hash = self.key_hash
-        check_ids("moving free blocks", blocks, self.num_blocks)
-        for block in blocks:
-            if not block or ref[block] or key_hash[block] is None:
-                continue
-            if prev_links[block] == UNLINKED:
-                continue  # not queued: nothing to move
-            if journal is not None:
-                journal.append((MOVE, block, prev_links[block], next_links[block]))
-            queue.remove(block)
-            put(block)
 
     def touch(self, blocks: Iterable[BlockId]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).
@@ -492,6 +484,7 @@ class BlockPool(TwinPoolOps):
         # The unlinked blocks with their links, flat: (block, prev, next)...
         unlinked: list[BlockId] = []
         held = queue.held
+        spare = queue.spare
         for block in blocks:
             cnt = ref[block]
             if cnt == 0:
@@ -506,6 +499,8 @@ class BlockPool(TwinPoolOps):
                 prev_links[block] = next_links[block] = UNLINKED
                 if held:
                     held.discard(block)
+                if spare:
+                    spare.discard(block)
             ref[block] = cnt + 1
         queue.num_free -= len(unlinked) // 3
         journal = self.journal
@@ -820,8 +815,10 @@ class BlockPool(TwinPoolOps):
         self.partial_keys[:] = [None] * n
         self.partial_group.clear()
         # No request runs, so no hit is worth holding back: the held-back
-        # blocks join the queue's back, in the order they had.
+        # blocks join the queue's back, in the order they had; no block
+        # holds a key, so the spare ones join its front.
         self.free_queue.release_held()
+        self.free_queue.release_spare()
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared(self.kv_events_medium))
         return True

@@ -113,9 +113,13 @@ class FreeBlockQueue:
 
     Behind the back of the queue, a second list holds *held-back* blocks
     (:meth:`hold`): free blocks evicted only once every other free block is
-    gone, front first.  ``remove`` takes a block out of either list; both
-    count in ``num_free``, and ``held`` is the set of held-back blocks (so
-    their number is known in O(1)).
+    gone, front first.  A third list holds *spare* blocks (:meth:`spare_n`):
+    keyed blocks a running request stopped reading and kept for no hit
+    point, handed out after the queue's blocks without a key and before its
+    keyed ones (see :meth:`BlockPool.get_new_blocks`).  ``remove`` takes a
+    block out of any list; all count in ``num_free``, and ``held`` and
+    ``spare`` are the sets of held-back and spare blocks (so their numbers
+    are known in O(1)).
     """
 
     __slots__ = (
@@ -128,6 +132,9 @@ class FreeBlockQueue:
         "next",
         "num_free",
         "prev",
+        "spare",
+        "spare_head",
+        "spare_tail",
         "tail",
     )
 
@@ -143,14 +150,20 @@ class FreeBlockQueue:
         self.held_tail = n + 3
         self.front = n + 4
         self.back = n + 5
-        self.prev: list[BlockId] = [UNLINKED] * (n + 6)
-        self.next: list[BlockId] = [UNLINKED] * (n + 6)
+        self.spare_head = n + 6
+        self.spare_tail = n + 7
+        self.prev: list[BlockId] = [UNLINKED] * (n + 8)
+        self.next: list[BlockId] = [UNLINKED] * (n + 8)
         self.next[self.head] = self.tail
         self.prev[self.tail] = self.head
         self.next[self.held_head] = self.held_tail
         self.prev[self.held_tail] = self.held_head
+        self.next[self.spare_head] = self.spare_tail
+        self.prev[self.spare_tail] = self.spare_head
         #: The held-back blocks, as a set (their order is the held list's).
         self.held: set[BlockId] = set()
+        #: The spare blocks, as a set (their order is the spare list's).
+        self.spare: set[BlockId] = set()
         self.num_free = n
         if n:
             # Linked in one pass, the lists sharing one int per id.
@@ -166,9 +179,12 @@ class FreeBlockQueue:
         return self.num_free
 
     def popleft(self) -> BlockId:
-        """Take the front block (a held-back one once no other is left)."""
+        """Take the front block (a spare one once the queue is empty, a
+        held-back one once no other is left)."""
         block = self.next[self.head]
         if block == self.tail:
+            block = self.next[self.spare_head]
+        if block == self.spare_tail:
             block = self.next[self.held_head]
         if block == self.held_tail:
             msg = "the free block queue is empty; free blocks before taking one"
@@ -204,6 +220,8 @@ class FreeBlockQueue:
         self.num_free -= 1
         if self.held:
             self.held.discard(block)
+        if self.spare:
+            self.spare.discard(block)
 
     def append(self, block: BlockId) -> None:
         """Put ``block`` at the back (evicted last)."""
@@ -249,6 +267,18 @@ class FreeBlockQueue:
         self._link_after(self.held_head, self.next[self.held_head], blocks)
         self.held.update(blocks)
 
+    def spare_n(self, blocks: Sequence[BlockId]) -> None:
+        """Put ``blocks`` at the back of the spare blocks, in order."""
+        if blocks:
+            self._link_after(self.prev[self.spare_tail], self.spare_tail, blocks)
+            self.spare.update(blocks)
+
+    def prepend_spare_n(self, blocks: Sequence[BlockId]) -> None:
+        """Put ``blocks`` at the front of the spare blocks, in order."""
+        if blocks:
+            self._link_after(self.spare_head, self.next[self.spare_head], blocks)
+            self.spare.update(blocks)
+
     def release_held(self) -> None:
         """Move every held-back block to the queue's back, in their order
         (the eviction order stays; none is held back any more)."""
@@ -257,14 +287,24 @@ class FreeBlockQueue:
             self.remove(block)
         self.append_n(held)
 
+    def release_spare(self) -> None:
+        """Move every spare block to the queue's front, in their order."""
+        spare = self.spare_blocks()
+        for block in spare:
+            self.remove(block)
+        self.prepend_n(spare)
+
     def relink(self, links: Sequence[BlockId]) -> None:
         """Put unlinked blocks back, given flat as ``(block, prev, next)`` in
         the order they were unlinked: newest first, so each goes back
-        between the neighbours it had (held back again when they are)."""
+        between the neighbours it had (held back or spare again when they
+        are)."""
         prev_links = self.prev
         next_links = self.next
         held = self.held
         held_head = self.held_head
+        spare = self.spare
+        spare_head = self.spare_head
         for i in range(len(links) - 3, -1, -3):
             block = links[i]
             prev = links[i + 1]
@@ -276,6 +316,8 @@ class FreeBlockQueue:
             self.num_free += 1
             if prev == held_head or prev in held:
                 held.add(block)
+            elif prev == spare_head or prev in spare:
+                spare.add(block)
 
     def drop_chains(self) -> None:
         """Unlink the scratch ends of the chains a release builds (see
@@ -328,10 +370,18 @@ class FreeBlockQueue:
         """The held-back blocks, front first (O(n))."""
         return self._chain(self.held_head, self.held_tail)
 
+    def spare_blocks(self) -> list[BlockId]:
+        """The spare blocks, front first (O(n))."""
+        return self._chain(self.spare_head, self.spare_tail)
+
     def get_all_free_blocks(self) -> list[BlockId]:
-        """All free blocks in eviction order, front first: the queue, then
-        the held-back blocks (O(n); for tests and debugging)."""
-        return self._chain(self.head, self.tail) + self.held_blocks()
+        """All free blocks list by list, front first: the queue, the spare
+        blocks, the held-back blocks (O(n); for tests and debugging).
+        :meth:`BlockPool.eviction_order` gives the order hand-outs take
+        them in."""
+        return (
+            self._chain(self.head, self.tail) + self.spare_blocks() + self.held_blocks()
+        )
 
     def _chain(self, head: BlockId, tail: BlockId) -> list[BlockId]:
         """The blocks linked between two sentinels, in order."""

@@ -56,12 +56,20 @@ def undo(pool: Any, record: Record) -> None:
             cached[key] = saved
         pool._num_cached[gid] += 1
     elif op == UNGET:
-        # (op, blocks, how many came from the queue before the held-back)
-        _, blocks, from_queue = record
+        # (op, blocks, how many came from the queue, how many of those
+        # before the spare ones, how many spare ones): in ``blocks`` the
+        # queue's unkeyed ones, the spare ones, the queue's others, the
+        # held-back ones.
+        _, blocks, from_queue, unkeyed, num_spare = record
         for block in blocks:
             ref[block] = 0
-        queue.prepend_held_n(blocks[from_queue:])
-        queue.prepend_n(blocks[:from_queue])
+        after = from_queue + num_spare
+        queue.prepend_held_n(blocks[after:])
+        if num_spare:
+            queue.prepend_spare_n(blocks[unkeyed : unkeyed + num_spare])
+            queue.prepend_n(blocks[:unkeyed] + blocks[unkeyed + num_spare : after])
+        else:
+            queue.prepend_n(blocks[:from_queue])
     elif op == RELEASE:
         for block in record[1]:
             if block:

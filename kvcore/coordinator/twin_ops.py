@@ -146,12 +146,15 @@ class TwinPoolOps:
                 drop(old)
 
     def free_each(self, lists: Sequence[Sequence[int]]) -> None:
-        """:meth:`~BlockPool.free_blocks` of each of ``lists``, in order: one
-        reference dropped per listing; the blocks that reach 0 are queued,
-        keyed ones at the back in the order they reached it, the others
-        (with caching on) at the front, each list's before the earlier
-        lists'.  A double free restores every count dropped and raises,
-        changing nothing."""
+        """Release the blocks running requests stopped reading (each of
+        ``lists``, in order): one reference dropped per listing; the blocks
+        that reach 0 are queued, keyed ones at the back of the spare blocks
+        in the order they reached it (evicted before the other keyed
+        blocks: each serves only a hit ending beside it, and a manager
+        holds back those it keeps for later hits), the others (with
+        caching on) at the front, each list's before the earlier lists'.
+        A double free restores every count dropped and raises, changing
+        nothing."""
         pool: Any = self
         queue = pool.free_queue
         ref = pool.ref_cnt
@@ -186,7 +189,7 @@ class TwinPoolOps:
             chain = [block for front in reversed(fronts) for block in front]
             queue._link_after(queue.head, queue.next[queue.head], chain)
         if backs:
-            queue._link_after(queue.prev[queue.tail], queue.tail, backs)
+            queue.spare_n(backs)
         journal = pool.journal
         if journal is not None:
             journal.append((RELEASE, tuple(b for blocks in lists for b in blocks)))

@@ -36,7 +36,7 @@ class FreeQueueView:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         view = self._pool.block
-        return [view(b) for b in self._pool.free_queue.get_all_free_blocks()]
+        return [view(b) for b in self._pool.eviction_order()]
 
 
 class BlockViews(Sequence[KVCacheBlock]):

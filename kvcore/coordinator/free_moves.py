@@ -1,0 +1,96 @@
+"""Moving free blocks between the free queue's lists: to the queue's back,
+or into the held-back blocks (kept for later hits), with the cap that keeps
+the held-back blocks at most as many as the other free blocks.
+:class:`FreeMoves` is a base of :class:`~kvcore.coordinator.block_pool.BlockPool`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvcore.coordinator.blocks import UNLINKED, BlockId
+from kvcore.coordinator.pool_checks import check_ids
+from kvcore.coordinator.pool_journal import MOVE
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.blocks import FreeBlockQueue
+    from kvcore.coordinator.hashing import BlockHash
+    from kvcore.coordinator.pool_journal import Record
+
+__all__ = ["FreeMoves"]
+
+
+class FreeMoves:
+    """Moves of free blocks within the free queue (the pool supplies the
+    queue, the counts, the keys and the journal)."""
+
+    free_queue: FreeBlockQueue
+    ref_cnt: list[int]
+    key_hash: list[BlockHash | None]
+    journal: list[Record] | None
+    num_blocks: int
+
+    def requeue_at_back(self, blocks: Sequence[BlockId]) -> None:
+        """Move free blocks to the back of the free queue (held-back ones
+        included), in the given order, as if just freed; blocks in use, the
+        null block and blocks without a key are left where they are."""
+        self._move_free(blocks, self.free_queue.append)
+
+    def hold_back(self, blocks: Sequence[BlockId]) -> None:
+        """Move free blocks behind every other free block, in the given
+        order: they are evicted only once no other free block is left
+        (blocks a running request released that later requests' hits need,
+        see :meth:`FreeBlockQueue.hold`).  Blocks in use, the null block and
+        blocks without a key are left where they are; a block revived by a
+        hit leaves the held-back blocks, and :meth:`requeue_at_back` puts
+        one back in the queue.
+
+        Holding back leaves the held-back blocks at most as many as the
+        other free blocks: past that, those evicted first among them go to
+        the back of the queue.  Holding back bets on later hits of running
+        requests, the queue's order on returning prefixes; neither bet may
+        take the whole free pool.  (Hand-outs draw the queue first, so
+        between holds the held-back blocks may outnumber the rest.)"""
+        self._move_free(blocks, self.free_queue.hold)
+        self._spill_held()
+
+    def hold_back_first(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`hold_back`, but in front of the held-back blocks (in the
+        given order): evicted once no other free block is left, before
+        every block held back with :meth:`hold_back` (blocks kept only
+        while the pool has room for them)."""
+        queue = self.free_queue
+        self._move_free(blocks[::-1], lambda block: queue.prepend_held_n([block]))
+        self._spill_held()
+
+    def _spill_held(self) -> None:
+        """Move the held-back blocks evicted first to the back of the queue
+        until they are at most as many as the other free blocks."""
+        queue = self.free_queue
+        excess = 2 * len(queue.held) - queue.num_free
+        while excess > 0:
+            block = queue.first_held()
+            assert block is not None  # excess > 0: a block is held
+            self._move_free((block,), queue.append)
+            excess -= 2
+
+    def _move_free(
+        self, blocks: Sequence[BlockId], put: Callable[[BlockId], None]
+    ) -> None:
+        queue = self.free_queue
+        prev_links = queue.prev
+        next_links = queue.next
+        journal = self.journal
+        ref = self.ref_cnt
+        key_hash = self.key_hash
+        check_ids("moving free blocks", blocks, self.num_blocks)
+        for block in blocks:
+            if not block or ref[block] or key_hash[block] is None:
+                continue
+            if prev_links[block] == UNLINKED:
+                continue  # not queued: nothing to move
+            if journal is not None:
+                journal.append((MOVE, block, prev_links[block], next_links[block]))
+            queue.remove(block)
+            put(block)
