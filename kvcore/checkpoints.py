@@ -56,6 +56,16 @@ _interval = _count(0, "tokens between checkpoints inside a prefill; 0: none")
 _per_step = _count(1, "interval checkpoints one step may keep")
 
 
+def _fraction(instance: Any, attribute: Any, value: Any) -> None:
+    if type(value) not in (int, float) or not 0 <= value <= 1:
+        msg = (
+            f"CheckpointPolicy.{attribute.name} must be a number from 0 to 1 "
+            f"(the share of the pool one request's interval states may take; "
+            f"0: no limit), got {value!r}"
+        )
+        raise CheckpointPolicyError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class CheckpointPolicy:
     """Which states a checkpointed group keeps (see the module docs).
@@ -71,6 +81,11 @@ class CheckpointPolicy:
     :param interval_per_step: at most this many of those inside one step
         (a long step keeps every k-th, its last one included), which bounds
         the blocks a step takes.
+    :param interval_pool_share: the interval doubles (for that request)
+        until one request's interval states, one block in every group that
+        keeps them, take at most this share of the pool: a state costs a
+        block per group, so a small pool keeps a coarser grid and more room
+        for the prefixes the grid points into; 0 for no limit.
     :param every_step: keep every state a step leaves on a hit boundary.
     :param hold_shared: a running request holds its hit's state, its
         branch point and the longest shared state on its path until it is
@@ -82,6 +97,7 @@ class CheckpointPolicy:
     branch_points: bool = attrs.field(default=True, validator=_flag)
     interval: int = attrs.field(default=1024, validator=_interval)
     interval_per_step: int = attrs.field(default=4, validator=_per_step)
+    interval_pool_share: float = attrs.field(default=1 / 256, validator=_fraction)
     every_step: bool = attrs.field(default=False, validator=_flag)
     hold_shared: bool = attrs.field(default=True, validator=_flag)
 

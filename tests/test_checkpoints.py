@@ -282,9 +282,11 @@ def test_interval_states_of_a_hybrid_follow_its_prompt_end_to_the_back() -> None
 def test_a_long_step_keeps_at_most_interval_per_step_interval_states() -> None:
     """A 6000-token prompt in one step has 5 interval marks (1024..5120);
     the default keeps at most 4 of them a step, every 2nd from the step's
-    end (5120, 3072, 1024), plus its prompt end."""
+    end (5120, 3072, 1024), plus its prompt end (in a pool whose share for
+    one request's grid, 1/256, holds all 5)."""
     assert CHECKPOINT_POLICIES["turns"].interval_per_step == 4
-    mgr = hybrid(num_blocks=1000)
+    assert CHECKPOINT_POLICIES["turns"].interval_pool_share == 1 / 256
+    mgr = hybrid(num_blocks=5 * 256)
     a = Request("a", tokens(6000), hash_block_size=BS)
     free = mgr.get_num_free_blocks()
     assert mgr.allocate_slots(a, 6000) is not None
@@ -294,6 +296,42 @@ def test_a_long_step_keeps_at_most_interval_per_step_interval_states() -> None:
     table = mgr.get_blocks("a").ids[1]
     kept = [(i + 1) * BS for i, b in enumerate(table) if b != 0]
     assert kept == [1024, 3072, 5120, 5984, 6000]
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "num_state_groups", "grid"),
+    [
+        (5 * 256, 1, [1024, 3072, 5120]),  # 5 points fit: every 1024, 3 a step
+        (1000, 1, [2048, 4096]),  # 5 > 3.9: every 2048
+        (1000, 2, [4096]),  # 2 groups: 2 points cost 4 > 3.9, every 4096
+        (400, 1, [4096]),  # 1.6 blocks: every 4096
+        (400, 2, []),  # 1.6 blocks: one point costs 2, the grid is empty
+    ],
+)
+def test_a_small_pool_doubles_the_interval_until_the_grid_fits_its_share(
+    num_blocks: int, num_state_groups: int, grid: list[int]
+) -> None:
+    """One request's interval states, a block in every state group per
+    point, take at most ``interval_pool_share`` (1/256) of the pool: the
+    interval doubles until they do.  The prompt ends stay."""
+    mgr = setup.manager_for(
+        [setup.fa(BS)] + [mamba() for _ in range(num_state_groups)],
+        num_blocks,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
+    a = Request("a", tokens(6000), hash_block_size=BS)
+    assert mgr.allocate_slots(a, 6000) is not None
+    for gid in range(1, num_state_groups + 1):
+        table = mgr.get_blocks("a").ids[gid]
+        kept = [(i + 1) * BS for i, b in enumerate(table) if b != 0]
+        assert kept == [*grid, 5984, 6000]
+
+
+def test_an_interval_pool_share_outside_0_to_1_is_refused() -> None:
+    for bad in (-0.1, 1.5, "1/256", None):
+        with pytest.raises(CheckpointPolicyError, match="interval_pool_share"):
+            CheckpointPolicy(interval_pool_share=bad)  # type: ignore[arg-type]
 
 
 def test_a_lookup_that_finds_nothing_shares_nothing() -> None:
@@ -483,8 +521,9 @@ def test_a_running_hybrid_holds_its_interval_states_for_a_branching_request() ->
     at 1024 and 2048; released as its prefill moves on, they are held back
     while it runs (``kept_if_room``).  B shares A's first 1100 tokens only
     and arrives once every other free block is taken: it resumes at 1024,
-    from A's attention prefix and the held interval state."""
-    mgr = hybrid(num_blocks=400)
+    from A's attention prefix and the held interval state (its pool's
+    1/256 share holds both interval states)."""
+    mgr = hybrid(num_blocks=2 * 256)
     a = Request("a", tokens(2600), hash_block_size=BS)
     for n in (1000, 1000, 600):
         assert mgr.allocate_slots(a, n) is not None
@@ -509,10 +548,11 @@ def test_twin_state_groups_hold_their_interval_states_as_one_call_per_group() ->
     front of its other kept states in both groups at once, as one pool
     call per group leaves them (each step's in front of the earlier
     steps', the second group's in front of the first's); freed, they move
-    to the back with the prompt end."""
+    to the back with the prompt end (the pool's 1/256 share holds both
+    interval states in both groups)."""
     mgr = setup.manager_for(
         [setup.fa(BS), mamba(), mamba()],
-        400,
+        4 * 256,
         scheduler_block_size=BS,
         hash_block_size=BS,
     )

@@ -333,9 +333,18 @@ class Shadow:
                 marks.add(branch)
             grid: set[int] = set()
             if policy.interval:
-                # Every interval of the prompt's new part.
+                # Every interval of the prompt's new part, doubled until
+                # one state a point in every state group takes at most the
+                # policy's share of the pool.
                 every = -(-policy.interval // unit) * unit
-                first = max(num_computed, branch) // every + 1
+                start = max(num_computed, branch)
+                keeping = sum(1 for u in self.state_units if u)
+                budget = (self.usable + 1) * policy.interval_pool_share
+                while policy.interval_pool_share and (
+                    (prompt - start) // every * keeping > budget
+                ):
+                    every *= 2
+                first = start // every + 1
                 grid = {every * i for i in range(first, prompt // every + 1)} - marks
             self.targets[key] = sorted(t for t in marks if t > num_computed)
             self.grid[key] = sorted(t for t in grid if t > num_computed)
@@ -644,17 +653,23 @@ def test_shadow_model_over_hand_made_hybrids(
     zoo_registry: KindRegistry,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(
-        CHECKPOINT_POLICIES,
-        GRID_POLICY,
-        CheckpointPolicy(interval=8, interval_per_step=1),
-    )
+    monkeypatch.setitem(CHECKPOINT_POLICIES, GRID_POLICY, CheckpointPolicy())
     specs = hybrid(name, zoo_registry)
     groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
     sched = 8
     copies = 0
     for seed in range(EXAMPLES):
         rng = random.Random(f"{name}-{hash_bs}-{dcp}-{partial}-{seed}")
+        # A dense grid, whole or thinned to a quarter of these small pools.
+        monkeypatch.setitem(
+            CHECKPOINT_POLICIES,
+            GRID_POLICY,
+            CheckpointPolicy(
+                interval=8,
+                interval_per_step=1,
+                interval_pool_share=random.Random(seed).choice([0, 1 / 4]),
+            ),
+        )
         config = KVCacheConfig(
             num_blocks=rng.choice([12, 24, 48]),
             kv_cache_tensors=[],

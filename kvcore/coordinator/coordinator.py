@@ -144,6 +144,8 @@ class KVCacheCoordinator(FreeSteps):
         self.skipping = tuple(m for m in managers if m.skips_blocks)
         #: Managers that choose checkpoint positions at admission.
         self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
+        for m in self.planning:
+            m.checkpoint_groups = len(self.planning)
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )

@@ -200,6 +200,9 @@ class SingleTypeManager:
         #: request runs and another group keeps the request's whole prefix:
         #: released blocks :meth:`kept_for_later` names are then held back.
         self.holds_back = False
+        #: Set by the coordinator on groups that plan checkpoints: how many
+        #: groups keep a state at each planned position (its cost in blocks).
+        self.checkpoint_groups = 1
         self.null_block = block_pool.null_block
         #: request id -> the request's block ids (the null block, 0, where
         #: skipped).

@@ -176,6 +176,10 @@ class CheckpointManager(SingleTypeManager):
             # shared part has its branch point.
             every = cdiv(policy.interval, unit) * unit
             start = max(num_computed_tokens, branch)
+            if policy.interval_pool_share:
+                budget = self.block_pool.num_blocks * policy.interval_pool_share
+                while (prompt - start) // every * self.checkpoint_groups > budget:
+                    every *= 2
             grid.update(range(start - start % every + every, prompt + 1, every))
             grid -= marks
         targets = sorted(t for t in marks | grid if t > num_computed_tokens)
