@@ -114,6 +114,15 @@ class Shadow:
             else 0
             for m in managers
         ]
+        #: Groups whose hit resumes from a recurrent state (every caching
+        #: Mamba group in "align" or "all" mode): no hit may end on a state
+        #: a step took until its writer's next call.
+        self.resumes_state = [
+            isinstance(m.kv_cache_spec, MambaSpec)
+            and m.kv_cache_spec.mamba_cache_mode in ("align", "all")
+            and m.caching
+            for m in managers
+        ]
 
     # -- the model ------------------------------------------------------------
 
@@ -401,8 +410,8 @@ class Shadow:
             hit_ids = hit_blocks.get_block_ids() if hit else None
         pending = set().union(*self.unwritten.values())
         waits = hit_ids is not None and any(
-            unit and hit_ids[g] and hit_ids[g][-1] in pending
-            for g, unit in enumerate(self.state_units)
+            reads and hit_ids[g] and hit_ids[g][-1] in pending
+            for g, reads in enumerate(self.resumes_state)
         )
         num_computed = r.num_computed_tokens + hit
         num_new = min(num_new, r.num_tokens - num_computed)
@@ -458,8 +467,8 @@ class Shadow:
         new_ids = out.get_block_ids()
         taken = {
             bid
-            for g, unit in enumerate(self.state_units)
-            if unit
+            for g, reads in enumerate(self.resumes_state)
+            if reads
             for bid in new_ids[g]
             if bid
         }
