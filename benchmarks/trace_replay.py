@@ -65,9 +65,10 @@ END = "<!-- trace_replay.py: end -->"
 AMPLE_GAP = 0.02
 #: A tight hybrid's hit rate over full attention's in the same memory.
 TIGHT_RATIO = 0.8
-#: The most blocks an ample pool gets (a Python pool of 2**22 blocks takes
-#: about a GiB); a pool capped here is marked ``ample (capped)``.
-MAX_AMPLE_BLOCKS = 2**22
+#: The most blocks an ample pool gets (a pool of 2**24 blocks takes about
+#: 1.3 GiB of host memory at 80 bytes a block); a pool capped here is marked
+#: ``ample (capped)``.
+MAX_AMPLE_BLOCKS = 2**24
 
 
 def replay(planned: Planned, loaded: LoadedTrace) -> SimulationResult:

@@ -18,11 +18,18 @@ from kvcore.errors import KvcoreValueError
 
 __all__ = [
     "CHECKPOINT_POLICIES",
+    "GRID_POOL_SHARE",
     "DEFAULT_CHECKPOINT_POLICY",
     "CheckpointPolicy",
     "CheckpointPolicyError",
     "checkpoint_policy",
+    "grid_interval",
 ]
+
+#: The share of the pool one request's grid of hit points may take by
+#: default (interval states, windows held at grid points): see
+#: :func:`grid_interval`.
+GRID_POOL_SHARE = 1 / 256
 
 
 class CheckpointPolicyError(KvcoreValueError):
@@ -97,7 +104,9 @@ class CheckpointPolicy:
     branch_points: bool = attrs.field(default=True, validator=_flag)
     interval: int = attrs.field(default=1024, validator=_interval)
     interval_per_step: int = attrs.field(default=4, validator=_per_step)
-    interval_pool_share: float = attrs.field(default=1 / 256, validator=_fraction)
+    interval_pool_share: float = attrs.field(
+        default=GRID_POOL_SHARE, validator=_fraction
+    )
     every_step: bool = attrs.field(default=False, validator=_flag)
     hold_shared: bool = attrs.field(default=True, validator=_flag)
 
@@ -145,6 +154,22 @@ CHECKPOINT_POLICIES: dict[str, CheckpointPolicy] = {
 
 #: The policy a state kind uses unless its spec chooses another.
 DEFAULT_CHECKPOINT_POLICY = "turns"
+
+
+def grid_interval(
+    every: int, tokens: int, point_blocks: int, num_blocks: int, share: float
+) -> int:
+    """The interval of one request's grid of hit points over ``tokens``
+    tokens: ``every``, doubled until the grid's points, ``point_blocks``
+    blocks each (over every group that keeps blocks there), take at most
+    ``share`` of a pool of ``num_blocks`` blocks (0: no limit).  A point
+    costs blocks that the prefixes it points into could use, so a small
+    pool keeps a coarser grid."""
+    if share and point_blocks:
+        budget = num_blocks * share
+        while tokens // every * point_blocks > budget:
+            every *= 2
+    return every
 
 
 def checkpoint_policy(

@@ -155,8 +155,9 @@ def test_a_running_request_keeps_the_window_at_every_grid_point() -> None:
     alignment) of its prompt.  B branches from A's prompt at 60 tokens,
     a point A did not foresee, while A runs and nothing else is free: it
     still resumes at 56 tokens, A's attention prefix and the window
-    blocks A held back there."""
-    mgr = _window_hybrid(64, max_model_len=128)
+    blocks A held back there (in a pool whose share for one request's
+    grid, 1/256, holds the point's 2 window blocks)."""
+    mgr = _window_hybrid(2 * 256, max_model_len=128)
     window = mgr.coordinator.single_type_managers[1]
     assert isinstance(window, SlidingWindowManager)
     assert window.hold_interval == 56
@@ -178,7 +179,7 @@ def test_a_window_manager_without_a_grid_keeps_only_its_hit_points() -> None:
         manager_type = _NoGrid
 
     registry = KindRegistry.from_kinds([FullAttention(), Window()])
-    mgr = _window_hybrid(64, max_model_len=128, registry=registry)
+    mgr = _window_hybrid(2 * 256, max_model_len=128, registry=registry)
     assert mgr.coordinator.single_type_managers[1].hold_interval == 0
     assert _grid_run(mgr) == 0
 
@@ -517,3 +518,60 @@ def test_a_rolled_back_hand_out_puts_spare_blocks_back_in_their_place() -> None:
     assert pool.eviction_order() == before
     assert pool.free_queue.spare_blocks() == spare
     assert pool.key_hash == keys
+
+
+def test_a_small_pool_doubles_the_window_grid_until_it_fits_its_share() -> None:
+    """The grid point's 2 window blocks cost 2 blocks; in 64 blocks one
+    request's grid may take 64/256 of a block, so the 56-token interval
+    doubles past A's 80-token prompt: A keeps no grid window and B, which
+    branches at 60 tokens, gets no hit (as with no grid)."""
+    mgr = _window_hybrid(64, max_model_len=128)
+    window = mgr.coordinator.single_type_managers[1]
+    assert window.hold_interval == 56
+    assert window.grid_point_cost == 2
+    assert _grid_run(mgr) == 0
+
+
+class _GridCostIs(SlidingWindowManager):
+    """A third party's window manager whose grid answers are ``answer``."""
+
+    answer: ClassVar[Any] = 0
+    method: ClassVar[str] = "grid_point_blocks"
+
+    def grid_point_blocks(self) -> int:
+        if self.method == "grid_point_blocks":
+            return self.answer  # type: ignore[no-any-return]
+        return super().grid_point_blocks()
+
+    def grid_pool_share(self, spec: object) -> float:
+        if self.method == "grid_pool_share":
+            return self.answer  # type: ignore[no-any-return]
+        return super().grid_pool_share(spec)
+
+
+@pytest.mark.parametrize(
+    ("method", "answer"),
+    [
+        ("grid_point_blocks", -1),
+        ("grid_point_blocks", 2.0),
+        ("grid_point_blocks", None),
+        ("grid_pool_share", 2),
+        ("grid_pool_share", "1/256"),
+    ],
+)
+def test_a_bad_grid_answer_is_refused_naming_the_manager(
+    method: str, answer: object
+) -> None:
+    class Manager(_GridCostIs):
+        pass
+
+    Manager.method = method
+    Manager.answer = answer
+
+    class Window(SlidingWindow):
+        manager_type = Manager
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    with pytest.raises(PluginResultError, match=f"Manager.{method}") as info:
+        _window_hybrid(64, registry=registry)
+    assert isinstance(info.value, KvcoreError)

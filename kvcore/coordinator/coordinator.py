@@ -33,7 +33,7 @@ from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
-from kvcore.errors import KvcoreValueError, PluginError
+from kvcore.errors import KvcoreValueError, PluginError, PluginResultError
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
@@ -144,8 +144,6 @@ class KVCacheCoordinator(FreeSteps):
         self.skipping = tuple(m for m in managers if m.skips_blocks)
         #: Managers that choose checkpoint positions at admission.
         self.planning = tuple(m for m in managers if m.caching and m.plans_checkpoints)
-        for m in self.planning:
-            m.checkpoint_groups = len(self.planning)
         self.lookahead_refusers = tuple(
             gid for gid, m in enumerate(managers) if not m.supports_lookahead
         )
@@ -155,6 +153,11 @@ class KVCacheCoordinator(FreeSteps):
         if any(m.caching and not m.skips_blocks for m in managers):
             for m in managers:
                 m.holds_back = m.caching and m.skips_blocks
+        # The blocks one point of a request's grid costs, over every group
+        # that keeps blocks there: each keeps the grid to its share.
+        cost = sum(self._grid_point_blocks(m) for m in self.planning)
+        for m in self.planning:
+            m.grid_point_cost = cost
         #: Groups whose tables are sized by the request's encoder tokens
         #: (``SingleTypeManager.takes_encoder_tokens``); empty for a
         #: decoder-only plan.
@@ -709,6 +712,23 @@ class KVCacheCoordinator(FreeSteps):
         )
 
     # -- transactions -------------------------------------------------------------
+
+    def _grid_point_blocks(self, manager: SingleTypeManager) -> int:
+        """``manager.grid_point_blocks()``, checked where it enters the core."""
+        gid = manager.kv_cache_group_id
+        try:
+            blocks = manager.grid_point_blocks()
+        except Exception as exc:
+            raise self.plugin_error(gid, "grid_point_blocks", exc) from exc
+        if type(blocks) is not int or blocks < 0:
+            owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+            msg = (
+                f"{owner}.grid_point_blocks() returned {blocks!r} for cache group "
+                f"{gid}; it must return an int of at least 0: the blocks a "
+                "running request keeps in the group at each point of its grid"
+            )
+            raise PluginResultError(msg, plugin_name=self._owners[gid])
+        return blocks
 
     def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
         """The error for group ``gid``'s manager raising ``exc`` in ``method``

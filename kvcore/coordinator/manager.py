@@ -200,9 +200,10 @@ class SingleTypeManager:
         #: request runs and another group keeps the request's whole prefix:
         #: released blocks :meth:`kept_for_later` names are then held back.
         self.holds_back = False
-        #: Set by the coordinator on groups that plan checkpoints: how many
-        #: groups keep a state at each planned position (its cost in blocks).
-        self.checkpoint_groups = 1
+        #: Set by the coordinator on groups that plan checkpoints: the blocks
+        #: one point of a request's grid costs, summed over those groups
+        #: (see :meth:`grid_point_blocks`).
+        self.grid_point_cost = 0
         self.null_block = block_pool.null_block
         #: request id -> the request's block ids (the null block, 0, where
         #: skipped).
@@ -398,6 +399,15 @@ class SingleTypeManager:
         that were released earlier and sit free; the coordinator moves them
         to the back of the eviction order.  None by default."""
         return []
+
+    def grid_point_blocks(self) -> int:
+        """With :attr:`plans_checkpoints`: the blocks a running request keeps
+        in this group at each point of its grid (interval states, windows
+        held at grid points), 0 for no grid.  The coordinator sums the
+        answers of every group that plans checkpoints into
+        :attr:`grid_point_cost`, by which each keeps a request's grid to its
+        share of the pool (:func:`kvcore.checkpoints.grid_interval`)."""
+        return 0
 
     def shortest_hit_reading(self, position: int) -> int:
         """The fewest tokens a hit must cover to read the block at table

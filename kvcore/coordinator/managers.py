@@ -23,11 +23,13 @@ from itertools import islice, takewhile
 from operator import is_not
 from typing import Any, ClassVar, cast
 
+from kvcore.checkpoints import GRID_POOL_SHARE, grid_interval
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.state_manager import CheckpointManager
+from kvcore.errors import PluginResultError
 from kvcore.spec import HitPolicy
 
 __all__ = [
@@ -138,15 +140,25 @@ class WindowManager(SingleTypeManager):
         #: request id -> the hit points (token counts) whose window the
         #: request keeps for later requests (see :meth:`plan_checkpoints`).
         self.hit_points: dict[str, tuple[int, ...]] = {}
-        #: request id -> its prompt's length: it also keeps the window at
-        #: every multiple of :attr:`hold_interval` below it.
-        self.grid_end: dict[str, int] = {}
+        #: request id -> (its prompt's length, its grid's interval): it also
+        #: keeps the window at every multiple of the interval below it.
+        self.grid_end: dict[str, tuple[int, int]] = {}
         #: Tokens between the grid's hit points (a multiple of the hit
         #: alignment), or 0 for no grid (see :meth:`hold_every`).
         self.hold_interval = self.hold_every(spec)
         if self.hold_interval:
             unit = self.hit_alignment
             self.hold_interval = -(-self.hold_interval // unit) * unit
+        #: The share of the pool one request's grid may take (see
+        #: :meth:`grid_pool_share`).
+        self.grid_share = self.grid_pool_share(spec)
+        if type(self.grid_share) not in (int, float) or not 0 <= self.grid_share <= 1:
+            owner = f"{type(self).__module__}.{type(self).__qualname__}"
+            msg = (
+                f"{owner}.grid_pool_share() returned {self.grid_share!r}; it "
+                "must return a number from 0 to 1 (0: no limit)"
+            )
+            raise PluginResultError(msg, plugin_name=type(self).__module__)
 
     def hold_every(self, spec: Any) -> int:
         """Tokens between the hit points of a grid whose windows a running
@@ -162,6 +174,22 @@ class WindowManager(SingleTypeManager):
         reads = end - int(spec.skipped_tokens(end))
         return 8 * reads if 0 < reads < end else 0
 
+    def grid_pool_share(self, spec: Any) -> float:
+        """The share of the pool one running request's grid windows may
+        take, over every group that keeps blocks at a grid point: the grid
+        interval doubles for the request until they fit (see
+        :func:`kvcore.checkpoints.grid_interval`; 0: no limit).  Default
+        1/256."""
+        return GRID_POOL_SHARE
+
+    def grid_point_blocks(self) -> int:
+        # The blocks a hit's window reads, where the group keeps a grid.
+        if not (self.hold_interval and self.holds_back):
+            return 0
+        end = max(self.max_model_len, 1)
+        reads = end - int(self.kv_cache_spec.skipped_tokens(end))
+        return -(-reads // self.block_size)
+
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """At admission: the hit points whose window blocks the request
         keeps for later requests once it releases them (held back until it
@@ -169,7 +197,8 @@ class WindowManager(SingleTypeManager):
         prefix an earlier request shared), its prompt's end (the last
         aligned boundary before the final token, where the same prompt
         again hits, and the boundary a longer prompt resumes at), and
-        every multiple of :attr:`hold_interval` inside the prompt."""
+        every multiple of :attr:`hold_interval` inside the prompt (doubled
+        until the grid takes at most :attr:`grid_share` of the pool)."""
         unit = self.hit_alignment
         rid = request.request_id
         prompt = request.num_prompt_tokens
@@ -181,7 +210,14 @@ class WindowManager(SingleTypeManager):
         }
         self.hit_points[rid] = tuple(p for p in points if p > 0)
         if self.hold_interval and self.holds_back:
-            self.grid_end[rid] = prompt
+            every = grid_interval(
+                self.hold_interval,
+                prompt,
+                self.grid_point_cost,
+                self.block_pool.num_blocks,
+                self.grid_share,
+            )
+            self.grid_end[rid] = (prompt, every)
         else:
             self.grid_end.pop(rid, None)
 
@@ -211,13 +247,12 @@ class WindowManager(SingleTypeManager):
         """The released blocks a hit at one of the request's hit points
         reads (see :meth:`plan_checkpoints`)."""
         points = self.hit_points.get(request_id)
-        grid_end = self.grid_end.get(request_id, 0)
+        grid_end, every = self.grid_end.get(request_id, (0, 0))
         if not points and not grid_end:
             return []
         size = self.block_size
         skipped = self.kv_cache_spec.skipped_tokens
         reads = [(skipped(p) // size, p // size) for p in points or ()]
-        every = self.hold_interval
         kept = []
         key_hash = self.block_pool.key_hash
         for pos, block in zip(positions, released, strict=True):

@@ -16,6 +16,7 @@ from kvcore.checkpoints import (
     DEFAULT_CHECKPOINT_POLICY,
     CheckpointPolicy,
     CheckpointPolicyError,
+    grid_interval,
 )
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import hashes_at_block_size
@@ -174,12 +175,12 @@ class CheckpointManager(SingleTypeManager):
         if policy.interval:
             # Only the part of the prompt no earlier request shared: a
             # shared part has its branch point.
-            every = cdiv(policy.interval, unit) * unit
             start = max(num_computed_tokens, branch)
-            if policy.interval_pool_share:
-                budget = self.block_pool.num_blocks * policy.interval_pool_share
-                while (prompt - start) // every * self.checkpoint_groups > budget:
-                    every *= 2
+            cost, pool = self.grid_point_cost, self.block_pool.num_blocks
+            every = cdiv(policy.interval, unit) * unit
+            every = grid_interval(
+                every, prompt - start, cost, pool, policy.interval_pool_share
+            )
             grid.update(range(start - start % every + every, prompt + 1, every))
             grid -= marks
         targets = sorted(t for t in marks | grid if t > num_computed_tokens)
@@ -589,6 +590,9 @@ class CheckpointManager(SingleTypeManager):
     def hit_serves(self, blocks: Sequence[int]) -> bool:
         # The next token reads the state at the hit's last position.
         return not blocks or blocks[-1] != 0
+
+    def grid_point_blocks(self) -> int:
+        return int(self._targets_on and self.policy.interval > 0)
 
     def shortest_hit_reading(self, position: int) -> int:
         # The state at a position serves only the hit ending there.
