@@ -18,6 +18,7 @@ from kvcore.errors import KvcoreValueError
 
 __all__ = [
     "CHECKPOINT_POLICIES",
+    "GRID_MIN_POINTS",
     "GRID_POOL_SHARE",
     "DEFAULT_CHECKPOINT_POLICY",
     "CheckpointPolicy",
@@ -30,6 +31,9 @@ __all__ = [
 #: default (interval states, windows held at grid points): see
 #: :func:`grid_interval`.
 GRID_POOL_SHARE = 1 / 256
+#: The grid points one request may keep whatever the pool (see
+#: :func:`grid_interval`).
+GRID_MIN_POINTS = 4
 
 
 class CheckpointPolicyError(KvcoreValueError):
@@ -162,11 +166,13 @@ def grid_interval(
     """The interval of one request's grid of hit points over ``tokens``
     tokens: ``every``, doubled until the grid's points, ``point_blocks``
     blocks each (over every group that keeps blocks there), take at most
-    ``share`` of a pool of ``num_blocks`` blocks (0: no limit).  A point
-    costs blocks that the prefixes it points into could use, so a small
-    pool keeps a coarser grid."""
+    ``share`` of a pool of ``num_blocks`` blocks (0: no limit), or are at
+    most :data:`GRID_MIN_POINTS`.  A point costs blocks that the prefixes
+    it points into could use, so a small pool keeps a coarser grid; a pool
+    of a few requests still keeps a few points, which serve the requests
+    that branch from a running prompt."""
     if share and point_blocks:
-        budget = num_blocks * share
+        budget = max(num_blocks * share, GRID_MIN_POINTS * point_blocks)
         while tokens // every * point_blocks > budget:
             every *= 2
     return every

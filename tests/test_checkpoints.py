@@ -16,6 +16,7 @@ import torch
 from coordinator_setup import fa, state_hybrid, state_manager
 
 import kvcore
+from kvcore.checkpoints import grid_interval
 from kvcore.coordinator import (
     CHECKPOINT_POLICIES,
     CheckpointPolicy,
@@ -302,18 +303,17 @@ def test_a_long_step_keeps_at_most_interval_per_step_interval_states() -> None:
     ("num_blocks", "num_state_groups", "grid"),
     [
         (5 * 256, 1, [1024, 3072, 5120]),  # 5 points fit: every 1024, 3 a step
-        (1000, 1, [2048, 4096]),  # 5 > 3.9: every 2048
-        (1000, 2, [4096]),  # 2 groups: 2 points cost 4 > 3.9, every 4096
-        (400, 1, [4096]),  # 1.6 blocks: every 4096
-        (400, 2, []),  # 1.6 blocks: one point costs 2, the grid is empty
+        (1100, 1, [2048, 4096]),  # 5 blocks > 4.3: every 2048
+        (400, 2, [2048, 4096]),  # 1.6 blocks, but 4 points are always kept
     ],
 )
 def test_a_small_pool_doubles_the_interval_until_the_grid_fits_its_share(
     num_blocks: int, num_state_groups: int, grid: list[int]
 ) -> None:
     """One request's interval states, a block in every state group per
-    point, take at most ``interval_pool_share`` (1/256) of the pool: the
-    interval doubles until they do.  The prompt ends stay."""
+    point, take at most ``interval_pool_share`` (1/256) of the pool, or are
+    at most 4 points: the interval doubles until they do.  The prompt ends
+    stay."""
     mgr = setup.manager_for(
         [setup.fa(BS)] + [mamba() for _ in range(num_state_groups)],
         num_blocks,
@@ -326,6 +326,23 @@ def test_a_small_pool_doubles_the_interval_until_the_grid_fits_its_share(
         table = mgr.get_blocks("a").ids[gid]
         kept = [(i + 1) * BS for i, b in enumerate(table) if b != 0]
         assert kept == [*grid, 5984, 6000]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "point_blocks", "num_blocks", "share", "every"),
+    [
+        (40_000, 4, 3764, 1 / 256, 8192),  # 14.7 < 16 blocks: 4 points of 4
+        (40_000, 7, 16843, 1 / 256, 4096),  # 65.8 blocks: 9 points of 7
+        (40_000, 4, 10**6, 1 / 256, 1024),  # an ample pool keeps the grid
+        (40_000, 4, 100, 0, 1024),  # no limit
+        (40_000, 0, 100, 1 / 256, 1024),  # points that cost nothing
+        (500, 4, 100, 1 / 256, 1024),  # a prompt inside one interval
+    ],
+)
+def test_grid_interval_doubles_until_the_points_fit(
+    tokens: int, point_blocks: int, num_blocks: int, share: float, every: int
+) -> None:
+    assert grid_interval(1024, tokens, point_blocks, num_blocks, share) == every
 
 
 def test_an_interval_pool_share_outside_0_to_1_is_refused() -> None:

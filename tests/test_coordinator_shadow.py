@@ -344,11 +344,13 @@ class Shadow:
             if policy.interval:
                 # Every interval of the prompt's new part, doubled until
                 # one state a point in every state group takes at most the
-                # policy's share of the pool.
+                # policy's share of the pool, or 4 points (GRID_MIN_POINTS).
                 every = -(-policy.interval // unit) * unit
                 start = max(num_computed, branch)
                 keeping = sum(1 for u in self.state_units if u)
-                budget = (self.usable + 1) * policy.interval_pool_share
+                budget = max(
+                    (self.usable + 1) * policy.interval_pool_share, 4 * keeping
+                )
                 while policy.interval_pool_share and (
                     (prompt - start) // every * keeping > budget
                 ):

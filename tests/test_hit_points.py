@@ -521,15 +521,24 @@ def test_a_rolled_back_hand_out_puts_spare_blocks_back_in_their_place() -> None:
 
 
 def test_a_small_pool_doubles_the_window_grid_until_it_fits_its_share() -> None:
-    """The grid point's 2 window blocks cost 2 blocks; in 64 blocks one
-    request's grid may take 64/256 of a block, so the 56-token interval
-    doubles past A's 80-token prompt: A keeps no grid window and B, which
-    branches at 60 tokens, gets no hit (as with no grid)."""
-    mgr = _window_hybrid(64, max_model_len=128)
+    """A's prompt is 400 tokens: 7 points of the 56-token grid, 2 window
+    blocks each.  In 300 blocks one request's grid may take 4 points (its
+    share, 300/256 of a block, is less), so the interval doubles to 112:
+    B, which branches from A's running prompt at 60 tokens, finds no grid
+    point below (it would resume at 56 on the whole grid); C, which
+    branches at 120, resumes at 112 (every other free block taken)."""
+    mgr = _window_hybrid(300, max_model_len=512)
     window = mgr.coordinator.single_type_managers[1]
     assert window.hold_interval == 56
     assert window.grid_point_cost == 2
-    assert _grid_run(mgr) == 0
+    prompt = list(range(1000, 1400))
+    a = small_request("a", prompt)
+    _run_prompt_and_decode(mgr, a, 1)
+    _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks()))
+    b = small_request("b", [*prompt[:60], *range(500, 520)])
+    assert mgr.get_computed_blocks(b)[1] == 0
+    c = small_request("c", [*prompt[:120], *range(500, 520)])
+    assert mgr.get_computed_blocks(c)[1] == 112
 
 
 class _GridCostIs(SlidingWindowManager):
@@ -543,10 +552,10 @@ class _GridCostIs(SlidingWindowManager):
             return self.answer  # type: ignore[no-any-return]
         return super().grid_point_blocks()
 
-    def grid_pool_share(self, spec: object) -> float:
+    def grid_pool_share(self) -> float:
         if self.method == "grid_pool_share":
             return self.answer  # type: ignore[no-any-return]
-        return super().grid_pool_share(spec)
+        return super().grid_pool_share()
 
 
 @pytest.mark.parametrize(
@@ -575,3 +584,30 @@ def test_a_bad_grid_answer_is_refused_naming_the_manager(
     with pytest.raises(PluginResultError, match=f"Manager.{method}") as info:
         _window_hybrid(64, registry=registry)
     assert isinstance(info.value, KvcoreError)
+
+
+@pytest.mark.parametrize("method", ["grid_point_blocks", "grid_pool_share"])
+def test_a_raising_grid_hook_is_reported_naming_the_manager_and_plugin(
+    method: str,
+) -> None:
+    class Manager(_GridCostIs):
+        def grid_point_blocks(self) -> int:
+            if method == "grid_point_blocks":
+                raise RuntimeError("boom")
+            return super().grid_point_blocks()
+
+        def grid_pool_share(self) -> float:
+            if method == "grid_pool_share":
+                raise RuntimeError("boom")
+            return super().grid_pool_share()
+
+    Manager.method = ""
+
+    class Window(SlidingWindow):
+        manager_type = Manager
+
+    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    with pytest.raises(PluginError, match=f"Manager.{method}.*boom") as info:
+        _window_hybrid(64, registry=registry)
+    assert "while the KV cache manager was built" in str(info.value)
+    assert info.value.plugin_name

@@ -6,7 +6,7 @@ blocks wait in a :class:`FreeBlockQueue` in eviction order.  A full block can
 be registered in the prefix cache under ``(block hash, group id)``; it keeps
 that key while free, so a later request can hit it, and loses it only when the
 pool hands the block out again (or the cache is reset).  Hand-outs take the
-queue's blocks without a key first, then the *spare* blocks (keyed blocks a
+blocks without a key at the queue's front first, then the *spare* blocks (keyed blocks a
 running request stopped reading and kept for no hit), then the queue's keyed
 blocks, the least recently freed first, then the *held-back* blocks (kept
 for later hits; see :mod:`kvcore.coordinator.free_moves`).
@@ -286,7 +286,7 @@ class BlockPool(FreeMoves, TwinPoolOps):
 
         Blocks come from the front of the free queue; any prefix-cache key they
         still hold is evicted.  Spare blocks (see :class:`FreeBlockQueue`)
-        go after the queue's blocks without a key and before its keyed
+        go after the blocks without a key at the queue's front and before its keyed
         ones; held-back blocks go last.  Raises :class:`NoFreeBlocksError`,
         changing nothing, when fewer blocks are free.
         """
@@ -303,7 +303,7 @@ class BlockPool(FreeMoves, TwinPoolOps):
             mark = len(journal)
             journal.append(NOTHING)
         # The queue's blocks first, front first, then the held-back ones;
-        # spare blocks after the queue's blocks without a key.
+        # spare blocks after the blocks without a key at the queue's front.
         spare = queue.spare
         in_queue = queue.num_free - len(queue.held) - len(spare)
         if spare:
@@ -343,7 +343,7 @@ class BlockPool(FreeMoves, TwinPoolOps):
 
     def eviction_order(self) -> list[BlockId]:
         """Every free block in the order hand-outs take them, front first:
-        the queue's blocks without a key, the spare blocks, the queue's
+        the blocks without a key at the queue's front, the spare blocks, the queue's
         others, the held-back blocks (O(n); for engines' views, tests and
         debugging)."""
         queue = self.free_queue

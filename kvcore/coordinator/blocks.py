@@ -115,7 +115,7 @@ class FreeBlockQueue:
     (:meth:`hold`): free blocks evicted only once every other free block is
     gone, front first.  A third list holds *spare* blocks (:meth:`spare_n`):
     keyed blocks a running request stopped reading and kept for no hit
-    point, handed out after the queue's blocks without a key and before its
+    point, handed out after the blocks without a key at the queue's front and before its
     keyed ones (see :meth:`BlockPool.get_new_blocks`).  ``remove`` takes a
     block out of any list; all count in ``num_free``, and ``held`` and
     ``spare`` are the sets of held-back and spare blocks (so their numbers

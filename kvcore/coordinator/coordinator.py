@@ -155,9 +155,10 @@ class KVCacheCoordinator(FreeSteps):
                 m.holds_back = m.caching and m.skips_blocks
         # The blocks one point of a request's grid costs, over every group
         # that keeps blocks there: each keeps the grid to its share.
-        cost = sum(self._grid_point_blocks(m) for m in self.planning)
+        cost = sum(self._grid_answer(m, "grid_point_blocks") for m in self.planning)
         for m in self.planning:
             m.grid_point_cost = cost
+            m.grid_share = self._grid_answer(m, "grid_pool_share")
         #: Groups whose tables are sized by the request's encoder tokens
         #: (``SingleTypeManager.takes_encoder_tokens``); empty for a
         #: decoder-only plan.
@@ -713,22 +714,42 @@ class KVCacheCoordinator(FreeSteps):
 
     # -- transactions -------------------------------------------------------------
 
-    def _grid_point_blocks(self, manager: SingleTypeManager) -> int:
-        """``manager.grid_point_blocks()``, checked where it enters the core."""
+    def _grid_answer(self, manager: SingleTypeManager, method: str) -> Any:
+        """``manager.grid_point_blocks()`` (an int of at least 0) or
+        ``manager.grid_pool_share()`` (a number from 0 to 1), checked where
+        it enters the core, at construction."""
         gid = manager.kv_cache_group_id
+        owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+        plugin = self._owners[gid]
         try:
-            blocks = manager.grid_point_blocks()
+            answer = getattr(manager, method)()
         except Exception as exc:
-            raise self.plugin_error(gid, "grid_point_blocks", exc) from exc
-        if type(blocks) is not int or blocks < 0:
-            owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
             msg = (
-                f"{owner}.grid_point_blocks() returned {blocks!r} for cache group "
-                f"{gid}; it must return an int of at least 0: the blocks a "
-                "running request keeps in the group at each point of its grid"
+                f"{owner}.{method}() of cache group {gid} (plugin {plugin!r}) "
+                f"raised while the KV cache manager was built: "
+                f"{type(exc).__name__}: {exc}; fix the plugin or block it with "
+                f"KVCORE_DISABLE_PLUGINS={plugin}"
             )
-            raise PluginResultError(msg, plugin_name=self._owners[gid])
-        return blocks
+            raise PluginError(msg, plugin_name=plugin) from exc
+        if method == "grid_point_blocks":
+            ok = type(answer) is int and answer >= 0
+            rule = (
+                "an int of at least 0: the blocks a running request keeps in "
+                "the group at each point of its grid"
+            )
+        else:
+            ok = type(answer) in (int, float) and 0 <= answer <= 1
+            rule = (
+                "a number from 0 to 1: the share of the pool one request's "
+                "grid may take (0: no limit)"
+            )
+        if not ok:
+            msg = (
+                f"{owner}.{method}() returned {answer!r} for cache group {gid}; "
+                f"it must return {rule}"
+            )
+            raise PluginResultError(msg, plugin_name=plugin)
+        return answer
 
     def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
         """The error for group ``gid``'s manager raising ``exc`` in ``method``

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from kvcore.checkpoints import GRID_POOL_SHARE
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins, kept_each, kept_if_room_each
@@ -200,10 +201,9 @@ class SingleTypeManager:
         #: request runs and another group keeps the request's whole prefix:
         #: released blocks :meth:`kept_for_later` names are then held back.
         self.holds_back = False
-        #: Set by the coordinator on groups that plan checkpoints: the blocks
-        #: one point of a request's grid costs, summed over those groups
-        #: (see :meth:`grid_point_blocks`).
+        #: Set by the coordinator on planning groups (see grid_point_blocks).
         self.grid_point_cost = 0
+        self.grid_share = 0.0
         self.null_block = block_pool.null_block
         #: request id -> the request's block ids (the null block, 0, where
         #: skipped).
@@ -402,12 +402,16 @@ class SingleTypeManager:
 
     def grid_point_blocks(self) -> int:
         """With :attr:`plans_checkpoints`: the blocks a running request keeps
-        in this group at each point of its grid (interval states, windows
-        held at grid points), 0 for no grid.  The coordinator sums the
-        answers of every group that plans checkpoints into
-        :attr:`grid_point_cost`, by which each keeps a request's grid to its
-        share of the pool (:func:`kvcore.checkpoints.grid_interval`)."""
+        here at each point of its grid (0: no grid).  The coordinator sums
+        every planning group's into :attr:`grid_point_cost`, by which each
+        keeps a request's grid to :meth:`grid_pool_share` of the pool."""
         return 0
+
+    def grid_pool_share(self) -> float:
+        """With :attr:`plans_checkpoints`: the share of the pool (0 to 1; 0:
+        no limit) one request's grid may take, kept as :attr:`grid_share`:
+        its interval doubles until it fits (kvcore.checkpoints.grid_interval)."""
+        return GRID_POOL_SHARE
 
     def shortest_hit_reading(self, position: int) -> int:
         """The fewest tokens a hit must cover to read the block at table

@@ -23,13 +23,12 @@ from itertools import islice, takewhile
 from operator import is_not
 from typing import Any, ClassVar, cast
 
-from kvcore.checkpoints import GRID_POOL_SHARE, grid_interval
+from kvcore.checkpoints import grid_interval
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.state_manager import CheckpointManager
-from kvcore.errors import PluginResultError
 from kvcore.spec import HitPolicy
 
 __all__ = [
@@ -149,16 +148,6 @@ class WindowManager(SingleTypeManager):
         if self.hold_interval:
             unit = self.hit_alignment
             self.hold_interval = -(-self.hold_interval // unit) * unit
-        #: The share of the pool one request's grid may take (see
-        #: :meth:`grid_pool_share`).
-        self.grid_share = self.grid_pool_share(spec)
-        if type(self.grid_share) not in (int, float) or not 0 <= self.grid_share <= 1:
-            owner = f"{type(self).__module__}.{type(self).__qualname__}"
-            msg = (
-                f"{owner}.grid_pool_share() returned {self.grid_share!r}; it "
-                "must return a number from 0 to 1 (0: no limit)"
-            )
-            raise PluginResultError(msg, plugin_name=type(self).__module__)
 
     def hold_every(self, spec: Any) -> int:
         """Tokens between the hit points of a grid whose windows a running
@@ -173,14 +162,6 @@ class WindowManager(SingleTypeManager):
         end = max(self.max_model_len, 1)
         reads = end - int(spec.skipped_tokens(end))
         return 8 * reads if 0 < reads < end else 0
-
-    def grid_pool_share(self, spec: Any) -> float:
-        """The share of the pool one running request's grid windows may
-        take, over every group that keeps blocks at a grid point: the grid
-        interval doubles for the request until they fit (see
-        :func:`kvcore.checkpoints.grid_interval`; 0: no limit).  Default
-        1/256."""
-        return GRID_POOL_SHARE
 
     def grid_point_blocks(self) -> int:
         # The blocks a hit's window reads, where the group keeps a grid.
@@ -198,7 +179,8 @@ class WindowManager(SingleTypeManager):
         aligned boundary before the final token, where the same prompt
         again hits, and the boundary a longer prompt resumes at), and
         every multiple of :attr:`hold_interval` inside the prompt (doubled
-        until the grid takes at most :attr:`grid_share` of the pool)."""
+        until the grid takes at most :attr:`grid_share` of the pool; see
+        :meth:`grid_pool_share`)."""
         unit = self.hit_alignment
         rid = request.request_id
         prompt = request.num_prompt_tokens

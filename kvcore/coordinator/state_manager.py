@@ -178,9 +178,7 @@ class CheckpointManager(SingleTypeManager):
             start = max(num_computed_tokens, branch)
             cost, pool = self.grid_point_cost, self.block_pool.num_blocks
             every = cdiv(policy.interval, unit) * unit
-            every = grid_interval(
-                every, prompt - start, cost, pool, policy.interval_pool_share
-            )
+            every = grid_interval(every, prompt - start, cost, pool, self.grid_share)
             grid.update(range(start - start % every + every, prompt + 1, every))
             grid -= marks
         targets = sorted(t for t in marks | grid if t > num_computed_tokens)
@@ -590,6 +588,9 @@ class CheckpointManager(SingleTypeManager):
     def hit_serves(self, blocks: Sequence[int]) -> bool:
         # The next token reads the state at the hit's last position.
         return not blocks or blocks[-1] != 0
+
+    def grid_pool_share(self) -> float:
+        return self.policy.interval_pool_share
 
     def grid_point_blocks(self) -> int:
         return int(self._targets_on and self.policy.interval > 0)

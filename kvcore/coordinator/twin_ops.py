@@ -188,8 +188,10 @@ class TwinPoolOps:
         if fronts:
             chain = [block for front in reversed(fronts) for block in front]
             queue._link_after(queue.head, queue.next[queue.head], chain)
-        if backs:
+        if backs and front_ok:
             queue.spare_n(backs)
+        elif backs:  # caching off: no key to keep, queued at the back
+            queue._link_after(queue.prev[queue.tail], queue.tail, backs)
         journal = pool.journal
         if journal is not None:
             journal.append((RELEASE, tuple(b for blocks in lists for b in blocks)))
