@@ -306,18 +306,21 @@ class BlockPool(FreeMoves, TwinPoolOps):
         # spare blocks after the blocks without a key at the queue's front.
         spare = queue.spare
         in_queue = queue.num_free - len(queue.held) - len(spare)
+        from_queue = unkeyed = min(num_blocks, in_queue)
+        num_spare = 0
         if spare:
-            unkeyed = self._count_unkeyed(min(num_blocks, in_queue))
+            unkeyed = self._count_unkeyed(from_queue)
+        if unkeyed < num_blocks and spare:
             num_spare = min(num_blocks - unkeyed, len(spare))
             rest = min(num_blocks - unkeyed - num_spare, in_queue - unkeyed)
             from_queue = unkeyed + rest
-            self._take(queue.head, unkeyed, blocks)
+            if unkeyed:
+                self._take(queue.head, unkeyed, blocks)
             self._take(queue.spare_head, num_spare, blocks)
             spare.difference_update(blocks[unkeyed:])
-            self._take(queue.head, rest, blocks)
+            if rest:
+                self._take(queue.head, rest, blocks)
         else:
-            from_queue = unkeyed = min(num_blocks, in_queue)
-            num_spare = 0
             self._take(queue.head, from_queue, blocks)
         taken = from_queue + num_spare
         if taken < num_blocks:

@@ -25,6 +25,8 @@ class FreeMoves:
     """Moves of free blocks within the free queue (the pool supplies the
     queue, the counts, the keys and the journal)."""
 
+    __slots__ = ()
+
     free_queue: FreeBlockQueue
     ref_cnt: list[int]
     key_hash: list[BlockHash | None]
