@@ -34,6 +34,10 @@ GRID_POOL_SHARE = 1 / 256
 #: The grid points one request may keep whatever the pool (see
 #: :func:`grid_interval`).
 GRID_MIN_POINTS = 4
+#: A window grid's points cost at most this share of the blocks the groups
+#: that keep every block take over the tokens between two points (see
+#: :meth:`~kvcore.coordinator.managers.WindowManager.plan_checkpoints`).
+GRID_PREFIX_SHARE = 1 / 8
 
 
 class CheckpointPolicyError(KvcoreValueError):

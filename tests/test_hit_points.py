@@ -138,30 +138,75 @@ def test_eviction_takes_a_freed_hybrids_hit_points_whole_from_the_tail() -> None
 
 def _grid_run(mgr: KVCacheManager) -> int:
     """A (an 80-token prompt) computes its prompt and one more token while
-    every other free block is taken; B shares A's first 60 tokens only:
-    its hit."""
+    every other free block is taken; B shares A's first 70 tokens only
+    (before the last window of A's prompt, whose hit points A keeps): its
+    hit."""
     prompt = list(range(100, 180))
     a = small_request("a", prompt)
     _run_prompt_and_decode(mgr, a, 1)
     held = mgr.block_pool.free_queue.held_blocks()
     _fill(mgr, leave=len(held))
-    b = small_request("b", [*prompt[:60], *range(500, 520)])
+    b = small_request("b", [*prompt[:70], *range(500, 520)])
     return mgr.get_computed_blocks(b)[1]
 
 
 def test_a_running_request_keeps_the_window_at_every_grid_point() -> None:
     """The window reads 7 tokens, so a running request also keeps the
-    window before every 56 tokens (eight times that, on the 4-token hit
-    alignment) of its prompt.  B branches from A's prompt at 60 tokens,
-    a point A did not foresee, while A runs and nothing else is free: it
-    still resumes at 56 tokens, A's attention prefix and the window
-    blocks A held back there (in a pool whose share for one request's
-    grid, 1/256, holds the point's 2 window blocks)."""
+    window before grid points of its prompt: every 56 tokens (eight times
+    that, on the 4-token hit alignment) at least, and here every 64, since
+    a point's 2 window blocks may cost at most an eighth of the full
+    attention blocks between two points (16 blocks of 4 tokens).  B
+    branches from A's prompt at 70 tokens, a point A did not foresee,
+    while A runs and nothing else is free: it still resumes at 64 tokens,
+    A's attention prefix and the window blocks A held back there (in a
+    pool whose share for one request's grid, 1/256, holds the point's 2
+    window blocks)."""
     mgr = _window_hybrid(2 * 256, max_model_len=128)
     window = mgr.coordinator.single_type_managers[1]
     assert isinstance(window, SlidingWindowManager)
     assert window.hold_interval == 56
-    assert _grid_run(mgr) == 56
+    assert _grid_run(mgr) == 64
+
+
+def test_a_prompt_that_parts_in_a_running_prompts_last_window_resumes_there() -> None:
+    """A keeps the window of every hit point in the last window of its
+    80-token prompt (73 to 80 tokens: the blocks from position 17 on).  B
+    shares A's first 76 tokens: while A runs and nothing else is free, it
+    resumes at 76, not at the grid point below (64)."""
+    mgr = _window_hybrid(2 * 256, max_model_len=128)
+    prompt = list(range(100, 180))
+    a = small_request("a", prompt)
+    _run_prompt_and_decode(mgr, a, 1)
+    _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks()))
+    b = small_request("b", [*prompt[:76], *range(500, 520)])
+    assert mgr.get_computed_blocks(b)[1] == 76
+
+
+def test_a_request_keeps_the_window_where_it_parts_from_an_earlier_prompt() -> None:
+    """B shares A's first 70 tokens, once A's released window blocks that
+    it does not keep were handed out: B resumes at A's grid point (64) and
+    computes on, and since full attention found 68 tokens of the prefix
+    (whole blocks), B keeps the window there, its branch point.  C, which
+    shares the same 70 tokens while A and B run and nothing else is free,
+    resumes at 68."""
+    mgr = _window_hybrid(2 * 256, max_model_len=128)
+    prompt = list(range(100, 180))
+    a = small_request("a", prompt)
+    _run_prompt_and_decode(mgr, a, 1)
+    for filler in _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks())):
+        mgr.free(filler)
+    b = small_request("b", [*prompt[:70], *range(500, 520)])
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert hit == 64
+    assert b.shared_prefix_tokens == 68
+    assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
+    b.num_computed_tokens = b.num_tokens
+    b.append_output_token_ids(900)
+    assert mgr.allocate_slots(b, 1) is not None
+    b.num_computed_tokens += 1
+    _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks()))
+    c = small_request("c", [*prompt[:70], *range(600, 620)])
+    assert mgr.get_computed_blocks(c)[1] == 68
 
 
 class _NoGrid(SlidingWindowManager):
@@ -521,12 +566,13 @@ def test_a_rolled_back_hand_out_puts_spare_blocks_back_in_their_place() -> None:
 
 
 def test_a_small_pool_doubles_the_window_grid_until_it_fits_its_share() -> None:
-    """A's prompt is 400 tokens: 7 points of the 56-token grid, 2 window
+    """A's prompt is 400 tokens: 6 points of the 64-token grid (see
+    test_a_running_request_keeps_the_window_at_every_grid_point), 2 window
     blocks each.  In 300 blocks one request's grid may take 4 points (its
-    share, 300/256 of a block, is less), so the interval doubles to 112:
-    B, which branches from A's running prompt at 60 tokens, finds no grid
-    point below (it would resume at 56 on the whole grid); C, which
-    branches at 120, resumes at 112 (every other free block taken)."""
+    share, 300/256 of a block, is less), so the interval doubles to 128:
+    B, which branches from A's running prompt at 70 tokens, finds no grid
+    point below (it would resume at 64 on the whole grid); C, which
+    branches at 130, resumes at 128 (every other free block taken)."""
     mgr = _window_hybrid(300, max_model_len=512)
     window = mgr.coordinator.single_type_managers[1]
     assert window.hold_interval == 56
@@ -535,10 +581,10 @@ def test_a_small_pool_doubles_the_window_grid_until_it_fits_its_share() -> None:
     a = small_request("a", prompt)
     _run_prompt_and_decode(mgr, a, 1)
     _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks()))
-    b = small_request("b", [*prompt[:60], *range(500, 520)])
+    b = small_request("b", [*prompt[:70], *range(500, 520)])
     assert mgr.get_computed_blocks(b)[1] == 0
-    c = small_request("c", [*prompt[:120], *range(500, 520)])
-    assert mgr.get_computed_blocks(c)[1] == 112
+    c = small_request("c", [*prompt[:130], *range(500, 520)])
+    assert mgr.get_computed_blocks(c)[1] == 128
 
 
 class _GridCostIs(SlidingWindowManager):

@@ -230,9 +230,9 @@ def search_groups(
     partial_units: dict[int, int],
 ) -> list[SpecGroup]:
     """Prefix-cacheable groups with equal specs, searched together, in
-    search order: left-to-right searches first (they bound the others),
-    states last (the length before them is the prefix the token-indexed
-    groups share, see ``last_shared_prefix``)."""
+    search order: left-to-right searches first (they bound the others,
+    and the length they reach is the prefix the request shares with
+    earlier ones, see ``last_shared_prefix``), states last."""
     spec_groups: dict[Any, SpecGroup] = {}
     for gid, manager in enumerate(managers):
         if not manager.caching:

@@ -127,9 +127,9 @@ class KVCacheCoordinator(FreeSteps):
         self.attention_groups: list[SpecGroup] = search_groups(
             managers, built.policies, partial_units
         )
-        #: After a lookup: tokens the groups before the state groups served
-        #: (an upper bound when several window groups iterate), where a
-        #: state group keeps a branch-point checkpoint.
+        #: After a lookup: tokens the groups that keep every block served
+        #: (searched first), where a window or state group keeps the
+        #: request's branch point.
         self.last_shared_prefix = 0
         #: States taken by steps whose forward may not have run: no
         #: admission's hit ends on one (see kvcore.coordinator.unwritten).
@@ -156,9 +156,17 @@ class KVCacheCoordinator(FreeSteps):
         # The blocks one point of a request's grid costs, over every group
         # that keeps blocks there: each keeps the grid to its share.
         cost = sum(self._grid_answer(m, "grid_point_blocks") for m in self.planning)
+        # The blocks a token of cached prefix takes in the groups that keep
+        # every block (what a grid point makes reachable).
+        prefix_blocks = sum(
+            1 / m.block_size
+            for m in managers
+            if m.caching and m.position_indexed and not m.skips_blocks
+        )
         for m in self.planning:
             m.grid_point_cost = cost
             m.grid_share = self._grid_answer(m, "grid_pool_share")
+            m.grid_prefix_blocks = prefix_blocks
         #: Groups whose tables are sized by the request's encoder tokens
         #: (``SingleTypeManager.takes_encoder_tokens``); empty for a
         #: decoder-only plan.
@@ -365,10 +373,10 @@ class KVCacheCoordinator(FreeSteps):
         while changed:
             changed = False
             for index, group in enumerate(self.attention_groups):
-                if first_pass and group.states:
+                if first_pass and not group.monotone:
                     first_pass = False
-                    # Only token-indexed groups searched before show a
-                    # shared prefix.
+                    # The groups that keep every block, searched first,
+                    # show how far an earlier request shared the prefix.
                     self.last_shared_prefix = length if index else 0
                 if index in found:
                     if group.partial_unit:

@@ -204,6 +204,7 @@ class SingleTypeManager:
         #: Set by the coordinator on planning groups (see grid_point_blocks).
         self.grid_point_cost = 0
         self.grid_share = 0.0
+        self.grid_prefix_blocks = 0.0
         self.null_block = block_pool.null_block
         #: request id -> the request's block ids (the null block, 0, where
         #: skipped).

@@ -17,13 +17,14 @@ Each serves some hit policies (``spec.hit_policy``, see
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import is_not
 from typing import Any, ClassVar, cast
 
-from kvcore.checkpoints import grid_interval
+from kvcore.checkpoints import GRID_PREFIX_SHARE, grid_interval
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
@@ -139,9 +140,16 @@ class WindowManager(SingleTypeManager):
         #: request id -> the hit points (token counts) whose window the
         #: request keeps for later requests (see :meth:`plan_checkpoints`).
         self.hit_points: dict[str, tuple[int, ...]] = {}
-        #: request id -> (its prompt's length, its grid's interval): it also
-        #: keeps the window at every multiple of the interval below it.
-        self.grid_end: dict[str, tuple[int, int]] = {}
+        #: request id -> (where its grid starts, its prompt's length, its
+        #: grid's interval or 0): it also keeps the window of every hit
+        #: point in its prompt's last window, and at every multiple of the
+        #: interval between the two lengths.
+        self.grid_end: dict[str, tuple[int, int, int]] = {}
+        end = max(self.max_model_len, 1)
+        #: Tokens a hit's window reads (0: the spec skips no token).
+        self.window_tokens = end - int(spec.skipped_tokens(end))
+        if self.window_tokens >= end:
+            self.window_tokens = 0
         #: Tokens between the grid's hit points (a multiple of the hit
         #: alignment), or 0 for no grid (see :meth:`hold_every`).
         self.hold_interval = self.hold_every(spec)
@@ -167,41 +175,56 @@ class WindowManager(SingleTypeManager):
         # The blocks a hit's window reads, where the group keeps a grid.
         if not (self.hold_interval and self.holds_back):
             return 0
-        end = max(self.max_model_len, 1)
-        reads = end - int(self.kv_cache_spec.skipped_tokens(end))
-        return -(-reads // self.block_size)
+        return -(-self.window_tokens // self.block_size)
 
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """At admission: the hit points whose window blocks the request
         keeps for later requests once it releases them (held back until it
         is freed, see :meth:`kept_for_later`): where its hit ended (a
-        prefix an earlier request shared), its prompt's end (the last
-        aligned boundary before the final token, where the same prompt
-        again hits, and the boundary a longer prompt resumes at), and
-        every multiple of :attr:`hold_interval` inside the prompt (doubled
-        until the grid takes at most :attr:`grid_share` of the pool; see
-        :meth:`grid_pool_share`)."""
+        prefix an earlier request shared); its branch point (how far the
+        groups that keep every block found the prefix, which a later
+        request sharing it reads whole); every point in the last window
+        of its prompt (its end, where the same prompt hits again and a
+        longer one resumes, and where a prompt that shares all but its
+        last part parts from it: these windows cost two windows' blocks);
+        and every multiple of :attr:`hold_interval` in the part of the
+        prompt no earlier request shared (doubled until the grid takes at
+        most :attr:`grid_share` of the pool; see :meth:`grid_pool_share`)."""
         unit = self.hit_alignment
         rid = request.request_id
         prompt = request.num_prompt_tokens
-        last = prompt - 1
+        shared = min(request.shared_prefix_tokens, prompt)
         points = {
             num_computed_tokens - num_computed_tokens % unit,
-            last - last % unit,
-            prompt - prompt % unit,
+            shared - shared % unit,
         }
         self.hit_points[rid] = tuple(p for p in points if p > 0)
+        start = max(num_computed_tokens, shared)
+        every = 0
         if self.hold_interval and self.holds_back:
             every = grid_interval(
-                self.hold_interval,
-                prompt,
+                max(self.hold_interval, self._grid_cost_interval()),
+                prompt - start,
                 self.grid_point_cost,
                 self.block_pool.num_blocks,
                 self.grid_share,
             )
-            self.grid_end[rid] = (prompt, every)
-        else:
-            self.grid_end.pop(rid, None)
+        self.grid_end[rid] = (start, prompt, every)
+
+    def _grid_cost_interval(self) -> int:
+        """The shortest grid interval (a multiple of the hit alignment)
+        whose points, :attr:`grid_point_cost` blocks each, cost at most
+        :data:`~kvcore.checkpoints.GRID_PREFIX_SHARE` of the blocks the
+        groups that keep every block take between two points.  A tight pool
+        keeps little more of a window group's prefix than its grid, so the
+        grid is priced against what it makes reachable; while the pool has
+        room, released window blocks stay cached (spare) and serve a hit
+        anywhere, grid or not."""
+        if not self.grid_prefix_blocks:
+            return 0
+        tokens = self.grid_point_cost / (GRID_PREFIX_SHARE * self.grid_prefix_blocks)
+        unit = self.hit_alignment
+        return -(-math.ceil(tokens) // unit) * unit
 
     def forget_checkpoints(self, request_id: str) -> None:
         self.hit_points.pop(request_id, None)
@@ -228,13 +251,17 @@ class WindowManager(SingleTypeManager):
     ) -> list[int]:
         """The released blocks a hit at one of the request's hit points
         reads (see :meth:`plan_checkpoints`)."""
-        points = self.hit_points.get(request_id)
-        grid_end, every = self.grid_end.get(request_id, (0, 0))
-        if not points and not grid_end:
+        points = self.hit_points.get(request_id, ())
+        start, prompt, every = self.grid_end.get(request_id, (0, 0, 0))
+        if not points and not prompt:
             return []
         size = self.block_size
         skipped = self.kv_cache_spec.skipped_tokens
-        reads = [(skipped(p) // size, p // size) for p in points or ()]
+        reads = [(skipped(p) // size, p // size) for p in points]
+        # The windows of every hit point in the prompt's last window.
+        unit = self.hit_alignment
+        first = max(-(-(prompt - self.window_tokens) // unit) * unit, 0)
+        reads.append((skipped(first) // size, prompt // size))
         kept = []
         key_hash = self.block_pool.key_hash
         for pos, block in zip(positions, released, strict=True):
@@ -242,11 +269,14 @@ class WindowManager(SingleTypeManager):
                 continue
             if any(first <= pos < end for first, end in reads):
                 kept.append(block)
-            elif grid_end:
+            elif every:
                 # The grid point above the block is the only one whose
                 # window can read it (a window reads less than the interval).
                 point = (pos * size // every + 1) * every
-                if point < grid_end and skipped(point) // size <= pos < point // size:
+                if (
+                    start < point < prompt
+                    and skipped(point) // size <= pos < point // size
+                ):
                     kept.append(block)
         return kept
 

@@ -325,7 +325,7 @@ class KVCacheManager:
             request.block_hashes, max_cache_hit_length
         )
         shared = coordinator.last_shared_prefix
-        boundary = shared if shared > length else 0
+        boundary = shared if self._has_states and shared > length else 0
         if not length:
             return self.empty_kv_cache_blocks, 0, boundary
         return self._wrap(blocks), length, boundary
