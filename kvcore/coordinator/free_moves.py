@@ -39,6 +39,13 @@ class FreeMoves:
         null block and blocks without a key are left where they are."""
         self._move_free(blocks, self.free_queue.append)
 
+    def to_spare(self, blocks: Sequence[BlockId]) -> None:
+        """Move free blocks to the back of the spare blocks (held-back ones
+        included), in the given order: evicted before every other keyed
+        block; blocks in use, the null block and blocks without a key are
+        left where they are."""
+        self._move_free(blocks, lambda block: self.free_queue.spare_n([block]))
+
     def hold_back(self, blocks: Sequence[BlockId]) -> None:
         """Move free blocks behind every other free block, in the given
         order: they are evicted only once no other free block is left

@@ -21,7 +21,9 @@ from kvcore.checkpoints import (
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
+from kvcore.coordinator.output_ends import OutputEnds
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.state_kept import checkpoints_kept, interval_states_kept
 from kvcore.coordinator.step_ends import ChunkEnds, replace_step_ends
 from kvcore.coordinator.undo import put_entry
 from kvcore.spec import HitPolicy, cdiv
@@ -84,6 +86,9 @@ class CheckpointManager(SingleTypeManager):
         self._step_ends = self.caching and (self.keep_all or policy.keeps_step_ends)
         self._replaces = not (self.keep_all or policy.every_step)
         self._holds_shared = self.caching and not self.keep_all and policy.hold_shared
+        #: Whether prompts carried output ends back (with step ends replaced).
+        self.output_ends = OutputEnds(min(block_pool.num_blocks, 1 << 16))
+        self._weighs_ends = self._step_ends and self._replaces
         #: request id -> token positions still to checkpoint, ascending.
         self.targets: dict[str, list[int]] = {}
         #: request id -> (position, block, key) of its newest step-end
@@ -139,6 +144,8 @@ class CheckpointManager(SingleTypeManager):
         whose states the policy keeps (after ``num_computed_tokens``, the
         hit included)."""
         rid = request.request_id
+        if self._weighs_ends:
+            self.output_ends.note_prompt(request.block_hashes, self.block_pool)
         path = None
         if self._holds_shared and self.shared_states:
             path = self._shared_on_path(request, num_computed_tokens - 1)
@@ -746,70 +753,18 @@ class CheckpointManager(SingleTypeManager):
         blocks = super().pop_blocks(request_id)
         if step_before is not None:
             kept = [*(kept or ()), step_before[1:]]
+        if step_end is not None and self._weighs_ends and blocks:
+            table = self.output_ends.spare_output_end(step_end, blocks, self.block_pool)
+            if table is not None:  # released into the spare blocks
+                blocks, step_end = table, None
         if step_end is not None:
             kept = [*(kept or ()), step_end[1:]]
         if kept:
             self._released_kept[request_id] = kept
         return blocks
 
-    def kept_twins(
-        self,
-        twins: Sequence[SingleTypeManager],
-        request_id: str,
-        positions: Sequence[int],
-        removed: Sequence[Sequence[int]],
-    ) -> list[list[int]]:
-        """The released states each twin keeps for later requests (its
-        prompt end, branch point, step ends; not the interval states): held
-        back until it is freed, then moved to the back of the eviction
-        order (:meth:`take_released_checkpoints`)."""
-        out: list[list[int]] = []
-        states = cast("Sequence[CheckpointManager]", twins)
-        for twin, released in zip(states, removed, strict=True):
-            kept = twin.kept.get(request_id)
-            end = twin.step_end.get(request_id)
-            before = twin.step_before.get(request_id)
-            mine: list[int] = []
-            out.append(mine)
-            if not kept and end is None and before is None:
-                continue
-            gid = twin.kv_cache_group_id
-            key_hash = twin.block_pool.key_hash
-            key_group = twin.block_pool.key_group
-            for block in released:
-                key = key_hash[block]
-                if key is None or key_group[block] != gid:
-                    continue  # held under no key of this group: not kept
-                if (
-                    (end is not None and end[1] == block and end[2] == key)
-                    or (before is not None and before[1] == block and before[2] == key)
-                    or (kept and any(b == block and k == key for b, k in kept))
-                ):
-                    mine.append(block)
-        return out
-
-    def kept_if_room_twins(
-        self,
-        twins: Sequence[SingleTypeManager],
-        request_id: str,
-        positions: Sequence[int],
-        removed: Sequence[Sequence[int]],
-    ) -> list[list[int]]:
-        """The released interval states each twin kept (where the group
-        holds back): held back in front of the states :meth:`kept_twins`
-        names until the request is freed, then moved to the back of the
-        eviction order with them (a request branching from the running
-        prompt resumes at the interval state below its branch)."""
-        out: list[list[int]] = []
-        states = cast("Sequence[CheckpointManager]", twins)
-        for twin, released in zip(states, removed, strict=True):
-            spaced = twin.spaced.get(request_id)
-            if not spaced:
-                out.append([])
-                continue
-            keep = {block for block, key in spaced if twin._holds(block, key)}
-            out.append([block for block in released if block in keep])
-        return out
+    kept_twins = checkpoints_kept
+    kept_if_room_twins = interval_states_kept
 
     def take_released_checkpoints(self, request_id: str) -> list[int]:
         """The states the freed request kept for later requests that sit
