@@ -8,11 +8,8 @@ back in front of them).  Each is asked once for a class of twin groups.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeAlias
 
-#: A ``CheckpointManager`` (kvcore.coordinator.state_manager, which imports
-#: this module: named here without importing it back).
-Manager: TypeAlias = Any
+from kvcore.coordinator.step_ends import StateManager as Manager
 
 __all__ = ["checkpoints_kept", "interval_states_kept"]
 
