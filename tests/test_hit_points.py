@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import pytest
-from coordinator_setup import fa, small_manager, small_request, sw
+from coordinator_setup import fa, manager_for, small_manager, small_request, sw
 
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request
@@ -657,3 +657,22 @@ def test_a_raising_grid_hook_is_reported_naming_the_manager_and_plugin(
         _window_hybrid(64, registry=registry)
     assert "while the KV cache manager was built" in str(info.value)
     assert info.value.plugin_name
+
+
+def test_a_window_shorter_than_the_hit_alignment_keeps_the_same_prompts_hit() -> None:
+    """16-token blocks and hits, a window reading 5 tokens: the prompt's
+    last window of hit points (39 to 44 tokens) holds none, yet A keeps the
+    window before 32 tokens, the last hit point before its final token, so
+    the same prompt again still resumes there once nothing else is free."""
+    mgr = manager_for(
+        [fa(16), sw(16, 6)],
+        400,
+        scheduler_block_size=16,
+        hash_block_size=4,
+        max_model_len=512,
+    )
+    prompt = list(range(1000, 1044))
+    a = small_request("a", prompt)
+    _run_prompt_and_decode(mgr, a, 40)
+    _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks()))
+    assert mgr.get_computed_blocks(small_request("b", prompt))[1] == 32

@@ -9,7 +9,7 @@ every cached prefix) instead of the back of the eviction order.
 
 from __future__ import annotations
 
-from coordinator_setup import state_hybrid
+from coordinator_setup import state_hybrid, state_manager
 
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.output_ends import MIN_EVIDENCE, REUSE_ODDS, OutputEnds
@@ -77,28 +77,47 @@ def test_output_ends_stay_while_prompts_carry_them_back() -> None:
 
 def test_the_evidence_follows_the_traffic() -> None:
     """Output ends are kept until MIN_EVIDENCE were counted; then while at
-    least one in REUSE_ODDS came back; counts halve once they reach twice
-    the memory, so old traffic weighs less."""
+    least one in REUSE_ODDS came back in a prompt (each counted once);
+    counts halve, and the older half of the keys leave, at the memory."""
     ends = OutputEnds(memory=MIN_EVIDENCE)
-    assert ends.memory == MIN_EVIDENCE
-    for key in range(MIN_EVIDENCE - 1):
-        ends.note_output_end(key)
-        assert ends.worth_keeping()
-    ends.note_output_end(MIN_EVIDENCE - 1)
+    pool = _NoJournal()
+    assert ends.memory == 2 * MIN_EVIDENCE
+    for key in range(MIN_EVIDENCE):
+        assert ends.keep_output_end(key, pool)
     assert not ends.worth_keeping()
-    # Only the newest MIN_EVIDENCE keys are remembered: the prompt passes
-    # through 4 of them and one never counted.
-    needed = -(-ends.counted // REUSE_ODDS)
-    assert needed == 4
-    ends.note_prompt([1, 2, 3, 5, 10**9], _NoJournal())
+    # 64 counted: 4 returns are one in 16.
+    assert 4 * REUSE_ODDS == MIN_EVIDENCE
+    assert sorted(ends.note_prompt([1, 2, 3, 5, 10**9])) == [1, 2, 3, 5]
     assert ends.returned == 4
     assert ends.worth_keeping()
-    ends.note_prompt([1, 2], _NoJournal())  # each counted once
-    assert ends.returned == 4
+    assert ends.note_prompt([1, 2]) == []  # each counted once
+    ends.unnote_prompt([5])
+    assert (ends.returned, ends.keys[5]) == (3, False)
     for key in range(1000, 1000 + MIN_EVIDENCE):
-        ends.note_output_end(key)
-    assert (ends.counted, ends.returned) == (MIN_EVIDENCE, 2)
+        ends.keep_output_end(key, pool)
+    # The 128th output end halves the counts and drops keys 0-63.
+    assert (ends.counted, ends.returned) == (MIN_EVIDENCE, 1)
+    assert min(ends.keys) == 1000
     assert not ends.worth_keeping()
+
+
+def test_a_rolled_back_free_leaves_the_evidence_as_it_was() -> None:
+    """The undo records of keep_output_end put every key, flag and count
+    back, the halving included."""
+    ends = OutputEnds(memory=MIN_EVIDENCE)
+    pool = _Journal()
+    for key in range(2 * MIN_EVIDENCE - 1):
+        ends.keep_output_end(key, pool)
+    ends.note_prompt([3])
+    before = (dict(ends.keys), ends.counted, ends.returned)
+    pool.undo = []
+    ends.keep_output_end(3, pool)  # halves: 128 counted
+    ends.keep_output_end(10**6, pool)
+    assert (ends.counted, ends.returned, len(ends.keys)) == (65, 0, 65)
+    for undo, args in reversed(pool.undo):
+        undo(*args)
+    assert (dict(ends.keys), ends.counted, ends.returned) == before
+    assert list(ends.keys) == list(before[0])
 
 
 class _NoJournal:
@@ -106,3 +125,53 @@ class _NoJournal:
 
     def record(self, *args: object) -> None:
         pass
+
+
+class _Journal:
+    """A pool with a transaction open: the undo records, in order."""
+
+    def __init__(self) -> None:
+        self.undo: list[tuple[object, tuple[object, ...]]] = []
+
+    def record(self, undo: object, *args: object) -> None:
+        self.undo.append((undo, args))
+
+
+def test_pop_blocks_for_free_hands_back_the_output_end_state_still_held() -> None:
+    """Once the evidence spares output ends, an engine that pops a request's
+    blocks to free them after its in-flight step still gets the output-end
+    state among them, held: nothing else may be handed it meanwhile."""
+    mgr = state_hybrid(4000, BS)
+    for i in range(MIN_EVIDENCE):
+        req = Request(
+            f"r{i}", [100_000 * (i + 1) + t for t in range(40)], hash_block_size=BS
+        )
+        _serve(mgr, req, 20)
+    req = Request("x", [9_000_000 + t for t in range(40)], hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, req.num_tokens, hit, blocks) is not None
+    req.num_computed_tokens = req.num_tokens
+    for i in range(24):
+        req.append_output_token_ids(7000 + i)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    state = mgr.get_blocks("x").ids[1][-1]
+    popped = mgr.pop_blocks_for_free(req)
+    assert state in [block.block_id for block in popped]
+    assert mgr.block_pool.ref_cnt[state] == 1
+    assert state not in mgr.block_pool.free_queue.spare_blocks()
+
+
+def test_a_refused_admission_leaves_the_evidence_as_it_was() -> None:
+    """B's prompt passes through A's output end, but B does not fit: the
+    count it made at admission is undone."""
+    mgr = state_hybrid(12, BS)
+    a = Request("a", list(range(1, 41)), hash_block_size=BS)
+    _serve(mgr, a, 20)
+    ends = state_manager(mgr).output_ends
+    assert (ends.counted, ends.returned) == (1, 0)
+    b = Request("b", [*a.all_token_ids, *range(900, 1100)], hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is None
+    assert (ends.counted, ends.returned) == (1, 0)
+    assert list(ends.keys.values()) == [False]

@@ -258,10 +258,15 @@ class WindowManager(SingleTypeManager):
         size = self.block_size
         skipped = self.kv_cache_spec.skipped_tokens
         reads = [(skipped(p) // size, p // size) for p in points]
-        # The windows of every hit point in the prompt's last window.
+        # The windows of every hit point in the prompt's last window, from
+        # the last one before its final token (where the same prompt hits
+        # again) on.
         unit = self.hit_alignment
-        first = max(-(-(prompt - self.window_tokens) // unit) * unit, 0)
-        reads.append((skipped(first) // size, prompt // size))
+        last = prompt - 1
+        first = min(
+            -(-(prompt - self.window_tokens) // unit) * unit, last - last % unit
+        )
+        reads.append((skipped(max(first, 0)) // size, prompt // size))
         kept = []
         key_hash = self.block_pool.key_hash
         for pos, block in zip(positions, released, strict=True):

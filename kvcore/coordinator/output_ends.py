@@ -39,10 +39,12 @@ class OutputEnds:
     __slots__ = ("counted", "keys", "memory", "returned")
 
     def __init__(self, memory: int) -> None:
-        #: Keys of the output ends not yet seen in a prompt, oldest first.
-        self.keys: dict[Any, None] = {}
-        #: At most this many keys are remembered (the oldest leave first).
-        self.memory = max(memory, MIN_EVIDENCE)
+        #: Keys of the output ends counted, oldest first: whether a prompt
+        #: passed through each since.
+        self.keys: dict[Any, bool] = {}
+        #: Counts halve, and the older half of the keys leave, once this
+        #: many output ends were counted.
+        self.memory = 2 * max(memory, MIN_EVIDENCE)
         #: Output ends counted, and those a later prompt passed through.
         self.counted = 0
         self.returned = 0
@@ -51,59 +53,54 @@ class OutputEnds:
         """Whether output-end states go to the back of the eviction order."""
         return self.counted < MIN_EVIDENCE or self.returned * REUSE_ODDS >= self.counted
 
-    def note_output_end(self, key: Any) -> None:
-        """Count a freed request's output end, kept under ``key``."""
-        keys = self.keys
-        keys.pop(key, None)
-        keys[key] = None
-        if len(keys) > self.memory:
-            del keys[next(iter(keys))]
-        self.counted += 1
-        if self.counted >= 2 * self.memory:
-            self.counted //= 2
-            self.returned //= 2
-
-    def note_prompt(self, hashes: Iterable[Any], pool: Any) -> None:
-        """Count the output ends a prompt's chunk hashes pass through (each
-        once), undone if ``pool``'s open transaction rolls back."""
-        keys = self.keys
-        if not keys:
-            return
-        found = keys.keys() & hashes
-        if found:
-            for key in found:
-                del keys[key]
-            self.returned += len(found)
-            pool.record(self._unnote_prompt, found)
-
-    def _unnote_prompt(self, found: set[Any]) -> None:
-        for key in found:
-            self.keys[key] = None
-        self.returned -= len(found)
-
-    def spare_output_end(
-        self, step_end: tuple[int, int, Any], blocks: list[int], pool: Any
-    ) -> list[int] | None:
-        """Count a freed request's output-end state ``step_end`` (table
-        position, block, key); when the evidence says to, release it now
-        into the spare blocks and return the request's popped table
-        ``blocks`` without it (else None).  Undone, as is the count, if
-        ``pool``'s open transaction rolls back."""
-        pos, block, key = step_end
-        pool.record(self._unnote_output_end, key, self.counted, self.returned)
+    def keep_output_end(self, key: Any, pool: Any) -> bool:
+        """Count a freed request's output end, kept under ``key``: whether
+        it goes to the back of the eviction order (the evidence before it
+        was counted).  Undone if ``pool``'s open transaction rolls back."""
         keep = self.worth_keeping()
-        self.note_output_end(key)
-        if keep:
-            return None
-        if pos < len(blocks) and blocks[pos] == block:
-            blocks = [*blocks]
-            blocks[pos] = pool.null_block
-            pool.free_each([[block]])
-        elif pool.ref_cnt[block] == 0 and pool.key_hash[block] == key:
-            pool.to_spare([block])  # released after its step, held back
-        return blocks
+        keys = self.keys
+        if self.counted + 1 < self.memory:
+            pool.record(self._unkeep, key, keys.get(key), self.counted, self.returned)
+            keys[key] = False
+            self.counted += 1
+            return keep
+        pool.record(self._restore, dict(keys), self.counted, self.returned)
+        keys[key] = False
+        self.keys = dict(list(keys.items())[len(keys) // 2 :])
+        self.counted = (self.counted + 1) // 2
+        self.returned //= 2
+        return keep
 
-    def _unnote_output_end(self, key: Any, counted: int, returned: int) -> None:
-        self.keys.pop(key, None)
+    def _unkeep(self, key: Any, was: bool | None, counted: int, returned: int) -> None:
+        if was is None:
+            del self.keys[key]
+        else:
+            self.keys[key] = was
         self.counted = counted
         self.returned = returned
+
+    def _restore(self, keys: dict[Any, bool], counted: int, returned: int) -> None:
+        self.keys = keys
+        self.counted = counted
+        self.returned = returned
+
+    def note_prompt(self, hashes: Iterable[Any]) -> list[Any]:
+        """Count the output ends a prompt's chunk hashes pass through that
+        no prompt passed through before: their keys, for
+        :meth:`unnote_prompt` to undo."""
+        keys = self.keys
+        if not keys:
+            return []
+        found = [key for key in keys.keys() & hashes if not keys[key]]
+        for key in found:
+            keys[key] = True
+        self.returned += len(found)
+        return found
+
+    def unnote_prompt(self, found: list[Any]) -> None:
+        """Undo :meth:`note_prompt`, which returned ``found``."""
+        keys = self.keys
+        for key in found:
+            if key in keys:
+                keys[key] = False
+        self.returned -= len(found)

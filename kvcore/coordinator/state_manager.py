@@ -89,6 +89,12 @@ class CheckpointManager(SingleTypeManager):
         #: Whether prompts carried output ends back (with step ends replaced).
         self.output_ends = OutputEnds(min(block_pool.num_blocks, 1 << 16))
         self._weighs_ends = self._step_ends and self._replaces
+        #: request id -> the output ends its prompt passed through (counted
+        #: at admission, undone by forget_checkpoints unless it was admitted).
+        self._returned: dict[str, list[Any]] = {}
+        #: freed request id -> (block, key) of the output-end state that
+        #: take_released_checkpoints moves to the spare blocks.
+        self._spared: dict[str, tuple[int, Any]] = {}
         #: request id -> token positions still to checkpoint, ascending.
         self.targets: dict[str, list[int]] = {}
         #: request id -> (position, block, key) of its newest step-end
@@ -145,7 +151,9 @@ class CheckpointManager(SingleTypeManager):
         hit included)."""
         rid = request.request_id
         if self._weighs_ends:
-            self.output_ends.note_prompt(request.block_hashes, self.block_pool)
+            found = self.output_ends.note_prompt(request.block_hashes)
+            if found:
+                self._returned[rid] = found
         path = None
         if self._holds_shared and self.shared_states:
             path = self._shared_on_path(request, num_computed_tokens - 1)
@@ -279,6 +287,9 @@ class CheckpointManager(SingleTypeManager):
             self.branch.pop(request_id, None)
             self.grid.pop(request_id, None)
             self.on_path.pop(request_id, None)
+            returned = self._returned.pop(request_id, None)
+            if returned is not None:
+                self.output_ends.unnote_prompt(returned)
 
     def _inner_targets(self, request_id: str, start: int, end: int) -> list[int]:
         """Table positions in ``[start, end - 1)`` that a target state
@@ -753,10 +764,19 @@ class CheckpointManager(SingleTypeManager):
         blocks = super().pop_blocks(request_id)
         if step_before is not None:
             kept = [*(kept or ()), step_before[1:]]
-        if step_end is not None and self._weighs_ends and blocks:
-            table = self.output_ends.spare_output_end(step_end, blocks, self.block_pool)
-            if table is not None:  # released into the spare blocks
-                blocks, step_end = table, None
+        pool = self.block_pool
+        returned = self._returned.pop(request_id, None)
+        if returned is not None:  # admitted: its count stands
+            pool.record(self._returned.__setitem__, request_id, returned)
+        ends = self.output_ends
+        if (
+            step_end is not None
+            and self._weighs_ends
+            and not ends.keep_output_end(step_end[2], pool)
+        ):
+            self._spared[request_id] = step_end[1:]
+            pool.record(self._spared.pop, request_id, None)
+            step_end = None
         if step_end is not None:
             kept = [*(kept or ()), step_end[1:]]
         if kept:
@@ -770,11 +790,17 @@ class CheckpointManager(SingleTypeManager):
         """The states the freed request kept for later requests that sit
         free in the pool already (released after their step): the
         coordinator moves them to the back of the eviction order with the
-        request's other blocks, since a hit needs its state."""
+        request's other blocks, since a hit needs its state.  An output-end
+        state the evidence does not keep (see
+        :mod:`~kvcore.coordinator.output_ends`) goes to the spare blocks
+        instead, once free."""
+        ref = self.block_pool.ref_cnt
+        spared = self._spared.pop(request_id, None)
+        if spared is not None and ref[spared[0]] == 0 and self._holds(*spared):
+            self.block_pool.to_spare([spared[0]])
         kept = self._released_kept.pop(request_id, None)
         if not kept:
             return []
-        ref = self.block_pool.ref_cnt
         return [b for b, key in kept if ref[b] == 0 and self._holds(b, key)]
 
     def _save(self, store: dict[str, Any], request_id: str) -> None:
