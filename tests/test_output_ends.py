@@ -175,3 +175,38 @@ def test_a_refused_admission_leaves_the_evidence_as_it_was() -> None:
     assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is None
     assert (ends.counted, ends.returned) == (1, 0)
     assert list(ends.keys.values()) == [False]
+
+
+def _decoding(mgr: KVCacheManager, rid: str) -> int:
+    """A fresh 40-token prompt decoding 10 tokens, still running: the state
+    block its step left at 48 tokens, which it has released since."""
+    req = Request(rid, [8_000_000 + t for t in range(40)], hash_block_size=BS)
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, req.num_tokens, hit, blocks) is not None
+    req.num_computed_tokens = req.num_tokens
+    for i in range(10):
+        req.append_output_token_ids(7000 + i)
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    return _output_end_block(
+        mgr, Request("probe", req.all_token_ids[:48], hash_block_size=BS)
+    )
+
+
+def test_a_running_requests_step_end_is_held_back_only_while_outputs_return() -> None:
+    """A running request's step end is the output end it may leave: held
+    back with no evidence yet, and released to the spare blocks once 64
+    output ends were counted and none came back in a prompt."""
+    fresh = state_hybrid(4000, BS)
+    block = _decoding(fresh, "x")
+    assert block in fresh.block_pool.free_queue.held_blocks()
+    mgr = state_hybrid(4000, BS)
+    for i in range(MIN_EVIDENCE):
+        req = Request(
+            f"r{i}", [100_000 * (i + 1) + t for t in range(40)], hash_block_size=BS
+        )
+        _serve(mgr, req, 20)
+    assert not state_manager(mgr).keeps_output_ends()
+    block = _decoding(mgr, "x")
+    assert block in mgr.block_pool.free_queue.spare_blocks()
+    assert block not in mgr.block_pool.free_queue.held_blocks()

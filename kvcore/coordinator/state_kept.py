@@ -28,7 +28,9 @@ def checkpoints_kept(
     out: list[list[int]] = []
     for twin, released in zip(twins, removed, strict=True):
         kept = twin.kept.get(request_id)
-        end = twin.step_end.get(request_id)
+        # A step end is an output end in the making: held only while the
+        # traffic's prompts carry output ends back.
+        end = twin.step_end.get(request_id) if twin.keeps_output_ends() else None
         before = twin.step_before.get(request_id)
         mine: list[int] = []
         out.append(mine)

@@ -786,6 +786,12 @@ class CheckpointManager(SingleTypeManager):
     kept_twins = checkpoints_kept
     kept_if_room_twins = interval_states_kept
 
+    def keeps_output_ends(self) -> bool:
+        """Whether the group holds back and keeps output-end states (and a
+        running request's step ends) for later prompts: unless the recent
+        prompts did not carry them back (see :mod:`~kvcore.coordinator.output_ends`)."""
+        return not self._weighs_ends or self.output_ends.worth_keeping()
+
     def take_released_checkpoints(self, request_id: str) -> list[int]:
         """The states the freed request kept for later requests that sit
         free in the pool already (released after their step): the
