@@ -17,9 +17,9 @@ from kvcore.coordinator.output_ends import MIN_EVIDENCE, REUSE_ODDS, OutputEnds
 BS = 16
 
 
-def _serve(mgr: KVCacheManager, req: Request, outputs: int) -> None:
-    """Admit ``req`` (with its prefix hit), compute its prompt, decode
-    ``outputs`` tokens one step each, and free it."""
+def _run(mgr: KVCacheManager, req: Request, outputs: int) -> None:
+    """Admit ``req`` (with its prefix hit), compute its prompt and decode
+    ``outputs`` tokens one step each; it keeps running."""
     blocks, hit = mgr.get_computed_blocks(req)
     assert mgr.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
     req.num_computed_tokens = req.num_tokens
@@ -27,7 +27,20 @@ def _serve(mgr: KVCacheManager, req: Request, outputs: int) -> None:
         req.append_output_token_ids(7000 + i)
         assert mgr.allocate_slots(req, 1) is not None
         req.num_computed_tokens += 1
+
+
+def _serve(mgr: KVCacheManager, req: Request, outputs: int) -> None:
+    """:func:`_run`, then free it."""
+    _run(mgr, req, outputs)
     mgr.free(req)
+
+
+def _fresh_traffic(mgr: KVCacheManager) -> None:
+    """MIN_EVIDENCE requests of fresh 40-token prompts, 20 outputs each:
+    no prompt passes through an earlier output end."""
+    for i in range(MIN_EVIDENCE):
+        tokens = [100_000 * (i + 1) + t for t in range(40)]
+        _serve(mgr, Request(f"r{i}", tokens, hash_block_size=BS), 20)
 
 
 def _output_end_block(mgr: KVCacheManager, req: Request) -> int:
@@ -142,19 +155,9 @@ def test_pop_blocks_for_free_hands_back_the_output_end_state_still_held() -> Non
     blocks to free them after its in-flight step still gets the output-end
     state among them, held: nothing else may be handed it meanwhile."""
     mgr = state_hybrid(4000, BS)
-    for i in range(MIN_EVIDENCE):
-        req = Request(
-            f"r{i}", [100_000 * (i + 1) + t for t in range(40)], hash_block_size=BS
-        )
-        _serve(mgr, req, 20)
+    _fresh_traffic(mgr)
     req = Request("x", [9_000_000 + t for t in range(40)], hash_block_size=BS)
-    blocks, hit = mgr.get_computed_blocks(req)
-    assert mgr.allocate_slots(req, req.num_tokens, hit, blocks) is not None
-    req.num_computed_tokens = req.num_tokens
-    for i in range(24):
-        req.append_output_token_ids(7000 + i)
-        assert mgr.allocate_slots(req, 1) is not None
-        req.num_computed_tokens += 1
+    _run(mgr, req, 24)
     state = mgr.get_blocks("x").ids[1][-1]
     popped = mgr.pop_blocks_for_free(req)
     assert state in [block.block_id for block in popped]
@@ -181,13 +184,7 @@ def _decoding(mgr: KVCacheManager, rid: str) -> int:
     """A fresh 40-token prompt decoding 10 tokens, still running: the state
     block its step left at 48 tokens, which it has released since."""
     req = Request(rid, [8_000_000 + t for t in range(40)], hash_block_size=BS)
-    blocks, hit = mgr.get_computed_blocks(req)
-    assert mgr.allocate_slots(req, req.num_tokens, hit, blocks) is not None
-    req.num_computed_tokens = req.num_tokens
-    for i in range(10):
-        req.append_output_token_ids(7000 + i)
-        assert mgr.allocate_slots(req, 1) is not None
-        req.num_computed_tokens += 1
+    _run(mgr, req, 10)
     return _output_end_block(
         mgr, Request("probe", req.all_token_ids[:48], hash_block_size=BS)
     )
@@ -201,11 +198,7 @@ def test_a_running_requests_step_end_is_held_back_only_while_outputs_return() ->
     block = _decoding(fresh, "x")
     assert block in fresh.block_pool.free_queue.held_blocks()
     mgr = state_hybrid(4000, BS)
-    for i in range(MIN_EVIDENCE):
-        req = Request(
-            f"r{i}", [100_000 * (i + 1) + t for t in range(40)], hash_block_size=BS
-        )
-        _serve(mgr, req, 20)
+    _fresh_traffic(mgr)
     assert not state_manager(mgr).keeps_output_ends()
     block = _decoding(mgr, "x")
     assert block in mgr.block_pool.free_queue.spare_blocks()
