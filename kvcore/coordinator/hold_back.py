@@ -26,7 +26,7 @@ from kvcore.errors import PluginResultError
 #: module: named here without importing it back).
 Manager: TypeAlias = Any
 
-__all__ = ["hold_back_twins", "kept_each", "kept_if_room_each"]
+__all__ = ["hold_back_twins"]
 
 
 def hold_back_twins(
@@ -172,32 +172,3 @@ def _checked(
             raise PluginResultError(msg, plugin_name=plugin)
         seen.add(block)
     return sorted(kept, key=where.__getitem__)
-
-
-def kept_each(
-    self: Manager,
-    twins: Sequence[Manager],
-    request_id: str,
-    positions: Sequence[int],
-    removed: Sequence[Sequence[int]],
-) -> list[list[int]]:
-    """The ``kept_twins`` of a class that overrides only ``kept_for_later``."""
-    return [
-        twin.kept_for_later(request_id, positions, released)
-        for twin, released in zip(twins, removed, strict=True)
-    ]
-
-
-def kept_if_room_each(
-    self: Manager,
-    twins: Sequence[Manager],
-    request_id: str,
-    positions: Sequence[int],
-    removed: Sequence[Sequence[int]],
-) -> list[list[int]]:
-    """The ``kept_if_room_twins`` of a class that overrides only
-    ``kept_if_room``."""
-    return [
-        twin.kept_if_room(request_id, positions, released)
-        for twin, released in zip(twins, removed, strict=True)
-    ]

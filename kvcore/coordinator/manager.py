@@ -21,7 +21,7 @@ import attrs
 from kvcore.checkpoints import GRID_POOL_SHARE
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
-from kvcore.coordinator.hold_back import hold_back_twins, kept_each, kept_if_room_each
+from kvcore.coordinator.hold_back import hold_back_twins
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.undo import put_at_each, put_back, put_back_each
@@ -835,44 +835,28 @@ class SingleTypeManager:
         raise NotImplementedError(msg)
 
 
-def _allocate_each(
-    self: SingleTypeManager,
-    twins: Sequence[SingleTypeManager],
-    request_id: str,
-    num_tokens: int,
-) -> list[list[int]] | None:
-    """The twin step of a class that overrides only allocate_new_blocks."""
-    new = [twin.allocate_new_blocks(request_id, num_tokens) for twin in twins]
-    return new if any(new) else None
+def _each_twin(single: str, *, answers: bool = False, zipped: bool = False) -> Any:
+    """The twin step of a class that overrides only the one-group step
+    ``single``: each twin asked in turn (``zipped``: the last argument is
+    one list per twin, each twin given its own).  A step returns what the
+    twins returned, or None when none returned anything; ``answers``: the
+    list of answers, one per twin, as it is."""
 
+    def step(
+        self: SingleTypeManager, twins: Sequence[SingleTypeManager], *args: Any
+    ) -> Any:
+        if zipped:
+            *shared, lists = args
+            out = [
+                getattr(twin, single)(*shared, own)
+                for twin, own in zip(twins, lists, strict=True)
+            ]
+        else:
+            out = [getattr(twin, single)(*args) for twin in twins]
+        return out if answers or any(out) else None
 
-def _release_each(
-    self: SingleTypeManager,
-    twins: Sequence[SingleTypeManager],
-    request_id: str,
-    num_computed_tokens: int,
-) -> None:
-    """The twin step of a class that overrides only remove_skipped_blocks."""
-    for twin in twins:
-        twin.remove_skipped_blocks(request_id, num_computed_tokens)
-
-
-def _cache_each(
-    self: SingleTypeManager,
-    twins: Sequence[SingleTypeManager],
-    request: Request,
-    num_tokens: int,
-) -> None:
-    """The twin step of a class that overrides only cache_blocks."""
-    for twin in twins:
-        twin.cache_blocks(request, num_tokens)
-
-
-def _pop_each(
-    self: SingleTypeManager, twins: Sequence[SingleTypeManager], request_id: str
-) -> list[list[int] | None]:
-    """The twin step of a class that overrides only pop_blocks."""
-    return [twin.pop_blocks(request_id) for twin in twins]
+    step.__name__ = step.__qualname__ = f"{single}_each"
+    return step
 
 
 #: (flag, the methods whose override drops its promise): see
@@ -888,11 +872,14 @@ _PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 #: (one-group step, twin step, the twin step through the one-group one).
-_TWIN_STEPS: tuple[tuple[str, str, Any], ...] = (
-    ("allocate_new_blocks", "allocate_twins", _allocate_each),
-    ("remove_skipped_blocks", "release_twins", _release_each),
-    ("cache_blocks", "cache_twins", _cache_each),
-    ("pop_blocks", "pop_twins", _pop_each),
-    ("kept_for_later", "kept_twins", kept_each),
-    ("kept_if_room", "kept_if_room_twins", kept_if_room_each),
+_TWIN_STEPS: tuple[tuple[str, str, Any], ...] = tuple(
+    (single, twins, _each_twin(single, **how))
+    for single, twins, how in (
+        ("allocate_new_blocks", "allocate_twins", {}),
+        ("remove_skipped_blocks", "release_twins", {}),
+        ("cache_blocks", "cache_twins", {}),
+        ("pop_blocks", "pop_twins", {"answers": True}),
+        ("kept_for_later", "kept_twins", {"answers": True, "zipped": True}),
+        ("kept_if_room", "kept_if_room_twins", {"answers": True, "zipped": True}),
+    )
 )
