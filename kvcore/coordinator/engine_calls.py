@@ -20,10 +20,10 @@ from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.coordinator.state_manager import CheckpointManager
 from kvcore.coordinator.step_marks import StepMarks
+from kvcore.coordinator.step_needs import ManagerParts
 from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestError
 
 if TYPE_CHECKING:
-    from kvcore.coordinator.block_pool import BlockPool
     from kvcore.coordinator.coordinator import KVCacheCoordinator
 
 
@@ -60,17 +60,12 @@ class GroupPrefixCacheStats(NamedTuple):
         return self.hits / self.queries if self.queries else 0.0
 
 
-class EngineCalls:
-    """The engine-contract calls of :class:`KVCacheManager` (a base class;
-    the manager supplies the pool, the coordinator and its live requests)."""
+class EngineCalls(ManagerParts):
+    """The engine-contract calls of :class:`KVCacheManager`."""
 
-    block_pool: BlockPool
-    coordinator: KVCacheCoordinator
-    _requests: dict[str, Request]
     _popped: Counter[int]
     _marks: StepMarks
     prefix_cache_stats: PrefixCacheStats
-    enable_caching: bool
 
     def _require_live(self, rid: str) -> Request:
         """The live request of this id (it holds blocks), or a clear error."""

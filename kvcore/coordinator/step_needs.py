@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
     from kvcore.coordinator.manager import SingleTypeManager
 
-__all__ = ["StepNeed", "StepNeeds"]
+__all__ = ["ManagerParts", "StepNeed", "StepNeeds"]
 
 #: What a step takes from the pool: every group's admission block ids (none
 #: for a running request), the copy-on-write sources of a partial hit
@@ -41,15 +41,20 @@ StepNeed: TypeAlias = tuple[
 ]
 
 
-class StepNeeds:
-    """The counting half of :class:`KVCacheManager`'s step (a base class;
-    the manager supplies the pool, the coordinator and its live requests)."""
+class ManagerParts:
+    """What :class:`KVCacheManager` supplies to its base classes: the pool,
+    the coordinator and its live requests."""
 
     block_pool: BlockPool
     coordinator: KVCacheCoordinator
     _requests: dict[str, Request]
-    _managers: Sequence[SingleTypeManager]
     enable_caching: bool
+
+
+class StepNeeds(ManagerParts):
+    """The counting half of :class:`KVCacheManager`'s step."""
+
+    _managers: Sequence[SingleTypeManager]
     max_model_len: int
     num_kv_cache_groups: int
     empty_kv_cache_blocks: KVCacheBlocks

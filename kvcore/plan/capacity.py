@@ -263,27 +263,16 @@ def plan_capacity(
             f"{max_num_batched_tokens!r}"
         )
         raise PlanError(msg)
-    if plan.max_model_len is not None and context > plan.max_model_len:
-        msg = (
-            f"the plan admits requests of at most max_model_len={plan.max_model_len} "
-            f"tokens, so none of {context} tokens fits; ask about a context up to "
-            "max_model_len, or plan with a larger one"
-        )
-        raise PlanError(msg)
+    _check_max_model_len(plan, context, f"so none of {context} tokens fits")
     groups = plan.kv_cache_groups
     dcp = plan.decode_context_parallel_size
     if specs is None:
         specs = {n: g.layer_spec(n) for g in groups for n in g.layer_names}
     else:
         specs = as_planned(specs, plan)
-    if memory is None:
-        # The pool's own bytes where an override gave it more blocks than
-        # its memory holds: the limit bounds what the pool holds.
-        memory = max(plan.available_memory or 0, plan.num_blocks * plan.bytes_per_block)
     per_group = steady_blocks(groups, context, dcp=dcp)
     steady = sum(per_group)
     peak = prefill_peak_blocks(groups, context, max_num_batched_tokens, dcp=dcp)
-    usable = plan.num_blocks - 1
     if steady <= 0:
         msg = (
             f"the plan's groups hold no blocks for a request of {context} tokens "
@@ -291,14 +280,12 @@ def plan_capacity(
             "so the cache bounds no concurrency; check the kinds' num_blocks_held"
         )
         raise PlanError(msg)
-    concurrency = 0 if peak > usable else 1 + (usable - peak) // steady
-    bpb = plan.bytes_per_block
-    unreserved = memory / (bpb * steady) if bpb and steady else 0.0
+    concurrency, unreserved, memory = _fit(plan, steady, peak, memory)
     sizes = _block_sizes(groups, dcp)
     return Capacity(
         context=context,
         num_blocks=plan.num_blocks,
-        bytes_per_block=bpb,
+        bytes_per_block=plan.bytes_per_block,
         blocks_per_request=steady,
         prefill_peak_blocks=peak,
         concurrency=concurrency,
@@ -316,6 +303,33 @@ def plan_capacity(
             for i, (g, b, n) in enumerate(zip(groups, sizes, per_group, strict=True))
         ),
     )
+
+
+def _check_max_model_len(plan: KVCacheConfig, longest: int, why: str) -> None:
+    """Refuse a question about requests longer than the plan admits."""
+    if plan.max_model_len is not None and longest > plan.max_model_len:
+        msg = (
+            f"the plan admits requests of at most max_model_len={plan.max_model_len} "
+            f"tokens, {why}; ask about requests up to max_model_len, or plan "
+            "with a larger one"
+        )
+        raise PlanError(msg)
+
+
+def _fit(
+    plan: KVCacheConfig, steady: int | Fraction, peak: int, memory: int | None
+) -> tuple[int, float, int]:
+    """Requests of ``steady`` blocks (at least one) that fit in the plan's
+    usable blocks beside one prefill of ``peak`` blocks, the same over
+    ``memory`` unrounded with nothing reserved, and ``memory`` (None: the
+    plan's, or the pool's own bytes where an override gave it more blocks
+    than its memory holds: the limit bounds what the pool holds)."""
+    if memory is None:
+        memory = max(plan.available_memory or 0, plan.num_blocks * plan.bytes_per_block)
+    usable = plan.num_blocks - 1
+    concurrency = 0 if peak > usable else 1 + int((usable - peak) // steady)
+    bpb = plan.bytes_per_block
+    return concurrency, float(memory / (bpb * steady)) if bpb else 0.0, memory
 
 
 def min_blocks_for_one_request(
@@ -397,13 +411,9 @@ def mix_capacity(
     """
     require_instance(plan, KVCacheConfig, "mix_capacity: plan")
     require_instance(mix, LengthMix, "mix_capacity: mix")
-    if plan.max_model_len is not None and mix.longest > plan.max_model_len:
-        msg = (
-            f"the plan admits requests of at most max_model_len={plan.max_model_len} "
-            f"tokens, and the mix holds requests of {mix.longest:,}; drop those "
-            "lengths or plan with a larger max_model_len"
-        )
-        raise PlanError(msg)
+    _check_max_model_len(
+        plan, mix.longest, f"and the mix holds requests of {mix.longest:,}"
+    )
     if max_num_batched_tokens is None:
         max_num_batched_tokens = plan.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
     groups = plan.kv_cache_groups
@@ -413,20 +423,14 @@ def mix_capacity(
         msg = "the plan's groups hold no blocks for the mix's requests"
         raise PlanError(msg)
     peak = prefill_peak_blocks(groups, mix.longest, max_num_batched_tokens, dcp=dcp)
-    usable = plan.num_blocks - 1
-    concurrency = 0 if peak > usable else 1 + int((usable - peak) / steady)
-    if memory is None:
-        # As plan_capacity: the pool's own bytes where an override made it
-        # larger than its memory.
-        memory = max(plan.available_memory or 0, plan.num_blocks * plan.bytes_per_block)
-    bpb = plan.bytes_per_block
+    concurrency, unreserved, _ = _fit(plan, steady, peak, memory)
     return MixCapacity(
         mix=mix,
         num_blocks=plan.num_blocks,
-        bytes_per_block=bpb,
+        bytes_per_block=plan.bytes_per_block,
         blocks_per_request=steady,
         prefill_peak_blocks=peak,
         concurrency=concurrency,
-        unreserved_concurrency=float(memory / (bpb * steady)) if bpb else 0.0,
+        unreserved_concurrency=unreserved,
         hit_granularity=plan_hit_granularity(plan),
     )
