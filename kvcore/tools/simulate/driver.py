@@ -10,7 +10,10 @@ Every step has a budget of ``max_num_batched_tokens`` tokens:
    admitted running request is preempted (freed, put at the front of the
    waiting queue to recompute its prompt and generated tokens) and the step
    is tried again; a request preempting itself waits for the next step.
-3. Waiting requests are admitted in order while budget is left, fewer than
+3. Unless the step preempted a request (as vLLM's scheduler, which never
+   admits in a step that preempted: the blocks a preemption frees go to
+   the running requests, not to a newcomer that would be preempted again),
+   waiting requests are admitted in order while budget is left, fewer than
    ``max_partial_prefills`` requests are in prefill, and ``allocate_slots``
    (after ``get_computed_blocks`` for the prefix hit) succeeds; the first
    refusal ends admission for the step.
@@ -627,8 +630,10 @@ class _Run:
                         step = min(step, driver.max_steps)
                     continue
                 break
+            preempted = self.preemptions
             scheduled, budget = self._schedule_running(driver.max_num_batched_tokens)
-            self._admit(budget, scheduled)
+            if self.preemptions == preempted:
+                self._admit(budget, scheduled)
             self.step_prefill = self.step_decodes = 0
             finished = self._compute(scheduled)
             if timed:
