@@ -48,6 +48,7 @@ __all__ = [
     "BlockHasher",
     "ExtraKey",
     "HashFunction",
+    "HashInputs",
     "MMFeature",
     "block_extra_keys",
     "encode_block",
@@ -328,7 +329,33 @@ def check_extra_key_names(cache_salt: object, lora_name: object) -> None:
         raise KvcoreTypeError(msg)
 
 
-class BlockHasher:
+class HashInputs:
+    """What a chunk's hash mixes in besides its tokens, read-only: the
+    salt, the LoRA name and the multimodal placeholders (a subclass holds
+    them in its own slots)."""
+
+    __slots__ = ()
+    _cache_salt: str | None
+    _lora_name: str | None
+    _mm_features: tuple[MMFeature, ...]
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Salt mixed into the first chunk's hash (tenant isolation)."""
+        return self._cache_salt
+
+    @property
+    def lora_name(self) -> str | None:
+        """LoRA adapter name mixed into every chunk's hash."""
+        return self._lora_name
+
+    @property
+    def mm_features(self) -> tuple[MMFeature, ...]:
+        """Multimodal placeholders ``(identifier, offset, length)``, by offset."""
+        return self._mm_features
+
+
+class BlockHasher(HashInputs):
     """Hashes the new full chunks of one request's growing token list.
 
     The hasher keeps no token state: :meth:`hash_new_blocks` looks at how many
@@ -403,21 +430,6 @@ class BlockHasher:
         for name, value in state.items():
             object.__setattr__(self, name, value)
         self._chunk = self._plain_chunk()
-
-    @property
-    def cache_salt(self) -> str | None:
-        """Salt mixed into the first chunk's hash."""
-        return self._cache_salt
-
-    @property
-    def lora_name(self) -> str | None:
-        """LoRA name mixed into every chunk's hash."""
-        return self._lora_name
-
-    @property
-    def mm_features(self) -> tuple[MMFeature, ...]:
-        """Multimodal placeholders, sorted by offset."""
-        return self._mm_features
 
     def extra_keys(self, block_index: int) -> tuple[ExtraKey, ...] | None:
         """Extra keys of chunk ``block_index`` (see :func:`block_extra_keys`)."""

@@ -9,6 +9,7 @@ from kvcore.coordinator.hashing import (
     BlockHash,
     BlockHasher,
     HashFunction,
+    HashInputs,
     MMFeature,
     check_extra_key_names,
     normalize_mm_features,
@@ -42,7 +43,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Request:
+class Request(HashInputs):
     """Tokens, chunk hashes and progress of one request.
 
     ``block_hashes`` holds the chained hash of every full ``hash_block_size``
@@ -157,21 +158,6 @@ class Request:
             prompt = tuple(self.all_token_ids[: self._num_prompt_tokens])
             self._prompt_token_ids = prompt
         return prompt
-
-    @property
-    def cache_salt(self) -> str | None:
-        """Salt mixed into the first chunk's hash (tenant isolation)."""
-        return self._cache_salt
-
-    @property
-    def lora_name(self) -> str | None:
-        """LoRA adapter name mixed into every chunk's hash."""
-        return self._lora_name
-
-    @property
-    def mm_features(self) -> tuple[MMFeature, ...]:
-        """Multimodal placeholders ``(identifier, offset, length)``, by offset."""
-        return self._mm_features
 
     @property
     def num_prompt_tokens(self) -> int:
