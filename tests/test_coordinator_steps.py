@@ -7,6 +7,7 @@ taken out as the null block; within a step groups allocate in group order.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -546,3 +547,38 @@ def test_constructor_arguments_are_checked(
     args.update(kw)
     with pytest.raises(error, match=rf"KVCacheManager: {name} must be"):
         KVCacheManager(**args)
+
+
+def test_twin_steps_built_from_a_one_group_override_return_what_they_promise() -> None:
+    # A class overriding only the one-group steps gets twin steps that ask
+    # each twin in turn: growth returns the blocks (None when no twin took
+    # one), release and caching return nothing whatever the override
+    # returns, pop and the kept answers return one answer per twin.
+    class OneGroupSteps(FullAttentionManager):
+        def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+            raise AssertionError
+
+        def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+            raise AssertionError
+
+        def cache_blocks(self, request: Request, num_tokens: int) -> None:
+            raise AssertionError
+
+        def pop_blocks(self, request_id: str) -> list[int] | None:
+            raise AssertionError
+
+    def twin(grown: list[int]) -> Any:
+        return types.SimpleNamespace(
+            allocate_new_blocks=lambda rid, n: grown,
+            remove_skipped_blocks=lambda rid, n: 3,
+            cache_blocks=lambda request, n: 3,
+            pop_blocks=lambda rid: None,
+        )
+
+    a, b = twin([]), twin([7])
+    cls: Any = OneGroupSteps
+    assert cls.allocate_twins(a, [a, b], "r", 4) == [[], [7]]
+    assert cls.allocate_twins(a, [a, a], "r", 4) is None
+    assert cls.release_twins(a, [a, b], "r", 4) is None
+    assert cls.cache_twins(a, [a, b], "r", 4) is None
+    assert cls.pop_twins(a, [a, b], "r") == [None, None]

@@ -835,12 +835,12 @@ class SingleTypeManager:
         raise NotImplementedError(msg)
 
 
-def _each_twin(single: str, *, answers: bool = False, zipped: bool = False) -> Any:
+def _each_twin(single: str, *, returns: str = "blocks", zipped: bool = False) -> Any:
     """The twin step of a class that overrides only the one-group step
     ``single``: each twin asked in turn (``zipped``: the last argument is
-    one list per twin, each twin given its own).  A step returns what the
-    twins returned, or None when none returned anything; ``answers``: the
-    list of answers, one per twin, as it is."""
+    one list per twin, each twin given its own).  ``returns``: ``blocks``,
+    what the twins returned, or None when no twin took a block;
+    ``answers``, the list of answers, one per twin; ``nothing``, None."""
 
     def step(
         self: SingleTypeManager, twins: Sequence[SingleTypeManager], *args: Any
@@ -853,9 +853,11 @@ def _each_twin(single: str, *, answers: bool = False, zipped: bool = False) -> A
             ]
         else:
             out = [getattr(twin, single)(*args) for twin in twins]
-        return out if answers or any(out) else None
+        if returns == "answers":
+            return out
+        return out if returns == "blocks" and any(out) else None
 
-    step.__name__ = step.__qualname__ = f"{single}_each"
+    step.__name__ = f"{single}_each"
     return step
 
 
@@ -876,10 +878,14 @@ _TWIN_STEPS: tuple[tuple[str, str, Any], ...] = tuple(
     (single, twins, _each_twin(single, **how))
     for single, twins, how in (
         ("allocate_new_blocks", "allocate_twins", {}),
-        ("remove_skipped_blocks", "release_twins", {}),
-        ("cache_blocks", "cache_twins", {}),
-        ("pop_blocks", "pop_twins", {"answers": True}),
-        ("kept_for_later", "kept_twins", {"answers": True, "zipped": True}),
-        ("kept_if_room", "kept_if_room_twins", {"answers": True, "zipped": True}),
+        ("remove_skipped_blocks", "release_twins", {"returns": "nothing"}),
+        ("cache_blocks", "cache_twins", {"returns": "nothing"}),
+        ("pop_blocks", "pop_twins", {"returns": "answers"}),
+        ("kept_for_later", "kept_twins", {"returns": "answers", "zipped": True}),
+        (
+            "kept_if_room",
+            "kept_if_room_twins",
+            {"returns": "answers", "zipped": True},
+        ),
     )
 )
