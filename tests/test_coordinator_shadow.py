@@ -33,6 +33,7 @@ from kvcore.checkpoints import (
     checkpoint_policy,
 )
 from kvcore.coordinator import KVCacheManager, Request
+from kvcore.coordinator.managers import WindowManager
 from kvcore_circular_buffer import CircularBufferSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_hisparse import HiSparseHotSpec
@@ -105,6 +106,17 @@ class Shadow:
         #: by that step's forward, so no admission's hit may end on one
         #: until the writer's next step or free.
         self.unwritten: dict[str, set[int]] = {}
+        #: Window groups that hold back (beside groups keeping every block):
+        #: a running request keeps the window at its hit's end and at its
+        #: branch point in its table (pinned), in that group's hit units.
+        self.pinning = [
+            m.hit_alignment
+            if isinstance(m, WindowManager) and m.caching and m.holds_back
+            else 0
+            for m in managers
+        ]
+        #: (request id, group) -> the table positions it pins.
+        self.pins: dict[tuple[str, int], set[int]] = {}
         alignment = mgr.coordinator.cache_hit_alignment
         self.state_units = [
             math.lcm(m.block_size, alignment, mgr.hash_block_size)
@@ -168,6 +180,9 @@ class Shadow:
                 after -= self.hit_gap.get((r.request_id, g), 0)
             unit = self.state_units[g]
             held_below: set[int] = set()
+            if self.pinning[g]:
+                held_below = self.window_pins(r, g, num_computed)
+                after += len(held_below)
             if unit:
                 after += self.checkpoints_inside(r, g, unit, num_computed, num_tokens)
                 self.path_block = 0
@@ -204,6 +219,31 @@ class Shadow:
                 )
             take += after - kept
         return expected, take, give, held
+
+    def window_pins(self, r: Request, g: int, num_computed: int) -> set[int]:
+        """Positions below the release line a window group keeps holding:
+        the windows of the hit's end and of the branch point the admission
+        found, each rounded down to the group's hit unit (those before the
+        hit's window were never taken: a branch point below a re-admitted
+        request's hit)."""
+        key = (r.request_id, g)
+        bs = self.block_sizes[g]
+        below = released_below(self.specs[g], num_computed, bs)
+        if r not in self.running:
+            unit = self.pinning[g]
+            skipped = self.specs[g].skipped_tokens
+            points = (num_computed, min(r.shared_prefix_tokens, r.num_prompt_tokens))
+            self.pins[key] = {
+                pos
+                for point in points
+                if point >= unit
+                for pos in range(
+                    int(skipped(point - point % unit)) // bs,
+                    (point - point % unit) // bs,
+                )
+                if pos >= below
+            }
+        return {p for p in self.pins.get(key, ()) if p < below}
 
     def states_held(
         self,

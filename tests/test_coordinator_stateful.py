@@ -543,7 +543,15 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 if isinstance(m, SlidingWindowManager):
                     spec = m.kv_cache_spec
                     dead = spec.skipped_tokens(nc0) // m.block_size
-                    assert all(b == 0 for b in table[:dead])
+                    # Below the window: only the windows a running request
+                    # keeps (pinned) where its hit ended and at its branch
+                    # point, at most two windows, each block hashed.
+                    below = [i for i, b in enumerate(table[:dead]) if b != 0]
+                    assert set(below) <= set(m.pinned.get(rid, ())), (rid, gid)
+                    reads = _cdiv(m.window_tokens, m.block_size) + 1
+                    assert len(below) <= 2 * reads, (rid, gid, below)
+                    for i in below:
+                        assert _key(pool, table[i]) is not None, (rid, gid, i)
                     # Live full blocks of computed tokens are hashed exactly
                     # when some aligned hit reads them.
                     for i in range(dead, cached // m.block_size):

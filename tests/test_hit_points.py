@@ -2,10 +2,11 @@
 
 A hit at ``n`` tokens on a hybrid needs the attention prefix and, from
 every other group, the blocks a hit there reads (a sliding window's last
-blocks before ``n``).  A running request holds its attention prefix; the
-window blocks of its hit points it releases as its window moves on are
-held back (evicted only after every other free block) until it is freed,
-and then rejoin its table.
+blocks before ``n``).  A running request holds its attention prefix, and
+the windows where its hit ended and at its branch point (pinned in its
+table); the window blocks of its other hit points it releases as its
+window moves on are held back (evicted only after every other free block)
+until it is freed, and then rejoin its table.
 """
 
 from __future__ import annotations
@@ -207,6 +208,46 @@ def test_a_request_keeps_the_window_where_it_parts_from_an_earlier_prompt() -> N
     _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks()))
     c = small_request("c", [*prompt[:70], *range(600, 620)])
     assert mgr.get_computed_blocks(c)[1] == 68
+
+
+def test_a_running_request_keeps_its_branch_points_window_in_its_table() -> None:
+    """B shares A's first 12 tokens and hits there (A freed, its blocks
+    cached): its hit's end and branch point are 12, whose window is
+    positions 1 and 2.  B computes 32 tokens and decodes, so its window
+    moves past them, but B keeps them in its table (pinned, referenced)
+    as it keeps the attention prefix before them.  With every other block
+    of the pool handed out, held back or not, C sharing the same 12 tokens
+    still hits 12, on B's own window blocks."""
+    mgr = _window_hybrid(40)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 1)
+    mgr.free(a)
+    b = small_request("b", [*PROMPT[:12], *range(300, 320)])
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert (hit, b.shared_prefix_tokens) == (12, 12)
+    assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
+    b.num_computed_tokens = b.num_tokens
+    for i in range(4):
+        b.append_output_token_ids(900 + i)
+        assert mgr.allocate_slots(b, 1) is not None
+        b.num_computed_tokens += 1
+    window = mgr.get_blocks("b").ids[1]
+    null = mgr.block_pool.null_block
+    # The window (8 tokens) reads from token 28 on: positions 7 and up;
+    # 0 was never taken, 3-6 were released, 1 and 2 stay.
+    assert [blk != null for blk in window[:7]] == [False, True, True] + [False] * 4
+    assert [mgr.block_pool.ref_cnt[blk] for blk in window[1:3]] == [1, 1]
+    filled = 0
+    while True:
+        filler = small_request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)])
+        if mgr.allocate_slots(filler, 3) is None:
+            break
+        filled += 1
+    assert mgr.get_num_free_blocks() <= 1
+    c = small_request("c", [*PROMPT[:12], 5, 6, 7])
+    blocks, hit = mgr.get_computed_blocks(c)
+    assert hit == 12
+    assert blocks.ids[1][1:3] == window[1:3]
 
 
 class _NoGrid(SlidingWindowManager):

@@ -216,7 +216,8 @@ class SingleTypeManager:
         self.num_released: dict[str, int] = {}
         #: request id -> positions below the release line the request keeps
         #: holding while it runs (a state kind's hit state and branch point,
-        #: see CheckpointManager): skipping passes over them.
+        #: see CheckpointManager; a window's at its hit points, see
+        #: WindowManager): skipping passes over them.
         self.pinned: dict[str, list[int]] = {}
         #: request id -> (table position, block, its key) of the blocks the
         #: running request released and held back (see
@@ -749,10 +750,11 @@ class SingleTypeManager:
         null = self.null_block
         pinned = self.pinned.get(request_id) if self.pinned else None
         if pinned:
+            pins = set(pinned)
             return [
                 i
                 for i in range(last - 1, start - 1, -1)
-                if blocks[i] != null and i not in pinned
+                if blocks[i] != null and i not in pins
             ]
         return [i for i in range(last - 1, start - 1, -1) if blocks[i] != null]
 

@@ -137,9 +137,6 @@ class WindowManager(SingleTypeManager):
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
-        #: request id -> the hit points (token counts) whose window the
-        #: request keeps for later requests (see :meth:`plan_checkpoints`).
-        self.hit_points: dict[str, tuple[int, ...]] = {}
         #: request id -> (where its grid starts, its prompt's length, its
         #: grid's interval or 0): it also keeps the window of every hit
         #: point in its prompt's last window, and at every multiple of the
@@ -179,29 +176,44 @@ class WindowManager(SingleTypeManager):
 
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """At admission: the hit points whose window blocks the request
-        keeps for later requests once it releases them (held back until it
-        is freed, see :meth:`kept_for_later`): where its hit ended (a
-        prefix an earlier request shared); its branch point (how far the
-        groups that keep every block found the prefix, which a later
-        request sharing it reads whole); every point in the last window
-        of its prompt (its end, where the same prompt hits again and a
-        longer one resumes, and where a prompt that shares all but its
-        last part parts from it: these windows cost two windows' blocks);
-        and every multiple of :attr:`hold_interval` in the part of the
-        prompt no earlier request shared (doubled until the grid takes at
-        most :attr:`grid_share` of the pool; see :meth:`grid_pool_share`)."""
+        keeps for later requests.  The windows of the points an earlier
+        request shared, where its hit ended and its branch point (how far
+        the groups that keep every block found the prefix), stay in its
+        table while it runs (pinned: never released), as the prefix before
+        them does in those groups: requests sharing a prefix share its
+        window's blocks, so a busy prefix keeps its window whatever the
+        pressure, at no cost beyond the first request's.  The others are
+        held back once released, until the request is freed (see
+        :meth:`kept_for_later`): every point in the last window of its
+        prompt (its end, where the same prompt hits again and a longer one
+        resumes, and where a prompt that shares all but its last part
+        parts from it: these windows cost two windows' blocks), and every
+        multiple of :attr:`hold_interval` in the part of the prompt no
+        earlier request shared (doubled until the grid takes at most
+        :attr:`grid_share` of the pool; see :meth:`grid_pool_share`)."""
         unit = self.hit_alignment
         rid = request.request_id
         prompt = request.num_prompt_tokens
         shared = min(request.shared_prefix_tokens, prompt)
-        points = {
-            num_computed_tokens - num_computed_tokens % unit,
-            shared - shared % unit,
-        }
-        self.hit_points[rid] = tuple(p for p in points if p > 0)
         start = max(num_computed_tokens, shared)
+        if not self.holds_back:
+            self.grid_end[rid] = (start, prompt, 0)
+            return
+        size = self.block_size
+        skipped = self.kv_cache_spec.skipped_tokens
+        pins = {
+            pos
+            for point in (num_computed_tokens, shared)
+            if point >= unit
+            for pos in range(
+                int(skipped(point - point % unit)) // size,
+                (point - point % unit) // size,
+            )
+        }
+        if pins:
+            self.pinned[rid] = sorted(pins)
         every = 0
-        if self.hold_interval and self.holds_back:
+        if self.hold_interval:
             every = grid_interval(
                 max(self.hold_interval, self._grid_cost_interval()),
                 prompt - start,
@@ -227,7 +239,7 @@ class WindowManager(SingleTypeManager):
         return -(-math.ceil(tokens) // unit) * unit
 
     def forget_checkpoints(self, request_id: str) -> None:
-        self.hit_points.pop(request_id, None)
+        self.pinned.pop(request_id, None)
         self.grid_end.pop(request_id, None)
 
     def pop_twins(
@@ -235,9 +247,9 @@ class WindowManager(SingleTypeManager):
     ) -> list[list[int] | None]:
         record = self.block_pool.record
         for twin in cast("Sequence[WindowManager]", twins):
-            points = twin.hit_points.pop(request_id, None)
-            if points is not None:
-                record(twin.hit_points.__setitem__, request_id, points)
+            pins = twin.pinned.pop(request_id, None)
+            if pins is not None:
+                record(twin.pinned.__setitem__, request_id, pins)
             end = twin.grid_end.pop(request_id, None)
             if end is not None:
                 record(twin.grid_end.__setitem__, request_id, end)
@@ -249,15 +261,13 @@ class WindowManager(SingleTypeManager):
         positions: Sequence[int],
         released: Sequence[int],
     ) -> list[int]:
-        """The released blocks a hit at one of the request's hit points
-        reads (see :meth:`plan_checkpoints`)."""
-        points = self.hit_points.get(request_id, ())
+        """The released blocks a hit at one of the request's held-back hit
+        points reads (see :meth:`plan_checkpoints`)."""
         start, prompt, every = self.grid_end.get(request_id, (0, 0, 0))
-        if not points and not prompt:
+        if not prompt:
             return []
         size = self.block_size
         skipped = self.kv_cache_spec.skipped_tokens
-        reads = [(skipped(p) // size, p // size) for p in points]
         # The windows of every hit point in the prompt's last window, from
         # the last one before its final token (where the same prompt hits
         # again) on.
@@ -266,13 +276,13 @@ class WindowManager(SingleTypeManager):
         first = min(
             -(-(prompt - self.window_tokens) // unit) * unit, last - last % unit
         )
-        reads.append((skipped(max(first, 0)) // size, prompt // size))
+        tail = (skipped(max(first, 0)) // size, prompt // size)
         kept = []
         key_hash = self.block_pool.key_hash
         for pos, block in zip(positions, released, strict=True):
             if key_hash[block] is None:
                 continue
-            if any(first <= pos < end for first, end in reads):
+            if tail[0] <= pos < tail[1]:
                 kept.append(block)
             elif every:
                 # The grid point above the block is the only one whose
