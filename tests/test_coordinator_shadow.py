@@ -229,7 +229,10 @@ class Shadow:
         key = (r.request_id, g)
         bs = self.block_sizes[g]
         below = released_below(self.specs[g], num_computed, bs)
-        if r not in self.running:
+        if r.request_id in self.shedding:
+            # The step does not fit with them: released like the rest.
+            self.pins[key] = set()
+        elif r not in self.running:
             unit = self.pinning[g]
             skipped = self.specs[g].skipped_tokens
             points = (num_computed, min(r.shared_prefix_tokens, r.num_prompt_tokens))
@@ -463,8 +466,14 @@ class Shadow:
         )
         free = mgr.get_num_free_blocks()
         keys = [(r.request_id, g) for g, u in enumerate(self.state_units) if u]
-        if take + held > free + give and any(
-            self.targets.get(k) or self.grid.get(k) or self.holding.get(k) for k in keys
+        pin_keys = [(r.request_id, g) for g, u in enumerate(self.pinning) if u]
+        saved_pins = {k: set(self.pins.get(k, ())) for k in pin_keys}
+        if take + held > free + give and (
+            any(
+                self.targets.get(k) or self.grid.get(k) or self.holding.get(k)
+                for k in keys
+            )
+            or any(saved_pins.values())
         ):
             # Checkpoints are optional: the step is tried without them.
             saved = [
@@ -486,6 +495,7 @@ class Shadow:
                 for k, targets, holding, branch, grid in saved:
                     self.targets[k], self.holding[k] = targets, holding
                     self.branch_at[k], self.grid[k] = branch, grid
+                self.pins.update(saved_pins)
         out = mgr.allocate_slots(r, num_new, hit, hit_blocks if hit else None)
         if out is None and waits:
             assert mgr.get_num_free_blocks() == free

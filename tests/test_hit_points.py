@@ -250,6 +250,44 @@ def test_a_running_request_keeps_its_branch_points_window_in_its_table() -> None
     assert blocks.ids[1][1:3] == window[1:3]
 
 
+def test_a_step_that_does_not_fit_with_its_pinned_windows_runs_without_them() -> None:
+    """B pins its branch point's window (positions 1 and 2) as above and
+    decodes to 36 tokens (its window at positions 7 and 8).  With the pool
+    full, B's next block (a full-attention block and a window block, the
+    window releasing nothing) does not fit; without the pins, whose two
+    blocks it releases, it does."""
+    mgr = _window_hybrid(40)
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 1)
+    mgr.free(a)
+    b = small_request("b", [*PROMPT[:12], *range(300, 320)])
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
+    b.num_computed_tokens = b.num_tokens
+    for i in range(4):
+        b.append_output_token_ids(900 + i)
+        assert mgr.allocate_slots(b, 1) is not None
+        b.num_computed_tokens += 1
+    window = mgr.get_blocks("b").ids[1]
+    pinned = window[1:3]
+    assert mgr.block_pool.null_block not in pinned
+    filled = 0
+    while mgr.allocate_slots(
+        small_request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)]), 3
+    ):
+        filled += 1
+    assert mgr.get_num_free_blocks() == 0
+    b.append_output_token_ids(910)
+    assert mgr.allocate_slots(b, 1) is not None
+    window = mgr.get_blocks("b").ids[1]
+    assert window[1:3] == [mgr.block_pool.null_block] * 2
+    # The pinned blocks went back to the pool, and the step took them.
+    assert mgr.get_num_free_blocks() == 0
+    assert sorted(blk for g in mgr.get_blocks("b").ids for blk in g[-1:]) == sorted(
+        pinned
+    )
+
+
 class _NoGrid(SlidingWindowManager):
     """A third party's window manager that keeps no grid."""
 

@@ -201,12 +201,14 @@ class WindowManager(SingleTypeManager):
             return
         size = self.block_size
         skipped = self.kv_cache_spec.skipped_tokens
+        # (Not below the hit's window: a request never takes those.)
+        first = int(skipped(num_computed_tokens)) // size
         pins = {
             pos
             for point in (num_computed_tokens, shared)
             if point >= unit
             for pos in range(
-                int(skipped(point - point % unit)) // size,
+                max(int(skipped(point - point % unit)) // size, first),
                 (point - point % unit) // size,
             )
         }
@@ -241,6 +243,26 @@ class WindowManager(SingleTypeManager):
     def forget_checkpoints(self, request_id: str) -> None:
         self.pinned.pop(request_id, None)
         self.grid_end.pop(request_id, None)
+
+    def shed_checkpoints(self, request_id: str) -> Any:
+        """A step that does not fit with the pinned windows runs without
+        them: they are released like the rest of the window (the release
+        scan starts again at the lowest of them)."""
+        pins = self.pinned.pop(request_id, None)
+        if not pins:
+            return None
+        released = self.num_released.get(request_id)
+        if released is not None:
+            self.num_released[request_id] = min(released, pins[0])
+        return pins, released
+
+    def restore_checkpoints(self, request_id: str, state: Any) -> None:
+        pins, released = state
+        self.pinned[request_id] = pins
+        if released is None:
+            self.num_released.pop(request_id, None)
+        else:
+            self.num_released[request_id] = released
 
     def pop_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str
