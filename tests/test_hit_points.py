@@ -21,6 +21,7 @@ from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.errors import KvcoreError, PluginError, PluginResultError
 from kvcore_full_attention import FullAttention
+from kvcore_full_attention.manager import FullAttentionManager
 from kvcore_sliding_window import SlidingWindow
 from kvcore_sliding_window.manager import SlidingWindowManager
 
@@ -286,6 +287,57 @@ def test_a_step_that_does_not_fit_with_its_pinned_windows_runs_without_them() ->
     assert sorted(blk for g in mgr.get_blocks("b").ids for blk in g[-1:]) == sorted(
         pinned
     )
+
+
+class _CountsBadly(FullAttentionManager):
+    """A third party's full-attention manager whose admission count raises
+    while ``fail`` is set."""
+
+    fail: ClassVar[bool] = False
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[int]
+    ) -> int:
+        if self.fail:
+            msg = "plugin manager bug"
+            raise RuntimeError(msg)
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks
+        )
+
+
+def test_an_admission_that_raises_before_its_step_pins_nothing() -> None:
+    """X would pin its hit's window (12 tokens, positions 1 and 2), but the
+    full-attention manager raises while the admission is counted.  The
+    same id admitted again with a prompt of its own then pins nothing and
+    holds only its live window."""
+
+    class Full(FullAttention):
+        manager_type = _CountsBadly
+
+    registry = KindRegistry.from_kinds([Full(), SlidingWindow()])
+    mgr = small_manager([fa(4), sw(4, 8)], 60, registry=registry)
+    a = small_request("a", PROMPT)
+    assert mgr.allocate_slots(a, 16) is not None
+    mgr.free(a)
+    x = small_request("x", [*PROMPT[:12], *range(300, 320)])
+    blocks, hit = mgr.get_computed_blocks(x)
+    assert hit == 12
+    _CountsBadly.fail = True
+    try:
+        with pytest.raises(PluginError, match="plugin manager bug"):
+            mgr.allocate_slots(x, x.num_tokens - hit, hit, blocks)
+    finally:
+        _CountsBadly.fail = False
+    x = small_request("x", list(range(700, 732)))
+    assert mgr.allocate_slots(x, 32) is not None
+    x.num_computed_tokens = 32
+    x.append_output_token_ids(1)
+    assert mgr.allocate_slots(x, 1) is not None
+    window = mgr.get_blocks("x").ids[1]
+    assert [blk != mgr.block_pool.null_block for blk in window] == [False] * 6 + [
+        True
+    ] * 3
 
 
 class _NoGrid(SlidingWindowManager):

@@ -354,10 +354,6 @@ class KVCacheManager(StepNeeds, EngineCalls):
         num_encoder, num_hit_tokens, whole_sequence, scheduled_to = tokens
         rid = request.request_id
         coordinator = self.coordinator
-        if whole_sequence and not self._whole_sequence_fits(
-            request, running, attach, num_encoder, held_sources
-        ):
-            return None
         # Blocks that fell out of use are released only once the step is
         # known to fit, so a refused step changes nothing; when the pool is
         # short, the blocks they would return count as free.
@@ -365,10 +361,21 @@ class KVCacheManager(StepNeeds, EngineCalls):
         args = (running, skipping, attach, processed, num_tokens, cache_to, num_encoder)
         free = self.block_pool.free_queue.num_free - reserved
         shed = None
-        if num_needed > free and not self._fits(rid, num_needed, free, args):
-            fits, shed = self._shed_to_fit(rid, args, held_sources, free)
-            if not fits:
+        try:
+            if whole_sequence and not self._whole_sequence_fits(
+                request, running, attach, num_encoder, held_sources
+            ):
                 return None
+            if num_needed > free and not self._fits(rid, num_needed, free, args):
+                fits, shed = self._shed_to_fit(rid, args, held_sources, free)
+                if not fits:
+                    return None
+        except BaseException:
+            # A plugin that raised while the step was weighed: an admission
+            # forgets the checkpoints it planned, as a refused one does.
+            if not running and coordinator.planning:
+                coordinator.forget_checkpoints(rid)
+            raise
         return self._run_step(
             request,
             held,

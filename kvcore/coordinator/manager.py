@@ -212,7 +212,8 @@ class SingleTypeManager:
         #: request id -> how many of its blocks are already hashed.
         self.num_cached_block: dict[str, int] = {}
         #: request id -> table positions below this hold the null block
-        #: (released or never taken); kept only when the manager skips.
+        #: (released or never taken), but for those in :attr:`pinned`; kept
+        #: only when the manager skips.
         self.num_released: dict[str, int] = {}
         #: request id -> positions below the release line the request keeps
         #: holding while it runs (a state kind's hit state and branch point,

@@ -179,7 +179,8 @@ class WindowManager(SingleTypeManager):
         keeps for later requests.  The windows of the points an earlier
         request shared, where its hit ended and its branch point (how far
         the groups that keep every block found the prefix), stay in its
-        table while it runs (pinned: never released), as the prefix before
+        table while it runs (pinned: not released, unless a step does not
+        fit with them, see :meth:`shed_checkpoints`), as the prefix before
         them does in those groups: requests sharing a prefix share its
         window's blocks, so a busy prefix keeps its window whatever the
         pressure, at no cost beyond the first request's.  The others are
@@ -196,6 +197,9 @@ class WindowManager(SingleTypeManager):
         prompt = request.num_prompt_tokens
         shared = min(request.shared_prefix_tokens, prompt)
         start = max(num_computed_tokens, shared)
+        # (Planned afresh: an admission that failed before its step may
+        # have left the last plan for this id.)
+        self.pinned.pop(rid, None)
         if not self.holds_back:
             self.grid_end[rid] = (start, prompt, 0)
             return

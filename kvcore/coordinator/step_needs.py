@@ -142,9 +142,14 @@ class StepNeeds(ManagerParts):
         )
         if coordinator.planning:
             coordinator.plan_checkpoints(request, num_computed)
-        need = coordinator.get_num_blocks_to_allocate(
-            request.request_id, num_tokens, attach, num_encoder
-        )
+        try:
+            need = coordinator.get_num_blocks_to_allocate(
+                request.request_id, num_tokens, attach, num_encoder
+            )
+        except BaseException:
+            if coordinator.planning:
+                coordinator.forget_checkpoints(request.request_id)
+            raise
         held_sources = 0
         if sources:
             # A free source leaves the free queue for the step.
