@@ -4,26 +4,16 @@ asserted; the side-by-side run needs a vLLM interpreter.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "coordinator_benchmark", REPO / "benchmarks" / "coordinator.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("coordinator")
 
 
 def test_the_deepseek_v4_plan_is_described_group_by_group(bench: Any) -> None:

@@ -4,28 +4,18 @@ output, so a replay can serve it the parent's whole conversation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from kvcore.tools.simulate.public_traces import parse_any_trace
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def chat_trace() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "chat_trace_benchmark", REPO / "benchmarks" / "chat_trace.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.chat_trace
+    return load_benchmark("chat_trace").chat_trace
 
 
 def test_turns_extend_their_parents_and_arrive_in_order(chat_trace: Any) -> None:

@@ -211,14 +211,10 @@ def test_a_request_keeps_the_window_where_it_parts_from_an_earlier_prompt() -> N
     assert mgr.get_computed_blocks(c)[1] == 68
 
 
-def test_a_running_request_keeps_its_branch_points_window_in_its_table() -> None:
-    """B shares A's first 12 tokens and hits there (A freed, its blocks
-    cached): its hit's end and branch point are 12, whose window is
-    positions 1 and 2.  B computes 32 tokens and decodes, so its window
-    moves past them, but B keeps them in its table (pinned, referenced)
-    as it keeps the attention prefix before them.  With every other block
-    of the pool handed out, held back or not, C sharing the same 12 tokens
-    still hits 12, on B's own window blocks."""
+def _b_on_a_shared_prefix() -> tuple[KVCacheManager, Request]:
+    """A runs its prompt and is freed; B shares A's first 12 tokens, hits
+    there (its hit's end and branch point: the window at positions 1 and
+    2), computes its 32 tokens and decodes 4."""
     mgr = _window_hybrid(40)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 1)
@@ -232,18 +228,34 @@ def test_a_running_request_keeps_its_branch_points_window_in_its_table() -> None
         b.append_output_token_ids(900 + i)
         assert mgr.allocate_slots(b, 1) is not None
         b.num_computed_tokens += 1
+    return mgr, b
+
+
+def _fill_up(mgr: KVCacheManager) -> None:
+    """Admit three-token requests of fresh tokens until one is refused."""
+    filled = 0
+    while mgr.allocate_slots(
+        small_request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)]), 3
+    ):
+        filled += 1
+
+
+def test_a_running_request_keeps_its_branch_points_window_in_its_table() -> None:
+    """B shares A's first 12 tokens and hits there (A freed, its blocks
+    cached): its hit's end and branch point are 12, whose window is
+    positions 1 and 2.  B computes 32 tokens and decodes, so its window
+    moves past them, but B keeps them in its table (pinned, referenced)
+    as it keeps the attention prefix before them.  With every other block
+    of the pool handed out, held back or not, C sharing the same 12 tokens
+    still hits 12, on B's own window blocks."""
+    mgr, _ = _b_on_a_shared_prefix()
     window = mgr.get_blocks("b").ids[1]
     null = mgr.block_pool.null_block
     # The window (8 tokens) reads from token 28 on: positions 7 and up;
     # 0 was never taken, 3-6 were released, 1 and 2 stay.
     assert [blk != null for blk in window[:7]] == [False, True, True] + [False] * 4
     assert [mgr.block_pool.ref_cnt[blk] for blk in window[1:3]] == [1, 1]
-    filled = 0
-    while True:
-        filler = small_request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)])
-        if mgr.allocate_slots(filler, 3) is None:
-            break
-        filled += 1
+    _fill_up(mgr)
     assert mgr.get_num_free_blocks() <= 1
     c = small_request("c", [*PROMPT[:12], 5, 6, 7])
     blocks, hit = mgr.get_computed_blocks(c)
@@ -257,26 +269,11 @@ def test_a_step_that_does_not_fit_with_its_pinned_windows_runs_without_them() ->
     full, B's next block (a full-attention block and a window block, the
     window releasing nothing) does not fit; without the pins, whose two
     blocks it releases, it does."""
-    mgr = _window_hybrid(40)
-    a = small_request("a", PROMPT)
-    _run_prompt_and_decode(mgr, a, 1)
-    mgr.free(a)
-    b = small_request("b", [*PROMPT[:12], *range(300, 320)])
-    blocks, hit = mgr.get_computed_blocks(b)
-    assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
-    b.num_computed_tokens = b.num_tokens
-    for i in range(4):
-        b.append_output_token_ids(900 + i)
-        assert mgr.allocate_slots(b, 1) is not None
-        b.num_computed_tokens += 1
+    mgr, b = _b_on_a_shared_prefix()
     window = mgr.get_blocks("b").ids[1]
     pinned = window[1:3]
     assert mgr.block_pool.null_block not in pinned
-    filled = 0
-    while mgr.allocate_slots(
-        small_request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)]), 3
-    ):
-        filled += 1
+    _fill_up(mgr)
     assert mgr.get_num_free_blocks() == 0
     b.append_output_token_ids(910)
     assert mgr.allocate_slots(b, 1) is not None

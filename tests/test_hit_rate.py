@@ -4,16 +4,15 @@ counts, the content oracle, the named workloads and benchmarks/hit_rate.py."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import attrs
 import pytest
+from benchmark_scripts import load_benchmark
 from coordinator_setup import one_layer_plan
 
 import kvcore
@@ -440,17 +439,7 @@ def test_simulate_refuses_a_bad_workload(
 def _benchmark() -> Any:
     # hit_rate.py imports its sibling capacity.py, as running it as a
     # script allows.
-    scripts = str(REPO / "benchmarks")
-    if scripts not in sys.path:
-        sys.path.append(scripts)
-    spec = importlib.util.spec_from_file_location(
-        "hit_rate_benchmark", REPO / "benchmarks" / "hit_rate.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("hit_rate")
 
 
 def test_the_hit_rate_page_is_the_benchmarks_table(

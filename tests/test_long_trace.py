@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 from kvcore.tools.simulate.public_traces import parse_any_trace
 
@@ -14,14 +15,7 @@ MOONCAKE = REPO / "tests" / "fixtures" / "traces" / "mooncake_synthetic_trace.js
 
 
 def _long_trace():
-    spec = importlib.util.spec_from_file_location(
-        "long_trace", REPO / "benchmarks" / "long_trace.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("long_trace")
 
 
 def test_copies_share_nothing_and_keep_their_own_sharing():
