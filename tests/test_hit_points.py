@@ -34,6 +34,22 @@ def _window_hybrid(num_blocks: int, **kw: Any) -> KVCacheManager:
     return small_manager([fa(4), sw(4, 8)], num_blocks, **kw)
 
 
+def _kinds_with(
+    *, full: type[Any] | None = None, window: type[Any] | None = None
+) -> KindRegistry:
+    """The window hybrid's two kinds, a third party's manager class in place
+    of either's."""
+    kinds = [
+        type("Full", (FullAttention,), {"manager_type": full})()
+        if full
+        else FullAttention(),
+        type("Window", (SlidingWindow,), {"manager_type": window})()
+        if window
+        else SlidingWindow(),
+    ]
+    return KindRegistry.from_kinds(kinds)
+
+
 def _run_prompt_and_decode(mgr: KVCacheManager, req: Request, decodes: int) -> None:
     assert mgr.allocate_slots(req, req.num_tokens) is not None
     req.num_computed_tokens = req.num_tokens
@@ -309,10 +325,7 @@ def test_an_admission_that_raises_before_its_step_pins_nothing() -> None:
     same id admitted again with a prompt of its own then pins nothing and
     holds only its live window."""
 
-    class Full(FullAttention):
-        manager_type = _CountsBadly
-
-    registry = KindRegistry.from_kinds([Full(), SlidingWindow()])
+    registry = _kinds_with(full=_CountsBadly)
     mgr = small_manager([fa(4), sw(4, 8)], 60, registry=registry)
     a = small_request("a", PROMPT)
     assert mgr.allocate_slots(a, 16) is not None
@@ -348,10 +361,7 @@ def test_a_window_manager_without_a_grid_keeps_only_its_hit_points() -> None:
     """The same run with a window manager whose ``hold_every`` is 0: A
     keeps only its prompt end's window, and B gets no hit."""
 
-    class Window(SlidingWindow):
-        manager_type = _NoGrid
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=_NoGrid)
     mgr = _window_hybrid(2 * 256, max_model_len=128, registry=registry)
     assert mgr.coordinator.single_type_managers[1].hold_interval == 0
     assert _grid_run(mgr) == 0
@@ -404,10 +414,7 @@ def test_kept_for_later_is_checked_where_it_enters_the_core(
     twice or answers with no list is refused with an error naming it, and
     the step changes nothing."""
 
-    class Window(SlidingWindow):
-        manager_type = manager
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=manager)
     mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
     a = small_request("a", PROMPT)
     assert mgr.allocate_slots(a, 16) is not None
@@ -448,10 +455,7 @@ def test_kept_if_room_may_not_name_a_block_kept_for_later_names() -> None:
     """A block named by both hooks is refused with an error naming the
     manager and ``kept_if_room``, and the step changes nothing."""
 
-    class Window(SlidingWindow):
-        manager_type = _KeepsIfRoomTwice
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=_KeepsIfRoomTwice)
     mgr = _window_hybrid(40, registry=registry)
     a = small_request("a", PROMPT)
     assert mgr.allocate_slots(a, 16) is not None
@@ -484,10 +488,7 @@ def test_kept_twins_answers_one_list_per_twin() -> None:
     """A class step that does not answer one list per twin is refused with
     an error naming its class, and the step changes nothing."""
 
-    class Window(SlidingWindow):
-        manager_type = _KeepsNoListPerTwin
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=_KeepsNoListPerTwin)
     mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
     a = small_request("a", PROMPT)
     assert mgr.allocate_slots(a, 16) is not None
@@ -519,10 +520,7 @@ def test_kept_if_room_twins_answers_one_list_per_twin() -> None:
     an answer that is not one list per twin is refused with an error
     naming the class and the method, and the step changes nothing."""
 
-    class Window(SlidingWindow):
-        manager_type = _KeepsNoListPerTwinIfRoom
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=_KeepsNoListPerTwinIfRoom)
     mgr = small_manager([fa(4), sw(4, 8)], 40, registry=registry)
     a = small_request("a", PROMPT)
     assert mgr.allocate_slots(a, 16) is not None
@@ -559,10 +557,7 @@ def test_twins_overriding_only_kept_if_room_are_asked_group_by_group() -> None:
     group leaves them: the last group's in front, each lowest position
     first; the ``kept_for_later`` blocks behind, in group order."""
 
-    class Window(SlidingWindow):
-        manager_type = _KeepsTheRestIfRoom
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=_KeepsTheRestIfRoom)
     mgr = small_manager([fa(4), sw(4, 8), sw(4, 8)], 40, registry=registry)
     _KeepsTheRestIfRoom.asked.clear()
     a = small_request("a", PROMPT)
@@ -596,10 +591,7 @@ def test_shortest_hit_reading_is_checked_where_it_enters_the_core(
     is refused with an error naming the manager and the method, and the
     request keeps its blocks."""
 
-    class Window(SlidingWindow):
-        manager_type = manager
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=manager)
     mgr = _window_hybrid(40, registry=registry)
     a = small_request("a", PROMPT)
     _run_prompt_and_decode(mgr, a, 2)
@@ -625,11 +617,8 @@ def test_each_position_is_read_once() -> None:
     the same length asks each position once, and the second is queued by
     the same readings."""
 
-    class Window(SlidingWindow):
-        manager_type = _CountsReadings
-
     _CountsReadings.asked.clear()
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=_CountsReadings)
     mgr = _window_hybrid(60, registry=registry)
     for rid in ("a", "b"):
         request = small_request(rid, PROMPT)
@@ -751,10 +740,7 @@ def test_a_bad_grid_answer_is_refused_naming_the_manager(
     Manager.method = method
     Manager.answer = answer
 
-    class Window(SlidingWindow):
-        manager_type = Manager
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=Manager)
     with pytest.raises(PluginResultError, match=f"Manager.{method}") as info:
         _window_hybrid(64, registry=registry)
     assert isinstance(info.value, KvcoreError)
@@ -777,10 +763,7 @@ def test_a_raising_grid_hook_is_reported_naming_the_manager_and_plugin(
 
     Manager.method = ""
 
-    class Window(SlidingWindow):
-        manager_type = Manager
-
-    registry = KindRegistry.from_kinds([FullAttention(), Window()])
+    registry = _kinds_with(window=Manager)
     with pytest.raises(PluginError, match=f"Manager.{method}.*boom") as info:
         _window_hybrid(64, registry=registry)
     assert "while the KV cache manager was built" in str(info.value)
