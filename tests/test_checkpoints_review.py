@@ -111,7 +111,8 @@ def test_a_rolled_back_admission_does_not_count_as_a_resume() -> None:
 
 
 def test_a_superseded_state_does_not_drop_a_block_another_request_cached() -> None:
-    mgr = state_hybrid(20)
+    # b takes every free block beside a running request: no headroom.
+    mgr = state_hybrid(20, boundary_headroom=False)
     manager = state(mgr)
     a = Request("a", list(range(100)), hash_block_size=BS)
     assert mgr.allocate_slots(a, 100) is not None
@@ -271,7 +272,8 @@ def test_a_bad_serving_checkpoint_policy_is_a_serving_error(value: Any) -> None:
 
 
 def test_a_freed_request_does_not_requeue_a_block_another_request_reused() -> None:
-    mgr = state_hybrid(20)
+    # b takes every free block beside a running request: no headroom.
+    mgr = state_hybrid(20, boundary_headroom=False)
     a = Request("a", list(range(100)), hash_block_size=BS)
     assert mgr.allocate_slots(a, 100) is not None
     a.num_computed_tokens = 100

@@ -16,6 +16,7 @@ decode and preemption (``free`` with the request sent back to waiting).
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import random
@@ -135,8 +136,39 @@ class Shadow:
             and m.caching
             for m in managers
         ]
+        #: Block sizes of the groups whose step reads the old state while it
+        #: writes the new one (every Mamba group in "align" mode): one per
+        #: group, an admission leaves free what they take at the running
+        #: requests' busiest coming boundary.
+        self.overlapping = [
+            m.block_size
+            for m in managers
+            if isinstance(m.kv_cache_spec, MambaSpec)
+            and m.kv_cache_spec.mamba_cache_mode == "align"
+        ]
 
     # -- the model ------------------------------------------------------------
+
+    def headroom(self) -> int:
+        """The blocks an admission leaves free beside the running requests:
+        per overlapping group, the most running requests whose steps end on
+        one token modulo its block size, plus those still prefilling and the
+        admitted one (they cross every step); none with nothing running."""
+        if not self.running:
+            return 0
+        prefilling = 1 + sum(
+            1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+        )
+        ends = [
+            r.num_computed_tokens
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens <= 1
+        ]
+        return sum(
+            max(collections.Counter(e % bs for e in ends).values(), default=0)
+            + prefilling
+            for bs in self.overlapping
+        )
 
     def tables(self, rid: str) -> tuple[list[int], ...]:
         return self.mgr.get_block_ids(rid)
@@ -465,10 +497,11 @@ class Shadow:
             r, num_computed, num_tokens, hit_ids
         )
         free = mgr.get_num_free_blocks()
+        room = free - self.headroom() if admit else free
         keys = [(r.request_id, g) for g, u in enumerate(self.state_units) if u]
         pin_keys = [(r.request_id, g) for g, u in enumerate(self.pinning) if u]
         saved_pins = {k: set(self.pins.get(k, ())) for k in pin_keys}
-        if take + held > free + give and (
+        if take + held > room + give and (
             any(
                 self.targets.get(k) or self.grid.get(k) or self.holding.get(k)
                 for k in keys
@@ -489,7 +522,7 @@ class Shadow:
             self.shedding.add(r.request_id)
             shed = self.plan_step(r, num_computed, num_tokens, hit_ids)
             self.shedding.discard(r.request_id)
-            if shed[1] + shed[3] <= free + shed[2]:
+            if shed[1] + shed[3] <= room + shed[2]:
                 expected, take, give, held = shed
             else:
                 for k, targets, holding, branch, grid in saved:
@@ -503,9 +536,10 @@ class Shadow:
             return False
         assert not waits, f"{r.request_id}: admitted on a state not yet written"
         if out is None:
-            assert take + held > free + give, (
-                f"{r.request_id}: refused with {free} free + {give} released "
-                f"but the step needs {take} (+{held} copy sources held)"
+            assert take + held > room + give, (
+                f"{r.request_id}: refused with {free} free ({room} beside the "
+                f"headroom) + {give} released but the step needs {take} "
+                f"(+{held} copy sources held)"
             )
             assert mgr.get_num_free_blocks() == free
             self.check_pool()

@@ -1,6 +1,7 @@
 """What a cache kind's plugin declares to the coordinator, checked when
 the coordinator builds the kind's manager: the spec's hit policy, and a
-manager that serves it with the current hit-search signature.  Each
+manager that serves it with the current hit-search signature and declares
+a valid boundary overlap.  Each
 failure is a :class:`~kvcore.errors.PluginError` naming the kind, its
 plugin, the rule and the fix."""
 
@@ -64,6 +65,15 @@ def check_manager(
             f"hit_policy={policy.name} but its manager {type(manager).__name__} "
             f"serves {names}; choose a manager for that policy "
             "(kvcore.coordinator.managers) or declare the policy it serves"
+        )
+        raise PluginError(msg, plugin_name=plugin)
+    overlap: object = manager.boundary_overlap
+    if type(overlap) is not int or overlap < 0:
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): its manager "
+            f"{type(manager).__name__} declares boundary_overlap={overlap!r}; "
+            "it must be a non-negative int (the blocks a step holds over a "
+            "block boundary, 0 for none)"
         )
         raise PluginError(msg, plugin_name=plugin)
     if manager.caching:

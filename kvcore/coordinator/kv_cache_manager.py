@@ -25,6 +25,7 @@ from kvcore.coordinator.engine_calls import (
     GroupPrefixCacheStats,
     PrefixCacheStats,
 )
+from kvcore.coordinator.headroom import BoundaryHeadroom
 from kvcore.coordinator.locking import ManagerLock, locked_class
 from kvcore.coordinator.partial import BlockCopy
 from kvcore.coordinator.request import Request, RequestStatus
@@ -73,6 +74,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
         whose kind allows it (copy-on-write: the engine runs
         :attr:`KVCacheBlocks.copies` before the forward pass); off, hits are
         whole blocks of every group, as before.
+    :param boundary_headroom: an admission leaves free the blocks the
+        running requests' states take at their busiest coming block
+        boundary (:mod:`kvcore.coordinator.headroom`), so admissions do not
+        preempt them there; off, an admission fills the pool.
     """
 
     #: True on the locked subclass ``thread_safe=True`` builds.
@@ -96,6 +101,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         kv_events_medium: str = "GPU",
         thread_safe: bool = False,
         enable_partial_hits: bool = True,
+        boundary_headroom: bool = True,
     ) -> None:
         if hash_block_size is None:
             hash_block_size = scheduler_block_size
@@ -115,6 +121,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 "enable_kv_cache_events": enable_kv_cache_events,
                 "thread_safe": thread_safe,
                 "enable_partial_hits": enable_partial_hits,
+                "boundary_headroom": boundary_headroom,
             },
         )
         self.max_model_len = max_model_len
@@ -144,6 +151,14 @@ class KVCacheManager(StepNeeds, EngineCalls):
         self.prefix_cache_stats = PrefixCacheStats()
         self._managers = self.coordinator.single_type_managers
         self._unwritten = self.coordinator.unwritten
+        self._init_live(boundary_headroom)
+        #: The re-entrant lock every public method of a thread-safe manager
+        #: holds (hold it around a lookup and the allocation that uses its
+        #: hit), else None.
+        self.lock: ManagerLock | None = ManagerLock() if self.thread_safe else None
+
+    def _init_live(self, boundary_headroom: bool) -> None:
+        """What the manager keeps about its live requests."""
         #: The request object of each live id (one holding blocks), so
         #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
@@ -153,10 +168,11 @@ class KVCacheManager(StepNeeds, EngineCalls):
         self._popped: Counter[int] = Counter()
         #: Each live request's admission hit, step end and release point.
         self._marks = StepMarks()
-        #: The re-entrant lock every public method of a thread-safe manager
-        #: holds (hold it around a lookup and the allocation that uses its
-        #: hit), else None.
-        self.lock: ManagerLock | None = ManagerLock() if self.thread_safe else None
+        #: What an admission leaves free for the running requests' next
+        #: block boundary; None when no group holds a block over one.
+        self._headroom = (
+            BoundaryHeadroom.of(self._managers) if boundary_headroom else None
+        )
 
     def __new__(cls, *args: Any, thread_safe: bool = False, **kwargs: Any) -> Self:
         """``thread_safe=True`` builds the class's locked subclass
@@ -360,6 +376,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
         skipping = running and bool(coordinator.skipping) and processed > 0
         args = (running, skipping, attach, processed, num_tokens, cache_to, num_encoder)
         free = self.block_pool.free_queue.num_free - reserved
+        if not running and self._headroom is not None:
+            free -= self._headroom.blocks(
+                self._requests, self._marks.scheduled_to, free - num_needed
+            )
         shed = None
         try:
             if whole_sequence and not self._whole_sequence_fits(

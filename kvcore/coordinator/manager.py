@@ -171,6 +171,12 @@ class SingleTypeManager:
     #: or :meth:`release_twins` makes no such promise unless it sets this
     #: flag in its own body.
     releases_by_count: ClassVar[bool] = True
+    #: Blocks a running request's step takes each time its table crosses a
+    #: block boundary and gives back only after the step: a recurrent
+    #: state reads its old block while it writes the new one.  An admission
+    #: leaves free what the running requests take at their busiest coming
+    #: boundary (see :mod:`kvcore.coordinator.headroom`).  A non-negative int.
+    boundary_overlap: int = 0
 
     def __init__(
         self,

@@ -67,10 +67,14 @@ class CheckpointManager(SingleTypeManager):
     # end, as counted.
     caches_at_chunk_ends: ClassVar[bool] = True
     grows_by_count: ClassVar[bool] = True
+    # The step reads the state at the old position and writes the new one.
+    boundary_overlap = 1
 
     def __init__(self, spec: Any, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(spec, block_pool, **kwargs)
         self.keep_all = self.keeps_every_state(spec)
+        if self.keep_all:
+            self.boundary_overlap = 0  # every block stays: none is given back
         policy: object = self.checkpoint_policy(spec)
         if not isinstance(policy, CheckpointPolicy):
             msg = (

@@ -455,9 +455,11 @@ class Mamba(CacheKind):
     def make_manager(
         self, spec: MambaSpec, block_pool: Any, **kwargs: Any
     ) -> SingleTypeManager:
+        # One state block per request without caching modes; a subclass's
+        # manager_type takes the checkpointing modes.
         if spec.mamba_cache_mode == "none":
             return MambaStateManager(spec, block_pool, **kwargs)
-        return MambaManager(spec, block_pool, **kwargs)
+        return self.manager_type(spec, block_pool, **kwargs)
 
     def bind_view(self, spec: MambaSpec, raw: torch.Tensor) -> LayerView:
         flat = raw[:, 0, 0, :]

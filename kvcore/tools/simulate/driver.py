@@ -145,7 +145,9 @@ class Driver:
         (1, as the capacity model assumes and vLLM's V0 scheduler defaults).
     :param keep_finished: a finished request keeps its blocks until the run
         ends: every request then sits at its last token, the picture
-        :func:`kvcore.plan_capacity` counts, so a run measures how many fit.
+        :func:`kvcore.plan_capacity` counts, so a run measures how many fit
+        (admissions then fill the pool: the manager cannot tell a kept
+        request from a running one, so it keeps no boundary headroom).
     :param max_steps: stop after this many steps; requests left are
         reported in ``unfinished``.
     :param validate: check every prefix hit against a model of what each
@@ -230,6 +232,7 @@ class Driver:
             enable_caching=plan.enable_prefix_caching,
             registry=self.registry,
             dcp=plan.decode_context_parallel_size,
+            boundary_headroom=not self.keep_finished,
         )
         return manager, limit
 

@@ -1,0 +1,159 @@
+"""An admission leaves free the blocks the running requests' states take
+at their busiest coming block boundary (kvcore.coordinator.headroom),
+worked by hand on a pool of Mamba states in 4-token blocks: each request
+holds one state block, and a step that crosses a boundary takes a second
+one that it gives back after the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from coordinator_setup import mamba, manager_for, small_request
+
+from kvcore import KindRegistry
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore.errors import KvcoreError, PluginError
+from kvcore_mamba import Mamba
+from kvcore_mamba.manager import MambaManager
+
+PROMPT = [1, 2, 3, 4]
+
+
+def _kind(manager: type[Any] | None = None) -> KindRegistry:
+    """The Mamba kind, a third party's manager class in place of its own."""
+    kind = type("State", (Mamba,), {"manager_type": manager})() if manager else Mamba()
+    return KindRegistry.from_kinds([kind])
+
+
+def _states(num_blocks: int, registry: KindRegistry | None = None) -> KVCacheManager:
+    """One Mamba group in 4-token blocks, caching off: a request holds one
+    state block, two while a step crosses a block boundary."""
+    return manager_for(
+        [mamba(4)],
+        num_blocks,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        registry=registry or _kind(),
+        max_model_len=64,
+        enable_caching=False,
+    )
+
+
+def _admit(mgr: KVCacheManager, rid: str, tokens: list[int]) -> Request | None:
+    req = small_request(rid, tokens)
+    if mgr.allocate_slots(req, req.num_tokens, 0, None) is None:
+        return None
+    req.num_computed_tokens = req.num_tokens
+    req.append_output_token_ids(100)
+    return req
+
+
+def _decode(mgr: KVCacheManager, req: Request, steps: int) -> None:
+    for i in range(steps):
+        assert mgr.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        req.append_output_token_ids(101 + i)
+
+
+def test_admission_leaves_the_crossing_of_aligned_requests_free() -> None:
+    # 5 usable blocks.  a and b decode in step: both cross a boundary on
+    # their next step and take a block each; c's own prefill crosses too.
+    mgr = _states(6)
+    a = _admit(mgr, "a", PROMPT)
+    b = _admit(mgr, "b", PROMPT)
+    assert a is not None
+    assert b is not None
+    assert mgr.get_num_free_blocks() == 3
+    # c needs 1 of the 3 free, but a, b and c crossing together take 3.
+    assert _admit(mgr, "c", PROMPT) is None
+    assert mgr.get_num_free_blocks() == 3
+    # The crossing step: each takes its second block ...
+    _decode(mgr, a, 1)
+    _decode(mgr, b, 1)
+    assert mgr.get_num_free_blocks() == 1
+    # ... and gives back the first on its next step.
+    _decode(mgr, a, 1)
+    _decode(mgr, b, 1)
+    assert mgr.get_num_free_blocks() == 3
+    # Still in step (6 computed tokens each): c waits.
+    assert _admit(mgr, "c", PROMPT) is None
+    mgr.free(b)
+    # a alone: its crossing and c's leave 5 - 1 - 1 - 2 = 1 spare.
+    assert _admit(mgr, "c", PROMPT) is not None
+
+
+def test_requests_out_of_step_cross_apart() -> None:
+    mgr = _states(6)
+    a = _admit(mgr, "a", PROMPT)
+    assert a is not None
+    _decode(mgr, a, 2)  # 6 computed: crosses 2 steps after b
+    b = _admit(mgr, "b", PROMPT)
+    assert b is not None
+    assert mgr.get_num_free_blocks() == 3
+    # The busiest boundary takes one of a's or b's block, plus c's: c fits.
+    c = _admit(mgr, "c", PROMPT)
+    assert c is not None
+    assert mgr.get_num_free_blocks() == 2
+    # Every request then steps to the end of its next boundary without a
+    # refusal, though the pool had room for one more admission.
+    for _ in range(4):
+        for req in (a, b, c):
+            _decode(mgr, req, 1)
+    assert mgr.get_num_free_blocks() == 2
+
+
+def test_a_prefilling_request_crosses_at_every_step() -> None:
+    mgr = _states(6)
+    a = _admit(mgr, "a", PROMPT)
+    assert a is not None
+    long = small_request("long", list(range(10, 26)))
+    assert mgr.allocate_slots(long, 4, 0, None) is not None
+    long.num_computed_tokens = 4  # 12 tokens of prompt to go
+    assert mgr.get_num_free_blocks() == 3
+    # a's crossing, the long prompt's next chunk and c's prefill: 3 blocks,
+    # so c (1 block) does not fit in 3 free.
+    assert _admit(mgr, "c", PROMPT) is None
+    mgr.free(long)
+    assert _admit(mgr, "c", PROMPT) is not None
+
+
+def test_a_running_request_grows_into_the_headroom() -> None:
+    # The headroom is for running requests: their steps may use it all.
+    mgr = _states(5)
+    a = _admit(mgr, "a", PROMPT)
+    b = _admit(mgr, "b", [5, 6, 7])  # 3 computed: out of step with a
+    assert a is not None
+    assert b is not None
+    assert mgr.get_num_free_blocks() == 2
+    assert _admit(mgr, "c", [8, 9, 10]) is None  # one crossing and c's
+    _decode(mgr, a, 1)  # a's crossing takes one of the two
+    assert mgr.get_num_free_blocks() == 1
+
+
+class _TwoStates(MambaManager):
+    """A third party's state manager that holds two blocks over a boundary."""
+
+    boundary_overlap = 2
+
+
+def test_a_third_party_manager_declares_its_overlap() -> None:
+    mgr = _states(8, _kind(_TwoStates))
+    a = _admit(mgr, "a", PROMPT)
+    assert a is not None
+    # a and c cross together: 2 x (1 + 1) blocks, beside c's own 1: 5 of 6.
+    assert mgr.get_num_free_blocks() == 6
+    c = _admit(mgr, "c", PROMPT)
+    assert c is not None
+    # d: 2 x (2 + 1) = 6 blocks left free, beside its own 1 of 5: refused.
+    assert _admit(mgr, "d", PROMPT) is None
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "1", None])
+def test_a_bad_overlap_is_refused_naming_the_kind(bad: object) -> None:
+    manager = type("BadOverlap", (MambaManager,), {"boundary_overlap": bad})
+    with pytest.raises(
+        PluginError, match=r"'mamba'.*BadOverlap.*boundary_overlap"
+    ) as info:
+        _states(8, _kind(manager))
+    assert isinstance(info.value, KvcoreError)
