@@ -157,3 +157,61 @@ def test_a_bad_overlap_is_refused_naming_the_kind(bad: object) -> None:
     ) as info:
         _states(8, _kind(manager))
     assert isinstance(info.value, KvcoreError)
+
+
+@pytest.mark.parametrize(("in_flight", "admitted"), [(0, True), (1, False)])
+def test_a_step_in_flight_keeps_a_crossing_block_a_step_longer(
+    in_flight: int, admitted: bool
+) -> None:
+    # a crossed on its latest step, b crosses on its next.  Synchronously
+    # a gives its old block back on that step; with a step in flight it
+    # holds it one step longer, so both crossings' blocks are out at once.
+    mgr = _states(7)
+    a = _admit(mgr, "a", PROMPT)
+    b = _admit(mgr, "b", PROMPT)
+    assert a is not None
+    assert b is not None
+    assert mgr.allocate_slots(a, 1, num_in_flight_tokens=in_flight) is not None
+    assert mgr.get_num_free_blocks() == 3  # a: two state blocks, b: one
+    # c (1 block): 3 free less a's and b's crossings (1 or 2 at once) and
+    # its own.
+    assert (_admit(mgr, "c", PROMPT) is not None) is admitted
+
+
+def test_can_fit_full_sequence_counts_the_headroom_as_admission_does() -> None:
+    mgr = _states(6)
+    a = _admit(mgr, "a", PROMPT)
+    b = _admit(mgr, "b", PROMPT)
+    assert a is not None
+    assert b is not None
+    c = small_request("c", PROMPT)
+    # 3 free, 1 needed, 3 left free for a's, b's and c's crossings.
+    assert not mgr.can_fit_full_sequence(c)
+    assert mgr.allocate_slots(c, 4, 0, None, full_sequence_must_fit=True) is None
+    mgr.free(b)
+    assert mgr.can_fit_full_sequence(c)
+    assert mgr.allocate_slots(c, 4, 0, None, full_sequence_must_fit=True) is not None
+    # A running request's own sequence is weighed without the headroom.
+    assert mgr.can_fit_full_sequence(a, 8)
+
+
+class _RaisingOverlap(MambaManager):
+    @property  # type: ignore[override]
+    def boundary_overlap(self) -> int:
+        raise RuntimeError("overlap unknown")
+
+
+def test_a_raising_overlap_is_reported_naming_the_kind() -> None:
+    with pytest.raises(PluginError, match=r"'mamba'.*boundary_overlap raised") as info:
+        _states(8, _kind(_RaisingOverlap))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_mamba_subclass_without_a_manager_is_refused_by_name() -> None:
+    with pytest.raises(PluginError, match="has no block manager"):
+        _states(
+            8,
+            KindRegistry.from_kinds(
+                [type("State", (Mamba,), {"manager_type": None})()]
+            ),
+        )

@@ -85,6 +85,8 @@ class BuiltManagers:
     managers: tuple[SingleTypeManager, ...]
     owners: tuple[str, ...]
     policies: tuple[HitPolicy, ...]
+    #: Each manager's checked ``boundary_overlap``.
+    overlaps: tuple[int, ...]
 
 
 def check_hash_block(hash_block_size: int, scheduler_block_size: int) -> None:
@@ -165,6 +167,7 @@ def build_managers(
     managers: list[SingleTypeManager] = []
     owners: list[str] = []
     policies: list[HitPolicy] = []
+    overlaps: list[int] = []
     for gid, group in enumerate(groups):
         layer_spec = group.manager_spec
         block_size = effective_block_size(group, settings.dcp)
@@ -195,13 +198,15 @@ def build_managers(
                 else settings.hit_alignment
             ),
         )
-        check_manager(manager, policy, kind.name, owner)
+        overlaps.append(check_manager(manager, policy, kind.name, owner))
         manager.use_eagle = settings.use_eagle
         _check_hash_alignment(gid, manager, settings.hash_block_size)
         managers.append(manager)
         owners.append(owner)
         policies.append(policy)
-    return BuiltManagers(tuple(managers), tuple(owners), tuple(policies))
+    return BuiltManagers(
+        tuple(managers), tuple(owners), tuple(policies), tuple(overlaps)
+    )
 
 
 def _check_hash_alignment(

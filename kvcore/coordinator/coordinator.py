@@ -117,6 +117,8 @@ class KVCacheCoordinator(FreeSteps):
         )
         self.single_type_managers = managers = built.managers
         self._owners = built.owners
+        #: Each group's checked boundary overlap (see headroom).
+        self.boundary_overlaps = built.overlaps
         self._plugin_manager = getattr(registry, "_pm", None)
         #: Each plugin's distribution, kept by a copy (which drops the
         #: plugin manager) for its error messages.

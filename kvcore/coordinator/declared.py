@@ -54,9 +54,10 @@ def declared_policy(spec: Any, kind: str, plugin: str) -> HitPolicy:
 
 def check_manager(
     manager: SingleTypeManager, policy: HitPolicy, kind: str, plugin: str
-) -> None:
+) -> int:
     """A kind's manager serves its spec's policy, with the current hit-search
-    signature (one :class:`HitQuery`)."""
+    signature (one :class:`HitQuery`); its checked ``boundary_overlap``,
+    read once (see :mod:`kvcore.coordinator.headroom`)."""
     served: frozenset[HitPolicy] = getattr(manager, "hit_policies", frozenset())
     if policy not in served:
         names = ", ".join(sorted(p.name for p in served)) or "none"
@@ -67,7 +68,15 @@ def check_manager(
             "(kvcore.coordinator.managers) or declare the policy it serves"
         )
         raise PluginError(msg, plugin_name=plugin)
-    overlap: object = manager.boundary_overlap
+    try:
+        overlap: object = manager.boundary_overlap
+    except Exception as exc:
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): reading its manager "
+            f"{type(manager).__name__}.boundary_overlap raised "
+            f"{type(exc).__name__}: {exc}"
+        )
+        raise PluginError(msg, plugin_name=plugin) from exc
     if type(overlap) is not int or overlap < 0:
         msg = (
             f"cache kind {kind!r} (plugin {plugin!r}): its manager "
@@ -87,6 +96,7 @@ def check_manager(
                 "query)), or subclasses a generic manager that does"
             )
             raise PluginError(msg, plugin_name=plugin)
+    return overlap
 
 
 def search_problem(manager_type: type[SingleTypeManager]) -> str | None:

@@ -3,27 +3,30 @@ block boundary.
 
 A recurrent state's step reads the state in its old block while it writes
 the new one, so each time a running request's table crosses a block
-boundary its group takes a block that it gives back only after the step
-(a manager's :attr:`~kvcore.coordinator.manager.SingleTypeManager.boundary_overlap`).
-Decoding requests advance one token a step, so those whose computed
-tokens agree modulo the block size cross on the same step.  An admission
-that fills the pool leaves nothing for that step: each crossing then
-preempts a request, which comes back, fills the pool again and is
-preempted again.  An admission therefore leaves free what the busiest
-coming boundary takes: per block size, its groups' overlap times the
-most running requests that cross together, where a request still
-prefilling (and the one admitted) crosses at every step.  An admission
-with nothing else running leaves nothing: it can preempt no one.
+boundary its group takes a block that it gives back only once the step
+has run (a manager's
+:attr:`~kvcore.coordinator.manager.SingleTypeManager.boundary_overlap`).
+Decoding requests advance one token a step, so those whose latest steps
+ended on the same token modulo the block size cross on the same step.  An
+admission that fills the pool leaves nothing for that step: each crossing
+then preempts a request, which comes back, fills the pool again and is
+preempted again.
+
+An admission therefore leaves free what the busiest coming boundary
+takes: per block size, its groups' overlap times the most decoding
+requests that hold a crossing's block at once, plus the requests still
+prefilling and the one admitted (they cross at every step).  Under
+asynchronous scheduling a crossing's old block is released only once the
+steps in flight have run (``num_in_flight_tokens``), so requests whose
+steps end up to that many tokens apart hold theirs at once: the count is
+over that many consecutive tokens.  An admission with no other request
+held leaves nothing: it can preempt no one.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvcore.coordinator.manager import SingleTypeManager
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = ["BoundaryHeadroom"]
 
@@ -33,35 +36,44 @@ class BoundaryHeadroom:
     coming block boundary; built only for a plan where a group declares
     an overlap (see :meth:`of`)."""
 
-    __slots__ = ("per_request", "sizes")
+    __slots__ = ("lag", "per_request", "sizes")
 
-    def __init__(self, sizes: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, sizes: Iterable[tuple[int, int]]) -> None:
         #: (block size, blocks its groups hold over a boundary per request).
         self.sizes = tuple(sizes)
         #: Blocks one request holds over when all its groups cross at once.
         self.per_request = sum(overlap for _, overlap in self.sizes)
+        #: Decode tokens in flight seen on a running step (fewer than a
+        #: block: a longer span is a prefill chunk): a crossing's old block
+        #: outlives its step by that many steps.
+        self.lag = 0
 
     @classmethod
-    def of(cls, managers: Sequence[SingleTypeManager]) -> BoundaryHeadroom | None:
-        """The plan's headroom, or None when no group holds a block over a
-        boundary (an admission then leaves nothing free)."""
+    def of(cls, overlaps: Iterable[tuple[int, int]]) -> BoundaryHeadroom | None:
+        """The plan's headroom from each group's (block size, checked
+        overlap), or None when no group holds a block over a boundary (an
+        admission then leaves nothing free)."""
         sizes: dict[int, int] = {}
-        for manager in managers:
-            if manager.boundary_overlap:
-                size = manager.block_size
-                sizes[size] = sizes.get(size, 0) + manager.boundary_overlap
+        for size, overlap in overlaps:
+            if overlap:
+                sizes[size] = sizes.get(size, 0) + overlap
         return cls(sorted(sizes.items())) if sizes else None
+
+    def saw_in_flight(self, num_in_flight: int) -> None:
+        """A running step with ``num_in_flight`` tokens still in flight."""
+        if self.lag < num_in_flight < self.sizes[0][0]:
+            self.lag = num_in_flight
 
     def blocks(
         self, running: Mapping[str, Any], scheduled_to: Mapping[str, int], spare: int
     ) -> int:
         """The blocks an admission leaves free beside ``running`` (request id
-        -> held request) and the request it admits; none when nothing else
-        runs (it would preempt no one).  ``scheduled_to``: where each
-        request's latest step ended (its next step starts there).
-        ``spare`` is what the pool would have free after the admission:
-        when it covers every request crossing at once, nothing is counted
-        and 0 is returned (it fits either way)."""
+        -> held request) and the request it admits; none when no other
+        request is held (it would preempt no one).  ``scheduled_to``:
+        where each request's latest step ended (its next step starts
+        there).  ``spare`` is what the pool would have free after the
+        admission: when it covers every request crossing at once, nothing
+        is counted and 0 is returned (it fits either way)."""
         if not running or spare >= self.per_request * (len(running) + 1):
             return 0
         # The admitted request is still prefilling: it crosses every step.
@@ -75,6 +87,25 @@ class BoundaryHeadroom:
                 ends.append(end)
         total = 0
         for size, overlap in self.sizes:
-            crossing = Counter(end % size for end in ends)
-            total += overlap * (max(crossing.values(), default=0) + every)
+            total += overlap * (_busiest(ends, size, self.lag + 1) + every)
         return total
+
+
+def _busiest(ends: list[int], size: int, width: int) -> int:
+    """The most of ``ends`` within ``width`` consecutive tokens modulo
+    ``size`` (wrapping around)."""
+    if not ends:
+        return 0
+    counts = [0] * size
+    for end in ends:
+        counts[end % size] += 1
+    if width <= 1:
+        return max(counts)
+    width = min(width, size)
+    ring = counts + counts[: width - 1]
+    total = most = sum(ring[:width])
+    for i in range(width, len(ring)):
+        total += ring[i] - ring[i - width]
+        if total > most:
+            most = total
+    return most

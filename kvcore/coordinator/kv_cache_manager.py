@@ -170,8 +170,12 @@ class KVCacheManager(StepNeeds, EngineCalls):
         self._marks = StepMarks()
         #: What an admission leaves free for the running requests' next
         #: block boundary; None when no group holds a block over one.
+        overlaps = self.coordinator.boundary_overlaps
+        sizes = [m.block_size for m in self._managers]
         self._headroom = (
-            BoundaryHeadroom.of(self._managers) if boundary_headroom else None
+            BoundaryHeadroom.of(zip(sizes, overlaps, strict=True))
+            if boundary_headroom
+            else None
         )
 
     def __new__(cls, *args: Any, thread_safe: bool = False, **kwargs: Any) -> Self:
@@ -198,6 +202,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         kv_events_medium: str = "GPU",
         thread_safe: bool = False,
         enable_partial_hits: bool = True,
+        boundary_headroom: bool = True,
     ) -> KVCacheManager:
         """The scheduler's manager for a plan, with the block sizes,
         ``max_model_len``, prefix caching and context parallelism the plan
@@ -232,6 +237,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             kv_events_medium=kv_events_medium,
             thread_safe=thread_safe,
             enable_partial_hits=enable_partial_hits,
+            boundary_headroom=boundary_headroom,
         )
 
     # -- lookups ----------------------------------------------------------------
@@ -321,6 +327,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 request, computed, (hit_end, num_computed), num_tokens, num_encoder
             )
         else:
+            if num_in_flight and self._headroom is not None:
+                self._headroom.saw_in_flight(num_in_flight)
             coordinator = self.coordinator
             need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
             skipping = bool(coordinator.skipping) and processed > 0
@@ -375,11 +383,11 @@ class KVCacheManager(StepNeeds, EngineCalls):
         # short, the blocks they would return count as free.
         skipping = running and bool(coordinator.skipping) and processed > 0
         args = (running, skipping, attach, processed, num_tokens, cache_to, num_encoder)
-        free = self.block_pool.free_queue.num_free - reserved
-        if not running and self._headroom is not None:
-            free -= self._headroom.blocks(
-                self._requests, self._marks.scheduled_to, free - num_needed
-            )
+        free = (
+            self.block_pool.free_queue.num_free - reserved
+            if running
+            else self._room_to_admit(num_needed, reserved)
+        )
         shed = None
         try:
             if whole_sequence and not self._whole_sequence_fits(

@@ -25,7 +25,9 @@ from kvcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
+    from kvcore.coordinator.headroom import BoundaryHeadroom
     from kvcore.coordinator.manager import SingleTypeManager
+    from kvcore.coordinator.step_marks import StepMarks
 
 __all__ = ["ManagerParts", "StepNeed", "StepNeeds"]
 
@@ -49,6 +51,18 @@ class ManagerParts:
     coordinator: KVCacheCoordinator
     _requests: dict[str, Request]
     enable_caching: bool
+    _headroom: BoundaryHeadroom | None
+    _marks: StepMarks
+
+    def _room_to_admit(self, need: int, reserved: int = 0) -> int:
+        """The free blocks an admission needing ``need`` may take: those
+        the engine's ``reserved`` blocks and the running requests' boundary
+        headroom leave (see :mod:`kvcore.coordinator.headroom`)."""
+        free = self.block_pool.free_queue.num_free - reserved
+        if self._headroom is None:
+            return free
+        marks = self._marks.scheduled_to
+        return free - self._headroom.blocks(self._requests, marks, free - need)
 
 
 class StepNeeds(ManagerParts):
@@ -102,7 +116,12 @@ class StepNeeds(ManagerParts):
             )
             + held_sources
         )
-        if need <= self.block_pool.free_queue.num_free:
+        free = (
+            self.block_pool.free_queue.num_free
+            if running
+            else self._room_to_admit(need)
+        )
+        if need <= free:
             return True
         if not running and self.coordinator.planning:
             self.coordinator.forget_checkpoints(request.request_id)
@@ -307,4 +326,6 @@ class StepNeeds(ManagerParts):
             raise InvalidRequestError(msg)
         full = min(num_tokens, self.max_model_len)
         need = self._full_sequence_blocks(request, full, attach) + held
-        return need <= self.block_pool.free_queue.num_free
+        if rid in self._requests:
+            return need <= self.block_pool.free_queue.num_free
+        return need <= self._room_to_admit(need)

@@ -459,7 +459,7 @@ class Mamba(CacheKind):
         # manager_type takes the checkpointing modes.
         if spec.mamba_cache_mode == "none":
             return MambaStateManager(spec, block_pool, **kwargs)
-        return self.manager_type(spec, block_pool, **kwargs)
+        return super().make_manager(spec, block_pool, **kwargs)
 
     def bind_view(self, spec: MambaSpec, raw: torch.Tensor) -> LayerView:
         flat = raw[:, 0, 0, :]
