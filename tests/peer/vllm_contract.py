@@ -1083,3 +1083,30 @@ def test_lookahead_hashes_with_kv_events_are_refused() -> None:
             num_hash_lookahead_tokens=1,
             num_prefill_lookahead=1,
         )
+
+
+def test_admissions_leave_the_running_states_boundary_headroom() -> None:
+    """kvcore's manager under vLLM, as on its own: an admission leaves free
+    the state blocks the running requests take when their next steps cross
+    a block boundary together (a Mamba step reads the old state's block
+    while it writes the new one), so that crossing preempts no one."""
+    scheduler = _scheduler(
+        [_attention(), _mamba()], num_blocks=9, prefix_caching=True, connector=False
+    )
+    manager = scheduler.kv_cache_manager
+    running = []
+    for i in range(2):
+        request = _request(f"r{i}", list(range(100 * i, 100 * i + BS)), 8)
+        assert manager.allocate_slots(request, BS) is not None
+        request.num_computed_tokens = BS
+        request.append_output_token_ids(7)
+        running.append(request)
+    # 8 usable blocks: each request holds an attention block and a state.
+    assert manager.block_pool.get_num_free_blocks() == 4
+    third = _request("r2", list(range(300, 300 + BS)), 8)
+    # It needs 2 of the 4 free, but the two crossings and its own next
+    # step's take 3 state blocks.
+    assert manager.allocate_slots(third, BS) is None
+    assert manager.block_pool.get_num_free_blocks() == 4
+    manager.free(running.pop())
+    assert manager.allocate_slots(third, BS) is not None

@@ -23,6 +23,7 @@ from kvcore.coordinator.checks import check_tokens
 from kvcore.coordinator.coordinator import KVCacheCoordinator
 from kvcore.coordinator.engine_calls import state_writes
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
+from kvcore.coordinator.headroom import BoundaryHeadroom
 from kvcore.errors import InvalidRequestError, UnknownRequestError
 from kvcore.integrations.vllm.lookahead import (
     UnsupportedFeatureError,
@@ -257,8 +258,16 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
-        #: Ids of the requests that hold blocks.
-        self._live: set[str] = set()
+        #: The requests that hold blocks, by id.
+        self._live: dict[str, Any] = {}
+        #: Where each live request's latest step ended, and what admissions
+        #: leave free for the running states' next block boundary (see
+        #: kvcore.coordinator.headroom).
+        self._ends: dict[str, int] = {}
+        sizes = [m.block_size for m in self.kvcore.single_type_managers]
+        self._headroom = BoundaryHeadroom.of(
+            zip(sizes, self.kvcore.boundary_overlaps, strict=True)
+        )
         #: Live requests given slots since the step began: one freed while
         #: still RUNNING is a preemption in its scheduling step, whose
         #: forward never runs (see :meth:`free`).
@@ -432,6 +441,9 @@ class KVCacheManager:
         ):
             watermark = self.watermark_blocks
         running = rid in self._live and not has_hit and not num_external_computed_tokens
+        headroom = self._headroom if rid not in self._live else None
+        if running and self._headroom is not None and request.num_in_flight_tokens:
+            self._headroom.saw_in_flight(request.num_in_flight_tokens)
         attach: tuple[list[BlockId], ...] = ()
         if not running:
             attach = coordinator.admission_blocks(hit, total)
@@ -444,7 +456,10 @@ class KVCacheManager:
                     rid, full, attach, num_encoder_tokens
                 )
             )
-            if need_full + watermark > pool.get_num_free_blocks():
+            free = pool.get_num_free_blocks() - watermark
+            if headroom is not None:
+                free -= headroom.blocks(self._live, self._ends, free - need_full)
+            if need_full > free:
                 return None
         num_main = total + num_new_tokens
         num_slots = min(num_main + num_lookahead_tokens, self.max_model_len)
@@ -461,7 +476,10 @@ class KVCacheManager:
                 rid, num_slots, attach, num_encoder_tokens
             )
         )
-        if need + watermark > pool.get_num_free_blocks() - reserved_blocks:
+        free = pool.get_num_free_blocks() - reserved_blocks - watermark
+        if headroom is not None:
+            free -= headroom.blocks(self._live, self._ends, free - need)
+        if need > free:
             return None
         cache_to = -1
         if self.enable_caching and not delay_cache_blocks:
@@ -491,7 +509,8 @@ class KVCacheManager:
         pool.commit()
         if new is not None and unwritten.managers:
             unwritten.took(rid, new)
-        self._live.add(rid)
+        self._live[rid] = request
+        self._ends[rid] = num_main
         self._scheduled.add(rid)
         if before is not None:
             self._record_zeroing(rid, before, total, skip_zeroing_group_ids)
@@ -550,7 +569,11 @@ class KVCacheManager:
             raise
         pool.commit()
         self.kvcore.unwritten.written(rid)
-        self._live.discard(rid)
+        self._forget_live(rid)
+
+    def _forget_live(self, rid: str) -> None:
+        self._live.pop(rid, None)
+        self._ends.pop(rid, None)
         self._scheduled.discard(rid)
 
     def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
@@ -573,8 +596,7 @@ class KVCacheManager:
             out += manager.pop_blocks(rid) or ()
         self.kvcore.forget_span(rid)
         self.kvcore.unwritten.written(rid)
-        self._live.discard(rid)
-        self._scheduled.discard(rid)
+        self._forget_live(rid)
         return views_of(pool, out)
 
     def remove_skipped_blocks(
