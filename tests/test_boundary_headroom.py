@@ -49,6 +49,17 @@ def _admit(mgr: KVCacheManager, rid: str, tokens: list[int]) -> Request | None:
     return req
 
 
+def _running(mgr: KVCacheManager, **prompts: list[int]) -> list[Request]:
+    """Admit one request per keyword (its id) with that prompt, each
+    admitted, computed and given its first output token."""
+    out = []
+    for rid, tokens in prompts.items():
+        req = _admit(mgr, rid, tokens)
+        assert req is not None, f"{rid} was refused"
+        out.append(req)
+    return out
+
+
 def _decode(mgr: KVCacheManager, req: Request, steps: int) -> None:
     for i in range(steps):
         assert mgr.allocate_slots(req, 1) is not None
@@ -60,10 +71,7 @@ def test_admission_leaves_the_crossing_of_aligned_requests_free() -> None:
     # 5 usable blocks.  a and b decode in step: both cross a boundary on
     # their next step and take a block each; c's own prefill crosses too.
     mgr = _states(6)
-    a = _admit(mgr, "a", PROMPT)
-    b = _admit(mgr, "b", PROMPT)
-    assert a is not None
-    assert b is not None
+    a, b = _running(mgr, a=PROMPT, b=PROMPT)
     assert mgr.get_num_free_blocks() == 3
     # c needs 1 of the 3 free, but a, b and c crossing together take 3.
     assert _admit(mgr, "c", PROMPT) is None
@@ -85,15 +93,12 @@ def test_admission_leaves_the_crossing_of_aligned_requests_free() -> None:
 
 def test_requests_out_of_step_cross_apart() -> None:
     mgr = _states(6)
-    a = _admit(mgr, "a", PROMPT)
-    assert a is not None
+    (a,) = _running(mgr, a=PROMPT)
     _decode(mgr, a, 2)  # 6 computed: crosses 2 steps after b
-    b = _admit(mgr, "b", PROMPT)
-    assert b is not None
+    (b,) = _running(mgr, b=PROMPT)
     assert mgr.get_num_free_blocks() == 3
     # The busiest boundary takes one of a's or b's block, plus c's: c fits.
-    c = _admit(mgr, "c", PROMPT)
-    assert c is not None
+    (c,) = _running(mgr, c=PROMPT)
     assert mgr.get_num_free_blocks() == 2
     # Every request then steps to the end of its next boundary without a
     # refusal, though the pool had room for one more admission.
@@ -105,8 +110,7 @@ def test_requests_out_of_step_cross_apart() -> None:
 
 def test_a_prefilling_request_crosses_at_every_step() -> None:
     mgr = _states(6)
-    a = _admit(mgr, "a", PROMPT)
-    assert a is not None
+    _running(mgr, a=PROMPT)
     long = small_request("long", list(range(10, 26)))
     assert mgr.allocate_slots(long, 4, 0, None) is not None
     long.num_computed_tokens = 4  # 12 tokens of prompt to go
@@ -121,10 +125,7 @@ def test_a_prefilling_request_crosses_at_every_step() -> None:
 def test_a_running_request_grows_into_the_headroom() -> None:
     # The headroom is for running requests: their steps may use it all.
     mgr = _states(5)
-    a = _admit(mgr, "a", PROMPT)
-    b = _admit(mgr, "b", [5, 6, 7])  # 3 computed: out of step with a
-    assert a is not None
-    assert b is not None
+    a, _ = _running(mgr, a=PROMPT, b=[5, 6, 7])  # 3 computed: out of step with a
     assert mgr.get_num_free_blocks() == 2
     assert _admit(mgr, "c", [8, 9, 10]) is None  # one crossing and c's
     _decode(mgr, a, 1)  # a's crossing takes one of the two
@@ -139,12 +140,10 @@ class _TwoStates(MambaManager):
 
 def test_a_third_party_manager_declares_its_overlap() -> None:
     mgr = _states(8, _kind(_TwoStates))
-    a = _admit(mgr, "a", PROMPT)
-    assert a is not None
+    _running(mgr, a=PROMPT)
     # a and c cross together: 2 x (1 + 1) blocks, beside c's own 1: 5 of 6.
     assert mgr.get_num_free_blocks() == 6
-    c = _admit(mgr, "c", PROMPT)
-    assert c is not None
+    _running(mgr, c=PROMPT)
     # d: 2 x (2 + 1) = 6 blocks left free, beside its own 1 of 5: refused.
     assert _admit(mgr, "d", PROMPT) is None
 
@@ -167,10 +166,7 @@ def test_a_step_in_flight_keeps_a_crossing_block_a_step_longer(
     # a gives its old block back on that step; with a step in flight it
     # holds it one step longer, so both crossings' blocks are out at once.
     mgr = _states(7)
-    a = _admit(mgr, "a", PROMPT)
-    b = _admit(mgr, "b", PROMPT)
-    assert a is not None
-    assert b is not None
+    a, _ = _running(mgr, a=PROMPT, b=PROMPT)
     assert mgr.allocate_slots(a, 1, num_in_flight_tokens=in_flight) is not None
     assert mgr.get_num_free_blocks() == 3  # a: two state blocks, b: one
     # c (1 block): 3 free less a's and b's crossings (1 or 2 at once) and
@@ -180,10 +176,7 @@ def test_a_step_in_flight_keeps_a_crossing_block_a_step_longer(
 
 def test_can_fit_full_sequence_counts_the_headroom_as_admission_does() -> None:
     mgr = _states(6)
-    a = _admit(mgr, "a", PROMPT)
-    b = _admit(mgr, "b", PROMPT)
-    assert a is not None
-    assert b is not None
+    a, b = _running(mgr, a=PROMPT, b=PROMPT)
     c = small_request("c", PROMPT)
     # 3 free, 1 needed, 3 left free for a's, b's and c's crossings.
     assert not mgr.can_fit_full_sequence(c)
