@@ -78,7 +78,9 @@ def test_a_hand_worked_trace() -> None:
     #         refused (A, B run, so it waits).                            6
     # step 6: A decodes -> 17 (5th block) and finishes; C hits 4, takes 2
     #         new blocks, computes 5 tokens and finishes.                 8
-    # Lookups: A 12 + B 13 + C 9 + C 9 = 43 tokens, hits 8 + 4 = 12.
+    # Lookups: A 12 + B 13 + C 9 + C 9 = 43 tokens, hits 8 + 4 = 12; C's
+    # second lookup (9 tokens, hit 4) is a re-admission, so first
+    # admissions looked up 34 and hit 8.
     # The token-level bound: B shares 8 tokens with A's 12 computed ones; C
     # shares none at first, and at its re-admission its own 6 tokens
     # computed at step 3: 0 + 8 + 0 + 6 = 14.
@@ -92,6 +94,8 @@ def test_a_hand_worked_trace() -> None:
     assert result.computed_tokens == 17 + 8 + 11
     assert (result.prompt_tokens_looked_up, result.prefix_hit_tokens) == (43, 12)
     assert result.prefix_hit_rate == 12 / 43
+    assert (result.readmitted_tokens_looked_up, result.readmitted_hit_tokens) == (9, 4)
+    assert result.first_admission_hit_rate == 8 / 34
     assert result.token_bound_tokens == 14
     assert (result.checked_hits, result.invalid_hits) == (2, 0)
     assert (result.refused_steps, result.preemptions) == (1, 1)

@@ -440,6 +440,12 @@ def _print(
             f"tokens ({result.prefix_hit_rate:.1%})",
         ),
         (
+            "of them re-admissions after preemption",
+            f"{result.readmitted_hit_tokens:,} of "
+            f"{result.readmitted_tokens_looked_up:,} tokens",
+        ),
+        ("hit rate at first admissions", f"{result.first_admission_hit_rate:.1%}"),
+        (
             "token-level bound",
             f"{result.token_bound_tokens:,} tokens ({result.bound_rate:.1%})",
         ),

@@ -103,13 +103,15 @@ class _Live:
     packing the request's ints again.
     """
 
-    __slots__ = ("generated", "request", "spec", "words")
+    __slots__ = ("generated", "preempted", "request", "spec", "words")
 
     def __init__(self, spec: WorkloadRequest, request: Request, words: bytes) -> None:
         self.spec = spec
         self.request = request
         self.words = words
         self.generated = 0
+        #: Whether it was preempted (its next admission is a re-admission).
+        self.preempted = False
 
     @property
     def remaining(self) -> int:
@@ -331,6 +333,9 @@ class _Run:
         self.computed = 0
         self.looked_up = 0
         self.hits = 0
+        #: Of those, re-admissions' after preemption.
+        self.readmitted_looked_up = 0
+        self.readmitted_hits = 0
         self.refused = 0
         self.preemptions = 0
         self.admission_refusals = 0
@@ -413,6 +418,7 @@ class _Run:
         self.running.remove(live)
         self.manager.free(live.request)
         live.request.num_computed_tokens = 0
+        live.preempted = True
         self.waiting.appendleft(live)
         self.preemptions += 1
 
@@ -477,6 +483,9 @@ class _Run:
             waiting.popleft()
             self.looked_up += request.num_tokens
             self.hits += hit
+            if live.preempted:
+                self.readmitted_looked_up += request.num_tokens
+                self.readmitted_hits += hit
             self.bound += self.computed_prefixes.longest_prefix(
                 live.words, request.num_tokens - 1
             )
@@ -719,6 +728,8 @@ class _Run:
             computed_tokens=self.computed,
             prompt_tokens_looked_up=self.looked_up,
             prefix_hit_tokens=self.hits,
+            readmitted_tokens_looked_up=self.readmitted_looked_up,
+            readmitted_hit_tokens=self.readmitted_hits,
             token_bound_tokens=self.bound,
             refused_steps=self.refused,
             preemptions=self.preemptions,

@@ -77,6 +77,11 @@ class SimulationResult(Record):
     :param prompt_tokens_looked_up: tokens of every admitted request at its
         admission (re-admissions after preemption included).
     :param prefix_hit_tokens: of those, tokens the prefix cache served.
+    :param readmitted_tokens_looked_up: of the looked-up tokens, those of
+        re-admissions after preemption.
+    :param readmitted_hit_tokens: of the hits, those of re-admissions: mostly
+        the request's own blocks from before it was preempted, so they save
+        only what the preemption cost (see :attr:`first_admission_hit_rate`).
     :param token_bound_tokens: of those, tokens a perfect token-level cache
         would serve: at each admission, the longest common token prefix with
         the tokens any request computed before it, capped at the tokens
@@ -141,6 +146,8 @@ class SimulationResult(Record):
     clock_s: float = 0.0
     mean_running: float = 0.0
     concurrency: tuple[ConcurrencySample, ...] = ()
+    readmitted_tokens_looked_up: int = 0
+    readmitted_hit_tokens: int = 0
 
     def _of_looked_up(self, tokens: int) -> float:
         looked_up = self.prompt_tokens_looked_up
@@ -155,6 +162,15 @@ class SimulationResult(Record):
     def hit_rate(self) -> float:
         """Hit tokens over looked-up tokens (the same as ``prefix_hit_rate``)."""
         return self.prefix_hit_rate
+
+    @property
+    def first_admission_hit_rate(self) -> float:
+        """Hit tokens over looked-up tokens at requests' first admissions
+        (re-admissions after preemption left out): the prefill the cache
+        saves the traffic, not the recomputation a preemption caused."""
+        looked_up = self.prompt_tokens_looked_up - self.readmitted_tokens_looked_up
+        hits = self.prefix_hit_tokens - self.readmitted_hit_tokens
+        return hits / looked_up if looked_up else 0.0
 
     @property
     def bound_rate(self) -> float:
@@ -176,5 +192,6 @@ class SimulationResult(Record):
         "mean_blocks_in_use peak_usage max_num_batched_tokens groups unserved "
         "unfinished evictions peak_cached_blocks peak_cached_state_blocks "
         "validated checked_hits invalid_hits invalid_hit_reports timed clock_s "
-        "mean_running concurrency"
+        "mean_running concurrency readmitted_tokens_looked_up "
+        "readmitted_hit_tokens first_admission_hit_rate"
     )
