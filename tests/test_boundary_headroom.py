@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from coordinator_setup import mamba, manager_for, small_request
 
-from kvcore import KindRegistry
+from kvcore import KindRegistry, KVCacheConfig
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.errors import KvcoreError, PluginError
 from kvcore_mamba import Mamba
@@ -208,3 +208,22 @@ def test_a_mamba_subclass_without_a_manager_is_refused_by_name() -> None:
                 [type("State", (Mamba,), {"manager_type": None})()]
             ),
         )
+
+
+def test_from_plan_passes_the_setting_on() -> None:
+    config = _states(6).kv_cache_config
+    plan = KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=config.kv_cache_groups,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        max_model_len=64,
+        enable_prefix_caching=False,
+    )
+    for headroom, admitted in ((True, False), (False, True)):
+        mgr = KVCacheManager.from_plan(
+            plan, registry=_kind(), boundary_headroom=headroom
+        )
+        _running(mgr, a=PROMPT, b=PROMPT)
+        assert (_admit(mgr, "c", PROMPT) is not None) is admitted

@@ -46,6 +46,7 @@ from kvcore.coordinator.kv_cache_manager import (
     GroupPrefixCacheStats,
     KVCacheBlocks,
     KVCacheManager,
+    ManagerOptions,
     PrefixCacheStats,
 )
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
@@ -73,6 +74,7 @@ __all__ = [
     "CheckpointPolicyError",
     "checkpoint_policy",
     "EngineStepKeywords",
+    "ManagerOptions",
     "FixedBlocksManager",
     "HitQuery",
     "PrefixManager",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, ClassVar, Self, Unpack
+from typing import Any, ClassVar, Self, TypedDict, Unpack
 
 from kvcore.coordinator.block_pool import KVCacheEvent
 from kvcore.coordinator.blocks import BlockId, KVCacheBlocks
@@ -38,6 +38,19 @@ from kvcore.errors import (
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
 
+
+class ManagerOptions(TypedDict, total=False):
+    """The :class:`KVCacheManager` settings a plan does not carry, which
+    :meth:`KVCacheManager.from_plan` passes on by name."""
+
+    use_eagle: bool
+    enable_kv_cache_events: bool
+    kv_events_medium: str
+    thread_safe: bool
+    enable_partial_hits: bool
+    boundary_headroom: bool
+
+
 #: The engine keywords' values when an engine passes none.
 _NO_ENGINE = (0, False, 0, 0, 0)
 
@@ -46,6 +59,7 @@ __all__ = [
     "GroupPrefixCacheStats",
     "KVCacheBlocks",
     "KVCacheManager",
+    "ManagerOptions",
     "PrefixCacheStats",
 ]
 
@@ -197,16 +211,14 @@ class KVCacheManager(StepNeeds, EngineCalls):
         plan: KVCacheConfig,
         *,
         registry: KindRegistry | None = None,
-        use_eagle: bool = False,
-        enable_kv_cache_events: bool = False,
-        kv_events_medium: str = "GPU",
-        thread_safe: bool = False,
-        enable_partial_hits: bool = True,
-        boundary_headroom: bool = True,
+        **options: Unpack[ManagerOptions],
     ) -> KVCacheManager:
         """The scheduler's manager for a plan, with the block sizes,
         ``max_model_len``, prefix caching and context parallelism the plan
-        carries (a worker's plan is turned into the scheduler's view)."""
+        carries (a worker's plan is turned into the scheduler's view).
+
+        :param options: the constructor's other settings, by name
+            (:class:`ManagerOptions`)."""
         from kvcore.plan.block_sizes import generate_scheduler_kv_cache_config
 
         scheduler_block_size = plan.scheduler_block_size
@@ -232,12 +244,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             enable_caching=plan.enable_prefix_caching,
             registry=registry,
             dcp=plan.decode_context_parallel_size,
-            use_eagle=use_eagle,
-            enable_kv_cache_events=enable_kv_cache_events,
-            kv_events_medium=kv_events_medium,
-            thread_safe=thread_safe,
-            enable_partial_hits=enable_partial_hits,
-            boundary_headroom=boundary_headroom,
+            **options,
         )
 
     # -- lookups ----------------------------------------------------------------
