@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from typing import Any
 
 import attrs
 
@@ -280,16 +281,11 @@ def plan_capacity(
             "so the cache bounds no concurrency; check the kinds' num_blocks_held"
         )
         raise PlanError(msg)
-    concurrency, unreserved, memory = _fit(plan, steady, peak, memory)
+    fit, memory = _fit(plan, steady, peak, memory)
     sizes = _block_sizes(groups, dcp)
     return Capacity(
         context=context,
-        num_blocks=plan.num_blocks,
-        bytes_per_block=plan.bytes_per_block,
-        blocks_per_request=steady,
-        prefill_peak_blocks=peak,
-        concurrency=concurrency,
-        unreserved_concurrency=unreserved,
+        **fit,
         ideal_concurrency=ideal_concurrency(specs, context, memory, dcp=dcp),
         groups=tuple(
             GroupCapacity(
@@ -318,18 +314,27 @@ def _check_max_model_len(plan: KVCacheConfig, longest: int, why: str) -> None:
 
 def _fit(
     plan: KVCacheConfig, steady: int | Fraction, peak: int, memory: int | None
-) -> tuple[int, float, int]:
-    """Requests of ``steady`` blocks (at least one) that fit in the plan's
-    usable blocks beside one prefill of ``peak`` blocks, the same over
-    ``memory`` unrounded with nothing reserved, and ``memory`` (None: the
-    plan's, or the pool's own bytes where an override gave it more blocks
-    than its memory holds: the limit bounds what the pool holds)."""
+) -> tuple[dict[str, Any], int]:
+    """The figures :class:`Capacity` and :class:`MixCapacity` share, for
+    requests of ``steady`` blocks (at least one) beside one prefill of
+    ``peak`` blocks: the pool, ``concurrency`` (those that fit in its
+    usable blocks) and ``unreserved_concurrency`` (the same over ``memory``
+    unrounded, nothing reserved); and ``memory`` (None: the plan's, or the
+    pool's own bytes where an override gave it more blocks than its memory
+    holds: the limit bounds what the pool holds)."""
     if memory is None:
         memory = max(plan.available_memory or 0, plan.num_blocks * plan.bytes_per_block)
     usable = plan.num_blocks - 1
-    concurrency = 0 if peak > usable else 1 + int((usable - peak) // steady)
     bpb = plan.bytes_per_block
-    return concurrency, float(memory / (bpb * steady)) if bpb else 0.0, memory
+    fit = {
+        "num_blocks": plan.num_blocks,
+        "bytes_per_block": bpb,
+        "blocks_per_request": steady,
+        "prefill_peak_blocks": peak,
+        "concurrency": 0 if peak > usable else 1 + int((usable - peak) // steady),
+        "unreserved_concurrency": float(memory / (bpb * steady)) if bpb else 0.0,
+    }
+    return fit, memory
 
 
 def min_blocks_for_one_request(
@@ -423,14 +428,5 @@ def mix_capacity(
         msg = "the plan's groups hold no blocks for the mix's requests"
         raise PlanError(msg)
     peak = prefill_peak_blocks(groups, mix.longest, max_num_batched_tokens, dcp=dcp)
-    concurrency, unreserved, _ = _fit(plan, steady, peak, memory)
-    return MixCapacity(
-        mix=mix,
-        num_blocks=plan.num_blocks,
-        bytes_per_block=plan.bytes_per_block,
-        blocks_per_request=steady,
-        prefill_peak_blocks=peak,
-        concurrency=concurrency,
-        unreserved_concurrency=unreserved,
-        hit_granularity=plan_hit_granularity(plan),
-    )
+    fit, _ = _fit(plan, steady, peak, memory)
+    return MixCapacity(mix=mix, **fit, hit_granularity=plan_hit_granularity(plan))
