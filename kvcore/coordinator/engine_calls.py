@@ -282,22 +282,26 @@ class EngineCalls(ManagerParts):
         listed, which engines whose kernels write a state only at the end
         of each step (vLLM's align mode) need."""
         rid = request if isinstance(request, str) else request.request_id
-        check_tokens(
-            f"state_write_positions for request {rid!r}: num_computed_tokens",
-            num_computed_tokens,
-        )
-        check_tokens(
-            f"state_write_positions for request {rid!r}: num_tokens", num_tokens
-        )
+        check_state_step(rid, num_computed_tokens, num_tokens)
         self._require_live(rid)
-        if num_tokens < num_computed_tokens:
-            msg = (
-                f"state_write_positions for request {rid!r}: num_tokens="
-                f"{num_tokens} is below num_computed_tokens={num_computed_tokens}; "
-                "pass the step's first and last token counts"
-            )
-            raise InvalidRequestError(msg)
         return state_writes(self.coordinator, rid, num_computed_tokens, num_tokens)
+
+
+def check_state_step(rid: str, num_computed_tokens: int, num_tokens: int) -> None:
+    """``state_write_positions``' token counts: non-negative ints, the
+    step's first and last (the first not past the last)."""
+    for name, value in (
+        ("num_computed_tokens", num_computed_tokens),
+        ("num_tokens", num_tokens),
+    ):
+        check_tokens(f"state_write_positions for request {rid!r}: {name}", value)
+    if num_tokens < num_computed_tokens:
+        msg = (
+            f"state_write_positions for request {rid!r}: num_tokens="
+            f"{num_tokens} is below num_computed_tokens={num_computed_tokens}; "
+            "pass the step's first and last token counts"
+        )
+        raise InvalidRequestError(msg)
 
 
 def state_writes(

@@ -19,9 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.coordinator.blocks import BlockId, KVCacheBlock
-from kvcore.coordinator.checks import check_tokens
 from kvcore.coordinator.coordinator import KVCacheCoordinator
-from kvcore.coordinator.engine_calls import state_writes
+from kvcore.coordinator.engine_calls import check_state_step, state_writes
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.headroom import BoundaryHeadroom
 from kvcore.errors import InvalidRequestError, UnknownRequestError
@@ -633,24 +632,13 @@ class KVCacheManager:
         checkpoint policy, so this is only ever the step's end, which is
         what vLLM's align-mode kernels write."""
         rid = request if isinstance(request, str) else request.request_id
-        for name, value in (
-            ("num_computed_tokens", num_computed_tokens),
-            ("num_tokens", num_tokens),
-        ):
-            check_tokens(f"state_write_positions for request {rid!r}: {name}", value)
+        check_state_step(rid, num_computed_tokens, num_tokens)
         if rid not in self._live:
             msg = (
                 f"state_write_positions: request {rid!r} holds no blocks: it "
                 "was never allocated or was already freed"
             )
             raise UnknownRequestError(msg)
-        if not 0 <= num_computed_tokens <= num_tokens:
-            msg = (
-                f"state_write_positions for request {rid!r}: tokens "
-                f"{num_computed_tokens} to {num_tokens} are not a step; pass "
-                "the step's first and last token counts"
-            )
-            raise InvalidRequestError(msg)
         return state_writes(self.kvcore, rid, num_computed_tokens, num_tokens)
 
     def reset_prefix_cache(self) -> bool:
