@@ -207,7 +207,11 @@ SAME_COLUMNS = [
     ("its preemptions", "baseline_preemptions", "{:,}"),
     ("at first admissions", "baseline_first_admission_hit_rate", "{:.2%}"),
     ("x same memory", "same_memory", "{:.2f}"),
-    (f"{BASELINE_MODEL} in its own tight pool", "baseline_own_hit_rate", "{:.2%}"),
+    (
+        f"{BASELINE_MODEL} in its own tight pool, at first admissions",
+        "baseline_own_hit_rate",
+        "{:.2%}",
+    ),
     ("x same pressure", "same_pressure", "{:.2f}"),
 ]
 
@@ -262,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         for path in args.merge:
             doc = json.loads(path.read_text())
+            if any("first_admission_hit_rate" not in r for r in doc["rows"]):
+                parser.error(
+                    f"{path} has no first-admission hit rates (written by an "
+                    "older trace_replay.py); replay it again with --json"
+                )
             rows.extend(doc["rows"])
             same.extend(doc["same_memory"])
     else:

@@ -13,6 +13,7 @@ from coordinator_setup import mamba, manager_for, small_request
 
 from kvcore import KindRegistry, KVCacheConfig
 from kvcore.coordinator import KVCacheManager, Request
+from kvcore.coordinator.headroom import BoundaryHeadroom
 from kvcore.errors import KvcoreError, PluginError
 from kvcore_mamba import Mamba
 from kvcore_mamba.manager import MambaManager
@@ -227,3 +228,25 @@ def test_from_plan_passes_the_setting_on() -> None:
         )
         _running(mgr, a=PROMPT, b=PROMPT)
         assert (_admit(mgr, "c", PROMPT) is not None) is admitted
+
+
+def test_the_lag_is_a_decode_steps_and_idle_requests_count_for_nothing() -> None:
+    headroom = BoundaryHeadroom.of([(16, 1), (416, 0)])
+    assert headroom is not None
+    assert (headroom.sizes, headroom.per_request) == (((16, 1),), 1)
+    # A prefill chunk in flight, then a decode step's one token: the lag is
+    # the decode step's (the fewest seen), never past a block less one.
+    headroom.saw_in_flight(40)
+    assert headroom.lag == 15
+    headroom.saw_in_flight(13)
+    headroom.saw_in_flight(1)
+    headroom.saw_in_flight(13)
+    assert headroom.lag == 1
+    held = {
+        "a": small_request("a", list(range(17))),
+        "b": small_request("b", list(range(18))),
+    }
+    ends = {"a": 16, "b": 17}  # decoding, one token apart: one window of 2
+    assert headroom.blocks(held, ends, 0) == 2 + 1
+    # Requests that hold blocks but no longer step leave nothing to keep.
+    assert headroom.blocks(held, ends, 0, steps=lambda request: False) == 0

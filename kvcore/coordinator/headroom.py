@@ -25,7 +25,7 @@ held leaves nothing: it can preempt no one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = ["BoundaryHeadroom"]
@@ -43,9 +43,9 @@ class BoundaryHeadroom:
         self.sizes = tuple(sizes)
         #: Blocks one request holds over when all its groups cross at once.
         self.per_request = sum(overlap for _, overlap in self.sizes)
-        #: Decode tokens in flight seen on a running step (fewer than a
-        #: block: a longer span is a prefill chunk): a crossing's old block
-        #: outlives its step by that many steps.
+        #: The fewest tokens in flight seen on a running step (a decode
+        #: step's; a prefill chunk in flight is longer), at most a block less
+        #: one: a crossing's old block outlives its step by that many steps.
         self.lag = 0
 
     @classmethod
@@ -60,18 +60,24 @@ class BoundaryHeadroom:
         return cls(sorted(sizes.items())) if sizes else None
 
     def saw_in_flight(self, num_in_flight: int) -> None:
-        """A running step with ``num_in_flight`` tokens still in flight."""
-        if self.lag < num_in_flight < self.sizes[0][0]:
-            self.lag = num_in_flight
+        """A running step with ``num_in_flight`` (> 0) tokens in flight."""
+        if not self.lag or num_in_flight < self.lag:
+            self.lag = min(num_in_flight, self.sizes[0][0] - 1)
 
     def blocks(
-        self, running: Mapping[str, Any], scheduled_to: Mapping[str, int], spare: int
+        self,
+        running: Mapping[str, Any],
+        scheduled_to: Mapping[str, int],
+        spare: int,
+        steps: Callable[[Any], bool] | None = None,
     ) -> int:
         """The blocks an admission leaves free beside ``running`` (request id
         -> held request) and the request it admits; none when no other
-        request is held (it would preempt no one).  ``scheduled_to``:
-        where each request's latest step ended (its next step starts
-        there).  ``spare`` is what the pool would have free after the
+        request steps (it would preempt no one).  ``scheduled_to``: where
+        each request's latest step ended (its next step starts there);
+        ``steps``: whether a held request still steps (default: every one
+        does; an engine that knows a finished request waits to be freed
+        says so).  ``spare`` is what the pool would have free after the
         admission: when it covers every request crossing at once, nothing
         is counted and 0 is returned (it fits either way)."""
         if not running or spare >= self.per_request * (len(running) + 1):
@@ -80,11 +86,15 @@ class BoundaryHeadroom:
         every = 1
         ends = []
         for rid, request in running.items():
+            if steps is not None and not steps(request):
+                continue
             end = scheduled_to.get(rid, request.num_computed_tokens)
             if request.num_tokens - end > 1:
                 every += 1
             else:
                 ends.append(end)
+        if every == 1 and not ends:
+            return 0  # no held request steps
         total = 0
         for size, overlap in self.sizes:
             total += overlap * (_busiest(ends, size, self.lag + 1) + every)

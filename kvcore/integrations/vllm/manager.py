@@ -151,6 +151,15 @@ def _to_vllm_events(events: list[Any], config: Any) -> list[Any]:
     return out
 
 
+def _steps(request: Any) -> bool:
+    """Whether a live request still steps: RUNNING in vLLM's scheduler (a
+    finished request whose free a connector defers, or one waiting for
+    remote KV or more streamed input, holds blocks without stepping)."""
+    from vllm.v1.request import RequestStatus
+
+    return bool(request.status == RequestStatus.RUNNING)
+
+
 def _table_extensions(
     managers: Sequence[Any],
     rid: str,
@@ -457,7 +466,9 @@ class KVCacheManager:
             )
             free = pool.get_num_free_blocks() - watermark
             if headroom is not None:
-                free -= headroom.blocks(self._live, self._ends, free - need_full)
+                free -= headroom.blocks(
+                    self._live, self._ends, free - need_full, _steps
+                )
             if need_full > free:
                 return None
         num_main = total + num_new_tokens
@@ -477,7 +488,7 @@ class KVCacheManager:
         )
         free = pool.get_num_free_blocks() - reserved_blocks - watermark
         if headroom is not None:
-            free -= headroom.blocks(self._live, self._ends, free - need)
+            free -= headroom.blocks(self._live, self._ends, free - need, _steps)
         if need > free:
             return None
         cache_to = -1
