@@ -61,10 +61,6 @@ if not TRACE.exists():
     TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 BEGIN = "<!-- trace_replay.py: begin -->"
 END = "<!-- trace_replay.py: end -->"
-#: Hit rate an ample pool may miss the ceiling by (the issue's target).
-AMPLE_GAP = 0.02
-#: A tight hybrid's hit rate over full attention's at the same pressure.
-TIGHT_RATIO = 0.8
 #: The most blocks an ample pool gets (a pool of 2**24 blocks takes about
 #: 1.3 GiB of host memory at 80 bytes a block); a pool capped here is marked
 #: ``ample (capped)``.

@@ -449,7 +449,6 @@ class KVCacheManager:
         ):
             watermark = self.watermark_blocks
         running = rid in self._live and not has_hit and not num_external_computed_tokens
-        headroom = self._headroom if rid not in self._live else None
         if running and self._headroom is not None and request.num_in_flight_tokens:
             self._headroom.saw_in_flight(request.num_in_flight_tokens)
         attach: tuple[list[BlockId], ...] = ()
@@ -464,12 +463,7 @@ class KVCacheManager:
                     rid, full, attach, num_encoder_tokens
                 )
             )
-            free = pool.get_num_free_blocks() - watermark
-            if headroom is not None:
-                free -= headroom.blocks(
-                    self._live, self._ends, free - need_full, _steps
-                )
-            if need_full > free:
+            if need_full > self._room(rid, need_full, watermark):
                 return None
         num_main = total + num_new_tokens
         num_slots = min(num_main + num_lookahead_tokens, self.max_model_len)
@@ -486,10 +480,7 @@ class KVCacheManager:
                 rid, num_slots, attach, num_encoder_tokens
             )
         )
-        free = pool.get_num_free_blocks() - reserved_blocks - watermark
-        if headroom is not None:
-            free -= headroom.blocks(self._live, self._ends, free - need, _steps)
-        if need > free:
+        if need > self._room(rid, need, reserved_blocks + watermark):
             return None
         cache_to = -1
         if self.enable_caching and not delay_cache_blocks:
@@ -527,6 +518,16 @@ class KVCacheManager:
         if new is None or not any(new):
             return self.empty_kv_cache_blocks
         return self._wrap(new)
+
+    def _room(self, rid: str, need: int, kept: int) -> int:
+        """The free blocks a step needing ``need`` may take: those the
+        ``kept`` blocks (reserved, watermark) leave, less, for a request
+        this manager does not hold (an admission), the running states'
+        boundary headroom (see kvcore.coordinator.headroom)."""
+        free = self.kvcore.block_pool.get_num_free_blocks() - kept
+        if self._headroom is not None and rid not in self._live:
+            free -= self._headroom.blocks(self._live, self._ends, free - need, _steps)
+        return free
 
     def _held_ids(self, rid: str, hit: Sequence[Sequence[BlockId]]) -> list[set[int]]:
         """Per zeroed group, the blocks the request holds or attaches now."""
