@@ -63,12 +63,11 @@ from kvcore.coordinator.pool_journal import (
     TOUCH,
     UNDO_CALL,
     UNGET,
-    UNKEY,
     UNPARTIAL,
     Record,
     undo,
 )
-from kvcore.coordinator.twin_ops import TwinPoolOps, check_store, double_free, key_span
+from kvcore.coordinator.twin_ops import TwinPoolOps, check_store, double_free, key_spans
 from kvcore.errors import (
     BlockSizeError,
     InvalidRequestError,
@@ -676,11 +675,7 @@ class BlockPool(FreeMoves, TwinPoolOps):
             unkeyed = [
                 pos for pos in span if blocks[pos] and key_hash[blocks[pos]] is None
             ]
-        cached = self.cached_blocks_of(group_id)
-        keyed = key_span(self, cached, blocks, block_hashes, span, group_id)
-        self._num_cached[group_id] += len(keyed)
-        if keyed and self.journal is not None:
-            self.journal.append((UNKEY, group_id, keyed))
+        key_spans(self, (blocks,), (group_id,), block_hashes, span)
         if unkeyed:
             # A position is stored if its block took that position's hash (a
             # block listed twice is keyed by its first listing only).

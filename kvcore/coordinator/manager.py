@@ -24,7 +24,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
-from kvcore.coordinator.undo import put_at_each, put_back, put_back_each
+from kvcore.coordinator.undo import put_at_each, put_back, put_back_twins
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -621,23 +621,16 @@ class SingleTypeManager:
         keeps more per-request state overrides this method (or
         :meth:`pop_blocks`, which pops its twins group by group)."""
         skips = self.skips_blocks  # twins are one class
-        out: list[list[int] | None] = []
-        entries: list[tuple[Any, ...]] = []
-        for twin in twins:
-            blocks = twin.req_to_blocks.pop(request_id, None)
-            out.append(blocks)
-            entries.append(
-                (
-                    twin,
-                    blocks,
-                    -1 if blocks is None else len(blocks),
-                    twin.num_cached_block.pop(request_id, None),
-                    twin.num_released.pop(request_id, None) if skips else None,
-                )
-            )
+        out = [twin.req_to_blocks.pop(request_id, None) for twin in twins]
+        cached = [twin.num_cached_block.pop(request_id, None) for twin in twins]
+        released = [
+            twin.num_released.pop(request_id, None) if skips else None for twin in twins
+        ]
         journal = self.block_pool.journal
         if journal is not None:
-            journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
+            lengths = [-1 if blocks is None else len(blocks) for blocks in out]
+            args = (request_id, twins, out, lengths, cached, released)
+            journal.append((UNDO_CALL, put_back_twins, args))
         return out
 
     _own_pop_twins = pop_twins
@@ -699,35 +692,33 @@ class SingleTypeManager:
         if done[0] == transaction and done[1] == request_id and done[2] is twins:
             return  # every twin recorded by this step already
         self._twins_recorded = (transaction, request_id, twins)
-        keeps = self.keeps_request_state  # twins are one class
-        entries: list[tuple[Any, ...]] = []
-        append = entries.append
-        for twin in twins:
-            recorded = twin._recorded
-            if recorded[0] != transaction:
-                twin._recorded = (transaction, {request_id: False})
-            elif request_id in recorded[1]:
-                continue
-            else:
-                recorded[1][request_id] = False
-            blocks = twin.req_to_blocks.get(request_id)
-            append(
-                (
-                    twin,
-                    blocks,
-                    -1 if blocks is None else len(blocks),
-                    twin.num_cached_block.get(request_id),
-                    twin.num_released.get(request_id),
-                )
-            )
-            if keeps:
+        # One record of columns for the class: a twin's table recorded on
+        # its own in the same step is recorded again, which undoes to the
+        # same state; its own state (a plugin's snapshot) is taken once.
+        tables = [twin.req_to_blocks.get(request_id) for twin in twins]
+        args = (
+            request_id,
+            twins,
+            tables,
+            [-1 if blocks is None else len(blocks) for blocks in tables],
+            [twin.num_cached_block.get(request_id) for twin in twins],
+            [twin.num_released.get(request_id) for twin in twins],
+        )
+        if self.keeps_request_state:  # twins are one class
+            for twin in twins:
+                recorded = twin._recorded
+                if recorded[0] != transaction:
+                    twin._recorded = (transaction, {request_id: False})
+                elif request_id in recorded[1]:
+                    continue
+                else:
+                    recorded[1][request_id] = False
                 pool.record(
                     twin.restore_request_state,
                     request_id,
                     twin.request_state(request_id),
                 )
-        if entries:
-            journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
+        journal.append((UNDO_CALL, put_back_twins, args))
 
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`

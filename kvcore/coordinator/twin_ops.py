@@ -19,7 +19,7 @@ from kvcore.coordinator.hashing import BlockHash
 from kvcore.coordinator.pool_journal import RELEASE, UNKEY
 from kvcore.errors import InvalidRequestError
 
-__all__ = ["TwinPoolOps", "check_store", "double_free", "key_span"]
+__all__ = ["TwinPoolOps", "check_store", "double_free", "key_spans"]
 
 
 def check_store(
@@ -47,35 +47,45 @@ def check_store(
         raise InvalidRequestError(msg)
 
 
-def key_span(
+def key_spans(
     pool: Any,
-    cached: dict[BlockHash, Any],
-    table: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    group_ids: Sequence[int],
     block_hashes: Sequence[BlockHash],
     span: range,
-    group_id: int,
-) -> list[tuple[int, BlockHash]]:
-    """Key the blocks of ``table`` at positions ``span`` that hold no key
-    (the null block skipped) with their hashes under ``group_id``, entering
-    each in the group's table ``cached``: the (block, key) pairs keyed, in
-    order (what a rolled-back store unkeys)."""
-    keyed = []
+) -> None:
+    """Key the blocks of each of ``tables`` at positions ``span`` that hold
+    no key (the null block skipped) with their hashes under that table's
+    group, entering each in the group's prefix cache and counting it; with
+    a transaction open, one record per group of the (block, key) pairs
+    keyed, in order (what a rolled-back store unkeys)."""
     key_hash = pool.key_hash
     key_group = pool.key_group
-    for i in span:
-        block = table[i]
-        if block and key_hash[block] is None:
-            key = block_hashes[i]
-            key_hash[block] = key
-            key_group[block] = group_id
-            entry = cached.setdefault(key, block)
-            if entry != block:
-                if isinstance(entry, dict):
-                    entry[block] = None
-                else:
-                    cached[key] = {entry: None, block: None}
-            keyed.append((block, key))
-    return keyed
+    groups = pool._cached
+    counts = pool._num_cached
+    journal = pool.journal
+    for table, group_id in zip(tables, group_ids, strict=True):
+        cached = groups.get(group_id)
+        if cached is None:
+            cached = pool.cached_blocks_of(group_id)
+        keyed = []
+        for i in span:
+            block = table[i]
+            if block and key_hash[block] is None:
+                key = block_hashes[i]
+                key_hash[block] = key
+                key_group[block] = group_id
+                entry = cached.setdefault(key, block)
+                if entry != block:
+                    if isinstance(entry, dict):
+                        entry[block] = None
+                    else:
+                        cached[key] = {entry: None, block: None}
+                keyed.append((block, key))
+        if keyed:
+            counts[group_id] += len(keyed)
+            if journal is not None:
+                journal.append((UNKEY, group_id, keyed))
 
 
 class TwinPoolOps:
@@ -97,7 +107,7 @@ class TwinPoolOps:
         """:meth:`~BlockPool.cache_full_blocks` of each of ``tables`` under
         its group id, in order, and with ``replaced`` (one per table, or
         None) :meth:`~BlockPool.drop_from_cache` of that group's replaced
-        block right after its store.  Every table is checked before any
+        block after the stores.  Every table is checked before any
         changes."""
         pool: Any = self
         num_hashes = len(block_hashes)
@@ -128,22 +138,19 @@ class TwinPoolOps:
                 if old is not None:
                     pool.drop_from_cache(old)
             return
-        span = range(num_cached_blocks, num_full_blocks)
-        journal = pool.journal
-        counts = pool._num_cached
-        groups = pool._cached
-        drop = pool.drop_from_cache
-        for table, gid, old in zip(tables, group_ids, replaced, strict=True):
-            cached = groups.get(gid)
-            if cached is None:
-                cached = pool.cached_blocks_of(gid)
-            keyed = key_span(pool, cached, table, block_hashes, span, gid)
-            if keyed:
-                counts[gid] += len(keyed)
-                if journal is not None:
-                    journal.append((UNKEY, gid, keyed))
+        key_spans(
+            pool,
+            tables,
+            group_ids,
+            block_hashes,
+            range(num_cached_blocks, num_full_blocks),
+        )
+        # Each replaced block held another group's key than the blocks just
+        # keyed, so dropping it after every store leaves what one store and
+        # drop per group would.
+        for old in replaced:
             if old is not None:
-                drop(old)
+                pool.drop_from_cache(old)
 
     def free_each(self, lists: Sequence[Sequence[int]]) -> None:
         """Release the blocks running requests stopped reading (each of
