@@ -24,7 +24,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
-from kvcore.coordinator.undo import put_at_each, put_back, put_back_twins
+from kvcore.coordinator.undo import put_at_each, put_back, put_back_twins, put_entry
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -316,11 +316,23 @@ class SingleTypeManager:
     def shed_checkpoints(self, request_id: str) -> Any:
         """Give up the request's optional checkpoints, for a step that does
         not fit with them: what :meth:`restore_checkpoints` needs to undo
-        it, or None when there is nothing to give up (the default)."""
-        return None
+        it, or None when there is nothing to give up.  By default its
+        :attr:`pinned` blocks, which are then released like the blocks
+        around them (the release scan starts again at the lowest)."""
+        pins = self.pinned.get(request_id)
+        if not pins:
+            return None
+        del self.pinned[request_id]
+        released = self.num_released.get(request_id)
+        if released is not None:
+            self.num_released[request_id] = min(released, *pins)
+        return pins, released
 
     def restore_checkpoints(self, request_id: str, state: Any) -> None:
-        """Undo :meth:`shed_checkpoints`; nothing by default."""
+        """Undo :meth:`shed_checkpoints`."""
+        pins, released = state
+        self.pinned[request_id] = pins
+        put_entry(self.num_released, request_id, released)
 
     def kept_for_later(
         self,

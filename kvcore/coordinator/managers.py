@@ -248,26 +248,6 @@ class WindowManager(SingleTypeManager):
         self.pinned.pop(request_id, None)
         self.grid_end.pop(request_id, None)
 
-    def shed_checkpoints(self, request_id: str) -> Any:
-        """A step that does not fit with the pinned windows runs without
-        them: they are released like the rest of the window (the release
-        scan starts again at the lowest of them)."""
-        pins = self.pinned.pop(request_id, None)
-        if not pins:
-            return None
-        released = self.num_released.get(request_id)
-        if released is not None:
-            self.num_released[request_id] = min(released, pins[0])
-        return pins, released
-
-    def restore_checkpoints(self, request_id: str, state: Any) -> None:
-        pins, released = state
-        self.pinned[request_id] = pins
-        if released is None:
-            self.num_released.pop(request_id, None)
-        else:
-            self.num_released[request_id] = released
-
     def pop_twins(
         self, twins: Sequence[SingleTypeManager], request_id: str
     ) -> list[list[int] | None]:

@@ -242,46 +242,28 @@ class CheckpointManager(SingleTypeManager):
                 twin.on_path[request.request_id] = f
 
     def shed_checkpoints(self, request_id: str) -> Any:
-        targets = self.targets.get(request_id)
-        pinned = self.pinned.get(request_id)
-        path = self.on_path.get(request_id)
-        if not targets and not pinned and path is None:
-            return None
-        released = self.num_released.get(request_id)
-        state = (
-            None if targets is None else list(targets),
-            None if pinned is None else list(pinned),
-            self.branch.get(request_id),
-            released,
-            self.grid.get(request_id),
-            path,
-        )
         # No checkpoint inside the coming steps; the states it holds for
-        # others become ordinary old states, released before the step (the
-        # release scan starts again at the lowest of them).
-        if pinned and released is not None:
-            self.num_released[request_id] = min(released, *pinned)
-        self.targets.pop(request_id, None)
-        self.pinned.pop(request_id, None)
-        self.branch.pop(request_id, None)
-        self.grid.pop(request_id, None)
-        self.on_path.pop(request_id, None)
-        return state
+        # others become ordinary old states, released before the step
+        # (the pins, as the base class sheds them).
+        targets = self.targets.get(request_id)
+        path = self.on_path.get(request_id)
+        pins = super().shed_checkpoints(request_id)
+        if pins is None and not targets and path is None:
+            return None
+        return (pins, *(store.pop(request_id, None) for store in self._shed_stores))
 
     def restore_checkpoints(self, request_id: str, state: Any) -> None:
-        targets, pinned, branch, released, grid, path = state
-        stores: tuple[tuple[dict[str, Any], Any], ...] = (
-            (self.targets, targets),
-            (self.pinned, pinned),
-            (self.branch, branch),
-            (self.grid, grid),
-            (self.on_path, path),
-        )
-        for store, value in stores:
+        pins, *values = state
+        if pins is not None:
+            super().restore_checkpoints(request_id, pins)
+        for store, value in zip(self._shed_stores, values, strict=True):
             if value is not None:
                 store[request_id] = value
-        if released is not None:
-            self.num_released[request_id] = released
+
+    @property
+    def _shed_stores(self) -> tuple[dict[str, Any], ...]:
+        """The per-request plans a shed step gives up besides the pins."""
+        return (self.targets, self.branch, self.grid, self.on_path)
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Drop what :meth:`plan_checkpoints` planned for a request that was
