@@ -24,6 +24,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.twin_steps import PROMISES, TWIN_STEPS
 from kvcore.coordinator.undo import put_at_each, put_back, put_back_twins, put_entry
 from kvcore.spec import HitPolicy
 
@@ -253,10 +254,10 @@ class SingleTypeManager:
         flag itself."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)
-        for flag, overrides in _PROMISES:
+        for flag, overrides in PROMISES:
             if flag not in own and any(name in own for name in overrides):
                 setattr(cls, flag, False)
-        for single, twins, each in _TWIN_STEPS:
+        for single, twins, each in TWIN_STEPS:
             if twins in own:
                 setattr(cls, f"_own_{twins}", own[twins])
             elif single in own:
@@ -845,59 +846,3 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
-
-
-def _each_twin(single: str, *, returns: str = "blocks", zipped: bool = False) -> Any:
-    """The twin step of a class that overrides only the one-group step
-    ``single``: each twin asked in turn (``zipped``: the last argument is
-    one list per twin, each twin given its own).  ``returns``: ``blocks``,
-    what the twins returned, or None when no twin took a block;
-    ``answers``, the list of answers, one per twin; ``nothing``, None."""
-
-    def step(
-        self: SingleTypeManager, twins: Sequence[SingleTypeManager], *args: Any
-    ) -> Any:
-        if zipped:
-            *shared, lists = args
-            out = [
-                getattr(twin, single)(*shared, own)
-                for twin, own in zip(twins, lists, strict=True)
-            ]
-        else:
-            out = [getattr(twin, single)(*args) for twin in twins]
-        if returns == "answers":
-            return out
-        return out if returns == "blocks" and any(out) else None
-
-    step.__name__ = f"{single}_each"
-    return step
-
-
-#: (flag, the methods whose override drops its promise): see
-#: :meth:`SingleTypeManager.__init_subclass__`.
-_PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("caches_at_chunk_ends", ("cache_blocks", "cache_twins")),
-    (
-        "grows_by_count",
-        ("get_num_blocks_to_allocate", "allocate_new_blocks", "allocate_twins"),
-    ),
-    ("releases_by_count", ("remove_skipped_blocks", "release_twins")),
-    ("hits_from_cache_tables", ("find_longest_cache_hit", "block_hash")),
-)
-
-#: (one-group step, twin step, the twin step through the one-group one).
-_TWIN_STEPS: tuple[tuple[str, str, Any], ...] = tuple(
-    (single, twins, _each_twin(single, **how))
-    for single, twins, how in (
-        ("allocate_new_blocks", "allocate_twins", {}),
-        ("remove_skipped_blocks", "release_twins", {"returns": "nothing"}),
-        ("cache_blocks", "cache_twins", {"returns": "nothing"}),
-        ("pop_blocks", "pop_twins", {"returns": "answers"}),
-        ("kept_for_later", "kept_twins", {"returns": "answers", "zipped": True}),
-        (
-            "kept_if_room",
-            "kept_if_room_twins",
-            {"returns": "answers", "zipped": True},
-        ),
-    )
-)
