@@ -25,7 +25,7 @@ from kvcore.coordinator.hold_back import hold_back_twins
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twin_steps import PROMISES, TWIN_STEPS
-from kvcore.coordinator.undo import put_at_each, put_back, put_back_twins, put_entry
+from kvcore.coordinator.undo import put_at_each, put_back, put_back_each, put_entry
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -634,16 +634,23 @@ class SingleTypeManager:
         keeps more per-request state overrides this method (or
         :meth:`pop_blocks`, which pops its twins group by group)."""
         skips = self.skips_blocks  # twins are one class
-        out = [twin.req_to_blocks.pop(request_id, None) for twin in twins]
-        cached = [twin.num_cached_block.pop(request_id, None) for twin in twins]
-        released = [
-            twin.num_released.pop(request_id, None) if skips else None for twin in twins
-        ]
+        out: list[list[int] | None] = []
+        entries: list[tuple[Any, ...]] = []
+        for twin in twins:
+            blocks = twin.req_to_blocks.pop(request_id, None)
+            out.append(blocks)
+            entries.append(
+                (
+                    twin,
+                    blocks,
+                    -1 if blocks is None else len(blocks),
+                    twin.num_cached_block.pop(request_id, None),
+                    twin.num_released.pop(request_id, None) if skips else None,
+                )
+            )
         journal = self.block_pool.journal
         if journal is not None:
-            lengths = [-1 if blocks is None else len(blocks) for blocks in out]
-            args = (request_id, twins, out, lengths, cached, released)
-            journal.append((UNDO_CALL, put_back_twins, args))
+            journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
         return out
 
     _own_pop_twins = pop_twins
@@ -705,18 +712,20 @@ class SingleTypeManager:
         if done[0] == transaction and done[1] == request_id and done[2] is twins:
             return  # every twin recorded by this step already
         self._twins_recorded = (transaction, request_id, twins)
-        # One record of columns for the class: a twin's table recorded on
-        # its own in the same step is recorded again, which undoes to the
-        # same state; its own state (a plugin's snapshot) is taken once.
-        tables = [twin.req_to_blocks.get(request_id) for twin in twins]
-        args = (
-            request_id,
-            twins,
-            tables,
-            [-1 if blocks is None else len(blocks) for blocks in tables],
-            [twin.num_cached_block.get(request_id) for twin in twins],
-            [twin.num_released.get(request_id) for twin in twins],
-        )
+        # One record for the class: a twin's table recorded on its own in
+        # the same step is recorded again, which undoes to the same state;
+        # its own state (a plugin's snapshot) is taken once.
+        entries = [
+            (
+                twin,
+                blocks,
+                -1 if blocks is None else len(blocks),
+                twin.num_cached_block.get(request_id),
+                twin.num_released.get(request_id),
+            )
+            for twin in twins
+            for blocks in (twin.req_to_blocks.get(request_id),)
+        ]
         if self.keeps_request_state:  # twins are one class
             for twin in twins:
                 recorded = twin._recorded
@@ -731,7 +740,7 @@ class SingleTypeManager:
                     request_id,
                     twin.request_state(request_id),
                 )
-        journal.append((UNDO_CALL, put_back_twins, args))
+        journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
 
     def request_state(self, request_id: str) -> Any:
         """With :attr:`keeps_request_state`: what :meth:`restore_request_state`

@@ -13,7 +13,7 @@ __all__ = [
     "put_at",
     "put_at_each",
     "put_back",
-    "put_back_twins",
+    "put_back_each",
     "put_entries",
     "put_entry",
     "truncate",
@@ -30,21 +30,13 @@ def put_at(
         blocks[i] = block
 
 
-def put_back_twins(
-    request_id: str,
-    twins: Sequence[Any],
-    tables: Sequence[list[int] | None],
-    lengths: Sequence[int],
-    cached: Sequence[int | None],
-    released: Sequence[int | None],
-) -> None:
-    """Undo :meth:`SingleTypeManager.record_twins` (and ``pop_twins``):
-    :func:`put_back` for each twin, the last first, from one column per
-    field (a table's length is -1 where it had none)."""
-    for i in range(len(twins) - 1, -1, -1):
-        blocks = tables[i]
-        table = None if blocks is None else (blocks, lengths[i])
-        put_back(twins[i], request_id, table, cached[i], released[i])
+def put_back_each(request_id: str, entries: Sequence[tuple[Any, ...]]) -> None:
+    """Undo :meth:`SingleTypeManager.record_twins`: :func:`put_back` for
+    each twin (``(manager, table, its length or -1 for none, hashed count,
+    released count)``), the last first."""
+    for manager, blocks, length, cached, released in reversed(entries):
+        table = None if blocks is None else (blocks, length)
+        put_back(manager, request_id, table, cached, released)
 
 
 def put_at_each(
