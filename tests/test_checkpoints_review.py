@@ -351,3 +351,46 @@ def test_a_step_that_raises_after_shedding_keeps_its_checkpoints() -> None:
         manager.num_released.get("b"),
     )
     assert after == before
+
+
+class RaisingAfterCaching(MambaManager):
+    """Not one of kvcore's modules: raises once it has cached a step's
+    states, so the step's every change is rolled back."""
+
+    armed = False
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        super().cache_blocks(request, num_tokens)
+        if self.armed:
+            msg = "caching failed"
+            raise RuntimeError(msg)
+
+
+class RaisingAfterCachingMamba(Mamba):
+    def make_manager(self, spec: MambaSpec, block_pool: Any, **kwargs: Any) -> Any:
+        return RaisingAfterCaching(spec, block_pool, **kwargs)
+
+
+def test_a_rolled_back_step_does_not_mark_its_branch_point_shared() -> None:
+    """A step that keeps the state at its request's branch point marks it
+    shared (a later request on the prefix resumes there); when a plugin's
+    manager raises after that, the rolled-back step leaves no mark, and the
+    same step run again marks it once."""
+    registry = KindRegistry.from_kinds([FullAttention(), RaisingAfterCachingMamba()])
+    mgr = state_hybrid(200, registry=registry)
+    manager = state(mgr)
+    assert isinstance(manager, RaisingAfterCaching)
+    mgr.free(prefill(mgr, "a", list(range(100))))
+    # b shares a's first 64 tokens, where a kept no state: no hit, and a
+    # branch point at 64 that b's prefill passes.
+    b = Request("b", [*range(64), *range(900, 936)], hash_block_size=BS)
+    _, hit = mgr.get_computed_blocks(b)
+    assert (hit, b.shared_prefix_tokens) == (0, 64)
+    manager.armed = True
+    with pytest.raises(PluginError):
+        mgr.allocate_slots(b, b.num_tokens)
+    assert manager.shared_states == {}
+    manager.armed = False
+    assert mgr.allocate_slots(b, b.num_tokens) is not None
+    assert list(manager.shared_states) == [64]
+    assert len(manager.shared_states[64]) == 1

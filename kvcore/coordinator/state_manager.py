@@ -622,14 +622,10 @@ class CheckpointManager(SingleTypeManager):
         # when the block is hit again.
         hits = counted[1] + 1 if counted is not None and counted[0] == key else 1
         self.hit_counts[hit] = (key, hits)
-        tokens = len(blocks) * self.block_size
-        shared_before = self.shared_states.get(tokens, {}).get(key)
+        self.block_pool.record_undo(partial(self._uncount, hit, counted))
         if hits == 2:
             # A second request resumes here: the prefix is shared.
-            self._mark_shared(tokens, hit)
-        self.block_pool.record_undo(
-            partial(self._uncount, hit, counted, tokens, key, shared_before)
-        )
+            self._mark_shared(len(blocks) * self.block_size, hit)
         if not self._holds_shared:
             return
         # The hit's state stays held while the request runs, and so does the
@@ -650,37 +646,36 @@ class CheckpointManager(SingleTypeManager):
         self._save(self.pinned, request_id)
         self.pinned[request_id] = pinned
 
-    def _uncount(
-        self,
-        hit: int,
-        counted: tuple[Any, int] | None,
-        tokens: int,
-        key: Any,
-        shared_before: int | None,
-    ) -> None:
+    def _uncount(self, hit: int, counted: tuple[Any, int] | None) -> None:
         """Undo one hit's count (its step rolled back)."""
         if counted is None:
             self.hit_counts.pop(hit, None)
         else:
             self.hit_counts[hit] = counted
+
+    def _mark_shared(self, tokens: int, block: int) -> None:
+        """Note ``block``'s state, resumed after ``tokens``, as shared (a
+        rolled-back step's mark is undone)."""
+        states = self.shared_states.setdefault(tokens, {})
+        key = self.block_pool.key_hash[block]
+        before = states.get(key)
+        if before is None:
+            self._num_shared += 1
+        states[key] = block
+        self.block_pool.record_undo(partial(self._unmark_shared, tokens, key, before))
+        if self._num_shared > 2 * self.block_pool.num_blocks:
+            self._prune_shared()
+
+    def _unmark_shared(self, tokens: int, key: Any, before: int | None) -> None:
         states = self.shared_states.get(tokens)
         if states is None:
             return
-        if shared_before is not None:
-            states[key] = shared_before
+        if before is not None:
+            states[key] = before
         elif states.pop(key, None) is not None:
             self._num_shared -= 1
             if not states:
                 del self.shared_states[tokens]
-
-    def _mark_shared(self, tokens: int, block: int) -> None:
-        states = self.shared_states.setdefault(tokens, {})
-        key = self.block_pool.key_hash[block]
-        if key not in states:
-            self._num_shared += 1
-            if self._num_shared > 2 * self.block_pool.num_blocks:
-                self._prune_shared()
-        states[key] = block
 
     def _prune_shared(self) -> None:
         """Forget the states evicted since they were hit or marked shared."""
