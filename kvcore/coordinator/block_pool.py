@@ -698,15 +698,22 @@ class BlockPool(FreeMoves, TwinPoolOps):
     def add_partial_key(
         self, block: BlockId, block_hash: BlockHash, group_id: int
     ) -> None:
-        """Register ``block`` of group ``group_id`` under ``block_hash``, the
-        chunk hash of a prefix that ends inside the block: a later request
-        with that prefix may copy the block's first slots (a copy-on-write
-        partial hit).  A block may carry several partial keys and its full
-        key; they are dropped together when the pool hands the block out
-        again or the cache is reset.  Does nothing when caching is off, for
-        the null block, or when the block already holds the key.  Raises no
+        """:meth:`add_partial_keys` of one key."""
+        self.add_partial_keys(block, (block_hash,), group_id)
+
+    def add_partial_keys(
+        self, block: BlockId, block_hashes: Sequence[BlockHash], group_id: int
+    ) -> None:
+        """Register ``block`` of group ``group_id`` under each of
+        ``block_hashes``, chunk hashes of prefixes that end inside the
+        block: a later request with such a prefix may copy the block's
+        first slots (a copy-on-write partial hit).  A block may carry
+        several partial keys and its full key; they are dropped together
+        when the pool hands the block out again or the cache is reset.
+        Does nothing when caching is off, for the null block or for no
+        hashes; a key the block holds already is passed over.  Raises no
         event."""
-        if not self.enable_caching or not block:
+        if not self.enable_caching or not block or not block_hashes:
             return
         keys = self.partial_keys[block]
         if keys is None:
@@ -719,16 +726,17 @@ class BlockPool(FreeMoves, TwinPoolOps):
                 "belongs to one group's table at a time"
             )
             raise InvalidRequestError(msg)
-        elif block_hash in keys:
-            return
-        keys.append(block_hash)
         group = self._partial.get(group_id)
         if group is None:
             group = self._partial[group_id] = {}
-        insert_entry(group, block_hash, block)
         journal = self.journal
-        if journal is not None:
-            journal.append((PARTIAL, group, block_hash, block))
+        for block_hash in block_hashes:
+            if block_hash in keys:
+                continue
+            keys.append(block_hash)
+            insert_entry(group, block_hash, block)
+            if journal is not None:
+                journal.append((PARTIAL, group, block_hash, block))
 
     def _drop_partial(self, block: BlockId) -> None:
         keys = self.partial_keys[block]

@@ -181,15 +181,19 @@ def register_partial_keys(
     step = math.lcm(unit, hash_size)
     chunks = request.block_hashes
     gid = manager.kv_cache_group_id
-    add = manager.block_pool.add_partial_key
+    add = manager.block_pool.add_partial_keys
     top = min(top, len(blocks) * block_size)
     end = low - low % step + step
+    # Block by block: the ends inside each block (a block's own end is
+    # its full key's), keyed in one call.
     while end <= top:
-        if end % block_size:
-            block = blocks[end // block_size]
-            if block:
-                add(block, chunks[end // hash_size - 1], gid)
-        end += step
+        index = end // block_size
+        stop = min((index + 1) * block_size, top + 1)
+        first = end if end % block_size else end + step
+        if first < stop and (block := blocks[index]):
+            hashes = [chunks[e // hash_size - 1] for e in range(first, stop, step)]
+            add(block, hashes, gid)
+        end = -(-stop // step) * step
 
 
 def split_copy_sources(
