@@ -601,8 +601,7 @@ class _Run:
                 counts.append(0)
                 continue
             ids: set[BlockId] = set()
-            for blocks in held.values():
-                ids.update(blocks)
+            ids.update(*held.values())
             ids.discard(0)
             counts.append(len(ids))
         if largest >= 0:
