@@ -699,18 +699,34 @@ class KVCacheCoordinator(FreeSteps):
         (for a step that does not fit with them); what
         :meth:`restore_checkpoints` needs to undo it, or None when there was
         nothing to give up."""
-        saved = self._each(self.planning, "shed_checkpoints", request_id)
+        saved: list[Any] = []
+        try:
+            for manager in self.planning:
+                saved.append(manager.shed_checkpoints(request_id))
+        except Exception as exc:
+            # The groups that shed before the one that raised take theirs
+            # back: the request keeps every checkpoint.
+            self.restore_checkpoints(request_id, saved)
+            gid = self.planning[len(saved)].kv_cache_group_id
+            raise self.plugin_error(gid, "shed_checkpoints", exc) from exc
         if not any(state is not None for state in saved):
             return None
         self.forget_span(request_id)
         return saved
 
     def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
-        """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
+        """Undo :meth:`shed_checkpoints` (the step was refused anyway) for
+        the groups that shed, ``saved`` holding one state per group from
+        the first."""
         self.forget_span(request_id)
-        for manager, state in zip(self.planning, saved, strict=True):
-            if state is not None:
-                manager.restore_checkpoints(request_id, state)
+        gid = 0
+        try:
+            for manager, state in zip(self.planning[: len(saved)], saved, strict=True):
+                if state is not None:
+                    gid = manager.kv_cache_group_id
+                    manager.restore_checkpoints(request_id, state)
+        except Exception as exc:
+            raise self.plugin_error(gid, "restore_checkpoints", exc) from exc
 
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""

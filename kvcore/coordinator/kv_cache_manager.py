@@ -545,7 +545,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Hash the request's blocks filled by ``num_computed_tokens``."""
+        """Hash the request's blocks filled by ``num_computed_tokens``; a
+        cache group's manager that raises leaves every group as it was."""
         if not isinstance(request, Request):
             raise not_a_request(request)
         check_tokens(
@@ -559,7 +560,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
             self._marks.check_keyed(
                 rid, request.num_computed_tokens, num_computed_tokens
             )
-            self.coordinator.cache_blocks(request, num_computed_tokens)
+            # A transaction, as every step: a group that raises leaves no
+            # other group's keys, counts or events behind.
+            self._guarded(self.coordinator.cache_blocks, request, num_computed_tokens)
 
     def free(self, request: Request | str, *, forward_ran: bool = True) -> None:
         """Release every block the request holds (tail blocks evicted first)

@@ -678,7 +678,11 @@ class CheckpointManager(SingleTypeManager):
                 del self.shared_states[tokens]
 
     def _prune_shared(self) -> None:
-        """Forget the states evicted since they were hit or marked shared."""
+        """Forget the states evicted since they were hit or marked shared
+        (into new maps: a rolled-back step puts the old ones back)."""
+        self.block_pool.record(
+            self._put_shared, self.hit_counts, self.shared_states, self._num_shared
+        )
         group = self.kv_cache_group_id
         key_hash = self.block_pool.key_hash
         key_group = self.block_pool.key_group
@@ -687,14 +691,23 @@ class CheckpointManager(SingleTypeManager):
             for b, v in self.hit_counts.items()
             if key_hash[b] == v[0] and key_group[b] == group
         }
-        self._num_shared = 0
-        for tokens, states in list(self.shared_states.items()):
+        shared: dict[int, dict[Any, int]] = {}
+        for tokens, states in self.shared_states.items():
             live = {k: b for k, b in states.items() if self._holds(b, k)}
             if live:
-                self.shared_states[tokens] = live
-                self._num_shared += len(live)
-            else:
-                del self.shared_states[tokens]
+                shared[tokens] = live
+        self.shared_states = shared
+        self._num_shared = sum(map(len, shared.values()))
+
+    def _put_shared(
+        self,
+        hit_counts: dict[int, tuple[Any, int]],
+        shared_states: dict[int, dict[Any, int]],
+        num_shared: int,
+    ) -> None:
+        self.hit_counts = hit_counts
+        self.shared_states = shared_states
+        self._num_shared = num_shared
 
     def _shared_on_path(
         self, request: Request, limit: int

@@ -159,9 +159,9 @@ class StepNeeds(ManagerParts):
             computed if computed is not None else self.empty_kv_cache_blocks.ids,
             num_computed,
         )
-        if coordinator.planning:
-            coordinator.plan_checkpoints(request, num_computed)
         try:
+            if coordinator.planning:
+                coordinator.plan_checkpoints(request, num_computed)
             need = coordinator.get_num_blocks_to_allocate(
                 request.request_id, num_tokens, attach, num_encoder
             )
@@ -210,17 +210,23 @@ class StepNeeds(ManagerParts):
         coordinator = self.coordinator
         shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
         if shed is not None:
-            if running:
-                need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
-            else:
-                need = (
-                    coordinator.get_num_blocks_to_allocate(
-                        rid, num_tokens, attach, num_encoder
+            try:
+                if running:
+                    need = coordinator.get_num_blocks_to_grow(rid, num_tokens)
+                else:
+                    need = (
+                        coordinator.get_num_blocks_to_allocate(
+                            rid, num_tokens, attach, num_encoder
+                        )
+                        + held_sources
                     )
-                    + held_sources
-                )
-            if self._fits(rid, need, free, args):
-                return True, shed
+                if self._fits(rid, need, free, args):
+                    return True, shed
+            except BaseException:
+                # A plugin raised while the step was weighed again: the
+                # request keeps its checkpoints, as a refused step does.
+                coordinator.restore_checkpoints(rid, shed)
+                raise
             coordinator.restore_checkpoints(rid, shed)
         if not running and coordinator.planning:
             coordinator.forget_checkpoints(rid)
