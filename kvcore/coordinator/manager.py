@@ -247,7 +247,9 @@ class SingleTypeManager:
         :meth:`cache_blocks`, :meth:`kept_for_later`, :meth:`kept_if_room`),
         its twins are stepped group by group through that override.  The
         one-group step of a class that does not override it runs the twin
-        step it inherits over the group alone.  A promise flag
+        step it inherits over the group alone (the base class's, where an
+        ancestor overrides the one-group step: that ancestor's twins step
+        through it, and its subclass's twin step reaches it by ``super()``).  A promise flag
         (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`,
         :attr:`releases_by_count`, :attr:`hits_from_cache_tables`) is dropped
         where the class overrides a method it covers and does not set the
@@ -259,7 +261,8 @@ class SingleTypeManager:
                 setattr(cls, flag, False)
         for single, twins, each in TWIN_STEPS:
             if twins in own:
-                setattr(cls, f"_own_{twins}", own[twins])
+                if single in own or not _ancestor_steps_alone(cls, single):
+                    setattr(cls, f"_own_{twins}", own[twins])
             elif single in own:
                 setattr(cls, twins, each)
 
@@ -855,3 +858,14 @@ class SingleTypeManager:
             "serving a hashing hit policy (prefix, window, checkpoint) must"
         )
         raise NotImplementedError(msg)
+
+
+def _ancestor_steps_alone(cls: type, single: str) -> bool:
+    """Whether an ancestor of ``cls`` below :class:`SingleTypeManager`
+    overrides the one-group step ``single``."""
+    for klass in cls.__mro__[1:]:
+        if klass is SingleTypeManager:
+            return False
+        if single in vars(klass):
+            return True
+    return False
