@@ -29,6 +29,7 @@ ARMED: dict[str, list[int]] = {}
 
 RAISING = (
     "plan_checkpoints",
+    "shed_checkpoints",
     "get_num_blocks_to_allocate",
     "cache_blocks",
 )
@@ -116,10 +117,14 @@ def test_an_admission_whose_planning_raises_keeps_no_plan() -> None:
     assert (state.output_ends.returned, dict(state.output_ends.keys)) == ends
 
 
-def test_a_step_that_raises_after_shedding_gets_its_checkpoints_back() -> None:
+@pytest.mark.parametrize("raising", ["get_num_blocks_to_allocate", "shed_checkpoints"])
+def test_a_step_that_raises_after_shedding_gets_its_checkpoints_back(
+    raising: str,
+) -> None:
     """A running request's step fits only without its checkpoints; the
-    state group then raises while the step is counted again: the request
-    keeps its prompt-end target, its held hit state and its release line."""
+    state group then raises, in its own shed (after the base class shed)
+    or while the step is counted again: the request keeps its prompt-end
+    target, its held hit state and its release line."""
     mgr = manager([fa(16), mamba(16)], 100, block_size=16)
     state = mgr.coordinator.single_type_managers[1]
     a = request("a", range(100), 16)
@@ -137,8 +142,9 @@ def test_a_step_that_raises_after_shedding_gets_its_checkpoints_back() -> None:
     assert before[:2] == ([128], [5])
     # One free block: the step fits only once the target at 128 is shed.
     mgr.block_pool.get_new_blocks(mgr.get_num_free_blocks() - 1)
-    ARMED["get_num_blocks_to_allocate"] = [1, 2]  # the count after the shed
-    with pytest.raises(PluginError, match="get_num_blocks_to_allocate"):
+    # The count's second call is the one after the shed.
+    ARMED[raising] = [1, 2 if raising == "get_num_blocks_to_allocate" else 1]
+    with pytest.raises(PluginError, match=raising):
         mgr.allocate_slots(b, 20)
     after = (state.targets.get("b"), state.pinned.get("b"), state.num_released.get("b"))
     assert after == before

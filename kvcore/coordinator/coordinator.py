@@ -699,16 +699,20 @@ class KVCacheCoordinator(FreeSteps):
         (for a step that does not fit with them); what
         :meth:`restore_checkpoints` needs to undo it, or None when there was
         nothing to give up."""
+        # A transaction: when a group raises, every group (that one
+        # included, as far as it journaled its change) keeps its
+        # checkpoints.
         saved: list[Any] = []
+        pool = self.block_pool
+        pool.begin()
         try:
             for manager in self.planning:
                 saved.append(manager.shed_checkpoints(request_id))
         except Exception as exc:
-            # The groups that shed before the one that raised take theirs
-            # back: the request keeps every checkpoint.
-            self.restore_checkpoints(request_id, saved)
+            pool.rollback()
             gid = self.planning[len(saved)].kv_cache_group_id
             raise self.plugin_error(gid, "shed_checkpoints", exc) from exc
+        pool.commit()
         if not any(state is not None for state in saved):
             return None
         self.forget_span(request_id)

@@ -326,6 +326,10 @@ class SingleTypeManager:
         pins = self.pinned.get(request_id)
         if not pins:
             return None
+        # Journaled: the coordinator sheds inside a transaction, so a
+        # plugin that raises after this call leaves the pins in place.
+        self.record_request_state(request_id)
+        self.block_pool.record(put_entry, self.pinned, request_id, pins)
         del self.pinned[request_id]
         released = self.num_released.get(request_id)
         if released is not None:

@@ -250,7 +250,10 @@ class CheckpointManager(SingleTypeManager):
         pins = super().shed_checkpoints(request_id)
         if pins is None and not targets and path is None:
             return None
-        return (pins, *(store.pop(request_id, None) for store in self._shed_stores))
+        stores = self._shed_stores
+        for store in stores:
+            self._save(store, request_id)
+        return (pins, *(store.pop(request_id, None) for store in stores))
 
     def restore_checkpoints(self, request_id: str, state: Any) -> None:
         pins, *values = state
