@@ -226,3 +226,56 @@ def test_a_rolled_back_step_keeps_the_shared_states_a_prune_dropped() -> None:
                 r.num_computed_tokens = r.num_tokens
                 mgr.free(r)
     pytest.fail("no step reached the shared-state bound")
+
+
+class Interrupting(MambaManager):
+    """A shed that an interrupt (not an Exception) ends after its base
+    class shed."""
+
+    armed = False
+
+    def shed_checkpoints(self, request_id: str) -> Any:
+        out = super().shed_checkpoints(request_id)
+        if type(self).armed:
+            type(self).armed = False
+            raise KeyboardInterrupt
+        return out
+
+
+class InterruptingMamba(Mamba):
+    manager_type = Interrupting
+
+
+def test_an_interrupted_shed_leaves_no_step_open() -> None:
+    """An interrupt inside a shed propagates as itself, after the shed is
+    undone: the request keeps its checkpoints and later calls run."""
+    registry = KindRegistry.from_kinds([FullAttention(), InterruptingMamba()])
+    mgr = manager_for(
+        [fa(16), mamba(16)],
+        100,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=registry,
+        max_model_len=1024,
+    )
+    state = mgr.coordinator.single_type_managers[1]
+    a = request("a", range(100), 16)
+    assert mgr.allocate_slots(a, 100) is not None
+    a.num_computed_tokens = 100
+    mgr.cache_blocks(a, 100)
+    mgr.free(a)
+    b = request("b", [*range(100), *range(5000, 5040)], 16)
+    blocks, hit = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, 20, hit, blocks) is not None
+    b.num_computed_tokens = 116
+    mgr.cache_blocks(b, 116)
+    before = (state.targets["b"], state.pinned["b"])
+    taken = mgr.block_pool.get_new_blocks(mgr.get_num_free_blocks() - 1)
+    Interrupting.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        mgr.allocate_slots(b, 20)
+    assert (state.targets["b"], state.pinned["b"]) == before
+    mgr.block_pool.free_blocks(taken)
+    assert mgr.allocate_slots(b, 20) is not None
+    mgr.free(b)
+    assert mgr.get_num_free_blocks() == 99

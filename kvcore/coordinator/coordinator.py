@@ -708,8 +708,10 @@ class KVCacheCoordinator(FreeSteps):
         try:
             for manager in self.planning:
                 saved.append(manager.shed_checkpoints(request_id))
-        except Exception as exc:
+        except BaseException as exc:
             pool.rollback()
+            if not isinstance(exc, Exception):
+                raise  # an interrupt, after the rollback
             gid = self.planning[len(saved)].kv_cache_group_id
             raise self.plugin_error(gid, "shed_checkpoints", exc) from exc
         pool.commit()
