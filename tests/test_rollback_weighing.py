@@ -117,16 +117,10 @@ def test_an_admission_whose_planning_raises_keeps_no_plan() -> None:
     assert (state.output_ends.returned, dict(state.output_ends.keys)) == ends
 
 
-@pytest.mark.parametrize("raising", ["get_num_blocks_to_allocate", "shed_checkpoints"])
-def test_a_step_that_raises_after_shedding_gets_its_checkpoints_back(
-    raising: str,
-) -> None:
-    """A running request's step fits only without its checkpoints; the
-    state group then raises, in its own shed (after the base class shed)
-    or while the step is counted again: the request keeps its prompt-end
-    target, its held hit state and its release line."""
-    mgr = manager([fa(16), mamba(16)], 100, block_size=16)
-    state = mgr.coordinator.single_type_managers[1]
+def _resumed_with_a_target(mgr: KVCacheManager) -> Request:
+    """Request b, running: it resumed from a's prompt-end state at 96 (16-
+    token blocks), computed 20 tokens, and has its prompt-end target at
+    128 still ahead (its hit state pinned at position 5)."""
     a = request("a", range(100), 16)
     assert mgr.allocate_slots(a, 100) is not None
     a.num_computed_tokens = 100
@@ -138,6 +132,20 @@ def test_a_step_that_raises_after_shedding_gets_its_checkpoints_back(
     assert mgr.allocate_slots(b, 20, hit, blocks) is not None
     b.num_computed_tokens = 116
     mgr.cache_blocks(b, 116)
+    return b
+
+
+@pytest.mark.parametrize("raising", ["get_num_blocks_to_allocate", "shed_checkpoints"])
+def test_a_step_that_raises_after_shedding_gets_its_checkpoints_back(
+    raising: str,
+) -> None:
+    """A running request's step fits only without its checkpoints; the
+    state group then raises, in its own shed (after the base class shed)
+    or while the step is counted again: the request keeps its prompt-end
+    target, its held hit state and its release line."""
+    mgr = manager([fa(16), mamba(16)], 100, block_size=16)
+    state = mgr.coordinator.single_type_managers[1]
+    b = _resumed_with_a_target(mgr)
     before = (state.targets["b"], state.pinned["b"], state.num_released.get("b"))
     assert before[:2] == ([128], [5])
     # One free block: the step fits only once the target at 128 is shed.
@@ -259,16 +267,7 @@ def test_an_interrupted_shed_leaves_no_step_open() -> None:
         max_model_len=1024,
     )
     state = mgr.coordinator.single_type_managers[1]
-    a = request("a", range(100), 16)
-    assert mgr.allocate_slots(a, 100) is not None
-    a.num_computed_tokens = 100
-    mgr.cache_blocks(a, 100)
-    mgr.free(a)
-    b = request("b", [*range(100), *range(5000, 5040)], 16)
-    blocks, hit = mgr.get_computed_blocks(b)
-    assert mgr.allocate_slots(b, 20, hit, blocks) is not None
-    b.num_computed_tokens = 116
-    mgr.cache_blocks(b, 116)
+    b = _resumed_with_a_target(mgr)
     before = (state.targets["b"], state.pinned["b"])
     taken = mgr.block_pool.get_new_blocks(mgr.get_num_free_blocks() - 1)
     Interrupting.armed = True
