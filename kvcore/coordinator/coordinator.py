@@ -721,13 +721,11 @@ class KVCacheCoordinator(FreeSteps):
         return saved
 
     def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
-        """Undo :meth:`shed_checkpoints` (the step was refused anyway) for
-        the groups that shed, ``saved`` holding one state per group from
-        the first."""
+        """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
         self.forget_span(request_id)
         gid = 0
         try:
-            for manager, state in zip(self.planning[: len(saved)], saved, strict=True):
+            for manager, state in zip(self.planning, saved, strict=True):
                 if state is not None:
                     gid = manager.kv_cache_group_id
                     manager.restore_checkpoints(request_id, state)
