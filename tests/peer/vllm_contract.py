@@ -1113,3 +1113,55 @@ def test_admissions_leave_the_running_states_boundary_headroom() -> None:
     # sends them) no longer steps: only r0's crossing and r2's are left.
     running[1].status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert manager.allocate_slots(third, BS) is not None
+
+
+def _free_order(deferred: bool, groups: list[KVCacheSpec]) -> list[int]:
+    """The pool's eviction order after three requests sharing a prefix run
+    and finish, freed at once or (``deferred``) as vLLM's scheduler frees
+    a request whose step may still be in flight: ``pop_blocks_for_free``,
+    then ``block_pool.free_blocks`` of the list reversed."""
+    config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(groups)
+        ],
+    )
+    manager = kvcore_vllm.KVCacheManager(
+        kv_cache_config=config,
+        max_model_len=512,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+    shared = list(range(1000, 1000 + 3 * BS))
+    for i in range(3):
+        request = _request(f"r{i}", shared + list(range(100 * i, 100 * i + 40)), 4)
+        hit, num_hit, _ = manager.get_computed_blocks(request)
+        num_tokens = request.num_tokens
+        assert manager.allocate_slots(request, num_tokens - num_hit, num_hit, hit)
+        request.num_computed_tokens = num_tokens
+        if deferred:
+            blocks = manager.pop_blocks_for_free(request)
+            assert blocks
+            manager.block_pool.free_blocks(reversed(blocks))
+        else:
+            manager.free(request)
+    queue = manager.block_pool.free_block_queue
+    return [block.block_id for block in queue.get_all_free_blocks()]
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        pytest.param(lambda: [_attention()], id="full"),
+        pytest.param(lambda: [_attention(), _attention(WINDOW)], id="full+window"),
+        pytest.param(lambda: [_attention(WINDOW), _attention()], id="window+full"),
+        pytest.param(lambda: [_attention(), _mamba()], id="full+mamba"),
+    ],
+)
+def test_a_deferred_free_queues_blocks_as_a_free_does(groups: Any) -> None:
+    """A request freed late (its blocks popped, then freed by the
+    scheduler) leaves the pool's eviction order exactly as ``free`` does:
+    the coordinator's free order across groups, tail first."""
+    assert _free_order(True, groups()) == _free_order(False, groups())

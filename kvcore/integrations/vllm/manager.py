@@ -589,23 +589,23 @@ class KVCacheManager:
 
     def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
         """The request's blocks, released from its tables but still held:
-        the scheduler frees them (tail first) once no step in flight reads
-        them."""
+        the scheduler frees them (``free_blocks`` of the list reversed)
+        once no step in flight reads them, which queues them exactly as
+        :meth:`free` would have (the coordinator's free order, hit points
+        and kept states included).  One transaction: a group that raises
+        leaves every table as it was."""
         rid = request.request_id
         if rid not in self._live:
             return []
-        out: list[BlockId] = []
         pool = self.kvcore.block_pool
         pool.begin()
         try:
             self._forget_unwritten(request)
+            out = self.kvcore.pop_for_free(rid)
         except BaseException:
             pool.rollback()
             raise
         pool.commit()
-        for manager in self.kvcore.single_type_managers:
-            out += manager.pop_blocks(rid) or ()
-        self.kvcore.forget_span(rid)
         self.kvcore.unwritten.written(rid)
         self._forget_live(rid)
         return views_of(pool, out)
