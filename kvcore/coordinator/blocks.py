@@ -254,11 +254,13 @@ class FreeBlockQueue:
         prev_links[right] = prev
         self.num_free += len(blocks)
 
-    def hold(self, block: BlockId) -> None:
-        """Put ``block`` at the back of the held-back blocks: evicted after
-        every block of the queue and every block held back before it."""
-        self._link_after(self.prev[self.held_tail], self.held_tail, (block,))
-        self.held.add(block)
+    def hold_n(self, blocks: Sequence[BlockId]) -> None:
+        """Put ``blocks`` at the back of the held-back blocks, in order:
+        evicted after every block of the queue and every block held back
+        before them."""
+        if blocks:
+            self._link_after(self.prev[self.held_tail], self.held_tail, blocks)
+            self.held.update(blocks)
 
     def prepend_held_n(self, blocks: Sequence[BlockId]) -> None:
         """Put ``blocks`` at the front of the held-back blocks, in order."""
@@ -360,11 +362,6 @@ class FreeBlockQueue:
         prev_links[tail] = prev
         self.drop_chains()
         self.num_free += freed
-
-    def first_held(self) -> BlockId | None:
-        """The held-back block evicted first, or None when none is held."""
-        block = self.next[self.held_head]
-        return None if block == self.held_tail else block
 
     def held_blocks(self) -> list[BlockId]:
         """The held-back blocks, front first (O(n))."""

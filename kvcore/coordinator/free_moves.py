@@ -37,22 +37,22 @@ class FreeMoves:
         """Move free blocks to the back of the free queue (held-back ones
         included), in the given order, as if just freed; blocks in use, the
         null block and blocks without a key are left where they are."""
-        self._move_free(blocks, self.free_queue.append)
+        self._move_free(blocks, self.free_queue.append_n)
 
     def to_spare(self, blocks: Sequence[BlockId]) -> None:
         """Move free blocks to the back of the spare blocks (held-back ones
         included), in the given order: evicted before every other keyed
         block; blocks in use, the null block and blocks without a key are
         left where they are."""
-        self._move_free(blocks, lambda block: self.free_queue.spare_n([block]))
+        self._move_free(blocks, self.free_queue.spare_n)
 
     def hold_back(self, blocks: Sequence[BlockId]) -> None:
         """Move free blocks behind every other free block, in the given
         order: they are evicted only once no other free block is left
         (blocks a running request released that later requests' hits need,
-        see :meth:`FreeBlockQueue.hold`).  Blocks in use, the null block and
-        blocks without a key are left where they are; a block revived by a
-        hit leaves the held-back blocks, and :meth:`requeue_at_back` puts
+        see :meth:`FreeBlockQueue.hold_n`).  Blocks in use, the null block
+        and blocks without a key are left where they are; a block revived by
+        a hit leaves the held-back blocks, and :meth:`requeue_at_back` puts
         one back in the queue.
 
         Holding back leaves the held-back blocks at most as many as the
@@ -61,7 +61,7 @@ class FreeMoves:
         requests, the queue's order on returning prefixes; neither bet may
         take the whole free pool.  (Hand-outs draw the queue first, so
         between holds the held-back blocks may outnumber the rest.)"""
-        self._move_free(blocks, self.free_queue.hold)
+        self._move_free(blocks, self.free_queue.hold_n)
         self._spill_held()
 
     def hold_back_first(self, blocks: Sequence[BlockId]) -> None:
@@ -70,7 +70,9 @@ class FreeMoves:
         every block held back with :meth:`hold_back` (blocks kept only
         while the pool has room for them)."""
         queue = self.free_queue
-        self._move_free(blocks[::-1], lambda block: queue.prepend_held_n([block]))
+        # Walked back to front, each block placed in front of those after
+        # it: a block named twice stays where its first naming puts it.
+        self._move_free(blocks[::-1], lambda moved: queue.prepend_held_n(moved[::-1]))
         self._spill_held()
 
     def _spill_held(self) -> None:
@@ -78,15 +80,23 @@ class FreeMoves:
         until they are at most as many as the other free blocks."""
         queue = self.free_queue
         excess = 2 * len(queue.held) - queue.num_free
-        while excess > 0:
-            block = queue.first_held()
-            assert block is not None  # excess > 0: a block is held
-            self._move_free((block,), queue.append)
-            excess -= 2
+        if excess <= 0:
+            return
+        first: list[BlockId] = []
+        block = queue.held_head
+        next_links = queue.next
+        for _ in range((excess + 1) // 2):  # each move takes 2 off the excess
+            block = next_links[block]
+            first.append(block)
+        self._move_free(first, queue.append_n)
 
     def _move_free(
-        self, blocks: Sequence[BlockId], put: Callable[[BlockId], None]
+        self, blocks: Sequence[BlockId], put_n: Callable[[list[BlockId]], None]
     ) -> None:
+        """Unlink the free keyed blocks of ``blocks`` from the queue, then
+        place them all with one ``put_n`` call, in the given order (a block
+        named twice by its last naming: where moving one block at a time
+        would leave it)."""
         queue = self.free_queue
         prev_links = queue.prev
         next_links = queue.next
@@ -94,12 +104,30 @@ class FreeMoves:
         ref = self.ref_cnt
         key_hash = self.key_hash
         check_ids("moving free blocks", blocks, self.num_blocks)
+        moved: list[BlockId] = []
+        links: list[BlockId] = []  # (block, prev, next) as each is unlinked
         for block in blocks:
             if not block or ref[block] or key_hash[block] is None:
                 continue
-            if prev_links[block] == UNLINKED:
+            prev = prev_links[block]
+            if prev == UNLINKED:
+                if block in moved:  # named again: placed by this naming
+                    moved.remove(block)
+                    moved.append(block)
                 continue  # not queued: nothing to move
-            if journal is not None:
-                journal.append((MOVE, block, prev_links[block], next_links[block]))
-            queue.remove(block)
-            put(block)
+            nxt = next_links[block]
+            links += (block, prev, nxt)
+            next_links[prev] = nxt
+            prev_links[nxt] = prev
+            prev_links[block] = next_links[block] = UNLINKED
+            moved.append(block)
+        if not moved:
+            return
+        if journal is not None:
+            journal.append((MOVE, *links))
+        queue.num_free -= len(moved)
+        if queue.held:
+            queue.held.difference_update(moved)
+        if queue.spare:
+            queue.spare.difference_update(moved)
+        put_n(moved)

@@ -22,7 +22,7 @@ TOUCH = 0  # references taken (and free blocks unlinked) by a hit
 KEY = 1  # a full key evicted
 UNGET = 2  # blocks handed out
 RELEASE = 3  # references dropped (and blocks queued)
-MOVE = 4  # a free block moved within the queue
+MOVE = 4  # free blocks moved within the queue
 UNKEY = 5  # full keys given by a store
 PARTIAL = 6  # a partial key added
 UNPARTIAL = 7  # a block's partial keys dropped
@@ -77,7 +77,10 @@ def undo(pool: Any, record: Record) -> None:
                     queue.remove(block)
                 ref[block] += 1
     elif op == MOVE:
-        queue.remove(record[1])  # (op, block, prev, next)
+        # (op, block, prev, next, ...): the moved blocks, in the order
+        # they were unlinked, each with the neighbours it had then.
+        for block in record[1::3]:
+            queue.remove(block)
         queue.relink(record[1:])
     elif op == UNKEY:
         # (op, group id, [(block, key), ...]): keys a store gave.
