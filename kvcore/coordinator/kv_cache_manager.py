@@ -560,9 +560,12 @@ class KVCacheManager(StepNeeds, EngineCalls):
             self._marks.check_keyed(
                 rid, request.num_computed_tokens, num_computed_tokens
             )
+            coordinator = self.coordinator
+            if coordinator.keys_nothing(request, num_computed_tokens):
+                return  # inside the request's cache span: nothing changes
             # A transaction, as every step: a group that raises leaves no
             # other group's keys, counts or events behind.
-            self._guarded(self.coordinator.cache_blocks, request, num_computed_tokens)
+            self._guarded(coordinator.cache_blocks, request, num_computed_tokens)
 
     def free(self, request: Request | str, *, forward_ran: bool = True) -> None:
         """Release every block the request holds (tail blocks evicted first)
