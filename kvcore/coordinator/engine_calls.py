@@ -113,7 +113,8 @@ class EngineCalls(ManagerParts):
         coordinator = self.coordinator
         if not coordinator.skipping or not num_tokens:
             return
-        self._guarded(coordinator.remove_skipped_blocks, rid, num_tokens)
+        if not coordinator.releases_nothing(rid, num_tokens):
+            self._guarded(coordinator.remove_skipped_blocks, rid, num_tokens)
         self._marks.released(rid, num_tokens)
 
     def pop_blocks_for_free(

@@ -619,7 +619,11 @@ class KVCacheManager:
         """Release what the request no longer reads below the processed
         tokens (those no step in flight computes)."""
         coordinator = self.kvcore
-        if request_id not in self._live or not coordinator.skipping:
+        if (
+            request_id not in self._live
+            or not coordinator.skipping
+            or coordinator.releases_nothing(request_id, processed_computed_tokens)
+        ):
             return
         pool = coordinator.block_pool
         pool.begin()
