@@ -223,6 +223,61 @@ def test_a_list_released_twice_is_refused_once_its_blocks_are_reused() -> None:
     assert mgr.get_block_ids("B") == ([3, 2, 1],)
 
 
+def _state_request_finished(
+    deferred: bool, other_first: bool
+) -> tuple[list[int], set[int]]:
+    """The pool's eviction order once a request R of a full-attention and
+    Mamba hybrid has decoded past several state blocks (releasing states
+    it keeps) and finished, with another request freed too: ``deferred``,
+    R's blocks are popped first and released last (the other freed in
+    between); otherwise both are freed directly (``other_first``: the
+    other one first).  Also R's states still in its table at the end."""
+    mgr = setup.state_hybrid(200, 16)
+    r = Request("R", list(range(5000, 5040)), hash_block_size=16)
+    o = Request("O", list(range(9000, 9040)), hash_block_size=16)
+    for request in (r, o):
+        hit, num_hit = mgr.get_computed_blocks(request)
+        assert mgr.allocate_slots(request, 40 - num_hit, num_hit, hit) is not None
+        request.num_computed_tokens = 40
+    for i in range(40):
+        r.append_output_token_ids(7000 + i)
+        mgr.remove_skipped_blocks(r, r.num_computed_tokens)
+        assert mgr.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    # R released states it keeps for later hits: they wait held back.
+    assert mgr.block_pool.free_queue.held_blocks()
+    in_table = {b for b in mgr.get_block_ids("R")[1] if b}
+    if deferred:
+        blocks = mgr.pop_blocks_for_free(r)
+        mgr.free(o)
+        mgr.release_blocks(blocks)
+    elif other_first:
+        mgr.free(o)
+        mgr.free(r)
+    else:
+        mgr.free(r)
+        mgr.free(o)
+    return mgr.block_pool.eviction_order(), in_table
+
+
+def test_a_deferred_free_queues_blocks_as_a_free_when_released() -> None:
+    """A free deferred until its step completes queues the request's
+    blocks, and the released states it kept behind them, as a free at
+    release time does: after every block freed meanwhile.  Only the states
+    still in its table keep their place among its blocks (the group names
+    a state it keeps only once that state is free)."""
+    order, in_table = _state_request_finished(deferred=True, other_first=True)
+    direct, _ = _state_request_finished(deferred=False, other_first=True)
+    early, _ = _state_request_finished(deferred=False, other_first=False)
+    assert in_table
+    assert [b for b in order if b not in in_table] == [
+        b for b in direct if b not in in_table
+    ]
+    assert [b for b in order if b not in in_table] != [
+        b for b in early if b not in in_table
+    ]
+
+
 # -- bounded lookups ------------------------------------------------------------------
 
 

@@ -12,13 +12,16 @@ the eviction order.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcore.coordinator.blocks import UNLINKED
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.pool_checks import check_ids
 from kvcore.coordinator.twins import twin_runs
-from kvcore.errors import InvalidRequestError
+from kvcore.errors import InvalidRequestError, KvcoreTypeError
 
 if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
@@ -110,11 +113,47 @@ class FreeSteps:
 
     def pop_for_free(self, request_id: str) -> list[int]:
         """Forget the request and hand back every group's blocks, still
-        held, in the order :meth:`free` would free them."""
+        held, as :meth:`BlockPool.free_table` takes them: freeing the list
+        later queues the blocks as :meth:`free` would have then.  The
+        states it kept and released earlier (see :meth:`_refresh_checkpoints`)
+        are held too and listed first, so they go behind its other blocks
+        when the list is freed, not before them and before every block
+        freed meanwhile.  A state still in its table keeps its place among
+        its blocks: its group names a state only once it is free."""
         freed = self._pop_tables(request_id)
         if self._evicting_last:
-            self._refresh_checkpoints(request_id)
+            freed = self._kept_states_first(request_id, freed)
         return freed
+
+    def _kept_states_first(self, request_id: str, freed: list[int]) -> list[int]:
+        """``freed`` with the kept states :meth:`_refresh_checkpoints` would
+        move once it is freed listed first, in the reverse of their order
+        (``free_table`` queues the first listed last): each state that
+        freeing ``freed`` leaves free, queued and keyed, its listings in
+        ``freed`` moved there, a state that is free now taken (touched)."""
+        pool = self.block_pool
+        states = self._released_states(request_id)
+        check_ids("take_released_checkpoints", states, pool.num_blocks)
+        listed = Counter(freed)
+        ref = pool.ref_cnt
+        key_hash = pool.key_hash
+        prev_links = pool.free_queue.prev
+        chosen = [
+            block
+            for block in states
+            if block
+            and key_hash[block] is not None
+            and ref[block] == listed[block]
+            and (listed[block] or prev_links[block] != UNLINKED)
+        ]
+        if not chosen:
+            return freed
+        chosen = list(dict.fromkeys(reversed(chosen)))  # by its last naming
+        pool.touch([block for block in chosen if not listed[block]])
+        moved = set(chosen)
+        return [block for block in chosen for _ in range(listed[block] or 1)] + [
+            block for block in freed if block not in moved
+        ]
 
     def _pop_tables(self, request_id: str) -> list[int]:
         """The request's blocks as :meth:`BlockPool.free_table` takes them:
@@ -165,8 +204,21 @@ class FreeSteps:
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the
         back of the eviction order with its other blocks."""
-        for blocks in self._each(
-            self._evicting_last, "take_released_checkpoints", request_id
-        ):
-            if blocks:
-                self.block_pool.requeue_at_back(blocks)
+        self.block_pool.requeue_at_back(self._released_states(request_id))
+
+    def _released_states(self, request_id: str) -> list[int]:
+        """The states the request kept and released earlier, group by group
+        (``take_released_checkpoints`` of each group freed last)."""
+        method = "take_released_checkpoints"
+        states: list[int] = []
+        answers = self._each(self._evicting_last, method, request_id)
+        for manager, blocks in zip(self._evicting_last, answers, strict=True):
+            if type(blocks) is not list and type(blocks) is not tuple:
+                msg = (
+                    f"{method} returned {type(blocks).__name__} for request "
+                    f"{request_id!r}; it must return a list of block ids (or [])"
+                )
+                gid = manager.kv_cache_group_id
+                raise self.plugin_error(gid, method, KvcoreTypeError(msg))
+            states += blocks
+        return states
