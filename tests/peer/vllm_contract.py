@@ -1165,3 +1165,62 @@ def test_a_deferred_free_queues_blocks_as_a_free_does(groups: Any) -> None:
     scheduler) leaves the pool's eviction order exactly as ``free`` does:
     the coordinator's free order across groups, tail first."""
     assert _free_order(True, groups()) == _free_order(False, groups())
+
+
+def _state_free_order(deferred: bool) -> tuple[list[int], set[int]]:
+    """The eviction order once request R of a full-attention and Mamba
+    plan has decoded past several state blocks (releasing states it keeps
+    for later hits) and finished after request O: freed directly, or R
+    deferred (popped, O freed, R's list freed by the scheduler).  Also R's
+    states still in its table when it finished."""
+    config = KVCacheConfig(
+        num_blocks=200,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layer{i}"], spec)
+            for i, spec in enumerate([_attention(), _mamba()])
+        ],
+    )
+    manager = kvcore_vllm.KVCacheManager(
+        kv_cache_config=config,
+        max_model_len=512,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+    r = _request("R", list(range(5000, 5040)), 45)
+    o = _request("O", list(range(9000, 9040)), 4)
+    for request in (r, o):
+        hit, num_hit, _ = manager.get_computed_blocks(request)
+        assert manager.allocate_slots(
+            request, request.num_tokens - num_hit, num_hit, hit
+        )
+        request.num_computed_tokens = request.num_tokens
+    for i in range(40):
+        r.append_output_token_ids(7000 + i)
+        manager.remove_skipped_blocks(r.request_id, r.num_computed_tokens)
+        assert manager.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    in_table = {b for b in manager.get_block_ids("R")[1] if b}
+    if deferred:
+        blocks = manager.pop_blocks_for_free(r)
+        manager.free(o)
+        manager.block_pool.free_blocks(reversed(blocks))
+    else:
+        manager.free(o)
+        manager.free(r)
+    queue = manager.block_pool.free_block_queue
+    return [block.block_id for block in queue.get_all_free_blocks()], in_table
+
+
+def test_a_deferred_free_queues_kept_states_behind_the_request() -> None:
+    """The states a request kept and released while it ran go behind its
+    other blocks when vLLM frees its popped list, as a free then does,
+    not before them and before the blocks freed meanwhile.  (A state
+    still in its table keeps its place among them.)"""
+    order, in_table = _state_free_order(True)
+    direct, _ = _state_free_order(False)
+    assert in_table
+    assert [b for b in order if b not in in_table] == [
+        b for b in direct if b not in in_table
+    ]
