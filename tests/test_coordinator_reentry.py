@@ -43,11 +43,11 @@ class CallbackKind(FullAttention):
     manager_type = CallbackManager
 
 
-def _manager() -> KVCacheManager:
+def _manager(*more: Any) -> KVCacheManager:
     spec = CallbackSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float16)
     registry = KindRegistry.from_kinds([*setup.builtin_kinds(), CallbackKind()])
     return setup.manager_for(
-        [setup.fa(4), spec],
+        [setup.fa(4), spec, *more],
         32,
         scheduler_block_size=4,
         hash_block_size=4,
@@ -123,3 +123,42 @@ def test_a_manager_calling_back_is_refused_and_the_step_undone(
     # The pool still works and balances.
     mgr.free(held)
     assert mgr.block_pool.get_num_free_blocks() == 31
+
+
+@pytest.mark.parametrize("nested", ["cache_blocks", "remove_skipped_blocks"])
+def test_a_call_that_would_change_nothing_is_refused_inside_a_step(
+    nested: str,
+) -> None:
+    """A call that changes nothing outside a step (keying inside the
+    request's cache span, releasing where the window has not moved) is
+    still refused from inside one, and the outer step undone."""
+    mgr = _manager(setup.sw(4, 4))
+    held = Request("held", list(range(2, 16)), hash_block_size=4)
+    assert mgr.allocate_slots(held, 14) is not None
+    held.num_computed_tokens = 14
+    mgr.remove_skipped_blocks(held, 14)
+    call = {
+        "cache_blocks": lambda: mgr.cache_blocks(held, 14),
+        "remove_skipped_blocks": lambda: mgr.remove_skipped_blocks(held, 14),
+    }[nested]
+    call()  # outside a step: nothing to change, nothing refused
+    grow = Request("grow", list(range(100, 110)), hash_block_size=4)
+    mgr.take_events()
+    before = _observed(mgr, held, grow)
+    refusals: list[BaseException] = []
+
+    def callback() -> None:
+        try:
+            call()
+        except KvcoreError as exc:
+            refusals.append(exc)
+            raise
+
+    CALLBACK[:] = [callback]
+    try:
+        with pytest.raises(KvcoreError, match="back into the KVCacheManager"):
+            mgr.allocate_slots(grow, 10)
+    finally:
+        CALLBACK.clear()
+    assert [type(e).__name__ for e in refusals] == ["ReentrantCallError"]
+    assert _observed(mgr, held, grow) == before

@@ -113,7 +113,11 @@ class EngineCalls(ManagerParts):
         coordinator = self.coordinator
         if not coordinator.skipping or not num_tokens:
             return
-        if not coordinator.releases_nothing(rid, num_tokens):
+        # Nothing released, nothing changes; a step already open refuses
+        # the call (BlockPool.begin) before its marks move.
+        if self.block_pool.journal is not None or not coordinator.releases_nothing(
+            rid, num_tokens
+        ):
             self._guarded(coordinator.remove_skipped_blocks, rid, num_tokens)
         self._marks.released(rid, num_tokens)
 

@@ -561,8 +561,12 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 rid, request.num_computed_tokens, num_computed_tokens
             )
             coordinator = self.coordinator
-            if coordinator.keys_nothing(request, num_computed_tokens):
-                return  # inside the request's cache span: nothing changes
+            if self.block_pool.journal is None and coordinator.keys_nothing(
+                request, num_computed_tokens
+            ):
+                # Inside the request's cache span: nothing changes.  (A step
+                # already open refuses the call, in BlockPool.begin.)
+                return
             # A transaction, as every step: a group that raises leaves no
             # other group's keys, counts or events behind.
             self._guarded(coordinator.cache_blocks, request, num_computed_tokens)

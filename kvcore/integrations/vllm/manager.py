@@ -590,10 +590,10 @@ class KVCacheManager:
     def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
         """The request's blocks, released from its tables but still held:
         the scheduler frees them (``free_blocks`` of the list reversed)
-        once no step in flight reads them, which queues them exactly as
-        :meth:`free` would have (the coordinator's free order, hit points
-        and kept states included).  One transaction: a group that raises
-        leaves every table as it was."""
+        once no step in flight reads them, which queues them as
+        :meth:`free` would have then (see the coordinator's
+        ``pop_for_free`` for the kept states).  One transaction: a group
+        that raises leaves every table as it was."""
         rid = request.request_id
         if rid not in self._live:
             return []
@@ -619,13 +619,16 @@ class KVCacheManager:
         """Release what the request no longer reads below the processed
         tokens (those no step in flight computes)."""
         coordinator = self.kvcore
+        pool = coordinator.block_pool
         if (
             request_id not in self._live
             or not coordinator.skipping
-            or coordinator.releases_nothing(request_id, processed_computed_tokens)
+            or (
+                pool.journal is None
+                and coordinator.releases_nothing(request_id, processed_computed_tokens)
+            )
         ):
             return
-        pool = coordinator.block_pool
         pool.begin()
         try:
             coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
