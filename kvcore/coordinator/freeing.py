@@ -115,11 +115,13 @@ class FreeSteps:
         """Forget the request and hand back every group's blocks, still
         held, as :meth:`BlockPool.free_table` takes them: freeing the list
         later queues the blocks as :meth:`free` would have then.  The
-        states it kept and released earlier (see :meth:`_refresh_checkpoints`)
-        are held too and listed first, so they go behind its other blocks
-        when the list is freed, not before them and before every block
-        freed meanwhile.  A state still in its table keeps its place among
-        its blocks: its group names a state only once it is free."""
+        states it kept and released earlier that are free now (see
+        :meth:`_refresh_checkpoints`) are held too and listed first, so they
+        go behind its other blocks when the list is freed, not before them
+        and before every block freed meanwhile.  A group names a kept state
+        only while it is free, so one still held (in the request's table,
+        or by a request that hit it) is not moved: it keeps its place among
+        the request's blocks, or where its last holder frees it."""
         freed = self._pop_tables(request_id)
         if self._evicting_last:
             freed = self._kept_states_first(request_id, freed)
