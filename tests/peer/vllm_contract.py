@@ -1115,25 +1115,33 @@ def test_admissions_leave_the_running_states_boundary_headroom() -> None:
     assert manager.allocate_slots(third, BS) is not None
 
 
-def _free_order(deferred: bool, groups: list[KVCacheSpec]) -> list[int]:
-    """The pool's eviction order after three requests sharing a prefix run
-    and finish, freed at once or (``deferred``) as vLLM's scheduler frees
-    a request whose step may still be in flight: ``pop_blocks_for_free``,
-    then ``block_pool.free_blocks`` of the list reversed."""
+def _caching_manager(
+    groups: list[KVCacheSpec], num_blocks: int
+) -> kvcore_vllm.KVCacheManager:
+    """kvcore's manager for vLLM over ``groups`` (a layer each), prefix
+    caching on, built as vLLM's scheduler builds it."""
     config = KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(groups)
         ],
     )
-    manager = kvcore_vllm.KVCacheManager(
+    return kvcore_vllm.KVCacheManager(
         kv_cache_config=config,
         max_model_len=512,
         scheduler_block_size=BS,
         hash_block_size=BS,
         enable_caching=True,
     )
+
+
+def _free_order(deferred: bool, groups: list[KVCacheSpec]) -> list[int]:
+    """The pool's eviction order after three requests sharing a prefix run
+    and finish, freed at once or (``deferred``) as vLLM's scheduler frees
+    a request whose step may still be in flight: ``pop_blocks_for_free``,
+    then ``block_pool.free_blocks`` of the list reversed."""
+    manager = _caching_manager(groups, 64)
     shared = list(range(1000, 1000 + 3 * BS))
     for i in range(3):
         request = _request(f"r{i}", shared + list(range(100 * i, 100 * i + 40)), 4)
@@ -1173,21 +1181,7 @@ def _state_free_order(deferred: bool) -> tuple[list[int], set[int]]:
     for later hits) and finished after request O: freed directly, or R
     deferred (popped, O freed, R's list freed by the scheduler).  Also R's
     states still in its table when it finished."""
-    config = KVCacheConfig(
-        num_blocks=200,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}"], spec)
-            for i, spec in enumerate([_attention(), _mamba()])
-        ],
-    )
-    manager = kvcore_vllm.KVCacheManager(
-        kv_cache_config=config,
-        max_model_len=512,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        enable_caching=True,
-    )
+    manager = _caching_manager([_attention(), _mamba()], 200)
     r = _request("R", list(range(5000, 5040)), 45)
     o = _request("O", list(range(9000, 9040)), 4)
     for request in (r, o):
