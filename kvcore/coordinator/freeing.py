@@ -175,6 +175,8 @@ class FreeSteps:
             self._rejoin_held_back(request_id, tables)
         if self._by_hit_points is not None:
             return self._by_hit_points(tables)
+        if len(tables) == 1:
+            return tables[0] or []  # never changed: the journal keeps it
         freed: list[int] = []
         for blocks in reversed(tables):
             if blocks:
