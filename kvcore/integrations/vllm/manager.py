@@ -151,15 +151,6 @@ def _to_vllm_events(events: list[Any], config: Any) -> list[Any]:
     return out
 
 
-def _steps(request: Any) -> bool:
-    """Whether a live request still steps: RUNNING in vLLM's scheduler (a
-    finished request whose free a connector defers, or one waiting for
-    remote KV or more streamed input, holds blocks without stepping)."""
-    from vllm.v1.request import RequestStatus
-
-    return bool(request.status == RequestStatus.RUNNING)
-
-
 def _table_extensions(
     managers: Sequence[Any],
     rid: str,
@@ -276,6 +267,11 @@ class KVCacheManager:
         self._headroom = BoundaryHeadroom.of(
             zip(sizes, self.kvcore.boundary_overlaps, strict=True)
         )
+        from vllm.v1.request import RequestStatus
+
+        #: vLLM's status of a request that steps (read once: the headroom
+        #: asks it of every live request).
+        self._running_status = RequestStatus.RUNNING
         #: Live requests given slots since the step began: one freed while
         #: still RUNNING is a preemption in its scheduling step, whose
         #: forward never runs (see :meth:`free`).
@@ -526,8 +522,16 @@ class KVCacheManager:
         boundary headroom (see kvcore.coordinator.headroom)."""
         free = self.kvcore.block_pool.get_num_free_blocks() - kept
         if self._headroom is not None and rid not in self._live:
-            free -= self._headroom.blocks(self._live, self._ends, free - need, _steps)
+            free -= self._headroom.blocks(
+                self._live, self._ends, free - need, self._steps
+            )
         return free
+
+    def _steps(self, request: Any) -> bool:
+        """Whether a live request still steps: RUNNING in vLLM's scheduler (a
+        finished request whose free a connector defers, or one waiting for
+        remote KV or more streamed input, holds blocks without stepping)."""
+        return bool(request.status == self._running_status)
 
     def _held_ids(self, rid: str, hit: Sequence[Sequence[BlockId]]) -> list[set[int]]:
         """Per zeroed group, the blocks the request holds or attaches now."""
