@@ -204,24 +204,35 @@ class FreeBlockQueue:
 
     def remove(self, block: BlockId) -> None:
         """Unlink ``block`` from wherever it is in the queue."""
-        prev_links = self.prev
-        next_links = self.next
-        prev = prev_links[block]
-        nxt = next_links[block]
-        if prev == UNLINKED:
+        if self.prev[block] == UNLINKED:
             msg = (
                 f"block {block} is not in the free block queue; only a "
                 "free block (reference count 0) can be removed from it"
             )
             raise KvcoreValueError(msg)
-        next_links[prev] = nxt
-        prev_links[nxt] = prev
-        prev_links[block] = next_links[block] = UNLINKED
-        self.num_free -= 1
+        self.unlink_n((block,))
+
+    def unlink_n(self, blocks: Sequence[BlockId]) -> list[BlockId]:
+        """Unlink ``blocks`` (each queued, each named once) from wherever
+        they are in the queue, in order; their links as each had them when
+        it was unlinked, flat (``block, prev, next`` each), which
+        :meth:`relink` puts back."""
+        prev_links = self.prev
+        next_links = self.next
+        links: list[BlockId] = []
+        for block in blocks:
+            prev = prev_links[block]
+            nxt = next_links[block]
+            links += (block, prev, nxt)
+            next_links[prev] = nxt
+            prev_links[nxt] = prev
+            prev_links[block] = next_links[block] = UNLINKED
+        self.num_free -= len(blocks)
         if self.held:
-            self.held.discard(block)
+            self.held.difference_update(blocks)
         if self.spare:
-            self.spare.discard(block)
+            self.spare.difference_update(blocks)
+        return links
 
     def append(self, block: BlockId) -> None:
         """Put ``block`` at the back (evicted last)."""

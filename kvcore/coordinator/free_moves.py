@@ -99,35 +99,22 @@ class FreeMoves:
         would leave it)."""
         queue = self.free_queue
         prev_links = queue.prev
-        next_links = queue.next
-        journal = self.journal
         ref = self.ref_cnt
         key_hash = self.key_hash
         check_ids("moving free blocks", blocks, self.num_blocks)
-        moved: list[BlockId] = []
-        links: list[BlockId] = []  # (block, prev, next) as each is unlinked
-        for block in blocks:
-            if not block or ref[block] or key_hash[block] is None:
-                continue
-            prev = prev_links[block]
-            if prev == UNLINKED:
-                if block in moved:  # named again: placed by this naming
-                    moved.remove(block)
-                    moved.append(block)
-                continue  # not queued: nothing to move
-            nxt = next_links[block]
-            links += (block, prev, nxt)
-            next_links[prev] = nxt
-            prev_links[nxt] = prev
-            prev_links[block] = next_links[block] = UNLINKED
-            moved.append(block)
+        moved = [
+            block
+            for block in blocks
+            if block
+            and not ref[block]
+            and key_hash[block] is not None
+            and prev_links[block] != UNLINKED
+        ]
         if not moved:
             return
-        if journal is not None:
-            journal.append((MOVE, *links))
-        queue.num_free -= len(moved)
-        if queue.held:
-            queue.held.difference_update(moved)
-        if queue.spare:
-            queue.spare.difference_update(moved)
+        if len(set(moved)) < len(moved):
+            moved = list(dict.fromkeys(reversed(moved)))[::-1]
+        links = queue.unlink_n(moved)
+        if self.journal is not None:
+            self.journal.append((MOVE, *links))
         put_n(moved)
