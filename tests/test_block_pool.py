@@ -1131,3 +1131,102 @@ def test_touch_refuses_what_is_not_a_block_id(bad: object, error: type) -> None:
     assert (list(p.ref_cnt), p.free_queue.get_all_free_blocks()) == before
     with pytest.raises(error, match="moving free blocks"):
         p.hold_back([bad])  # type: ignore[list-item]
+
+
+def _pool_state(p: BlockPool) -> tuple[object, ...]:
+    """What a drop may change and a rollback puts back: counts, keys and
+    order (the eviction counter only grows: a rollback keeps it)."""
+    return (
+        list(p.ref_cnt),
+        list(p.key_hash),
+        list(p.key_group),
+        p.eviction_order(),
+        [p.num_cached_blocks_of(g) for g in range(3)],
+        [p.get_cached_block(h(k), [g]) for k in range(4) for g in range(3)],
+    )
+
+
+def _cached_pool(keys: list[tuple[int, int]], held: list[bool]) -> BlockPool:
+    """A pool of 12 whose blocks 1..len(keys) hold ``keys`` ((key, group)
+    each; keys repeat, so a cache entry may list several blocks), the
+    blocks not ``held`` freed, in id order."""
+    p = pool(12, events=True)
+    blocks = p.get_new_blocks(len(keys))
+    for block, (key, group) in zip(blocks, keys, strict=True):
+        p.cache_full_blocks(
+            block_hashes=[h(key)],
+            blocks=[block],
+            num_cached_blocks=0,
+            num_full_blocks=1,
+            group_id=group,
+            token_ids=range(4),
+        )
+    p.free_blocks([b for b, keep in zip(blocks, held, strict=True) if not keep])
+    p.take_events()
+    return p
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    keys=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=11
+    ),
+    held=st.lists(st.booleans(), min_size=11, max_size=11),
+    dropped=st.lists(st.integers(0, 11), max_size=14),
+    taken=st.integers(0, 11),
+)
+def test_dropping_and_evicting_in_batches_match_one_block_at_a_time(
+    keys: list[tuple[int, int]], held: list[bool], dropped: list[int], taken: int
+) -> None:
+    """``drop_from_cache_n`` leaves the pool, the keys, the eviction order
+    and the events exactly as ``drop_from_cache`` of each block in turn
+    (null, unkeyed and repeated ids included); a hand-out evicting several
+    keys in one walk emits one ``BlockRemoved`` per key, in order; and a
+    rollback of either puts everything back, entries shared by several
+    blocks included."""
+    held = held[: len(keys)]
+    one, batch = _cached_pool(keys, held), _cached_pool(keys, held)
+    before = _pool_state(batch)
+    for block in dropped:
+        one.drop_from_cache(block)
+    batch.begin()
+    batch.drop_from_cache_n(dropped)
+    assert _pool_state(batch) == _pool_state(one)
+    assert batch.evictions == one.evictions
+    assert batch.take_events() == one.take_events()
+    batch.rollback()
+    assert _pool_state(batch) == before
+    # A hand-out walks the queue front first and evicts as it goes.
+    taken = min(taken, batch.get_num_free_blocks())
+    order = batch.eviction_order()[:taken]
+    expected = [
+        BlockRemoved(block_hashes=(key,), group_id=gid)
+        for block in order
+        if (key := batch.key_hash[block]) is not None
+        for gid in (batch.key_group[block],)
+    ]
+    evictions = batch.evictions
+    batch.begin()
+    assert batch.get_new_blocks(taken) == order
+    assert batch.take_events() == expected
+    assert batch.evictions == evictions + len(expected)
+    batch.rollback()
+    assert _pool_state(batch) == before
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(True, KvcoreTypeError), (-1, KvcoreValueError), (12, KvcoreValueError),
+     ("3", KvcoreTypeError)],
+)  # fmt: skip
+def test_drop_from_cache_refuses_what_is_not_a_block_id(
+    bad: object, error: type
+) -> None:
+    """An id the engine names for eviction is checked before any key is
+    dropped: a negative id would otherwise drop the last block's key."""
+    p = _cached_pool([(1, 0), (2, 0), (3, 1)], [False, True, False])
+    before = _pool_state(p)
+    with pytest.raises(error, match=r"drop_from_cache: .* is not a block id"):
+        p.drop_from_cache_n([1, bad])  # type: ignore[list-item]
+    assert _pool_state(p) == before
+    assert p.take_events() == []

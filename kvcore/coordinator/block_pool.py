@@ -366,7 +366,8 @@ class BlockPool(FreeMoves, TwinPoolOps):
         """Hand out the ``count`` blocks linked after sentinel ``head`` (all
         of them there), appending them to ``out``: one walk that unlinks
         each, drops its keys and gives it one reference, then links
-        ``head`` to the block after the last."""
+        ``head`` to the block after the last; the keys go after the walk,
+        in one eviction."""
         queue = self.free_queue
         prev_links = queue.prev
         next_links = queue.next
@@ -374,17 +375,23 @@ class BlockPool(FreeMoves, TwinPoolOps):
         key_hash = self.key_hash
         partial = self.partial_keys
         append = out.append
+        keyed: list[BlockId] = []
         block = next_links[head]
         for _ in range(count):
             append(block)
             nxt = next_links[block]
             prev_links[block] = next_links[block] = UNLINKED
             if key_hash[block] is not None or partial[block] is not None:
-                self._drop_keys(block)
+                keyed.append(block)
             ref[block] = 1
             block = nxt
         next_links[head] = block
         prev_links[block] = head
+        if keyed:
+            self._evict_n(keyed)
+            for block in keyed:
+                if partial[block] is not None:
+                    self._drop_partial(block)
 
     def _no_free_blocks(self, num_blocks: int) -> KvcoreValueError:
         if num_blocks < 0:
@@ -398,37 +405,45 @@ class BlockPool(FreeMoves, TwinPoolOps):
         )
         return NoFreeBlocksError(msg)
 
-    def _drop_keys(self, block: BlockId) -> None:
-        """Evict every key ``block`` holds: its full key and its partial keys."""
-        if self.key_hash[block] is not None:
-            self._evict(block)
-        if self.partial_keys[block] is not None:
-            self._drop_partial(block)
-
-    def _evict(self, block: BlockId) -> None:
-        key = self.key_hash[block]
-        assert key is not None  # callers check the block holds a key
-        gid = self.key_group[block]
-        self.key_hash[block] = None
-        self.evictions += 1
-        cached = self._cached[gid]
-        entry = cached.get(key)
-        self._num_cached[gid] -= 1
+    def _evict_n(self, blocks: Sequence[BlockId]) -> None:
+        """Drop the full key of each of ``blocks`` that holds one, in order:
+        its group's cache entry and count, one ``BlockRemoved`` event per
+        key, one journal record for all."""
+        key_hash = self.key_hash
+        key_group = self.key_group
+        groups = self._cached
+        counts = self._num_cached
         journal = self.journal
-        if journal is not None:
-            saved = dict(entry) if isinstance(entry, dict) else entry
-            journal.append((KEY, block, key, gid, saved))
-        remove_entry(cached, key, block)
-        if self.enable_kv_cache_events:
-            self._events.append(BlockRemoved((key,), gid, self.kv_events_medium))
+        saved: list[tuple[BlockId, BlockHash, int, Entry | None]] = []
+        events = self._events if self.enable_kv_cache_events else None
+        for block in blocks:
+            key = key_hash[block]
+            if key is None:
+                continue
+            gid = key_group[block]
+            key_hash[block] = None
+            cached = groups[gid]
+            entry = cached.get(key)
+            saved.append(
+                (block, key, gid, dict(entry) if type(entry) is dict else entry)
+            )
+            if entry == block:
+                del cached[key]
+            else:
+                remove_entry(cached, key, block)
+            counts[gid] -= 1
+            if events is not None:
+                events.append(BlockRemoved((key,), gid, self.kv_events_medium))
+        self.evictions += len(saved)
+        if journal is not None and saved:
+            journal.append((KEY, saved))
 
     def forget_key(self, block: BlockId) -> None:
         """Drop ``block``'s full key, leaving the block where it is (held or
         queued) and its partial keys (each names a prefix that ends inside
         it, keyed once computed): its last slots were never written.  Does
         nothing for a block without a full key."""
-        if self.key_hash[block] is not None:
-            self._evict(block)
+        self._evict_n((block,))
 
     def drop_from_cache(self, block: BlockId) -> None:
         """Forget ``block``'s prefix-cache key: content no later request is
@@ -436,35 +451,32 @@ class BlockPool(FreeMoves, TwinPoolOps):
         moves to the front of the free queue, so it is reused first; one in
         use stays with its holders.  Does nothing for the null block or a
         block without a key."""
-        if not block or self.key_hash[block] is None:
+        self.drop_from_cache_n((block,))
+
+    def drop_from_cache_n(self, blocks: Sequence[BlockId]) -> None:
+        """:meth:`drop_from_cache` of each of ``blocks`` in turn, as one
+        eviction and one move: the free ones go to the queue's front, the
+        last named first (a block named twice counts once).  A value that
+        is not a block id of the pool is refused before anything changes."""
+        check_ids("drop_from_cache", blocks, self.num_blocks)
+        key_hash = self.key_hash
+        dropped = [block for block in blocks if block and key_hash[block] is not None]
+        if not dropped:
             return
-        self._evict(block)
-        if self.ref_cnt[block]:
-            return
+        if len(dropped) > 1 and len(set(dropped)) < len(dropped):
+            dropped = list(dict.fromkeys(dropped))
+        ref = self.ref_cnt
         queue = self.free_queue
-        prev_links = queue.prev
-        next_links = queue.next
-        prev = prev_links[block]
-        nxt = next_links[block]
-        if prev == UNLINKED:
-            queue.remove(block)  # raises: a free block not queued
-            return
-        journal = self.journal
-        if journal is not None:
-            journal.append((MOVE, block, prev, nxt))
-        # To the front: unlinked, then linked after the queue's head.
-        next_links[prev] = nxt
-        prev_links[nxt] = prev
-        if queue.held:
-            queue.held.discard(block)
-        if queue.spare:
-            queue.spare.discard(block)
-        head = queue.head
-        first = next_links[head]
-        next_links[head] = block
-        prev_links[block] = head
-        next_links[block] = first
-        prev_links[first] = block
+        free = [block for block in dropped if not ref[block]]
+        for block in free:
+            if queue.prev[block] == UNLINKED:
+                queue.remove(block)  # raises: a free block not queued
+        self._evict_n(dropped)
+        if free:
+            links = queue.unlink_n(free)
+            if self.journal is not None:
+                self.journal.append((MOVE, *links))
+            queue.prepend_n(free[::-1])
 
     def touch(self, blocks: Iterable[BlockId]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).

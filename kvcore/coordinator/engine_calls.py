@@ -233,11 +233,7 @@ class EngineCalls(ManagerParts):
             raise InvalidRequestError(msg)
         before = pool.evictions
 
-        def drop() -> None:
-            for bid in ids:
-                pool.drop_from_cache(bid)
-
-        self._guarded(drop)
+        self._guarded(pool.drop_from_cache_n, ids)
         return pool.evictions - before
 
     def find_longest_cache_hit_per_group(

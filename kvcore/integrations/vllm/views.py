@@ -137,9 +137,13 @@ class BlockPoolView:
         its holders; a free one is reused first)."""
         pool = self.pool
         pool.begin()
-        for bid in sorted(block_ids):
-            if type(bid) is int and 0 <= bid < pool.num_blocks:
-                pool.drop_from_cache(bid)
+        pool.drop_from_cache_n(
+            [
+                bid
+                for bid in sorted(block_ids)
+                if type(bid) is int and 0 <= bid < pool.num_blocks
+            ]
+        )
         pool.commit()
 
     def get_cached_block(
