@@ -481,42 +481,31 @@ class BlockPool(FreeMoves, TwinPoolOps):
     def touch(self, blocks: Iterable[BlockId]) -> None:
         """Take a reference on each block, reviving free ones (cache hits).
 
-        The null block is skipped.
+        The null block is skipped.  Every id is checked before anything
+        changes.
         """
         if type(blocks) is not list and type(blocks) is not tuple:
             blocks = list(blocks)  # any iterable, walked once
         queue = self.free_queue
         prev_links = queue.prev
-        next_links = queue.next
         ref = self.ref_cnt
         num_blocks = self.num_blocks
+        revived: list[BlockId] = []
         for block in blocks:
             if type(block) is not int or not 0 <= block < num_blocks:
                 check_ids("touch", (block,), num_blocks)  # raises, naming it
-            if block and ref[block] == 0 and prev_links[block] == UNLINKED:
-                queue.remove(block)  # raises, before anything changes: not queued
-        # The unlinked blocks with their links, flat: (block, prev, next)...
+            if block and not ref[block]:
+                if prev_links[block] == UNLINKED:
+                    queue.remove(block)  # raises: free but not queued
+                revived.append(block)
         unlinked: list[BlockId] = []
-        held = queue.held
-        spare = queue.spare
+        if revived:
+            if len(revived) > 1 and len(set(revived)) < len(revived):
+                revived = list(dict.fromkeys(revived))
+            unlinked = queue.unlink_n(revived)
         for block in blocks:
-            cnt = ref[block]
-            if cnt == 0:
-                if not block:
-                    continue
-                # Unlink from the free queue (FreeBlockQueue.remove).
-                prev = prev_links[block]
-                nxt = next_links[block]
-                unlinked += (block, prev, nxt)
-                next_links[prev] = nxt
-                prev_links[nxt] = prev
-                prev_links[block] = next_links[block] = UNLINKED
-                if held:
-                    held.discard(block)
-                if spare:
-                    spare.discard(block)
-            ref[block] = cnt + 1
-        queue.num_free -= len(unlinked) // 3
+            if block:
+                ref[block] += 1
         journal = self.journal
         if journal is not None:
             journal.append((TOUCH, tuple(blocks), unlinked))
