@@ -148,7 +148,9 @@ class TwinPoolOps:
         # Each replaced block held another group's key than the blocks just
         # keyed, so dropping it after every store leaves what one store and
         # drop per group would.
-        pool.drop_from_cache_n([old for old in replaced if old is not None])
+        dropped = [old for old in replaced if old is not None]
+        if dropped:
+            pool.drop_from_cache_n(dropped)
 
     def free_each(self, lists: Sequence[Sequence[int]]) -> None:
         """Release the blocks running requests stopped reading (each of
