@@ -9,6 +9,8 @@ every cached prefix) instead of the back of the eviction order.
 
 from __future__ import annotations
 
+import random
+
 from coordinator_setup import state_hybrid, state_manager
 
 from kvcore.coordinator import KVCacheManager, Request
@@ -91,7 +93,8 @@ def test_output_ends_stay_while_prompts_carry_them_back() -> None:
 def test_the_evidence_follows_the_traffic() -> None:
     """Output ends are kept until MIN_EVIDENCE were counted; then while at
     least one in REUSE_ODDS came back in a prompt (each counted once);
-    counts halve, and the older half of the keys leave, at the memory."""
+    counts halve at the memory, and the keys counted before the previous
+    turn (every half memory) leave."""
     ends = OutputEnds(memory=MIN_EVIDENCE)
     pool = _NoJournal()
     assert ends.memory == 2 * MIN_EVIDENCE
@@ -126,7 +129,9 @@ def test_a_rolled_back_free_leaves_the_evidence_as_it_was() -> None:
     pool.undo = []
     ends.keep_output_end(3, pool)  # halves: 128 counted
     ends.keep_output_end(10**6, pool)
-    assert (ends.counted, ends.returned, len(ends.keys)) == (65, 0, 65)
+    # Key 3, counted again, stays in its generation (0-63), which leaves.
+    assert (ends.counted, ends.returned, len(ends.keys)) == (65, 0, 64)
+    assert min(ends.keys) == 64
     for undo, args in reversed(pool.undo):
         undo(*args)
     assert (dict(ends.keys), ends.counted, ends.returned) == before
@@ -203,3 +208,60 @@ def test_a_running_requests_step_end_is_held_back_only_while_outputs_return() ->
     block = _decoding(mgr, "x")
     assert block in mgr.block_pool.free_queue.spare_blocks()
     assert block not in mgr.block_pool.free_queue.held_blocks()
+
+
+def test_the_evidence_matches_a_model_of_its_generations() -> None:
+    """Over many turns, with keys counted again, prompts noted and unnoted,
+    and rolled-back frees: the counts, the keys remembered and their flags
+    are those of the rule. An output end counted for the i-th time overall
+    (never halved) belongs to generation (i - 1) // (memory / 2), unless
+    its key was remembered then (a key counted again stays where it was);
+    the keys of the current and the previous generation are remembered;
+    the counts halve at each turn from the second."""
+    rng = random.Random(7)
+    ends = OutputEnds(memory=MIN_EVIDENCE)
+    half = ends.memory // 2
+    total = counted = returned = 0
+    home: dict[int, int] = {}  # key -> its generation
+    flag: dict[int, bool] = {}
+    pool = _Journal()
+
+    def remembered(key: int) -> bool:
+        return key in home and home[key] >= total // half - 1
+
+    for _ in range(3000):
+        draw = rng.random()
+        if draw < 0.6:
+            key = rng.randrange(400)
+            pool.undo = []
+            keep = ends.keep_output_end(key, pool)
+            assert keep == (counted < MIN_EVIDENCE or returned * REUSE_ODDS >= counted)
+            if rng.random() < 0.1:  # the free is rolled back
+                for undo, args in reversed(pool.undo):
+                    undo(*args)  # type: ignore[operator]
+                continue
+            if not remembered(key):
+                home[key] = total // half
+            flag[key] = False
+            total += 1
+            counted += 1
+            if total % half == 0 and total >= 2 * half:
+                counted //= 2
+                returned //= 2
+        elif draw < 0.9:
+            prompt = rng.sample(range(400), 20)
+            found = ends.note_prompt(prompt)
+            expected = [k for k in prompt if remembered(k) and not flag[k]]
+            assert sorted(found) == sorted(expected)
+            for key in found:
+                flag[key] = True
+            returned += len(found)
+            if rng.random() < 0.3:  # the admission is refused
+                ends.unnote_prompt(found)
+                for key in found:
+                    flag[key] = False
+                returned -= len(found)
+        kept = {k: flag[k] for k in home if remembered(k)}
+        assert ends.keys == kept
+        assert (ends.counted, ends.returned) == (counted, returned)
+    assert total > 10 * half  # many turns

@@ -14,13 +14,13 @@ While fewer than one in :data:`REUSE_ODDS` of the output ends it counted
 came back, a freed request's output-end state joins the spare blocks,
 evicted before every cached prefix but kept while the pool has room;
 otherwise it goes to the back of the eviction order with the request's
-other blocks.  Counts halve as they grow, so the rule follows a workload
-that changes.
+other blocks.  Counts halve as they grow, and the keys counted before the
+previous halving leave, so the rule follows a workload that changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Any
 
 __all__ = ["REUSE_ODDS", "OutputEnds"]
@@ -34,20 +34,35 @@ MIN_EVIDENCE = 64
 
 class OutputEnds:
     """Keys of recent output-end states of one state group, and how many of
-    the counted ones later prompts passed through."""
+    the counted ones later prompts passed through.
 
-    __slots__ = ("counted", "keys", "memory", "returned")
+    The keys live in two generations, each the keys counted over half the
+    memory: a generation turns over in O(1), so the step that halves the
+    counts costs no more than any other, however long the memory."""
+
+    __slots__ = ("counted", "memory", "newer", "older", "returned", "turn_at")
 
     def __init__(self, memory: int) -> None:
-        #: Keys of the output ends counted, oldest first: whether a prompt
-        #: passed through each since.
-        self.keys: dict[Any, bool] = {}
-        #: Counts halve, and the older half of the keys leave, once this
-        #: many output ends were counted.
+        #: Counts halve once this many output ends were counted.
         self.memory = 2 * max(memory, MIN_EVIDENCE)
+        #: Keys of the output ends counted since the last turn, and in the
+        #: turn before it (a key counted again stays where it was): whether
+        #: a prompt passed through each since.
+        self.newer: dict[Any, bool] = {}
+        self.older: dict[Any, bool] = {}
+        #: The count at which the generations next turn: the newer becomes
+        #: the older and the older leaves (half the memory, then the memory,
+        #: where the counts halve back to half of it).
+        self.turn_at = self.memory // 2
         #: Output ends counted, and those a later prompt passed through.
         self.counted = 0
         self.returned = 0
+
+    @property
+    def keys(self) -> dict[Any, bool]:
+        """Every key remembered, oldest generation first, with its flag (a
+        copy, O(n): for inspection)."""
+        return {**self.older, **self.newer}
 
     def worth_keeping(self) -> bool:
         """Whether output-end states go to the back of the eviction order."""
@@ -56,51 +71,69 @@ class OutputEnds:
     def keep_output_end(self, key: Any, pool: Any) -> bool:
         """Count a freed request's output end, kept under ``key``: whether
         it goes to the back of the eviction order (the evidence before it
-        was counted).  Undone if ``pool``'s open transaction rolls back."""
+        was counted).  At :attr:`turn_at` the generations turn, and at the
+        memory the counts halve.  Undone if ``pool``'s open transaction
+        rolls back."""
         keep = self.worth_keeping()
-        keys = self.keys
-        if self.counted + 1 < self.memory:
-            pool.record(self._unkeep, key, keys.get(key), self.counted, self.returned)
-            keys[key] = False
-            self.counted += 1
-            return keep
-        pool.record(self._restore, dict(keys), self.counted, self.returned)
-        keys[key] = False
-        self.keys = dict(list(keys.items())[len(keys) // 2 :])
-        self.counted = (self.counted + 1) // 2
-        self.returned //= 2
+        older = self.older
+        pool.record(
+            self._restore,
+            older,
+            self.newer,
+            key,
+            older.get(key),
+            self.newer.get(key),
+            (self.counted, self.returned, self.turn_at),
+        )
+        if key in older:
+            older[key] = False
+        else:
+            self.newer[key] = False
+        self.counted += 1
+        if self.counted >= self.turn_at:
+            # The dicts are swapped, not changed: the undo holds them.
+            self.older, self.newer = self.newer, {}
+            if self.counted >= self.memory:
+                self.counted //= 2
+                self.returned //= 2
+            self.turn_at = self.counted + self.memory // 2
         return keep
 
-    def _unkeep(self, key: Any, was: bool | None, counted: int, returned: int) -> None:
-        if was is None:
-            del self.keys[key]
-        else:
-            self.keys[key] = was
-        self.counted = counted
-        self.returned = returned
+    def _restore(
+        self,
+        older: dict[Any, bool],
+        newer: dict[Any, bool],
+        key: Any,
+        was_older: bool | None,
+        was_newer: bool | None,
+        counts: tuple[int, int, int],
+    ) -> None:
+        for store, was in ((older, was_older), (newer, was_newer)):
+            if was is None:
+                store.pop(key, None)
+            else:
+                store[key] = was
+        self.older, self.newer = older, newer
+        self.counted, self.returned, self.turn_at = counts
 
-    def _restore(self, keys: dict[Any, bool], counted: int, returned: int) -> None:
-        self.keys = keys
-        self.counted = counted
-        self.returned = returned
-
-    def note_prompt(self, hashes: Iterable[Any]) -> list[Any]:
+    def note_prompt(self, hashes: Collection[Any]) -> list[Any]:
         """Count the output ends a prompt's chunk hashes pass through that
         no prompt passed through before: their keys, for
         :meth:`unnote_prompt` to undo."""
-        keys = self.keys
-        if not keys:
-            return []
-        found = [key for key in keys.keys() & hashes if not keys[key]]
-        for key in found:
-            keys[key] = True
+        found: list[Any] = []
+        for keys in (self.older, self.newer):
+            if keys:
+                new = [key for key in keys.keys() & hashes if not keys[key]]
+                for key in new:
+                    keys[key] = True
+                found += new
         self.returned += len(found)
         return found
 
     def unnote_prompt(self, found: list[Any]) -> None:
         """Undo :meth:`note_prompt`, which returned ``found``."""
-        keys = self.keys
         for key in found:
-            if key in keys:
-                keys[key] = False
+            for keys in (self.older, self.newer):
+                if key in keys:
+                    keys[key] = False
         self.returned -= len(found)
