@@ -13,6 +13,7 @@ group.  :class:`TwinPoolOps` is a base of ``BlockPool``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 from kvcore.coordinator.hashing import BlockHash
@@ -64,15 +65,15 @@ def key_spans(
     groups = pool._cached
     counts = pool._num_cached
     journal = pool.journal
+    # The span's hashes once, for every table (one slice of a hash view).
+    hashes = block_hashes[span.start : span.stop]
     for table, group_id in zip(tables, group_ids, strict=True):
         cached = groups.get(group_id)
         if cached is None:
             cached = pool.cached_blocks_of(group_id)
         keyed = []
-        for i in span:
-            block = table[i]
+        for block, key in zip(table[span.start : span.stop], hashes, strict=True):
             if block and key_hash[block] is None:
-                key = block_hashes[i]
                 key_hash[block] = key
                 key_group[block] = group_id
                 entry = cached.setdefault(key, block)
@@ -193,15 +194,15 @@ class TwinPoolOps:
             if front:
                 fronts.append(front)
         if fronts:
-            chain = [block for front in reversed(fronts) for block in front]
-            queue._link_after(queue.head, queue.next[queue.head], chain)
+            firsts = [block for front in reversed(fronts) for block in front]
+            queue._link_after(queue.head, queue.next[queue.head], firsts)
         if backs and front_ok:
             queue.spare_n(backs)
         elif backs:  # caching off: no key to keep, queued at the back
             queue._link_after(queue.prev[queue.tail], queue.tail, backs)
         journal = pool.journal
         if journal is not None:
-            journal.append((RELEASE, tuple(b for blocks in lists for b in blocks)))
+            journal.append((RELEASE, tuple(chain.from_iterable(lists))))
 
 
 def double_free(block: int) -> InvalidRequestError:
