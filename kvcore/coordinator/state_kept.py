@@ -46,7 +46,7 @@ def checkpoints_kept(
             if (
                 (end is not None and end[1] == block and end[2] == key)
                 or (before is not None and before[1] == block and before[2] == key)
-                or (kept and any(b == block and k == key for b, k in kept))
+                or (kept and (block, key) in kept)
             ):
                 mine.append(block)
     return out

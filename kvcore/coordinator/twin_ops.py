@@ -66,14 +66,17 @@ def key_spans(
     counts = pool._num_cached
     journal = pool.journal
     # The span's hashes once, for every table (one slice of a hash view).
-    hashes = block_hashes[span.start : span.stop]
+    start = span.start
+    hashes = block_hashes[start : span.stop]
     for table, group_id in zip(tables, group_ids, strict=True):
         cached = groups.get(group_id)
         if cached is None:
             cached = pool.cached_blocks_of(group_id)
         keyed = []
-        for block, key in zip(table[span.start : span.stop], hashes, strict=True):
+        for i in span:
+            block = table[i]
             if block and key_hash[block] is None:
+                key = hashes[i - start]
                 key_hash[block] = key
                 key_group[block] = group_id
                 entry = cached.setdefault(key, block)
