@@ -1087,6 +1087,33 @@ def test_a_rolled_back_partial_drop_restores_the_keys_group() -> None:
     assert p.partial_group == {b: 0}
 
 
+def test_a_rolled_back_partial_drop_keeps_the_order_of_a_shared_key() -> None:
+    """Three blocks hold one partial key; a hand-out that drops the first
+    two is rolled back: the key's blocks are in their order again, so a
+    lookup answers the block it answered before."""
+    p = BlockPool(5, enable_caching=True, hash_block_size=16)
+    blocks = p.get_new_blocks(3)
+    for block in blocks:
+        p.add_partial_key(block, h(1), 0)
+    p.free_blocks(blocks)  # queue: 4, then 1 2 3 (keyed, at the back)
+    before = p.lookup_partial(h(1), [0])
+    assert before == [blocks[0]]
+    p.begin()
+    p.get_new_blocks(3)  # 4, 1, 2: drops the key of 1 and 2
+    assert p.lookup_partial(h(1), [0]) == [blocks[2]]
+    p.rollback()
+    assert p.lookup_partial(h(1), [0]) == before
+    p.get_new_blocks(2)  # 4, 1: block 2 now answers first, as before
+    assert p.lookup_partial(h(1), [0]) == [blocks[1]]
+
+
+def test_drop_from_cache_n_takes_any_iterable() -> None:
+    p = _cached_pool([(1, 0), (2, 0)], [False, False])
+    p.drop_from_cache_n(iter([1, 2]))
+    assert p.key_hash[1] is None and p.key_hash[2] is None
+    assert p.eviction_order()[:2] == [2, 1]
+
+
 def test_block_state_fits_its_budget() -> None:
     """A pool's per-block state (ids, counts, keys, links) stays within
     BLOCK_STATE_BYTES a block, the figure host-memory checks use; block

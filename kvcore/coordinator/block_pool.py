@@ -458,6 +458,8 @@ class BlockPool(FreeMoves, TwinPoolOps):
         eviction and one move: the free ones go to the queue's front, the
         last named first (a block named twice counts once).  A value that
         is not a block id of the pool is refused before anything changes."""
+        if type(blocks) is not list and type(blocks) is not tuple:
+            blocks = list(blocks)  # any iterable, walked twice
         check_ids("drop_from_cache", blocks, self.num_blocks)
         key_hash = self.key_hash
         dropped = [block for block in blocks if block and key_hash[block] is not None]
@@ -746,11 +748,15 @@ class BlockPool(FreeMoves, TwinPoolOps):
         gid = self.partial_group.pop(block)
         self.evictions += 1
         group = self._partial[gid]
-        for key in keys:
-            remove_entry(group, key, block)
         journal = self.journal
         if journal is not None:
-            journal.append((UNPARTIAL, group, keys, block, gid))
+            # Each key's entry as it is, so a rollback puts the blocks
+            # sharing it back in their order (a lookup takes the first).
+            entries = [group.get(key) for key in keys]
+            saved = [dict(e) if type(e) is dict else e for e in entries]
+            journal.append((UNPARTIAL, group, keys, block, gid, saved))
+        for key in keys:
+            remove_entry(group, key, block)
 
     def lookup_partial(
         self, block_hash: BlockHash, group_ids: Sequence[int]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias
 
-from kvcore.coordinator.cache_tables import insert_entry, remove_entry
+from kvcore.coordinator.cache_tables import remove_entry
 
 __all__ = ["NOTHING", "UNDO_CALL", "Record", "undo"]
 
@@ -124,12 +124,16 @@ def _partial(pool: Any, record: Record) -> None:
 
 
 def _unpartial(pool: Any, record: Record) -> None:
-    # (op, group's partial keys, keys, block, group id): keys dropped.
-    _, group, keys, block, gid = record
+    # (op, group's partial keys, keys, block, group id, each key's entry as
+    # it was): the block's partial keys dropped.
+    _, group, keys, block, gid, saved = record
     pool.partial_keys[block] = keys
     pool.partial_group[block] = gid
-    for key in keys:
-        insert_entry(group, key, block)
+    for key, entry in zip(keys, saved, strict=True):
+        if entry is None:
+            group.pop(key, None)
+        else:
+            group[key] = dict(entry) if type(entry) is dict else entry
 
 
 def _call(pool: Any, record: Record) -> None:
