@@ -65,10 +65,15 @@ class HitPointOrder:
             readings = all_readings[index]
             if len(readings) < num:
                 self._read(index, num)
-            # The null block's positions (released, never taken) left out
-            # at C speed: a long request's window tables are mostly null.
-            keys += compress(readings, table)
-            blocks += filter(None, table)
+            if 0 in table:
+                # The null block's positions (released, never taken) left
+                # out at C speed: a long request's window tables are
+                # mostly null, and the sort need not see them.
+                keys += compress(readings, table)
+                blocks += filter(None, table)
+            else:
+                keys += readings[:num]
+                blocks += table
         order = sorted(range(len(keys)), key=keys.__getitem__)
         return [blocks[i] for i in order]
 
