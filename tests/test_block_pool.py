@@ -1110,7 +1110,8 @@ def test_a_rolled_back_partial_drop_keeps_the_order_of_a_shared_key() -> None:
 def test_drop_from_cache_n_takes_any_iterable() -> None:
     p = _cached_pool([(1, 0), (2, 0)], [False, False])
     p.drop_from_cache_n(iter([1, 2]))
-    assert p.key_hash[1] is None and p.key_hash[2] is None
+    assert p.key_hash[1] is None
+    assert p.key_hash[2] is None
     assert p.eviction_order()[:2] == [2, 1]
 
 
