@@ -1258,3 +1258,24 @@ def test_drop_from_cache_refuses_what_is_not_a_block_id(
         p.drop_from_cache_n([1, bad])  # type: ignore[list-item]
     assert _pool_state(p) == before
     assert p.take_events() == []
+
+
+def test_hashes_in_a_sequence_without_slices_still_key_blocks() -> None:
+    """A store slices its span's hashes once; a Sequence that takes no
+    slice (a deque) is read position by position instead, directly or
+    through a view of coarser blocks."""
+    from collections import deque
+
+    from kvcore.coordinator.hashing import BlockHashView
+
+    p = pool(10)
+    blocks = p.get_new_blocks(3)
+    p.cache_full_blocks(
+        block_hashes=deque([h(1), h(2), h(3)]),
+        blocks=blocks,
+        num_cached_blocks=1,
+        num_full_blocks=3,
+        group_id=0,
+    )
+    assert [p.key_hash[b] for b in blocks] == [None, h(2), h(3)]
+    assert BlockHashView(deque([h(i) for i in range(6)]), 2)[0:2] == [h(1), h(3)]

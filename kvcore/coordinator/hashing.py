@@ -20,6 +20,7 @@ when there are no extra keys, else the tagged encoding of the extra-keys tuple
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 from bisect import bisect_left, bisect_right
@@ -716,7 +717,8 @@ class BlockHashView(Sequence[BlockHash]):
             start, stop, step = index.indices(len(self))
             if step > 0 and start < stop:
                 # One extended slice of the chunk hashes, at C speed.
-                return list(self._hashes[(start + 1) * k - 1 : stop * k : step * k])
+                with contextlib.suppress(TypeError):  # unless they take none
+                    return list(self._hashes[(start + 1) * k - 1 : stop * k : step * k])
             return [self._hashes[(i + 1) * k - 1] for i in range(start, stop, step)]
         n = len(self._hashes) // k
         if index < 0:

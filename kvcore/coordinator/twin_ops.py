@@ -67,7 +67,10 @@ def key_spans(
     journal = pool.journal
     # The span's hashes once, for every table (one slice of a hash view).
     start = span.start
-    hashes = block_hashes[start : span.stop]
+    try:
+        hashes = block_hashes[start : span.stop]
+    except TypeError:  # a Sequence that takes no slice (a deque)
+        hashes = [block_hashes[i] for i in span]
     for table, group_id in zip(tables, group_ids, strict=True):
         cached = groups.get(group_id)
         if cached is None:
