@@ -424,3 +424,56 @@ def test_a_dropped_decode_step_keeps_the_partial_keys_of_written_tokens() -> Non
     assert mgr.block_pool.num_partial_keys == keys
     c = Request("c", [*tokens, 9, 9], hash_block_size=128)
     assert mgr.get_computed_blocks(c)[1] == 256
+
+
+class TestTruncatedHits:
+    """``truncate_computed_blocks`` on a group of 64-token blocks hashed
+    every 16 tokens: a cut at a 16-token boundary inside a block keeps
+    that block as the copy source; a cut elsewhere or past the hit is
+    refused, naming the group."""
+
+    @staticmethod
+    def hit() -> tuple[KVCacheManager, Request, object, int]:
+        spec = FullAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=8, dtype=torch.float16
+        )
+        mgr = manager([spec], sched=64, hash_bs=16)
+        shared = prompt(180)
+        run_and_free(mgr, "a", shared, [180])
+        b = Request("b", [*shared, 5, 6, 7], hash_block_size=16)
+        blocks, hit = mgr.get_computed_blocks(b)
+        assert hit == 176  # two blocks, and 48 tokens of the third
+        assert len(blocks.blocks[0]) == 3
+        return mgr, b, blocks, hit
+
+    def test_a_cut_inside_a_block_keeps_it_as_the_copy_source(self):
+        mgr, b, blocks, _ = self.hit()
+        cut = mgr.truncate_computed_blocks(blocks, 160)
+        assert cut.get_block_ids() == blocks.get_block_ids()
+        out = mgr.allocate_slots(b, len(b.all_token_ids) - 160, 160, cut)
+        assert out is not None
+        table = mgr.get_block_ids("b")
+        source = blocks.get_block_ids()[0][2]
+        assert out.copies == (BlockCopy(0, source, table[0][2], 32),)
+        assert table[0][:2] == blocks.get_block_ids()[0][:2]
+
+    def test_a_cut_at_a_block_end_keeps_whole_blocks_only(self):
+        mgr, b, blocks, _ = self.hit()
+        cut = mgr.truncate_computed_blocks(blocks, 128)
+        assert cut.get_block_ids() == ([*blocks.get_block_ids()[0][:2]],)
+        out = mgr.allocate_slots(b, len(b.all_token_ids) - 128, 128, cut)
+        assert out is not None
+        assert out.copies == ()
+
+    @pytest.mark.parametrize(
+        ("tokens", "match"),
+        [
+            (100, "not a multiple of its block size 64"),
+            (400, "blocks to 400 tokens: it is shorter"),
+            (256, "blocks to 256 tokens: it is shorter"),
+        ],
+    )
+    def test_a_cut_off_the_grid_or_past_the_hit_is_refused(self, tokens, match):
+        mgr, _, blocks, _ = self.hit()
+        with pytest.raises(InvalidRequestError, match=f"group 0's hit .*{match}"):
+            mgr.truncate_computed_blocks(blocks, tokens)
