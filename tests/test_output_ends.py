@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from coordinator_setup import state_hybrid, state_manager
+from coordinator_setup import fa, mamba, manager_for, state_hybrid, state_manager
 
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.output_ends import MIN_EVIDENCE, REUSE_ODDS, OutputEnds
@@ -265,3 +265,65 @@ def test_the_evidence_matches_a_model_of_its_generations() -> None:
         assert ends.keys == kept
         assert (ends.counted, ends.returned) == (counted, returned)
     assert total > 10 * half  # many turns
+
+
+def test_twin_state_groups_share_one_evidence_counted_once_a_free() -> None:
+    """Three twin Mamba groups beside full attention hold one evidence
+    between them, which counts each prompt and each freed output end once:
+    the counts follow a plan of one state group over the same traffic, and
+    every twin spares the 65th fresh output end as that plan does."""
+    one = state_hybrid(4000, BS)
+    twins = manager_for(
+        [fa(BS), mamba(BS), mamba(BS), mamba(BS)],
+        8000,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
+    shared = state_manager(twins, 1).output_ends
+    assert all(state_manager(twins, g).output_ends is shared for g in (2, 3))
+    spare = twins.block_pool.free_queue.spare_blocks
+    tokens = list(range(1, 41))
+    for i in range(MIN_EVIDENCE + 1):
+        # A chat's turns first, then fresh prompts: returns, then none.
+        if i < 8:
+            reqs = [Request(f"t{i}", tokens, hash_block_size=BS) for _ in range(2)]
+        else:
+            fresh = [100_000 * (i + 1) + t for t in range(40)]
+            reqs = [Request(f"r{i}", fresh, hash_block_size=BS) for _ in range(2)]
+        _serve(one, reqs[0], 20)
+        _serve(twins, reqs[1], 20)
+        if i < 8:
+            tokens = [*reqs[0].all_token_ids, *range(9000 + 8 * i, 9008 + 8 * i)]
+        ends = state_manager(one).output_ends
+        assert (shared.counted, shared.returned) == (ends.counted, ends.returned)
+        assert shared.keys == ends.keys
+    end = len(reqs[1].all_token_ids) // BS
+    for gid in (1, 2, 3):
+        block = twins.block_pool.lookup(reqs[1].block_hashes[end - 1], gid)
+        assert block is not None
+        assert (block in spare()) == (
+            _output_end_block(one, reqs[0]) in one.block_pool.free_queue.spare_blocks()
+        )
+
+
+def test_a_free_named_by_a_token_is_counted_once_and_undone_whole() -> None:
+    """Twins ask with the free's token: the first ask counts and answers,
+    the others get the same answer and count nothing; rolling the free
+    back forgets the token, so the free counts again when retried."""
+    ends = OutputEnds(memory=MIN_EVIDENCE)
+    pool = _Journal()
+    for key in range(MIN_EVIDENCE):
+        ends.keep_output_end(key, pool)
+    assert not ends.worth_keeping()
+    pool.undo = []
+    assert not ends.keep_output_end("k", pool, ("r", 7))
+    assert ends.keep_output_end("k", pool, ("r", 7)) is False
+    assert ends.counted == MIN_EVIDENCE + 1
+    for undo, args in reversed(pool.undo):
+        undo(*args)  # type: ignore[operator]
+    assert (ends.counted, ends.last) == (MIN_EVIDENCE, None)
+    assert "k" not in ends.keys
+    ends.keep_output_end("k", pool, ("r", 7))
+    assert ends.counted == MIN_EVIDENCE + 1
+    ends.keep_output_end("k", pool, ("r", 8))  # another free of the key
+    assert ends.counted == MIN_EVIDENCE + 2

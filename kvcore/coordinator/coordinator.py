@@ -231,6 +231,8 @@ class KVCacheCoordinator(FreeSteps):
         #: Classes of two or more twin state groups (see twin_key): they
         #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
         self._path_twins = checkpoint_twins(self.planning)
+        for twins in self._path_twins:
+            CheckpointManager.share_evidence(twins)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
         self.partial_units: dict[int, int] = {

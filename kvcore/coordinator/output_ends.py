@@ -40,7 +40,7 @@ class OutputEnds:
     memory: a generation turns over in O(1), so the step that halves the
     counts costs no more than any other, however long the memory."""
 
-    __slots__ = ("counted", "memory", "newer", "older", "returned", "turn_at")
+    __slots__ = ("counted", "last", "memory", "newer", "older", "returned", "turn_at")
 
     def __init__(self, memory: int) -> None:
         #: Counts halve once this many output ends were counted.
@@ -57,6 +57,9 @@ class OutputEnds:
         #: Output ends counted, and those a later prompt passed through.
         self.counted = 0
         self.returned = 0
+        #: The token of the last output end counted with one, and what
+        #: :meth:`keep_output_end` answered (twin groups share the evidence).
+        self.last: tuple[Any, bool] | None = None
 
     @property
     def keys(self) -> dict[Any, bool]:
@@ -68,12 +71,17 @@ class OutputEnds:
         """Whether output-end states go to the back of the eviction order."""
         return self.counted < MIN_EVIDENCE or self.returned * REUSE_ODDS >= self.counted
 
-    def keep_output_end(self, key: Any, pool: Any) -> bool:
+    def keep_output_end(self, key: Any, pool: Any, token: Any = None) -> bool:
         """Count a freed request's output end, kept under ``key``: whether
         it goes to the back of the eviction order (the evidence before it
         was counted).  At :attr:`turn_at` the generations turn, and at the
-        memory the counts halve.  Undone if ``pool``'s open transaction
-        rolls back."""
+        memory the counts halve.  A ``token`` names the free: twin groups
+        sharing the evidence each ask with the same one, and only the first
+        ask counts (the others get its answer).  Undone if ``pool``'s open
+        transaction rolls back."""
+        last = self.last
+        if token is not None and last is not None and last[0] == token:
+            return last[1]
         keep = self.worth_keeping()
         older = self.older
         pool.record(
@@ -83,8 +91,10 @@ class OutputEnds:
             key,
             older.get(key),
             self.newer.get(key),
-            (self.counted, self.returned, self.turn_at),
+            (self.counted, self.returned, self.turn_at, last),
         )
+        if token is not None:
+            self.last = (token, keep)
         if key in older:
             older[key] = False
         else:
@@ -106,7 +116,7 @@ class OutputEnds:
         key: Any,
         was_older: bool | None,
         was_newer: bool | None,
-        counts: tuple[int, int, int],
+        counts: tuple[int, int, int, tuple[Any, bool] | None],
     ) -> None:
         for store, was in ((older, was_older), (newer, was_newer)):
             if was is None:
@@ -114,7 +124,7 @@ class OutputEnds:
             else:
                 store[key] = was
         self.older, self.newer = older, newer
-        self.counted, self.returned, self.turn_at = counts
+        self.counted, self.returned, self.turn_at, self.last = counts
 
     def note_prompt(self, hashes: Collection[Any]) -> list[Any]:
         """Count the output ends a prompt's chunk hashes pass through that

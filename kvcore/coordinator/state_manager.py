@@ -90,9 +90,15 @@ class CheckpointManager(SingleTypeManager):
         self._step_ends = self.caching and (self.keep_all or policy.keeps_step_ends)
         self._replaces = not (self.keep_all or policy.every_step)
         self._holds_shared = self.caching and not self.keep_all and policy.hold_shared
-        #: Whether prompts carried output ends back (with step ends replaced).
+        #: Whether prompts carried output ends back (with step ends replaced):
+        #: one evidence for a class of twins (see :meth:`share_evidence`).
         self.output_ends = OutputEnds(min(block_pool.num_blocks, 1 << 16))
         self._weighs_ends = self._step_ends and self._replaces
+        #: Whether this group counts the prompts for its class's evidence
+        #: (the first twin; every group on its own).
+        self._notes_prompts = True
+        #: Whether its twins share the evidence (frees then name themselves).
+        self._shares_evidence = False
         #: request id -> the output ends its prompt passed through (counted
         #: at admission, undone by forget_checkpoints unless it was admitted).
         self._returned: dict[str, list[Any]] = {}
@@ -154,7 +160,7 @@ class CheckpointManager(SingleTypeManager):
         whose states the policy keeps (after ``num_computed_tokens``, the
         hit included)."""
         rid = request.request_id
-        if self._weighs_ends:
+        if self._weighs_ends and self._notes_prompts:
             found = self.output_ends.note_prompt(request.block_hashes)
             if found:
                 self._returned[rid] = found
@@ -240,6 +246,19 @@ class CheckpointManager(SingleTypeManager):
         for twin, f in zip(twins, found, strict=True):
             if f is not None:
                 twin.on_path[request.request_id] = f
+
+    @staticmethod
+    def share_evidence(twins: Sequence[CheckpointManager]) -> None:
+        """Give a class of twin groups one output-end evidence: twins see
+        the same prompts and free the same output ends, so one tracker
+        answers for all (one memory of keys, not one per group).  The
+        first twin counts the prompts; each free is counted once, on the
+        first twin's ask (see :meth:`OutputEnds.keep_output_end`)."""
+        shared = twins[0].output_ends
+        for twin in twins:
+            twin.output_ends = shared
+            twin._notes_prompts = twin is twins[0]
+            twin._shares_evidence = True
 
     def shed_checkpoints(self, request_id: str) -> Any:
         # No checkpoint inside the coming steps; the states it holds for
@@ -766,10 +785,11 @@ class CheckpointManager(SingleTypeManager):
         if returned is not None:  # admitted: its count stands
             pool.record(self._returned.__setitem__, request_id, returned)
         ends = self.output_ends
+        token = (request_id, pool.transactions) if self._shares_evidence else None
         if (
             step_end is not None
             and self._weighs_ends
-            and not ends.keep_output_end(step_end[2], pool)
+            and not ends.keep_output_end(step_end[2], pool, token)
         ):
             self._spared[request_id] = step_end[1:]
             pool.record(self._spared.pop, request_id, None)
