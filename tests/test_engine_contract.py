@@ -223,6 +223,32 @@ def test_a_list_released_twice_is_refused_once_its_blocks_are_reused() -> None:
     assert mgr.get_block_ids("B") == ([3, 2, 1],)
 
 
+def test_a_list_released_twice_is_refused_while_another_list_shares_it() -> None:
+    """B hit all of A's blocks; both finish with a step in flight. A's list
+    released twice is refused: the second release would drop B's
+    references while B's step still reads them. A list cut short or with
+    a block twice is refused too; B's own list, in any order, is taken."""
+    mgr = manager([setup.fa(4)], 8)
+    a = req("A", range(1, 9))
+    assert mgr.allocate_slots(a, 8) is not None
+    a.num_computed_tokens = 8
+    b = req("B", [*range(1, 9), 50, 51, 52, 53])
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8
+    assert mgr.allocate_slots(b, 4, num_hit, hit) is not None
+    listed_a = mgr.pop_blocks_for_free(a)
+    listed_b = mgr.pop_blocks_for_free(b)
+    mgr.release_blocks(listed_a)
+    held = [mgr.block_pool.ref_cnt[block.block_id] for block in listed_b]
+    for bad in (listed_a, listed_b[:2], [*listed_b, listed_b[0]]):
+        with pytest.raises(InvalidRequestError, match="not held for release"):
+            mgr.release_blocks(bad)
+    assert [mgr.block_pool.ref_cnt[block.block_id] for block in listed_b] == held
+    assert held == [1, 1, 1]
+    mgr.release_blocks(listed_b[::-1])
+    assert mgr.get_num_free_blocks() == 7
+
+
 def _state_request_finished(
     deferred: bool, other_first: bool
 ) -> tuple[list[int], set[int]]:

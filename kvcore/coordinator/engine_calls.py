@@ -63,7 +63,7 @@ class GroupPrefixCacheStats(NamedTuple):
 class EngineCalls(ManagerParts):
     """The engine-contract calls of :class:`KVCacheManager`."""
 
-    _popped: Counter[int]
+    _popped: Counter[tuple[int, ...]]
     _marks: StepMarks
     prefix_cache_stats: PrefixCacheStats
 
@@ -133,7 +133,7 @@ class EngineCalls(ManagerParts):
         ids: list[BlockId] = self._finish(
             request, self.coordinator.pop_for_free, forward_ran
         )
-        self._popped.update(b for b in ids if b)
+        self._popped[_list_key(ids)] += 1
         view = self.block_pool.block
         return [view(b) for b in ids]
 
@@ -171,9 +171,11 @@ class EngineCalls(ManagerParts):
 
     def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Return the blocks :meth:`pop_blocks_for_free` handed out to the
-        pool, each list once (tail first; cached prefixes stay cached).  A
-        block released twice, or never handed out, is refused and nothing
-        changes, even once the pool has given it to another request."""
+        pool, each list once, whole, in any order (tail first; cached
+        prefixes stay cached).  A list released twice, or not handed out
+        as it is, is refused and nothing changes, even where another list
+        still out holds the same blocks or the pool has given them to
+        another request."""
         given: object = blocks  # checked: engines pass anything
         pool = self.block_pool
         if not isinstance(given, (list, tuple)) or not all(
@@ -185,21 +187,20 @@ class EngineCalls(ManagerParts):
             )
             raise KvcoreTypeError(msg)
         ids = [b.block_id for b in blocks]
-        listed = Counter(b for b in ids if b)
+        key = _list_key(ids)
         popped = self._popped
-        extra = sorted(i for i, n in listed.items() if n > popped[i])
-        if extra:
+        if not popped[key]:
             msg = (
-                f"release_blocks: blocks {extra[:8]} are not held for release: "
-                "this list was released already, or pop_blocks_for_free did not "
-                "hand them out; pass each list it returned once"
+                f"release_blocks: the list of blocks {list(key[:8])} is not held "
+                "for release: it was released already, or pop_blocks_for_free "
+                "did not hand it out (a list is released whole, once); pass "
+                "each list it returned once"
             )
             raise InvalidRequestError(msg)
         self._guarded(pool.free_table, ids)
-        popped.subtract(listed)
-        for block_id in listed:
-            if not popped[block_id]:
-                del popped[block_id]
+        popped[key] -= 1
+        if not popped[key]:
+            del popped[key]
 
     def new_step_starts(self) -> None:
         """Say a new engine step starts: the states earlier steps keyed are
@@ -348,3 +349,9 @@ def _forget_then(
     :meth:`KVCacheCoordinator.forget_unwritten`)."""
     coordinator.forget_unwritten(rid, num_computed_tokens)
     return call(rid)
+
+
+def _list_key(ids: Sequence[BlockId]) -> tuple[int, ...]:
+    """A popped list's ids as release_blocks matches them: sorted, the
+    null block left out (any order of the same list is that list)."""
+    return tuple(sorted(b for b in ids if b))

@@ -176,10 +176,11 @@ class KVCacheManager(StepNeeds, EngineCalls):
         #: The request object of each live id (one holding blocks), so
         #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
-        #: Block id -> listings pop_blocks_for_free handed out and
-        #: release_blocks has not taken back: a list released twice is
-        #: refused even once its blocks were handed out again.
-        self._popped: Counter[int] = Counter()
+        #: The lists pop_blocks_for_free handed out and release_blocks has
+        #: not taken back, each as its block ids sorted (the null block
+        #: left out), with how many such lists are out: a list released
+        #: twice is refused even where another list holds the same blocks.
+        self._popped: Counter[tuple[int, ...]] = Counter()
         #: Each live request's admission hit, step end and release point.
         self._marks = StepMarks()
         #: What an admission leaves free for the running requests' next
