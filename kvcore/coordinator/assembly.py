@@ -38,6 +38,7 @@ __all__ = [
     "event_groups",
     "hit_units",
     "search_groups",
+    "share_evidence",
 ]
 
 
@@ -271,3 +272,16 @@ def checkpoint_twins(
         if isinstance(m, CheckpointManager):
             twins.setdefault(twin_key(m), []).append(m)
     return tuple(c for c in twins.values() if len(c) > 1)
+
+
+def share_evidence(twins: Sequence[CheckpointManager]) -> None:
+    """Give a class of twin state groups one output-end evidence: twins see
+    the same prompts and free the same output ends, so one tracker answers
+    for all (one memory of keys, not one per group).  The first twin counts
+    the prompts; each free is counted once, on the first twin's ask (see
+    :meth:`OutputEnds.keep_output_end`)."""
+    shared = twins[0].output_ends
+    for twin in twins:
+        twin.output_ends = shared
+        twin._notes_prompts = twin is twins[0]
+        twin._shares_evidence = True

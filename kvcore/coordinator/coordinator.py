@@ -21,6 +21,7 @@ from kvcore.coordinator.assembly import (
     event_groups,
     hit_units,
     search_groups,
+    share_evidence,
 )
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.cache_spans import CacheSpans
@@ -232,7 +233,7 @@ class KVCacheCoordinator(FreeSteps):
         #: agree on one checkpoint path (see :meth:`plan_checkpoints`).
         self._path_twins = checkpoint_twins(self.planning)
         for twins in self._path_twins:
-            CheckpointManager.share_evidence(twins)
+            share_evidence(twins)
         #: Group id -> copy-on-write hit unit, for groups that serve partial
         #: hits (empty when none does).
         self.partial_units: dict[int, int] = {

@@ -91,7 +91,7 @@ class CheckpointManager(SingleTypeManager):
         self._replaces = not (self.keep_all or policy.every_step)
         self._holds_shared = self.caching and not self.keep_all and policy.hold_shared
         #: Whether prompts carried output ends back (with step ends replaced):
-        #: one evidence for a class of twins (see :meth:`share_evidence`).
+        #: one evidence for a class of twins (see assembly.share_evidence).
         self.output_ends = OutputEnds(min(block_pool.num_blocks, 1 << 16))
         self._weighs_ends = self._step_ends and self._replaces
         #: Whether this group counts the prompts for its class's evidence
@@ -246,19 +246,6 @@ class CheckpointManager(SingleTypeManager):
         for twin, f in zip(twins, found, strict=True):
             if f is not None:
                 twin.on_path[request.request_id] = f
-
-    @staticmethod
-    def share_evidence(twins: Sequence[CheckpointManager]) -> None:
-        """Give a class of twin groups one output-end evidence: twins see
-        the same prompts and free the same output ends, so one tracker
-        answers for all (one memory of keys, not one per group).  The
-        first twin counts the prompts; each free is counted once, on the
-        first twin's ask (see :meth:`OutputEnds.keep_output_end`)."""
-        shared = twins[0].output_ends
-        for twin in twins:
-            twin.output_ends = shared
-            twin._notes_prompts = twin is twins[0]
-            twin._shares_evidence = True
 
     def shed_checkpoints(self, request_id: str) -> Any:
         # No checkpoint inside the coming steps; the states it holds for
