@@ -137,13 +137,17 @@ class BlockPoolView:
         its holders; a free one is reused first)."""
         pool = self.pool
         pool.begin()
-        pool.drop_from_cache_n(
-            [
-                bid
-                for bid in sorted(block_ids)
-                if type(bid) is int and 0 <= bid < pool.num_blocks
-            ]
-        )
+        try:
+            pool.drop_from_cache_n(
+                [
+                    bid
+                    for bid in sorted(block_ids)
+                    if type(bid) is int and 0 <= bid < pool.num_blocks
+                ]
+            )
+        except BaseException:
+            pool.rollback()
+            raise
         pool.commit()
 
     def get_cached_block(
