@@ -63,6 +63,13 @@ class Raising(MambaManager):
             raise RuntimeError(msg)
         return new
 
+    def take_released_checkpoints(self, request_id: str) -> list[int]:
+        states = super().take_released_checkpoints(request_id)
+        if self.armed:
+            msg = "release failed"
+            raise RuntimeError(msg)
+        return states
+
 
 class RaisingMamba(Mamba):
     def make_manager(self, spec: MambaSpec, block_pool: Any, **kwargs: Any) -> Any:
@@ -108,6 +115,41 @@ def test_a_rolled_back_admission_does_not_count_as_a_resume() -> None:
     assert manager.shared_states == {}
     mgr.free(b)
     assert mgr.get_num_free_blocks() == 199
+
+
+def test_a_release_that_raises_changes_nothing_and_runs_again() -> None:
+    """A deferred free whose release raises in a state group leaves the
+    pool and the popped list as they were: released again, it frees the
+    request as a free does, its kept states at the back."""
+    registry = KindRegistry.from_kinds([FullAttention(), RaisingMamba()])
+
+    def finished(deferred: bool) -> KVCacheManager:
+        mgr = state_hybrid(200, registry=registry)
+        r = prefill(mgr, "r", list(range(5000, 5040)))
+        for i in range(40):  # releasing the states it keeps as it goes
+            r.append_output_token_ids(7000 + i)
+            mgr.remove_skipped_blocks(r, r.num_computed_tokens)
+            assert mgr.allocate_slots(r, 1) is not None
+            r.num_computed_tokens += 1
+        assert mgr.block_pool.free_queue.held_blocks()
+        if not deferred:
+            mgr.free(r)
+            return mgr
+        blocks = mgr.pop_blocks_for_free(r)
+        manager = state(mgr)
+        assert isinstance(manager, Raising)
+        before = (mgr.block_pool.eviction_order(), list(mgr.block_pool.ref_cnt))
+        manager.armed = True
+        with pytest.raises(PluginError, match="release failed"):
+            mgr.release_blocks(blocks)
+        assert (mgr.block_pool.eviction_order(), list(mgr.block_pool.ref_cnt)) == before
+        manager.armed = False
+        mgr.release_blocks(blocks)
+        return mgr
+
+    popped, freed = finished(deferred=True), finished(deferred=False)
+    assert popped.block_pool.eviction_order() == freed.block_pool.eviction_order()
+    assert popped.get_num_free_blocks() == freed.get_num_free_blocks() == 199
 
 
 def test_a_superseded_state_does_not_drop_a_block_another_request_cached() -> None:

@@ -9,6 +9,8 @@ taken out as the null block; within a step groups allocate in group order.
 
 from __future__ import annotations
 
+import copy
+
 import coordinator_setup as setup
 import pytest
 
@@ -288,20 +290,103 @@ def _state_request_finished(
 
 def test_a_deferred_free_queues_blocks_as_a_free_when_released() -> None:
     """A free deferred until its step completes queues the request's
-    blocks, and the released states it kept behind them, as a free at
-    release time does: after every block freed meanwhile.  Only the states
-    still in its table keep their place among its blocks (the group names
-    a state it keeps only once that state is free)."""
+    blocks, and the released states it kept behind them, exactly as a free
+    at release time does: after every block freed meanwhile."""
     order, in_table = _state_request_finished(deferred=True, other_first=True)
     direct, _ = _state_request_finished(deferred=False, other_first=True)
     early, _ = _state_request_finished(deferred=False, other_first=False)
     assert in_table
-    assert [b for b in order if b not in in_table] == [
-        b for b in direct if b not in in_table
-    ]
-    assert [b for b in order if b not in in_table] != [
-        b for b in early if b not in in_table
-    ]
+    assert order == direct
+    assert order != early
+
+
+def _window_request(name: str = "R") -> tuple[KVCacheManager, Request]:
+    """A request of a full-attention and sliding-window plan that has run
+    past its window: the window blocks it released wait held back, free,
+    for later requests' hits on its prefix."""
+    mgr = manager([setup.fa(4), setup.sw(4, 8)], 40)
+    r = req(name, range(1, 25))
+    for n in (8, 8, 8):
+        assert mgr.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+    for i in range(16):
+        r.append_output_token_ids(99 + i)
+        assert mgr.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    assert mgr.block_pool.free_queue.held_blocks()
+    return mgr, r
+
+
+def test_a_deferred_free_takes_no_free_block_while_its_step_runs() -> None:
+    """Popping a request holds its own blocks only: the window blocks it
+    held back stay free (and given out if needed) until the release."""
+    mgr, r = _window_request()
+    before = max(n for n in range(4, 64, 4) if _admits(copy.deepcopy(mgr), n))
+    held = list(mgr.block_pool.free_queue.held_blocks())
+    free = mgr.get_num_free_blocks()
+    blocks = mgr.pop_blocks_for_free(r)
+    assert mgr.get_num_free_blocks() == free
+    assert [mgr.block_pool.ref_cnt[b] for b in held] == [0] * len(held)
+    assert not {b.block_id for b in blocks} & set(held)
+    # The longest fresh prompt that fits beside R running fits after the pop.
+    assert _admits(copy.deepcopy(mgr), before)
+    mgr.release_blocks(blocks)
+    assert mgr.get_num_free_blocks() == 39
+
+
+def _admits(mgr: KVCacheManager, num_tokens: int) -> bool:
+    fresh = req("F", range(5000, 5000 + num_tokens))
+    return mgr.allocate_slots(fresh, num_tokens) is not None
+
+
+def _window_finished(deferred: bool, name: str = "Q") -> list[int]:
+    """The eviction order once Q hit R's prefix (taking some blocks R held
+    back) and both finished: R popped, Q freed, R's list released; or
+    (not ``deferred``) Q freed, then R."""
+    mgr, r = _window_request()
+    q = req(name, [*range(1, 25), 777, 778, 779, 780])
+    hit, num_hit = mgr.get_computed_blocks(q)
+    assert num_hit == 24
+    assert mgr.allocate_slots(q, 4, num_hit, hit) is not None
+    q.num_computed_tokens = 28
+    if deferred:
+        blocks = mgr.pop_blocks_for_free(r)
+        mgr.free(q)
+        mgr.release_blocks(blocks)
+    else:
+        mgr.free(q)
+        mgr.free(r)
+    return mgr.block_pool.eviction_order()
+
+
+def test_a_deferred_free_rejoins_held_back_blocks_when_released() -> None:
+    """The blocks R held back rejoin its table at the release, as a free
+    then does: those Q took and freed meanwhile are queued among R's
+    blocks by their positions, not where Q's free left them."""
+    assert _window_finished(deferred=True) == _window_finished(deferred=False)
+
+
+def test_an_id_reused_before_the_release_keeps_its_records() -> None:
+    """A new request under the popped request's id (its id is free at the
+    pop) holds back its own blocks; the old list's release takes only the
+    old request's, and each free queues its blocks as under another id."""
+
+    def run(name: str) -> list[int]:
+        mgr, r = _window_request()
+        blocks = mgr.pop_blocks_for_free(r)
+        again = req(name, range(300, 324))
+        for n in (8, 8, 8):
+            assert mgr.allocate_slots(again, n) is not None
+            again.num_computed_tokens += n
+        for i in range(12):
+            again.append_output_token_ids(500 + i)
+            assert mgr.allocate_slots(again, 1) is not None
+            again.num_computed_tokens += 1
+        mgr.release_blocks(blocks)
+        mgr.free(again)
+        return mgr.block_pool.eviction_order()
+
+    assert run("R") == run("S")
 
 
 # -- bounded lookups ------------------------------------------------------------------

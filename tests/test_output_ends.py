@@ -9,6 +9,7 @@ every cached prefix) instead of the back of the eviction order.
 
 from __future__ import annotations
 
+import copy
 import random
 
 from coordinator_setup import fa, mamba, manager_for, state_hybrid, state_manager
@@ -168,6 +169,21 @@ def test_pop_blocks_for_free_hands_back_the_output_end_state_still_held() -> Non
     assert state in [block.block_id for block in popped]
     assert mgr.block_pool.ref_cnt[state] == 1
     assert state not in mgr.block_pool.free_queue.spare_blocks()
+
+
+def test_a_released_list_spares_the_output_end_state_as_free_does() -> None:
+    """Released once its step completes, the popped output-end state joins
+    the spare blocks, as a free at that time puts it, not the back."""
+    mgr = state_hybrid(400, BS)
+    _fresh_traffic(mgr)
+    req = Request("x", [9_000_000 + t for t in range(40)], hash_block_size=BS)
+    _run(mgr, req, 24)
+    state = mgr.get_blocks("x").ids[1][-1]
+    popped, popped_req = copy.deepcopy((mgr, req))
+    popped.release_blocks(popped.pop_blocks_for_free(popped_req))
+    mgr.free(req)
+    assert state in popped.block_pool.free_queue.spare_blocks()
+    assert popped.block_pool.eviction_order() == mgr.block_pool.eviction_order()
 
 
 def test_a_refused_admission_leaves_the_evidence_as_it_was() -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcore.coordinator.blocks import BlockId, KVCacheBlock, KVCacheBlocks
 from kvcore.coordinator.checks import check_hashing, check_tokens, not_a_request, owned
+from kvcore.coordinator.freeing import list_key
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.coordinator.state_manager import CheckpointManager
@@ -133,7 +134,7 @@ class EngineCalls(ManagerParts):
         ids: list[BlockId] = self._finish(
             request, self.coordinator.pop_for_free, forward_ran
         )
-        self._popped[_list_key(ids)] += 1
+        self._popped[list_key(ids)] += 1
         view = self.block_pool.block
         return [view(b) for b in ids]
 
@@ -187,7 +188,7 @@ class EngineCalls(ManagerParts):
             )
             raise KvcoreTypeError(msg)
         ids = [b.block_id for b in blocks]
-        key = _list_key(ids)
+        key = list_key(ids)
         popped = self._popped
         if not popped[key]:
             msg = (
@@ -197,7 +198,7 @@ class EngineCalls(ManagerParts):
                 "each list it returned once"
             )
             raise InvalidRequestError(msg)
-        self._guarded(pool.free_table, ids)
+        self._guarded(_release_popped, self.coordinator, ids)
         popped[key] -= 1
         if not popped[key]:
             del popped[key]
@@ -351,7 +352,8 @@ def _forget_then(
     return call(rid)
 
 
-def _list_key(ids: Sequence[BlockId]) -> tuple[int, ...]:
-    """A popped list's ids as release_blocks matches them: sorted, the
-    null block left out (any order of the same list is that list)."""
-    return tuple(sorted(b for b in ids if b))
+def _release_popped(coordinator: KVCacheCoordinator, ids: list[BlockId]) -> None:
+    """Finish the free of a popped list (its blocks still held): as
+    :meth:`KVCacheCoordinator.free` would now."""
+    if not coordinator.free_popped(ids):
+        coordinator.block_pool.free_table(ids)

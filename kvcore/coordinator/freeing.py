@@ -12,22 +12,42 @@ the eviction order.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcore.coordinator.blocks import UNLINKED
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
-from kvcore.coordinator.pool_checks import check_ids
 from kvcore.coordinator.twins import twin_runs
+from kvcore.coordinator.undo import truncate
 from kvcore.errors import InvalidRequestError, KvcoreTypeError
 
 if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
     from kvcore.errors import PluginError
 
-__all__ = ["FreeSteps"]
+__all__ = ["FreeSteps", "PoppedId", "list_key"]
+
+
+class PoppedId(str):
+    """The id a popped request's records are filed under until its blocks
+    are released (:meth:`FreeSteps.pop_for_free`): it reads as the request
+    id but equals only itself, so a new request under the same id never
+    meets the old one's records."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
+
+def list_key(ids: Sequence[int]) -> tuple[int, ...]:
+    """A popped list's ids as a release matches them: sorted, the null
+    block left out (any order of the same list is that list)."""
+    return tuple(sorted(b for b in ids if b))
 
 
 class FreeSteps:
@@ -70,6 +90,15 @@ class FreeSteps:
         self._by_hit_points: HitPointOrder | None = None
         if sum(m.caching for m in managers) > 1:
             self._by_hit_points = HitPointOrder(self._free_order, self.plugin_error)
+        #: The groups with work left for a free after its blocks are popped
+        #: (held-back blocks, kept states): a popped request's records there
+        #: are filed under a :class:`PoppedId` until its list is released.
+        self._parking = (*self._holding, *self._evicting_last)
+        #: The popped lists whose free is not finished, by :func:`list_key`:
+        #: each one's id and popped tables, in the order they were popped.
+        self._parked: dict[
+            tuple[int, ...], list[tuple[str, list[list[int] | None]]]
+        ] = {}
 
     def forget_unwritten(self, request_id: str, num_computed_tokens: int) -> None:
         """Drop the full prefix-cache keys of the request's blocks that hold
@@ -105,63 +134,69 @@ class FreeSteps:
 
     def free(self, request_id: str) -> None:
         """Free every group's blocks at once, the tail first."""
-        freed = self._pop_tables(request_id)
+        self._free_tables(request_id, self._pop_tables(request_id))
+
+    def pop_for_free(self, request_id: str) -> list[int]:
+        """Forget the request and hand back every group's blocks, still
+        held, as :meth:`BlockPool.free_table` takes them; the request's id
+        is free for reuse at once.  Freeing that list later through
+        :meth:`free_popped` is :meth:`free` at that time: the blocks the
+        request held back rejoin its tables if they are still cached then,
+        and the states it kept move to the back then.  Until then those
+        stay free where they are (nothing is taken from the free pool but
+        the request's own blocks), filed under a :class:`PoppedId`."""
+        tables = self._pop_tables(request_id)
+        freed = self._in_free_order(tables)
+        if self._parking:
+            token = PoppedId(request_id)
+            self._each(self._parking, "park_freed", request_id, token)
+            key = list_key(freed)
+            records = self._parked.get(key)
+            if records is None:
+                records = self._parked[key] = []
+                self.block_pool.record(self._parked.pop, key, None)
+            else:
+                self.block_pool.record(truncate, records, len(records))
+            records.append((token, tables))
+        return freed
+
+    def free_popped(self, blocks: Sequence[int]) -> bool:
+        """Finish the free of a list :meth:`pop_for_free` handed out (any
+        order of it), as :meth:`free` would now; False, changing nothing,
+        when no popped list still out holds exactly those blocks (the
+        caller frees them as it would any blocks).  Lists of the same
+        blocks are taken in the order they were popped."""
+        if not self._parked:
+            return False
+        key = list_key(blocks)
+        records = self._parked.get(key)
+        if records is None:
+            return False
+        token, tables = records.pop(0)
+        self.block_pool.record(records.insert, 0, (token, tables))
+        if not records:
+            del self._parked[key]
+            self.block_pool.record(self._parked.__setitem__, key, records)
+        self._free_tables(token, tables)
+        return True
+
+    def _free_tables(self, request_id: str, tables: list[list[int] | None]) -> None:
+        """Queue a freed request's popped ``tables`` for eviction: the
+        blocks it held back rejoin them first (:meth:`_rejoin_held_back`),
+        then every block by hit point across caching groups
+        (:class:`HitPointOrder`), else group by group in free order, each
+        tail first; the states it kept go to the back last."""
+        if self._holding:
+            self._rejoin_held_back(request_id, tables)
+        freed = self._in_free_order(tables)
         if freed:
             self.block_pool.free_table(freed)
         if self._evicting_last:
             self._refresh_checkpoints(request_id)
 
-    def pop_for_free(self, request_id: str) -> list[int]:
-        """Forget the request and hand back every group's blocks, still
-        held, as :meth:`BlockPool.free_table` takes them: freeing the list
-        later queues the blocks as :meth:`free` would have then.  The
-        states it kept and released earlier that are free now (see
-        :meth:`_refresh_checkpoints`) are held too and listed first, so they
-        go behind its other blocks when the list is freed, not before them
-        and before every block freed meanwhile.  A group names a kept state
-        only while it is free, so one still held (in the request's table,
-        or by a request that hit it) is not moved: it keeps its place among
-        the request's blocks, or where its last holder frees it."""
-        freed = self._pop_tables(request_id)
-        if self._evicting_last:
-            freed = self._kept_states_first(request_id, freed)
-        return freed
-
-    def _kept_states_first(self, request_id: str, freed: list[int]) -> list[int]:
-        """``freed`` with the kept states :meth:`_refresh_checkpoints` would
-        move once it is freed listed first, in the reverse of their order
-        (``free_table`` queues the first listed last): each state that
-        freeing ``freed`` leaves free, queued and keyed, its listings in
-        ``freed`` moved there, a state that is free now taken (touched)."""
-        pool = self.block_pool
-        states = self._released_states(request_id)
-        check_ids("take_released_checkpoints", states, pool.num_blocks)
-        listed = Counter(freed)
-        ref = pool.ref_cnt
-        key_hash = pool.key_hash
-        prev_links = pool.free_queue.prev
-        chosen = [
-            block
-            for block in states
-            if block
-            and key_hash[block] is not None
-            and ref[block] == listed[block]
-            and (listed[block] or prev_links[block] != UNLINKED)
-        ]
-        if not chosen:
-            return freed
-        chosen = list(dict.fromkeys(reversed(chosen)))  # by its last naming
-        pool.touch([block for block in chosen if not listed[block]])
-        moved = set(chosen)
-        return [block for block in chosen for _ in range(listed[block] or 1)] + [
-            block for block in freed if block not in moved
-        ]
-
-    def _pop_tables(self, request_id: str) -> list[int]:
-        """The request's blocks as :meth:`BlockPool.free_table` takes them:
-        by hit point across caching groups (:class:`HitPointOrder`), else
-        group by group in free order, each tail first; the blocks it held
-        back rejoin their group's table first (:meth:`_rejoin_held_back`)."""
+    def _pop_tables(self, request_id: str) -> list[list[int] | None]:
+        """Forget the request in every group: each group's table (None where
+        it holds none), in free order."""
         self.forget_span(request_id)
         tables: list[list[int] | None] = []
         gid = 0
@@ -171,8 +206,11 @@ class FreeSteps:
                 tables += members[0].pop_twins(members, request_id)
         except Exception as exc:
             raise self.plugin_error(gid, "pop_blocks", exc) from exc
-        if self._holding:
-            self._rejoin_held_back(request_id, tables)
+        return tables
+
+    def _in_free_order(self, tables: list[list[int] | None]) -> list[int]:
+        """``tables`` as :meth:`BlockPool.free_table` takes them: by hit point
+        across caching groups, else group by group, each tail first."""
         if self._by_hit_points is not None:
             return self._by_hit_points(tables)
         if len(tables) == 1:

@@ -25,7 +25,13 @@ from kvcore.coordinator.hold_back import hold_back_twins
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twin_steps import PROMISES, TWIN_STEPS
-from kvcore.coordinator.undo import put_at_each, put_back, put_back_each, put_entry
+from kvcore.coordinator.undo import (
+    put_at_each,
+    put_back,
+    put_back_each,
+    put_entries,
+    put_entry,
+)
 from kvcore.spec import HitPolicy
 
 __all__ = ["HitQuery", "SingleTypeManager"]
@@ -422,6 +428,25 @@ class SingleTypeManager:
             for pos, block, key in held
             if ref[block] == 0 and key_hash[block] is key
         ]
+
+    #: The per-request dicts (attribute names) a free reads after the
+    #: request's tables are popped (by :meth:`take_held_back` and
+    #: :meth:`take_released_checkpoints`); a subclass keeping more there
+    #: lists its own.
+    kept_past_pop: ClassVar[tuple[str, ...]] = ("held_back",)
+
+    def park_freed(self, request_id: str, popped_id: str) -> None:
+        """A deferred free (the coordinator's ``pop_for_free``): file the
+        request's entries of :attr:`kept_past_pop` under ``popped_id``,
+        which its release passes to :meth:`take_held_back` and
+        :meth:`take_released_checkpoints` in the request id's place."""
+        for name in self.kept_past_pop:
+            store = getattr(self, name)
+            value = store.pop(request_id, None)
+            if value is not None:
+                store[popped_id] = value
+                undo = [(store, popped_id, None), (store, request_id, value)]
+                self.block_pool.record(put_entries, undo)
 
     def take_released_checkpoints(self, request_id: str) -> list[int]:
         """After the request is freed: blocks it kept for later requests

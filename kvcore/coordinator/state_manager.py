@@ -796,6 +796,8 @@ class CheckpointManager(SingleTypeManager):
         prompts did not carry them back (see :mod:`~kvcore.coordinator.output_ends`)."""
         return not self._weighs_ends or self.output_ends.worth_keeping()
 
+    kept_past_pop = ("held_back", "_spared", "_released_kept")
+
     def take_released_checkpoints(self, request_id: str) -> list[int]:
         """The states the freed request kept for later requests that sit
         free in the pool already (released after their step): the
@@ -804,11 +806,15 @@ class CheckpointManager(SingleTypeManager):
         state the evidence does not keep (see
         :mod:`~kvcore.coordinator.output_ends`) goes to the spare blocks
         instead, once free."""
-        ref = self.block_pool.ref_cnt
+        pool = self.block_pool
+        ref = pool.ref_cnt
         spared = self._spared.pop(request_id, None)
-        if spared is not None and ref[spared[0]] == 0 and self._holds(*spared):
-            self.block_pool.to_spare([spared[0]])
         kept = self._released_kept.pop(request_id, None)
+        if pool.journal is not None:  # filed by an earlier step (a pop)
+            pool.record(put_entry, self._spared, request_id, spared)
+            pool.record(put_entry, self._released_kept, request_id, kept)
+        if spared is not None and ref[spared[0]] == 0 and self._holds(*spared):
+            pool.to_spare([spared[0]])
         if not kept:
             return []
         return [b for b, key in kept if ref[b] == 0 and self._holds(b, key)]

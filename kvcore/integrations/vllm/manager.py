@@ -248,7 +248,7 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             enable_partial_hits=False,
         )
-        self.block_pool = BlockPoolView(self.kvcore.block_pool)
+        self.block_pool = BlockPoolView(self.kvcore.block_pool, self.kvcore.free_popped)
         self._full_attention_group = _full_attention_group(kv_cache_config)
         self._has_states = bool(getattr(kv_cache_config, "has_mamba_layers", False))
         self.coordinator = _coordinator_view(self, kv_cache_config, enable_caching)
@@ -594,10 +594,10 @@ class KVCacheManager:
     def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
         """The request's blocks, released from its tables but still held:
         the scheduler frees them (``free_blocks`` of the list reversed)
-        once no step in flight reads them, which queues them as
+        once no step in flight reads them, which frees them as
         :meth:`free` would have then (see the coordinator's
-        ``pop_for_free`` for the kept states).  One transaction: a group
-        that raises leaves every table as it was."""
+        ``pop_for_free``).  One transaction: a group that raises leaves
+        every table as it was."""
         rid = request.request_id
         if rid not in self._live:
             return []

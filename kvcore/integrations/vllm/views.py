@@ -7,7 +7,7 @@ read-only views (:meth:`BlockPool.block`)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 from kvcore.coordinator.block_pool import BlockPool
@@ -100,8 +100,13 @@ class BlockPoolView:
     """The block-pool calls vLLM's scheduler makes (deferred frees, counts,
     evictions), each one kvcore transaction."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(
+        self, pool: BlockPool, free_popped: Callable[[list[int]], bool]
+    ) -> None:
         self.pool = pool
+        #: Finishes the free of a list ``pop_blocks_for_free`` handed out
+        #: (the coordinator's ``free_popped``); False for other blocks.
+        self.free_popped = free_popped
         self.hash_block_size = pool.hash_block_size
         self.null_block = pool.block(pool.null_block)
         self.num_gpu_blocks = pool.num_blocks
@@ -110,11 +115,15 @@ class BlockPoolView:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block, tail first as given (vLLM's
-        deferred frees, once the step that read them has completed)."""
+        deferred frees, once the step that read them has completed).  A
+        list ``pop_blocks_for_free`` handed out (in any order) is freed as
+        ``free`` of its request would be now."""
         pool = self.pool
+        ids = [b.block_id for b in ordered_blocks]
         pool.begin()
         try:
-            pool.free_blocks([b.block_id for b in ordered_blocks])
+            if not self.free_popped(ids):
+                pool.free_blocks(ids)
         except BaseException:
             pool.rollback()
             raise
