@@ -306,15 +306,20 @@ def _window_request(name: str = "R") -> tuple[KVCacheManager, Request]:
     for later requests' hits on its prefix."""
     mgr = manager([setup.fa(4), setup.sw(4, 8)], 40)
     r = req(name, range(1, 25))
+    _prefill_and_decode(mgr, r, 16)
+    assert mgr.block_pool.free_queue.held_blocks()
+    return mgr, r
+
+
+def _prefill_and_decode(mgr: KVCacheManager, r: Request, outputs: int) -> None:
+    """Compute the 24-token prompt in three steps, then decode ``outputs``."""
     for n in (8, 8, 8):
         assert mgr.allocate_slots(r, n) is not None
         r.num_computed_tokens += n
-    for i in range(16):
+    for i in range(outputs):
         r.append_output_token_ids(99 + i)
         assert mgr.allocate_slots(r, 1) is not None
         r.num_computed_tokens += 1
-    assert mgr.block_pool.free_queue.held_blocks()
-    return mgr, r
 
 
 def test_a_deferred_free_takes_no_free_block_while_its_step_runs() -> None:
@@ -375,13 +380,7 @@ def test_an_id_reused_before_the_release_keeps_its_records() -> None:
         mgr, r = _window_request()
         blocks = mgr.pop_blocks_for_free(r)
         again = req(name, range(300, 324))
-        for n in (8, 8, 8):
-            assert mgr.allocate_slots(again, n) is not None
-            again.num_computed_tokens += n
-        for i in range(12):
-            again.append_output_token_ids(500 + i)
-            assert mgr.allocate_slots(again, 1) is not None
-            again.num_computed_tokens += 1
+        _prefill_and_decode(mgr, again, 12)
         mgr.release_blocks(blocks)
         mgr.free(again)
         return mgr.block_pool.eviction_order()
