@@ -23,6 +23,7 @@ from kvcore.registry import KindRegistry
 from kvcore.serving import ServingChoices, ServingError
 from kvcore_full_attention import FullAttention
 from kvcore_mamba import Mamba, MambaManager, MambaSpec
+from kvcore_sliding_window import SlidingWindow
 
 BS = 16
 
@@ -150,6 +151,53 @@ def test_a_release_that_raises_changes_nothing_and_runs_again() -> None:
     popped, freed = finished(deferred=True), finished(deferred=False)
     assert popped.block_pool.eviction_order() == freed.block_pool.eviction_order()
     assert popped.get_num_free_blocks() == freed.get_num_free_blocks() == 199
+
+
+def test_a_failed_release_keeps_the_popped_tables_as_they_were() -> None:
+    """Beside a window that held back blocks, a release that raises in the
+    state group after the held-back blocks rejoined the tables leaves the
+    popped list as it was: a request that takes those blocks meanwhile
+    keeps its references when the list is released again."""
+    registry = KindRegistry.from_kinds(
+        [FullAttention(), SlidingWindow(), RaisingMamba()]
+    )
+    mgr = manager_for(
+        [fa(4), setup.sw(4, 8), mamba(4)],
+        80,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        boundary_headroom=False,
+        registry=registry,
+    )
+    r = Request("r", list(range(1, 25)), hash_block_size=4)
+    for n in (8, 8, 8):
+        assert mgr.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+    for i in range(16):
+        r.append_output_token_ids(9000 + i)
+        mgr.remove_skipped_blocks(r, r.num_computed_tokens)
+        assert mgr.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    held = set(mgr.block_pool.free_queue.held_blocks())
+    assert held
+    blocks = mgr.pop_blocks_for_free(r)
+    manager = state(mgr, 2)
+    assert isinstance(manager, Raising)
+    manager.armed = True
+    with pytest.raises(PluginError, match="release failed"):
+        mgr.release_blocks(blocks)
+    manager.armed = False
+    # q hits r's prefix: it takes blocks r held back.
+    q = Request("q", [*range(1, 21), 555, 556, 557, 558], hash_block_size=4)
+    hit, num_hit = mgr.get_computed_blocks(q)
+    assert num_hit == 20
+    assert mgr.allocate_slots(q, 4, num_hit, hit) is not None
+    taken = held & set(mgr.get_block_ids("q")[1])
+    assert taken
+    mgr.release_blocks(blocks)
+    assert [mgr.block_pool.ref_cnt[b] for b in taken] == [1] * len(taken)
+    mgr.free(q)
+    assert mgr.get_num_free_blocks() == 79
 
 
 def test_a_superseded_state_does_not_drop_a_block_another_request_cached() -> None:

@@ -187,6 +187,7 @@ class FreeSteps:
         (:class:`HitPointOrder`), else group by group in free order, each
         tail first; the states it kept go to the back last."""
         if self._holding:
+            tables = list(tables)  # a parked record stays as popped
             self._rejoin_held_back(request_id, tables)
         freed = self._in_free_order(tables)
         if freed:
