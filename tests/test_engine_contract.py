@@ -251,6 +251,28 @@ def test_a_list_released_twice_is_refused_while_another_list_shares_it() -> None
     assert mgr.get_num_free_blocks() == 7
 
 
+@pytest.mark.parametrize("sizes", [(4,), (4, 8)], ids=["one group", "two groups"])
+def test_a_list_released_in_another_order_is_freed_as_handed_out(
+    sizes: tuple[int, ...],
+) -> None:
+    """The order a list comes back in does not matter: it is freed as a
+    free of its request would free it, tail first."""
+
+    def order(how: str) -> list[int]:
+        specs = [setup.fa(size) for size in sizes]
+        mgr = setup.manager_for(specs, 40, scheduler_block_size=8, hash_block_size=4)
+        a = req("A", range(1, 25))
+        assert mgr.allocate_slots(a, 24) is not None
+        if how == "free":
+            mgr.free(a)
+        else:
+            blocks = mgr.pop_blocks_for_free(a)
+            mgr.release_blocks(blocks[::-1] if how == "reversed" else blocks)
+        return mgr.block_pool.eviction_order()
+
+    assert order("reversed") == order("as handed out") == order("free")
+
+
 def _state_request_finished(
     deferred: bool, other_first: bool
 ) -> tuple[list[int], set[int]]:

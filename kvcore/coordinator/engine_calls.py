@@ -10,7 +10,6 @@ leaves the pool, the tables and the keys as they were.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -64,7 +63,7 @@ class GroupPrefixCacheStats(NamedTuple):
 class EngineCalls(ManagerParts):
     """The engine-contract calls of :class:`KVCacheManager`."""
 
-    _popped: Counter[tuple[int, ...]]
+    _popped: dict[tuple[int, ...], list[list[BlockId]]]
     _marks: StepMarks
     prefix_cache_stats: PrefixCacheStats
 
@@ -134,7 +133,7 @@ class EngineCalls(ManagerParts):
         ids: list[BlockId] = self._finish(
             request, self.coordinator.pop_for_free, forward_ran
         )
-        self._popped[list_key(ids)] += 1
+        self._popped.setdefault(list_key(ids), []).append(ids)
         view = self.block_pool.block
         return [view(b) for b in ids]
 
@@ -172,8 +171,9 @@ class EngineCalls(ManagerParts):
 
     def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Return the blocks :meth:`pop_blocks_for_free` handed out to the
-        pool, each list once, whole, in any order (tail first; cached
-        prefixes stay cached).  A list released twice, or not handed out
+        pool, each list once, whole, its blocks in any order: it is freed
+        as :meth:`free` of its request would free it now (tail first,
+        cached prefixes kept).  A list released twice, or not handed out
         as it is, is refused and nothing changes, even where another list
         still out holds the same blocks or the pool has given them to
         another request."""
@@ -187,10 +187,10 @@ class EngineCalls(ManagerParts):
                 "(blocks of this manager's pool)"
             )
             raise KvcoreTypeError(msg)
-        ids = [b.block_id for b in blocks]
-        key = list_key(ids)
+        key = list_key([b.block_id for b in blocks])
         popped = self._popped
-        if not popped[key]:
+        lists = popped.get(key)
+        if not lists:
             msg = (
                 f"release_blocks: the list of blocks {list(key[:8])} is not held "
                 "for release: it was released already, or pop_blocks_for_free "
@@ -198,9 +198,10 @@ class EngineCalls(ManagerParts):
                 "each list it returned once"
             )
             raise InvalidRequestError(msg)
-        self._guarded(_release_popped, self.coordinator, ids)
-        popped[key] -= 1
-        if not popped[key]:
+        # Freed in the order it was handed out, whatever order it comes in.
+        self._guarded(_release_popped, self.coordinator, lists[0])
+        del lists[0]
+        if not lists:
             del popped[key]
 
     def new_step_starts(self) -> None:

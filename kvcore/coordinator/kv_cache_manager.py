@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar, Self, TypedDict, Unpack
 
@@ -177,10 +176,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
         #: free() by id can mark it.
         self._requests: dict[str, Request] = {}
         #: The lists pop_blocks_for_free handed out and release_blocks has
-        #: not taken back, each as its block ids sorted (the null block
-        #: left out), with how many such lists are out: a list released
-        #: twice is refused even where another list holds the same blocks.
-        self._popped: Counter[tuple[int, ...]] = Counter()
+        #: not taken back, as handed out (block ids), by their ids sorted
+        #: (the null block left out), oldest first: a list released twice is
+        #: refused even where another list holds the same blocks.
+        self._popped: dict[tuple[int, ...], list[list[BlockId]]] = {}
         #: Each live request's admission hit, step end and release point.
         self._marks = StepMarks()
         #: What an admission leaves free for the running requests' next
