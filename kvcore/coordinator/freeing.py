@@ -144,20 +144,26 @@ class FreeSteps:
         request held back rejoin its tables if they are still cached then,
         and the states it kept move to the back then.  Until then those
         stay free where they are (nothing is taken from the free pool but
-        the request's own blocks), filed under a :class:`PoppedId`."""
+        the request's own blocks), filed under a :class:`PoppedId`; the
+        list is then the tables' blocks group by group, the null block left
+        out (its release orders them)."""
         tables = self._pop_tables(request_id)
-        freed = self._in_free_order(tables)
-        if self._parking:
-            token = PoppedId(request_id)
-            self._each(self._parking, "park_freed", request_id, token)
-            key = list_key(freed)
-            records = self._parked.get(key)
-            if records is None:
-                records = self._parked[key] = []
-                self.block_pool.record(self._parked.pop, key, None)
-            else:
-                self.block_pool.record(truncate, records, len(records))
-            records.append((token, tables))
+        if not self._parking:
+            return self._in_free_order(tables)
+        freed = [b for blocks in reversed(tables) if blocks for b in blocks if b]
+        if not freed:  # no list comes back: nothing to wait for
+            self._free_tables(request_id, tables)
+            return freed
+        token = PoppedId(request_id)
+        self._each(self._parking, "park_freed", request_id, token)
+        key = list_key(freed)
+        records = self._parked.get(key)
+        if records is None:
+            records = self._parked[key] = []
+            self.block_pool.record(self._parked.pop, key, None)
+        else:
+            self.block_pool.record(truncate, records, len(records))
+        records.append((token, tables))
         return freed
 
     def free_popped(self, blocks: Sequence[int]) -> bool:

@@ -117,7 +117,10 @@ class BlockPoolView:
         """Drop one reference per block, tail first as given (vLLM's
         deferred frees, once the step that read them has completed).  A
         list ``pop_blocks_for_free`` handed out (in any order) is freed as
-        ``free`` of its request would be now."""
+        ``free`` of its request would be now; it must come back whole, as
+        vLLM's scheduler frees it (pieces are freed as plain blocks, and
+        the request's held-back blocks and kept states stay where they
+        are)."""
         pool = self.pool
         ids = [b.block_id for b in ordered_blocks]
         pool.begin()
