@@ -199,7 +199,7 @@ class EngineCalls(ManagerParts):
             )
             raise InvalidRequestError(msg)
         # Freed in the order it was handed out, whatever order it comes in.
-        self._guarded(_release_popped, self.coordinator, lists[0])
+        self._guarded(_release_popped, self.coordinator, lists[0], key)
         del lists[0]
         if not lists:
             del popped[key]
@@ -353,8 +353,10 @@ def _forget_then(
     return call(rid)
 
 
-def _release_popped(coordinator: KVCacheCoordinator, ids: list[BlockId]) -> None:
-    """Finish the free of a popped list (its blocks still held): as
-    :meth:`KVCacheCoordinator.free` would now."""
-    if not coordinator.free_popped(ids):
+def _release_popped(
+    coordinator: KVCacheCoordinator, ids: list[BlockId], key: tuple[int, ...]
+) -> None:
+    """Finish the free of a popped list (its blocks still held, ``key`` its
+    list_key): as :meth:`KVCacheCoordinator.free` would now."""
+    if not coordinator.free_popped(ids, key):
         coordinator.block_pool.free_table(ids)

@@ -12,6 +12,7 @@ the eviction order.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,8 @@ class PoppedId(str):
 def list_key(ids: Sequence[int]) -> tuple[int, ...]:
     """A popped list's ids as a release matches them: sorted, the null
     block left out (any order of the same list is that list)."""
-    return tuple(sorted(b for b in ids if b))
+    ordered = sorted(ids)
+    return tuple(ordered[bisect_right(ordered, 0) :])  # null blocks sort first
 
 
 class FreeSteps:
@@ -166,15 +168,19 @@ class FreeSteps:
         records.append((token, tables))
         return freed
 
-    def free_popped(self, blocks: Sequence[int]) -> bool:
+    def free_popped(
+        self, blocks: Sequence[int], key: tuple[int, ...] | None = None
+    ) -> bool:
         """Finish the free of a list :meth:`pop_for_free` handed out (any
         order of it), as :meth:`free` would now; False, changing nothing,
         when no popped list still out holds exactly those blocks (the
         caller frees them as it would any blocks).  Lists of the same
-        blocks are taken in the order they were popped."""
+        blocks are taken in the order they were popped.  ``key``: the
+        list's :func:`list_key`, where the caller has it."""
         if not self._parked:
             return False
-        key = list_key(blocks)
+        if key is None:
+            key = list_key(blocks)
         records = self._parked.get(key)
         if records is None:
             return False
