@@ -552,10 +552,15 @@ class KVCacheCoordinator(FreeSteps):
         num_tokens: int,
         new_computed_blocks: Sequence[Sequence[int]],
         num_encoder_tokens: int = 0,
+        caps: Sequence[int | None] | None = None,
     ) -> int:
         """Blocks a new request needs to cover ``num_tokens`` with
         ``new_computed_blocks`` (its admission blocks) attached, and
-        ``num_encoder_tokens`` in the groups that take them."""
+        ``num_encoder_tokens`` in the groups that take them; ``caps``: the
+        most table positions each group holds at once (None: no cap), the
+        attached ones included (its free hit blocks still counted), for an
+        engine's check of a whole sequence in groups that release blocks
+        as the request runs."""
         total = 0
         gid = 0
         try:
@@ -566,9 +571,15 @@ class KVCacheCoordinator(FreeSteps):
                 tokens = (
                     num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
                 )
-                total += _count(
+                need = _count(
                     manager.get_num_blocks_to_allocate(request_id, tokens, computed)
                 )
+                cap = None if caps is None else caps[gid]
+                if cap is not None:  # the attached blocks count toward it
+                    ref = self.block_pool.ref_cnt
+                    free_hits = sum(1 for b in computed if b and not ref[b])
+                    need = min(need, max(cap - len(computed), 0) + free_hits)
+                total += need
         except Exception as exc:
             raise self.plugin_error(gid, "get_num_blocks_to_allocate", exc) from exc
         return total
@@ -611,10 +622,16 @@ class KVCacheCoordinator(FreeSteps):
             raise self.plugin_error(gid, "allocate_new_blocks", exc) from exc
         return tuple(out)
 
-    def get_num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+    def get_num_blocks_to_grow(
+        self,
+        request_id: str,
+        num_tokens: int,
+        caps: Sequence[int | None] | None = None,
+    ) -> int:
         """Blocks a running request (no new hit) needs to cover ``num_tokens``:
         one count per class of growing twins (their tables have one length,
-        so they need as many blocks each), times the class's size."""
+        so they need as many blocks each), times the class's size; ``caps``
+        as :meth:`get_num_blocks_to_allocate` takes them."""
         total = 0
         manager = None
         try:
@@ -622,6 +639,11 @@ class KVCacheCoordinator(FreeSteps):
                 need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
                 if type(need) is not int or need < 0:
                     _count(need)
+                if caps is not None:  # the table's positions count toward it
+                    cap = caps[manager.kv_cache_group_id]
+                    if cap is not None:
+                        held = len(manager.req_to_blocks.get(request_id, ()))
+                        need = min(need, max(cap - held, 0))
                 total += need * size
         except Exception as exc:
             gid = 0 if manager is None else manager.kv_cache_group_id

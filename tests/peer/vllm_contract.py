@@ -1218,3 +1218,35 @@ def test_a_deferred_free_queues_kept_states_behind_the_request() -> None:
     assert [b for b in order if b not in in_table] == [
         b for b in direct if b not in in_table
     ]
+
+
+@pytest.mark.parametrize("window", [WINDOW, None], ids=["window", "full"])
+def test_a_whole_sequence_check_counts_a_window_as_vllm_caps_it(
+    window: int | None,
+) -> None:
+    """``full_sequence_must_fit`` (vLLM's ``scheduler_reserve_full_isl``): a
+    window group holds at most its window and the tokens in flight at once,
+    so a 199-token prompt is admitted into 11 free blocks, as vLLM admits
+    it; a full-attention group needs all 13 blocks and is refused."""
+    config = KVCacheConfig(
+        num_blocks=12,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer0"], _attention(window))],
+    )
+    manager = kvcore_vllm.KVCacheManager(
+        kv_cache_config=config,
+        max_model_len=512,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        max_in_flight_tokens=128,
+        enable_caching=True,
+    )
+    request = _request("a", [100 + i for i in range(199)], 4)
+    out = manager.allocate_slots(request, 128, full_sequence_must_fit=True)
+    if window is None:
+        assert out is None
+        assert manager.block_pool.get_num_free_blocks() == 11
+        return
+    assert out is not None
+    request.num_computed_tokens = 128
+    assert manager.allocate_slots(request, 71, full_sequence_must_fit=True)

@@ -291,6 +291,15 @@ class KVCacheManager:
             else ()
         )
         self._new_block_ids: list[int] = []
+        #: vLLM's cap on each group's blocks in the check that a request's
+        #: whole sequence fits (``full_sequence_must_fit``): a group that
+        #: releases blocks as the request runs holds at most its window (or
+        #: chunk) and the tokens in flight at once; None where uncapped.
+        self._admission_caps = _admission_caps(
+            kv_cache_config,
+            max_model_len if max_in_flight_tokens is None else max_in_flight_tokens,
+            max_model_len,
+        )
 
     # -- stats ------------------------------------------------------------------
 
@@ -452,11 +461,12 @@ class KVCacheManager:
             attach = coordinator.admission_blocks(hit, total)
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
+            caps = self._admission_caps
             need_full = (
-                coordinator.get_num_blocks_to_grow(rid, full)
+                coordinator.get_num_blocks_to_grow(rid, full, caps)
                 if running
                 else coordinator.get_num_blocks_to_allocate(
-                    rid, full, attach, num_encoder_tokens
+                    rid, full, attach, num_encoder_tokens, caps
                 )
             )
             if need_full > self._room(rid, need_full, watermark):
@@ -805,3 +815,32 @@ class KVCacheManager:
         rid = request.request_id
         if rid in self._scheduled and request.status == RequestStatus.RUNNING:
             self.kvcore.forget_unwritten(rid, request.num_computed_tokens)
+
+
+def _admission_caps(
+    kv_cache_config: Any, max_in_flight_tokens: int, max_model_len: int
+) -> tuple[int | None, ...] | None:
+    """Each group's ``max_admission_blocks_per_request`` where vLLM 0.33
+    caps its whole-sequence check by it (the specs whose managers recycle
+    blocks: sliding window, chunked local, hi-sparse resident), else None;
+    None for a config with no capped group."""
+    import vllm.v1.kv_cache_interface as specs
+
+    capped = tuple(
+        getattr(specs, name)
+        for name in (
+            "SlidingWindowSpec",
+            "ChunkedLocalAttentionSpec",
+            "HiSparseResidentSpec",
+        )
+        if hasattr(specs, name)
+    )
+    caps = tuple(
+        group.kv_cache_spec.max_admission_blocks_per_request(
+            max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+        )
+        if isinstance(group.kv_cache_spec, capped)
+        else None
+        for group in kv_cache_config.kv_cache_groups
+    )
+    return caps if any(cap is not None for cap in caps) else None
