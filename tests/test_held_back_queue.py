@@ -212,7 +212,8 @@ class HeldBackMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release_stopped_reading(self, data: st.DataObject) -> None:
         """Blocks running requests stopped reading (free_each): keyed ones
-        to the back of the spare blocks, the others to the queue's front."""
+        to the back of the spare blocks (or, ``spare=False``, of the
+        queue), the others to the queue's front."""
         budget = dict(self.model.ref)
         lists = []
         for _ in range(data.draw(st.integers(1, 2))):
@@ -222,19 +223,22 @@ class HeldBackMachine(RuleBasedStateMachine):
                     budget[i] -= 1
                     chosen.append(i)
             lists.append(chosen)
-        self.pool.free_each(lists)
+        spare = data.draw(st.booleans())
+        self.pool.free_each(lists, spare=spare)
         fronts: list[list[int]] = []
+        backs: list[int] = []
         for chosen in lists:
             front = []
             for i in chosen:
                 self.model.ref[i] -= 1
                 if self.model.ref[i] == 0:
                     if i in self.model.keyed:
-                        self.model.spare.append(i)
+                        (self.model.spare if spare else backs).append(i)
                     else:
                         front.append(i)
             fronts.append(front)
-        self.model.queue = [i for f in reversed(fronts) for i in f] + self.model.queue
+        firsts = [i for f in reversed(fronts) for i in f]
+        self.model.queue = firsts + self.model.queue + backs
 
     @rule(data=st.data())
     def touch(self, data: st.DataObject) -> None:

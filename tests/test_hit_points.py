@@ -787,3 +787,36 @@ def test_a_window_shorter_than_the_hit_alignment_keeps_the_same_prompts_hit() ->
     _run_prompt_and_decode(mgr, a, 40)
     _fill(mgr, leave=len(mgr.block_pool.free_queue.held_blocks()))
     assert mgr.get_computed_blocks(small_request("b", prompt))[1] == 32
+
+
+def test_a_window_only_plan_keeps_released_blocks_by_age() -> None:
+    """A sliding window alone: no group keeps a request's prefix, so no
+    manager picks the released blocks worth keeping, and they queue by age
+    behind the blocks freed before them.  X's prompt is cached and freed;
+    A's prefill then releases the window blocks before its last window.  A
+    pool short by X's blocks loses X's prefix, not A's released block
+    beside its held window, and B (A's prompt up to that block's hit point)
+    hits there."""
+    mgr = small_manager([sw(4, 8)], 16)
+    pool = mgr.block_pool
+    x = small_request("x", list(range(300, 316)))
+    assert mgr.allocate_slots(x, 16) is not None
+    x.num_computed_tokens = 16
+    mgr.free(x)
+    x_keyed = [b for b in pool.eviction_order() if pool.key_hash[b] is not None]
+    a = small_request("a", PROMPT)
+    _run_prompt_and_decode(mgr, a, 1)
+    (table,) = mgr.get_blocks("a").ids
+    released = [b for b in pool.eviction_order() if pool.key_hash[b] is not None]
+    released = released[len(x_keyed) :]
+    assert pool.free_queue.spare_blocks() == []
+    assert released  # A's window moved on, its blocks keyed and free
+    unkeyed = pool.get_num_free_blocks() - len(x_keyed) - len(released)
+    assert pool.eviction_order()[unkeyed:] == [*x_keyed, *released]
+    pool.get_new_blocks(unkeyed + len(x_keyed))  # the pool runs short
+    b = small_request("b", PROMPT[:12])
+    hit, num_tokens = mgr.get_computed_blocks(b)
+    assert num_tokens == 8
+    # Positions 0 and 1, released newest first.
+    assert list(hit.ids[0]) == released[::-1]
+    assert table[: len(released)] == [0] * len(released)

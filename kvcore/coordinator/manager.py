@@ -858,7 +858,7 @@ class SingleTypeManager:
             removed.append(blocks)
         pool = self.block_pool
         pool.record(put_at_each, tables, positions, removed)
-        pool.free_each(removed)
+        pool.free_each(removed, spare=self.holds_back)
         if self.holds_back:
             hold_back_twins(self, twins, request_id, positions, removed)
 

@@ -159,13 +159,15 @@ class TwinPoolOps:
         if dropped:
             pool.drop_from_cache_n(dropped)
 
-    def free_each(self, lists: Sequence[Sequence[int]]) -> None:
+    def free_each(self, lists: Sequence[Sequence[int]], *, spare: bool = True) -> None:
         """Release the blocks running requests stopped reading (each of
         ``lists``, in order): one reference dropped per listing; the blocks
-        that reach 0 are queued, keyed ones at the back of the spare blocks
-        in the order they reached it (evicted before the other keyed
-        blocks: each serves only a hit ending beside it, and a manager
-        holds back those it keeps for later hits), the others (with
+        that reach 0 are queued, keyed ones in the order they reached it
+        at the back of the spare blocks (``spare``: evicted before the
+        other keyed blocks, for a group whose manager holds back those it
+        keeps for later hits, so each of the rest serves only a hit ending
+        beside it) or else at the queue's back (as a freed request's: a
+        group that selects nothing keeps them by age), the others (with
         caching on) at the front, each list's before the earlier lists'.
         A double free restores every count dropped and raises, changing
         nothing."""
@@ -202,9 +204,9 @@ class TwinPoolOps:
         if fronts:
             firsts = [block for front in reversed(fronts) for block in front]
             queue._link_after(queue.head, queue.next[queue.head], firsts)
-        if backs and front_ok:
+        if backs and front_ok and spare:
             queue.spare_n(backs)
-        elif backs:  # caching off: no key to keep, queued at the back
+        elif backs:  # by age (with caching off: no key to keep)
             queue._link_after(queue.prev[queue.tail], queue.tail, backs)
         journal = pool.journal
         if journal is not None:
