@@ -1250,3 +1250,67 @@ def test_a_whole_sequence_check_counts_a_window_as_vllm_caps_it(
     assert out is not None
     request.num_computed_tokens = 128
     assert manager.allocate_slots(request, 71, full_sequence_must_fit=True)
+
+
+def test_a_window_hybrid_keeps_a_prompts_last_window_for_its_next_turn() -> None:
+    """Under vLLM, each admission plans where a window group keeps blocks
+    for later hits, as kvcore's own admissions do: once a decoding
+    request's window has moved past its prompt's end, the blocks of the
+    prompt's last window are held back, not spare.  A pool pressed for
+    every other free block keeps them, so the next turn (the prompt and
+    more) still hits the whole prompt."""
+    manager = _caching_manager([_attention(), _attention(WINDOW)], 40)
+    prompt = list(range(100, 100 + 6 * BS))
+    a = _request("a", prompt, 4 * BS)
+    hit, num_hit, _ = manager.get_computed_blocks(a)
+    assert manager.allocate_slots(a, len(prompt) - num_hit, num_hit, hit)
+    a.num_computed_tokens = len(prompt)
+    for i in range(3 * BS):
+        a.append_output_token_ids(500 + i)
+        manager.remove_skipped_blocks("a", a.num_computed_tokens)
+        assert manager.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    pool = manager.kvcore.block_pool
+    held = pool.free_queue.held_blocks()
+    assert held
+    pool.get_new_blocks(pool.get_num_free_blocks() - len(held))
+    b = _request("b", [*prompt, 7, 8, 9], 4)
+    _, num_hit, _ = manager.get_computed_blocks(b)
+    assert num_hit == len(prompt)
+
+
+def test_a_step_that_does_not_fit_with_its_pinned_window_runs_without_it() -> None:
+    """B shares A's first 48 tokens and hits there, so it keeps the window
+    of that branch point (positions 1 and 2) in its table as it decodes.
+    With the pool full, B's step into a new block fits only without those
+    two blocks: under vLLM, as in kvcore's own steps, B gives them up and
+    the step runs instead of being refused."""
+    manager = _caching_manager([_attention(), _attention(WINDOW)], 40)
+    prompt = list(range(100, 100 + 6 * BS))
+    a = _request("a", prompt, 4)
+    assert manager.allocate_slots(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    manager.free(a)
+    b = _request("b", [*prompt[: 3 * BS], *range(3000, 3000 + 2 * BS)], 4 * BS)
+    hit, num_hit, _ = manager.get_computed_blocks(b)
+    assert num_hit == 3 * BS
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit)
+    b.num_computed_tokens = b.num_tokens
+    while b.num_computed_tokens % BS:
+        b.append_output_token_ids(500 + b.num_computed_tokens)
+        manager.remove_skipped_blocks("b", b.num_computed_tokens)
+        assert manager.allocate_slots(b, 1)
+        b.num_computed_tokens += 1
+    pinned = manager.get_block_ids("b")[1][1:3]
+    assert 0 not in pinned
+    filled = 0
+    while manager.allocate_slots(
+        _request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)], 1), 3
+    ):
+        filled += 1
+    assert manager.block_pool.get_num_free_blocks() < 2
+    b.append_output_token_ids(999)
+    manager.remove_skipped_blocks("b", b.num_computed_tokens)
+    assert manager.allocate_slots(b, 1)
+    assert manager.get_block_ids("b")[1][1:3] == [0, 0]
+    assert {g[-1] for g in manager.get_block_ids("b")} <= set(pinned)

@@ -24,12 +24,20 @@ from kvcore.coordinator.engine_calls import check_state_step, state_writes
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.headroom import BoundaryHeadroom
 from kvcore.errors import InvalidRequestError, UnknownRequestError
+from kvcore.integrations.vllm.events import to_vllm_events
 from kvcore.integrations.vllm.lookahead import (
     UnsupportedFeatureError,
     reprefillable_tokens,
 )
 from kvcore.integrations.vllm.specs import to_kvcore_config
-from kvcore.integrations.vllm.views import BlockPoolView, ids_of, view_type, views_of
+from kvcore.integrations.vllm.views import (
+    BlockPoolView,
+    PlannedRequest,
+    ids_of,
+    table_extensions,
+    view_type,
+    views_of,
+)
 from kvcore.registry import default_registry
 
 __all__ = ["KVCacheManager", "UnsupportedFeatureError"]
@@ -105,72 +113,6 @@ def _coordinator_view(
 
     HybridKVCacheCoordinator.register(HybridCoordinatorView)
     return HybridCoordinatorView(owner, config)
-
-
-def _to_vllm_events(events: list[Any], config: Any) -> list[Any]:
-    from vllm.distributed import kv_events as ev
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
-    from vllm.v1.kv_cache_interface import (
-        get_kv_cache_spec_kind,
-        get_kv_cache_spec_sliding_window,
-    )
-
-    from kvcore.coordinator import events as kv
-
-    groups = config.kv_cache_groups
-    out: list[Any] = []
-    for event in events:
-        if isinstance(event, kv.BlockStored):
-            spec = groups[event.group_id].kv_cache_spec
-            out.append(
-                ev.BlockStored(
-                    block_hashes=[ext(h) for h in event.block_hashes],
-                    parent_block_hash=None
-                    if event.parent_block_hash is None
-                    else ext(event.parent_block_hash),
-                    token_ids=list(event.token_ids),
-                    block_size=event.block_size,
-                    lora_id=None,
-                    medium=event.medium,
-                    lora_name=None,
-                    group_idx=event.group_id,
-                    kv_cache_spec_kind=get_kv_cache_spec_kind(spec).value,
-                    kv_cache_spec_sliding_window=get_kv_cache_spec_sliding_window(spec),
-                )
-            )
-        elif isinstance(event, kv.BlockRemoved):
-            out.append(
-                ev.BlockRemoved(
-                    block_hashes=[ext(h) for h in event.block_hashes],
-                    medium=event.medium,
-                    group_idx=event.group_id,
-                )
-            )
-        else:
-            out.append(ev.AllBlocksCleared())
-    return out
-
-
-def _table_extensions(
-    managers: Sequence[Any],
-    rid: str,
-    lengths: Sequence[int],
-    new: tuple[list[BlockId], ...],
-) -> tuple[list[BlockId], ...]:
-    """A running request's new table positions per group, from the table
-    lengths before the step.  vLLM's workers append a running request's new
-    block ids to their tables, so a group that grows by more positions than
-    new blocks (a state group keeps the null block where it holds no state)
-    must hand out its whole extension, nulls included, else the worker's
-    positions shift."""
-    out: list[list[BlockId]] | None = None
-    for gid, (manager, length) in enumerate(zip(managers, lengths, strict=True)):
-        table = manager.req_to_blocks.get(rid, ())
-        if len(table) - length != len(new[gid]):
-            if out is None:
-                out = list(new)
-            out[gid] = list(table[length:])
-    return new if out is None else tuple(out)
 
 
 class KVCacheManager:
@@ -259,6 +201,9 @@ class KVCacheManager:
         )
         #: The requests that hold blocks, by id.
         self._live: dict[str, Any] = {}
+        #: How far each looked-up request's prompt is shared (the longest
+        #: lookup of the groups that keep every block), for its admission.
+        self._shared: dict[str, int] = {}
         #: Where each live request's latest step ended, and what admissions
         #: leave free for the running states' next block boundary (see
         #: kvcore.coordinator.headroom).
@@ -347,6 +292,8 @@ class KVCacheManager:
             request.block_hashes, max_cache_hit_length
         )
         shared = coordinator.last_shared_prefix
+        if coordinator.planning:
+            self._shared[request.request_id] = max(shared, length)
         boundary = shared if self._has_states and shared > length else 0
         if not length:
             return self.empty_kv_cache_blocks, 0, boundary
@@ -434,7 +381,6 @@ class KVCacheManager:
             )
             raise InvalidRequestError(msg)
         coordinator = self.kvcore
-        pool = coordinator.block_pool
         rid = request.request_id
         unwritten = coordinator.unwritten
         hit = ids_of(
@@ -459,6 +405,59 @@ class KVCacheManager:
         attach: tuple[list[BlockId], ...] = ()
         if not running:
             attach = coordinator.admission_blocks(hit, total)
+        planned = not running and bool(coordinator.planning)
+        if planned:
+            # Where the request keeps windows and states for later hits, as
+            # kvcore's own admission plans them (a refusal forgets them).
+            shared = max(self._shared.pop(rid, 0), total)
+            planning: Any = PlannedRequest(request, shared)
+            coordinator.plan_checkpoints(planning, total)
+        try:
+            out = self._admit_or_grow(
+                request,
+                running,
+                attach,
+                total,
+                watermark,
+                hit,
+                num_new_tokens,
+                num_lookahead_tokens,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                delay_cache_blocks,
+                skip_zeroing_group_ids,
+            )
+        except BaseException:
+            if planned:
+                coordinator.forget_checkpoints(rid)
+            raise
+        if out is None and planned:
+            coordinator.forget_checkpoints(rid)
+        return out
+
+    def _admit_or_grow(
+        self,
+        request: Any,
+        running: bool,
+        attach: tuple[list[BlockId], ...],
+        total: int,
+        watermark: int,
+        hit: Sequence[Sequence[BlockId]],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        num_encoder_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        delay_cache_blocks: bool,
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> Any:
+        """:meth:`allocate_slots` once the request's hit is attached
+        (``attach``) or it runs on (``running``): None when it does not fit."""
+        coordinator = self.kvcore
+        pool = coordinator.block_pool
+        unwritten = coordinator.unwritten
+        rid = request.request_id
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
             caps = self._admission_caps
@@ -486,8 +485,14 @@ class KVCacheManager:
                 rid, num_slots, attach, num_encoder_tokens
             )
         )
-        if need > self._room(rid, need, reserved_blocks + watermark):
-            return None
+        kept = reserved_blocks + watermark
+        shed = None
+        if need > self._room(rid, need, kept):
+            shed = self._shed_to_fit(
+                rid, running, attach, (num_slots, num_encoder_tokens, processed), kept
+            )
+            if shed is None:
+                return None
         cache_to = -1
         if self.enable_caching and not delay_cache_blocks:
             cache_to = max(
@@ -500,9 +505,12 @@ class KVCacheManager:
         pool.begin()
         try:
             if running:
+                if shed is not None and processed:
+                    # The shed windows leave the table now.
+                    coordinator.remove_skipped_blocks(rid, processed)
                 new = coordinator.grow(rid, num_slots)
                 if new is not None:
-                    new = _table_extensions(managers, rid, lengths, new)
+                    new = table_extensions(managers, rid, lengths, new)
             else:
                 coordinator.add_computed_blocks(rid, attach)
                 new = coordinator.allocate_new_blocks(
@@ -512,6 +520,8 @@ class KVCacheManager:
                 coordinator.cache_blocks(request, cache_to)
         except BaseException:
             pool.rollback()
+            if shed is not None:
+                coordinator.restore_checkpoints(rid, shed)
             raise
         pool.commit()
         if new is not None and unwritten.managers:
@@ -524,6 +534,44 @@ class KVCacheManager:
         if new is None or not any(new):
             return self.empty_kv_cache_blocks
         return self._wrap(new)
+
+    def _shed_to_fit(
+        self,
+        rid: str,
+        running: bool,
+        attach: tuple[list[BlockId], ...],
+        tokens: tuple[int, int, int],
+        kept: int,
+    ) -> list[Any] | None:
+        """A step that does not fit gives up the request's optional
+        checkpoints (windows it keeps for later hits), as kvcore's own
+        steps do: what was shed when it fits without them (a running
+        request counting the blocks its release then returns), else None
+        (they are restored).  ``tokens``: the step's slots, encoder tokens
+        and processed tokens."""
+        num_slots, num_encoder, processed = tokens
+        coordinator = self.kvcore
+        shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
+        if shed is None:
+            return None
+        try:
+            need = (
+                coordinator.get_num_blocks_to_grow(rid, num_slots)
+                if running
+                else coordinator.get_num_blocks_to_allocate(
+                    rid, num_slots, attach, num_encoder
+                )
+            )
+            room = self._room(rid, need, kept)
+            if running and processed:
+                room += coordinator.count_freeable_skipped(rid, processed)
+            if need <= room:
+                return shed
+        except BaseException:
+            coordinator.restore_checkpoints(rid, shed)
+            raise
+        coordinator.restore_checkpoints(rid, shed)
+        return None
 
     def _room(self, rid: str, need: int, kept: int) -> int:
         """The free blocks a step needing ``need`` may take: those the
@@ -582,6 +630,7 @@ class KVCacheManager:
 
     def free(self, request: Any) -> None:
         rid = request.request_id
+        self._shared.pop(rid, None)
         if rid not in self._live:
             return
         pool = self.kvcore.block_pool
@@ -692,7 +741,7 @@ class KVCacheManager:
         events = self.kvcore.block_pool.take_events()
         if not events:
             return []
-        return _to_vllm_events(events, self.kv_cache_config)
+        return to_vllm_events(events, self.kv_cache_config)
 
     # -- block lists ------------------------------------------------------------
 

@@ -16,9 +16,11 @@ from kvcore.coordinator.blocks import BlockId, KVCacheBlock
 __all__ = [
     "BlockPoolView",
     "ManagerView",
+    "PlannedRequest",
     "ids_of",
-    "views_of",
+    "table_extensions",
     "view_type",
+    "views_of",
 ]
 
 
@@ -215,3 +217,41 @@ def view_type(spec: Any) -> type[ManagerView]:
     if isinstance(spec, CrossAttentionSpec):
         return cross_attention_view()
     return ManagerView
+
+
+class PlannedRequest:
+    """An engine's request as kvcore's checkpoint planning reads it at
+    admission: the request's own attributes, and how far its lookup found
+    the prompt shared (``shared_prefix_tokens``, which kvcore's own
+    ``Request`` carries and an engine's does not)."""
+
+    __slots__ = ("_request", "shared_prefix_tokens")
+
+    def __init__(self, request: Any, shared_prefix_tokens: int) -> None:
+        self._request = request
+        self.shared_prefix_tokens = shared_prefix_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+def table_extensions(
+    managers: Sequence[Any],
+    rid: str,
+    lengths: Sequence[int],
+    new: tuple[list[BlockId], ...],
+) -> tuple[list[BlockId], ...]:
+    """A running request's new table positions per group, from the table
+    lengths before the step.  vLLM's workers append a running request's new
+    block ids to their tables, so a group that grows by more positions than
+    new blocks (a state group keeps the null block where it holds no state)
+    must hand out its whole extension, nulls included, else the worker's
+    positions shift."""
+    out: list[list[BlockId]] | None = None
+    for gid, (manager, length) in enumerate(zip(managers, lengths, strict=True)):
+        table = manager.req_to_blocks.get(rid, ())
+        if len(table) - length != len(new[gid]):
+            if out is None:
+                out = list(new)
+            out[gid] = list(table[length:])
+    return new if out is None else tuple(out)
