@@ -101,37 +101,36 @@ class SingleTypeManager:
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.NOT_HASHED})
     #: Whether the manager may free blocks a request no longer reads.
     skips_blocks: ClassVar[bool] = False
+    #: Whether every block a running request releases stays a hit point (a
+    #: state group keeping every step end): it picks none to hold back.
+    keeps_releases = False
     #: Whether block lists are indexed by token position (``len * block_size``
     #: covers the request).  False for fixed per-request blocks.
     position_indexed: ClassVar[bool] = True
     #: Whether the table may grow for speculative lookahead tokens.
     supports_lookahead: ClassVar[bool] = True
     #: Whether the manager caches a group whose block is finer than the hash
-    #: block (it then keys only blocks that end on a hash boundary, through
-    #: :meth:`block_hash`); other managers need a block that is a multiple of
-    #: the hash block.
+    #: block (keying only blocks that end on a hash boundary, through
+    #: :meth:`block_hash`); others need a multiple of the hash block.
     accepts_coarse_hashes: ClassVar[bool] = False
-    #: Whether the coordinator calls :meth:`plan_checkpoints` when a request
-    #: is admitted (state kinds that keep chosen positions).
+    #: Whether :meth:`plan_checkpoints` runs at each admission.
     plans_checkpoints: ClassVar[bool] = False
     #: Whether this group comes last in the free order: a freed request's
-    #: blocks of it go behind the other groups' that the same shortest hit
-    #: reads (see :meth:`shortest_hit_reading`), or behind all of theirs
-    #: beside groups that do not cache (a state a hit cannot do without,
-    #: worth more than any one block of a token-indexed group).
+    #: blocks of it go behind the other groups' the same shortest hit reads
+    #: (:meth:`shortest_hit_reading`), or all of theirs beside groups that do
+    #: not cache (a state a hit needs, worth more than one block elsewhere).
     evicts_last: ClassVar[bool] = False
     #: Whether the manager's tables take copy-on-write partial hits (see
     #: :mod:`kvcore.coordinator.partial`): position-indexed, every block kept,
-    #: a hit block at each position read from the left.  A group serves them
-    #: only when its spec also declares ``copies_partial_block_hits``.  The
-    #: partial search extends PrefixManager's: a subclass that replaces
-    #: ``find_longest_cache_hit`` sets it False.
+    #: a hit block at each position read from the left, when its spec also
+    #: declares ``copies_partial_block_hits``.  The partial search extends
+    #: PrefixManager's: a subclass replacing ``find_longest_cache_hit``
+    #: sets it False.
     partial_copy_hits: ClassVar[bool] = False
     #: Whether the manager keeps per-request state beyond the table, the
-    #: hashed count and the released count (it extends
-    #: :meth:`request_state` and :meth:`restore_request_state`, and calls
-    #: :meth:`record_request_state` before changing that state): a step
-    #: records it on its first change to the request.
+    #: hashed and the released count (it extends :meth:`request_state` and
+    #: :meth:`restore_request_state`, and calls :meth:`record_request_state`
+    #: before changing it): a step records it on its first change.
     keeps_request_state: ClassVar[bool] = False
     #: Whether the group's tables are sized by the request's encoder tokens
     #: (``num_encoder_tokens`` of ``allocate_slots``, passed at admission as
@@ -211,8 +210,9 @@ class SingleTypeManager:
         #: Whether this group's blocks are hashed and looked up.
         self.caching = bool(enable_caching) and spec.hit_policy.hashes_blocks
         #: Set by the coordinator when the group releases blocks while a
-        #: request runs and another group keeps the request's whole prefix:
-        #: released blocks :meth:`kept_for_later` names are then held back.
+        #: request runs, picks which to keep (not :attr:`keeps_releases`) and
+        #: another group keeps the request's whole prefix: released blocks
+        #: :meth:`kept_for_later` names are then held back, the rest spare.
         self.holds_back = False
         #: Set by the coordinator on planning groups (see grid_point_blocks).
         self.grid_point_cost = 0

@@ -89,6 +89,7 @@ class CheckpointManager(SingleTypeManager):
         self._targets_on = self.caching and not self.keep_all and policy.places_targets
         self._step_ends = self.caching and (self.keep_all or policy.keeps_step_ends)
         self._replaces = not (self.keep_all or policy.every_step)
+        self.keeps_releases = not self._replaces
         self._holds_shared = self.caching and not self.keep_all and policy.hold_shared
         #: Whether prompts carried output ends back (with step ends replaced):
         #: one evidence for a class of twins (see assembly.share_evidence).

@@ -1314,3 +1314,35 @@ def test_a_step_that_does_not_fit_with_its_pinned_window_runs_without_it() -> No
     assert manager.allocate_slots(b, 1)
     assert manager.get_block_ids("b")[1][1:3] == [0, 0]
     assert {g[-1] for g in manager.get_block_ids("b")} <= set(pinned)
+
+
+def test_align_mode_states_a_request_releases_queue_by_age() -> None:
+    """vLLM's align-mode Mamba keeps a state at every step end on a block
+    boundary, so each state a decoding request releases stays a hit point:
+    the group picks none: none is held back (evicted after every other
+    free block) and none is spare (before every other cached block).  O's
+    prompt is cached and freed first; the states R releases as its
+    prompt's chunks go by then queue behind O's blocks, by age, as vLLM's
+    own manager queues them."""
+    manager = _caching_manager([_attention(), _mamba()], 200)
+    pool = manager.kvcore.block_pool
+    o = _request("O", list(range(9000, 9040)), 4)
+    assert manager.allocate_slots(o, o.num_tokens)
+    o.num_computed_tokens = o.num_tokens
+    manager.free(o)
+    o_blocks = [b for b in pool.eviction_order() if pool.key_hash[b] is not None]
+    assert o_blocks
+    r = _request("R", list(range(5000, 5000 + 6 * BS)), 4)
+    while r.num_computed_tokens < r.num_tokens:  # a chunk of a block a step
+        assert manager.allocate_slots(r, BS)
+        r.num_computed_tokens += BS
+    order = pool.eviction_order()
+    released = [
+        b
+        for b in order
+        if pool.key_hash[b] is not None and b not in o_blocks and not pool.ref_cnt[b]
+    ]
+    assert released  # R's superseded states, still cached
+    assert pool.free_queue.spare_blocks() == []
+    assert pool.free_queue.held_blocks() == []
+    assert min(map(order.index, released)) > max(map(order.index, o_blocks))
