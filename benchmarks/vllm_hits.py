@@ -247,17 +247,11 @@ def run_side(seeds: int, steps: int) -> dict[str, dict[str, int]]:
 
 
 def _side(python: str, hf_home: Path, kvcore: bool, args: argparse.Namespace) -> Any:
-    env = dict(os.environ)
-    env.update(
-        VLLM_TARGET_DEVICE="cpu",
-        HF_HOME=str(hf_home),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_LOGGING_LEVEL="ERROR",
-        # vLLM seeds its root block hash from it: both sides hash alike.
-        PYTHONHASHSEED="0",
-    )
-    env.pop("KVCORE_VLLM", None)
+    from run_vllm_suite import _env  # type: ignore[import-not-found]
+
+    env = _env(hf_home)
+    # vLLM seeds its root block hash from it: both sides hash alike.
+    env["PYTHONHASHSEED"] = "0"
     if kvcore:
         env["KVCORE_VLLM"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(
@@ -294,7 +288,7 @@ def main() -> int:
     if not args.vllm_python:
         parser.error("--vllm-python is required (an interpreter with vLLM 0.33)")
     sys.path.insert(0, str(REPO / "tests" / "peer"))
-    from run_vllm_suite import write_model_files  # type: ignore[import-not-found]
+    from run_vllm_suite import write_model_files
 
     with tempfile.TemporaryDirectory() as work:
         hf_home = write_model_files(Path(work))
