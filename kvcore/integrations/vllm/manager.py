@@ -411,8 +411,9 @@ class KVCacheManager:
             # kvcore's own admission plans them (a refusal forgets them).
             shared = max(self._shared.pop(rid, 0), total)
             planning: Any = PlannedRequest(request, shared)
-            coordinator.plan_checkpoints(planning, total)
         try:
+            if planned:
+                coordinator.plan_checkpoints(planning, total)
             out = self._admit_or_grow(
                 request,
                 running,
@@ -508,6 +509,9 @@ class KVCacheManager:
                 if shed is not None and processed:
                     # The shed windows leave the table now.
                     coordinator.remove_skipped_blocks(rid, processed)
+                    if before is not None:
+                        # Released blocks the grow hands back are new.
+                        before = self._held_ids(rid, hit)
                 new = coordinator.grow(rid, num_slots)
                 if new is not None:
                     new = table_extensions(managers, rid, lengths, new)
@@ -658,6 +662,7 @@ class KVCacheManager:
         ``pop_for_free``).  One transaction: a group that raises leaves
         every table as it was."""
         rid = request.request_id
+        self._shared.pop(rid, None)
         if rid not in self._live:
             return []
         pool = self.kvcore.block_pool
