@@ -86,12 +86,14 @@ MODEL = "facebook/opt-125m"  # its config.json only; the stage writes it
 EOS = 2
 
 
-def _attention(window: int | None = None) -> KVCacheSpec:
+def _attention(
+    window: int | None = None, dtype: torch.dtype = torch.float32
+) -> KVCacheSpec:
     common: dict[str, Any] = {
         "block_size": BS,
         "num_kv_heads": 1,
         "head_size": 1,
-        "dtype": torch.float32,
+        "dtype": dtype,
     }
     if window is None:
         return FullAttentionSpec(**common)
@@ -1287,14 +1289,7 @@ def test_a_step_that_does_not_fit_with_its_pinned_window_runs_without_it() -> No
     the step runs instead of being refused.  The window's precision is not
     full attention's, so vLLM zeroes new blocks: the shed blocks the step
     takes back are listed for zeroing like any new block."""
-    window = SlidingWindowSpec(
-        block_size=BS,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float16,
-        sliding_window=WINDOW,
-    )
-    manager = _caching_manager([_attention(), window], 40)
+    manager = _caching_manager([_attention(), _attention(WINDOW, torch.float16)], 40)
     prompt = list(range(100, 100 + 6 * BS))
     a = _request("a", prompt, 4)
     assert manager.allocate_slots(a, len(prompt))

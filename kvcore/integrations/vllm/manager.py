@@ -70,8 +70,11 @@ class CoordinatorView:
         new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
         **_: Any,
     ) -> int:
+        owner = self._owner
         hit = ids_of(new_computed_blocks)
-        return self._owner._blocks_needed(request_id, num_tokens, hit)
+        running = request_id in owner._live and not any(hit)
+        attach = () if running else self.coordinator.admission_blocks(hit, 0)
+        return owner._blocks_needed(request_id, running, attach, num_tokens)
 
     @property
     def full_attention_group_id(self) -> int | None:
@@ -331,16 +334,22 @@ class KVCacheManager:
 
     def _blocks_needed(
         self,
-        request_id: str,
+        rid: str,
+        running: bool,
+        attach: Sequence[Sequence[BlockId]],
         num_tokens: int,
-        hit: Sequence[Sequence[BlockId]],
-        num_computed: int = 0,
+        num_encoder: int = 0,
+        caps: tuple[int | None, ...] | None = None,
     ) -> int:
+        """Blocks a step to ``num_tokens`` takes: a running request's
+        growth, else an admission's with ``attach`` (its admission blocks);
+        ``caps`` as the coordinator takes them."""
         coordinator = self.kvcore
-        if request_id in self._live and not any(hit):
-            return coordinator.get_num_blocks_to_grow(request_id, num_tokens)
-        attach = coordinator.admission_blocks(hit, num_computed)
-        return coordinator.get_num_blocks_to_allocate(request_id, num_tokens, attach)
+        if running:
+            return coordinator.get_num_blocks_to_grow(rid, num_tokens, caps)
+        return coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens, attach, num_encoder, caps
+        )
 
     def allocate_slots(
         self,
@@ -461,13 +470,8 @@ class KVCacheManager:
         rid = request.request_id
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
-            caps = self._admission_caps
-            need_full = (
-                coordinator.get_num_blocks_to_grow(rid, full, caps)
-                if running
-                else coordinator.get_num_blocks_to_allocate(
-                    rid, full, attach, num_encoder_tokens, caps
-                )
+            need_full = self._blocks_needed(
+                rid, running, attach, full, num_encoder_tokens, self._admission_caps
             )
             if need_full > self._room(rid, need_full, watermark):
                 return None
@@ -479,13 +483,7 @@ class KVCacheManager:
             pool.begin()
             coordinator.remove_skipped_blocks(rid, processed)
             pool.commit()
-        need = (
-            coordinator.get_num_blocks_to_grow(rid, num_slots)
-            if running
-            else coordinator.get_num_blocks_to_allocate(
-                rid, num_slots, attach, num_encoder_tokens
-            )
-        )
+        need = self._blocks_needed(rid, running, attach, num_slots, num_encoder_tokens)
         kept = reserved_blocks + watermark
         shed = None
         if need > self._room(rid, need, kept):
@@ -559,13 +557,7 @@ class KVCacheManager:
         if shed is None:
             return None
         try:
-            need = (
-                coordinator.get_num_blocks_to_grow(rid, num_slots)
-                if running
-                else coordinator.get_num_blocks_to_allocate(
-                    rid, num_slots, attach, num_encoder
-                )
-            )
+            need = self._blocks_needed(rid, running, attach, num_slots, num_encoder)
             room = self._room(rid, need, kept)
             if running and processed:
                 room += coordinator.count_freeable_skipped(rid, processed)
