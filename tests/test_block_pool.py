@@ -780,6 +780,26 @@ def test_duplicate_keys_are_all_kept() -> None:
     assert p.num_cached_blocks == 0
 
 
+def test_a_duplicated_key_resolves_to_a_copy_in_use() -> None:
+    p = pool(6)
+    a, b, c = (p.get_new_blocks(1) for _ in range(3))
+    for blocks in (a, b, c):
+        p.cache_full_blocks(
+            block_hashes=[h(7)],
+            blocks=blocks,
+            num_cached_blocks=0,
+            num_full_blocks=1,
+            group_id=0,
+        )
+    p.free_blocks(a)
+    assert p.get_cached_block(h(7), [0]) == b
+    assert p.lookup(h(7), 0) == b[0]
+    p.free_blocks(b)
+    assert p.lookup(h(7), 0) == c[0]
+    p.free_blocks(c)  # none in use: the first copy keyed
+    assert p.lookup(h(7), 0) == a[0]
+
+
 def test_cached_counts_follow_stores_evictions_rollbacks_and_resets() -> None:
     p = pool(8)  # usable: 1-7
     a = p.get_new_blocks(3)
