@@ -8,10 +8,12 @@ one or five windows, full attention beside Mamba) and seed, vLLM's
 synchronous ``Scheduler`` is built through vLLM's public configs over a
 small pool and driven for ``--steps`` steps: requests arrive at random,
 most of them prompts that share one of a few prefixes up to a random
-point, some the next turn of a finished request (its prompt and output
-and more), some a cut of an earlier prompt.  Every sampled token is
-drawn from the seed, so both sides see the same requests as long as they
-schedule alike.  It prints, per plan, the prompt tokens each side took
+point, some the next turn of an earlier request (its prompt and output
+and more), some fresh.  The workload is open-loop: arrivals and prompts
+are drawn from the seed alone, and each output token is a function of
+the seed, the request and its position, so both sides serve the same
+requests at the same steps however differently they schedule them.  It
+prints, per plan, the prompt tokens each side took
 from its prefix cache at admission (hit tokens), the tokens it scheduled
 (what the model computes), the requests it finished and preempted, and
 kvcore's figures over vLLM's::
@@ -155,14 +157,28 @@ def _request(rid: str, tokens: list[int], max_tokens: int) -> Any:
     )
 
 
+def _output_token(seed: int, index: int, position: int) -> int:
+    """The token request ``index`` samples at output ``position``: drawn
+    from the seed, the request and the position alone, so it is the same
+    on both sides whenever each schedules the request."""
+    return random.Random(f"{seed}/{index}/{position}").randrange(3, 1000)
+
+
 def _prompt(
-    rng: random.Random, prefixes: list[list[int]], done: list[Any]
+    rng: random.Random,
+    seed: int,
+    prefixes: list[list[int]],
+    earlier: list[tuple[list[int], int]],
 ) -> list[int]:
-    """A prompt: most share a prefix up to a random point, some extend a
-    finished request (its next turn), some are fresh."""
+    """A prompt: most share a prefix up to a random point, some are the
+    next turn of an earlier request (of ``earlier``: each one's prompt and
+    output length), some are fresh."""
     kind = rng.random()
-    if kind < 0.2 and done:
-        turn = list(rng.choice(done).all_token_ids)[:512]
+    if kind < 0.2 and earlier:
+        index = rng.randrange(len(earlier))
+        prompt, max_tokens = earlier[index]
+        output = [_output_token(seed, index, i) for i in range(max_tokens)]
+        turn = (prompt + output)[:512]
         return turn + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 40))]
     if kind < 0.85:
         prefix = rng.choice(prefixes)
@@ -187,14 +203,16 @@ def run_seed(groups: list[Any], seed: int, steps: int) -> dict[str, int]:
         for _ in range(4)
     ]
     figures = dict.fromkeys(FIGURES, 0)
-    done: list[Any] = []
-    requests: dict[str, Any] = {}
+    earlier: list[tuple[list[int], int]] = []
+    index: dict[str, int] = {}
     for step in range(steps):
         if step < steps * 7 // 10 and rng.random() < 0.5:
-            rid = f"r{len(requests)}"
-            prompt = _prompt(rng, prefixes, done)
-            requests[rid] = _request(rid, prompt, rng.choice([1, 3, 8, 17, 40]))
-            scheduler.add_request(requests[rid])
+            rid = f"r{len(earlier)}"
+            prompt = _prompt(rng, seed, prefixes, earlier)
+            max_tokens = rng.choice([1, 3, 8, 17, 40])
+            index[rid] = len(earlier)
+            earlier.append((prompt, max_tokens))
+            scheduler.add_request(_request(rid, prompt, max_tokens))
         out = scheduler.schedule()
         figures["preempted"] += len(out.preempted_req_ids or ())
         figures["hit_tokens"] += sum(
@@ -202,10 +220,14 @@ def run_seed(groups: list[Any], seed: int, steps: int) -> dict[str, int]:
         )
         figures["scheduled_tokens"] += out.total_num_scheduled_tokens
         req_ids = list(out.num_scheduled_tokens)
-        sampled = [
-            [] if scheduler.requests[rid].is_prefill_chunk else [rng.randrange(3, 1000)]
-            for rid in req_ids
-        ]
+        sampled = []
+        for rid in req_ids:
+            request = scheduler.requests[rid]
+            sampled.append(
+                []
+                if request.is_prefill_chunk
+                else [_output_token(seed, index[rid], len(request.output_token_ids))]
+            )
         output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -215,9 +237,7 @@ def run_seed(groups: list[Any], seed: int, steps: int) -> dict[str, int]:
             pooler_output=[],
         )
         scheduler.update_from_output(out, output)
-        for rid in out.finished_req_ids:
-            done.append(requests[rid])
-            figures["finished"] += 1
+        figures["finished"] += len(out.finished_req_ids)
     return figures
 
 
