@@ -751,10 +751,12 @@ def test_reusing_a_cached_block_evicts_its_hash() -> None:
     assert p.get_cached_block(h(1), [0]) == [a[0]]
 
 
-def three_copies(p: BlockPool) -> list[list[int]]:
-    """Three blocks taken one by one, each keyed ``h(7)`` in group 0."""
-    copies = [p.get_new_blocks(1) for _ in range(3)]
-    for blocks in copies:
+def test_duplicate_keys_are_all_kept() -> None:
+    p = pool(6)
+    a = p.get_new_blocks(1)
+    b = p.get_new_blocks(1)
+    c = p.get_new_blocks(1)
+    for blocks in (a, b, c):
         p.cache_full_blocks(
             block_hashes=[h(7)],
             blocks=blocks,
@@ -762,12 +764,6 @@ def three_copies(p: BlockPool) -> list[list[int]]:
             num_full_blocks=1,
             group_id=0,
         )
-    return copies
-
-
-def test_duplicate_keys_are_all_kept() -> None:
-    p = pool(6)
-    a, b, c = three_copies(p)
     assert p.num_cached_blocks == 3
     assert p.get_cached_block(h(7), [0]) in ([a[0]], [b[0]], [c[0]])
     assert p.lookup(h(7), 0) in (a[0], b[0], c[0])
@@ -782,18 +778,6 @@ def test_duplicate_keys_are_all_kept() -> None:
     p.get_new_blocks(1)
     assert p.get_cached_block(h(7), [0]) is None
     assert p.num_cached_blocks == 0
-
-
-def test_a_duplicated_key_resolves_to_a_copy_in_use() -> None:
-    p = pool(6)
-    a, b, c = three_copies(p)
-    p.free_blocks(a)
-    assert p.get_cached_block(h(7), [0]) == b
-    assert p.lookup(h(7), 0) == b[0]
-    p.free_blocks(b)
-    assert p.lookup(h(7), 0) == c[0]
-    p.free_blocks(c)  # none in use: the first copy keyed
-    assert p.lookup(h(7), 0) == a[0]
 
 
 def test_cached_counts_follow_stores_evictions_rollbacks_and_resets() -> None:

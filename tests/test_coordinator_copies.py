@@ -358,38 +358,6 @@ def test_a_duplicated_key_serves_one_of_its_blocks() -> None:
     assert blocks.get_block_ids() == (mgr.get_block_ids("a")[0][:2],)
 
 
-def test_a_duplicated_key_serves_the_copy_a_request_holds() -> None:
-    """Once the first request's copies are free, a hit takes the copies the
-    second request still holds: sharing them takes no free block, and the
-    free copies stay queued for later hits."""
-    mgr = setup.manager_for(
-        [setup.fa(4)], 24, scheduler_block_size=4, hash_block_size=4
-    )
-    tokens = list(range(2, 14))
-    for rid in ("a", "b"):
-        assert mgr.allocate_slots(Request(rid, tokens, hash_block_size=4), 12)
-    freed = mgr.get_block_ids("a")[0]
-    held = mgr.get_block_ids("b")[0]
-    mgr.free("a")
-    free_before = mgr.block_pool.get_num_free_blocks()
-    assert free_before == 23 - 3  # 24 less the null block, less b's 3 blocks
-    c = Request("c", tokens, hash_block_size=4)
-    blocks, hit = mgr.get_computed_blocks(c)
-    assert hit == 8
-    assert blocks.get_block_ids() == (held[:2],)
-    assert mgr.allocate_slots(c, len(tokens) - hit, hit, blocks) is not None
-    # One new block for the recomputed last 4 tokens; the hit took none.
-    assert mgr.block_pool.get_num_free_blocks() == free_before - 1
-    assert mgr.get_block_ids("c")[0][:2] == held[:2]
-    # a's copies are still free and still keyed: with b and c gone, a new
-    # request's hit finds a key's first copy again.
-    assert all(mgr.block_pool.ref_cnt[b] == 0 for b in freed)
-    mgr.free("b")
-    mgr.free("c")
-    d = Request("d", tokens, hash_block_size=4)
-    assert mgr.get_computed_blocks(d)[0].get_block_ids() == (freed[:2],)
-
-
 def test_a_hit_is_tied_to_the_manager_that_looked_it_up() -> None:
     tokens = list(range(2, 20))
     first, other = (

@@ -633,14 +633,14 @@ class BlockPool(FreeMoves, TwinPoolOps):
 
     def lookup(self, block_hash: BlockHash, group_id: int) -> BlockId | None:
         """The cached block of one group for ``block_hash``, or None."""
-        hit = one_per_group(self._cached, block_hash, (group_id,), self.ref_cnt)
+        hit = one_per_group(self._cached, block_hash, (group_id,))
         return None if hit is None else hit[0]
 
     def get_cached_block(
         self, block_hash: BlockHash, group_ids: Sequence[int]
     ) -> list[BlockId] | None:
         """One cached block per group for ``block_hash``, or None if any misses."""
-        return one_per_group(self._cached, block_hash, group_ids, self.ref_cnt)
+        return one_per_group(self._cached, block_hash, group_ids)
 
     def cache_full_blocks(
         self,
@@ -763,7 +763,7 @@ class BlockPool(FreeMoves, TwinPoolOps):
     ) -> list[BlockId] | None:
         """One block per group holding the partial key ``block_hash``, or
         None if any group has none."""
-        return one_per_group(self._partial, block_hash, group_ids, self.ref_cnt)
+        return one_per_group(self._partial, block_hash, group_ids)
 
     def has_partial_key(
         self, block: BlockId, block_hash: BlockHash, group_id: int

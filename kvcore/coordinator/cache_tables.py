@@ -1,12 +1,10 @@
 """The prefix cache's tables: block hash -> the block holding it.
 
 Each group's table maps a block hash to the id of the one block holding
-it, or to ``{block id: None}`` (the ids in key order) when several do (two
-requests computed the same prefix before either was cached).  A hit on such
-a key takes a copy some request already holds, if any (:func:`serving_copy`):
-attaching it takes no free block and leaves the free copies queued.
-:class:`~kvcore.coordinator.BlockPool` keeps one table per group for full
-keys and one for partial keys; these functions read and change one entry.
+it, or to ``{block id: None}`` (the ids in key order) when several do (two requests computed the same
+prefix before either was cached).  :class:`~kvcore.coordinator.BlockPool`
+keeps one table per group for full keys and one for partial keys; these
+functions read and change one entry.
 """
 
 from __future__ import annotations
@@ -17,14 +15,7 @@ from typing import TypeAlias
 from kvcore.coordinator.blocks import BlockId
 from kvcore.coordinator.hashing import BlockHash
 
-__all__ = [
-    "Entry",
-    "insert_entry",
-    "num_entries",
-    "one_per_group",
-    "remove_entry",
-    "serving_copy",
-]
+__all__ = ["Entry", "insert_entry", "num_entries", "one_per_group", "remove_entry"]
 
 Entry: TypeAlias = BlockId | dict[BlockId, None]
 
@@ -34,24 +25,13 @@ def num_entries(group: dict[BlockHash, Entry]) -> int:
     return sum(1 if not isinstance(e, dict) else len(e) for e in group.values())
 
 
-def serving_copy(copies: dict[BlockId, None], ref_cnt: Sequence[int]) -> BlockId:
-    """The block a hit takes among ``copies`` of one key: the first some
-    request holds (sharing it costs no free block), else the first."""
-    for block in copies:
-        if ref_cnt[block]:
-            return block
-    return next(iter(copies))
-
-
 def one_per_group(
     table: dict[int, dict[BlockHash, Entry]],
     block_hash: BlockHash,
     group_ids: Sequence[int],
-    ref_cnt: Sequence[int],
 ) -> list[BlockId] | None:
-    """One block per group keyed ``block_hash`` in ``table`` (its
-    :func:`serving_copy` where several share the key), or None if a group
-    has none."""
+    """One block per group keyed ``block_hash`` in ``table`` (any one where
+    several share the key), or None if a group has none."""
     out = []
     for group_id in group_ids:
         group = table.get(group_id)
@@ -59,7 +39,7 @@ def one_per_group(
         if entry is None:
             return None
         if isinstance(entry, dict):
-            entry = serving_copy(entry, ref_cnt)
+            entry = next(iter(entry))
         out.append(entry)
     return out
 

@@ -26,7 +26,6 @@ from typing import Any, ClassVar, cast
 
 from kvcore.checkpoints import GRID_PREFIX_SHARE, grid_interval
 from kvcore.coordinator.block_pool import BlockPool
-from kvcore.coordinator.cache_tables import serving_copy
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.request import Request
@@ -78,14 +77,14 @@ def prefix_hit(
     if len(group_ids) == 1:
         # The group's hash -> block map, read directly (see
         # BlockPool.lookup): an entry is a block id or {block_id: None}.
-        hits = [_cached_run(pool.cached_blocks_of(group_ids[0]), hashes, limit, pool)]
+        hits = [_cached_run(pool.cached_blocks_of(group_ids[0]), hashes, limit)]
     else:
         # Group by group: each group's run of cached blocks, bounded by the
         # shortest run so far; a group with no block ends the search (the
         # hit is empty whatever the others hold).
         hits = []
         for gid in group_ids:
-            run = _cached_run(pool.cached_blocks_of(gid), hashes, limit, pool)
+            run = _cached_run(pool.cached_blocks_of(gid), hashes, limit)
             hits.append(run)
             limit = len(run)
             if not limit:
@@ -99,20 +98,15 @@ def prefix_hit(
 
 
 def _cached_run(
-    cached: dict[BlockHash, Any],
-    hashes: Sequence[BlockHash],
-    limit: int,
-    pool: BlockPool,
+    cached: dict[BlockHash, Any], hashes: Sequence[BlockHash], limit: int
 ) -> list[int]:
     """The blocks ``cached`` (one group's live map, see
     :meth:`BlockPool.cached_blocks_of`) holds for ``hashes[0]``,
-    ``hashes[1]``, ... up to the first miss, at most ``limit`` (where
-    several hold a hash, the :func:`serving_copy` in ``pool``)."""
+    ``hashes[1]``, ... up to the first miss, at most ``limit``."""
     run: list[Any] = list(takewhile(_is_entry, map(cached.get, islice(hashes, limit))))
     if dict in map(type, run):
-        # Several blocks hold a hash: the copy a request holds, if any.
-        ref = pool.ref_cnt
-        run = [serving_copy(e, ref) if type(e) is dict else e for e in run]
+        # Several blocks hold the hash: the first stands for them.
+        run = [next(iter(e)) if type(e) is dict else e for e in run]
     return run
 
 
