@@ -241,6 +241,66 @@ class TestQwen3NextStyle:
         assert out.copies == (BlockCopy(0, attn[1].block_id, table[0][1], 80),)
         assert table[0][0] == attn[0].block_id
 
+    @staticmethod
+    def _block_1_in_flight(
+        mgr: KVCacheManager, *, other_run: bool
+    ) -> tuple[Request, int]:
+        """b computes 480 tokens of a 900-token prompt (its Mamba state at
+        480 kept), then its step to 840 is scheduled, its forward not run:
+        the step keys b's attention block 1 (tokens 416-831), written up to
+        479.  With ``other_run``, a computed the whole prompt before that (a
+        Mamba state at 496 kept) and its copy of block 1 lost its key.
+        Returns b and its block 1."""
+        shared = prompt(900)
+        b = Request("b", shared, hash_block_size=16)
+        assert mgr.allocate_slots(b, 16) is not None
+        b.num_computed_tokens = 16
+        if other_run:
+            a = Request("a", shared, hash_block_size=16)
+            for n in (416, 80, 404):
+                assert mgr.allocate_slots(a, n) is not None
+                a.num_computed_tokens += n
+            a_block = mgr.get_block_ids("a")[0][1]
+            mgr.free(a)
+            assert mgr.evict_blocks([a_block]) == 1
+        assert mgr.allocate_slots(b, 464) is not None
+        b.num_computed_tokens = 480
+        assert mgr.allocate_slots(b, 360) is not None
+        return b, mgr.get_block_ids("b")[0][1]
+
+    def test_a_copy_of_tokens_a_step_has_not_written_waits_for_its_forward(self):
+        """The copy runs before the admitted request's forward, so it may not
+        read what a step in flight writes: refused (changing nothing) until
+        the writer's next call says its forward ran."""
+        mgr = qwen3_next()
+        b, source = self._block_1_in_flight(mgr, other_run=True)
+        c = Request("c", prompt(900)[:832] + prompt(50, seed=9), hash_block_size=16)
+        blocks, hit = mgr.get_computed_blocks(c)
+        assert hit == 496  # a's state at 496: 80 tokens of b's block 1 to copy
+        assert blocks.get_block_ids()[0][1] == source
+        free = mgr.block_pool.get_num_free_blocks()
+        assert mgr.allocate_slots(c, 882 - hit, hit, blocks) is None
+        assert mgr.block_pool.get_num_free_blocks() == free
+        assert c.request_id not in mgr.live_request_ids()
+        b.num_computed_tokens = 840
+        assert mgr.allocate_slots(b, 60) is not None
+        blocks, hit = mgr.get_computed_blocks(c)
+        out = mgr.allocate_slots(c, 882 - hit, hit, blocks)
+        assert out is not None
+        table = mgr.get_block_ids("c")[0]
+        assert out.copies == (BlockCopy(0, source, table[1], 80),)
+
+    def test_a_copy_of_tokens_written_before_the_step_is_not_held_up(self):
+        mgr = qwen3_next()
+        _, source = self._block_1_in_flight(mgr, other_run=False)
+        c = Request("c", prompt(900)[:832] + prompt(50, seed=9), hash_block_size=16)
+        blocks, hit = mgr.get_computed_blocks(c)
+        assert hit == 480  # b's state at 480: b wrote 416-479 of block 1
+        out = mgr.allocate_slots(c, 882 - hit, hit, blocks)
+        assert out is not None
+        table = mgr.get_block_ids("c")[0]
+        assert out.copies == (BlockCopy(0, source, table[1], 64),)
+
     def test_disabled_hits_416(self):
         mgr = qwen3_next(enable_partial_hits=False)
         run_and_free(mgr, "a", prompt(500), [416, 80, 4])

@@ -300,7 +300,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         :param delay_cache_blocks: key nothing; call :meth:`cache_blocks` later.
         :param engine: the engine's keywords, by name: :class:`EngineStepKeywords`.
         :returns: the new blocks per group (the request is then ``RUNNING``), or
-            ``None`` when it cannot run now: a full pool, or a hit's unwritten state.
+            ``None`` when it cannot run now: a full pool, or unwritten hit KV.
         """
         if not isinstance(request, Request):
             raise not_a_request(request)
@@ -367,7 +367,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         self,
         request: Request,
         held: Request | None,
-        need: StepNeed,
+        need: StepNeed | None,
         span: tuple[bool, int, int, int, int],
         tokens: tuple[int, int, bool, int],
     ) -> KVCacheBlocks | None:
@@ -379,7 +379,10 @@ class KVCacheManager(StepNeeds, EngineCalls):
         below), the tokens covered, the keyed end and the blocks it must
         leave free; ``tokens``: the encoder tokens, where the hit ends and
         whether the whole sequence must fit.  None when the pool cannot
-        satisfy it (nothing changed)."""
+        satisfy it, or ``need`` is None: the admission copies tokens a step
+        in flight writes (nothing changed)."""
+        if need is None:
+            return None
         attach, sources, held_sources, num_needed = need
         running, processed, num_tokens, cache_to, reserved = span
         num_encoder, num_hit_tokens, whole_sequence, scheduled_to = tokens
@@ -440,6 +443,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
             if sources is None
             else functools.partial(self._copy_step, sources)
         )
+        unwritten = self._unwritten
+        keyed_from = unwritten.keyed_so_far(rid) if unwritten.sources else ()
         # Every step is a transaction: a manager that raises leaves the
         # pool, the tables, the keys and the events as they were.
         pool = self.block_pool
@@ -464,8 +469,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
             # Blocks below the processed tokens were released, or (at an
             # admission) never taken: no later step may start below them.
             marks.released(rid, args[3])
-        if new_blocks is not None and self._unwritten.managers:
-            self._unwritten.took(rid, new_blocks)
+        if unwritten.sources or (new_blocks is not None and unwritten.managers):
+            # The step writes from its processed tokens on (see _step's args).
+            unwritten.took(rid, new_blocks, keyed_from, args[3])
         request.status = RequestStatus.RUNNING
         if held is not request:
             self._requests[rid] = request

@@ -24,6 +24,9 @@ How the pieces fit:
   ``ceil(P / block)`` entries, the last being the copy source.
 - **admission**: :func:`split_copy_sources` takes the source out of the
   blocks attached; a fresh block takes its position and a copy is recorded.
+  A source whose copied tokens a step in flight writes (a full key is given
+  when a step is scheduled) holds the admission back a step
+  (:mod:`kvcore.coordinator.unwritten`).
 """
 
 from __future__ import annotations

@@ -134,11 +134,12 @@ class StepNeeds(ManagerParts):
         computed_tokens: tuple[int, int],
         num_tokens: int,
         num_encoder: int,
-    ) -> StepNeed:
+    ) -> StepNeed | None:
         """What admitting ``request`` attaches and needs: every group's
         admission blocks, the copy-on-write sources of a partial hit (None:
         none), how many of them leave the free queue, and the blocks the
-        step takes from it.  ``computed_tokens``: where the hit ends, and
+        step takes from it; None when a source is not written yet (see
+        :mod:`kvcore.coordinator.unwritten`).  ``computed_tokens``: where the hit ends, and
         the tokens computed once it and any KV a connector loads are
         attached.  Checkpoint positions are planned here; a refused step
         forgets them."""
@@ -154,6 +155,10 @@ class StepNeeds(ManagerParts):
                 computed, coordinator.partial_groups, hit_end
             )
             if found:
+                if coordinator.unwritten.copies_unwritten(found, hit_end):
+                    # The copy runs before this step's forward: a source a
+                    # step keyed this round is not written yet.
+                    return None
                 sources = found
         attach = coordinator.admission_blocks(
             computed if computed is not None else self.empty_kv_cache_blocks.ids,

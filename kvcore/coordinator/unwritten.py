@@ -1,15 +1,19 @@
-"""States a step took whose forward has not run: no hit may end on one.
+"""Blocks a step took or keyed whose forward has not run: no hit may read
+one before its own step.
 
 A step's blocks are taken, and keyed, when the step is scheduled, before its
 forward pass runs.  An attention block taken so can serve a hit admitted in
 the same step (each layer writes the step's KV before it attends), but a
 recurrent state cannot: a request resuming from it reads the state before
-the scan that writes it.  Groups whose managers declare
+the scan that writes it.  Nor can the source of a copy-on-write hit (see
+:mod:`kvcore.coordinator.partial`): the copy runs before the forward.
+Groups whose managers declare
 :attr:`~kvcore.coordinator.manager.SingleTypeManager.reads_hit_before_step`
-have the blocks each step takes noted here; an admission whose hit ends on
-one is refused for this step (``allocate_slots`` returns ``None``, as for a
-full pool), so the request is admitted with its whole hit once the state is
-written.
+have the blocks each step takes noted here, and groups that serve
+copy-on-write hits the blocks each step keys; an admission whose hit ends
+on a noted state, or copies a noted block, is refused for this step
+(``allocate_slots`` returns ``None``, as for a full pool), so the request
+is admitted with its whole hit once the block is written.
 
 A state counts as written at its writer's next call (its next step, its
 free): an engine schedules a request once a step, and a later step's forward
@@ -29,26 +33,60 @@ __all__ = ["UnwrittenStates"]
 
 
 class UnwrittenStates:
-    """The state blocks taken by steps whose forward may not have run."""
+    """The state blocks taken, and the copy sources keyed, by steps whose
+    forward may not have run."""
 
     def __init__(self, managers: Sequence[SingleTypeManager]) -> None:
         #: The managers whose hits read their last block before the step.
         self.managers = tuple(m for m in managers if m.reads_hit_before_step)
-        #: Writer request id -> the state blocks its latest step took.
+        #: The managers of groups that serve copy-on-write hits, whose blocks
+        #: a hit may copy before its step (set by the coordinator).
+        self.sources: tuple[SingleTypeManager, ...] = ()
+        #: Writer request id -> the blocks its latest step took or keyed.
         self.by_writer: dict[str, list[int]] = {}
         #: Every noted block id -> the writer whose step took it last (a block
         #: released while noted may be taken again by another step).
         self.blocks: dict[int, str] = {}
+        #: Each noted copy source -> the first token of its prefix that the
+        #: step keying it writes (a copy may read the tokens before it).
+        self.unwritten_from: dict[int, int] = {}
 
-    def took(self, request_id: str, new_blocks: Sequence[Sequence[int]]) -> None:
+    def keyed_so_far(self, request_id: str) -> list[int]:
+        """Before a step: how many blocks each source group has keyed for
+        the request (what :meth:`took` notes the step's keys from)."""
+        return [m.num_cached_block.get(request_id, 0) for m in self.sources]
+
+    def took(
+        self,
+        request_id: str,
+        new_blocks: Sequence[Sequence[int]] | None,
+        keyed_from: Sequence[int] = (),
+        written_to: int = 0,
+    ) -> None:
         """Note the state blocks a step of the request took (its new blocks
-        per group), once the step is done."""
+        per group) and, given :meth:`keyed_so_far` from before it, the
+        blocks it keyed in the source groups that hold tokens from
+        ``written_to`` (where the step starts) on, once the step is done."""
         taken = [
             block
             for manager in self.managers
+            if new_blocks is not None
             for block in new_blocks[manager.kv_cache_group_id]
             if block
         ]
+        for manager, start in zip(self.sources, keyed_from, strict=False):
+            table = manager.req_to_blocks.get(request_id)
+            end = manager.num_cached_block.get(request_id, 0)
+            size = manager.block_size
+            # Blocks wholly below the step's start were written before it.
+            start = max(start, written_to // size)
+            if not table or end <= start:
+                continue
+            for pos in range(start, end):
+                block = table[pos]
+                if block:
+                    taken.append(block)
+                    self.unwritten_from[block] = max(pos * size, written_to)
         if taken:
             self.by_writer[request_id] = taken
             self.blocks.update(dict.fromkeys(taken, request_id))
@@ -61,11 +99,13 @@ class UnwrittenStates:
             for block in noted:
                 if blocks.get(block) == request_id:
                     del blocks[block]
+                    self.unwritten_from.pop(block, None)
 
     def new_step_starts(self) -> None:
         """A new engine step: every state taken before it is written."""
         self.by_writer.clear()
         self.blocks.clear()
+        self.unwritten_from.clear()
 
     def admits(self, request_id: str, hit: Sequence[Sequence[int]] | None) -> bool:
         """A step of the request: what its last step took is written now;
@@ -73,6 +113,17 @@ class UnwrittenStates:
         step (it ends on no state still unwritten)."""
         self.written(request_id)
         return hit is None or not self.hit_ends_unwritten(hit)
+
+    def copies_unwritten(
+        self, sources: Sequence[tuple[int, int, int]], hit_end: int
+    ) -> bool:
+        """Whether a copy-on-write hit ending at ``hit_end`` copies, from one
+        of its sources (``(group id, block, tokens)`` each), a token that a
+        step keyed before its forward ran."""
+        unwritten = self.unwritten_from
+        return bool(unwritten) and any(
+            hit_end > unwritten.get(block, hit_end) for _, block, _ in sources
+        )
 
     def hit_ends_unwritten(self, hit: Sequence[Sequence[int]]) -> bool:
         """Whether a hit (blocks per group) ends on a state not yet written."""
