@@ -49,9 +49,12 @@ from broken_kinds import (
 
 import kvcore
 from kvcore import DuplicateKindError, KindRegistry, PluginError, UnknownKindError
+from kvcore.coordinator import BlockPool, KVCacheManager
 from kvcore.errors import PluginBindError, PluginResultError
 from kvcore.spec import KVCacheSpec
+from kvcore_full_attention import FullAttention
 from kvcore_mamba import Mamba
+from kvcore_sliding_window import SlidingWindow
 
 HAND = "plugin 'broken' (no distribution: registered by hand or from source)"
 BLOCK = "block it with KVCORE_DISABLE_PLUGINS=broken"
@@ -895,3 +898,62 @@ def test_a_hit_of_values_that_are_not_block_ids_is_refused_naming_the_plugin() -
     ):
         mgr.get_computed_blocks(second)
     assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+
+
+class _MisbuiltWindow(SlidingWindow):
+    """A window kind whose make_manager changes what the core gives it."""
+
+    change = ""
+
+    def make_manager(self, spec: Any, block_pool: Any, **kwargs: Any) -> Any:
+        if self.change == "block_pool":
+            block_pool = BlockPool(
+                block_pool.num_blocks, enable_caching=True, hash_block_size=16
+            )
+        elif self.change == "not a manager":
+            return object()
+        elif self.change:
+            kwargs[self.change] = {"group_id": 0}.get(self.change, 32)
+        return super().make_manager(spec, block_pool, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("change", "rule"),
+    [
+        ("block_pool", "a block pool other than the coordinator's"),
+        ("group_id", "group_id=0, not the 1 it was given"),
+        ("block_size", "block_size=32, not the 16 it was given"),
+        ("hash_block_size", "hash_block_size=32, not the 16 it was given"),
+        ("not a manager", "make_manager returned object"),
+    ],
+)
+def test_a_manager_built_over_other_arguments_is_refused(
+    change: str, rule: str
+) -> None:
+    """A manager over a pool of its own would hand out ids other groups
+    hold; one stepping another group's table, or blocks of another size,
+    would write pages it does not own."""
+    kind = _MisbuiltWindow()
+    kind.change = change
+    attrs_ = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}
+    config = kvcore.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            kvcore.KVCacheGroupSpec(
+                ["full"], FullAttention().spec_type(dtype=torch.float16, **attrs_)
+            ),
+            kvcore.KVCacheGroupSpec(
+                ["window"],
+                kind.spec_type(dtype=torch.float16, sliding_window=64, **attrs_),
+            ),
+        ],
+    )
+    with pytest.raises(PluginResultError, match=rf"'sliding_window'.*{rule}"):
+        KVCacheManager(
+            config,
+            max_model_len=1024,
+            scheduler_block_size=32,
+            hash_block_size=16,
+            registry=KindRegistry.from_kinds([FullAttention(), kind]),
+        )

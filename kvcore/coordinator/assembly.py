@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from kvcore.coordinator.block_pool import BlockPool
-from kvcore.coordinator.declared import check_manager, declared_policy
+from kvcore.coordinator.declared import check_built, check_manager, declared_policy
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import copy_hit_units
@@ -182,12 +182,15 @@ def build_managers(
         kind = registry.kind_for(layer_spec, layer=group.layer_names[0])
         owner = registry.owner(kind.name)
         policy = declared_policy(layer_spec, kind.name, owner)
+        given: dict[str, Any] = {
+            "group_id": gid,
+            "block_size": block_size,
+            "hash_block_size": settings.hash_block_size,
+        }
         manager = kind.make_manager(
             layer_spec,
             block_pool,
-            group_id=gid,
-            block_size=block_size,
-            hash_block_size=settings.hash_block_size,
+            **given,
             enable_caching=settings.enable_caching,
             max_model_len=settings.max_model_len,
             # With EAGLE a hit may end on any block of the group; a state
@@ -199,6 +202,7 @@ def build_managers(
                 else settings.hit_alignment
             ),
         )
+        check_built(manager, {**given, "block_pool": block_pool}, kind.name, owner)
         overlaps.append(check_manager(manager, policy, kind.name, owner))
         manager.use_eagle = settings.use_eagle
         _check_hash_alignment(gid, manager, settings.hash_block_size)

@@ -11,10 +11,10 @@ import inspect
 from typing import Any
 
 from kvcore.coordinator.manager import SingleTypeManager
-from kvcore.errors import PluginError
+from kvcore.errors import PluginError, PluginResultError
 from kvcore.spec import HitPolicy
 
-__all__ = ["check_manager", "declared_policy", "search_problem"]
+__all__ = ["check_built", "check_manager", "declared_policy", "search_problem"]
 
 
 def declared_policy(spec: Any, kind: str, plugin: str) -> HitPolicy:
@@ -50,6 +50,43 @@ def declared_policy(spec: Any, kind: str, plugin: str) -> HitPolicy:
         )
         raise PluginError(msg, plugin_name=plugin)
     return policy
+
+
+def check_built(manager: object, given: dict[str, Any], kind: str, plugin: str) -> None:
+    """What ``make_manager`` built is a :class:`SingleTypeManager` over what
+    the core gave it (``given``: the pool, ``group_id``, ``block_size`` and
+    ``hash_block_size``): a manager drawing from a pool of its own, or
+    stepping another group's blocks or blocks of another size, would hand
+    out ids other groups hold or pages it does not own."""
+    if not isinstance(manager, SingleTypeManager):
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): make_manager returned "
+            f"{type(manager).__name__}; it must return a "
+            "kvcore.coordinator.SingleTypeManager subclass instance"
+        )
+        raise PluginResultError(msg, plugin_name=plugin)
+    found = {
+        "block_pool": manager.block_pool,
+        "group_id": manager.kv_cache_group_id,
+        "block_size": manager.block_size,
+        "hash_block_size": manager.hash_block_size,
+    }
+    for name, value in found.items():
+        expected = given[name]
+        if value is expected or (name != "block_pool" and value == expected):
+            continue
+        what = (
+            "a block pool other than the coordinator's"
+            if name == "block_pool"
+            else f"{name}={value!r}, not the {expected!r} it was given"
+        )
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): make_manager built a "
+            f"{type(manager).__name__} with {what}; build it over the "
+            "arguments make_manager receives (the shared pool, the group's "
+            "id and block sizes)"
+        )
+        raise PluginResultError(msg, plugin_name=plugin)
 
 
 def check_manager(
