@@ -19,7 +19,7 @@ import coordinator_setup as setup
 import pytest
 
 from kvcore.coordinator import KVCacheManager, Request
-from kvcore.errors import InvalidRequestError, UnknownRequestError
+from kvcore.errors import InvalidRequestError, KvcoreError, UnknownRequestError
 
 BS = 16
 STATE = 1  # the Mamba group of state_hybrid
@@ -279,6 +279,83 @@ def test_no_hit_resumes_from_a_state_its_step_has_not_written(
     hit_b, num_b = mgr.get_computed_blocks(b)
     assert num_b == 48
     assert mgr.allocate_slots(b, 70 - num_b, num_b, hit_b) is not None
+
+
+@pytest.mark.parametrize("chunks", [[4, 4], [5, 3], [4, 1, 3]])
+def test_a_state_written_in_a_block_the_writer_holds_waits_too(
+    chunks: list[int],
+) -> None:
+    """A computes its first 8-token block in chunks, one engine step each:
+    its last chunk's step writes the state at 8 into the block A took at
+    its first chunk, and keys it there.  B, admitted in that step, would
+    resume from the state before the scan writes it: it waits a step."""
+    mgr = setup.state_hybrid(40, 8)
+    a = Request("A", list(range(1, 13)), hash_block_size=8)
+    for n in chunks:
+        mgr.new_step_starts()
+        assert mgr.allocate_slots(a, n) is not None
+        a.num_computed_tokens += n
+    b = Request("B", [*range(1, 9), 99, 98, 97], hash_block_size=8)
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8
+    assert hit.get_block_ids()[1] == mgr.get_block_ids("A")[1]
+    free = mgr.get_num_free_blocks()
+    assert mgr.allocate_slots(b, 3, num_hit, hit) is None
+    assert mgr.get_num_free_blocks() == free
+    mgr.new_step_starts()  # A's forward has run
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert mgr.allocate_slots(b, 3, num_hit, hit) is not None
+
+
+@pytest.mark.parametrize("policy", ["turns", "steps"])
+def test_a_decode_step_ending_a_block_keeps_its_state_from_hits(policy: str) -> None:
+    """A decodes token 8 of 4-token blocks: its step keys the state at 8 in
+    the block it took for token 7.  B, sharing those 8 tokens, waits for
+    the forward."""
+    mgr = setup.state_hybrid(40, 4, policy=policy)
+    a = Request("A", list(range(1, 7)), hash_block_size=4)
+    for n, token in ((6, 50), (1, 51)):
+        assert mgr.allocate_slots(a, n) is not None
+        a.num_computed_tokens += n
+        a.append_output_token_ids(token)
+        mgr.new_step_starts()
+    assert mgr.allocate_slots(a, 1) is not None
+    assert 8 in mgr.state_write_positions("A", 7, 8)[1]
+    b = Request("B", [1, 2, 3, 4, 5, 6, 50, 51, 9, 9], hash_block_size=4)
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8
+    assert mgr.allocate_slots(b, 10 - num_hit, num_hit, hit) is None
+    a.num_computed_tokens += 1
+    a.append_output_token_ids(52)
+    assert mgr.allocate_slots(a, 1) is not None  # A's next call: written
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 8
+    assert mgr.allocate_slots(b, 10 - num_hit, num_hit, hit) is not None
+
+
+def test_a_failed_step_takes_back_the_state_block_it_put_in_place() -> None:
+    """A's only state was released (its computed tokens moved past what its
+    step was given, then the release ran there), so its next step puts a
+    fresh state block back at that position before the step fails for
+    want of blocks: the failed step leaves A's tables and the pool as they
+    were, and no block is listed by A while another request takes it."""
+    mgr = setup.manager_for(
+        [setup.fa(4), setup.mamba(4, policy="steps")],
+        19,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        max_model_len=128,
+    )
+    a = Request("A", list(range(1, 70)), hash_block_size=4)
+    assert mgr.allocate_slots(a, 4) is not None
+    a.num_computed_tokens = 58
+    mgr.remove_skipped_blocks(a, 14)
+    pool = mgr.block_pool
+    before = (mgr.get_block_ids("A"), list(pool.ref_cnt))
+    with pytest.raises(KvcoreError):
+        mgr.allocate_slots(a, 9)
+    assert (mgr.get_block_ids("A"), list(pool.ref_cnt)) == before
+    assert mgr.get_block_ids("A")[1] == [pool.null_block]
 
 
 def test_a_refused_call_leaves_the_writers_state_unwritten(zoo_registry: Any) -> None:

@@ -256,7 +256,7 @@ class KVCacheCoordinator(FreeSteps):
             if self.partial_units
             else None
         )
-        self.unwritten.sources = tuple(managers[gid] for gid, _ in self.partial_groups)
+        self.unwritten.watch_sources([managers[gid] for gid, _ in self.partial_groups])
 
     def __getstate__(self) -> dict[str, Any]:
         """The coordinator's state without the plugin manager, which holds

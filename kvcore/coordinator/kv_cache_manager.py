@@ -444,7 +444,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
             else functools.partial(self._copy_step, sources)
         )
         unwritten = self._unwritten
-        keyed_from = unwritten.keyed_so_far(rid) if unwritten.sources else ()
+        watched = unwritten.managers or unwritten.sources
+        keyed_from = unwritten.keyed_so_far(rid) if watched else ()
         # Every step is a transaction: a manager that raises leaves the
         # pool, the tables, the keys and the events as they were.
         pool = self.block_pool
@@ -469,7 +470,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             # Blocks below the processed tokens were released, or (at an
             # admission) never taken: no later step may start below them.
             marks.released(rid, args[3])
-        if unwritten.sources or (new_blocks is not None and unwritten.managers):
+        if watched:
             # The step writes from its processed tokens on (see _step's args).
             unwritten.took(rid, new_blocks, keyed_from, args[3])
         request.status = RequestStatus.RUNNING

@@ -25,7 +25,7 @@ from kvcore.coordinator.output_ends import OutputEnds
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.state_kept import checkpoints_kept, interval_states_kept
 from kvcore.coordinator.step_ends import ChunkEnds, replace_step_ends
-from kvcore.coordinator.undo import put_entry
+from kvcore.coordinator.undo import put_at_each, put_entry
 from kvcore.spec import HitPolicy, cdiv
 
 __all__ = ["CheckpointManager"]
@@ -429,6 +429,9 @@ class CheckpointManager(SingleTypeManager):
         a just-admitted request's first step reads a state no hit holds; the
         position is no longer counted as released."""
         fresh = self.block_pool.get_new_blocks(len(twins))
+        tables = [twin.req_to_blocks[request_id] for twin in twins]
+        # Written in place: a rollback puts the null block back.
+        self.block_pool.record(put_at_each, tables, [pos], [[t[pos]] for t in tables])
         for twin, block in zip(twins, fresh, strict=True):
             twin.req_to_blocks[request_id][pos] = block
             if twin.num_released.get(request_id, 0) > pos:

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvcore.coordinator.twins import twin_runs
+
 if TYPE_CHECKING:
     from kvcore.coordinator.manager import SingleTypeManager
 
@@ -33,15 +35,18 @@ __all__ = ["UnwrittenStates"]
 
 
 class UnwrittenStates:
-    """The state blocks taken, and the copy sources keyed, by steps whose
-    forward may not have run."""
+    """The state blocks taken or keyed, and the copy sources keyed, by steps
+    whose forward may not have run."""
 
     def __init__(self, managers: Sequence[SingleTypeManager]) -> None:
         #: The managers whose hits read their last block before the step.
         self.managers = tuple(m for m in managers if m.reads_hit_before_step)
         #: The managers of groups that serve copy-on-write hits, whose blocks
-        #: a hit may copy before its step (set by the coordinator).
+        #: a hit may copy before its step (see :meth:`watch_sources`).
         self.sources: tuple[SingleTypeManager, ...] = ()
+        #: Runs of twin groups among both (twins key alike): the state
+        #: groups' runs first, then the sources'.
+        self._runs = self._state_runs = _twin_runs(self.managers)
         #: Writer request id -> the blocks its latest step took or keyed.
         self.by_writer: dict[str, list[int]] = {}
         #: Every noted block id -> the writer whose step took it last (a block
@@ -51,10 +56,17 @@ class UnwrittenStates:
         #: step keying it writes (a copy may read the tokens before it).
         self.unwritten_from: dict[int, int] = {}
 
+    def watch_sources(self, sources: Sequence[SingleTypeManager]) -> None:
+        """Note the blocks steps key in ``sources`` too (groups serving
+        copy-on-write hits)."""
+        self.sources = tuple(sources)
+        self._runs = self._state_runs + _twin_runs(self.sources)
+
     def keyed_so_far(self, request_id: str) -> list[int]:
-        """Before a step: how many blocks each source group has keyed for
-        the request (what :meth:`took` notes the step's keys from)."""
-        return [m.num_cached_block.get(request_id, 0) for m in self.sources]
+        """Before a step: how many blocks each run of twin state or source
+        groups has keyed for the request (what :meth:`took` notes the
+        step's keys from)."""
+        return [run[0].num_cached_block.get(request_id, 0) for run in self._runs]
 
     def took(
         self,
@@ -63,10 +75,11 @@ class UnwrittenStates:
         keyed_from: Sequence[int] = (),
         written_to: int = 0,
     ) -> None:
-        """Note the state blocks a step of the request took (its new blocks
-        per group) and, given :meth:`keyed_so_far` from before it, the
-        blocks it keyed in the source groups that hold tokens from
-        ``written_to`` (where the step starts) on, once the step is done."""
+        """Note, once a step of the request is done, the state blocks it took
+        (its new blocks per group) and, given :meth:`keyed_so_far` from
+        before it, the blocks it keyed in the state and source groups that
+        hold tokens from ``written_to`` (where the step starts) on: a state
+        it writes into a block the request held already is keyed there."""
         taken = [
             block
             for manager in self.managers
@@ -74,19 +87,25 @@ class UnwrittenStates:
             for block in new_blocks[manager.kv_cache_group_id]
             if block
         ]
-        for manager, start in zip(self.sources, keyed_from, strict=False):
-            table = manager.req_to_blocks.get(request_id)
-            end = manager.num_cached_block.get(request_id, 0)
-            size = manager.block_size
+        num_state_runs = len(self._state_runs)
+        for index, (run, start) in enumerate(zip(self._runs, keyed_from, strict=False)):
+            end = run[0].num_cached_block.get(request_id, 0)
+            size = run[0].block_size
             # Blocks wholly below the step's start were written before it.
             start = max(start, written_to // size)
-            if not table or end <= start:
+            if end <= start:
                 continue
-            for pos in range(start, end):
-                block = table[pos]
-                if block:
-                    taken.append(block)
-                    self.unwritten_from[block] = max(pos * size, written_to)
+            copied = index >= num_state_runs
+            for manager in run:
+                table = manager.req_to_blocks.get(request_id)
+                if not table:
+                    continue
+                for pos in range(start, min(end, len(table))):
+                    block = table[pos]
+                    if block:
+                        taken.append(block)
+                        if copied:
+                            self.unwritten_from[block] = max(pos * size, written_to)
         if taken:
             self.by_writer[request_id] = taken
             self.blocks.update(dict.fromkeys(taken, request_id))
@@ -135,3 +154,10 @@ class UnwrittenStates:
             if group and group[-1] in blocks:
                 return True
         return False
+
+
+def _twin_runs(
+    managers: Sequence[SingleTypeManager],
+) -> tuple[tuple[SingleTypeManager, ...], ...]:
+    """``managers`` in runs of consecutive twins (see :func:`twin_runs`)."""
+    return tuple(members for _, members in twin_runs(managers))

@@ -501,6 +501,7 @@ class KVCacheManager:
         managers = coordinator.single_type_managers
         if running:
             lengths = [len(m.req_to_blocks.get(rid, ())) for m in managers]
+        keyed_from = unwritten.keyed_so_far(rid) if unwritten.managers else ()
         pool.begin()
         try:
             if running:
@@ -526,8 +527,9 @@ class KVCacheManager:
                 coordinator.restore_checkpoints(rid, shed)
             raise
         pool.commit()
-        if new is not None and unwritten.managers:
-            unwritten.took(rid, new)
+        if unwritten.managers:
+            # The step writes from its processed tokens on.
+            unwritten.took(rid, new, keyed_from, processed)
         self._live[rid] = request
         self._ends[rid] = num_main
         self._scheduled.add(rid)
