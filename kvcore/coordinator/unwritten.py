@@ -62,17 +62,24 @@ class UnwrittenStates:
         self.sources = tuple(sources)
         self._runs = self._state_runs + _twin_runs(self.sources)
 
-    def keyed_so_far(self, request_id: str) -> list[int]:
-        """Before a step: how many blocks each run of twin state or source
-        groups has keyed for the request (what :meth:`took` notes the
-        step's keys from)."""
-        return [run[0].num_cached_block.get(request_id, 0) for run in self._runs]
+    def keyed_so_far(self, request_id: str) -> list[tuple[int, int]]:
+        """Before a step: for each run of twin state or source groups, how
+        many blocks it has keyed for the request and how long its table is
+        (what :meth:`took` notes the step's keys from)."""
+        out = []
+        for run in self._runs:
+            lead = run[0]
+            table = lead.req_to_blocks.get(request_id)
+            out.append(
+                (lead.num_cached_block.get(request_id, 0), len(table) if table else 0)
+            )
+        return out
 
     def took(
         self,
         request_id: str,
         new_blocks: Sequence[Sequence[int]] | None,
-        keyed_from: Sequence[int] = (),
+        keyed_from: Sequence[tuple[int, int]] = (),
         written_to: int = 0,
     ) -> None:
         """Note, once a step of the request is done, the state blocks it took
@@ -80,32 +87,39 @@ class UnwrittenStates:
         before it, the blocks it keyed in the state and source groups that
         hold tokens from ``written_to`` (where the step starts) on: a state
         it writes into a block the request held already is keyed there."""
-        taken = [
-            block
-            for manager in self.managers
-            if new_blocks is not None
-            for block in new_blocks[manager.kv_cache_group_id]
-            if block
-        ]
+        taken = (
+            []
+            if new_blocks is None
+            else [
+                block
+                for manager in self.managers
+                for block in new_blocks[manager.kv_cache_group_id]
+                if block
+            ]
+        )
         num_state_runs = len(self._state_runs)
-        for index, (run, start) in enumerate(zip(self._runs, keyed_from, strict=False)):
+        for index, (run, (start, length)) in enumerate(
+            zip(self._runs, keyed_from, strict=False)
+        ):
             end = run[0].num_cached_block.get(request_id, 0)
             size = run[0].block_size
             # Blocks wholly below the step's start were written before it.
             start = max(start, written_to // size)
+            copied = index >= num_state_runs
+            if not copied:
+                # A state group's new blocks are noted above: only the
+                # blocks it held before the step are left.
+                end = min(end, length)
             if end <= start:
                 continue
-            copied = index >= num_state_runs
-            for manager in run:
-                table = manager.req_to_blocks.get(request_id)
-                if not table:
-                    continue
-                for pos in range(start, min(end, len(table))):
-                    block = table[pos]
-                    if block:
-                        taken.append(block)
-                        if copied:
-                            self.unwritten_from[block] = max(pos * size, written_to)
+            tables = [manager.req_to_blocks.get(request_id) or () for manager in run]
+            for pos in range(start, end):
+                keyed = [b for t in tables if pos < len(t) and (b := t[pos])]
+                taken += keyed
+                if copied:
+                    self.unwritten_from.update(
+                        dict.fromkeys(keyed, max(pos * size, written_to))
+                    )
         if taken:
             self.by_writer[request_id] = taken
             self.blocks.update(dict.fromkeys(taken, request_id))
@@ -118,7 +132,10 @@ class UnwrittenStates:
             for block in noted:
                 if blocks.get(block) == request_id:
                     del blocks[block]
-                    self.unwritten_from.pop(block, None)
+            if self.unwritten_from:
+                for block in noted:
+                    if block not in blocks:
+                        self.unwritten_from.pop(block, None)
 
     def new_step_starts(self) -> None:
         """A new engine step: every state taken before it is written."""
