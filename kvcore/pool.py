@@ -526,7 +526,32 @@ def checked_view(
                 "`raw` without widening it",
                 error=PluginBindError,
             )
+        if not _indexes_blocks(tensor, raw):
+            raise spec_plugin_error(
+                spec,
+                f"{name}{what} (shape {tuple(tensor.shape)}, strides "
+                f"{tuple(tensor.stride())}, {tensor.dtype}) does not index blocks "
+                f"on its first axis: view[i] must be block i's page of the layer "
+                f"({raw.shape[0]} blocks, {raw.stride(0) * raw.element_size()} "
+                "bytes apart), or an engine writing one block writes others; "
+                "keep `raw`'s first axis first",
+                error=PluginBindError,
+            )
     return view  # type: ignore[return-value]
+
+
+def _indexes_blocks(tensor: torch.Tensor, raw: torch.Tensor) -> bool:
+    """Whether ``tensor[i]`` lies in ``raw[i]`` (the layer's page of block
+    ``i``) for every block: one entry per block on the first axis, a block
+    stride apart, the first inside the first page."""
+    blocks = raw.shape[0]
+    if tensor.dim() == 0 or tensor.shape[0] != blocks:
+        return False
+    if blocks > 1 and (
+        tensor.stride(0) * tensor.element_size() != raw.stride(0) * raw.element_size()
+    ):
+        return False
+    return ByteRegion(raw[0]).contains(tensor[0])
 
 
 def _shared_size(tensors: Sequence[KVCacheTensor], residency: str) -> int:
