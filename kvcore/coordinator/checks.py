@@ -17,6 +17,7 @@ from kvcore.errors import (
     InvalidRequestError,
     InvalidRequestTypeError,
     KvcoreTypeError,
+    PluginError,
 )
 from kvcore.registry import KindRegistry
 from kvcore.structs import KVCacheConfig
@@ -307,7 +308,16 @@ def _check_hit_shape(
             f"{gid} holds {len(blocks)} blocks of {manager.block_size} tokens"
         )
         raise InvalidRequestError(msg)
-    if not manager.hit_serves(blocks):
+    try:
+        serves = manager.hit_serves(blocks)
+    except Exception as exc:
+        owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+        msg = (
+            f"request {rid!r}: {owner}.hit_serves raised {type(exc).__name__}: "
+            f"{exc} on group {gid}'s hit; nothing was attached"
+        )
+        raise PluginError(msg, plugin_name=type(manager).__module__) from exc
+    if not serves:
         msg = (
             f"request {rid!r}: the hit's blocks for group {gid} "
             f"({manager.kv_cache_spec.kind}) lack what the next token reads "

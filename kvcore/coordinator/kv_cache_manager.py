@@ -33,6 +33,7 @@ from kvcore.coordinator.step_needs import StepNeed, StepNeeds
 from kvcore.errors import (
     InvalidRequestError,
     KvcoreTypeError,
+    PluginResultError,
 )
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
@@ -657,11 +658,41 @@ class KVCacheManager(StepNeeds, EngineCalls):
                         f"blocks to {num_computed_tokens} tokens: it is shorter"
                     )
                     raise InvalidRequestError(msg)
-            out.append(manager.truncate_hit(list(group_blocks), num_computed_tokens))
+            out.append(self._truncated(gid, group_blocks, num_computed_tokens))
         if not any(out):
             return self.empty_kv_cache_blocks
         # The hit's own pool: a hit of another manager stays foreign.
         return KVCacheBlocks(tuple(out), pool=blocks._pool)
+
+    def _truncated(
+        self, gid: int, blocks: Sequence[BlockId], num_tokens: int
+    ) -> list[BlockId]:
+        """Group ``gid``'s manager's ``truncate_hit`` of ``blocks``, checked
+        where it enters the core: the hit's first blocks, each its own or
+        the null block."""
+        manager = self._managers[gid]
+        try:
+            cut: object = manager.truncate_hit(list(blocks), num_tokens)
+        except Exception as exc:
+            raise self.coordinator.plugin_error(gid, "truncate_hit", exc) from exc
+        null = self.block_pool.null_block
+        if (
+            type(cut) is not list
+            or len(cut) > len(blocks)
+            or any(b != blocks[i] and b != null for i, b in enumerate(cut))
+        ):
+            owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+            text = repr(cut)
+            if len(text) > 80:
+                text = text[:77] + "..."
+            msg = (
+                f"{owner}.truncate_hit returned {text} "
+                f"for group {gid}'s hit of {len(blocks)} blocks cut to {num_tokens} "
+                "tokens; it must return a list of the hit's first blocks (the "
+                "null block where the kind reads nothing)"
+            )
+            raise PluginResultError(msg, plugin_name=type(manager).__module__)
+        return cut
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         self._require_live(request_id)
