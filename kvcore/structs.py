@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import attrs
 
-from kvcore.errors import KvcoreTypeError, PlanError, PluginError
+from kvcore.errors import (
+    KvcoreError,
+    KvcoreTypeError,
+    PlanError,
+    PluginError,
+    PluginResultError,
+)
 from kvcore.layout import KVCacheLayout
 from kvcore.spec import GroupSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 
@@ -79,15 +85,28 @@ class KVCacheGroupSpec:
         if not isinstance(spec, UniformTypeKVCacheSpecs):
             return spec
         members = list(spec.kv_cache_specs.values())
-        merged: object = type(members[0]).merge_group(members)
-        if not isinstance(merged, KVCacheSpec):
-            kind = members[0].kind
+        cls = type(members[0])
+        kind = members[0].kind
+        where = f"{cls.__name__}.merge_group (kind {kind!r})"
+        try:
+            merged: object = cls.merge_group(members)
+        except KvcoreError:
+            raise  # a MergeError: the layers do not share a group
+        except Exception as exc:
             msg = (
-                f"{type(members[0]).__name__}.merge_group (kind {kind!r}) returned "
-                f"{merged!r} for layers {self.layer_names[:3]}; it must return the "
-                "KVCacheSpec the group's manager runs on"
+                f"{where} raised {type(exc).__name__}: {exc} for layers "
+                f"{self.layer_names[:3]}; it must return the spec the group's "
+                "manager runs on, or raise kvcore.MergeError"
             )
-            raise PluginError(msg, plugin_name=kind)
+            raise PluginError(msg, plugin_name=kind) from exc
+        if not isinstance(merged, cls) or merged.block_size != members[0].block_size:
+            msg = (
+                f"{where} returned {merged!r} for layers {self.layer_names[:3]}; it "
+                f"must return the {cls.__name__} the group's manager runs on, of "
+                f"the members' block size {members[0].block_size} (another kind's "
+                "spec or block size would run the group under another manager)"
+            )
+            raise PluginResultError(msg, plugin_name=kind)
         return merged
 
 
