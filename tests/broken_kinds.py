@@ -14,7 +14,7 @@ import kvcore
 from kvcore import AttentionKind, CacheKind, KindRegistry, hookimpl
 from kvcore.kinds import LayerView
 from kvcore.spec import AttentionSpec, KVCacheSpec
-from kvcore_full_attention import FullAttentionSpec
+from kvcore_full_attention import FullAttentionManager, FullAttentionSpec
 
 
 def plugin_with(*kinds: object, answer: object = None) -> object:
@@ -277,6 +277,8 @@ class BinderKind(AttentionKind):
             return typed.as_strided(
                 typed.shape, typed.stride(), typed.storage_offset() + page
             )
+        if self.how == "swapped":  # blocks and token slots swapped
+            return typed.transpose(0, 2)
         if self.how == "raises":
             raise RuntimeError("cannot bind")
         if self.how == "interrupt":
@@ -294,6 +296,7 @@ BINDERS = (
     "string",
     "bytes",
     "next_layer",
+    "swapped",
     "raises",
     "interrupt",
 )
@@ -355,3 +358,32 @@ class UncheckedSpec(AttentionSpec):
 class UncheckedKind(AttentionKind):
     name: ClassVar[str] = "unchecked"
     spec_type = UncheckedSpec
+
+
+@attrs.frozen(kw_only=True)
+class GroupMergeSpec(FullAttentionSpec):
+    """Its ``merge_group`` answers by the class's ``answer``: another kind's
+    spec, four times the block size, or an error."""
+
+    kind: ClassVar[str] = "group_merge"
+    answer: ClassVar[str] = ""
+
+    @classmethod
+    def merge_group(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+        first = specs[0]
+        if cls.answer == "another kind":
+            return FullAttentionSpec(
+                block_size=first.block_size,
+                num_kv_heads=1,
+                head_size=8,
+                dtype=torch.float16,
+            )
+        if cls.answer == "another block size":
+            return attrs.evolve(first, block_size=first.block_size * 4)
+        raise RuntimeError("cannot merge")
+
+
+class GroupMergeKind(AttentionKind):
+    name: ClassVar[str] = "group_merge"
+    spec_type = GroupMergeSpec
+    manager_type = FullAttentionManager

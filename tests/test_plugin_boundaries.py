@@ -28,6 +28,8 @@ from broken_kinds import (
     BinderSpec,
     DtypesKind,
     DtypesSpec,
+    GroupMergeKind,
+    GroupMergeSpec,
     ListKeyKind,
     ListKeySpec,
     MistaggedKind,
@@ -49,10 +51,10 @@ from broken_kinds import (
 
 import kvcore
 from kvcore import DuplicateKindError, KindRegistry, PluginError, UnknownKindError
-from kvcore.coordinator import BlockPool, KVCacheManager
+from kvcore.coordinator import BlockPool, KVCacheManager, Request
 from kvcore.errors import PluginBindError, PluginResultError
 from kvcore.spec import KVCacheSpec
-from kvcore_full_attention import FullAttention
+from kvcore_full_attention import FullAttention, FullAttentionManager
 from kvcore_mamba import Mamba
 from kvcore_sliding_window import SlidingWindow
 
@@ -457,6 +459,14 @@ def _outside(shape: str, offset: int) -> str:
     [
         ("wide", _outside("(8, 1, 32, 16)", 0)),
         ("next_layer", _outside("(8, 1, 16, 16)", 256)),
+        (
+            "swapped",
+            "bind_view for layer 'a' (shape (16, 1, 8, 16), strides (16, 256, 512, "
+            "1), torch.float16) does not index blocks on its first axis: view[i] "
+            "must be block i's page of the layer (8 blocks, 1024 bytes apart), or "
+            "an engine writing one block writes others; keep `raw`'s first axis "
+            "first",
+        ),
         ("fresh", NOT_SHARED),
         ("clone", NOT_SHARED),
         (
@@ -956,4 +966,135 @@ def test_a_manager_built_over_other_arguments_is_refused(
             scheduler_block_size=32,
             hash_block_size=16,
             registry=KindRegistry.from_kinds([FullAttention(), kind]),
+        )
+
+
+class _HitMethods(FullAttentionManager):
+    """A full-attention manager whose hit cut or serve check misbehaves."""
+
+    mode = ""
+
+    def truncate_hit(self, blocks: list[int], num_tokens: int) -> list[int]:
+        if self.mode == "cut raises":
+            raise RuntimeError("no cut")
+        if self.mode == "cut returns None":
+            return None  # type: ignore[return-value]
+        if self.mode == "cut takes another block":
+            return [next(iter(self.req_to_blocks["live"]))]
+        return super().truncate_hit(blocks, num_tokens)
+
+    def hit_serves(self, blocks: Any) -> bool:
+        if self.mode == "serves raises":
+            raise RuntimeError("no answer")
+        return super().hit_serves(blocks)
+
+
+@pytest.mark.parametrize(
+    ("mode", "error", "rule"),
+    [
+        ("cut raises", PluginError, r"raised in truncate_hit: RuntimeError: no cut"),
+        (
+            "cut returns None",
+            PluginResultError,
+            r"_HitMethods.truncate_hit returned None for group 0's hit of 4 "
+            r"blocks cut to 16 tokens; it must return a list of the hit's first",
+        ),
+        ("cut takes another block", PluginResultError, r"returned \[1\] for group"),
+        (
+            "serves raises",
+            PluginError,
+            r"request 'b': .*_HitMethods.hit_serves raised RuntimeError: no "
+            r"answer on group 0's hit; nothing was attached",
+        ),
+    ],
+)
+def test_a_managers_hit_cut_and_serve_check_cross_into_the_core_checked(
+    mode: str, error: type[Exception], rule: str
+) -> None:
+    manager = type("_HitMethods", (_HitMethods,), {"mode": mode})
+    kind = type("HitKind", (FullAttention,), {"manager_type": manager})()
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    mgr = KVCacheManager(
+        kvcore.KVCacheConfig(
+            num_blocks=16,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
+        ),
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind]),
+    )
+    live = Request("live", list(range(900, 932)), hash_block_size=16)
+    assert mgr.allocate_slots(live, 32) is not None
+    a = Request("a", list(range(64)), hash_block_size=16)
+    assert mgr.allocate_slots(a, 64) is not None
+    a.num_computed_tokens = 64
+    mgr.free(a)
+    b = Request("b", list(range(65)), hash_block_size=16)
+    hit, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 64
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+
+    def attach() -> object:
+        if mode.startswith("cut"):
+            return mgr.truncate_computed_blocks(hit, 16)
+        return mgr.allocate_slots(b, 65 - num_hit, num_hit, hit)
+
+    with pytest.raises(error, match=rule):
+        attach()
+    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+    assert mgr.get_block_ids("live") == ([1, 2],)
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "rule"),
+    [
+        (
+            "another kind",
+            PluginResultError,
+            r"GroupMergeSpec.merge_group \(kind 'group_merge'\) returned "
+            r"FullAttentionSpec\(.*it must return the GroupMergeSpec the group's "
+            r"manager runs on, of the members' block size 16",
+        ),
+        (
+            "another block size",
+            PluginResultError,
+            r"returned GroupMergeSpec\(block_size=64",
+        ),
+        (
+            "raises",
+            PluginError,
+            r"GroupMergeSpec.merge_group \(kind 'group_merge'\) raised RuntimeError: "
+            r"cannot merge for layers \['a', 'b'\]",
+        ),
+    ],
+)
+def test_the_spec_a_groups_manager_runs_on_is_checked(
+    answer: str, error: type[Exception], rule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers of one kind and grouping key whose specs do not merge share a
+    group; the kind's merge_group names the spec its manager runs on."""
+    monkeypatch.setattr(GroupMergeSpec, "answer", answer)
+    registry = KindRegistry.from_kinds([GroupMergeKind()])
+    specs = {
+        "a": GroupMergeSpec(
+            block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16
+        ),
+        "b": GroupMergeSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
+        ),
+    }
+    groups = kvcore.get_kv_cache_groups(CONFIG, specs, registry=registry)
+    plan = kvcore.get_kv_cache_config_from_groups(CONFIG, groups, 1 << 22)
+    with pytest.raises(error, match=rule):
+        KVCacheManager(
+            plan,
+            max_model_len=1024,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            registry=registry,
         )
