@@ -20,7 +20,7 @@ from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.twins import twin_runs
 from kvcore.coordinator.undo import truncate
-from kvcore.errors import InvalidRequestError, KvcoreTypeError
+from kvcore.errors import InvalidRequestError, KvcoreTypeError, PluginResultError
 
 if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
@@ -244,10 +244,13 @@ class FreeSteps:
         leave the cache with the request's other blocks."""
         held = self._each(self._holding, "take_held_back", request_id)
         revived: list[int] = []
-        for index, pairs in zip(self._holding_at, held, strict=True):
+        for manager, index, pairs in zip(
+            self._holding, self._holding_at, held, strict=True
+        ):
             table = tables[index]
             if not pairs or not table:
                 continue
+            self._check_held_back(manager, request_id, pairs, table)
             merged = list(table)
             for pos, block in pairs:
                 merged[pos] = block
@@ -255,6 +258,45 @@ class FreeSteps:
             revived += [block for _, block in pairs]
         if revived:
             self.block_pool.touch(revived)
+
+    def _check_held_back(
+        self,
+        manager: SingleTypeManager,
+        request_id: str,
+        pairs: object,
+        table: Sequence[int],
+    ) -> None:
+        """A ``take_held_back`` answer as the core takes it: distinct
+        ``(table position, block)`` pairs, each a position the request
+        released (the null block there) and a free block of the pool."""
+        pool = self.block_pool
+        null = pool.null_block
+        ref = pool.ref_cnt
+        seen: set[int] = set()
+        for pair in pairs if isinstance(pairs, list | tuple) else (pairs,):
+            ok = isinstance(pair, tuple) and len(pair) == 2
+            if ok:
+                pos, block = pair
+                ok = (
+                    type(pos) is int
+                    and 0 <= pos < len(table)
+                    and table[pos] == null
+                    and type(block) is int
+                    and 0 < block < pool.num_blocks
+                    and ref[block] == 0
+                    and block not in seen
+                )
+                seen.add(block)
+            if not ok:
+                msg = (
+                    f"{type(manager).__module__}.{type(manager).__qualname__}"
+                    f".take_held_back returned {pair!r:.80} for request "
+                    f"{request_id!r} in cache group {manager.kv_cache_group_id}; it "
+                    "must return (table position, block) pairs, each a position "
+                    "the request released and the free block it held back there, "
+                    "each block once"
+                )
+                raise PluginResultError(msg, plugin_name=type(manager).__module__)
 
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the
