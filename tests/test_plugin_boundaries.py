@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ from kvcore.errors import PluginBindError, PluginResultError
 from kvcore.spec import KVCacheSpec
 from kvcore_full_attention import FullAttention, FullAttentionManager
 from kvcore_mamba import Mamba
-from kvcore_sliding_window import SlidingWindow
+from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
 
 HAND = "plugin 'broken' (no distribution: registered by hand or from source)"
 BLOCK = "block it with KVCORE_DISABLE_PLUGINS=broken"
@@ -1098,3 +1099,109 @@ def test_the_spec_a_groups_manager_runs_on_is_checked(
             hash_block_size=16,
             registry=registry,
         )
+
+
+class _HoldsBack(SlidingWindowManager):
+    """A window manager whose answer for a freed request's held-back blocks
+    (``take_held_back``) is the class's ``answer`` for request ``a``."""
+
+    answer: Any = None
+
+    def take_held_back(self, request_id: str) -> list[tuple[int, int]]:
+        real = super().take_held_back(request_id)
+        return real if request_id != "a" else self.answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "shown"),
+    [
+        ("another request's block", "(9, 3)"),
+        ("a position past the table", "(1000000, 3)"),
+        ("not pairs", "'nope'"),
+    ],
+)
+def test_held_back_blocks_a_manager_names_are_checked(answer: str, shown: str) -> None:
+    """Its window released and held back a's early blocks; the answer at
+    a's free would put another request's block (3, b's), or a position
+    a's table lacks, among the blocks the free queues."""
+    bad = {
+        "another request's block": [(9, 3)],
+        "a position past the table": [(10**6, 3)],
+        "not pairs": "nope",
+    }[answer]
+    manager = type("_HoldsBack", (_HoldsBack,), {"answer": bad})
+    kind = type("HoldsBackKind", (SlidingWindow,), {"manager_type": manager})()
+    attrs_ = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}
+    config = kvcore.KVCacheConfig(
+        num_blocks=40,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            kvcore.KVCacheGroupSpec(
+                ["f"], FullAttention().spec_type(dtype=torch.float16, **attrs_)
+            ),
+            kvcore.KVCacheGroupSpec(
+                ["w"], kind.spec_type(dtype=torch.float16, sliding_window=32, **attrs_)
+            ),
+        ],
+    )
+    mgr = KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([FullAttention(), kind]),
+    )
+    b = Request("b", list(range(500, 532)), hash_block_size=16)
+    assert mgr.allocate_slots(b, 32) is not None
+    assert mgr.get_block_ids("b")[1][0] == 3
+    a = Request("a", list(range(160)), hash_block_size=16)
+    for _ in range(5):
+        assert mgr.allocate_slots(a, 32) is not None
+        a.num_computed_tokens += 32
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    with pytest.raises(
+        PluginResultError,
+        match=rf"_HoldsBack.take_held_back returned {re.escape(shown)} for request "
+        r"'a' in cache group 1; it must return \(table position, block\) pairs",
+    ):
+        mgr.free(a)
+    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+
+
+class _Attaches(FullAttentionManager):
+    """A manager whose admission blocks name a block of its choosing."""
+
+    def admission_blocks(self, hit: Any, num_computed_tokens: int) -> list[int]:
+        return [*hit, *self.req_to_blocks.get("live", [])[:1]]
+
+
+def test_admission_blocks_outside_the_hit_are_refused() -> None:
+    """Attaching another request's block to a new request as computed
+    would have both write it: refused, nothing attached."""
+    kind = type("AttachKind", (FullAttention,), {"manager_type": _Attaches})()
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    mgr = KVCacheManager(
+        kvcore.KVCacheConfig(
+            num_blocks=8,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
+        ),
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind]),
+    )
+    live = Request("live", list(range(900, 932)), hash_block_size=16)
+    assert mgr.allocate_slots(live, 32) is not None
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    with pytest.raises(
+        PluginResultError,
+        match=r"_Attaches.admission_blocks returned \[1\] for cache group 0's hit "
+        r"\[\]; it must return a list of the hit's blocks at their positions",
+    ):
+        mgr.allocate_slots(Request("b", list(range(40)), hash_block_size=16), 40)
+    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before

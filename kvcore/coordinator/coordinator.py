@@ -538,12 +538,18 @@ class KVCacheCoordinator(FreeSteps):
         :meth:`SingleTypeManager.admission_blocks`)."""
         out: list[list[int]] = []
         gid = 0
+        null = self.block_pool.null_block
         try:
             for manager, computed in zip(
                 self.single_type_managers, new_computed_blocks, strict=True
             ):
                 gid = manager.kv_cache_group_id
-                out.append(manager.admission_blocks(computed, num_computed_tokens))
+                attach = manager.admission_blocks(computed, num_computed_tokens)
+                if attach != computed and not _within_hit(attach, computed, null):
+                    raise _admission_error(manager, computed, attach)
+                out.append(attach)
+        except PluginResultError:
+            raise
         except Exception as exc:
             raise self.plugin_error(gid, "admission_blocks", exc) from exc
         return tuple(out)
@@ -851,3 +857,33 @@ def _count(value: object) -> int:
         msg = f"returned {value!r} blocks; a block count is a non-negative int"
         raise KvcoreValueError(msg)
     return value
+
+
+def _within_hit(attach: object, hit: Sequence[int], null: int) -> bool:
+    """Whether admission blocks are a list of the hit's blocks at their own
+    positions, the null block anywhere (skipped, or a state a connector
+    loads)."""
+    if type(attach) is not list:
+        return False
+    size = len(hit)
+    return all(
+        block == null or (i < size and block == hit[i])
+        for i, block in enumerate(attach)
+    )
+
+
+def _admission_error(
+    manager: SingleTypeManager, hit: Sequence[int], attach: object
+) -> PluginResultError:
+    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+    text = repr(attach)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    msg = (
+        f"{owner}.admission_blocks returned {text} for cache group "
+        f"{manager.kv_cache_group_id}'s hit {list(hit)[:8]!r}; it must return a "
+        "list of the hit's blocks at their positions, the null block where the "
+        "kind skips one (a block of its own choosing would be attached to the "
+        "request as computed)"
+    )
+    return PluginResultError(msg, plugin_name=type(manager).__module__)
