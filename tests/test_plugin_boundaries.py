@@ -911,6 +911,12 @@ def test_a_hit_of_values_that_are_not_block_ids_is_refused_naming_the_plugin() -
     assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
 
 
+def _pool_state(mgr: KVCacheManager) -> tuple[list[int], list[int]]:
+    """Every block's reference count and the free queue's order."""
+    pool = mgr.block_pool
+    return list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()
+
+
 class _MisbuiltWindow(SlidingWindow):
     """A window kind whose make_manager changes what the core gives it."""
 
@@ -970,6 +976,26 @@ def test_a_manager_built_over_other_arguments_is_refused(
         )
 
 
+def _one_attention_group(manager: type, num_blocks: int) -> KVCacheManager:
+    """A manager over one full-attention group of 16-token blocks whose
+    kind runs ``manager``."""
+    kind = type("ManagedKind", (FullAttention,), {"manager_type": manager})()
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    return KVCacheManager(
+        kvcore.KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
+        ),
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind]),
+    )
+
+
 class _HitMethods(FullAttentionManager):
     """A full-attention manager whose hit cut or serve check misbehaves."""
 
@@ -1013,21 +1039,7 @@ def test_a_managers_hit_cut_and_serve_check_cross_into_the_core_checked(
     mode: str, error: type[Exception], rule: str
 ) -> None:
     manager = type("_HitMethods", (_HitMethods,), {"mode": mode})
-    kind = type("HitKind", (FullAttention,), {"manager_type": manager})()
-    spec = FullAttention().spec_type(
-        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
-    )
-    mgr = KVCacheManager(
-        kvcore.KVCacheConfig(
-            num_blocks=16,
-            kv_cache_tensors=[],
-            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
-        ),
-        max_model_len=1024,
-        scheduler_block_size=16,
-        hash_block_size=16,
-        registry=KindRegistry.from_kinds([kind]),
-    )
+    mgr = _one_attention_group(manager, 16)
     live = Request("live", list(range(900, 932)), hash_block_size=16)
     assert mgr.allocate_slots(live, 32) is not None
     a = Request("a", list(range(64)), hash_block_size=16)
@@ -1037,8 +1049,7 @@ def test_a_managers_hit_cut_and_serve_check_cross_into_the_core_checked(
     b = Request("b", list(range(65)), hash_block_size=16)
     hit, num_hit = mgr.get_computed_blocks(b)
     assert num_hit == 64
-    pool = mgr.block_pool
-    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    before = _pool_state(mgr)
 
     def attach() -> object:
         if mode.startswith("cut"):
@@ -1047,7 +1058,7 @@ def test_a_managers_hit_cut_and_serve_check_cross_into_the_core_checked(
 
     with pytest.raises(error, match=rule):
         attach()
-    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+    assert _pool_state(mgr) == before
     assert mgr.get_block_ids("live") == ([1, 2],)
 
 
@@ -1158,15 +1169,14 @@ def test_held_back_blocks_a_manager_names_are_checked(answer: str, shown: str) -
     for _ in range(5):
         assert mgr.allocate_slots(a, 32) is not None
         a.num_computed_tokens += 32
-    pool = mgr.block_pool
-    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    before = _pool_state(mgr)
     with pytest.raises(
         PluginResultError,
         match=rf"_HoldsBack.take_held_back returned {re.escape(shown)} for request "
         r"'a' in cache group 1; it must return \(table position, block\) pairs",
     ):
         mgr.free(a)
-    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+    assert _pool_state(mgr) == before
 
 
 class _Attaches(FullAttentionManager):
@@ -1179,29 +1189,14 @@ class _Attaches(FullAttentionManager):
 def test_admission_blocks_outside_the_hit_are_refused() -> None:
     """Attaching another request's block to a new request as computed
     would have both write it: refused, nothing attached."""
-    kind = type("AttachKind", (FullAttention,), {"manager_type": _Attaches})()
-    spec = FullAttention().spec_type(
-        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
-    )
-    mgr = KVCacheManager(
-        kvcore.KVCacheConfig(
-            num_blocks=8,
-            kv_cache_tensors=[],
-            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
-        ),
-        max_model_len=1024,
-        scheduler_block_size=16,
-        hash_block_size=16,
-        registry=KindRegistry.from_kinds([kind]),
-    )
+    mgr = _one_attention_group(_Attaches, 8)
     live = Request("live", list(range(900, 932)), hash_block_size=16)
     assert mgr.allocate_slots(live, 32) is not None
-    pool = mgr.block_pool
-    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    before = _pool_state(mgr)
     with pytest.raises(
         PluginResultError,
         match=r"_Attaches.admission_blocks returned \[1\] for cache group 0's hit "
         r"\[\]; it must return a list of the hit's blocks at their positions",
     ):
         mgr.allocate_slots(Request("b", list(range(40)), hash_block_size=16), 40)
-    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+    assert _pool_state(mgr) == before

@@ -31,6 +31,7 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
+from kvcore.coordinator.plugin_results import result_error, shown
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
@@ -875,15 +876,11 @@ def _within_hit(attach: object, hit: Sequence[int], null: int) -> bool:
 def _admission_error(
     manager: SingleTypeManager, hit: Sequence[int], attach: object
 ) -> PluginResultError:
-    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
-    text = repr(attach)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    msg = (
-        f"{owner}.admission_blocks returned {text} for cache group "
-        f"{manager.kv_cache_group_id}'s hit {list(hit)[:8]!r}; it must return a "
-        "list of the hit's blocks at their positions, the null block where the "
-        "kind skips one (a block of its own choosing would be attached to the "
-        "request as computed)"
+    return result_error(
+        manager,
+        "admission_blocks",
+        f"returned {shown(attach)} for cache group {manager.kv_cache_group_id}'s "
+        f"hit {list(hit)[:8]!r}; it must return a list of the hit's blocks at "
+        "their positions, the null block where the kind skips one (a block of "
+        "its own choosing would be attached to the request as computed)",
     )
-    return PluginResultError(msg, plugin_name=type(manager).__module__)

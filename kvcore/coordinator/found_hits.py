@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvcore.coordinator.plugin_results import result_error, shown
 from kvcore.errors import PluginResultError
 
 __all__ = ["check_found_hit"]
@@ -36,7 +37,7 @@ def check_found_hit(
     if type(found) is not list or len(found) != len(gids):
         raise _hit_error(
             managers[gids[0]],
-            f"returned {_short(found)}; it must return a list of {len(gids)} "
+            f"returned {shown(found)}; it must return a list of {len(gids)} "
             "block lists, one per group searched",
         )
     pool = query.block_pool
@@ -54,7 +55,7 @@ def check_found_hit(
         if type(blocks) is not list or (length >= 0 and len(blocks) != length):
             raise _hit_error(
                 manager,
-                f"returned block lists {_short(found)}; each must be a list, "
+                f"returned block lists {shown(found)}; each must be a list, "
                 "all of one length (the hit's blocks in every group searched)",
             )
         length = len(blocks)
@@ -84,12 +85,5 @@ def check_found_hit(
     return found
 
 
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _hit_error(manager: Any, problem: str) -> PluginResultError:
-    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
-    msg = f"{owner}.find_longest_cache_hit {problem}"
-    return PluginResultError(msg, plugin_name=type(manager).__module__)
+    return result_error(manager, "find_longest_cache_hit", problem)

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.plugin_results import result_error, shown
 from kvcore.coordinator.twins import twin_runs
 from kvcore.coordinator.undo import truncate
-from kvcore.errors import InvalidRequestError, KvcoreTypeError, PluginResultError
+from kvcore.errors import InvalidRequestError, KvcoreTypeError
 
 if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
@@ -288,15 +289,14 @@ class FreeSteps:
                 )
                 seen.add(block)
             if not ok:
-                msg = (
-                    f"{type(manager).__module__}.{type(manager).__qualname__}"
-                    f".take_held_back returned {pair!r:.80} for request "
-                    f"{request_id!r} in cache group {manager.kv_cache_group_id}; it "
-                    "must return (table position, block) pairs, each a position "
-                    "the request released and the free block it held back there, "
-                    "each block once"
+                raise result_error(
+                    manager,
+                    "take_held_back",
+                    f"returned {shown(pair)} for request {request_id!r} in cache "
+                    f"group {manager.kv_cache_group_id}; it must return (table "
+                    "position, block) pairs, each a position the request released "
+                    "and the free block it held back there, each block once",
                 )
-                raise PluginResultError(msg, plugin_name=type(manager).__module__)
 
     def _refresh_checkpoints(self, request_id: str) -> None:
         """Move the states a freed request kept, released earlier, to the

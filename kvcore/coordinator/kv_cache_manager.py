@@ -27,13 +27,13 @@ from kvcore.coordinator.engine_calls import (
 from kvcore.coordinator.headroom import BoundaryHeadroom
 from kvcore.coordinator.locking import ManagerLock, locked_class
 from kvcore.coordinator.partial import BlockCopy
+from kvcore.coordinator.plugin_results import result_error, shown
 from kvcore.coordinator.request import Request, RequestStatus
 from kvcore.coordinator.step_marks import StepMarks
 from kvcore.coordinator.step_needs import StepNeed, StepNeeds
 from kvcore.errors import (
     InvalidRequestError,
     KvcoreTypeError,
-    PluginResultError,
 )
 from kvcore.registry import KindRegistry, default_registry
 from kvcore.structs import KVCacheConfig
@@ -681,17 +681,13 @@ class KVCacheManager(StepNeeds, EngineCalls):
             or len(cut) > len(blocks)
             or any(b != blocks[i] and b != null for i, b in enumerate(cut))
         ):
-            owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
-            text = repr(cut)
-            if len(text) > 80:
-                text = text[:77] + "..."
-            msg = (
-                f"{owner}.truncate_hit returned {text} "
-                f"for group {gid}'s hit of {len(blocks)} blocks cut to {num_tokens} "
-                "tokens; it must return a list of the hit's first blocks (the "
-                "null block where the kind reads nothing)"
+            raise result_error(
+                manager,
+                "truncate_hit",
+                f"returned {shown(cut)} for group {gid}'s hit of {len(blocks)} "
+                f"blocks cut to {num_tokens} tokens; it must return a list of the "
+                "hit's first blocks (the null block where the kind reads nothing)",
             )
-            raise PluginResultError(msg, plugin_name=type(manager).__module__)
         return cut
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
