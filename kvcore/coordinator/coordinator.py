@@ -538,21 +538,18 @@ class KVCacheCoordinator(FreeSteps):
         ``num_computed_tokens`` computed (see
         :meth:`SingleTypeManager.admission_blocks`)."""
         out: list[list[int]] = []
-        gid = 0
         null = self.block_pool.null_block
-        try:
-            for manager, computed in zip(
-                self.single_type_managers, new_computed_blocks, strict=True
-            ):
-                gid = manager.kv_cache_group_id
+        for manager, computed in zip(
+            self.single_type_managers, new_computed_blocks, strict=True
+        ):
+            try:
                 attach = manager.admission_blocks(computed, num_computed_tokens)
-                if attach != computed and not _within_hit(attach, computed, null):
-                    raise _admission_error(manager, computed, attach)
-                out.append(attach)
-        except PluginResultError:
-            raise
-        except Exception as exc:
-            raise self.plugin_error(gid, "admission_blocks", exc) from exc
+            except Exception as exc:
+                gid = manager.kv_cache_group_id
+                raise self.plugin_error(gid, "admission_blocks", exc) from exc
+            if attach != computed and not _within_hit(attach, computed, null):
+                raise _admission_error(manager, computed, attach)
+            out.append(attach)
         return tuple(out)
 
     def get_num_blocks_to_allocate(
