@@ -547,7 +547,10 @@ class KVCacheCoordinator(FreeSteps):
             except Exception as exc:
                 gid = manager.kv_cache_group_id
                 raise self.plugin_error(gid, "admission_blocks", exc) from exc
-            if attach != computed and not _within_hit(attach, computed, null):
+            if attach != computed and not (
+                type(attach) is list
+                and (not attach or _within_hit(attach, computed, null))
+            ):
                 raise _admission_error(manager, computed, attach)
             out.append(attach)
         return tuple(out)
@@ -857,17 +860,13 @@ def _count(value: object) -> int:
     return value
 
 
-def _within_hit(attach: object, hit: Sequence[int], null: int) -> bool:
-    """Whether admission blocks are a list of the hit's blocks at their own
+def _within_hit(attach: list[int], hit: Sequence[int], null: int) -> bool:
+    """Whether admission blocks are the hit's blocks at their own
     positions, the null block anywhere (skipped, or a state a connector
     loads)."""
-    if type(attach) is not list:
+    if len(attach) > len(hit) and any(b != null for b in attach[len(hit) :]):
         return False
-    size = len(hit)
-    return all(
-        block == null or (i < size and block == hit[i])
-        for i, block in enumerate(attach)
-    )
+    return all(a in (h, null) for a, h in zip(attach, hit, strict=False))
 
 
 def _admission_error(
