@@ -31,7 +31,8 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
-from kvcore.coordinator.plugin_results import result_error, shown
+from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
+from kvcore.coordinator.pool_journal import taken_since
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
@@ -465,6 +466,9 @@ class KVCacheCoordinator(FreeSteps):
                 mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
                 if new:
+                    if journal is not None:
+                        taken = taken_since(journal, mark)
+                        new = check_new_blocks(members, new, taken, method)
                     if out is None:
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):
@@ -617,14 +621,19 @@ class KVCacheCoordinator(FreeSteps):
         ``allocate_twins`` call per run of twins, in group order."""
         self.forget_span(request_id)
         out: list[list[int]] = [[] for _ in range(self.num_groups)]
+        journal = self.block_pool.journal
         gid = 0
         try:
             for _, members in self._admit_runs:
                 lead = members[0]
                 gid = lead.kv_cache_group_id
                 tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
+                mark = 0 if journal is None else len(journal)
                 new = lead.allocate_twins(members, request_id, tokens)
                 if new:
+                    if journal is not None:
+                        taken = taken_since(journal, mark)
+                        new = check_new_blocks(members, new, taken, "allocate_twins")
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
         except Exception as exc:

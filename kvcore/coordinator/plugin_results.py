@@ -1,14 +1,15 @@
-"""Errors for a manager's answer that the core refuses where it crosses in:
-each names the manager class (its module is its plugin), the method, what
-it returned (shortened) and the rule."""
+"""Checks and errors for a manager's answer that the core refuses where it
+crosses in: each names the manager class (its module is its plugin), the
+method, what it returned (shortened) and the rule."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvcore.errors import PluginResultError
 
-__all__ = ["result_error", "shown"]
+__all__ = ["check_new_blocks", "result_error", "shown"]
 
 
 def shown(value: object) -> str:
@@ -23,3 +24,45 @@ def result_error(manager: Any, method: str, problem: str) -> PluginResultError:
     return PluginResultError(
         f"{owner}.{method} {problem}", plugin_name=type(manager).__module__
     )
+
+
+def check_new_blocks(
+    members: Sequence[Any], new: object, taken: Sequence[Sequence[int]], method: str
+) -> list[list[int]]:
+    """A class step's answer that holds blocks, checked: one list per twin
+    group of ``members``, listing only blocks the pool handed out during
+    the call (``taken``: each hand-out's blocks), none twice.  The engine
+    writes the step's KV into the blocks a step returns, so a block of
+    another request, the null block or a block listed twice would be
+    overwritten."""
+    if type(new) is not list or len(new) != len(members):
+        raise result_error(
+            members[0],
+            method,
+            f"returned {shown(new)}; it must return None or a list of each "
+            f"twin group's new blocks ({len(members)} lists, one per group)",
+        )
+    if len(taken) == 1 and all(type(blocks) is list for blocks in new):
+        given = new[0] if len(new) == 1 else [b for blocks in new for b in blocks]
+        if given == taken[0]:
+            return new  # the one hand-out, split in group order
+    left = {block for blocks in taken for block in blocks}
+    for blocks in new:
+        if type(blocks) is not list:
+            raise result_error(
+                members[0], method, f"returned {shown(blocks)} as a group's new "
+                "blocks; each must be a list of block ids"
+            )  # fmt: skip
+        for block in blocks:
+            if block not in left:
+                raise result_error(
+                    members[0],
+                    method,
+                    f"returned block {block!r} among the new blocks of "
+                    f"{shown(new)}, which the block pool did not hand out in "
+                    "this call (another request's block, the null block, or "
+                    "one listed twice); return only the blocks it took from "
+                    "block_pool.get_new_blocks, each once",
+                )
+            left.discard(block)
+    return new

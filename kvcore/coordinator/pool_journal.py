@@ -13,7 +13,7 @@ from typing import Any, TypeAlias
 
 from kvcore.coordinator.cache_tables import remove_entry
 
-__all__ = ["NOTHING", "UNDO_CALL", "Record", "undo"]
+__all__ = ["NOTHING", "UNDO_CALL", "Record", "taken_since", "undo"]
 
 Record: TypeAlias = tuple[Any, ...]
 """A journal record: an op code, then what its undo needs."""
@@ -154,3 +154,9 @@ _UNDO = {
     UNPARTIAL: _unpartial,
     UNDO_CALL: _call,
 }
+
+
+def taken_since(journal: list[Record], mark: int) -> list[list[int]]:
+    """The blocks each hand-out recorded in ``journal`` from ``mark`` on
+    handed out, in order."""
+    return [record[1] for record in journal[mark:] if record[0] == UNGET]

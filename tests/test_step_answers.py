@@ -1,0 +1,136 @@
+"""The new blocks a manager's step returns are checked where they cross
+into the core: the engine writes the step's KV into them (vLLM's workers
+append them to the request's block table), so a block the pool did not
+hand out in that call would be written over another request's KV."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import kvcore
+from kvcore import KindRegistry
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore.errors import KvcoreError, PluginResultError
+from kvcore_full_attention import FullAttention, FullAttentionManager
+
+
+class _Answers(FullAttentionManager):
+    """Full attention whose ``allocate_twins`` answer is bent by ``mode``
+    (the table grows as the answer says)."""
+
+    mode = ""
+
+    def allocate_twins(
+        self, twins: Sequence[Any], request_id: str, num_tokens: int
+    ) -> list[list[int]] | None:
+        if request_id == "live" or not self.mode:
+            return super().allocate_twins(twins, request_id, num_tokens)
+        if self.mode == "two hand-outs":
+            # Legal: one block per call, returned in order.
+            held = self.req_to_blocks.setdefault(request_id, [])
+            need = -(-num_tokens // self.block_size) - len(held)
+            if need <= 0:
+                return None
+            new = [self.block_pool.get_new_blocks(1)[0] for _ in range(need)]
+            held += new
+            return [new]
+        out = super().allocate_twins(twins, request_id, num_tokens)
+        if out is None:
+            return None
+        table = self.req_to_blocks[request_id]
+        if self.mode == "another request's block":
+            table[-1] = self.req_to_blocks["live"][0]
+            out[0][-1] = table[-1]
+        elif self.mode == "the null block":
+            table[-1] = out[0][-1] = self.null_block
+        elif self.mode == "a block twice":
+            table[-1] = out[0][-1] = out[0][0]
+        elif self.mode == "a tuple":
+            return [tuple(out[0])]  # type: ignore[list-item]
+        elif self.mode == "one list too many":
+            return [*out, []]
+        return out
+
+
+def _manager(mode: str) -> KVCacheManager:
+    manager = type("_Answers", (_Answers,), {"mode": mode})
+    kind = type("AnswersKind", (FullAttention,), {"manager_type": manager})()
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    return KVCacheManager(
+        kvcore.KVCacheConfig(
+            num_blocks=32,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
+        ),
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind]),
+    )
+
+
+def _state(mgr: KVCacheManager) -> tuple[list[int], list[int]]:
+    pool = mgr.block_pool
+    return list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()
+
+
+BAD = {
+    "another request's block": r"returned block 1 among the new blocks of "
+    r"\[\[\d+, 1\]\], which the block pool did not hand out in this call",
+    "the null block": r"returned block 0 among the new blocks",
+    "a block twice": r"returned block (\d+) among the new blocks of \[\[\1, \1\]\]",
+    "a tuple": r"returned \(\d+, \d+\) as a group's new blocks; each must be a list",
+    "one list too many": r"it must return None or a list of each twin group's "
+    r"new blocks \(1 lists, one per group\)",
+}
+
+
+@pytest.mark.parametrize("mode", list(BAD))
+def test_an_admission_answer_of_blocks_not_handed_out_is_refused(mode: str) -> None:
+    mgr = _manager(mode)
+    live = Request("live", list(range(900, 932)), hash_block_size=16)
+    assert mgr.allocate_slots(live, 32) is not None
+    before = _state(mgr)
+    req = Request("r", list(range(32)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match=BAD[mode]) as info:
+        mgr.allocate_slots(req, 32)
+    assert isinstance(info.value, KvcoreError)
+    assert "_Answers.allocate_twins" in str(info.value)
+    assert info.value.plugin_name == __name__
+    # Nothing changed: the live request keeps its blocks, none leaked.
+    assert _state(mgr) == before
+    assert mgr.get_block_ids("live") == ([1, 2],)
+    assert "r" not in mgr.coordinator.single_type_managers[0].req_to_blocks
+
+
+@pytest.mark.parametrize("mode", ["another request's block", "the null block"])
+def test_a_running_requests_grow_answer_is_checked_too(mode: str) -> None:
+    mgr = _manager("")
+    live = Request("live", list(range(900, 932)), hash_block_size=16)
+    assert mgr.allocate_slots(live, 32) is not None
+    req = Request("r", list(range(16)), hash_block_size=16)
+    assert mgr.allocate_slots(req, 16) is not None
+    req.num_computed_tokens = 16
+    req.append_output_token_ids(7)
+    for manager in mgr.coordinator.single_type_managers:
+        type(manager).mode = mode  # the next step's answer goes wrong
+    before = _state(mgr)
+    with pytest.raises(PluginResultError, match="did not hand out in this call"):
+        mgr.allocate_slots(req, 1)
+    assert _state(mgr) == before
+    assert mgr.get_block_ids("r") == ([3],)
+
+
+def test_blocks_from_several_hand_outs_in_one_call_pass() -> None:
+    mgr = _manager("two hand-outs")
+    req = Request("r", list(range(48)), hash_block_size=16)
+    out = mgr.allocate_slots(req, 48)
+    assert out is not None
+    assert out.get_block_ids() == ([1, 2, 3],)
+    assert mgr.get_block_ids("r") == ([1, 2, 3],)
