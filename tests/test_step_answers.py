@@ -1,7 +1,10 @@
-"""The new blocks a manager's step returns are checked where they cross
-into the core: the engine writes the step's KV into them (vLLM's workers
-append them to the request's block table), so a block the pool did not
-hand out in that call would be written over another request's KV."""
+"""The blocks a manager's step answers with are checked where they cross
+into the core: the engine writes the step's KV into the new blocks
+(vLLM's workers append them to the request's block table), so a block the
+pool did not hand out in that call would be written over another
+request's KV; and a freed request's popped tables are what the pool
+frees, so a block left out would never be freed and another request's
+block in them would be freed under it."""
 
 from __future__ import annotations
 
@@ -53,6 +56,20 @@ class _Answers(FullAttentionManager):
             return [tuple(out[0])]  # type: ignore[list-item]
         elif self.mode == "one list too many":
             return [*out, []]
+        return out
+
+    def pop_twins(self, twins: Sequence[Any], request_id: str) -> Any:
+        out = super().pop_twins(twins, request_id)
+        if request_id == "live" or out[0] is None:
+            return out
+        if self.mode == "pop one block short":
+            return [out[0][:-1]]
+        if self.mode == "pop another request's block":
+            return [[*out[0], self.req_to_blocks["live"][0]]]
+        if self.mode == "pop nothing":
+            return [None]
+        if self.mode == "pop a tuple":
+            return (out[0],)  # a sequence of the tables: accepted
         return out
 
 
@@ -134,3 +151,47 @@ def test_blocks_from_several_hand_outs_in_one_call_pass() -> None:
     assert out is not None
     assert out.get_block_ids() == ([1, 2, 3],)
     assert mgr.get_block_ids("r") == ([1, 2, 3],)
+
+
+POPS = {
+    "pop one block short": r"returned \[\[3\]\] for request 'r', whose tables "
+    r"were \[\[3, 4\]\]; it must return each twin's table as the request held it",
+    "pop another request's block": r"returned \[\[3, 4, 1\]\] for request 'r'",
+    "pop nothing": r"returned \[None\] for request 'r'",
+}
+
+
+@pytest.mark.parametrize("forward_ran", [True, False])
+@pytest.mark.parametrize("mode", list(POPS))
+def test_a_pop_answer_that_is_not_the_requests_tables_is_refused(
+    mode: str, forward_ran: bool
+) -> None:
+    mgr = _manager("")
+    live = Request("live", list(range(900, 932)), hash_block_size=16)
+    assert mgr.allocate_slots(live, 32) is not None
+    req = Request("r", list(range(32)), hash_block_size=16)
+    assert mgr.allocate_slots(req, 32) is not None
+    req.num_computed_tokens = 32
+    for manager in mgr.coordinator.single_type_managers:
+        type(manager).mode = mode
+    before = _state(mgr)
+    with pytest.raises(PluginResultError, match=POPS[mode]) as info:
+        mgr.free(req, forward_ran=forward_ran)
+    assert "_Answers.pop_twins" in str(info.value)
+    # The free was undone: both requests keep their blocks, none is free.
+    assert _state(mgr) == before
+    assert mgr.get_block_ids("r") == ([3, 4],)
+    assert mgr.get_block_ids("live") == ([1, 2],)
+    for manager in mgr.coordinator.single_type_managers:
+        type(manager).mode = ""
+    mgr.free(req)
+    assert mgr.block_pool.ref_cnt[3:5] == [0, 0]
+
+
+def test_a_pop_answer_of_the_tables_in_another_sequence_passes() -> None:
+    mgr = _manager("pop a tuple")
+    req = Request("r", list(range(32)), hash_block_size=16)
+    assert mgr.allocate_slots(req, 32) is not None
+    free = mgr.block_pool.get_num_free_blocks()
+    mgr.free(req)
+    assert mgr.block_pool.get_num_free_blocks() == free + 2

@@ -216,8 +216,16 @@ class FreeSteps:
         gid = 0
         try:
             for _, members in self._pop_runs:
-                gid = members[0].kv_cache_group_id
-                tables += members[0].pop_twins(members, request_id)
+                lead = members[0]
+                gid = lead.kv_cache_group_id
+                held = [
+                    None if table is None else table[:]
+                    for table in [m.req_to_blocks.get(request_id) for m in members]
+                ]
+                popped = lead.pop_twins(members, request_id)
+                if popped != held and list(popped) != held:
+                    raise _pop_error(lead, request_id, held, popped)
+                tables += popped
         except Exception as exc:
             raise self.plugin_error(gid, "pop_blocks", exc) from exc
         return tables
@@ -319,3 +327,22 @@ class FreeSteps:
                 raise self.plugin_error(gid, method, KvcoreTypeError(msg))
             states += blocks
         return states
+
+
+def _pop_error(
+    manager: SingleTypeManager,
+    request_id: str,
+    held: list[list[int] | None],
+    popped: object,
+) -> Exception:
+    """A ``pop_twins`` answer that is not the tables the twins held: the
+    blocks it leaves out would never be freed, and another request's
+    blocks in it would be freed under that request."""
+    return result_error(
+        manager,
+        "pop_twins",
+        f"returned {shown(popped)} for request {request_id!r}, whose tables "
+        f"were {shown(held)}; it must return each twin's table as the request "
+        "held it (None where it held none), so the request's blocks, and "
+        "only they, are freed",
+    )
