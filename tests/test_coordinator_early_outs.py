@@ -270,8 +270,10 @@ def test_a_release_rule_that_raises_is_the_release_steps_failure() -> None:
     mgr = setup.small_manager([setup.fa(4), window], 32, registry=registry)
     r = Request("r", list(range(1, 7)), hash_block_size=4)
     assert mgr.allocate_slots(r, 6) is not None
-    r.num_computed_tokens = 7
+    r.num_computed_tokens = 6
     r.append_output_token_ids(7)
+    assert mgr.allocate_slots(r, 1) is not None
+    r.num_computed_tokens = 7
     r.append_output_token_ids(8)
     tables = mgr.get_block_ids("r")
     free = mgr.get_num_free_blocks()

@@ -432,6 +432,29 @@ def test_cache_blocks_past_the_scheduled_tokens_is_refused() -> None:
     assert mgr.block_pool.num_cached_blocks == 2
 
 
+def test_a_step_past_the_scheduled_tokens_is_refused() -> None:
+    """A step of 6 tokens with 4 lookahead slots, then the engine says 8
+    tokens are computed: tokens 6 and 7 had slots but no step computed
+    them, and a step from 8 would key the block holding them (tokens 4-7),
+    so a later hit would read KV nobody wrote."""
+    mgr = fa_manager(12)
+    r = req("r", 12)
+    assert mgr.allocate_slots(r, 6, num_lookahead_tokens=4) is not None
+    assert mgr.block_pool.num_cached_blocks == 1
+    r.num_computed_tokens = 8
+    before = snapshot(mgr)
+    with pytest.raises(
+        kvcore.errors.InvalidRequestError,
+        match="num_computed_tokens=8 is past the 6 tokens its steps have been given",
+    ):
+        mgr.allocate_slots(r, 2)
+    assert snapshot(mgr) == before
+    assert mgr.block_pool.num_cached_blocks == 1
+    r.num_computed_tokens = 6  # what the step computed: its next step runs
+    assert mgr.allocate_slots(r, 2) is not None
+    assert mgr.block_pool.num_cached_blocks == 2
+
+
 def test_a_step_below_the_released_window_is_refused() -> None:
     """After the window's old blocks are released at 40 tokens, a step that
     starts at 10 would read and write positions that are the null block."""
@@ -451,6 +474,8 @@ def test_a_step_below_the_released_window_is_refused() -> None:
     assert snapshot(mgr) == before
     assert mgr.get_block_ids("r")[0] == table
     # Released by the engine's own call too.
+    r.num_computed_tokens = 41
+    assert mgr.allocate_slots(r, 3) is not None
     r.num_computed_tokens = 44
     mgr.remove_skipped_blocks(r, 44)
     r.num_computed_tokens = 41

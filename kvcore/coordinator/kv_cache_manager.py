@@ -324,8 +324,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
             check_same_request(self, held, request)
         # A live request (held) with no new hit grows; any other is admitted.
         running = computed is None and held is not None
-        if running and self.coordinator.skipping:
-            self._marks.check_start(rid, num_computed)
+        if running:
+            self._marks.check_running(rid, num_computed, self.coordinator.skipping)
         if self._unwritten.by_writer and not self._unwritten.admits(rid, computed):
             return None  # its hit's state is written by a step not yet run
         # Blocks are released only below the tokens no step in flight computes.

@@ -51,6 +51,26 @@ class StepMarks:
         )
         raise InvalidRequestError(msg)
 
+    def check_running(self, rid: str, num_computed: int, skipping: object) -> None:
+        """A running request's step starts within its steps' slots (past
+        the end of its latest step, the tokens between were never given
+        slots, so no step wrote their KV, yet the step would key the blocks
+        holding them); with ``skipping``, see :meth:`check_start`."""
+        if num_computed > self.scheduled_to.get(rid, num_computed):
+            self._refuse_computed(rid, num_computed)
+        if skipping:
+            self.check_start(rid, num_computed)
+
+    def _refuse_computed(self, rid: str, num_computed: int) -> None:
+        msg = (
+            f"allocate_slots for request {rid!r}: num_computed_tokens={num_computed} "
+            f"is past the {self.scheduled_to[rid]} tokens its steps have been given "
+            "slots for (lookahead slots hold no tokens), so no step computed the "
+            "tokens between and their blocks would be cached unwritten; advance "
+            "num_computed_tokens by at most the tokens each step scheduled"
+        )
+        raise InvalidRequestError(msg)
+
     def check_keyed(self, rid: str, num_computed: int, num_tokens: int) -> None:
         """``cache_blocks`` may key only tokens a step was given slots for."""
         limit = max(num_computed, self.scheduled_to.get(rid, 0))
