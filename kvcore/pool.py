@@ -21,15 +21,10 @@ from kvcore.errors import (
 )
 from kvcore.kinds import LayerView
 from kvcore.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVCacheLayout
+from kvcore.owners import call_plugin, declared, spec_plugin_error
 from kvcore.plan import tensor_strides
 from kvcore.plan.validate import check_placement
-from kvcore.registry import (
-    KindRegistry,
-    call_plugin,
-    declared,
-    default_registry,
-    spec_plugin_error,
-)
+from kvcore.registry import KindRegistry, default_registry
 from kvcore.spec import KVCacheSpec
 from kvcore.structs import KVCacheConfig, KVCacheTensor
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import (
     DuplicateKindError,
@@ -20,6 +19,13 @@ from kvcore.errors import (
     echo,
 )
 from kvcore.kinds import CacheKind
+from kvcore.owners import (
+    call_plugin,
+    describe_plugin,
+    owner_of,
+    record_owner,
+    spec_plugin_error,
+)
 from kvcore.spec import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -39,72 +45,9 @@ __all__ = [
     "spec_plugin_error",
 ]
 
-_T = TypeVar("_T")
-
-
 #: Kind names a user lets a later plugin replace (comma separated), read when
 #: a registry is built from a plugin manager without an explicit ``override``.
 OVERRIDE_ENV = "KVCORE_OVERRIDE_KINDS"
-
-# Spec class -> (plugin, distribution) of the kind that owns it, filled as
-# registries are built, so a check deep in the planner can name the plugin.
-_OWNERS: weakref.WeakKeyDictionary[type, tuple[str, str | None]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def describe_plugin(plugin: str, distribution: str | None) -> str:
-    """``plugin 'x' (distribution 'd 1.0')``, the way every message names one."""
-    if distribution:
-        return f"plugin {plugin!r} (distribution {distribution!r})"
-    return f"plugin {plugin!r} (no distribution: registered by hand or from source)"
-
-
-def owner_of(spec_type: type) -> tuple[str, str | None]:
-    """``(plugin, distribution)`` of the kind owning ``spec_type``; the kind
-    name and ``None`` for a class no registry has seen."""
-    found = _OWNERS.get(spec_type)
-    if found is not None:
-        return found
-    return (getattr(spec_type, "kind", "") or spec_type.__name__, None)
-
-
-def spec_plugin_error(
-    spec: object,
-    rule: str,
-    *,
-    error: type[PluginError] = PluginResultError,
-) -> PluginError:
-    """The error for a spec's own code breaking ``rule``: names the kind, its
-    plugin and distribution, and how to block the plugin."""
-    plugin, distribution = owner_of(type(spec))
-    kind = getattr(type(spec), "kind", "")
-    msg = (
-        f"cache kind {kind!r} ({type(spec).__name__}) of "
-        f"{describe_plugin(plugin, distribution)}: {rule}. Fix the plugin, or "
-        f"block it with KVCORE_DISABLE_PLUGINS={plugin}"
-    )
-    return error(msg, plugin_name=plugin, distribution=distribution)
-
-
-def declared(spec: object, name: str) -> object:
-    """``spec``'s attribute ``name`` (a property is plugin code), read
-    through :func:`call_plugin`."""
-    return call_plugin(spec, name, lambda: getattr(spec, name))
-
-
-def call_plugin(spec: object, what: str, fn: Callable[[], _T]) -> _T:
-    """Run plugin code ``what`` of ``spec``'s kind; an exception that is not a
-    kvcore error (which plugins raise on purpose) is wrapped in a
-    :class:`PluginError` naming the plugin, the original chained."""
-    try:
-        return fn()
-    except KvcoreError:
-        raise
-    except Exception as exc:
-        raise spec_plugin_error(
-            spec, f"{what} raised {type(exc).__name__}: {exc}", error=PluginError
-        ) from exc
 
 
 class KindRegistry(Mapping[str, CacheKind]):
@@ -181,7 +124,7 @@ class KindRegistry(Mapping[str, CacheKind]):
             kind.spec_type: kind for kind in by_name.values()
         }
         for name, kind in by_name.items():
-            _OWNERS[kind.spec_type] = (owners[name], dists.get(owners[name]))
+            record_owner(kind.spec_type, owners[name], dists.get(owners[name]))
         self._pm = plugin_manager
 
     @classmethod

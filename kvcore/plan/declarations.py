@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvcore.errors import PluginError, echo
-from kvcore.registry import call_plugin, declared, spec_plugin_error
+from kvcore.owners import call_plugin, declared, spec_plugin_error
 from kvcore.spec import KVCacheSpec
 
 __all__ = [
