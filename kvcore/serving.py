@@ -8,7 +8,9 @@ file's specs into one rank's specs and says, in notes a person reads, what
 changed and what did not.  It names no kind: each spec answers for itself
 through :meth:`~kvcore.spec.KVCacheSpec.with_cache_dtype`,
 :meth:`~kvcore.spec.KVCacheSpec.with_block_size` and
-:meth:`~kvcore.spec.KVCacheSpec.sharded`.
+:meth:`~kvcore.spec.KVCacheSpec.sharded`, each answer checked as it is
+received (``None`` or a spec of the same class and the block size asked for,
+or the one it had).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch
 
 from kvcore.checkpoints import CheckpointPolicyError, checkpoint_policy
 from kvcore.choices import CACHE_DTYPE_NAMES, STATE_CACHE_MODES
-from kvcore.errors import InvalidSpecError, KvcoreTypeError, KvcoreValueError
+from kvcore.errors import InvalidSpecError, KvcoreTypeError, KvcoreValueError, echo
+from kvcore.owners import call_plugin, spec_plugin_error
+from kvcore.plan.declarations import checked_variant
 from kvcore.spec import KVCacheSpec, Sharded
 
 __all__ = [
@@ -200,20 +204,53 @@ def _layers(n: int) -> str:
     return f"{n} layer{'' if n == 1 else 's'}"
 
 
-def _call(name: str, spec: KVCacheSpec, method: str, arg: object, want: type) -> Any:
-    """``spec.method(arg)``, its result checked, its errors naming the layer."""
+def _call(name: str, spec: KVCacheSpec, method: str, arg: object) -> object:
+    """``spec.method(arg)``: plugin code, whose refusal (``InvalidSpecError``)
+    names the layer and whose other errors name the plugin."""
     try:
-        result = getattr(spec, method)(arg)
+        return call_plugin(
+            spec,
+            f"{method}({arg!r}) for layer {name!r}",
+            lambda: getattr(spec, method)(arg),
+        )
     except InvalidSpecError as exc:
         msg = f"layer {name!r} ({type(spec).kind}): {exc}"
         raise ServingError(msg) from exc
-    if result is not None and not isinstance(result, want):
-        msg = (
-            f"layer {name!r}: {type(spec).__name__}.{method}({arg!r}) returned "
-            f"{result!r}, not a {want.__name__} or None"
+
+
+def _variant(name: str, spec: KVCacheSpec, method: str, arg: Any) -> KVCacheSpec | None:
+    """``spec.<method>(arg)`` (a ``with_*`` hook), checked where it crosses
+    in: ``None`` (the kind keeps its own) or a spec of the same class, with
+    the block size asked for (``with_block_size``) or, for any other choice,
+    the one it had (a choice changes only what it names)."""
+    answer = _call(name, spec, method, arg)
+    if answer is None:
+        return None
+    if method == "with_block_size":
+        block, why = arg, " (the one asked for)"
+    else:
+        block, why = (
+            spec.block_size,
+            " (its own: a serving choice changes only what it names)",
         )
-        raise KvcoreTypeError(msg)
-    return result
+    call = f"{method}({arg!r}) for layer {name!r}"
+    return checked_variant(spec, call, answer, block, none_ok=True, why=why)
+
+
+def _shard(name: str, spec: KVCacheSpec, tp: int) -> Sharded:
+    """``spec.sharded(tp)``: a :class:`Sharded` whose spec is of the same
+    class and block size (a rank splits heads or channels, not blocks)."""
+    shard = _call(name, spec, "sharded", tp)
+    call = f"sharded({tp}) for layer {name!r}"
+    if not isinstance(shard, Sharded):
+        raise spec_plugin_error(
+            spec,
+            f"{type(spec).__name__}.{call} returned {echo(shard)}; it must return "
+            "a kvcore.spec.Sharded",
+        )
+    why = " in its Sharded (its own block: ranks split heads or channels, not blocks)"
+    checked_variant(spec, call, shard.spec, spec.block_size, none_ok=False, why=why)
+    return shard
 
 
 def _apply_each(layers: dict[str, KVCacheSpec], method: str, value: Any) -> list[str]:
@@ -221,7 +258,7 @@ def _apply_each(layers: dict[str, KVCacheSpec], method: str, value: Any) -> list
     kind answers ``None`` (keeps its own) are returned."""
     kept: list[str] = []
     for name, spec in layers.items():
-        new = _call(name, spec, method, value, KVCacheSpec)
+        new = _variant(name, spec, method, value)
         if new is None:
             kept.append(name)
         else:
@@ -302,18 +339,7 @@ def apply_serving_choices(
     if tp > 1:
         groups: Counter[str] = Counter()
         for name, spec in layers.items():
-            shard = _call(name, spec, "sharded", tp, Sharded)
-            if shard is None:
-                msg = (
-                    f"layer {name!r}: {type(spec).__name__}.sharded({tp}) returned None"
-                )
-                raise KvcoreTypeError(msg)
-            if not isinstance(shard.spec, KVCacheSpec):
-                msg = (
-                    f"layer {name!r}: {type(spec).__name__}.sharded({tp}) gave "
-                    f"{shard.spec!r}, not a KVCacheSpec"
-                )
-                raise KvcoreTypeError(msg)
+            shard = _shard(name, spec, tp)
             layers[name] = shard.spec
             if shard.replicated:
                 replicated.append(name)

@@ -13,7 +13,7 @@ import torch
 import kvcore
 from kvcore import AttentionKind, CacheKind, KindRegistry, hookimpl
 from kvcore.kinds import LayerView
-from kvcore.spec import AttentionSpec, KVCacheSpec
+from kvcore.spec import AttentionSpec, KVCacheSpec, Sharded
 from kvcore_full_attention import FullAttentionManager, FullAttentionSpec
 
 
@@ -191,6 +191,45 @@ class RaisingMergeSpec(AttentionSpec):
 class RaisingMergeKind(AttentionKind):
     name: ClassVar[str] = "raising_merge"
     spec_type = RaisingMergeSpec
+
+
+@attrs.frozen(kw_only=True)
+class VariantSpec(AttentionSpec):
+    """Its serving choices (``with_*`` and ``sharded``) answer by ``answer``:
+    another kind's spec, this spec at twice the block size asked for (or
+    had), ``None`` (``sharded`` only) or an error."""
+
+    kind: ClassVar[str] = "variant"
+    answer: str = "another kind"
+
+    def _variant(self, block_size: int) -> Any:
+        if self.answer == "another kind":
+            return FullAttentionSpec(
+                block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16
+            )
+        if self.answer == "another block size":
+            return attrs.evolve(self, block_size=2 * block_size)
+        if self.answer == "raises":
+            raise RuntimeError("no variant")
+        return None
+
+    def with_block_size(self, block_size: int) -> Any:
+        return self._variant(block_size)
+
+    def with_cache_dtype(self, dtype: torch.dtype) -> Any:
+        return self._variant(self.block_size)
+
+    def with_state_cache_mode(self, mode: str) -> Any:
+        return self._variant(self.block_size)
+
+    def sharded(self, tp_size: int) -> Any:
+        variant = self._variant(self.block_size)
+        return None if variant is None else Sharded(spec=variant)
+
+
+class VariantKind(AttentionKind):
+    name: ClassVar[str] = "variant"
+    spec_type = VariantSpec
 
 
 @attrs.frozen(kw_only=True)

@@ -1,7 +1,7 @@
 """Every result crossing from plugin code into the core is checked where it
 crosses: a kind name taken from another distribution, what
 ``kvcore_register_kinds`` returns, spec and manager classes, page sizes,
-grouping keys, merges and bound views.  Each broken kind of
+grouping keys, merges, serving choices and bound views.  Each broken kind of
 ``tests/broken_kinds.py`` is refused with an error naming its plugin."""
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from broken_kinds import (
     RaisingKeySpec,
     RaisingMergeKind,
     RaisingMergeSpec,
+    VariantKind,
+    VariantSpec,
     plugin_with,
     registry_with,
     sample,
@@ -54,8 +56,9 @@ import kvcore
 from kvcore import DuplicateKindError, KindRegistry, PluginError, UnknownKindError
 from kvcore.coordinator import BlockPool, KVCacheManager, Request
 from kvcore.errors import PluginBindError, PluginResultError
+from kvcore.serving import ServingChoices, apply_serving_choices
 from kvcore.spec import KVCacheSpec
-from kvcore_full_attention import FullAttention, FullAttentionManager
+from kvcore_full_attention import FullAttention, FullAttentionManager, FullAttentionSpec
 from kvcore_mamba import Mamba
 from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
 
@@ -431,6 +434,95 @@ def test_merge_raising_is_wrapped() -> None:
         "for //: 'RaisingMergeSpec' and 'int'",
     )
     assert isinstance(info.value.__cause__, TypeError)
+
+
+# ---------------------------------------------------------------------------
+# Serving choices, checked as each spec answers one
+# ---------------------------------------------------------------------------
+
+FULL_16 = (
+    "FullAttentionSpec(block_size=16, block_stride_alignment=None, num_kv_heads=1, "
+    "head_size=8, dtype=torch.float16, head_size_v=8, tokens_per_state=1, "
+    "alignment=None, page_size_padded=None)"
+)
+OWN = "(its own: a serving choice changes only what it names)"
+
+
+@pytest.mark.parametrize(
+    ("choices", "answer", "rule"),
+    [
+        (
+            ServingChoices(block_size=32),
+            "another kind",
+            f"VariantSpec.with_block_size(32) for layer 'a' returned "
+            f"{FULL_16.replace('=16', '=32', 1)}; it must return None or a "
+            "VariantSpec with block_size 32 (the one asked for)",
+        ),
+        (
+            ServingChoices(block_size=32),
+            "another block size",
+            "VariantSpec.with_block_size(32) for layer 'a' returned a VariantSpec "
+            "of block_size 64; it must return None or a VariantSpec with "
+            "block_size 32 (the one asked for)",
+        ),
+        (
+            ServingChoices(kv_cache_dtype="fp8"),
+            "another block size",
+            "VariantSpec.with_cache_dtype(torch.float8_e4m3fn) for layer 'a' "
+            "returned a VariantSpec of block_size 32; it must return None or a "
+            f"VariantSpec with block_size 16 {OWN}",
+        ),
+        (
+            ServingChoices(mamba_cache_mode="align"),
+            "another kind",
+            "VariantSpec.with_state_cache_mode('align') for layer 'a' returned "
+            f"{FULL_16}; it must return None or a VariantSpec with block_size 16 "
+            f"{OWN}",
+        ),
+        (
+            ServingChoices(tensor_parallel_size=2),
+            "another block size",
+            "VariantSpec.sharded(2) for layer 'a' returned a VariantSpec of "
+            "block_size 32; it must return a VariantSpec with block_size 16 in its "
+            "Sharded (its own block: ranks split heads or channels, not blocks)",
+        ),
+        (
+            ServingChoices(tensor_parallel_size=2),
+            "none",
+            "VariantSpec.sharded(2) for layer 'a' returned None; it must return a "
+            "kvcore.spec.Sharded",
+        ),
+    ],
+    ids=["block-kind", "block-size", "dtype-size", "mode-kind", "tp-size", "tp-none"],
+)
+def test_serving_choice_answers_are_checked(
+    choices: ServingChoices, answer: str, rule: str
+) -> None:
+    """A variant of another kind or block size would be planned under the
+    wrong manager or block, with nothing said."""
+    registry_with(plugin_with(VariantKind()), "broken")  # names the plugin
+    spec = sample(VariantSpec, answer=answer)
+    specs: dict[str, KVCacheSpec] = {"a": spec, "b": sample(FullAttentionSpec)}
+    given = dict(specs)
+    with pytest.raises(PluginResultError) as info:
+        apply_serving_choices(specs, choices)
+    assert str(info.value) == _spec_error("variant", "VariantSpec", rule)
+    assert isinstance(info.value, TypeError)
+    assert specs == given
+    assert specs["a"] is spec
+
+
+def test_a_raising_serving_choice_is_wrapped() -> None:
+    registry_with(plugin_with(VariantKind()), "broken")
+    spec = sample(VariantSpec, answer="raises")
+    with pytest.raises(PluginError) as info:
+        apply_serving_choices({"a": spec}, ServingChoices(block_size=32))
+    assert str(info.value) == _spec_error(
+        "variant",
+        "VariantSpec",
+        "with_block_size(32) for layer 'a' raised RuntimeError: no variant",
+    )
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 import kvcore
 from kvcore.config import CacheConfig, EngineConfig
+from kvcore.errors import PluginResultError
 from kvcore.serialize import load_model_file, make_converter
 from kvcore.serving import (
     CACHE_DTYPE_ALIASES,
@@ -454,8 +455,11 @@ class _BadSpec(FullAttentionSpec):
 
 def test_a_plugin_answer_of_the_wrong_type_is_a_type_error() -> None:
     spec = _BadSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16)
-    with pytest.raises(kvcore.KvcoreTypeError, match=r"with_block_size\(32\) returned"):
+    with pytest.raises(
+        PluginResultError, match=r"with_block_size\(32\) for layer 'b' returned 32;"
+    ) as info:
         apply_serving_choices({"b": spec}, ServingChoices(block_size=32))
+    assert isinstance(info.value, TypeError)
 
 
 def test_bad_arguments_are_type_errors() -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "checked_event_window",
     "checked_state_cache_mode",
     "checked_grown",
+    "checked_variant",
     "checked_merge",
     "checked_positive",
     "layer_alignment",
@@ -189,16 +190,42 @@ def checked_grown(spec: KVCacheSpec, factor: int) -> KVCacheSpec | None:
     grown: object = call_plugin(spec, f"grown({factor})", lambda: spec.grown(factor))
     if grown is None:
         return None
-    if type(grown) is type(spec):
-        if grown.block_size == spec.block_size * factor:
-            return grown
-        got = f"a {type(grown).__name__} of block_size {grown.block_size}"
+    return checked_variant(
+        spec, f"grown({factor})", grown, spec.block_size * factor, none_ok=True
+    )
+
+
+def checked_variant(
+    spec: KVCacheSpec,
+    call: str,
+    answer: object,
+    block_size: int,
+    *,
+    none_ok: bool,
+    why: str = "",
+) -> KVCacheSpec:
+    """``answer``, what ``spec``'s ``call`` gave for a variant of ``spec``
+    (``grown``, a serving choice's ``with_*``, the spec of ``sharded``): it
+    must be a spec of the same class, whose manager and binder are the
+    kind's, with ``block_size`` tokens a block.
+
+    :param none_ok: whether the hook may answer ``None`` (said in the error;
+        the caller has already taken a ``None``).
+    :param why: what the block size is, appended to the rule.
+    """
+    cls = type(spec)
+    if type(answer) is cls:
+        got_block = declared(answer, "block_size")
+        if type(got_block) is int and got_block == block_size:
+            return answer
+        got = f"a {cls.__name__} of block_size {echo(got_block)}"
     else:
-        got = echo(grown)
+        got = echo(answer)
+    either = "None or " if none_ok else ""
     raise spec_plugin_error(
         spec,
-        f"{type(spec).__name__}.grown({factor}) returned {got}; it must return "
-        f"None or a {type(spec).__name__} with block_size {spec.block_size * factor}",
+        f"{cls.__name__}.{call} returned {got}; it must return {either}a "
+        f"{cls.__name__} with block_size {block_size}{why}",
     )
 
 
