@@ -475,7 +475,9 @@ class KVCacheSpec(HitPolicyDerived):
 
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> Self:
-        """Merge the specs of layers that share one group into one spec.
+        """Merge the specs of layers that share one group into one spec: of
+        this class and the members' block size, with a page at least every
+        member's (the group's layers are placed at it; the planner checks).
 
         The default rule: every spec is of this exact type and equal to the
         first.  Raises :class:`~kvcore.errors.MergeError` naming the first

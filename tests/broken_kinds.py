@@ -194,6 +194,39 @@ class RaisingMergeKind(AttentionKind):
 
 
 @attrs.frozen(kw_only=True)
+class SmallMergeSpec(AttentionSpec):
+    """Merges its layers into one of a single KV head: a smaller page."""
+
+    kind: ClassVar[str] = "small_merge"
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> Self:
+        return attrs.evolve(specs[0], num_kv_heads=1)  # type: ignore[return-value]
+
+
+class SmallMergeKind(AttentionKind):
+    name: ClassVar[str] = "small_merge"
+    spec_type = SmallMergeSpec
+
+
+@attrs.frozen(kw_only=True)
+class BlockMergeSpec(AttentionSpec):
+    """Merges its layers into one of twice their block size."""
+
+    kind: ClassVar[str] = "block_merge"
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> Self:
+        first = specs[0]
+        return attrs.evolve(first, block_size=2 * first.block_size)  # type: ignore[return-value]
+
+
+class BlockMergeKind(AttentionKind):
+    name: ClassVar[str] = "block_merge"
+    spec_type = BlockMergeSpec
+
+
+@attrs.frozen(kw_only=True)
 class VariantSpec(AttentionSpec):
     """Its serving choices (``with_*`` and ``sharded``) answer by ``answer``:
     another kind's spec, this spec at twice the block size asked for (or

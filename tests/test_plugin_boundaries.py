@@ -6,6 +6,7 @@ grouping keys, merges, serving choices and bound views.  Each broken kind of
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -27,6 +28,8 @@ from broken_kinds import (
     BadPageSpec,
     BinderKind,
     BinderSpec,
+    BlockMergeKind,
+    BlockMergeSpec,
     DtypesKind,
     DtypesSpec,
     GroupMergeKind,
@@ -45,6 +48,8 @@ from broken_kinds import (
     RaisingKeySpec,
     RaisingMergeKind,
     RaisingMergeSpec,
+    SmallMergeKind,
+    SmallMergeSpec,
     VariantKind,
     VariantSpec,
     plugin_with,
@@ -434,6 +439,67 @@ def test_merge_raising_is_wrapped() -> None:
         "for //: 'RaisingMergeSpec' and 'int'",
     )
     assert isinstance(info.value.__cause__, TypeError)
+
+
+def _refused(
+    kind: object, specs: dict[str, KVCacheSpec], error: type[Exception]
+) -> pytest.ExceptionInfo[Exception]:
+    """Planning ``specs`` with ``kind`` registered raises ``error``; a plan
+    and pool made before with the same registry, and ``specs``, are left as
+    they were."""
+    registry = registry_with(plugin_with(kind), "broken")
+    good = {"x": sample(FullAttentionSpec)}
+    groups = kvcore.get_kv_cache_groups(CONFIG, good, registry=registry)
+    plan = kvcore.get_kv_cache_config_from_groups(CONFIG, groups, 8 * 1024)
+    pool = kvcore.KVCachePool(plan, "cpu", registry=registry)
+    view = pool.views["x"]
+    assert isinstance(view, torch.Tensor)
+    view.fill_(3)
+    planned, given = copy.deepcopy(plan), dict(specs)
+
+    def plan_them() -> None:
+        groups = kvcore.get_kv_cache_groups(CONFIG, specs, registry=registry)
+        kvcore.get_kv_cache_config_from_groups(CONFIG, groups, 8 * 1024)
+
+    with pytest.raises(error) as info:
+        plan_them()
+    assert plan == planned
+    assert pool.views["x"] is view
+    assert bool((view == 3).all())
+    assert specs == given
+    assert all(specs[n] is given[n] for n in given)
+    return info
+
+
+def test_merge_to_a_smaller_page_is_refused() -> None:
+    """Layers of a merged group are placed at the merged page: one smaller
+    than a member's would give that layer less memory than its page."""
+    spec = SmallMergeSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16
+    )
+    info = _refused(SmallMergeKind(), {"a": spec, "b": spec}, PluginResultError)
+    assert str(info.value) == _spec_error(
+        "small_merge",
+        "SmallMergeSpec",
+        "SmallMergeSpec.merge() of 2 spec(s) returned a SmallMergeSpec of "
+        "page_size_bytes 512, smaller than a member's 1,024; the group's layers "
+        "are placed at the merged page, so merge must return a spec whose page is "
+        "at least every member's (or raise kvcore.MergeError)",
+    )
+    assert isinstance(info.value, TypeError)
+
+
+def test_merge_to_another_block_size_is_refused() -> None:
+    spec = sample(BlockMergeSpec)
+    info = _refused(BlockMergeKind(), {"a": spec, "b": spec}, PluginResultError)
+    assert str(info.value) == _spec_error(
+        "block_merge",
+        "BlockMergeSpec",
+        "BlockMergeSpec.merge() of 2 spec(s) returned a BlockMergeSpec of "
+        "block_size 32, but its members' block size is 16; merge must keep its "
+        "members' block size (and raise kvcore.MergeError for members of "
+        "different block sizes)",
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ __all__ = [
     "checked_grown",
     "checked_variant",
     "checked_merge",
+    "checked_page",
     "checked_positive",
     "layer_alignment",
 ]
@@ -62,13 +63,7 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                 f"page_grid is {echo(grid)}; it must be a tuple of three positive "
                 "ints (heads, states per block, bytes per state)",
             )
-        page = declared(spec, "page_size_bytes")
-        if type(page) is not int or page <= 0:
-            raise spec_plugin_error(
-                spec,
-                f"page_size_bytes is {page!r} ({type(page).__name__}); it must be a "
-                "positive int number of bytes (a bool or float is not one)",
-            )
+        page = checked_page(spec)
         if math.prod(grid) > page:
             raise spec_plugin_error(
                 spec,
@@ -87,6 +82,18 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                     spec, f"{flag} is {echo(value)}; it must be True or False"
                 )
         _check_skipped_tokens(spec)
+
+
+def checked_page(spec: KVCacheSpec) -> int:
+    """``spec.page_size_bytes``, which must be a positive int."""
+    page = declared(spec, "page_size_bytes")
+    if type(page) is not int or page <= 0:
+        raise spec_plugin_error(
+            spec,
+            f"page_size_bytes is {page!r} ({type(page).__name__}); it must be a "
+            "positive int number of bytes (a bool or float is not one)",
+        )
+    return page
 
 
 def _check_skipped_tokens(spec: KVCacheSpec) -> None:
@@ -169,17 +176,41 @@ def _check_hashable(spec: KVCacheSpec, subject: str, value: object) -> None:
 
 def checked_merge(cls: type[KVCacheSpec], specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
     """``cls.merge(specs)``, which must return a ``cls`` (a spec of the same
-    kind) or raise :class:`~kvcore.errors.MergeError`."""
+    kind) of the members' block size whose page is at least every member's
+    (the group's layers are placed at its page), or raise
+    :class:`~kvcore.errors.MergeError`."""
     merged: object = call_plugin(
         specs[0], f"{cls.__name__}.merge()", lambda: cls.merge(specs)
     )
+    call = f"{cls.__name__}.merge() of {len(specs)} spec(s)"
     if type(merged) is not cls:
         raise spec_plugin_error(
             specs[0],
-            f"{cls.__name__}.merge() of {len(specs)} spec(s) returned "
-            f"{echo(merged)}; merge must return an instance of {cls.__name__} "
-            "(the group's spec, of the same kind) or raise kvcore.MergeError "
-            "when the specs do not merge",
+            f"{call} returned {echo(merged)}; merge must return an instance of "
+            f"{cls.__name__} (the group's spec, of the same kind) or raise "
+            "kvcore.MergeError when the specs do not merge",
+        )
+    members = list({id(s): s for s in specs}.values())
+    blocks = sorted({s.block_size for s in members})
+    block = declared(merged, "block_size")
+    if type(block) is not int or [block] != blocks:
+        theirs = f"block size{'s are' if len(blocks) > 1 else ' is'} "
+        theirs += ", ".join(map(str, blocks))
+        raise spec_plugin_error(
+            specs[0],
+            f"{call} returned a {cls.__name__} of block_size {echo(block)}, but its "
+            f"members' {theirs}; merge must keep its members' block size (and "
+            "raise kvcore.MergeError for members of different block sizes)",
+        )
+    page = checked_page(merged)
+    widest = max(checked_page(s) for s in members)
+    if page < widest:
+        raise spec_plugin_error(
+            specs[0],
+            f"{call} returned a {cls.__name__} of page_size_bytes {page:,}, smaller "
+            f"than a member's {widest:,}; the group's layers are placed at the "
+            "merged page, so merge must return a spec whose page is at least every "
+            "member's (or raise kvcore.MergeError)",
         )
     return merged
 
