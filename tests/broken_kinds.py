@@ -4,6 +4,7 @@ and checks the error that names it; nothing here is a fixture of its own."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar, Self
 
@@ -224,6 +225,43 @@ class BlockMergeSpec(AttentionSpec):
 class BlockMergeKind(AttentionKind):
     name: ClassVar[str] = "block_merge"
     spec_type = BlockMergeSpec
+
+
+_CALLS = itertools.count()
+
+
+@attrs.frozen(kw_only=True)
+class UnstableKeySpec(AttentionSpec):
+    """Its grouping key by ``how``: a call counter, its own id (a copy's
+    differs), or a key whose hash changes between calls."""
+
+    kind: ClassVar[str] = "unstable_key"
+    how: str = "counter"
+
+    def group_key(self) -> Hashable:
+        if self.how == "counter":
+            return ("unstable_key", next(_CALLS))
+        if self.how == "id":
+            return ("unstable_key", id(self))
+        return _DriftingHash()
+
+
+class _DriftingHash:
+    """Equal to every other, with a new hash each time."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _DriftingHash)
+
+    def __hash__(self) -> int:
+        return next(_CALLS)
+
+    def __repr__(self) -> str:
+        return "DriftingHash()"
+
+
+class UnstableKeyKind(AttentionKind):
+    name: ClassVar[str] = "unstable_key"
+    spec_type = UnstableKeySpec
 
 
 @attrs.frozen(kw_only=True)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from broken_kinds import (
@@ -50,6 +51,8 @@ from broken_kinds import (
     RaisingMergeSpec,
     SmallMergeKind,
     SmallMergeSpec,
+    UnstableKeyKind,
+    UnstableKeySpec,
     VariantKind,
     VariantSpec,
     plugin_with,
@@ -499,6 +502,38 @@ def test_merge_to_another_block_size_is_refused() -> None:
         "block_size 32, but its members' block size is 16; merge must keep its "
         "members' block size (and raise kvcore.MergeError for members of "
         "different block sizes)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("how", "shown"),
+    [
+        ("counter", r"\('unstable_key', \d+\), then \('unstable_key', \d+\)"),
+        ("id", r"\('unstable_key', \d+\), then \('unstable_key', \d+\)"),
+        ("drift", r"DriftingHash\(\), then DriftingHash\(\) \(hashes \d+ and \d+\)"),
+    ],
+    ids=["counter", "id", "drift"],
+)
+def test_unstable_group_key_is_refused(how: str, shown: str) -> None:
+    """A key that changes between calls (or for an equal copy) would split a
+    bucket's layers apart later, where no plugin is named."""
+    spec = sample(UnstableKeySpec, how=how)
+    other = attrs.evolve(sample(FullAttentionSpec), block_size=32)  # two buckets
+    info = _refused(UnstableKeyKind(), {"a": spec, "b": spec, "c": other}, TypeError)
+    assert isinstance(info.value, PluginResultError)
+    assert re.fullmatch(
+        re.escape(
+            f"cache kind 'unstable_key' (UnstableKeySpec) of {HAND}: group_key() "
+            "returned "
+        )
+        + shown
+        + re.escape(
+            " for the same spec (asked again, of a copy); the key must be a "
+            "deterministic hashable function of the spec's fields, equal with an "
+            "equal hash every time (no ids, counters, clocks or random values). "
+            f"Fix the plugin, or {BLOCK}"
+        ),
+        str(info.value),
     )
 
 

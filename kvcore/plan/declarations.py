@@ -9,6 +9,7 @@ error naming the kind.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -70,8 +71,7 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                 f"page_grid {grid} holds {math.prod(grid):,} bytes, more than its "
                 f"page_size_bytes of {page:,}; the grid must fit in the page",
             )
-        key: object = call_plugin(spec, "group_key()", spec.group_key)
-        _check_hashable(spec, f"what group_key() returned ({echo(key)})", key)
+        _check_group_key(spec)
         _check_hashable(spec, "the spec itself", spec)
         layer_alignment(spec)
         checked_positive(spec, "tokens_per_state", declared(spec, "tokens_per_state"))
@@ -82,6 +82,36 @@ def check_spec_answers(specs: Iterable[KVCacheSpec]) -> None:
                     spec, f"{flag} is {echo(value)}; it must be True or False"
                 )
         _check_skipped_tokens(spec)
+
+
+def _check_group_key(spec: KVCacheSpec) -> None:
+    """``group_key()``, asked of the spec and of a copy: a hashable value,
+    the same both times with the same hash.  Buckets, groups and managers
+    each ask for it again, so a key that changes between calls (an id, a
+    counter, a clock) splits layers of one bucket apart later, where no
+    plugin is named."""
+    key: object = call_plugin(spec, "group_key()", spec.group_key)
+    _check_hashable(spec, f"what group_key() returned ({echo(key)})", key)
+    again: object = call_plugin(
+        spec, "group_key() of a copy", lambda: copy.copy(spec).group_key()
+    )
+    _check_hashable(spec, f"what group_key() returned ({echo(again)})", again)
+    same = call_plugin(
+        spec,
+        "comparing two group_key() answers",
+        lambda: bool(key == again) and hash(key) == hash(again),
+    )
+    if not same:
+        shown = f"{echo(key)}, then {echo(again)}"
+        if echo(key) == echo(again):
+            shown += f" (hashes {hash(key)} and {hash(again)})"
+        raise spec_plugin_error(
+            spec,
+            f"group_key() returned {shown} for the same spec (asked again, of a "
+            "copy); the key must be a deterministic hashable function of the "
+            "spec's fields, equal with an equal hash every time (no ids, counters, "
+            "clocks or random values)",
+        )
 
 
 def checked_page(spec: KVCacheSpec) -> int:
