@@ -20,6 +20,7 @@ import kvcore
 import kvcore.tools.zoo
 from kvcore import AttentionKind, KindRegistry, KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import KVCacheManager, Request, RequestStatus
+from kvcore.errors import PluginResultError
 from kvcore.spec import AttentionSpec
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_full_attention.manager import FullAttentionManager
@@ -433,7 +434,12 @@ def test_a_manager_answering_a_bad_count_is_a_plugin_error() -> None:
     bad = BadSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16)
     mgr = manager([bad], 8, registry=registry)
     before = pool_state(mgr)
-    with pytest.raises(kvcore.PluginError, match=r"returned -3 blocks") as info:
+    with pytest.raises(
+        PluginResultError,
+        match=r"NegativeCount.get_num_blocks_to_allocate of cache group 0 \(kind "
+        r"'bad', plugin 'negative'\) returned -3 \(int\); a block count must be "
+        r"an int of at least 0",
+    ) as info:
         mgr.allocate_slots(Request("r", [1, 2, 3], hash_block_size=4), 3)
     assert info.value.plugin_name == "negative"
     assert pool_state(mgr) == before

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from broken_kinds import (
@@ -1392,4 +1393,58 @@ def test_admission_blocks_outside_the_hit_are_refused() -> None:
         r"\[\]; it must return a list of the hit's blocks at their positions",
     ):
         mgr.allocate_slots(Request("b", list(range(40)), hash_block_size=16), 40)
+    assert _pool_state(mgr) == before
+
+
+class _OddCount(FullAttentionManager):
+    """A manager whose block count for a step that takes blocks is the
+    class's ``answer`` (a float or numpy integer from arithmetic on
+    counts, a bool from a comparison): at admission, or only for a request
+    that holds a table when ``growing`` is set."""
+
+    answer: Any = None
+    growing = False
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Any
+    ) -> int:
+        need = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks
+        )
+        odd = need and self.growing == (request_id in self.req_to_blocks)
+        return self.answer if odd else need  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("step", ["admission", "growth", "whole sequence"])
+@pytest.mark.parametrize(
+    ("answer", "shown"),
+    [
+        (2.0, r"2\.0 \(float\)"),
+        (np.int64(2), r"np\.int64\(2\) \(int64\)"),
+        (True, r"True \(bool\)"),
+        (-1, r"-1 \(int\)"),
+    ],
+)
+def test_a_block_count_that_is_not_a_non_negative_int_is_refused(
+    step: str, answer: object, shown: str
+) -> None:
+    """The step takes that many blocks from the pool: a count of another
+    type is the plugin's type error (a ``TypeError``), naming the method
+    and the rule, and nothing changes."""
+    growing = step == "growth"
+    manager = type("_OddCount", (_OddCount,), {"answer": answer, "growing": growing})
+    mgr = _one_attention_group(manager, 16)
+    live = Request("live", list(range(900, 964)), hash_block_size=16)
+    if growing:
+        assert mgr.allocate_slots(live, 16) is not None
+        live.num_computed_tokens = 16
+    before = _pool_state(mgr)
+    with pytest.raises(
+        PluginResultError,
+        match=rf"_OddCount.get_num_blocks_to_allocate of cache group 0 \(kind "
+        rf"'full_attention', plugin .*\) returned {shown}; a block count must be "
+        r"an int of at least 0 \(not a bool, float or numpy integer\)",
+    ) as info:
+        mgr.allocate_slots(live, 16, full_sequence_must_fit=step == "whole sequence")
+    assert isinstance(info.value, TypeError)
     assert _pool_state(mgr) == before

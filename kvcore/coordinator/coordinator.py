@@ -31,12 +31,19 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
-from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
+from kvcore.coordinator.plugin_results import (
+    BadCount,
+    block_count,
+    check_new_blocks,
+    count_error,
+    result_error,
+    shown,
+)
 from kvcore.coordinator.pool_journal import taken_since
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
-from kvcore.errors import KvcoreValueError, PluginError, PluginResultError
+from kvcore.errors import PluginError, PluginResultError
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
@@ -584,9 +591,9 @@ class KVCacheCoordinator(FreeSteps):
                 tokens = (
                     num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
                 )
-                need = _count(
-                    manager.get_num_blocks_to_allocate(request_id, tokens, computed)
-                )
+                need = manager.get_num_blocks_to_allocate(request_id, tokens, computed)
+                if type(need) is not int or need < 0:
+                    block_count(need)
                 cap = None if caps is None else caps[gid]
                 if cap is not None:  # the attached blocks count toward it
                     ref = self.block_pool.ref_cnt
@@ -656,7 +663,7 @@ class KVCacheCoordinator(FreeSteps):
             for manager, size in self._grow_classes:
                 need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
                 if type(need) is not int or need < 0:
-                    _count(need)
+                    block_count(need)
                 if caps is not None:  # the table's positions count toward it
                     cap = caps[manager.kv_cache_group_id]
                     if cap is not None:
@@ -836,6 +843,8 @@ class KVCacheCoordinator(FreeSteps):
         kind = manager.kv_cache_spec.kind
         plugin = self._owners[gid]
         distribution = self._distribution(plugin)
+        if isinstance(exc, BadCount):
+            return count_error(manager, method, exc.value, plugin, distribution)
         where = f" (distribution {distribution!r})" if distribution else ""
         msg = (
             f"the {type(manager).__name__} of cache group {gid} (kind {kind!r}, "
@@ -859,14 +868,6 @@ class KVCacheCoordinator(FreeSteps):
         except Exception:  # metadata lookups only decorate the message
             shown = None
         return shown.rsplit(" ", 1)[0] if shown else None
-
-
-def _count(value: object) -> int:
-    """A manager's block count, checked (a plugin may return anything)."""
-    if type(value) is not int or value < 0:
-        msg = f"returned {value!r} blocks; a block count is a non-negative int"
-        raise KvcoreValueError(msg)
-    return value
 
 
 def _within_hit(attach: list[int], hit: Sequence[int], null: int) -> bool:

@@ -7,9 +7,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcore.errors import PluginResultError
+from kvcore.errors import KvcoreTypeError, PluginResultError
 
-__all__ = ["check_new_blocks", "result_error", "shown"]
+__all__ = [
+    "BadCount",
+    "block_count",
+    "check_new_blocks",
+    "count_error",
+    "result_error",
+    "shown",
+]
 
 
 def shown(value: object) -> str:
@@ -66,3 +73,43 @@ def check_new_blocks(
                 )
             left.discard(block)
     return new
+
+
+class BadCount(KvcoreTypeError):
+    """A manager's block count that is not an int of at least 0, raised
+    inside a guarded call; the coordinator's ``plugin_error`` turns it into
+    a :class:`PluginResultError` naming the group's plugin (see
+    :func:`count_error`)."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__(f"returned {shown(value)} blocks")
+        self.value = value
+
+
+def block_count(value: object) -> int:
+    """A manager's block count, checked (a plugin may return anything)."""
+    if type(value) is not int or value < 0:
+        raise BadCount(value)
+    return value
+
+
+def count_error(
+    manager: Any, method: str, value: object, plugin: str, distribution: str | None
+) -> PluginResultError:
+    """The error for ``manager``'s ``method`` answering ``value`` where the
+    core takes a block count: the step takes that many blocks from the pool,
+    so only an ``int`` of at least 0 is one (a float, bool or numpy integer
+    is refused by type, as an index or a sum would mishandle it)."""
+    gid = manager.kv_cache_group_id
+    kind = manager.kv_cache_spec.kind
+    where = f" (distribution {distribution!r})" if distribution else ""
+    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+    msg = (
+        f"{owner}.{method} of cache group {gid} (kind {kind!r}, plugin "
+        f"{plugin!r}{where}) returned {shown(value)} ({type(value).__name__}); "
+        "a block count must be an int of at least 0 (not a bool, float or "
+        "numpy integer): return int(...) of a non-negative count. The step was "
+        "refused and the block pool is as it was before it; fix the plugin or "
+        f"block it with KVCORE_DISABLE_PLUGINS={plugin}"
+    )
+    return PluginResultError(msg, plugin_name=plugin, distribution=distribution)

@@ -18,8 +18,9 @@ from kvcore.coordinator.checks import (
     check_hashing,
     not_a_request,
 )
-from kvcore.coordinator.coordinator import KVCacheCoordinator, _count
+from kvcore.coordinator.coordinator import KVCacheCoordinator
 from kvcore.coordinator.partial import split_copy_sources
+from kvcore.coordinator.plugin_results import block_count
 from kvcore.coordinator.request import Request
 from kvcore.errors import InvalidRequestError
 
@@ -256,7 +257,9 @@ class StepNeeds(ManagerParts):
             computed = attach[gid] if attach else empty
             try:
                 tokens = num_encoder if manager.takes_encoder_tokens else num_tokens
-                need = _count(manager.get_num_blocks_to_allocate(rid, tokens, computed))
+                need = block_count(
+                    manager.get_num_blocks_to_allocate(rid, tokens, computed)
+                )
             except Exception as exc:
                 err = self.coordinator.plugin_error(
                     gid, "get_num_blocks_to_allocate", exc
