@@ -1448,3 +1448,74 @@ def test_a_block_count_that_is_not_a_non_negative_int_is_refused(
         mgr.allocate_slots(live, 16, full_sequence_must_fit=step == "whole sequence")
     assert isinstance(info.value, TypeError)
     assert _pool_state(mgr) == before
+
+
+class _CountsFreeable(SlidingWindowManager):
+    """A window manager whose ``count_freeable_skipped`` is the class's
+    ``answer`` applied to the true count."""
+
+    answer: Any = None
+
+    def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
+        true = super().count_freeable_skipped(request_id, num_computed_tokens)
+        return self.answer(true)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("answer", "rule"),
+    [
+        (
+            lambda n: n + 5,
+            r"_CountsFreeable.count_freeable_skipped of cache group 1 \(kind "
+            r"'sliding_window', plugin .*\) counted 6 blocks that releasing "
+            r"request 'a' at 112 computed tokens returns to the pool, but "
+            r"remove_skipped_blocks returned 1; the step counted them as free",
+        ),
+        (
+            float,
+            r"_CountsFreeable.count_freeable_skipped of cache group 1 .* "
+            r"returned 1\.0 \(float\); a block count must be an int",
+        ),
+    ],
+    ids=["overstated", "a float"],
+)
+def test_the_freeable_count_a_short_step_relies_on_is_checked(
+    answer: Any, rule: str
+) -> None:
+    """A running window request in a pool one block short counts the block
+    its release returns as free; a count that claims more than the release
+    returns is the count's fault, not the allocation's that would run the
+    pool dry after it."""
+    manager = type(
+        "_CountsFreeable", (_CountsFreeable,), {"answer": staticmethod(answer)}
+    )
+    kind = type("CountsKind", (SlidingWindow,), {"manager_type": manager})()
+    attrs_ = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}
+    config = kvcore.KVCacheConfig(
+        num_blocks=12,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            kvcore.KVCacheGroupSpec(
+                ["f"], FullAttention().spec_type(dtype=torch.float16, **attrs_)
+            ),
+            kvcore.KVCacheGroupSpec(
+                ["w"], kind.spec_type(dtype=torch.float16, sliding_window=32, **attrs_)
+            ),
+        ],
+    )
+    mgr = KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([FullAttention(), kind]),
+    )
+    a = Request("a", list(range(400)), hash_block_size=16)
+    while mgr.block_pool.free_queue.num_free > 1:
+        assert mgr.allocate_slots(a, 16) is not None
+        a.num_computed_tokens += 16
+    before = _pool_state(mgr)
+    with pytest.raises(PluginResultError, match=rule) as info:
+        mgr.allocate_slots(a, 16)
+    assert "allocate_new_blocks" not in str(info.value)
+    assert _pool_state(mgr) == before

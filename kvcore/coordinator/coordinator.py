@@ -25,6 +25,7 @@ from kvcore.coordinator.assembly import (
 )
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.cache_spans import CacheSpans
+from kvcore.coordinator.counted_release import freeable_counts
 from kvcore.coordinator.found_hits import check_found_hit
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
@@ -530,15 +531,9 @@ class KVCacheCoordinator(FreeSteps):
             spans.forget(request_id)
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
-        """Blocks that skipping would return to the free queue."""
-        return sum(
-            self._each(
-                self.skipping,
-                "count_freeable_skipped",
-                request_id,
-                num_computed_tokens,
-            )
-        )
+        """Blocks that skipping would return to the free queue (each
+        manager's count checked; see :mod:`kvcore.coordinator.counted_release`)."""
+        return sum(freeable_counts(self, request_id, num_computed_tokens))
 
     def admission_blocks(
         self,

@@ -19,6 +19,7 @@ from kvcore.coordinator.checks import (
     not_a_request,
 )
 from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.counted_release import release_as_counted
 from kvcore.coordinator.engine_calls import (
     EngineCalls,
     GroupPrefixCacheStats,
@@ -422,6 +423,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             sources,
             shed,
             (num_hit_tokens, scheduled_to),
+            skipping and num_needed > free,
         )
 
     def _run_step(
@@ -432,9 +434,12 @@ class KVCacheManager(StepNeeds, EngineCalls):
         sources: list[tuple[int, BlockId, int]] | None,
         shed: list[Any] | None,
         tokens: tuple[int, int],
+        counted: bool = False,
     ) -> KVCacheBlocks:
         """Run a step that fits (``args``: :meth:`_step`'s after the
-        request) as a transaction and hand out its new blocks."""
+        request) as a transaction and hand out its new blocks; ``counted``:
+        it fits only by the blocks its release returns, which is checked
+        (see :mod:`kvcore.coordinator.counted_release`)."""
         rid = request.request_id
         running = args[0]
         num_hit_tokens, scheduled_to = tokens
@@ -444,6 +449,8 @@ class KVCacheManager(StepNeeds, EngineCalls):
             if sources is None
             else functools.partial(self._copy_step, sources)
         )
+        if counted:
+            step = functools.partial(self._step, counted=True)
         unwritten = self._unwritten
         watched = unwritten.managers or unwritten.sources
         keyed_from = unwritten.keyed_so_far(rid) if watched else ()
@@ -535,12 +542,17 @@ class KVCacheManager(StepNeeds, EngineCalls):
         num_tokens: int,
         cache_to: int,
         num_encoder: int = 0,
+        *,
+        counted: bool = False,
     ) -> tuple[list[BlockId], ...] | None:
         """The changes of one validated allocate_slots step (``num_encoder``:
-        the encoder tokens of an admission)."""
+        the encoder tokens of an admission; ``counted``: the step fits only
+        by the blocks its release returns)."""
         coordinator = self.coordinator
         rid = request.request_id
-        if skipping:
+        if counted:
+            release_as_counted(coordinator, rid, num_computed)
+        elif skipping:
             coordinator.remove_skipped_blocks(rid, num_computed)
         new_blocks: tuple[list[BlockId], ...] | None
         if running:
