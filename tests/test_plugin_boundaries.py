@@ -1519,3 +1519,74 @@ def test_the_freeable_count_a_short_step_relies_on_is_checked(
         mgr.allocate_slots(a, 16)
     assert "allocate_new_blocks" not in str(info.value)
     assert _pool_state(mgr) == before
+
+
+class _Skips(SlidingWindowManager):
+    """A window manager whose release rule answers the class's ``answer``
+    once 64 tokens are computed."""
+
+    answer: Any = None
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        if num_computed_tokens < 64:
+            return super().num_skipped_blocks(num_computed_tokens)
+        return self.answer  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("step", ["admission with a hit", "running step"])
+@pytest.mark.parametrize(
+    ("answer", "shown"),
+    [
+        (10**9, r"1000000000 \(int\)"),
+        (5, r"5 \(int\)"),
+        (-1, r"-1 \(int\)"),
+        (2.0, r"2\.0 \(float\)"),
+    ],
+)
+def test_a_release_rule_past_the_computed_tokens_is_refused(
+    step: str, answer: object, shown: str
+) -> None:
+    """The table is padded with the null block up to the skipped positions:
+    an answer past the whole blocks the computed tokens fill (64 tokens: 4)
+    would pad it without bound, so it is refused before anything is built."""
+    manager = type("_Skips", (_Skips,), {"answer": answer})
+    kind = type("SkipsKind", (SlidingWindow,), {"manager_type": manager})()
+    spec = kind.spec_type(
+        block_size=16,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+        sliding_window=32,
+    )
+    mgr = KVCacheManager(
+        kvcore.KVCacheConfig(
+            num_blocks=16,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kvcore.KVCacheGroupSpec(["w"], spec)],
+        ),
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        enable_caching=True,
+        registry=KindRegistry.from_kinds([kind]),
+    )
+    a = Request("a", list(range(100)), hash_block_size=16)
+    assert mgr.allocate_slots(a, 64) is not None
+    a.num_computed_tokens = 64
+    if step == "admission with a hit":
+        mgr.free(a)
+        a = Request("b", list(range(100)), hash_block_size=16)
+        hit, num_hit = mgr.get_computed_blocks(a)
+        assert num_hit == 64
+    steps: dict[str, tuple[Any, ...]] = {"running step": (16,)}
+    if step == "admission with a hit":
+        steps[step] = (36, num_hit, hit)
+    before = _pool_state(mgr)
+    with pytest.raises(
+        PluginResultError,
+        match=rf"_Skips.num_skipped_blocks returned {shown} for 64 computed tokens "
+        r"in cache group 0; it must return an int from 0 to 4 \(the whole "
+        r"16-token blocks those tokens fill",
+    ):
+        mgr.allocate_slots(a, *steps[step])
+    assert _pool_state(mgr) == before

@@ -7,8 +7,7 @@ the kind.  This module holds what every manager shares: the base class, the
 :class:`HitQuery` a hit search receives.
 
 Everything here is on the scheduler's per-step path: no hook calls, no
-per-block allocations beyond the block lists themselves.
-"""
+per-block allocations beyond the block lists themselves."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from kvcore.checkpoints import GRID_POOL_SHARE
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins
+from kvcore.coordinator.plugin_results import skip_error
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twin_steps import PROMISES, TWIN_STEPS
@@ -255,11 +255,10 @@ class SingleTypeManager:
         one-group step of a class that does not override it runs the twin
         step it inherits over the group alone (the base class's, where an
         ancestor overrides the one-group step: that ancestor's twins step
-        through it, and its subclass's twin step reaches it by ``super()``).  A promise flag
-        (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`,
+        through it, and its subclass's twin step reaches it by ``super()``).
+        A promise flag (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`,
         :attr:`releases_by_count`, :attr:`hits_from_cache_tables`) is dropped
-        where the class overrides a method it covers and does not set the
-        flag itself."""
+        where the class overrides a method it covers and sets no flag."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)
         for flag, overrides in PROMISES:
@@ -276,23 +275,24 @@ class SingleTypeManager:
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         """Leading table positions a request with ``num_computed_tokens``
-        computed tokens never reads again.
-
-        This is the one rule of what a kind releases, and kvcore applies it
-        everywhere: at admission those positions get the null block (hit
-        blocks there are not taken, and no block is allocated for them),
+        computed tokens never reads again: an int from 0 to
+        ``num_computed_tokens // block_size`` (checked).  The one release
+        rule, applied everywhere: at admission those positions get the null
+        block (hit blocks there are not taken, none is allocated for them),
         and before every later step the blocks still held there go back to
-        the pool.  It is only consulted when :attr:`skips_blocks` is set.
+        the pool.  Consulted only when :attr:`skips_blocks` is set.
         Default: the spec's ``skipped_tokens`` in whole blocks, which agrees
-        with the default ``num_blocks_held``.
-        """
+        with the default ``num_blocks_held``."""
         skipped: int = self.kv_cache_spec.skipped_tokens(num_computed_tokens)
         return skipped // self.block_size
 
     def _skip(self, num_computed_tokens: int) -> int:
         if not self.skips_blocks or num_computed_tokens <= 0:
             return 0
-        return self.num_skipped_blocks(num_computed_tokens)
+        n = self.num_skipped_blocks(num_computed_tokens)
+        if type(n) is int and 0 <= n * self.block_size <= num_computed_tokens:
+            return n
+        raise skip_error(self, num_computed_tokens, n)
 
     def releases_nothing(self, request_id: str, num_computed_tokens: int) -> bool:
         """Whether releasing at ``num_computed_tokens`` would leave the

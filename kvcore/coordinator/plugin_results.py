@@ -16,6 +16,7 @@ __all__ = [
     "count_error",
     "result_error",
     "shown",
+    "skip_error",
 ]
 
 
@@ -113,3 +114,24 @@ def count_error(
         f"block it with KVCORE_DISABLE_PLUGINS={plugin}"
     )
     return PluginResultError(msg, plugin_name=plugin, distribution=distribution)
+
+
+def skip_error(
+    manager: Any, num_computed_tokens: int, value: object
+) -> PluginResultError:
+    """The error for ``num_skipped_blocks(num_computed_tokens)`` answering
+    ``value``: the leading table positions a request never reads again are
+    an int from 0 to the blocks its computed tokens fill (a larger answer
+    would pad its table with null blocks past anything it holds)."""
+    bound = num_computed_tokens // manager.block_size
+    return result_error(
+        manager,
+        "num_skipped_blocks",
+        f"returned {shown(value)} ({type(value).__name__}) for "
+        f"{num_computed_tokens} computed tokens in cache group "
+        f"{manager.kv_cache_group_id}; it must return an int from 0 to "
+        f"{bound} (the whole {manager.block_size}-token blocks those tokens "
+        "fill: a request never skips a position it has not computed), as "
+        "the table is padded with the null block up to it; fix the plugin's "
+        "release rule",
+    )
