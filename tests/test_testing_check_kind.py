@@ -404,3 +404,146 @@ def test_a_bound_below_what_decoding_holds_fails() -> None:
     with pytest.raises(ConformanceError, match="'under_declared'") as info:
         check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))
     assert "more than max_num_blocks_per_request(224) = 2" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# Two live requests, two groups: each one's blocks and keys are its own
+# ---------------------------------------------------------------------------
+
+
+def _other(manager: Any, request_id: str) -> str | None:
+    """Another request holding blocks in ``manager``'s group."""
+    tables = manager.req_to_blocks.items()
+    return next((r for r, t in tables if r != request_id and any(t)), None)
+
+
+class StealingManager(FullAttentionManager):
+    """Gives back the last block a step took and puts another live
+    request's first block in its place."""
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        other = _other(self, request_id)
+        if new and other is not None:
+            table = self.req_to_blocks[request_id]
+            self.block_pool.free_blocks([table[-1]])
+            table[-1] = new[-1] = self.req_to_blocks[other][0]
+        return new
+
+
+class HandingManager(FullAttentionManager):
+    """Puts the blocks a step takes into another live request's table."""
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        other = _other(self, request_id)
+        if new and other is not None:
+            del self.req_to_blocks[request_id][-len(new) :]
+            self.req_to_blocks[other].extend(new)
+        return new
+
+
+class OverPoppingManager(FullAttentionManager):
+    """Hands back, with a freed request's table, another live request's
+    last block, which is then freed from under it."""
+
+    def pop_blocks(self, request_id: str) -> list[int] | None:
+        blocks = super().pop_blocks(request_id)
+        other = _other(self, request_id)
+        if blocks and other is not None:
+            blocks = [*blocks, self.req_to_blocks[other][-1]]
+        return blocks
+
+
+class WrongGroupManager(FullAttentionManager):
+    """Keys the blocks of whichever group it serves under group 0."""
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        cached = self.num_cached_block.get(rid, 0)
+        hashes = request.block_hashes
+        full = min(num_tokens // self.block_size, len(hashes), len(blocks))
+        if full > cached:
+            self.block_pool.cache_full_blocks(
+                block_hashes=hashes,
+                blocks=blocks,
+                num_cached_blocks=cached,
+                num_full_blocks=full,
+                group_id=0,
+            )
+            self.num_cached_block[rid] = full
+
+
+@attrs.frozen(kw_only=True)
+class StealingSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "stealing"
+
+
+@attrs.frozen(kw_only=True)
+class HandingSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "handing"
+
+
+@attrs.frozen(kw_only=True)
+class OverPoppingSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "over_popping"
+
+
+@attrs.frozen(kw_only=True)
+class WrongGroupSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "wrong_group"
+
+
+def _kind(spec_type: type[FullAttentionSpec], manager: type) -> CacheKind:
+    """A full-attention kind named by ``spec_type`` running ``manager``."""
+    attrs_ = {"name": spec_type.kind, "spec_type": spec_type, "manager_type": manager}
+    return type(f"{spec_type.__name__}Kind", (FullAttention,), attrs_)()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("spec_type", "manager", "broken"),
+    [
+        pytest.param(
+            StealingSpec,
+            StealingManager,
+            r"'stealing': 'two-b' prefill step 1: block 1 is in the tables of "
+            r"request 'two-a' in group 0, request 'two-b' in group 0; a manager "
+            r"keeps in a request's table only blocks that request took",
+            id="steals-another-requests-block",
+        ),
+        pytest.param(
+            HandingSpec,
+            HandingManager,
+            r"'handing': 'two-b' prefill step 1: allocate_slots handed request "
+            r"'two-b' blocks \[\d+(, \d+)*\] of cache group 0 that its table does "
+            r"not hold",
+            id="admits-into-another-requests-table",
+        ),
+        pytest.param(
+            OverPoppingSpec,
+            OverPoppingManager,
+            r"'over_popping': after freeing 'two-a': block \d+, held by request "
+            r"'two-b' in group 0, has reference count 0, not 1; .* frees only "
+            r"blocks of the request it frees",
+            id="pops-another-requests-block",
+        ),
+        pytest.param(
+            WrongGroupSpec,
+            WrongGroupManager,
+            r"'wrong_group': 'two-a' prefill step 1: block \d+ of cache group 1's "
+            r"table is keyed under group 0; a manager keys its blocks under its "
+            r"own kv_cache_group_id",
+            id="keys-under-another-group",
+        ),
+    ],
+)
+def test_a_manager_that_corrupts_another_request_or_group_fails(
+    spec_type: type[FullAttentionSpec], manager: type, broken: str
+) -> None:
+    """Each passes every single-request run: the corruption shows only with
+    two live requests (or two groups of the kind)."""
+    kind = _kind(spec_type, manager)
+    spec = spec_type(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    with pytest.raises(ConformanceError, match=broken):
+        check_kind(kind, spec, registry=KindRegistry.from_kinds([kind]))

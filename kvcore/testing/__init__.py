@@ -33,6 +33,7 @@ from kvcore.testing.conformance import (
     check_sample,
     two_layer_pool,
 )
+from kvcore.testing.two_requests import check_two_requests
 
 __all__ = ["ConformanceError", "check_kind"]
 
@@ -73,7 +74,9 @@ def check_kind(
     any) builds, holds what ``num_blocks_held`` says through a chunked
     prefill, and runs a whole cycle (prefill, decode, a prefix hit exactly
     where the kind declares one, preemption, re-admission, free) within
-    ``max_num_blocks_per_request`` and returning every block.
+    ``max_num_blocks_per_request`` and returning every block, and runs two
+    requests at once (over two groups of the kind where it can be planned
+    twice) whose blocks, reference counts and keys stay each one's own.
     """
     if registry is None:
         try:
@@ -142,6 +145,7 @@ def check_kind(
     if kind.manager_type is not None:
         _check_blocks_held(kind, spec, registry)
         _check_hit_cycle(kind, spec, registry)
+        check_two_requests(kind, spec, registry, _require)
 
 
 def _check_planning_declarations(kind: CacheKind, spec: KVCacheSpec) -> None:
