@@ -1458,6 +1458,8 @@ class _CountsFreeable(SlidingWindowManager):
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         true = super().count_freeable_skipped(request_id, num_computed_tokens)
+        if self.answer is None:
+            return true
         return self.answer(true)  # type: ignore[no-any-return]
 
 
@@ -1466,29 +1468,29 @@ class _CountsFreeable(SlidingWindowManager):
     [
         (
             lambda n: n + 5,
-            r"_CountsFreeable.count_freeable_skipped of cache group 1 \(kind "
-            r"'sliding_window', plugin .*\) counted 6 blocks that releasing "
-            r"request 'a' at 112 computed tokens returns to the pool, but "
-            r"remove_skipped_blocks returned 1; the step counted them as free",
+            r"count_freeable_skipped of .*_CountsFreeable of cache group 1 \(kind "
+            r"'sliding_window', plugin .*\) counted the blocks releasing request "
+            r"'a' at 128 computed tokens returns to the pool as free, and the step "
+            r"fitted only by them, but after remove_skipped_blocks the pool holds "
+            r"1 free blocks where the step needs 2",
         ),
         (
             float,
             r"_CountsFreeable.count_freeable_skipped of cache group 1 .* "
             r"returned 1\.0 \(float\); a block count must be an int",
         ),
+        (lambda n: n, None),
     ],
-    ids=["overstated", "a float"],
+    ids=["overstated", "a float", "true"],
 )
 def test_the_freeable_count_a_short_step_relies_on_is_checked(
-    answer: Any, rule: str
+    answer: Any, rule: str | None
 ) -> None:
     """A running window request in a pool one block short counts the block
     its release returns as free; a count that claims more than the release
     returns is the count's fault, not the allocation's that would run the
     pool dry after it."""
-    manager = type(
-        "_CountsFreeable", (_CountsFreeable,), {"answer": staticmethod(answer)}
-    )
+    manager = type("_CountsFreeable", (_CountsFreeable,), {})
     kind = type("CountsKind", (SlidingWindow,), {"manager_type": manager})()
     attrs_ = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}
     config = kvcore.KVCacheConfig(
@@ -1511,10 +1513,17 @@ def test_the_freeable_count_a_short_step_relies_on_is_checked(
         registry=KindRegistry.from_kinds([FullAttention(), kind]),
     )
     a = Request("a", list(range(400)), hash_block_size=16)
-    while mgr.block_pool.free_queue.num_free > 1:
+    while mgr.block_pool.free_queue.num_free > 0:
         assert mgr.allocate_slots(a, 16) is not None
         a.num_computed_tokens += 16
+    # The next step takes a block in each group and its release returns
+    # one: it does not fit, and only a count of more than one says it does.
+    manager.answer = staticmethod(answer)
     before = _pool_state(mgr)
+    if rule is None:  # the true count: the step waits for room
+        assert mgr.allocate_slots(a, 16) is None
+        assert _pool_state(mgr) == before
+        return
     with pytest.raises(PluginResultError, match=rule) as info:
         mgr.allocate_slots(a, 16)
     assert "allocate_new_blocks" not in str(info.value)

@@ -418,16 +418,15 @@ def _other(manager: Any, request_id: str) -> str | None:
 
 
 class StealingManager(FullAttentionManager):
-    """Gives back the last block a step took and puts another live
-    request's first block in its place."""
+    """Adds another live request's first block to its table after the
+    blocks a step took (an answer listing that block is refused by the
+    coordinator itself)."""
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         new = super().allocate_new_blocks(request_id, num_tokens)
         other = _other(self, request_id)
         if new and other is not None:
-            table = self.req_to_blocks[request_id]
-            self.block_pool.free_blocks([table[-1]])
-            table[-1] = new[-1] = self.req_to_blocks[other][0]
+            self.req_to_blocks[request_id].append(self.req_to_blocks[other][0])
         return new
 
 
@@ -444,14 +443,15 @@ class HandingManager(FullAttentionManager):
 
 
 class OverPoppingManager(FullAttentionManager):
-    """Hands back, with a freed request's table, another live request's
-    last block, which is then freed from under it."""
+    """Frees, with a freed request's table, another live request's last
+    block from under it (a pop answer listing that block is refused by the
+    coordinator itself)."""
 
     def pop_blocks(self, request_id: str) -> list[int] | None:
         blocks = super().pop_blocks(request_id)
         other = _other(self, request_id)
         if blocks and other is not None:
-            blocks = [*blocks, self.req_to_blocks[other][-1]]
+            self.block_pool.free_blocks([self.req_to_blocks[other][-1]])
         return blocks
 
 

@@ -19,7 +19,7 @@ from kvcore.coordinator.checks import (
     not_a_request,
 )
 from kvcore.coordinator.coordinator import KVCacheCoordinator
-from kvcore.coordinator.counted_release import release_as_counted
+from kvcore.coordinator.counted_release import overstated_release
 from kvcore.coordinator.engine_calls import (
     EngineCalls,
     GroupPrefixCacheStats,
@@ -407,7 +407,9 @@ class KVCacheManager(StepNeeds, EngineCalls):
             ):
                 return None
             if num_needed > free and not self._fits(rid, num_needed, free, args):
-                fits, shed = self._shed_to_fit(rid, args, held_sources, free)
+                fits, shed, num_needed = self._shed_to_fit(
+                    rid, args, held_sources, free
+                )
                 if not fits:
                     return None
         except BaseException:
@@ -423,7 +425,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             sources,
             shed,
             (num_hit_tokens, scheduled_to),
-            skipping and num_needed > free,
+            num_needed + reserved if skipping and num_needed > free else 0,
         )
 
     def _run_step(
@@ -434,12 +436,13 @@ class KVCacheManager(StepNeeds, EngineCalls):
         sources: list[tuple[int, BlockId, int]] | None,
         shed: list[Any] | None,
         tokens: tuple[int, int],
-        counted: bool = False,
+        counted: int = 0,
     ) -> KVCacheBlocks:
         """Run a step that fits (``args``: :meth:`_step`'s after the
         request) as a transaction and hand out its new blocks; ``counted``:
-        it fits only by the blocks its release returns, which is checked
-        (see :mod:`kvcore.coordinator.counted_release`)."""
+        the free blocks it needs once its release has run, where it fits
+        only by the blocks that release returns (checked, see
+        :mod:`kvcore.coordinator.counted_release`)."""
         rid = request.request_id
         running = args[0]
         num_hit_tokens, scheduled_to = tokens
@@ -450,7 +453,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             else functools.partial(self._copy_step, sources)
         )
         if counted:
-            step = functools.partial(self._step, counted=True)
+            step = functools.partial(self._step, counted=counted)
         unwritten = self._unwritten
         watched = unwritten.managers or unwritten.sources
         keyed_from = unwritten.keyed_so_far(rid) if watched else ()
@@ -543,17 +546,18 @@ class KVCacheManager(StepNeeds, EngineCalls):
         cache_to: int,
         num_encoder: int = 0,
         *,
-        counted: bool = False,
+        counted: int = 0,
     ) -> tuple[list[BlockId], ...] | None:
         """The changes of one validated allocate_slots step (``num_encoder``:
-        the encoder tokens of an admission; ``counted``: the step fits only
-        by the blocks its release returns)."""
+        the encoder tokens of an admission; ``counted``: the free blocks it
+        needs once its release has run, where it fits only by the blocks
+        that release returns)."""
         coordinator = self.coordinator
         rid = request.request_id
-        if counted:
-            release_as_counted(coordinator, rid, num_computed)
-        elif skipping:
+        if skipping:
             coordinator.remove_skipped_blocks(rid, num_computed)
+            if counted > self.block_pool.free_queue.num_free:
+                raise overstated_release(coordinator, (rid, num_computed), counted)
         new_blocks: tuple[list[BlockId], ...] | None
         if running:
             new_blocks = coordinator.grow(rid, num_tokens)

@@ -205,13 +205,13 @@ class StepNeeds(ManagerParts):
         args: tuple[bool, bool, tuple[list[int], ...], int, int, int, int],
         held_sources: int,
         free: int,
-    ) -> tuple[bool, list[Any] | None]:
+    ) -> tuple[bool, list[Any] | None, int]:
         """A step that does not fit sheds its checkpoints, which are
         optional: one that fits without them runs without them (the request
         gives up the states it would keep inside the step and those it holds
-        for others).  Whether it fits now, and what was shed; a step that
-        still does not fit gets its checkpoints back (and an admission
-        forgets those it planned)."""
+        for others).  Whether it fits now, what was shed and the blocks the
+        step then needs; a step that still does not fit gets its
+        checkpoints back (and an admission forgets those it planned)."""
         running, _, attach, _, num_tokens, _, num_encoder = args
         coordinator = self.coordinator
         shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
@@ -227,7 +227,7 @@ class StepNeeds(ManagerParts):
                         + held_sources
                     )
                 if self._fits(rid, need, free, args):
-                    return True, shed
+                    return True, shed, need
             except BaseException:
                 # A plugin raised while the step was weighed again: the
                 # request keeps its checkpoints, as a refused step does.
@@ -236,7 +236,7 @@ class StepNeeds(ManagerParts):
             coordinator.restore_checkpoints(rid, shed)
         if not running and coordinator.planning:
             coordinator.forget_checkpoints(rid)
-        return False, None
+        return False, None, 0
 
     def _full_sequence_blocks(
         self,
