@@ -147,6 +147,37 @@ def test_every_shipped_model_file_carries_its_weights(stem: str) -> None:
     assert data["weights_bytes"] == ESTIMATES[stem][0]
 
 
+#: Gemma-3-4B-it's text_config as published: no heads, head size or
+#: vocabulary, which Gemma3TextConfig's defaults (8, 4, 256, 262,208) give.
+GEMMA3_4B_TEXT = {
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 34,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024,
+}
+
+
+def test_shape_fields_a_gemma_file_leaves_out_take_the_class_defaults() -> None:
+    root = json.loads((FIXTURES / "gemma-3-27b" / "config.json").read_text())
+    short = estimate_weights(
+        load_hf_config_from({**root, "text_config": GEMMA3_4B_TEXT})
+    )
+    spelled = {
+        **GEMMA3_4B_TEXT,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 262_208,
+    }
+    full = estimate_weights(load_hf_config_from({**root, "text_config": spelled}))
+    assert short is not None
+    assert full is not None
+    assert short == full
+    assert short.params == 4_300_080_624  # google/gemma-3-4b-it: 4.3B on the hub
+
+
 def test_a_mapped_model_carries_the_estimate_and_says_so() -> None:
     model = map_model_config(load_hf_config(FIXTURES / "llama-3-1-8b" / "config.json"))
     assert model.weights_bytes == 16_060_522_496

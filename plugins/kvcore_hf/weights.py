@@ -125,7 +125,7 @@ def _attention(t: Mapping[str, Any], p: str, family: str) -> Iterator[Tensor]:
         yield from _mla(t, p, hidden, heads)
         return
     kv = _int(t, "num_key_value_heads", heads)
-    dim = _int(t, "head_dim", _HEAD_DIM_DEFAULTS.get(family, hidden // heads))
+    dim = _int(t, "head_dim", hidden // heads)
     gate = 2 if family == "qwen3_next" else 1  # the output gate rides on q
     yield _linear(f"{p}.q_proj", "attention", gate * heads * dim, hidden)
     yield _linear(f"{p}.k_proj", "attention", kv * dim, hidden)
@@ -143,8 +143,23 @@ def _attention(t: Mapping[str, Any], p: str, family: str) -> Iterator[Tensor]:
         yield Tensor(f"{p}.sinks", "attention", heads)
 
 
-#: ``head_dim`` of the configuration classes that default it.
-_HEAD_DIM_DEFAULTS = {"gemma2": 256, "gemma3": 256, "gpt_oss": 64, "qwen3": 128}
+#: What the configuration classes give the shape fields a file may leave
+#: out, where the class's default is a constant rather than derived from
+#: other fields (transformers ``Gemma2Config``, ``Gemma3TextConfig``,
+#: ``GptOssConfig``, ``Qwen3Config``): Gemma-3-4B's ``text_config``, for
+#: one, gives neither its heads nor its head size nor its vocabulary.
+_CLASS_DEFAULTS: dict[str, dict[str, int]] = {
+    "gemma2": {
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "vocab_size": 256_000,
+    },
+    "gemma3": {
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "vocab_size": 262_208,
+    },
+    "gpt_oss": {"head_dim": 64},
+    "qwen3": {"head_dim": 128},
+}  # fmt: skip
 
 
 def _mla(t: Mapping[str, Any], p: str, hidden: int, heads: int) -> Iterator[Tensor]:
@@ -474,9 +489,10 @@ def tensors(config: ModelConfig) -> list[Tensor]:
     if family is None:
         msg = f"no weight layout for model_type {', '.join(config.model_types) or '?'}"
         raise ValueError(msg)
-    t = config.text
+    given = {k: v for k, v in config.text.items() if v is not None}
+    t = {**_CLASS_DEFAULTS.get(family, {}), **given}
     hidden = _int(t, "hidden_size")
-    vocab = _int(t, "vocab_size", 262_208 if family == "gemma3" else None)
+    vocab = _int(t, "vocab_size")
     out: list[Tensor] = [Tensor("model.embed_tokens", "embeddings", vocab, hidden)]
     tied = _get(
         t, "tie_word_embeddings", _get(config.root, "tie_word_embeddings", None)
