@@ -592,6 +592,28 @@ def test_a_composite_config_without_head_dim_takes_gemma3s_default(
     )
 
 
+def test_a_gemma_file_without_max_position_embeddings_takes_the_class_default(
+    tmp_path: Path,
+) -> None:
+    # Gemma-3-4B/12B's text_config leaves it out: Gemma3TextConfig's 131072
+    # applies, so a longer --context is warned about.
+    source = (FIXTURES / "gemma-3-27b" / "config.json").read_text()
+    assert "max_position_embeddings" not in source
+    model = map_model_config(load_hf_config(FIXTURES / "gemma-3-27b"), mappers=MAPPERS)
+    assert model.max_position_embeddings == 131_072
+    assert (
+        "text_config.max_position_embeddings 131072 (Gemma3TextConfig's default)"
+        in model.notes
+    )
+    gemma2 = map_model_config(
+        {**GEMMA2_9B, "max_position_embeddings": 4096}, mappers=MAPPERS
+    )
+    assert gemma2.max_position_embeddings == 4096
+    assert "max_position_embeddings" not in gemma2.notes
+    data = {k: v for k, v in GEMMA2_9B.items() if k != "max_position_embeddings"}
+    assert map_model_config(data, mappers=MAPPERS).max_position_embeddings == 8192
+
+
 def test_a_float32_checkpoint_is_served_in_bfloat16(tmp_path: Path) -> None:
     # vLLM's --dtype auto downcasts float32 configs to bfloat16.
     # and its weights take bfloat16's two bytes a value on the device.

@@ -59,6 +59,7 @@ class Gemma2(ModelMapper):
     defaults: ClassVar[ClassDefaults] = ClassDefaults(
         "Gemma2Config", sliding_window=4096, num_kv_heads=4, head_dim=256
     )
+    max_positions_default: ClassVar[tuple[str, int] | None] = ("Gemma2Config", 8192)
 
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
@@ -79,6 +80,10 @@ class Gemma2(ModelMapper):
 class Gemma3(Gemma2):
     defaults: ClassVar[ClassDefaults] = attrs.evolve(
         Gemma2.defaults, owner="Gemma3TextConfig"
+    )
+    max_positions_default: ClassVar[tuple[str, int] | None] = (
+        "Gemma3TextConfig",
+        131_072,
     )
 
     def _default(self, config: ModelConfig, index: int) -> str:

@@ -325,6 +325,9 @@ class ModelMapper:
     model_types: ClassVar[tuple[str, ...]] = ()
     #: Where the rules the mapper applies come from (reference code, papers).
     sources: ClassVar[tuple[str, ...]] = ()
+    #: The configuration class's ``max_position_embeddings`` when a file
+    #: leaves it out, as ``(class name, tokens)``; None: no length is known.
+    max_positions_default: ClassVar[tuple[str, int] | None] = None
 
     def matches(self, config: ModelConfig) -> bool:
         """Whether this mapper is for ``config`` (by architecture or type)."""
@@ -532,6 +535,7 @@ def _model_file(
     config: ModelConfig, layers: dict[str, KVCacheSpec], mapper: ModelMapper
 ) -> ModelFile:
     notes = [f"mapped from {config.where} by the {mapper.name} mapper"]
+    positions = _max_positions(config, mapper)
     dtype = config.kv_cache_dtype()
     if dtype is not None:
         kept = []
@@ -560,18 +564,27 @@ def _model_file(
         notes="; ".join(notes),
         sources=tuple(mapper.sources),
         weights_bytes=None if weights is None else weights.bytes,
-        max_position_embeddings=_max_positions(config),
+        max_position_embeddings=positions,
     )
 
 
-def _max_positions(config: ModelConfig) -> int | None:
+def _max_positions(config: ModelConfig, mapper: ModelMapper) -> int | None:
     """``max_position_embeddings`` (or a family's own name for it), when it
-    is a positive int; a missing or odd value is no length at all."""
-    for name in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+    is a positive int; when the file gives none, the mapper's class default
+    (recorded in :attr:`ModelConfig.defaults`); else no length at all."""
+    names = ("max_position_embeddings", "max_sequence_length", "seq_length")
+    for name in names:
         value = config.text.get(name)
         if type(value) is int and value > 0:
             return value
-    return None
+    default = mapper.max_positions_default
+    if default is None or any(config.has(name) for name in names):
+        return None  # an odd value given is no length, not the default
+    owner, value = default
+    config.note_default(
+        f"{config.prefix}max_position_embeddings {value} ({owner}'s default)"
+    )
+    return value
 
 
 #: ``org/name`` as the Hugging Face hub spells repository ids.
