@@ -9,11 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
 import kvcore.tools.zoo
 import kvcore_hf
+from kvcore.registry import default_registry
+from kvcore.serialize import dump_model_file, load_model_file
 from kvcore.serving import ServingChoices, apply_serving_choices
 from kvcore.spec import KVCacheSpec
 from kvcore_circular_buffer import CircularBufferSpec
@@ -138,11 +141,15 @@ INDEX_KEYS = MLAAttentionSpec(
 )
 
 
+#: V3.2's latent: bf16, carrying its 656-byte fp8_ds_mla record.
+V32_LATENT = attrs.evolve(LATENT, fp8_record_size=656)
+
+
 def test_deepseek_v32_adds_the_indexer_keys_after_each_latent() -> None:
     assert layers(V32) == {
-        "model.layers.0.self_attn": LATENT,
+        "model.layers.0.self_attn": V32_LATENT,
         "model.layers.0.self_attn.indexer.k_cache": INDEX_KEYS,
-        "model.layers.1.self_attn": LATENT,
+        "model.layers.1.self_attn": V32_LATENT,
         "model.layers.1.self_attn.indexer.k_cache": INDEX_KEYS,
     }
     assert list(layers(V32))[1] == "model.layers.0.self_attn.indexer.k_cache"
@@ -171,7 +178,7 @@ FP8_DS_MLA = MLAAttentionSpec(
         (ServingChoices(kv_cache_dtype="fp8"), {}, FP8_DS_MLA),
         (ServingChoices(), {"kv_cache_dtype": "fp8_e4m3"}, FP8_DS_MLA),
         (ServingChoices(kv_cache_dtype="bf16"), {"kv_cache_dtype": "fp8"}, LATENT),
-        (ServingChoices(), {}, LATENT),
+        (ServingChoices(), {}, V32_LATENT),
     ],
     ids=["engine-fp8", "file-fp8", "engine-overrides-file", "default"],
 )
@@ -197,7 +204,32 @@ def test_the_v32_caches_are_replicated_whole_under_tp() -> None:
         "model.layers.1.self_attn.indexer.k_cache": INDEX_KEYS,
     }
     assert served.replicated_layers == tuple(served.layers)
-    assert served.dtype_kept_layers == tuple(served.layers)
+    assert served.dtype_kept_layers == (
+        "model.layers.0.self_attn.indexer.k_cache",
+        "model.layers.1.self_attn.indexer.k_cache",
+    )
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+def test_a_v32_model_file_stores_the_656_byte_record_under_fp8(
+    tmp_path: Path, dtype: str
+) -> None:
+    """The model file written from the mapping (kvcore convert), and the
+    shipped one, plan an fp8 cache as the mapping itself does."""
+    registry = default_registry()
+    choices = ServingChoices(kv_cache_dtype=dtype)
+    mapped = map_model_config(V32, choices, mappers=MAPPERS)
+    direct = apply_serving_choices(mapped.layers, choices).layers
+    path = tmp_path / "v32.json"
+    path.write_text(dump_model_file(map_model_config(V32, mappers=MAPPERS), registry))
+    from_file = apply_serving_choices(load_model_file(path, registry).layers, choices)
+    assert from_file.layers == direct
+    assert direct["model.layers.0.self_attn"] == FP8_DS_MLA
+    shipped = load_model_file(kvcore.tools.zoo.path("deepseek-v3-2-exp"), registry)
+    served = apply_serving_choices(shipped.layers, choices).layers
+    assert served["model.layers.60.self_attn"] == FP8_DS_MLA
+    # 656 B, not 576: the latent is never plain fp8 values.
+    assert served["model.layers.60.self_attn"].page_size_bytes == 64 * 656
 
 
 # -- DeepSeek V4 ---------------------------------------------------------------

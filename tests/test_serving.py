@@ -212,13 +212,15 @@ def test_packed_byte_formats_and_states_keep_their_dtype(
         "dtype: 43 sliding_window_mla, 62 mla, 62 circular_buffer",
     )
 
-    # V3.2: the bf16 latent takes fp8 (576 B a token), the uint8 indexer keys
-    # (132 B a token) keep their format.
+    # V3.2: the bf16 latent becomes its fp8_ds_mla record (656 B a token, as
+    # vLLM stores it under an fp8 cache), the uint8 indexer keys (132 B a
+    # token) keep their format.
     v32 = _model(zoo_registry, "deepseek-v3-2-exp")
     served = apply_serving_choices(v32, ServingChoices(kv_cache_dtype="fp8"))
     pages = sorted({s.page_size_bytes for s in served.layers.values()})
-    assert pages == [132 * 64, 576 * 64]
+    assert pages == [132 * 64, 656 * 64]
     assert len(served.dtype_kept_layers) == 61
+    assert all(name.endswith("indexer.k_cache") for name in served.dtype_kept_layers)
 
     jamba = _model(zoo_registry, "jamba-1-5-mini")
     served = apply_serving_choices(jamba, ServingChoices(kv_cache_dtype="fp8_e5m2"))

@@ -24,8 +24,10 @@ queries and its selection, not the cache.  Under an 8-bit float cache
 dtype (the engine's, given to the mapper in its serving choices, else one
 the file fixes) vLLM stores V3.2's latent as FlashMLA's ``fp8_ds_mla``
 record instead: ``kv_lora_rank`` fp8 values, an fp32 scale per 128 of them
-and the RoPE part in bf16 (512 + 16 + 128 = 656 B), which the mapper gives
-as a uint8 cache of that size.  Sources: vLLM
+and the RoPE part in bf16 (512 + 16 + 128 = 656 B): the mapper gives the
+latent that record size (``fp8_record_size``), and an 8-bit float cache
+dtype, applied to the mapped layers or to a model file written from them,
+turns the latent into a uint8 cache of that size.  Sources: vLLM
 ``model_executor/models/deepseek_v2.py`` (``Indexer``:
 ``DeepseekV32IndexerCache`` of that head size, uint8),
 ``model_executor/models/config.py`` (``DeepseekV32ForCausalLM``: an fp8
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from kvcore.serving import ServingChoices
@@ -153,11 +156,15 @@ class DeepseekV32(ModelMapper):
     def layer_specs(
         self, config: ModelConfig, choices: ServingChoices
     ) -> dict[str, KVCacheSpec]:
+        # The latent carries its fp8_ds_mla record, which an 8-bit float
+        # cache dtype (the file's or the engine's) turns it into; an engine
+        # dtype of another width keeps the plain latent.
         dtype = choices.kv_cache_dtype or config.kv_cache_dtype()
-        if dtype is not None and dtype.is_floating_point and dtype.itemsize == 1:
-            latent = _fp8_ds_mla(config)
-        else:
-            latent = mla_latent(config)
+        latent = mla_latent(config)
+        if dtype is None or (dtype.is_floating_point and dtype.itemsize == 1):
+            rank = config.positive("kv_lora_rank")
+            if dtype is not None or rank % FP8_SCALE_BLOCK == 0:
+                latent = attrs.evolve(latent, fp8_record_size=_fp8_ds_mla(config))
         keys = MLAAttentionSpec(
             block_size=MLA_BLOCK,
             num_kv_heads=1,
@@ -218,9 +225,9 @@ class DeepseekV4(ModelMapper):
         return out
 
 
-def _fp8_ds_mla(config: ModelConfig) -> MLAAttentionSpec:
-    """V3.2's fp8 latent: fp8 NoPE values with an fp32 scale per 128 of them,
-    then the RoPE part in bf16, one uint8 record a token."""
+def _fp8_ds_mla(config: ModelConfig) -> int:
+    """Bytes of V3.2's fp8 latent record: fp8 NoPE values with an fp32
+    scale per 128 of them, then the RoPE part in bf16."""
     rank = config.positive("kv_lora_rank")
     if rank % FP8_SCALE_BLOCK:
         msg = (
@@ -229,12 +236,8 @@ def _fp8_ds_mla(config: ModelConfig) -> MLAAttentionSpec:
             f"{FP8_SCALE_BLOCK} values), got {rank}"
         )
         raise ModelConfigError(msg)
-    record = (
-        rank + rank // FP8_SCALE_BLOCK * 4 + 2 * config.positive("qk_rope_head_dim")
-    )
-    return MLAAttentionSpec(
-        block_size=MLA_BLOCK, num_kv_heads=1, head_size=record, dtype=torch.uint8
-    )
+    rope: int = config.field("qk_rope_head_dim", int)
+    return rank + rank // FP8_SCALE_BLOCK * 4 + 2 * rope
 
 
 def _compress_ratios(config: ModelConfig, n: int) -> list[int]:
