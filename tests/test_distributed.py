@@ -47,6 +47,7 @@ from kvcore.integrations.distributed import (
 from kvcore.integrations.stages import (
     PipelinePlan,
     combine_stage_plans,
+    line_up_problem,
     plan_pipeline_stages,
     split_pipeline_stages,
     stage_sizes_for,
@@ -54,9 +55,11 @@ from kvcore.integrations.stages import (
 )
 from kvcore.serialize import load_model_file, make_converter
 from kvcore.serving import ServingChoices, apply_serving_choices
+from kvcore.structs import KVCacheGroupSpec
 from kvcore.tools import zoo
 from kvcore_full_attention import FullAttentionSpec
 from kvcore_mamba import MambaSpec
+from kvcore_sliding_window import SlidingWindowSpec
 
 REGISTRY = builtin_registry()
 
@@ -243,6 +246,36 @@ def test_two_stage_min_waste_and_groups_that_cannot_line_up() -> None:
         plan_pipeline_stages(
             _config(pp=4), _model("gemma-3-27b"), 64 * MIB, registry=registry
         )
+
+
+def test_groups_that_do_not_line_up_are_named_in_a_few_words() -> None:
+    full = FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
+    wide = attrs.evolve(full, head_size=256)
+    window = SlidingWindowSpec(
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.bfloat16,
+        sliding_window=1024,
+    )
+
+    def stages(*specs: Any) -> list[list[KVCacheGroupSpec]]:
+        return [
+            [KVCacheGroupSpec([f"model.layers.{i}.attn"], s)]
+            for i, s in enumerate(specs)
+        ]
+
+    assert line_up_problem(stages(window, full)) == (
+        "group 0 runs sliding_window (block 16) on stage 0 but full_attention "
+        "(block 16) on stage 1"
+    )
+    assert line_up_problem(stages(full, wide)) == (
+        "group 0 runs full_attention (block 16) with head_size=128 on stage 0 but "
+        "full_attention (block 16) with head_size=256 on stage 1"
+    )
+    assert line_up_problem(stages(full, full)) is None
 
 
 # -- the worker's check ----------------------------------------------------------

@@ -167,10 +167,25 @@ def line_up_problem(stage_groups: Sequence[Sequence[KVCacheGroupSpec]]) -> str |
         for g, (a, b) in enumerate(zip(first, groups, strict=True)):
             if a.manager_spec != b.manager_spec:
                 return (
-                    f"group {g} runs {a.manager_spec!r} on stage 0 but "
-                    f"{b.manager_spec!r} on stage {s}"
+                    f"group {g} runs {_difference(a.manager_spec, b.manager_spec)} "
+                    f"on stage 0 but {_difference(b.manager_spec, a.manager_spec)} "
+                    f"on stage {s}"
                 )
     return None
+
+
+def _difference(spec: KVCacheSpec, other: KVCacheSpec) -> str:
+    """``spec`` in a few words that tell it from ``other``: its kind and
+    block size, and the fields whose values differ when those match."""
+    label = f"{spec.kind} (block {spec.block_size})"
+    if type(spec) is not type(other) or spec.block_size != other.block_size:
+        return label
+    differ = [
+        f"{f.name}={getattr(spec, f.name)!r}"
+        for f in attrs.fields(type(spec))
+        if getattr(spec, f.name) != getattr(other, f.name)
+    ]
+    return f"{label} with {', '.join(differ)}" if differ else label
 
 
 def _stage_groups(
