@@ -129,6 +129,20 @@ def test_a_field_of_the_wrong_type_is_refused() -> None:
         map_model_config({**LLAMA, "num_hidden_layers": True}, mappers=MAPPERS)
 
 
+@pytest.mark.parametrize("kv", [3, 64])
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused(kv: int) -> None:
+    # 64 KV heads for 32 query heads, or 3 for 32, is no grouped-query
+    # attention: planning it would size a cache no engine builds.
+    with pytest.raises(ModelConfigError) as info:
+        map_model_config({**LLAMA, "num_key_value_heads": kv}, mappers=MAPPERS)
+    assert f"num_key_value_heads {kv} does not divide num_attention_heads 32" in str(
+        info.value
+    )
+    assert "give a divisor of num_attention_heads" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert map_model_config({**LLAMA, "num_key_value_heads": 32}, mappers=MAPPERS)
+
+
 @pytest.mark.parametrize(
     ("settings", "dtype"),
     [

@@ -51,9 +51,22 @@ def num_layers(config: ModelConfig) -> int:
 
 
 def kv_heads(config: ModelConfig) -> int:
-    """KV heads of the whole model (grouped-query attention shares them)."""
+    """KV heads of the whole model (grouped-query attention shares them):
+    a divisor of ``num_attention_heads`` when the file gives both, since
+    each KV head serves ``num_attention_heads / num_key_value_heads``
+    query heads."""
     if config.has("num_key_value_heads"):
-        return config.positive("num_key_value_heads")
+        kv = config.positive("num_key_value_heads")
+        heads = config.optional_positive("num_attention_heads")
+        if heads is not None and heads % kv:
+            msg = (
+                f"{config.where}: field {config.prefix}num_key_value_heads {kv} "
+                f"does not divide num_attention_heads {heads}; grouped-query "
+                "attention shares each KV head among a whole number of query "
+                "heads, so give a divisor of num_attention_heads"
+            )
+            raise ModelConfigError(msg)
+        return kv
     heads = config.positive("num_attention_heads")
     config.note_default(
         f"{config.prefix}num_key_value_heads {heads} (num_attention_heads: "
