@@ -5,6 +5,7 @@ method, what it returned (shortened) and the rule."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 from kvcore.errors import KvcoreTypeError, PluginResultError
@@ -34,6 +35,10 @@ def result_error(manager: Any, method: str, problem: str) -> PluginResultError:
     )
 
 
+#: The one type a class step's answer lists each group's new blocks in.
+_LIST = frozenset((list,))
+
+
 def check_new_blocks(
     members: Sequence[Any], new: object, taken: Sequence[Sequence[int]], method: str
 ) -> list[list[int]]:
@@ -50,10 +55,12 @@ def check_new_blocks(
             f"returned {shown(new)}; it must return None or a list of each "
             f"twin group's new blocks ({len(members)} lists, one per group)",
         )
-    if len(taken) == 1 and all(type(blocks) is list for blocks in new):
-        given = new[0] if len(new) == 1 else [b for blocks in new for b in blocks]
-        if given == taken[0]:
-            return new  # the one hand-out, split in group order
+    if (
+        len(taken) == 1
+        and set(map(type, new)) == _LIST
+        and list(chain.from_iterable(new)) == taken[0]
+    ):
+        return new  # the one hand-out, split in group order
     left = {block for blocks in taken for block in blocks}
     for blocks in new:
         if type(blocks) is not list:
