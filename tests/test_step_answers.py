@@ -19,6 +19,7 @@ from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.errors import KvcoreError, PluginResultError
 from kvcore_full_attention import FullAttention, FullAttentionManager
+from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
 
 
 class _Answers(FullAttentionManager):
@@ -52,6 +53,8 @@ class _Answers(FullAttentionManager):
             table[-1] = out[0][-1] = self.null_block
         elif self.mode == "a block twice":
             table[-1] = out[0][-1] = out[0][0]
+        elif self.mode == "a block freed again":
+            self.block_pool.free_blocks([table.pop()])
         elif self.mode == "a tuple":
             return [tuple(out[0])]  # type: ignore[list-item]
         elif self.mode == "one list too many":
@@ -64,6 +67,9 @@ class _Answers(FullAttentionManager):
             return out
         if self.mode == "pop one block short":
             return [out[0][:-1]]
+        if self.mode == "pop its table cut in place":
+            out[0].pop()
+            return out
         if self.mode == "pop another request's block":
             return [[*out[0], self.req_to_blocks["live"][0]]]
         if self.mode == "pop nothing":
@@ -102,6 +108,9 @@ BAD = {
     r"\[\[\d+, 1\]\], which the block pool did not hand out in this call",
     "the null block": r"returned block 0 among the new blocks",
     "a block twice": r"returned block (\d+) among the new blocks of \[\[\1, \1\]\]",
+    "a block freed again": r"returned block (\d+) among the new blocks of "
+    r"\[\[\d+, \1\]\], which the block pool did not hand out in this call or "
+    r"which is no longer held",
     "a tuple": r"returned \(\d+, \d+\) as a group's new blocks; each must be a list",
     "one list too many": r"it must return None or a list of each twin group's "
     r"new blocks \(1 lists, one per group\)",
@@ -155,7 +164,10 @@ def test_blocks_from_several_hand_outs_in_one_call_pass() -> None:
 
 POPS = {
     "pop one block short": r"returned \[\[3\]\] for request 'r', whose tables "
-    r"were \[\[3, 4\]\]; it must return each twin's table as the request held it",
+    r"were \[\[3, 4\]\] \(of \[2\] blocks before the call\); it must return each "
+    r"twin's table as the request held it",
+    "pop its table cut in place": r"returned \[\[3\]\] for request 'r', whose "
+    r"tables were \[\[3\]\] \(of \[2\] blocks before the call\)",
     "pop another request's block": r"returned \[\[3, 4, 1\]\] for request 'r'",
     "pop nothing": r"returned \[None\] for request 'r'",
 }
@@ -178,8 +190,12 @@ def test_a_pop_answer_that_is_not_the_requests_tables_is_refused(
     with pytest.raises(PluginResultError, match=POPS[mode]) as info:
         mgr.free(req, forward_ran=forward_ran)
     assert "_Answers.pop_twins" in str(info.value)
-    # The free was undone: both requests keep their blocks, none is free.
+    # The free was undone: both requests keep their blocks, none is free
+    # (a table the manager cut in place stays cut: no undo restores what a
+    # plugin changed in its own lists).
     assert _state(mgr) == before
+    if mode == "pop its table cut in place":
+        return
     assert mgr.get_block_ids("r") == ([3, 4],)
     assert mgr.get_block_ids("live") == ([1, 2],)
     for manager in mgr.coordinator.single_type_managers:
@@ -195,3 +211,55 @@ def test_a_pop_answer_of_the_tables_in_another_sequence_passes() -> None:
     free = mgr.block_pool.get_num_free_blocks()
     mgr.free(req)
     assert mgr.block_pool.get_num_free_blocks() == free + 2
+
+
+class _ReturningWindow(SlidingWindowManager):
+    """A window whose release and keying steps return what they changed:
+    only an allocation's answer is used, so neither is checked or used."""
+
+    def release_twins(self, twins: Sequence[Any], *args: Any) -> Any:
+        tables = [list(t.req_to_blocks.get(args[0], ())) for t in twins]
+        super().release_twins(twins, *args)
+        return tables
+
+    def cache_twins(self, twins: Sequence[Any], *args: Any) -> Any:
+        super().cache_twins(twins, *args)
+        return [["not", "blocks"] for _ in twins]
+
+
+def test_what_a_release_or_a_keying_returns_is_not_used() -> None:
+    kind = type("ReturningKind", (SlidingWindow,), {"manager_type": _ReturningWindow})()
+    shape = {"block_size": 4, "num_kv_heads": 1, "head_size": 8}
+    config = kvcore.KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            kvcore.KVCacheGroupSpec(
+                ["f"], FullAttention().spec_type(dtype=torch.float16, **shape)
+            ),
+            kvcore.KVCacheGroupSpec(
+                ["w"], kind.spec_type(dtype=torch.float16, sliding_window=4, **shape)
+            ),
+        ],
+    )
+    mgr = KVCacheManager(
+        config,
+        max_model_len=256,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        registry=KindRegistry.from_kinds([FullAttention(), kind]),
+    )
+    req = Request("r", list(range(16)), hash_block_size=4)
+    out = mgr.allocate_slots(req, 16)
+    assert out is not None
+    assert out.get_block_ids() == ([1, 2, 3, 4], [5, 6, 7, 8])
+    req.num_computed_tokens = 16
+    req.append_output_token_ids(99)
+    # Token 16 reads the window's tokens 13-16: the step releases positions
+    # 0-2 (keyed, so they queue behind the unkeyed blocks 9 on) and takes a
+    # block in each group, in group order.
+    out = mgr.allocate_slots(req, 1)
+    assert out is not None
+    assert out.get_block_ids() == ([9], [10])
+    assert mgr.get_block_ids("r") == ([1, 2, 3, 4, 9], [0, 0, 0, 8, 10])
+    assert mgr.block_pool.num_cached_blocks == 8

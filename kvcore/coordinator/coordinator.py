@@ -461,8 +461,11 @@ class KVCacheCoordinator(FreeSteps):
         once one of its runs changed nothing (returned no block and recorded
         nothing in the open transaction).  What the calls returned that
         holds blocks, by group id; a manager that raises is reported as its
-        plugin's failure in ``step``, the one-group step."""
+        plugin's failure in ``step``, the one-group step.  Only the new
+        blocks ``allocate_twins`` returns are used (and checked where they
+        cross in); what a release or a keying returns is not."""
         journal = self.block_pool.journal
+        allocating = method == "allocate_twins"
         idle: list[int] = []
         out: list[list[int]] | None = None
         gid = -1
@@ -473,7 +476,7 @@ class KVCacheCoordinator(FreeSteps):
                 gid = first
                 mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
-                if new:
+                if new and allocating:
                     if journal is not None:
                         taken = taken_since(journal, mark)
                         new = check_new_blocks(members, new, taken, method)
@@ -481,7 +484,7 @@ class KVCacheCoordinator(FreeSteps):
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
-                elif mark == len(journal or ()):
+                elif not new and mark == len(journal or ()):
                     idle.append(first)
         except Exception as exc:
             raise self.plugin_error(gid, step, exc) from exc

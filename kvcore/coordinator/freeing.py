@@ -218,13 +218,13 @@ class FreeSteps:
             for _, members in self._pop_runs:
                 lead = members[0]
                 gid = lead.kv_cache_group_id
-                held = [
-                    None if table is None else table[:]
-                    for table in [m.req_to_blocks.get(request_id) for m in members]
-                ]
+                held = [m.req_to_blocks.get(request_id) for m in members]
+                sizes = [-1 if table is None else len(table) for table in held]
                 popped = lead.pop_twins(members, request_id)
-                if popped != held and list(popped) != held:
-                    raise _pop_error(lead, request_id, held, popped)
+                if (popped != held and list(popped) != held) or sizes != [
+                    -1 if table is None else len(table) for table in popped
+                ]:
+                    raise _pop_error(lead, request_id, (held, sizes), popped)
                 tables += popped
         except Exception as exc:
             raise self.plugin_error(gid, "pop_blocks", exc) from exc
@@ -332,17 +332,19 @@ class FreeSteps:
 def _pop_error(
     manager: SingleTypeManager,
     request_id: str,
-    held: list[list[int] | None],
+    held: tuple[list[list[int] | None], list[int]],
     popped: object,
 ) -> Exception:
-    """A ``pop_twins`` answer that is not the tables the twins held: the
-    blocks it leaves out would never be freed, and another request's
-    blocks in it would be freed under that request."""
+    """A ``pop_twins`` answer that is not the tables the twins held (the
+    tables, and their lengths before the call, -1 where none): the blocks
+    it leaves out would never be freed, and another request's blocks in it
+    would be freed under that request."""
+    tables, sizes = held
     return result_error(
         manager,
         "pop_twins",
         f"returned {shown(popped)} for request {request_id!r}, whose tables "
-        f"were {shown(held)}; it must return each twin's table as the request "
-        "held it (None where it held none), so the request's blocks, and "
-        "only they, are freed",
+        f"were {shown(tables)} (of {shown(sizes)} blocks before the call); it "
+        "must return each twin's table as the request held it (None where it "
+        "held none), so the request's blocks, and only they, are freed",
     )

@@ -37,6 +37,8 @@ def result_error(manager: Any, method: str, problem: str) -> PluginResultError:
 
 #: The one type a class step's answer lists each group's new blocks in.
 _LIST = frozenset((list,))
+#: The reference count of every block a step takes and keeps.
+_ONE = frozenset((1,))
 
 
 def check_new_blocks(
@@ -44,7 +46,8 @@ def check_new_blocks(
 ) -> list[list[int]]:
     """A class step's answer that holds blocks, checked: one list per twin
     group of ``members``, listing only blocks the pool handed out during
-    the call (``taken``: each hand-out's blocks), none twice.  The engine
+    the call (``taken``: each hand-out's blocks) and still held once, none
+    twice.  The engine
     writes the step's KV into the blocks a step returns, so a block of
     another request, the null block or a block listed twice would be
     overwritten."""
@@ -55,12 +58,11 @@ def check_new_blocks(
             f"returned {shown(new)}; it must return None or a list of each "
             f"twin group's new blocks ({len(members)} lists, one per group)",
         )
-    if (
-        len(taken) == 1
-        and set(map(type, new)) == _LIST
-        and list(chain.from_iterable(new)) == taken[0]
-    ):
-        return new  # the one hand-out, split in group order
+    ref = members[0].block_pool.ref_cnt
+    if len(taken) == 1 and set(map(type, new)) == _LIST:
+        given = list(chain.from_iterable(new))
+        if given == taken[0] and set(map(ref.__getitem__, given)) <= _ONE:
+            return new  # the one hand-out, split in group order, all held
     left = {block for blocks in taken for block in blocks}
     for blocks in new:
         if type(blocks) is not list:
@@ -69,15 +71,16 @@ def check_new_blocks(
                 "blocks; each must be a list of block ids"
             )  # fmt: skip
         for block in blocks:
-            if block not in left:
+            if block not in left or ref[block] != 1:
                 raise result_error(
                     members[0],
                     method,
                     f"returned block {block!r} among the new blocks of "
                     f"{shown(new)}, which the block pool did not hand out in "
-                    "this call (another request's block, the null block, or "
-                    "one listed twice); return only the blocks it took from "
-                    "block_pool.get_new_blocks, each once",
+                    "this call or which is no longer held (another request's "
+                    "block, the null block, one listed twice or one freed "
+                    "again); return only the blocks it took from "
+                    "block_pool.get_new_blocks and keeps, each once",
                 )
             left.discard(block)
     return new
