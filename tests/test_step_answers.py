@@ -94,7 +94,7 @@ def _manager(mode: str) -> KVCacheManager:
         max_model_len=1024,
         scheduler_block_size=16,
         hash_block_size=16,
-        registry=KindRegistry.from_kinds([kind]),
+        registry=KindRegistry.from_kinds([kind], owner="acme"),
     )
 
 
@@ -128,7 +128,8 @@ def test_an_admission_answer_of_blocks_not_handed_out_is_refused(mode: str) -> N
         mgr.allocate_slots(req, 32)
     assert isinstance(info.value, KvcoreError)
     assert "_Answers.allocate_twins" in str(info.value)
-    assert info.value.plugin_name == __name__
+    # Named by the plugin that registered the kind, not the manager's module.
+    assert info.value.plugin_name == "acme"
     # Nothing changed: the live request keeps its blocks, none leaked.
     assert _state(mgr) == before
     assert mgr.get_block_ids("live") == ([1, 2],)
@@ -190,6 +191,7 @@ def test_a_pop_answer_that_is_not_the_requests_tables_is_refused(
     with pytest.raises(PluginResultError, match=POPS[mode]) as info:
         mgr.free(req, forward_ran=forward_ran)
     assert "_Answers.pop_twins" in str(info.value)
+    assert info.value.plugin_name == "acme"
     # The free was undone: both requests keep their blocks, none is free
     # (a table the manager cut in place stays cut: no undo restores what a
     # plugin changed in its own lists).

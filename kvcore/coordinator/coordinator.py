@@ -560,7 +560,9 @@ class KVCacheCoordinator(FreeSteps):
                 type(attach) is list
                 and (not attach or _within_hit(attach, computed, null))
             ):
-                raise _admission_error(manager, computed, attach)
+                gid = manager.kv_cache_group_id
+                error = _admission_error(manager, computed, attach)
+                raise self.plugin_error(gid, "admission_blocks", error)
             out.append(attach)
         return tuple(out)
 
@@ -832,12 +834,17 @@ class KVCacheCoordinator(FreeSteps):
     def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
         """The error for group ``gid``'s manager raising ``exc`` in ``method``
         (the caller has undone the step): names the kind, its plugin and,
-        where known, the plugin's distribution."""
-        if isinstance(exc, PluginError):
-            return exc
+        where known, the plugin's distribution.  A refused answer (see
+        :func:`~kvcore.coordinator.plugin_results.result_error`, which knows
+        only the manager's module) is given the group's plugin."""
         if not 0 <= gid < self.num_groups:
             gid = 0
         manager = self.single_type_managers[gid]
+        if isinstance(exc, PluginError):
+            if exc.plugin_name == type(manager).__module__:
+                exc.plugin_name = self._owners[gid]
+                exc.distribution = self._distribution(exc.plugin_name)
+            return exc
         kind = manager.kv_cache_spec.kind
         plugin = self._owners[gid]
         distribution = self._distribution(plugin)
