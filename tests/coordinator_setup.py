@@ -93,6 +93,28 @@ def manager_for(
     )
 
 
+def beside_full_attention(
+    kind: Any, num_blocks: int, *, block_size: int = 16, window: int = 32, **kw: Any
+) -> KVCacheManager:
+    """A manager over a full-attention group and a group of ``kind`` (a
+    sliding-window kind, its window ``window`` tokens), both of
+    ``block_size``-token blocks, with a registry of just those two kinds."""
+    shape = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8}
+    specs = [
+        FullAttentionSpec(dtype=torch.float16, **shape),
+        kind.spec_type(dtype=torch.float16, sliding_window=window, **shape),
+    ]
+    return manager_for(
+        specs,
+        num_blocks,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        registry=KindRegistry.from_kinds([FullAttention(), kind]),
+        max_model_len=1024,
+        **kw,
+    )
+
+
 def small_manager(
     specs: Sequence[Any], num_blocks: int, *, max_model_len: int = 64, **kw: Any
 ) -> KVCacheManager:

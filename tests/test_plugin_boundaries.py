@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import coordinator_setup as setup
 import numpy as np
 import pytest
 import torch
@@ -1336,26 +1337,7 @@ def test_held_back_blocks_a_manager_names_are_checked(answer: str, shown: str) -
     }[answer]
     manager = type("_HoldsBack", (_HoldsBack,), {"answer": bad})
     kind = type("HoldsBackKind", (SlidingWindow,), {"manager_type": manager})()
-    attrs_ = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}
-    config = kvcore.KVCacheConfig(
-        num_blocks=40,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            kvcore.KVCacheGroupSpec(
-                ["f"], FullAttention().spec_type(dtype=torch.float16, **attrs_)
-            ),
-            kvcore.KVCacheGroupSpec(
-                ["w"], kind.spec_type(dtype=torch.float16, sliding_window=32, **attrs_)
-            ),
-        ],
-    )
-    mgr = KVCacheManager(
-        config,
-        max_model_len=1024,
-        scheduler_block_size=16,
-        hash_block_size=16,
-        registry=KindRegistry.from_kinds([FullAttention(), kind]),
-    )
+    mgr = setup.beside_full_attention(kind, 40)
     b = Request("b", list(range(500, 532)), hash_block_size=16)
     assert mgr.allocate_slots(b, 32) is not None
     assert mgr.get_block_ids("b")[1][0] == 3
@@ -1492,26 +1474,7 @@ def test_the_freeable_count_a_short_step_relies_on_is_checked(
     pool dry after it."""
     manager = type("_CountsFreeable", (_CountsFreeable,), {})
     kind = type("CountsKind", (SlidingWindow,), {"manager_type": manager})()
-    attrs_ = {"block_size": 16, "num_kv_heads": 1, "head_size": 8}
-    config = kvcore.KVCacheConfig(
-        num_blocks=12,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            kvcore.KVCacheGroupSpec(
-                ["f"], FullAttention().spec_type(dtype=torch.float16, **attrs_)
-            ),
-            kvcore.KVCacheGroupSpec(
-                ["w"], kind.spec_type(dtype=torch.float16, sliding_window=32, **attrs_)
-            ),
-        ],
-    )
-    mgr = KVCacheManager(
-        config,
-        max_model_len=1024,
-        scheduler_block_size=16,
-        hash_block_size=16,
-        registry=KindRegistry.from_kinds([FullAttention(), kind]),
-    )
+    mgr = setup.beside_full_attention(kind, 12)
     a = Request("a", list(range(400)), hash_block_size=16)
     while mgr.block_pool.free_queue.num_free > 0:
         assert mgr.allocate_slots(a, 16) is not None

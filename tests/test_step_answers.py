@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import coordinator_setup as setup
 import pytest
 import torch
 
@@ -231,26 +232,7 @@ class _ReturningWindow(SlidingWindowManager):
 
 def test_what_a_release_or_a_keying_returns_is_not_used() -> None:
     kind = type("ReturningKind", (SlidingWindow,), {"manager_type": _ReturningWindow})()
-    shape = {"block_size": 4, "num_kv_heads": 1, "head_size": 8}
-    config = kvcore.KVCacheConfig(
-        num_blocks=32,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            kvcore.KVCacheGroupSpec(
-                ["f"], FullAttention().spec_type(dtype=torch.float16, **shape)
-            ),
-            kvcore.KVCacheGroupSpec(
-                ["w"], kind.spec_type(dtype=torch.float16, sliding_window=4, **shape)
-            ),
-        ],
-    )
-    mgr = KVCacheManager(
-        config,
-        max_model_len=256,
-        scheduler_block_size=4,
-        hash_block_size=4,
-        registry=KindRegistry.from_kinds([FullAttention(), kind]),
-    )
+    mgr = setup.beside_full_attention(kind, 32, block_size=4, window=4)
     req = Request("r", list(range(16)), hash_block_size=4)
     out = mgr.allocate_slots(req, 16)
     assert out is not None
