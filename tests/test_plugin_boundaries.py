@@ -15,7 +15,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import coordinator_setup as setup
@@ -70,7 +70,11 @@ from kvcore.serving import ServingChoices, apply_serving_choices
 from kvcore.spec import KVCacheSpec
 from kvcore_full_attention import FullAttention, FullAttentionManager, FullAttentionSpec
 from kvcore_mamba import Mamba
-from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
+from kvcore_sliding_window import (
+    SlidingWindow,
+    SlidingWindowManager,
+    SlidingWindowSpec,
+)
 
 HAND = "plugin 'broken' (no distribution: registered by hand or from source)"
 BLOCK = "block it with KVCORE_DISABLE_PLUGINS=broken"
@@ -1490,6 +1494,57 @@ def test_the_freeable_count_a_short_step_relies_on_is_checked(
     with pytest.raises(PluginResultError, match=rule) as info:
         mgr.allocate_slots(a, 16)
     assert "allocate_new_blocks" not in str(info.value)
+    assert _pool_state(mgr) == before
+
+
+@attrs.frozen(kw_only=True)
+class _LiarSpec(SlidingWindowSpec):
+    kind: ClassVar[str] = "liar_window"
+
+
+class _Liar(_CountsFreeable):
+    answer = staticmethod(lambda n: n + 3)
+
+
+class _LiarKind(SlidingWindow):
+    name: ClassVar[str] = "liar_window"
+    spec_type = _LiarSpec
+    manager_type = _Liar
+
+
+def test_an_overstated_count_blames_the_manager_that_overstated() -> None:
+    """Two window groups of 8 tokens, the built-in one honest and another
+    plugin's counting three blocks too many.  After an 8-token admission
+    (4 of the 7 blocks), a 12-token step needs 6 blocks: 3 are free and at
+    8 tokens nothing is released (the window still reads token 1), so only
+    the liar's 3 make it fit.  Once the release has run, only the liar
+    still counts blocks to free: the error names it alone."""
+    registry = KindRegistry(
+        [(FullAttention(), "full_attention"), (SlidingWindow(), "sliding_window"),
+         (_LiarKind(), "liar")]
+    )  # fmt: skip
+    window = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "sliding_window": 8}
+    mgr = setup.manager_for(
+        [
+            SlidingWindowSpec(dtype=torch.float32, **window),
+            _LiarSpec(dtype=torch.float32, **window),
+        ],
+        8,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        registry=registry,
+    )
+    req = Request("r", list(range(400)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 8) is not None
+    req.num_computed_tokens = 8
+    before = _pool_state(mgr)
+    with pytest.raises(PluginResultError) as info:
+        mgr.allocate_slots(req, 12)
+    assert info.value.plugin_name == "liar"
+    message = str(info.value)
+    assert "_Liar of cache group 1 (kind 'liar_window', plugin 'liar')" in message
+    assert "group 0" not in message
+    assert "holds 3 free blocks where the step needs 6" in message
     assert _pool_state(mgr) == before
 
 

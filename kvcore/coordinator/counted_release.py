@@ -46,18 +46,23 @@ def overstated_release(
     ``count_freeable_skipped`` answers (``step``: the request and its
     computed tokens), after whose release the pool holds fewer than the
     ``needed`` free blocks: the counts claimed blocks the release did not
-    return.  Names every skipping manager and its plugin."""
+    return.  Names the managers that still count blocks to free once their
+    release has run (an honest count is then 0), else every skipping
+    manager, and the first one's plugin."""
     request_id, num_computed_tokens = step
     free = coordinator.block_pool.free_queue.num_free
+    skipping = coordinator.skipping
+    left = freeable_counts(coordinator, request_id, num_computed_tokens)
+    suspects = [m for m, n in zip(skipping, left, strict=True) if n] or skipping
     owners = []
-    for manager in coordinator.skipping:
+    for manager in suspects:
         gid = manager.kv_cache_group_id
         owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
         owners.append(
             f"{owner} of cache group {gid} (kind {manager.kv_cache_spec.kind!r}, "
             f"plugin {coordinator._owners[gid]!r})"
         )
-    lead = coordinator.skipping[0]
+    lead = suspects[0]
     plugin = coordinator._owners[lead.kv_cache_group_id]
     msg = (
         f"{METHOD} of {'; '.join(owners)} counted the blocks releasing request "
