@@ -42,7 +42,7 @@ from kvcore.coordinator.plugin_results import (
 )
 from kvcore.coordinator.pool_journal import taken_since
 from kvcore.coordinator.request import Request
-from kvcore.coordinator.twins import Runs, twin_runs
+from kvcore.coordinator.twins import Runs, defining, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
 from kvcore.errors import PluginError, PluginResultError
 from kvcore.registry import KindRegistry
@@ -205,6 +205,7 @@ class KVCacheCoordinator(FreeSteps):
         self._cache_runs = twin_runs(managers, "caching")
         self._grow_runs = twin_runs(managers, "position_indexed")
         self._admit_runs = twin_runs(managers)
+        self._checked_allocs = defining(self._admit_runs, "allocate_twins")
         #: Each class of growing twins' first manager and size: a running
         #: request's growth is counted once per class.
         sizes: dict[int, int] = {}
@@ -477,7 +478,7 @@ class KVCacheCoordinator(FreeSteps):
                 mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
                 if new and allocating:
-                    if journal is not None:
+                    if first in self._checked_allocs and journal is not None:
                         taken = taken_since(journal, mark)
                         new = check_new_blocks(members, new, taken, method)
                     if out is None:
@@ -631,14 +632,14 @@ class KVCacheCoordinator(FreeSteps):
         journal = self.block_pool.journal
         gid = 0
         try:
-            for _, members in self._admit_runs:
+            for first, members in self._admit_runs:
                 lead = members[0]
                 gid = lead.kv_cache_group_id
                 tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
                 mark = 0 if journal is None else len(journal)
                 new = lead.allocate_twins(members, request_id, tokens)
                 if new:
-                    if journal is not None:
+                    if first in self._checked_allocs and journal is not None:
                         taken = taken_since(journal, mark)
                         new = check_new_blocks(members, new, taken, "allocate_twins")
                     for manager, blocks in zip(members, new, strict=True):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.plugin_results import result_error, shown
-from kvcore.coordinator.twins import twin_runs
+from kvcore.coordinator.twins import defining, twin_runs
 from kvcore.coordinator.undo import truncate
 from kvcore.errors import InvalidRequestError, KvcoreTypeError
 
@@ -80,6 +80,7 @@ class FreeSteps:
             m for m in managers if m.evicts_last
         )
         self._pop_runs = twin_runs(self._free_order)
+        self._checked_pops = defining(self._pop_runs, "pop_twins")
         #: Managers whose freed blocks go to the back of the eviction order.
         self._evicting_last = tuple(m for m in managers if m.evicts_last)
         #: Those that hold back released blocks, freed before the state
@@ -215,9 +216,12 @@ class FreeSteps:
         tables: list[list[int] | None] = []
         gid = 0
         try:
-            for _, members in self._pop_runs:
+            for first, members in self._pop_runs:
                 lead = members[0]
                 gid = lead.kv_cache_group_id
+                if first not in self._checked_pops:
+                    tables += lead.pop_twins(members, request_id)
+                    continue
                 held = [m.req_to_blocks.get(request_id) for m in members]
                 sizes = [-1 if table is None else len(table) for table in held]
                 popped = lead.pop_twins(members, request_id)

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvcore.coordinator.manager import SingleTypeManager
 
-__all__ = ["Runs", "twin_key", "twin_runs"]
+__all__ = ["Runs", "defining", "twin_key", "twin_runs"]
 
 
 def twin_key(manager: SingleTypeManager) -> Any:
@@ -53,3 +53,20 @@ def twin_runs(managers: Sequence[SingleTypeManager], flag: str | None = None) ->
         else:
             runs.append((first, [manager]))
     return tuple((first, tuple(members)) for first, members in runs)
+
+
+def defining(runs: Runs, *steps: str) -> frozenset[int]:
+    """The classes of ``runs`` (by first group id) whose manager class
+    defines one of ``steps`` itself, below :class:`SingleTypeManager` (an
+    override, or a twin step made from a one-group override): their
+    answers are plugin code, checked where they cross into the core; the
+    core's own steps need no check."""
+    out: set[int] = set()
+    for first, members in runs:
+        for klass in type(members[0]).__mro__:
+            if klass is SingleTypeManager:
+                break
+            if any(step in vars(klass) for step in steps):
+                out.add(first)
+                break
+    return frozenset(out)
