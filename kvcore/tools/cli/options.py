@@ -183,9 +183,11 @@ class Planned:
 
 
 def _tokens_list(text: str) -> tuple[int, ...]:
-    parts = [part.strip() for part in str(text).split(",") if part.strip()]
-    if not parts:
+    parts = [part.strip() for part in str(text).split(",")]
+    if not all(parts):
         msg = f"--context takes token counts separated by commas (e.g. 4K,32K,128K), got {text!r}"
+        if any(parts):
+            msg += ": an item between commas is empty"
         raise CliUsageError(msg)
     values = tuple(parse_tokens(part, what="--context") for part in parts)
     if len(set(values)) != len(values):
