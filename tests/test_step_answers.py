@@ -104,6 +104,17 @@ def _state(mgr: KVCacheManager) -> tuple[list[int], list[int]]:
     return list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()
 
 
+def _beside_live(mgr: KVCacheManager, num_tokens: int) -> Request:
+    """Request 'live' (32 tokens: blocks 1 and 2), then request 'r' of
+    ``num_tokens`` computed tokens (blocks from 3 on)."""
+    live = Request("live", list(range(900, 932)), hash_block_size=16)
+    assert mgr.allocate_slots(live, 32) is not None
+    req = Request("r", list(range(num_tokens)), hash_block_size=16)
+    assert mgr.allocate_slots(req, num_tokens) is not None
+    req.num_computed_tokens = num_tokens
+    return req
+
+
 BAD = {
     "another request's block": r"returned block 1 among the new blocks of "
     r"\[\[\d+, 1\]\], which the block pool did not hand out in this call",
@@ -140,11 +151,7 @@ def test_an_admission_answer_of_blocks_not_handed_out_is_refused(mode: str) -> N
 @pytest.mark.parametrize("mode", ["another request's block", "the null block"])
 def test_a_running_requests_grow_answer_is_checked_too(mode: str) -> None:
     mgr = _manager("")
-    live = Request("live", list(range(900, 932)), hash_block_size=16)
-    assert mgr.allocate_slots(live, 32) is not None
-    req = Request("r", list(range(16)), hash_block_size=16)
-    assert mgr.allocate_slots(req, 16) is not None
-    req.num_computed_tokens = 16
+    req = _beside_live(mgr, 16)
     req.append_output_token_ids(7)
     for manager in mgr.coordinator.single_type_managers:
         type(manager).mode = mode  # the next step's answer goes wrong
@@ -181,11 +188,7 @@ def test_a_pop_answer_that_is_not_the_requests_tables_is_refused(
     mode: str, forward_ran: bool
 ) -> None:
     mgr = _manager("")
-    live = Request("live", list(range(900, 932)), hash_block_size=16)
-    assert mgr.allocate_slots(live, 32) is not None
-    req = Request("r", list(range(32)), hash_block_size=16)
-    assert mgr.allocate_slots(req, 32) is not None
-    req.num_computed_tokens = 32
+    req = _beside_live(mgr, 32)
     for manager in mgr.coordinator.single_type_managers:
         type(manager).mode = mode
     before = _state(mgr)

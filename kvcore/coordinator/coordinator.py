@@ -40,7 +40,6 @@ from kvcore.coordinator.plugin_results import (
     result_error,
     shown,
 )
-from kvcore.coordinator.pool_journal import taken_since
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, defining, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
@@ -479,8 +478,7 @@ class KVCacheCoordinator(FreeSteps):
                 new = getattr(members[0], method)(members, *args)
                 if new and allocating:
                     if first in self._checked_allocs and journal is not None:
-                        taken = taken_since(journal, mark)
-                        new = check_new_blocks(members, new, taken, method)
+                        new = check_new_blocks(members, new, journal, mark)
                     if out is None:
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):
@@ -640,8 +638,7 @@ class KVCacheCoordinator(FreeSteps):
                 new = lead.allocate_twins(members, request_id, tokens)
                 if new:
                     if first in self._checked_allocs and journal is not None:
-                        taken = taken_since(journal, mark)
-                        new = check_new_blocks(members, new, taken, "allocate_twins")
+                        new = check_new_blocks(members, new, journal, mark)
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
         except Exception as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self, TypedDict, Unpack
 
 from kvcore.coordinator.block_pool import KVCacheEvent
@@ -447,13 +447,14 @@ class KVCacheManager(StepNeeds, EngineCalls):
         running = args[0]
         num_hit_tokens, scheduled_to = tokens
         coordinator = self.coordinator
-        step = (
-            self._step
-            if sources is None
-            else functools.partial(self._copy_step, sources)
-        )
-        if counted:
+        # A copy step admits (it has sources); only a running step counts.
+        step: Callable[..., tuple[list[BlockId], ...] | None]
+        if sources is not None:
+            step = functools.partial(self._copy_step, sources)
+        elif counted:
             step = functools.partial(self._step, counted=counted)
+        else:
+            step = self._step
         unwritten = self._unwritten
         watched = unwritten.managers or unwritten.sources
         keyed_from = unwritten.keyed_so_far(rid) if watched else ()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
+from kvcore.coordinator.pool_journal import Record, taken_since
 from kvcore.errors import KvcoreTypeError, PluginResultError
 
 __all__ = [
@@ -42,22 +43,23 @@ _ONE = frozenset((1,))
 
 
 def check_new_blocks(
-    members: Sequence[Any], new: object, taken: Sequence[Sequence[int]], method: str
+    members: Sequence[Any], new: object, journal: list[Record], mark: int
 ) -> list[list[int]]:
-    """A class step's answer that holds blocks, checked: one list per twin
-    group of ``members``, listing only blocks the pool handed out during
-    the call (``taken``: each hand-out's blocks) and still held once, none
-    twice.  The engine
+    """``allocate_twins``' answer that holds blocks, checked: one list per
+    twin group of ``members``, listing only blocks the pool handed out
+    during the call (the hand-outs ``journal`` recorded from ``mark`` on)
+    and still held once, none twice.  The engine
     writes the step's KV into the blocks a step returns, so a block of
     another request, the null block or a block listed twice would be
     overwritten."""
     if type(new) is not list or len(new) != len(members):
         raise result_error(
             members[0],
-            method,
+            "allocate_twins",
             f"returned {shown(new)}; it must return None or a list of each "
             f"twin group's new blocks ({len(members)} lists, one per group)",
         )
+    taken = taken_since(journal, mark)
     ref = members[0].block_pool.ref_cnt
     if len(taken) == 1 and set(map(type, new)) == _LIST:
         given = list(chain.from_iterable(new))
@@ -67,14 +69,14 @@ def check_new_blocks(
     for blocks in new:
         if type(blocks) is not list:
             raise result_error(
-                members[0], method, f"returned {shown(blocks)} as a group's new "
+                members[0], "allocate_twins", f"returned {shown(blocks)} as a group's new "
                 "blocks; each must be a list of block ids"
             )  # fmt: skip
         for block in blocks:
             if block not in left or ref[block] != 1:
                 raise result_error(
                     members[0],
-                    method,
+                    "allocate_twins",
                     f"returned block {block!r} among the new blocks of "
                     f"{shown(new)}, which the block pool did not hand out in "
                     "this call or which is no longer held (another request's "
