@@ -60,6 +60,10 @@ class _Answers(FullAttentionManager):
             return [tuple(out[0])]  # type: ignore[list-item]
         elif self.mode == "one list too many":
             return [*out, []]
+        elif self.mode == "twins' lists swapped":
+            return out[::-1]
+        elif self.mode == "a block placed in no table":
+            table.pop()
         return out
 
     def pop_twins(self, twins: Sequence[Any], request_id: str) -> Any:
@@ -80,7 +84,7 @@ class _Answers(FullAttentionManager):
         return out
 
 
-def _manager(mode: str) -> KVCacheManager:
+def _manager(mode: str, num_groups: int = 1) -> KVCacheManager:
     manager = type("_Answers", (_Answers,), {"mode": mode})
     kind = type("AnswersKind", (FullAttention,), {"manager_type": manager})()
     spec = FullAttention().spec_type(
@@ -90,7 +94,9 @@ def _manager(mode: str) -> KVCacheManager:
         kvcore.KVCacheConfig(
             num_blocks=32,
             kv_cache_tensors=[],
-            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
+            kv_cache_groups=[
+                kvcore.KVCacheGroupSpec([f"l{g}"], spec) for g in range(num_groups)
+            ],
         ),
         max_model_len=1024,
         scheduler_block_size=16,
@@ -160,6 +166,48 @@ def test_a_running_requests_grow_answer_is_checked_too(mode: str) -> None:
         mgr.allocate_slots(req, 1)
     assert _state(mgr) == before
     assert mgr.get_block_ids("r") == ([3],)
+
+
+TWINS = {
+    # (mode, running): the answer named and the block its table lacks.
+    ("twins' lists swapped", False): ("[3, 4]", 3),
+    ("twins' lists swapped", True): ("[4]", 4),
+    ("a block placed in no table", False): ("[1, 2]", 2),
+    ("a block placed in no table", True): ("[3]", 3),
+}
+
+
+@pytest.mark.parametrize(("mode", "running"), list(TWINS))
+def test_each_twins_new_blocks_must_be_in_its_own_table(
+    mode: str, running: bool
+) -> None:
+    # Two groups of one class step as twins: one hand-out, split in group
+    # order.  The engine writes group g's KV into the blocks listed for
+    # group g, so an answer listing another group's blocks there (or a
+    # block no table holds) would put the KV where no hit reads it.
+    mgr = _manager("" if running else mode, num_groups=2)
+    req = Request("r", list(range(48)), hash_block_size=16)
+    if running:
+        assert mgr.allocate_slots(req, 16) is not None
+        assert mgr.get_block_ids("r") == ([1], [2])
+        req.num_computed_tokens = 16
+        for manager in mgr.coordinator.single_type_managers:
+            type(manager).mode = mode
+    before = _state(mgr)
+    answer, lacked = TWINS[mode, running]
+    with pytest.raises(PluginResultError) as info:
+        mgr.allocate_slots(req, 16 if running else 32)
+    assert (
+        f"_Answers.allocate_twins returned {answer} as the new blocks of cache "
+        f"group 0 for request 'r', but that group's table does not hold block "
+        f"{lacked}"
+    ) in str(info.value)
+    assert info.value.plugin_name == "acme"
+    assert _state(mgr) == before
+    if running:
+        assert mgr.get_block_ids("r") == ([1], [2])
+    else:
+        assert "r" not in mgr.coordinator.single_type_managers[0].req_to_blocks
 
 
 def test_blocks_from_several_hand_outs_in_one_call_pass() -> None:

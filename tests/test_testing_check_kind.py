@@ -515,9 +515,10 @@ def _kind(spec_type: type[FullAttentionSpec], manager: type) -> CacheKind:
         pytest.param(
             HandingSpec,
             HandingManager,
-            r"'handing': 'two-b' prefill step 1: allocate_slots handed request "
-            r"'two-b' blocks \[\d+(, \d+)*\] of cache group 0 that its table does "
-            r"not hold",
+            r"'handing': kvcore refused its manager's answer in a step: "
+            r".*HandingManager.allocate_twins returned \[\d+(, \d+)*\] as the new "
+            r"blocks of cache group 0 for request 'two-b', but that group's "
+            r"table does not hold block \d+",
             id="admits-into-another-requests-table",
         ),
         pytest.param(

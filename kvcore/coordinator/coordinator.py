@@ -478,7 +478,7 @@ class KVCacheCoordinator(FreeSteps):
                 new = getattr(members[0], method)(members, *args)
                 if new and allocating:
                     if first in self._checked_allocs and journal is not None:
-                        new = check_new_blocks(members, new, journal, mark)
+                        new = check_new_blocks(members, args[0], new, journal, mark)
                     if out is None:
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):
@@ -638,7 +638,7 @@ class KVCacheCoordinator(FreeSteps):
                 new = lead.allocate_twins(members, request_id, tokens)
                 if new:
                     if first in self._checked_allocs and journal is not None:
-                        new = check_new_blocks(members, new, journal, mark)
+                        new = check_new_blocks(members, request_id, new, journal, mark)
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
         except Exception as exc:

@@ -43,15 +43,20 @@ _ONE = frozenset((1,))
 
 
 def check_new_blocks(
-    members: Sequence[Any], new: object, journal: list[Record], mark: int
+    members: Sequence[Any],
+    request_id: str,
+    new: object,
+    journal: list[Record],
+    mark: int,
 ) -> list[list[int]]:
     """``allocate_twins``' answer that holds blocks, checked: one list per
     twin group of ``members``, listing only blocks the pool handed out
     during the call (the hand-outs ``journal`` recorded from ``mark`` on)
-    and still held once, none twice.  The engine
-    writes the step's KV into the blocks a step returns, so a block of
-    another request, the null block or a block listed twice would be
-    overwritten."""
+    and still held once, none twice, each in its own group's table of the
+    request.  The engine writes each group's KV into the blocks a step
+    returns for that group, so a block of another request, the null block,
+    a block listed twice or one another group's table holds would be
+    overwritten, or written where no hit reads it."""
     if type(new) is not list or len(new) != len(members):
         raise result_error(
             members[0],
@@ -64,7 +69,8 @@ def check_new_blocks(
     if len(taken) == 1 and set(map(type, new)) == _LIST:
         given = list(chain.from_iterable(new))
         if given == taken[0] and set(map(ref.__getitem__, given)) <= _ONE:
-            return new  # the one hand-out, split in group order, all held
+            # The one hand-out, split in group order, all held.
+            return _in_own_tables(members, request_id, new)
     left = {block for blocks in taken for block in blocks}
     for blocks in new:
         if type(blocks) is not list:
@@ -85,6 +91,38 @@ def check_new_blocks(
                     "block_pool.get_new_blocks and keeps, each once",
                 )
             left.discard(block)
+    return _in_own_tables(members, request_id, new)
+
+
+def _in_own_tables(
+    members: Sequence[Any], request_id: str, new: list[list[int]]
+) -> list[list[int]]:
+    """``new`` if each group's new blocks are in that group's table of the
+    request (a step appends them, or places them among its last
+    positions: the table is searched from its end), else an error naming
+    the first group whose answer lists a block its table does not hold."""
+    for manager, blocks in zip(members, new, strict=True):
+        if not blocks:
+            continue
+        table = manager.req_to_blocks.get(request_id)
+        if table is not None and table[-len(blocks) :] == blocks:
+            continue
+        missing = set(blocks)
+        for block in reversed(table or ()):
+            missing.discard(block)
+            if not missing:
+                break
+        if missing:
+            raise result_error(
+                members[0],
+                "allocate_twins",
+                f"returned {shown(blocks)} as the new blocks of cache group "
+                f"{manager.kv_cache_group_id} for request {request_id!r}, but "
+                f"that group's table does not hold block {min(missing)} (it "
+                "is another twin group's, or was never placed in a table); "
+                "return each group's new blocks in that group's list, in "
+                "group order, as placed in its table",
+            )
     return new
 
 

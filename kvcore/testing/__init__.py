@@ -19,7 +19,7 @@ from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.kv_cache_manager import KVCacheManager
 from kvcore.coordinator.manager import HitQuery
 from kvcore.coordinator.request import Request
-from kvcore.errors import KvcoreError, PluginError
+from kvcore.errors import KvcoreError, PluginError, PluginResultError
 from kvcore.kinds import CacheKind
 from kvcore.layout import KVCacheLayout
 from kvcore.plan import get_kv_cache_config_from_groups
@@ -143,9 +143,25 @@ def check_kind(
             _require(hits == [[]], kind, "a search over no hashes finds no hit")
 
     if kind.manager_type is not None:
-        _check_blocks_held(kind, spec, registry)
-        _check_hit_cycle(kind, spec, registry)
-        check_two_requests(kind, spec, registry, _require)
+        with _answers_refused(kind):
+            _check_blocks_held(kind, spec, registry)
+            _check_hit_cycle(kind, spec, registry)
+            check_two_requests(kind, spec, registry, _require)
+
+
+@contextlib.contextmanager
+def _answers_refused(kind: CacheKind) -> Iterator[None]:
+    """A manager answer the core refused in a step (it checks what managers
+    return where it crosses in), as a :class:`ConformanceError` naming the
+    kind."""
+    try:
+        yield
+    except PluginResultError as exc:
+        msg = (
+            f"cache kind {getattr(kind, 'name', kind)!r}: kvcore refused its "
+            f"manager's answer in a step: {exc}"
+        )
+        raise ConformanceError(msg) from exc
 
 
 def _check_planning_declarations(kind: CacheKind, spec: KVCacheSpec) -> None:
