@@ -373,13 +373,15 @@ def test_a_plugins_own_request_state_is_recorded_once_and_put_back() -> None:
     r = Request("r", list(range(16)), hash_block_size=4)
     assert mgr.allocate_slots(r, 6) is not None
     r.num_computed_tokens = 6
-    # The step recorded the request's state once, on its first change,
-    # however many changes followed (its table, its hashed count, its own).
+    # The step recorded the request's state once, before the kind's own
+    # step ran, however many changes followed (its table, its hashed count,
+    # its own).
     assert (counting.grown, counting.snapshots) == ({"r": 1}, 1)
-    # A step that changes nothing of the request records nothing.
+    # So does a step of the kind's own that changes nothing: what it may
+    # change is recorded before it runs.
     assert mgr.allocate_slots(r, 1) is mgr.empty_kv_cache_blocks
     r.num_computed_tokens = 7
-    assert (counting.grown, counting.snapshots) == ({"r": 1}, 1)
+    assert (counting.grown, counting.snapshots) == ({"r": 1}, 2)
     before = pool_state(mgr)
     try:
         BadManager.fail = "allocate_new_blocks"
@@ -392,7 +394,7 @@ def test_a_plugins_own_request_state_is_recorded_once_and_put_back() -> None:
     assert pool_state(mgr) == before
     assert mgr.get_block_ids("r") == ([1, 2], [3, 4])
     assert mgr.allocate_slots(r, 5) is not None
-    assert (counting.grown, counting.snapshots) == ({"r": 2}, 3)
+    assert (counting.grown, counting.snapshots) == ({"r": 2}, 4)
     assert mgr.get_block_ids("r") == ([1, 2, 5], [3, 4, 6])
 
 

@@ -245,11 +245,9 @@ def test_a_pop_answer_that_is_not_the_requests_tables_is_refused(
     assert "_Answers.pop_twins" in str(info.value)
     assert info.value.plugin_name == "acme"
     # The free was undone: both requests keep their blocks, none is free
-    # (a table the manager cut in place stays cut: no undo restores what a
-    # plugin changed in its own lists).
+    # (a table the manager cut in place too: it was recorded whole before
+    # the kind's own step ran).
     assert _state(mgr) == before
-    if mode == "pop its table cut in place":
-        return
     assert mgr.get_block_ids("r") == ([3, 4],)
     assert mgr.get_block_ids("live") == ([1, 2],)
     for manager in mgr.coordinator.single_type_managers:
@@ -298,3 +296,157 @@ def test_what_a_release_or_a_keying_returns_is_not_used() -> None:
     assert out.get_block_ids() == ([9], [10])
     assert mgr.get_block_ids("r") == ([1, 2, 3, 4, 9], [0, 0, 0, 8, 10])
     assert mgr.block_pool.num_cached_blocks == 8
+
+
+class _Raising(FullAttentionManager):
+    """Changes the request's table and hashed count without recording them
+    in the step ``mode`` names, then raises."""
+
+    mode = ""
+
+    def _break(self, request_id: str) -> None:
+        table = self.req_to_blocks.get(request_id)
+        if table:
+            table[0] = 7  # in place: the list the request holds
+            table.append(8)
+        else:
+            self.req_to_blocks[request_id] = [7]
+        self.num_cached_block[request_id] = 99
+        raise RuntimeError("broken mid-step")
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        if self.mode == "allocate":
+            self._break(request_id)
+        return super().allocate_new_blocks(request_id, num_tokens)
+
+    def add_computed_blocks(self, request_id: str, blocks: Sequence[int]) -> None:
+        if self.mode == "attach":
+            self._break(request_id)
+        super().add_computed_blocks(request_id, blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        if self.mode == "cache":
+            self._break(request.request_id)
+        super().cache_blocks(request, num_tokens)
+
+    def pop_blocks(self, request_id: str) -> list[int] | None:
+        if self.mode == "pop":
+            self._break(request_id)
+        return super().pop_blocks(request_id)
+
+
+def _raising_manager() -> tuple[KVCacheManager, type[_Raising]]:
+    manager = type("_Raising", (_Raising,), {})
+    kind = type("RaisingKind", (FullAttention,), {"manager_type": manager})()
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    mgr = KVCacheManager(
+        kvcore.KVCacheConfig(
+            num_blocks=32,
+            kv_cache_tensors=[],
+            kv_cache_groups=[kvcore.KVCacheGroupSpec(["l0"], spec)],
+        ),
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind], owner="acme"),
+    )
+    return mgr, manager
+
+
+def _everything(mgr: KVCacheManager) -> tuple[Any, ...]:
+    group = mgr.coordinator.single_type_managers[0]
+    return (
+        _state(mgr),
+        {rid: list(table) for rid, table in group.req_to_blocks.items()},
+        dict(group.num_cached_block),
+        mgr.block_pool.num_cached_blocks,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "call"),
+    [
+        ("allocate", "admit"),
+        ("allocate", "grow"),
+        ("attach", "admit"),
+        ("cache", "grow"),
+        ("pop", "free"),
+        ("pop", "free, forward not run"),
+    ],
+)
+def test_a_kinds_step_that_raises_leaves_the_tables_as_they_were(
+    mode: str, call: str
+) -> None:
+    # A kind's own step may change a table in place, without recording it,
+    # before it raises: the core recorded the tables whole before the step,
+    # so the rollback puts back every position, the list objects the
+    # engine holds included, and the hashed counts.
+    mgr, manager = _raising_manager()
+    prefix = list(range(32))
+    first = Request("first", [*prefix, 50], hash_block_size=16)
+    assert mgr.allocate_slots(first, 33) is not None  # blocks 1-3, 1-2 keyed
+    first.num_computed_tokens = 33
+    first.append_output_token_ids(51)
+    group = mgr.coordinator.single_type_managers[0]
+    held = group.req_to_blocks["first"]
+    before = _everything(mgr)
+    req = Request("r", [*prefix, 60, 61], hash_block_size=16)
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert hit == 32
+    step = {
+        "admit": lambda: mgr.allocate_slots(req, 2, hit, blocks),
+        "grow": lambda: mgr.allocate_slots(first, 16),
+        "free": lambda: mgr.free(first),
+        "free, forward not run": lambda: mgr.free(first, forward_ran=False),
+    }[call]
+    manager.mode = mode
+    with pytest.raises(kvcore.PluginError, match="broken mid-step"):
+        step()
+    assert _everything(mgr) == before
+    assert group.req_to_blocks["first"] is held  # the same list, put back
+    assert held == [1, 2, 3]
+    manager.mode = ""
+    assert mgr.allocate_slots(first, 16) is not None
+    assert mgr.get_block_ids("first") == ([1, 2, 3, 4],)
+
+
+class _RaisingWindow(SlidingWindowManager):
+    """Overwrites a table position in place in its release step, then
+    raises."""
+
+    broken = False
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, num_computed_tokens)
+        if self.broken:
+            self.req_to_blocks[request_id][-1] = 5
+            raise RuntimeError("broken mid-release")
+
+
+def test_a_kinds_release_that_raises_leaves_the_tables_as_they_were() -> None:
+    kind = type(
+        "RaisingWindowKind", (SlidingWindow,), {"manager_type": _RaisingWindow}
+    )()
+    mgr = setup.beside_full_attention(kind, 32, block_size=4, window=4)
+    req = Request("r", list(range(16)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 16) is not None
+    req.num_computed_tokens = 16
+    req.append_output_token_ids(99)
+    window = mgr.coordinator.single_type_managers[1]
+    held = window.req_to_blocks["r"]
+    before = (_state(mgr), mgr.get_block_ids("r"), mgr.block_pool.num_cached_blocks)
+    _RaisingWindow.broken = True
+    try:
+        with pytest.raises(kvcore.PluginError, match="broken mid-release"):
+            mgr.allocate_slots(req, 1)
+    finally:
+        _RaisingWindow.broken = False
+    after = (_state(mgr), mgr.get_block_ids("r"), mgr.block_pool.num_cached_blocks)
+    assert after == before
+    assert window.req_to_blocks["r"] is held
+    assert mgr.get_block_ids("r") == ([1, 2, 3, 4], [5, 6, 7, 8])
+    out = mgr.allocate_slots(req, 1)
+    assert out is not None
+    assert mgr.get_block_ids("r") == ([1, 2, 3, 4, 9], [0, 0, 0, 8, 10])

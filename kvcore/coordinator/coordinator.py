@@ -25,12 +25,12 @@ from kvcore.coordinator.assembly import (
 )
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.cache_spans import CacheSpans
+from kvcore.coordinator.checkpoint_steps import CheckpointSteps
 from kvcore.coordinator.counted_release import freeable_counts
 from kvcore.coordinator.found_hits import check_found_hit
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
-from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.plugin_results import (
     BadCount,
@@ -41,7 +41,7 @@ from kvcore.coordinator.plugin_results import (
     shown,
 )
 from kvcore.coordinator.request import Request
-from kvcore.coordinator.twins import Runs, defining, twin_runs
+from kvcore.coordinator.twins import Runs, kind_steps, record_whole, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
 from kvcore.errors import PluginError, PluginResultError
 from kvcore.registry import KindRegistry
@@ -51,7 +51,7 @@ from kvcore.structs import KVCacheConfig
 __all__ = ["KVCacheCoordinator", "SpecGroup"]
 
 
-class KVCacheCoordinator(FreeSteps):
+class KVCacheCoordinator(FreeSteps, CheckpointSteps):
     """Runs every cache group's manager over one :class:`BlockPool`.
 
     :param kv_cache_config: the scheduler's view of the plan.
@@ -204,7 +204,10 @@ class KVCacheCoordinator(FreeSteps):
         self._cache_runs = twin_runs(managers, "caching")
         self._grow_runs = twin_runs(managers, "position_indexed")
         self._admit_runs = twin_runs(managers)
-        self._checked_allocs = defining(self._admit_runs, "allocate_twins")
+        #: The classes whose manager class defines a step itself, by step:
+        #: the kind's own code (checked, its tables recorded whole).
+        self._kind_steps = kind_steps(self._admit_runs)
+        self._checked_allocs = self._kind_steps["allocate_twins"]
         #: Each class of growing twins' first manager and size: a running
         #: request's growth is counted once per class.
         sizes: dict[int, int] = {}
@@ -466,6 +469,7 @@ class KVCacheCoordinator(FreeSteps):
         cross in); what a release or a keying returns is not."""
         journal = self.block_pool.journal
         allocating = method == "allocate_twins"
+        own = self._kind_steps[method]
         idle: list[int] = []
         out: list[list[int]] | None = None
         gid = -1
@@ -475,6 +479,11 @@ class KVCacheCoordinator(FreeSteps):
                     continue
                 gid = first
                 mark = -1 if journal is None else len(journal)
+                if first in own and journal is not None:
+                    # A request id, or (keying) the request.
+                    rid = getattr(args[0], "request_id", args[0])
+                    record_whole(members, rid)
+                    mark = len(journal)
                 new = getattr(members[0], method)(members, *args)
                 if new and allocating:
                     if first in self._checked_allocs and journal is not None:
@@ -608,6 +617,7 @@ class KVCacheCoordinator(FreeSteps):
     ) -> None:
         """Phase one: touch every group's hit blocks before anything allocates."""
         self.forget_span(request_id)
+        own = self._kind_steps["add_computed_blocks"]
         gid = 0
         try:
             for manager, computed in zip(
@@ -615,6 +625,8 @@ class KVCacheCoordinator(FreeSteps):
             ):
                 gid = manager.kv_cache_group_id
                 if computed:
+                    if gid in own and self.block_pool.journal is not None:
+                        record_whole((manager,), request_id)
                     manager.add_computed_blocks(request_id, computed)
         except Exception as exc:
             raise self.plugin_error(gid, "add_computed_blocks", exc) from exc
@@ -634,6 +646,8 @@ class KVCacheCoordinator(FreeSteps):
                 lead = members[0]
                 gid = lead.kv_cache_group_id
                 tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
+                if first in self._checked_allocs and journal is not None:
+                    record_whole(members, request_id)
                 mark = 0 if journal is None else len(journal)
                 new = lead.allocate_twins(members, request_id, tokens)
                 if new:
@@ -733,57 +747,6 @@ class KVCacheCoordinator(FreeSteps):
         """Drop the request's cache span (its tables or checkpoints change)."""
         if self.cache_spans is not None:
             self.cache_spans.forget(request_id)
-
-    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
-        """Let every state group choose where to keep checkpoints for a
-        request being admitted."""
-        self.forget_span(request.request_id)
-        self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
-        for twins in self._path_twins:
-            CheckpointManager.agree_on_path(twins, request)
-
-    def shed_checkpoints(self, request_id: str) -> list[Any] | None:
-        """Let every state group give up the request's optional checkpoints
-        (for a step that does not fit with them); what
-        :meth:`restore_checkpoints` needs to undo it, or None when there was
-        nothing to give up."""
-        # A transaction: when a group raises, every group (that one
-        # included, as far as it journaled its change) keeps its
-        # checkpoints.
-        saved: list[Any] = []
-        pool = self.block_pool
-        pool.begin()
-        try:
-            for manager in self.planning:
-                saved.append(manager.shed_checkpoints(request_id))
-        except BaseException as exc:
-            pool.rollback()
-            if not isinstance(exc, Exception):
-                raise  # an interrupt, after the rollback
-            gid = self.planning[len(saved)].kv_cache_group_id
-            raise self.plugin_error(gid, "shed_checkpoints", exc) from exc
-        pool.commit()
-        if not any(state is not None for state in saved):
-            return None
-        self.forget_span(request_id)
-        return saved
-
-    def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
-        """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
-        self.forget_span(request_id)
-        gid = 0
-        try:
-            for manager, state in zip(self.planning, saved, strict=True):
-                if state is not None:
-                    gid = manager.kv_cache_group_id
-                    manager.restore_checkpoints(request_id, state)
-        except Exception as exc:
-            raise self.plugin_error(gid, "restore_checkpoints", exc) from exc
-
-    def forget_checkpoints(self, request_id: str) -> None:
-        """Undo :meth:`plan_checkpoints` after a refused admission."""
-        self.forget_span(request_id)
-        self._each(self.planning, "forget_checkpoints", request_id)
 
     def get_blocks(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(

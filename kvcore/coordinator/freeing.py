@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.plugin_results import result_error, shown
-from kvcore.coordinator.twins import defining, twin_runs
+from kvcore.coordinator.twins import defining, record_whole, twin_runs
 from kvcore.coordinator.undo import truncate
 from kvcore.errors import InvalidRequestError, KvcoreTypeError
 
@@ -222,6 +222,8 @@ class FreeSteps:
                 if first not in self._checked_pops:
                     tables += lead.pop_twins(members, request_id)
                     continue
+                if self.block_pool.journal is not None:
+                    record_whole(members, request_id)
                 held = [m.req_to_blocks.get(request_id) for m in members]
                 sizes = [-1 if table is None else len(table) for table in held]
                 popped = lead.pop_twins(members, request_id)

@@ -12,8 +12,31 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.managers import FixedBlocksManager, PrefixManager, WindowManager
+from kvcore.coordinator.state_manager import CheckpointManager
 
-__all__ = ["Runs", "defining", "twin_key", "twin_runs"]
+__all__ = [
+    "CORE_MANAGERS",
+    "KIND_STEPS",
+    "Runs",
+    "defining",
+    "kind_steps",
+    "record_whole",
+    "twin_key",
+    "twin_runs",
+]
+
+#: The core's manager classes, one per hit policy, that kinds' managers
+#: subclass: the steps they define are the core's own.
+CORE_MANAGERS = frozenset(
+    (
+        SingleTypeManager,
+        PrefixManager,
+        WindowManager,
+        FixedBlocksManager,
+        CheckpointManager,
+    )
+)
 
 
 def twin_key(manager: SingleTypeManager) -> Any:
@@ -57,16 +80,48 @@ def twin_runs(managers: Sequence[SingleTypeManager], flag: str | None = None) ->
 
 def defining(runs: Runs, *steps: str) -> frozenset[int]:
     """The classes of ``runs`` (by first group id) whose manager class
-    defines one of ``steps`` itself, below :class:`SingleTypeManager` (an
-    override, or a twin step made from a one-group override): their
-    answers are plugin code, checked where they cross into the core; the
-    core's own steps need no check."""
+    defines one of ``steps`` itself, below the core's manager classes
+    (:data:`CORE_MANAGERS`): an override, or a twin step made from a
+    one-group override.  Those steps are a kind's own code: what they
+    return is checked where it crosses into the core, and the tables they
+    may change are recorded whole before they run; the core's own steps
+    need neither.  Found once per plan, the same for a built-in kind's
+    class as for a third party's."""
     out: set[int] = set()
     for first, members in runs:
         for klass in type(members[0]).__mro__:
-            if klass is SingleTypeManager:
+            if klass in CORE_MANAGERS:
                 break
             if any(step in vars(klass) for step in steps):
                 out.add(first)
                 break
     return frozenset(out)
+
+
+#: The steps that change a request's tables, by their class (twin) name:
+#: where a kind's manager class defines one itself, its answers are checked
+#: and the tables it may change are recorded whole before it runs.
+KIND_STEPS = (
+    "allocate_twins",
+    "release_twins",
+    "cache_twins",
+    "pop_twins",
+    "add_computed_blocks",
+)
+
+
+def kind_steps(runs: Runs) -> dict[str, frozenset[int]]:
+    """Each of :data:`KIND_STEPS` -> the classes of ``runs`` (by first
+    group id) that define it below the core's classes (see
+    :func:`defining`)."""
+    return {step: defining(runs, step) for step in KIND_STEPS}
+
+
+def record_whole(members: Sequence[SingleTypeManager], request_id: str) -> None:
+    """Before a kind's own step over ``members`` (a transaction open):
+    record each one's table for the request whole, with its counts, so a
+    rollback puts back every position the step changed, in place or not
+    (the core's steps record exactly what they change; a kind's may change
+    a table without recording it).  Once per transaction and request."""
+    for manager in members:
+        SingleTypeManager.record_request_state(manager, request_id, whole=True)

@@ -1,0 +1,93 @@
+"""Checkpoint planning over the state groups (a base class of
+:class:`~kvcore.coordinator.coordinator.KVCacheCoordinator`): at admission
+every state group chooses where to keep the request's checkpoints; a step
+that does not fit with the optional ones sheds them, and a refused step
+gets them back or forgets them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcore.coordinator.state_manager import CheckpointManager
+
+if TYPE_CHECKING:
+    from kvcore.coordinator.block_pool import BlockPool
+    from kvcore.coordinator.manager import SingleTypeManager
+    from kvcore.coordinator.request import Request
+    from kvcore.errors import PluginError
+
+__all__ = ["CheckpointSteps"]
+
+
+class CheckpointSteps:
+    """The checkpoint steps of the coordinator, which supplies the pool, the
+    planning groups, their twin classes and the error reports."""
+
+    block_pool: BlockPool
+    planning: tuple[SingleTypeManager, ...]
+    _path_twins: Sequence[Sequence[CheckpointManager]]
+
+    if TYPE_CHECKING:  # the coordinator's
+
+        def plugin_error(
+            self, gid: int, method: str, exc: BaseException
+        ) -> PluginError: ...
+
+        def forget_span(self, request_id: str) -> None: ...
+
+        def _each(
+            self, managers: Sequence[SingleTypeManager], method: str, *args: Any
+        ) -> list[Any]: ...
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        """Let every state group choose where to keep checkpoints for a
+        request being admitted."""
+        self.forget_span(request.request_id)
+        self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
+        for twins in self._path_twins:
+            CheckpointManager.agree_on_path(twins, request)
+
+    def shed_checkpoints(self, request_id: str) -> list[Any] | None:
+        """Let every state group give up the request's optional checkpoints
+        (for a step that does not fit with them); what
+        :meth:`restore_checkpoints` needs to undo it, or None when there was
+        nothing to give up."""
+        # A transaction: when a group raises, every group (that one
+        # included, as far as it journaled its change) keeps its
+        # checkpoints.
+        saved: list[Any] = []
+        pool = self.block_pool
+        pool.begin()
+        try:
+            for manager in self.planning:
+                saved.append(manager.shed_checkpoints(request_id))
+        except BaseException as exc:
+            pool.rollback()
+            if not isinstance(exc, Exception):
+                raise  # an interrupt, after the rollback
+            gid = self.planning[len(saved)].kv_cache_group_id
+            raise self.plugin_error(gid, "shed_checkpoints", exc) from exc
+        pool.commit()
+        if not any(state is not None for state in saved):
+            return None
+        self.forget_span(request_id)
+        return saved
+
+    def restore_checkpoints(self, request_id: str, saved: list[Any]) -> None:
+        """Undo :meth:`shed_checkpoints` (the step was refused anyway)."""
+        self.forget_span(request_id)
+        gid = 0
+        try:
+            for manager, state in zip(self.planning, saved, strict=True):
+                if state is not None:
+                    gid = manager.kv_cache_group_id
+                    manager.restore_checkpoints(request_id, state)
+        except Exception as exc:
+            raise self.plugin_error(gid, "restore_checkpoints", exc) from exc
+
+    def forget_checkpoints(self, request_id: str) -> None:
+        """Undo :meth:`plan_checkpoints` after a refused admission."""
+        self.forget_span(request_id)
+        self._each(self.planning, "forget_checkpoints", request_id)
