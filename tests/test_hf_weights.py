@@ -13,6 +13,7 @@ import pytest
 
 import kvcore_hf
 from kvcore.tools import zoo
+from kvcore.tools.accelerators import find_accelerator
 from kvcore_hf.mapping import load_hf_config, map_model_config
 from kvcore_hf.weights import estimate_weights, hub_checkpoint_bytes
 
@@ -184,6 +185,188 @@ def test_a_mapped_model_carries_the_estimate_and_says_so() -> None:
     assert "weights estimated from the configuration: 8,030,261,248 parameters" in (
         model.notes
     )
+
+
+# -- hybrids with no shipped model file ----------------------------------------
+
+#: Falcon-H1 and Nemotron-H checkpoints kvcore maps but ships no model file
+#: for.  Their fixtures hold the shape fields of the hub configs (Falcon-H1-7B
+#: as copies of its config quote it; Nemotron-H's from the transformers
+#: ``NemotronHConfig`` defaults, which are the 8B model, and Megatron-Bridge's
+#: table of the 4B, 8B and Nano-9B-v2 shapes).  ``(value, unit, rounding,
+#: source)``: the published figure is rounded, so the true one lies within
+#: ``rounding`` of ``value``.
+HYBRIDS: dict[str, tuple[int, str, int, str]] = {
+    "falcon-h1-7b-instruct": (
+        7_590_000_000,
+        "params",
+        5_000_000,
+        "tiiuae/Falcon-H1-7B-Instruct on the hub: 7.59B",
+    ),
+    "nemotron-h-4b-base-8k": (
+        8_970_000_000,
+        "bytes",
+        10_000_000,
+        "nvidia/Nemotron-H-4B-Base-8K's two safetensors files: 4.99 GB + 3.98 GB",
+    ),
+    "nemotron-h-8b-base-8k": (
+        8_000_000_000,
+        "params",
+        500_000_000,
+        "nvidia/Nemotron-H-8B-Base-8K model card: 8B",
+    ),
+    "nvidia-nemotron-nano-9b-v2": (
+        8_890_000_000,
+        "params",
+        5_000_000,
+        "nvidia/NVIDIA-Nemotron-Nano-9B-v2 on the hub: 8.89B",
+    ),
+}
+
+#: Their estimates, pinned: ``(bytes, parameters)``.
+HYBRID_ESTIMATES: dict[str, tuple[int, int]] = {
+    "falcon-h1-7b-instruct": (15_171_027_136, 7_585_513_568),
+    "nemotron-h-4b-base-8k": (8_978_446_080, 4_489_223_040),
+    "nemotron-h-8b-base-8k": (16_201_705_472, 8_100_852_736),
+    "nvidia-nemotron-nano-9b-v2": (17_776_454_656, 8_888_227_328),
+}
+
+
+def test_the_hybrid_fixtures_are_not_shipped_files() -> None:
+    assert sorted(HYBRIDS) == sorted(HYBRID_ESTIMATES)
+    assert not set(HYBRIDS) & set(zoo.names())
+
+
+@pytest.mark.parametrize("stem", sorted(HYBRID_ESTIMATES))
+def test_the_hybrid_estimate_is_pinned(stem: str) -> None:
+    found = estimate(stem)
+    assert (found.bytes, found.params) == HYBRID_ESTIMATES[stem]
+    assert sum(found.parts.values()) == found.bytes
+    assert found.parts["mixer"] > 0  # the Mamba-2 mixers are counted
+
+
+@pytest.mark.parametrize("stem", sorted(HYBRIDS))
+def test_the_hybrid_estimate_is_within_the_published_rounding(stem: str) -> None:
+    value, unit, rounding, _ = HYBRIDS[stem]
+    found = estimate(stem)
+    ours = found.bytes if unit == "bytes" else found.params
+    assert abs(ours - value) <= rounding, (stem, ours, value)
+    assert abs(ours - value) / value < 0.03
+
+
+#: A one-layer Falcon-H1 small enough to size by hand.
+TINY_FALCON_H1: dict[str, Any] = {
+    "model_type": "falcon_h1",
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+    "intermediate_size": 24,
+    "num_hidden_layers": 1,
+    "vocab_size": 100,
+    "mamba_d_ssm": 32,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 8,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 4,
+    "mamba_d_conv": 4,
+    "torch_dtype": "bfloat16",
+}
+
+
+def params(data: dict[str, Any]) -> int:
+    found = estimate_weights(load_hf_config_from(data))
+    assert found is not None
+    return int(found.params)
+
+
+def test_falcon_h1_layers_hold_attention_a_mamba2_mixer_and_an_mlp() -> None:
+    # Embeddings and the untied head 2 x 1,600, the final norm 16.  The
+    # layer: q and o 16 x 16, k and v 8 x 16 (768); the Mamba-2 mixer's
+    # in_proj (32 gate + 40 x, B, C + 4 dt) x 16 = 1,216, conv1d 40 x (4 + 1
+    # bias), dt_bias, A_log and D 3 x 4, out_proj 16 x 32 (1,940); the gated
+    # MLP 3 x 24 x 16 (1,152); two norms (32).
+    assert params(TINY_FALCON_H1) == 3_216 + 768 + 1_940 + 1_152 + 32
+    # mamba_rms_norm adds the gated norm's 32; a null mamba_d_ssm is
+    # mamba_expand x hidden_size (2 x 16, the same width).
+    assert params({**TINY_FALCON_H1, "mamba_rms_norm": True}) == 7_140
+    assert params({**TINY_FALCON_H1, "mamba_d_ssm": None, "mamba_expand": 2}) == 7_108
+
+
+#: A four-layer Nemotron-H, one layer of each letter: Mamba-2, attention,
+#: MLP and experts.
+TINY_NEMOTRON_H: dict[str, Any] = {
+    "model_type": "nemotron_h",
+    "hybrid_override_pattern": "M*-E",
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+    "intermediate_size": 24,
+    "num_hidden_layers": 4,
+    "vocab_size": 100,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 8,
+    "n_groups": 2,
+    "ssm_state_size": 4,
+    "conv_kernel": 4,
+    "n_routed_experts": 4,
+    "moe_intermediate_size": 6,
+    "moe_shared_expert_intermediate_size": 12,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_nemotron_h_blocks_hold_a_norm_and_the_mixer_their_letter_names() -> None:
+    # Embeddings and head 2 x 1,600, the final norm 16; each block's norm 16.
+    # M: in_proj (32 + 48 + 4) x 16 = 1,344, conv1d 48 x 5, 3 x 4, the
+    # gated norm 32, out_proj 512 (2,140).  *: 768.  -: up and down
+    # 24 x 16 (768, no gate).  E: 4 experts' up and down 2 x 6 x 16 (768),
+    # the router 4 x 16 and its bias 4, the shared expert 2 x 12 x 16 (1,220).
+    assert params(TINY_NEMOTRON_H) == 3_216 + 4 * 16 + 2_140 + 768 + 768 + 1_220
+    # A latent projection narrows the experts to 8: fc1 and fc2 8 x 16, the
+    # experts 2 x 4 x 6 x 8 (384 in all instead of 768).
+    latent = {**TINY_NEMOTRON_H, "moe_latent_size": 8}
+    assert params(latent) == params(TINY_NEMOTRON_H) - 768 + 256 + 384
+    # layers_block_type spells the same pattern; the pattern sets the count.
+    listed = {
+        k: v for k, v in TINY_NEMOTRON_H.items() if k != "hybrid_override_pattern"
+    }
+    listed["layers_block_type"] = ["mamba", "attention", "mlp", "moe"]
+    assert params({**listed, "num_hidden_layers": 9}) == params(TINY_NEMOTRON_H)
+
+
+def test_nemotron_h_reads_the_older_attention_head_dim() -> None:
+    older = {k: v for k, v in TINY_NEMOTRON_H.items() if k != "head_dim"}
+    assert params({**older, "attention_head_dim": 8}) == params(TINY_NEMOTRON_H)
+
+
+def test_a_nemotron_h_pattern_with_an_unknown_letter_has_no_estimate() -> None:
+    bad = {**TINY_NEMOTRON_H, "hybrid_override_pattern": "M*X"}
+    assert estimate_weights(load_hf_config_from(bad)) is None
+
+
+# -- kvcore plan --gpu with the estimate ---------------------------------------
+
+
+@pytest.mark.parametrize("stem", sorted(HYBRID_ESTIMATES))
+def test_plan_on_a_gpu_sets_a_hybrids_estimate_aside(stem: str) -> None:
+    from tests.test_cli import plan_json
+
+    config = str(FIXTURES / stem / "config.json")
+    doc = plan_json("--hf-config", config, "--gpu", "H100", "--context", "8K")
+    memory = doc["settings"]["memory"]
+    device = find_accelerator("H100").memory_bytes
+    weights = HYBRID_ESTIMATES[stem][0]
+    assert memory["weights_bytes"] == weights
+    assert memory["weights_source"] == "estimated from config.json"
+    assert memory["kv_cache_bytes"] == int(device * 0.9) - weights
+    assert not any("no weights set aside" in note for note in doc["notes"])
+    bare = plan_json(
+        "--hf-config", config, "--gpu", "H100", "--weights", "0", "--context", "8K"
+    )
+    with_weights = doc["capacity"][0]["concurrency"]
+    assert with_weights < bare["capacity"][0]["concurrency"]
 
 
 # -- quantization formats ------------------------------------------------------

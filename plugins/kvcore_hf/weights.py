@@ -11,7 +11,14 @@ file's ``quantization_config`` stores it in:
   their norms, DeepSeek-V3.2's indexer);
 - feed-forward: dense gated MLPs, mixture-of-experts layers (routed experts,
   shared experts, the router and its bias), placed by each family's rule;
-- state mixers: Mamba-1 (Jamba) and Gated DeltaNet (Qwen3-Next);
+- state mixers: Mamba-1 (Jamba), Mamba-2 (Falcon-H1 beside attention in
+  every layer, Nemotron-H in the layers its pattern marks ``M``) and Gated
+  DeltaNet (Qwen3-Next); Falcon-H1's muP multipliers scale activations and
+  hold no tensor;
+- Nemotron-H's one-mixer blocks: each layer a norm and one of Mamba-2,
+  attention, a squared-ReLU MLP (up and down projections, no gate) or a
+  mixture of such experts with a shared one and an optional latent
+  projection;
 - the norms, multi-token-prediction layers the checkpoint ships
   (``num_nextn_predict_layers``) and a vision tower under ``vision_config``;
 - the formats: the weights' dtype (a float32 file counts as served, in
@@ -22,12 +29,15 @@ file's ``quantization_config`` stores it in:
 
 Sources: transformers ``models/*/modeling_*.py`` (the tensors of Llama,
 Qwen2/3, Qwen3-MoE, Qwen3-Next, Gemma 2/3, gpt-oss, Jamba, Llama 4,
-DeepSeek-V3/V3.2); DeepSeek-V3's ``README_WEIGHTS.md`` (the MTP module
-holds a whole decoder layer, its own embedding and head); vLLM
-``model_executor/layers/quantization`` (fp8 ``weight_scale_inv`` per
-128 x 128 block, AWQ/GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``,
-MXFP4 blocks of 32 values with one uint8 scale).  Published checkpoint
-sizes it is checked against are in ``docs/capacity.md``.
+DeepSeek-V3/V3.2; Falcon-H1's ``FalconH1Mixer`` and
+``FalconH1DecoderLayer``, Nemotron-H's ``NemotronHMamba2Mixer``,
+``NemotronHMoE`` and ``NemotronHBlock``); DeepSeek-V3's
+``README_WEIGHTS.md`` (the MTP module holds a whole decoder layer, its own
+embedding and head); vLLM ``model_executor/layers/quantization`` (fp8
+``weight_scale_inv`` per 128 x 128 block, AWQ/GPTQ
+``qweight``/``qzeros``/``scales``/``g_idx``, MXFP4 blocks of 32 values with
+one uint8 scale).  Published checkpoint sizes it is checked against are in
+``docs/capacity.md``.
 """
 
 from __future__ import annotations
@@ -133,7 +143,7 @@ def _attention(t: Mapping[str, Any], p: str, family: str) -> Iterator[Tensor]:
     yield _linear(f"{p}.o_proj", "attention", hidden, heads * dim)
     if _get(t, "attention_bias", False):
         yield Tensor(f"{p}.qkv_bias", "attention", (heads + 2 * kv) * dim)
-        if family == "gpt_oss":
+        if family in ("gpt_oss", "falcon_h1"):
             yield Tensor(f"{p}.o_proj.bias", "attention", hidden)
     elif family in ("qwen2", "qwen2_moe"):
         yield Tensor(f"{p}.qkv_bias", "attention", (heads + 2 * kv) * dim)
@@ -216,6 +226,8 @@ def _is_moe(t: Mapping[str, Any], i: int, family: str) -> bool:
             return False
         step = _int(t, "decoder_sparse_step", 1)
         return _int(t, "num_experts", 0) > 0 and (i + 1) % step == 0
+    if family == "nemotron_h":
+        return _pattern(t)[i] == "E"
     if family in ("gpt_oss", "mixtral", "glm4_moe"):
         if family == "glm4_moe":
             return i >= _int(t, "first_k_dense_replace", 1)
@@ -227,6 +239,9 @@ def _feed_forward(
     t: Mapping[str, Any], p: str, i: int, family: str
 ) -> Iterator[Tensor]:
     hidden = _int(t, "hidden_size")
+    if family == "nemotron_h":
+        yield from _relu2_feed_forward(t, p, _is_moe(t, i, family))
+        return
     if not _is_moe(t, i, family):
         inter = _int(t, "intermediate_size")
         if family == "llama4_text":
@@ -269,6 +284,32 @@ def _feed_forward(
         )
 
 
+def _relu2_feed_forward(t: Mapping[str, Any], p: str, moe: bool) -> Iterator[Tensor]:
+    """Nemotron-H's MLP (up and down projections) or its mixture of such
+    experts: a sigmoid router with a score-correction bias, one shared
+    expert, and inputs the ``moe_latent_size`` projections narrow."""
+    hidden = _int(t, "hidden_size")
+    if not moe:
+        inter = _int(t, "intermediate_size")
+        yield _linear(f"{p}.up_proj", "mlp", inter, hidden)
+        yield _linear(f"{p}.down_proj", "mlp", hidden, inter)
+        return
+    experts = _int(t, "n_routed_experts")
+    inter = _int(t, "moe_intermediate_size")
+    width = _int(t, "moe_latent_size", hidden)
+    if width != hidden:
+        yield _linear(f"{p}.fc1_latent_proj", "experts", width, hidden)
+        yield _linear(f"{p}.fc2_latent_proj", "experts", hidden, width)
+    e = f"{p}.experts"
+    yield _linear(f"{e}.up_proj", "experts", inter, width, count=experts)
+    yield _linear(f"{e}.down_proj", "experts", width, inter, count=experts)
+    yield Tensor(f"{p}.gate", "router", experts, hidden)
+    yield Tensor(f"{p}.gate.e_score_correction_bias", "router", experts)
+    shared = _int(t, "moe_shared_expert_intermediate_size", inter)
+    yield _linear(f"{p}.shared_experts.up_proj", "experts", shared, hidden)
+    yield _linear(f"{p}.shared_experts.down_proj", "experts", hidden, shared)
+
+
 def _mamba1(t: Mapping[str, Any], p: str) -> Iterator[Tensor]:
     hidden = _int(t, "hidden_size")
     inner = _int(t, "mamba_expand", 2) * hidden
@@ -291,6 +332,47 @@ def _mamba1(t: Mapping[str, Any], p: str) -> Iterator[Tensor]:
     yield Tensor(f"{p}.bcdt_layernorms", "norms", rank + 2 * state)
 
 
+def _mamba2(t: Mapping[str, Any], p: str, family: str) -> Iterator[Tensor]:
+    """A Mamba-2 mixer: one input projection to the gate, x, B, C and a
+    time step per head; a depthwise convolution over x, B and C; dt_bias,
+    A_log and D per head; a gated norm; the output projection.  Falcon-H1
+    names its width ``mamba_d_ssm`` (else ``mamba_expand * hidden_size``)
+    and makes the norm optional; Nemotron-H's is ``mamba_num_heads *
+    mamba_head_dim``."""
+    hidden = _int(t, "hidden_size")
+    if family == "nemotron_h":
+        heads = _int(t, "mamba_num_heads")
+        inner = heads * _int(t, "mamba_head_dim")
+        groups = _int(t, "n_groups", _int(t, "mamba_n_groups", 8))
+        state = _int(t, "ssm_state_size")
+        conv = _int(t, "conv_kernel", _int(t, "mamba_d_conv", 4))
+        conv_bias = _get(t, "use_conv_bias", True)
+        in_bias = out_bias = _get(t, "use_bias", False)
+        norm = True
+    else:
+        heads = _int(t, "mamba_n_heads")
+        inner = _int(t, "mamba_d_ssm", _int(t, "mamba_expand", 2) * hidden)
+        groups = _int(t, "mamba_n_groups", 1)
+        state = _int(t, "mamba_d_state")
+        conv = _int(t, "mamba_d_conv", 4)
+        conv_bias = _get(t, "mamba_conv_bias", True)
+        in_bias = _get(t, "mamba_proj_bias", False)
+        out_bias = _get(t, "projectors_bias", False)
+        norm = _get(t, "mamba_rms_norm", False)
+    convolved = inner + 2 * groups * state  # x, B and C
+    projected = inner + convolved + heads
+    yield _linear(f"{p}.in_proj", "mixer", projected, hidden)
+    if in_bias:
+        yield Tensor(f"{p}.in_proj.bias", "mixer", projected)
+    yield Tensor(f"{p}.conv1d", "mixer", convolved, conv + (1 if conv_bias else 0))
+    yield Tensor(f"{p}.dt_bias_A_log_D", "mixer", 3 * heads)
+    if norm:
+        yield Tensor(f"{p}.norm", "norms", inner)
+    yield _linear(f"{p}.out_proj", "mixer", hidden, inner)
+    if out_bias:
+        yield Tensor(f"{p}.out_proj.bias", "mixer", hidden)
+
+
 def _gated_delta_net(t: Mapping[str, Any], p: str) -> Iterator[Tensor]:
     hidden = _int(t, "hidden_size")
     nk, dk = _int(t, "linear_num_key_heads"), _int(t, "linear_key_head_dim")
@@ -304,8 +386,39 @@ def _gated_delta_net(t: Mapping[str, Any], p: str) -> Iterator[Tensor]:
     yield _linear(f"{p}.out_proj", "mixer", hidden, nv * dv)
 
 
+#: Nemotron-H's ``layers_block_type`` names as pattern letters.
+_BLOCK_LETTERS = {
+    "mamba": "M", "linear_attention": "M", "attention": "*",
+    "full_attention": "*", "mlp": "-", "moe": "E",
+}  # fmt: skip
+
+
+def _pattern(t: Mapping[str, Any]) -> str:
+    """Nemotron-H's layers, a letter each (``M`` Mamba-2, ``*`` attention,
+    ``-`` MLP, ``E`` experts): ``hybrid_override_pattern``, else
+    ``layers_block_type``; the pattern sets the layer count."""
+    pattern = t.get("hybrid_override_pattern")
+    if not isinstance(pattern, str):
+        types = t.get("layers_block_type")
+        if not isinstance(types, list):
+            msg = "hybrid_override_pattern"
+            raise KeyError(msg)
+        pattern = "".join(_BLOCK_LETTERS.get(str(kind), "?") for kind in types)
+    if not pattern or set(pattern) - set("M*-E"):
+        msg = f"layer pattern {pattern!r}"
+        raise ValueError(msg)
+    return pattern
+
+
 def _mixer_kind(t: Mapping[str, Any], i: int, family: str) -> str:
-    """``attention``, ``mamba`` or ``linear_attention`` for layer ``i``."""
+    """``attention``, ``mamba``, ``linear_attention`` or, for Falcon-H1's
+    layers, ``hybrid`` (attention and Mamba-2 side by side) for layer
+    ``i``; Nemotron-H's are ``mamba2``, ``attention``, ``mlp`` or ``moe``."""
+    if family == "falcon_h1":
+        return "hybrid"
+    if family == "nemotron_h":
+        letter = _pattern(t)[i]
+        return {"M": "mamba2", "*": "attention", "-": "mlp"}.get(letter, "moe")
     if family == "jamba":
         period, offset = (
             _int(t, "attn_layer_period", 8),
@@ -390,13 +503,25 @@ def _layer(t: Mapping[str, Any], i: int, family: str, prefix: str) -> Iterator[T
         yield from _deepseek_v4(t, i, p)
         return
     kind = _mixer_kind(t, i, family)
+    if family == "nemotron_h":  # a norm and one mixer a block
+        if kind == "mamba2":
+            yield from _mamba2(t, f"{p}.mixer", family)
+        elif kind == "attention":
+            yield from _attention(t, f"{p}.mixer", family)
+        else:
+            yield from _feed_forward(t, f"{p}.mixer", i, family)
+        yield Tensor(f"{p}.norm", "norms", hidden)
+        return
     if kind == "mamba":
         yield from _mamba1(t, f"{p}.mamba")
     elif kind == "linear_attention":
         yield from _gated_delta_net(t, f"{p}.linear_attn")
     else:
         yield from _attention(t, f"{p}.self_attn", family)
-    yield from _feed_forward(t, f"{p}.mlp", i, family)
+    if kind == "hybrid":
+        yield from _mamba2(t, f"{p}.mamba", family)
+    ff = "feed_forward" if family == "falcon_h1" else "mlp"
+    yield from _feed_forward(t, f"{p}.{ff}", i, family)
     norms = 4 if family in ("gemma2", "gemma3") else 2
     yield Tensor(f"{p}.layernorms", "norms", norms * hidden)
 
@@ -446,6 +571,10 @@ def _mtp(
             yield _linear("mtp.fc", "mtp", hidden, 2 * hidden)
             yield Tensor("mtp.norms", "norms", 3 * hidden)
         return
+    if family == "nemotron_h":
+        # the pattern has no letter for them: a checkpoint's mtp.* tensors
+        # (transformers skips them on load) are not counted.
+        return
     for i in range(layers, layers + _int(t, "num_nextn_predict_layers", 0)):
         yield from _layer(t, i, family, "model")
         p = f"model.layers.{i}"
@@ -468,6 +597,7 @@ _FAMILIES = {
     "deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3",
     "deepseek_v32": "deepseek_v32", "deepseek_v4": "deepseek_v4",
     "kimi_k2": "kimi_k2", "glm4_moe": "glm4_moe",
+    "falcon_h1": "falcon_h1", "nemotron_h": "nemotron_h",
 }  # fmt: skip
 
 
@@ -491,6 +621,8 @@ def tensors(config: ModelConfig) -> list[Tensor]:
         raise ValueError(msg)
     given = {k: v for k, v in config.text.items() if v is not None}
     t = {**_CLASS_DEFAULTS.get(family, {}), **given}
+    if family == "nemotron_h" and "head_dim" not in t and "attention_head_dim" in t:
+        t["head_dim"] = t["attention_head_dim"]  # older files' name for it
     hidden = _int(t, "hidden_size")
     vocab = _int(t, "vocab_size")
     out: list[Tensor] = [Tensor("model.embed_tokens", "embeddings", vocab, hidden)]
@@ -502,7 +634,10 @@ def tensors(config: ModelConfig) -> list[Tensor]:
     if not tied:
         out.append(_linear("lm_head", "embeddings", vocab, hidden))
     out.append(Tensor("model.norm", "norms", hidden))
-    layers = _int(t, "num_hidden_layers")
+    if family == "nemotron_h":
+        layers = len(_pattern(t))
+    else:
+        layers = _int(t, "num_hidden_layers")
     for i in range(layers):
         out.extend(_layer(t, i, family, "model"))
     out.extend(_mtp(t, family, layers, hidden, vocab))
