@@ -369,6 +369,57 @@ def test_plan_on_a_gpu_sets_a_hybrids_estimate_aside(stem: str) -> None:
     assert with_weights < bare["capacity"][0]["concurrency"]
 
 
+#: A MiniMax-M1 config cut to eight layers: a family whose tensors the
+#: estimate does not list.
+MINIMAX_M1: dict[str, Any] = {
+    "architectures": ["MiniMaxM1ForCausalLM"],
+    "model_type": "minimax_m1",
+    "hidden_size": 6144,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attn_type_list": [0] * 7 + [1],
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_plan_warns_when_a_family_has_no_estimate(tmp_path: Path) -> None:
+    from tests.test_cli import plan_json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MINIMAX_M1))
+    doc = plan_json("--hf-config", str(path), "--gpu", "H100", "--context", "8K")
+    assert doc["settings"]["memory"]["weights_bytes"] == 0
+    assert doc["notes"][1].startswith("warning: no weights set aside: ")
+    assert (
+        "weights not estimated: no weight layout for model_type minimax_m1"
+        in (doc["notes"])
+    )
+
+
+def test_the_reason_for_no_estimate_gives_way_to_the_hubs_figure() -> None:
+    config = load_hf_config_from(MINIMAX_M1)
+    model = map_model_config(config)
+    assert model.weights_bytes is None
+    assert "weights not estimated: no weight layout for model_type minimax_m1" in (
+        model.notes
+    )
+    found = kvcore_hf.with_hub_weights(
+        model,
+        "org/model",
+        config,
+        fetch=lambda *a, **k: fake_metadata({"m.safetensors": [("BF16", 4_096)]}),
+    )
+    assert found.weights_bytes == 4_096
+    assert "weights not estimated" not in found.notes
+    # a known family missing a shape field the estimate needs says which
+    short = {k: v for k, v in TINY_FALCON_H1.items() if k != "intermediate_size"}
+    short.update(mamba_expand=2, architectures=["FalconH1ForCausalLM"])
+    notes = map_model_config(load_hf_config_from(short)).notes
+    assert "weights not estimated: field intermediate_size is missing" in notes
+
+
 # -- quantization formats ------------------------------------------------------
 
 #: A two-layer Llama small enough to size by hand: per layer q 256x256,

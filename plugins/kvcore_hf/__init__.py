@@ -114,7 +114,9 @@ def with_hub_weights(
     if found is None:
         return model
     notes = [
-        n for n in model.notes.split("; ") if not n.startswith("weights estimated")
+        n
+        for n in model.notes.split("; ")
+        if not n.startswith(("weights estimated", "weights not estimated"))
     ]
     notes.append(f"weights {found:,} bytes from the hub's safetensors metadata")
     return attrs.evolve(model, weights_bytes=found, notes="; ".join(notes))

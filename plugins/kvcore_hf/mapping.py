@@ -39,7 +39,7 @@ from kvcore.registry import KindRegistry
 from kvcore.serialize import ModelFile, read_json_file
 from kvcore.serving import CACHE_DTYPE_ALIASES, ServingChoices
 from kvcore.spec import KVCacheSpec
-from kvcore_hf.weights import estimate_weights
+from kvcore_hf.weights import estimate_weights, tensors
 
 __all__ = [
     "LANGUAGE_MODEL_KEYS",
@@ -558,6 +558,8 @@ def _model_file(
             f"weights estimated from the configuration: {weights.params:,} "
             f"parameters, {weights.format}"
         )
+    else:
+        notes.append(f"weights not estimated: {_no_estimate_reason(config)}")
     return ModelFile(
         name=config.name,
         layers=layers,
@@ -566,6 +568,17 @@ def _model_file(
         weights_bytes=None if weights is None else weights.bytes,
         max_position_embeddings=positions,
     )
+
+
+def _no_estimate_reason(config: ModelConfig) -> str:
+    """Why :func:`~kvcore_hf.weights.estimate_weights` gave no figure: the
+    error listing the tensors stopped at (an unknown family, a missing
+    shape field)."""
+    try:
+        tensors(config)
+    except (KeyError, ValueError, TypeError) as exc:
+        return str(exc.args[0]) if exc.args else type(exc).__name__
+    return "unknown"
 
 
 def _max_positions(config: ModelConfig, mapper: ModelMapper) -> int | None:

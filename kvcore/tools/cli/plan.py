@@ -70,8 +70,8 @@ def summary_of(planned: Planned, dtype_name: str = "auto") -> PlanSummary:
         if not planned.budget.weights_bytes:
             notes.insert(
                 1,
-                "no weights set aside: pass --weights SIZE (or add weights_bytes "
-                "to the model file) for a device's real KV budget",
+                "warning: no weights set aside: pass --weights SIZE (or add "
+                "weights_bytes to the model file) for a device's real KV budget",
             )
     positions = planned.model.max_position_embeddings
     longer = [c for c in planned.contexts if positions and c > positions]
