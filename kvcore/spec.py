@@ -38,6 +38,7 @@ __all__ = [
     "iter_layer_specs",
     "positive_int",
     "is_bool",
+    "one_latent",
     "optional_positive_int",
     "replicate",
     "round_up",
@@ -107,6 +108,22 @@ def positive_int(instance: object, attribute: attrs.Attribute[Any], value: Any) 
     if value <= 0:
         msg = (
             f"{type(instance).__name__}.{attribute.name} must be positive, got {value}"
+        )
+        raise InvalidSpecError(msg)
+
+
+def one_latent(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: exactly 1, the one latent an MLA layer stores per
+    state (all its query heads read it, on every rank)."""
+    positive_int(instance, attribute, value)
+    if value != 1:
+        msg = (
+            f"{type(instance).__name__}.{attribute.name} must be 1, got {value}: "
+            "an MLA layer stores one latent vector per state, read by all its "
+            "query heads, so a page holds one head of head_size elements "
+            "(head_size is the latent width, e.g. kv_lora_rank + "
+            "qk_rope_head_dim = 576 for DeepSeek-V3); a layer with per-head "
+            "keys and values is full_attention"
         )
         raise InvalidSpecError(msg)
 

@@ -586,6 +586,25 @@ def test_evolve_revalidates(factory: Callable[..., KVCacheSpec]) -> None:
         attrs.evolve(spec, block_size=0)
 
 
+@pytest.mark.parametrize("factory", [mla, swmla], ids=["mla", "sliding_window_mla"])
+@pytest.mark.parametrize("heads", [2, 8])
+def test_an_mla_layer_stores_one_latent(
+    factory: Callable[..., KVCacheSpec], heads: int
+) -> None:
+    # A page holds one latent per state: more KV heads would plan that many
+    # copies of it (a DeepSeek-V3 model file saying 2 planned one request of
+    # 32K tokens in 8 GiB where three fit).
+    assert factory().page_grid[0] == 1
+    with pytest.raises(
+        InvalidSpecError, match=rf"num_kv_heads must be 1, got {heads}"
+    ) as info:
+        factory(num_kv_heads=heads)
+    assert isinstance(info.value, ValueError)
+    assert "full_attention" in str(info.value)
+    with pytest.raises(InvalidSpecError, match="num_kv_heads must be 1"):
+        attrs.evolve(factory(), num_kv_heads=heads)
+
+
 def test_evolve_revalidates_post_init_rules() -> None:
     """Cross-field checks (in __attrs_post_init__) also run again on evolve."""
     with pytest.raises(InvalidSpecError, match="tokens_per_state"):

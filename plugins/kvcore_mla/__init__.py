@@ -16,7 +16,13 @@ import torch
 from kvcore.coordinator.managers import PrefixManager
 from kvcore.hookspecs import kinds_impl
 from kvcore.kinds import AttentionKind
-from kvcore.spec import Sharded, non_negative_int, optional_positive_int, replicate
+from kvcore.spec import (
+    Sharded,
+    non_negative_int,
+    one_latent,
+    optional_positive_int,
+    replicate,
+)
 from kvcore_full_attention import FullAttentionSpec
 
 __all__ = ["MLA", "MLAAttentionSpec"]
@@ -33,6 +39,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 
     kind: ClassVar[str] = "mla"
 
+    num_kv_heads: int = attrs.field(validator=one_latent)
     head_size_v: int = attrs.field(default=0, validator=non_negative_int)
     #: Bytes a token takes when the engine's cache dtype is an 8-bit float
     #: and the kernel stores the latent as a packed uint8 record instead

@@ -21,6 +21,7 @@ from kvcore.spec import (
     cdiv,
     is_bool,
     non_negative_int,
+    one_latent,
     positive_int,
     replicate,
 )
@@ -95,6 +96,7 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 
     kind: ClassVar[str] = "sliding_window_mla"
 
+    num_kv_heads: int = attrs.field(validator=one_latent)
     head_size_v: int = attrs.field(default=0, validator=non_negative_int)
 
     def sharded(self, tp_size: int) -> Sharded:
