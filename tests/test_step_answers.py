@@ -18,6 +18,8 @@ import torch
 import kvcore
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request
+from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.managers import PrefixManager
 from kvcore.errors import KvcoreError, PluginResultError
 from kvcore_full_attention import FullAttention, FullAttentionManager
 from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
@@ -64,6 +66,14 @@ class _Answers(FullAttentionManager):
             return out[::-1]
         elif self.mode == "a block placed in no table":
             table.pop()
+        elif self.mode == "out of order":
+            return [blocks[::-1] for blocks in out]
+        elif self.mode == "a block in both tables":
+            # The first group's new blocks in both tables, listed once.
+            twins[1].req_to_blocks[request_id][-len(out[1]) :] = out[0]
+            return [out[0], []]
+        elif self.mode == "tables grown, none listed":
+            return None
         return out
 
     def pop_twins(self, twins: Sequence[Any], request_id: str) -> Any:
@@ -169,22 +179,28 @@ def test_a_running_requests_grow_answer_is_checked_too(mode: str) -> None:
 
 
 TWINS = {
-    # (mode, running): the answer named and the block its table lacks.
-    ("twins' lists swapped", False): ("[3, 4]", 3),
-    ("twins' lists swapped", True): ("[4]", 4),
-    ("a block placed in no table", False): ("[1, 2]", 2),
-    ("a block placed in no table", True): ("[3]", 3),
+    # (mode, running): the answer named, and what the table grew by.
+    ("twins' lists swapped", False): ("[3, 4]", "[1, 2]"),
+    ("twins' lists swapped", True): ("[4]", "[3]"),
+    ("a block placed in no table", False): ("[1, 2]", "[1]"),
+    ("a block placed in no table", True): ("[3]", "[]"),
+    ("out of order", False): ("[2, 1]", "[1, 2]"),
+    ("a block in both tables", False): ("[]", "[1, 2]"),
+    ("a block in both tables", True): ("[]", "[3]"),
+    ("tables grown, none listed", False): ("[]", "[1, 2]"),
 }
 
 
 @pytest.mark.parametrize(("mode", "running"), list(TWINS))
-def test_each_twins_new_blocks_must_be_in_its_own_table(
+def test_each_twins_answer_must_be_what_its_table_grew_by(
     mode: str, running: bool
 ) -> None:
     # Two groups of one class step as twins: one hand-out, split in group
-    # order.  The engine writes group g's KV into the blocks listed for
-    # group g, so an answer listing another group's blocks there (or a
-    # block no table holds) would put the KV where no hit reads it.
+    # order.  The engine appends group g's new blocks to its block table
+    # and writes group g's KV there, so an answer listing another group's
+    # blocks there, out of order, a block no table holds, or a table grown
+    # by blocks no list names would put the KV where no hit reads it (or
+    # leave a block in two tables with one reference).
     mgr = _manager("" if running else mode, num_groups=2)
     req = Request("r", list(range(48)), hash_block_size=16)
     if running:
@@ -194,13 +210,13 @@ def test_each_twins_new_blocks_must_be_in_its_own_table(
         for manager in mgr.coordinator.single_type_managers:
             type(manager).mode = mode
     before = _state(mgr)
-    answer, lacked = TWINS[mode, running]
+    answer, grown = TWINS[mode, running]
     with pytest.raises(PluginResultError) as info:
         mgr.allocate_slots(req, 16 if running else 32)
     assert (
         f"_Answers.allocate_twins returned {answer} as the new blocks of cache "
-        f"group 0 for request 'r', but that group's table does not hold block "
-        f"{lacked}"
+        f"group {1 if 'both' in mode else 0} for request 'r', but that "
+        f"group's table grew by {grown}"
     ) in str(info.value)
     assert info.value.plugin_name == "acme"
     assert _state(mgr) == before
@@ -208,6 +224,51 @@ def test_each_twins_new_blocks_must_be_in_its_own_table(
         assert mgr.get_block_ids("r") == ([1], [2])
     else:
         assert "r" not in mgr.coordinator.single_type_managers[0].req_to_blocks
+
+
+class _Mixin(SingleTypeManager):
+    """A kind's own allocation step, in a class after a core manager class
+    in its subclass's method resolution order."""
+
+    def allocate_twins(
+        self, twins: Sequence[Any], request_id: str, num_tokens: int
+    ) -> list[list[int]] | None:
+        out = SingleTypeManager.allocate_twins(self, twins, request_id, num_tokens)
+        if out is not None and request_id != "live":
+            self.req_to_blocks[request_id][-1] = self.req_to_blocks["live"][0]
+            out[0][-1] = self.req_to_blocks["live"][0]
+        return out
+
+
+class _MixedIn(PrefixManager, _Mixin):
+    """Runs ``_Mixin.allocate_twins``: the kind's code, checked as such."""
+
+
+def test_a_kinds_step_behind_a_core_class_in_the_mro_is_checked() -> None:
+    assert _MixedIn.allocate_twins is _Mixin.allocate_twins
+    kind = type("MixedKind", (FullAttention,), {"manager_type": _MixedIn})()
+    mgr = setup.manager_for(
+        [
+            FullAttention().spec_type(
+                block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+            )
+        ],
+        32,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind], owner="acme"),
+        max_model_len=1024,
+    )
+    live = Request("live", list(range(900, 932)), hash_block_size=16)
+    assert mgr.allocate_slots(live, 32) is not None
+    before = _state(mgr)
+    req = Request("r", list(range(32)), hash_block_size=16)
+    with pytest.raises(
+        PluginResultError, match=r"_MixedIn\.allocate_twins returned block 1"
+    ):
+        mgr.allocate_slots(req, 32)
+    assert _state(mgr) == before
+    assert mgr.get_block_ids("live") == ([1, 2],)
 
 
 def test_blocks_from_several_hand_outs_in_one_call_pass() -> None:
@@ -412,7 +473,7 @@ def test_a_kinds_step_that_raises_leaves_the_tables_as_they_were(
     assert mgr.get_block_ids("first") == ([1, 2, 3, 4],)
 
 
-class _RaisingWindow(SlidingWindowManager):
+class _RaisingRelease(SlidingWindowManager):
     """Overwrites a table position in place in its release step, then
     raises."""
 
@@ -425,10 +486,26 @@ class _RaisingWindow(SlidingWindowManager):
             raise RuntimeError("broken mid-release")
 
 
-def test_a_kinds_release_that_raises_leaves_the_tables_as_they_were() -> None:
-    kind = type(
-        "RaisingWindowKind", (SlidingWindow,), {"manager_type": _RaisingWindow}
-    )()
+class _RaisingKept(SlidingWindowManager):
+    """Overwrites a table position in place in ``kept_for_later``, which the
+    core's release step asks, then raises."""
+
+    broken = False
+
+    def kept_for_later(
+        self, request_id: str, positions: Sequence[int], released: Sequence[int]
+    ) -> list[int]:
+        if self.broken:
+            self.req_to_blocks[request_id][-1] = 5
+            raise RuntimeError("broken mid-release")
+        return super().kept_for_later(request_id, positions, released)
+
+
+@pytest.mark.parametrize("manager", [_RaisingRelease, _RaisingKept])
+def test_a_kinds_release_that_raises_leaves_the_tables_as_they_were(
+    manager: type[_RaisingRelease | _RaisingKept],
+) -> None:
+    kind = type("RaisingWindowKind", (SlidingWindow,), {"manager_type": manager})()
     mgr = setup.beside_full_attention(kind, 32, block_size=4, window=4)
     req = Request("r", list(range(16)), hash_block_size=4)
     assert mgr.allocate_slots(req, 16) is not None
@@ -437,12 +514,12 @@ def test_a_kinds_release_that_raises_leaves_the_tables_as_they_were() -> None:
     window = mgr.coordinator.single_type_managers[1]
     held = window.req_to_blocks["r"]
     before = (_state(mgr), mgr.get_block_ids("r"), mgr.block_pool.num_cached_blocks)
-    _RaisingWindow.broken = True
+    manager.broken = True
     try:
         with pytest.raises(kvcore.PluginError, match="broken mid-release"):
             mgr.allocate_slots(req, 1)
     finally:
-        _RaisingWindow.broken = False
+        manager.broken = False
     after = (_state(mgr), mgr.get_block_ids("r"), mgr.block_pool.num_cached_blocks)
     assert after == before
     assert window.req_to_blocks["r"] is held
@@ -450,3 +527,40 @@ def test_a_kinds_release_that_raises_leaves_the_tables_as_they_were() -> None:
     out = mgr.allocate_slots(req, 1)
     assert out is not None
     assert mgr.get_block_ids("r") == ([1, 2, 3, 4, 9], [0, 0, 0, 8, 10])
+
+
+def test_a_kinds_attach_that_raises_in_a_later_twin_leaves_it_as_it_was() -> None:
+    # Two groups of one class: the second group's attach changes its table
+    # without recording it, then raises.
+    manager = type("_Raising", (_Raising,), {})
+    kind = type("RaisingKind", (FullAttention,), {"manager_type": manager})()
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    mgr = setup.manager_for(
+        [spec, spec],
+        32,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind], owner="acme"),
+        max_model_len=1024,
+    )
+    prefix = list(range(32))
+    first = Request("first", [*prefix, 50], hash_block_size=16)
+    assert mgr.allocate_slots(first, 33) is not None
+    first.num_computed_tokens = 33
+    before = _state(mgr)
+    second = mgr.coordinator.single_type_managers[1]
+    second.mode = "attach"  # this group only
+    req = Request("r", [*prefix, 60, 61], hash_block_size=16)
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert hit == 32
+    with pytest.raises(kvcore.PluginError, match="broken mid-step"):
+        mgr.allocate_slots(req, 2, hit, blocks)
+    assert _state(mgr) == before
+    assert "r" not in second.req_to_blocks
+    assert "r" not in second.num_cached_block
+    second.mode = ""
+    blocks, hit = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, 2, hit, blocks) is not None
+    assert mgr.get_block_ids("r") == ([1, 2, 7], [4, 5, 8])

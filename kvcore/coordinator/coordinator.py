@@ -207,7 +207,6 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         #: The classes whose manager class defines a step itself, by step:
         #: the kind's own code (checked, its tables recorded whole).
         self._kind_steps = kind_steps(self._admit_runs)
-        self._checked_allocs = self._kind_steps["allocate_twins"]
         #: Each class of growing twins' first manager and size: a running
         #: request's growth is counted once per class.
         sizes: dict[int, int] = {}
@@ -457,7 +456,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
 
     def _run_twins(
         self, runs: Runs, method: str, step: str, *args: Any
-    ) -> list[list[int]] | None:
+    ) -> tuple[list[list[int]] | None, bool]:
         """Call the class step ``method`` (``allocate_twins``,
         ``release_twins`` or ``cache_twins``) once per run of twins, in group
         order, on the run's first manager with the run; pass over a class
@@ -469,48 +468,50 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         cross in); what a release or a keying returns is not."""
         journal = self.block_pool.journal
         allocating = method == "allocate_twins"
-        own = self._kind_steps[method]
+        own = self._kind_steps[method] if journal is not None else ()
         idle: list[int] = []
         out: list[list[int]] | None = None
+        changed = journal is None
         gid = -1
         try:
             for first, members in runs:
                 if first in idle:
                     continue
                 gid = first
-                mark = -1 if journal is None else len(journal)
-                if first in own and journal is not None:
+                if first in own:
                     # A request id, or (keying) the request.
                     rid = getattr(args[0], "request_id", args[0])
-                    record_whole(members, rid)
-                    mark = len(journal)
+                    lengths = record_whole(members, rid)
+                mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
+                if allocating and first in own:
+                    marks = (mark, lengths)
+                    new = check_new_blocks(members, rid, new, journal, marks)
                 if new and allocating:
-                    if first in self._checked_allocs and journal is not None:
-                        new = check_new_blocks(members, args[0], new, journal, mark)
                     if out is None:
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
                 elif not new and mark == len(journal or ()):
                     idle.append(first)
+                    continue
+                changed = True
         except Exception as exc:
             raise self.plugin_error(gid, step, exc) from exc
-        return out
+        return out, changed
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release the blocks the request no longer reads, one call per
         class of twins (see :meth:`_run_twins`)."""
-        journal = self.block_pool.journal
-        mark = -1 if journal is None else len(journal)
-        self._run_twins(
+        _, changed = self._run_twins(
             self._skip_runs,
             "release_twins",
             "remove_skipped_blocks",
             request_id,
             num_computed_tokens,
         )
-        self._changed(request_id, journal, mark)
+        if changed:
+            self.forget_span(request_id)
 
     def releases_nothing(self, request_id: str, num_computed_tokens: int) -> bool:
         """Whether releasing the blocks the request no longer reads at
@@ -532,14 +533,6 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 gid, "remove_skipped_blocks (releases_nothing)", exc
             ) from exc
         return True
-
-    def _changed(self, request_id: str, journal: list[Any] | None, mark: int) -> None:
-        """After a step that may have changed the request's tables: drop its
-        cache span if it did (it recorded something in ``journal`` since
-        ``mark``, or ran outside a transaction)."""
-        spans = self.cache_spans
-        if spans is not None and (journal is None or len(journal) != mark):
-            spans.forget(request_id)
 
     def count_freeable_skipped(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks that skipping would return to the free queue (each
@@ -640,19 +633,21 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         self.forget_span(request_id)
         out: list[list[int]] = [[] for _ in range(self.num_groups)]
         journal = self.block_pool.journal
+        own = self._kind_steps["allocate_twins"] if journal is not None else ()
         gid = 0
         try:
             for first, members in self._admit_runs:
                 lead = members[0]
                 gid = lead.kv_cache_group_id
                 tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
-                if first in self._checked_allocs and journal is not None:
-                    record_whole(members, request_id)
+                if first in own:
+                    lengths = record_whole(members, request_id)
                 mark = 0 if journal is None else len(journal)
                 new = lead.allocate_twins(members, request_id, tokens)
+                if first in own:
+                    marks = (mark, lengths)
+                    new = check_new_blocks(members, request_id, new, journal, marks)
                 if new:
-                    if first in self._checked_allocs and journal is not None:
-                        new = check_new_blocks(members, request_id, new, journal, mark)
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
         except Exception as exc:
@@ -690,16 +685,15 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
     def grow(self, request_id: str, num_tokens: int) -> tuple[list[int], ...] | None:
         """Grow a running request's tables, in group order; ``None`` if no
         block was added."""
-        journal = self.block_pool.journal
-        mark = -1 if journal is None else len(journal)
-        out = self._run_twins(
+        out, changed = self._run_twins(
             self._grow_runs,
             "allocate_twins",
             "allocate_new_blocks",
             request_id,
             num_tokens,
         )
-        self._changed(request_id, journal, mark)
+        if changed:
+            self.forget_span(request_id)
         return None if out is None else tuple(out)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

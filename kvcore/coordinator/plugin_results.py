@@ -46,17 +46,31 @@ def check_new_blocks(
     members: Sequence[Any],
     request_id: str,
     new: object,
-    journal: list[Record],
-    mark: int,
+    journal: list[Record] | None,
+    marks: tuple[int, Sequence[int]],
+) -> list[list[int]] | None:
+    """``allocate_twins``' answer, checked: None, or one list per twin
+    group of ``members`` listing only blocks the pool handed out during the
+    call (the hand-outs ``journal`` recorded from ``marks[0]`` on), still
+    held once, none twice; and either way each group's list must be what
+    the call appended to that group's table of the request (from its
+    length before the call, ``marks[1]``), in order, null positions left
+    out.  The engine appends each group's new blocks to its block table
+    and writes the step's KV there, so a block of another request, the
+    null block, a block listed twice, under another group or out of order,
+    or a table grown by a block no list names, would be overwritten or
+    written where no hit reads it."""
+    if new is not None:
+        new = _handed_out(members, new, journal, marks[0])
+    _extends_tables(members, request_id, new, marks[1])
+    return new
+
+
+def _handed_out(
+    members: Sequence[Any], new: object, journal: list[Record] | None, mark: int
 ) -> list[list[int]]:
-    """``allocate_twins``' answer that holds blocks, checked: one list per
-    twin group of ``members``, listing only blocks the pool handed out
-    during the call (the hand-outs ``journal`` recorded from ``mark`` on)
-    and still held once, none twice, each in its own group's table of the
-    request.  The engine writes each group's KV into the blocks a step
-    returns for that group, so a block of another request, the null block,
-    a block listed twice or one another group's table holds would be
-    overwritten, or written where no hit reads it."""
+    """``new`` if it lists, per twin, blocks handed out since ``mark`` and
+    held once, each once; else an error naming the manager class."""
     if type(new) is not list or len(new) != len(members):
         raise result_error(
             members[0],
@@ -64,13 +78,12 @@ def check_new_blocks(
             f"returned {shown(new)}; it must return None or a list of each "
             f"twin group's new blocks ({len(members)} lists, one per group)",
         )
-    taken = taken_since(journal, mark)
+    taken = taken_since(journal or [], mark)
     ref = members[0].block_pool.ref_cnt
     if len(taken) == 1 and set(map(type, new)) == _LIST:
         given = list(chain.from_iterable(new))
         if given == taken[0] and set(map(ref.__getitem__, given)) <= _ONE:
-            # The one hand-out, split in group order, all held.
-            return _in_own_tables(members, request_id, new)
+            return new  # the one hand-out, split in group order, all held
     left = {block for blocks in taken for block in blocks}
     for blocks in new:
         if type(blocks) is not list:
@@ -91,39 +104,36 @@ def check_new_blocks(
                     "block_pool.get_new_blocks and keeps, each once",
                 )
             left.discard(block)
-    return _in_own_tables(members, request_id, new)
-
-
-def _in_own_tables(
-    members: Sequence[Any], request_id: str, new: list[list[int]]
-) -> list[list[int]]:
-    """``new`` if each group's new blocks are in that group's table of the
-    request (a step appends them, or places them among its last
-    positions: the table is searched from its end), else an error naming
-    the first group whose answer lists a block its table does not hold."""
-    for manager, blocks in zip(members, new, strict=True):
-        if not blocks:
-            continue
-        table = manager.req_to_blocks.get(request_id)
-        if table is not None and table[-len(blocks) :] == blocks:
-            continue
-        missing = set(blocks)
-        for block in reversed(table or ()):
-            missing.discard(block)
-            if not missing:
-                break
-        if missing:
-            raise result_error(
-                members[0],
-                "allocate_twins",
-                f"returned {shown(blocks)} as the new blocks of cache group "
-                f"{manager.kv_cache_group_id} for request {request_id!r}, but "
-                f"that group's table does not hold block {min(missing)} (it "
-                "is another twin group's, or was never placed in a table); "
-                "return each group's new blocks in that group's list, in "
-                "group order, as placed in its table",
-            )
     return new
+
+
+def _extends_tables(
+    members: Sequence[Any],
+    request_id: str,
+    new: list[list[int]] | None,
+    lengths: Sequence[int],
+) -> None:
+    """Each group's table of the request, past its length before the call
+    and without null positions, must be that group's new blocks (none for
+    a None answer); else an error naming the first group that differs."""
+    null = members[0].null_block
+    for i, manager in enumerate(members):
+        blocks = new[i] if new is not None else []
+        table = manager.req_to_blocks.get(request_id) or ()
+        grown = table[lengths[i] :]
+        if null in grown:
+            grown = [block for block in grown if block != null]
+        if grown == blocks:
+            continue
+        raise result_error(
+            members[0],
+            "allocate_twins",
+            f"returned {shown(blocks)} as the new blocks of cache group "
+            f"{manager.kv_cache_group_id} for request {request_id!r}, but "
+            f"that group's table grew by {shown(list(grown))} (null positions "
+            "left out); return each group's new blocks in that group's list, "
+            "in group order, exactly as appended to its table",
+        )
 
 
 class BadCount(KvcoreTypeError):

@@ -79,49 +79,55 @@ def twin_runs(managers: Sequence[SingleTypeManager], flag: str | None = None) ->
 
 
 def defining(runs: Runs, *steps: str) -> frozenset[int]:
-    """The classes of ``runs`` (by first group id) whose manager class
-    defines one of ``steps`` itself, below the core's manager classes
-    (:data:`CORE_MANAGERS`): an override, or a twin step made from a
-    one-group override.  Those steps are a kind's own code: what they
+    """The group ids of the classes of ``runs`` whose manager class runs
+    its own code for one of ``steps``: the class in its method resolution
+    order that defines the step (an override, or a twin step made from a
+    one-group override) is not one of the core's manager classes
+    (:data:`CORE_MANAGERS`).  Those steps are a kind's own code: what they
     return is checked where it crosses into the core, and the tables they
     may change are recorded whole before they run; the core's own steps
     need neither.  Found once per plan, the same for a built-in kind's
     class as for a third party's."""
     out: set[int] = set()
-    for first, members in runs:
-        for klass in type(members[0]).__mro__:
-            if klass in CORE_MANAGERS:
-                break
-            if any(step in vars(klass) for step in steps):
-                out.add(first)
+    for _, members in runs:
+        mro = type(members[0]).__mro__
+        for step in steps:
+            owner = next((k for k in mro if step in vars(k)), None)
+            if owner is not None and owner not in CORE_MANAGERS:
+                out.update(m.kv_cache_group_id for m in members)
                 break
     return frozenset(out)
 
 
-#: The steps that change a request's tables, by their class (twin) name:
-#: where a kind's manager class defines one itself, its answers are checked
-#: and the tables it may change are recorded whole before it runs.
-KIND_STEPS = (
-    "allocate_twins",
-    "release_twins",
-    "cache_twins",
-    "pop_twins",
-    "add_computed_blocks",
-)
+#: The steps that change a request's tables, by their class (twin) name,
+#: each with the hooks it runs: where a kind's manager class defines one
+#: itself, the step's answers are checked and the tables it may change are
+#: recorded whole before it runs.
+KIND_STEPS = {
+    "allocate_twins": ("allocate_twins",),
+    "release_twins": ("release_twins", "kept_twins", "kept_if_room_twins"),
+    "cache_twins": ("cache_twins",),
+    "pop_twins": ("pop_twins",),
+    "add_computed_blocks": ("add_computed_blocks",),
+}
 
 
 def kind_steps(runs: Runs) -> dict[str, frozenset[int]]:
-    """Each of :data:`KIND_STEPS` -> the classes of ``runs`` (by first
-    group id) that define it below the core's classes (see
-    :func:`defining`)."""
-    return {step: defining(runs, step) for step in KIND_STEPS}
+    """Each step of :data:`KIND_STEPS` -> the group ids of the classes of
+    ``runs`` that run their own code in it (see :func:`defining`)."""
+    return {step: defining(runs, *hooks) for step, hooks in KIND_STEPS.items()}
 
 
-def record_whole(members: Sequence[SingleTypeManager], request_id: str) -> None:
+def record_whole(members: Sequence[SingleTypeManager], request_id: str) -> list[int]:
     """Before a kind's own step over ``members`` (a transaction open):
     record each one's table for the request whole, with its counts, so a
     rollback puts back every position the step changed, in place or not
     (the core's steps record exactly what they change; a kind's may change
-    a table without recording it).  Once per transaction and request."""
+    a table without recording it); once per transaction and request.  Each
+    table's length now (0 where there is none): what the step extends."""
+    lengths = []
     for manager in members:
         SingleTypeManager.record_request_state(manager, request_id, whole=True)
+        table = manager.req_to_blocks.get(request_id)
+        lengths.append(0 if table is None else len(table))
+    return lengths

@@ -1353,3 +1353,37 @@ def test_align_mode_states_a_request_releases_queue_by_age() -> None:
     assert pool.free_queue.spare_blocks() == []
     assert pool.free_queue.held_blocks() == []
     assert min(map(order.index, released)) > max(map(order.index, o_blocks))
+
+
+def test_a_release_that_raises_before_a_step_is_undone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A running request's release runs before its step is weighed, in a
+    transaction of its own: a window manager that raises there leaves the
+    pool and the tables as they were, and the next step runs (an open
+    transaction would refuse every later step as re-entrant)."""
+    from kvcore.errors import PluginError
+    from kvcore_sliding_window import SlidingWindowManager
+
+    manager = _caching_manager([_attention(), _attention(WINDOW)], 40)
+    prompt = list(range(100, 100 + 4 * BS))
+    a = _request("a", prompt, 8)
+    assert manager.allocate_slots(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    a.append_output_token_ids(7)
+    tables = manager.get_block_ids("a")
+    free = manager.block_pool.get_num_free_blocks()
+    release = SlidingWindowManager.release_twins
+
+    def broken(self: Any, twins: Any, request_id: str, num_tokens: int) -> None:
+        release(self, twins, request_id, num_tokens)
+        raise RuntimeError("broken mid-release")
+
+    monkeypatch.setattr(SlidingWindowManager, "release_twins", broken)
+    with pytest.raises(PluginError, match="broken mid-release"):
+        manager.allocate_slots(a, 1)
+    monkeypatch.undo()
+    assert manager.get_block_ids("a") == tables
+    assert manager.block_pool.get_num_free_blocks() == free
+    assert manager.allocate_slots(a, 1)
+    assert manager.get_block_ids("a")[1][:2] == [0, 0]

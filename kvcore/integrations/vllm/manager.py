@@ -481,7 +481,11 @@ class KVCacheManager:
         processed = max(0, total - request.num_in_flight_tokens)
         if running and coordinator.skipping and processed:
             pool.begin()
-            coordinator.remove_skipped_blocks(rid, processed)
+            try:
+                coordinator.remove_skipped_blocks(rid, processed)
+            except BaseException:
+                pool.rollback()
+                raise
             pool.commit()
         need = self._blocks_needed(rid, running, attach, num_slots, num_encoder_tokens)
         kept = reserved_blocks + watermark
