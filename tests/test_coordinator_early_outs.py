@@ -565,13 +565,15 @@ def test_the_early_outs_change_nothing(plan: str, seed: int) -> None:
     assert skipped, "the trace never kept a span across a call"
 
 
-def test_a_search_of_its_own_drops_the_cache_table_promise() -> None:
+def test_a_search_or_keys_of_its_own_are_checked() -> None:
     """The core's searches read only the cache tables at each position's
-    key, so their hits go unchecked; a class that searches or keys its own
-    way is checked unless it makes the promise itself, built in or not."""
+    key, so their hits go unchecked; a class whose search or keys are its
+    own is checked, built in or not, whatever it declares (a flag in its
+    body does not switch the check off)."""
     from kvcore.coordinator.manager import HitQuery
     from kvcore.coordinator.managers import PrefixManager, WindowManager
     from kvcore.coordinator.state_manager import CheckpointManager
+    from kvcore.coordinator.twins import own_code
 
     class OwnSearch(PrefixManager):
         @classmethod
@@ -592,13 +594,13 @@ def test_a_search_of_its_own_drops_the_cache_table_promise() -> None:
     class Inherits(WindowManager):
         pass
 
-    assert PrefixManager.hits_from_cache_tables
-    assert WindowManager.hits_from_cache_tables
-    assert CheckpointManager.hits_from_cache_tables
-    assert FullAttentionManager.hits_from_cache_tables
-    assert SlidingWindowManager.hits_from_cache_tables
-    assert Inherits.hits_from_cache_tables
-    assert Promises.hits_from_cache_tables
-    assert not OwnSearch.hits_from_cache_tables
-    assert not OwnKeys.hits_from_cache_tables
-    assert not SingleTypeManager.hits_from_cache_tables
+    def checked(cls: type) -> bool:
+        return own_code(cls, "find_longest_cache_hit", "block_hash")
+
+    for core in (PrefixManager, WindowManager, CheckpointManager, Inherits):
+        assert not checked(core)
+    assert not checked(FullAttentionManager)
+    assert not checked(SlidingWindowManager)
+    assert checked(OwnSearch)
+    assert checked(OwnKeys)
+    assert checked(Promises)

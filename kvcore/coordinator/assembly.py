@@ -20,7 +20,7 @@ from kvcore.coordinator.declared import check_built, check_manager, declared_pol
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.managers import CheckpointManager
 from kvcore.coordinator.partial import copy_hit_units
-from kvcore.coordinator.twins import twin_key
+from kvcore.coordinator.twins import own_code, twin_key
 from kvcore.errors import BlockSizeError
 from kvcore.plan import effective_block_size, hit_alignment
 from kvcore.plan.declarations import checked_event_window
@@ -59,8 +59,8 @@ class SpecGroup:
     #: that end inside a block (see :mod:`kvcore.coordinator.partial`), else 0.
     partial_unit: int = 0
     #: Whether their manager class's hits are checked as they enter the
-    #: core (its search is not one that returns only what the cache tables
-    #: key at each position: see ``hits_from_cache_tables``).
+    #: core: its search or its keys are a kind's own code, not the core
+    #: classes' (which read only the cache tables at each position's key).
     checks_hits: bool = True
 
 
@@ -261,7 +261,9 @@ def search_groups(
                 partial_unit=partial_units.get(gid, 0)
                 if type(manager).partial_copy_hits is True
                 else 0,
-                checks_hits=type(manager).hits_from_cache_tables is not True,
+                checks_hits=own_code(
+                    type(manager), "find_longest_cache_hit", "block_hash"
+                ),
             )
     return sorted(spec_groups.values(), key=lambda g: (not g.monotone, g.states))
 

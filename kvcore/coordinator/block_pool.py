@@ -65,7 +65,7 @@ from kvcore.coordinator.pool_journal import (
     UNGET,
     UNPARTIAL,
     Record,
-    undo,
+    undo_all,
 )
 from kvcore.coordinator.twin_ops import TwinPoolOps, check_store, double_free, key_spans
 from kvcore.errors import (
@@ -266,9 +266,10 @@ class BlockPool(FreeMoves, TwinPoolOps):
         self.journal = None
         if journal is None:
             return
-        for record in reversed(journal):
-            undo(self, record)
-        del self._events[self._events_mark :]
+        try:
+            undo_all(self, journal)
+        finally:
+            del self._events[self._events_mark :]
 
     def record(self, undo: Callable[..., object], *args: Any) -> None:
         """Call ``undo(*args)`` if the open transaction rolls back (nothing

@@ -276,9 +276,16 @@ def check_hit(
                 )
                 raise InvalidRequestError(msg)
             continue
-        partial = _check_hit_shape(
-            rid, (gid, manager, blocks), num_tokens, gid in coordinator.partial_units
-        )
+        try:
+            partial = _check_hit_shape(
+                rid,
+                (gid, manager, blocks),
+                num_tokens,
+                gid in coordinator.partial_units,
+            )
+        except PluginError as exc:
+            coordinator.plugin_error(gid, "hit_serves", exc)  # names its plugin
+            raise
         if not fresh:
             _check_keys(
                 request,

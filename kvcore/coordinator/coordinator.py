@@ -344,9 +344,13 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         enters the core unless the class's search returns only what the
         cache tables key at each position (see
         :mod:`kvcore.coordinator.found_hits`)."""
-        found = group.manager_type.find_longest_cache_hit(query)
-        if group.checks_hits:
-            return check_found_hit(found, query, self.single_type_managers)
+        try:
+            found = group.manager_type.find_longest_cache_hit(query)
+            if group.checks_hits:
+                return check_found_hit(found, query, self.single_type_managers)
+        except Exception as exc:
+            gid = group.group_ids[0]
+            raise self.plugin_error(gid, "find_longest_cache_hit", exc) from exc
         return found
 
     def _hashes_of(
@@ -368,6 +372,10 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         max_length: int,
         alignment: int,
     ) -> HitQuery:
+        if group.checks_hits:
+            # A kind's own search reads copies: the request's hashes are not
+            # its to change.
+            chunk_hashes, hashes = tuple(chunk_hashes), tuple(hashes)
         return HitQuery(
             spec=group.spec,
             block_hashes=hashes,
@@ -796,7 +804,9 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
             gid = 0
         manager = self.single_type_managers[gid]
         if isinstance(exc, PluginError):
-            if exc.plugin_name == type(manager).__module__:
+            # Raised by the group's manager or refused as its answer: the
+            # group's plugin, whatever name the error carried.
+            if exc.plugin_name != self._owners[gid]:
                 exc.plugin_name = self._owners[gid]
                 exc.distribution = self._distribution(exc.plugin_name)
             return exc
@@ -806,10 +816,14 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         if isinstance(exc, BadCount):
             return count_error(manager, method, exc.value, plugin, distribution)
         where = f" (distribution {distribution!r})" if distribution else ""
+        try:
+            text = str(exc)
+        except Exception:  # an exception whose message itself raises
+            text = "(its message could not be formatted)"
         msg = (
             f"the {type(manager).__name__} of cache group {gid} (kind {kind!r}, "
             f"plugin {plugin!r}{where}) raised in {method}: "
-            f"{type(exc).__name__}: {exc}; the step was undone and the block pool "
+            f"{type(exc).__name__}: {text}; the step was undone and the block pool "
             "is as it was before it. Report this to the plugin's authors, or block "
             f"the plugin with KVCORE_DISABLE_PLUGINS={plugin}"
         )

@@ -6,13 +6,16 @@ prefix's KV (a wrong position, a repeated block, an id computed by hand)
 would be read as this request's prefix, so every hit is checked before the
 coordinator uses it: one list per group searched, all of one length, and
 each block that is not the null block an id of the pool keyed, in its
-group, by the prefix ending with it (the manager's own ``block_hash``).
+group, by the prefix ending with it: the request's hash at that position
+where the group's block is a whole number of hash blocks (a kind's own
+``block_hash`` cannot move that key), the manager's ``block_hash`` where
+it is finer.
 
 The searches of kvcore's manager bases (prefix, window, checkpoint) read
 only the pool's cache tables at each position's key, so their hits hold
 this by construction; a class that keeps one of them, built in or not, is
-not checked (``SingleTypeManager.hits_from_cache_tables``), and every class
-with a search of its own is.
+not checked, and every class whose search or ``block_hash`` is its own is
+(:func:`~kvcore.coordinator.twins.own_code`, decided once per plan).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def check_found_hit(
     chunks = query.chunk_hashes
     # The prefix hashes at the groups' block size (none for a block finer
     # than the hash block): the key of every position a manager keys the
-    # usual way, so its own block_hash is asked only where they differ.
+    # usual way; its own block_hash is asked only for finer blocks.
     hashes = query.block_hashes
     length = -1
     for gid, blocks in zip(gids, found, strict=True):
@@ -73,7 +76,7 @@ def check_found_hit(
                 continue
             key = key_hash[block]
             if key_group[block] != gid or (
-                (not usual or key != hashes[i]) and key != key_of(chunks, i)
+                key != hashes[i] if usual else key != key_of(chunks, i)
             ):
                 raise _hit_error(
                     manager,
@@ -82,7 +85,8 @@ def check_found_hit(
                     "position (a hit's blocks are the cached blocks of its own "
                     "prefix, the null block where the kind reads nothing)",
                 )
-    return found
+    # Copies: the lists the kind returned stay its own to reuse.
+    return [list(blocks) for blocks in found]
 
 
 def _hit_error(manager: Any, problem: str) -> PluginResultError:

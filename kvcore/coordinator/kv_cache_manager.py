@@ -467,13 +467,15 @@ class KVCacheManager(StepNeeds, EngineCalls):
         except BaseException:
             # A manager that raised is reported as a PluginError naming it
             # (see KVCacheCoordinator.plugin_error); the step is undone first.
-            pool.rollback()
-            if shed is not None:
-                # The states were recorded after the shed.
-                coordinator.restore_checkpoints(rid, shed)
-            if not running and coordinator.planning:
-                # The states were recorded after plan_checkpoints.
-                coordinator.forget_checkpoints(rid)
+            try:
+                pool.rollback()
+            finally:
+                if shed is not None:
+                    # The states were recorded after the shed.
+                    coordinator.restore_checkpoints(rid, shed)
+                if not running and coordinator.planning:
+                    # The states were recorded after plan_checkpoints.
+                    coordinator.forget_checkpoints(rid)
             raise
         pool.commit()
         marks = self._marks

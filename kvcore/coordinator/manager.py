@@ -161,15 +161,6 @@ class SingleTypeManager:
     #: :meth:`allocate_new_blocks` or :meth:`allocate_twins` makes no such
     #: promise unless it sets this flag in its own body.
     grows_by_count: ClassVar[bool] = True
-    #: Whether :meth:`find_longest_cache_hit` returns only blocks the pool's
-    #: cache tables hold, each under the key of its position (its group and
-    #: :meth:`block_hash`), as the searches of kvcore's manager bases do: the
-    #: coordinator then takes its hits as they are.  Otherwise every hit is
-    #: checked where it enters the core (see
-    #: :mod:`kvcore.coordinator.found_hits`).  A subclass that overrides
-    #: :meth:`find_longest_cache_hit` or :meth:`block_hash` makes no such
-    #: promise unless it sets this flag in its own body.
-    hits_from_cache_tables: ClassVar[bool] = False
     #: Whether :meth:`release_twins` releases and changes nothing for a
     #: request when :meth:`releases_nothing` says so: the coordinator then
     #: passes over a running request's step that no class grows, releases
@@ -257,7 +248,7 @@ class SingleTypeManager:
         ancestor overrides the one-group step: that ancestor's twins step
         through it, and its subclass's twin step reaches it by ``super()``).
         A promise flag (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`,
-        :attr:`releases_by_count`, :attr:`hits_from_cache_tables`) is dropped
+        :attr:`releases_by_count`) is dropped
         where the class overrides a method it covers and sets no flag."""
         super().__init_subclass__(**kwargs)
         own = vars(cls)

@@ -46,8 +46,6 @@ class PrefixManager(SingleTypeManager):
     from the first block up to the first miss (hashes chain, so a miss ends
     the prefix)."""
 
-    hits_from_cache_tables = True
-
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.PREFIX})
     partial_copy_hits: ClassVar[bool] = True
 
@@ -124,8 +122,6 @@ class WindowManager(SingleTypeManager):
     only if the window before some aligned end reads it.  The others stay
     unhashed and are reused first once freed.
     """
-
-    hits_from_cache_tables = True
 
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset(
         {HitPolicy.WINDOW, HitPolicy.NOT_HASHED}

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 from kvcore.coordinator.cache_tables import remove_entry
+from kvcore.errors import PluginError
 
-__all__ = ["NOTHING", "UNDO_CALL", "Record", "taken_since", "undo"]
+__all__ = ["NOTHING", "UNDO_CALL", "Record", "taken_since", "undo", "undo_all"]
 
 Record: TypeAlias = tuple[Any, ...]
 """A journal record: an op code, then what its undo needs."""
@@ -154,6 +155,34 @@ _UNDO = {
     UNPARTIAL: _unpartial,
     UNDO_CALL: _call,
 }
+
+
+def undo_all(pool: Any, journal: list[Record]) -> None:
+    """Undo every record of ``journal``, newest first.  An undo call a
+    manager recorded that raises does not stop the others (the pool's own
+    records undo what they did whatever it did); once all have run, the
+    first such failure is raised as a :class:`PluginError` naming the
+    call's owner."""
+    failed: tuple[Record, Exception] | None = None
+    for record in reversed(journal):
+        try:
+            _UNDO[record[0]](pool, record)
+        except Exception as exc:
+            if failed is None:
+                failed = (record, exc)
+    if failed is not None:
+        record, error = failed
+        call = record[1]
+        owner = getattr(call, "__self__", call)
+        module = getattr(type(owner), "__module__", None) or "unknown"
+        name = getattr(call, "__qualname__", repr(call))
+        msg = (
+            f"{name} raised {type(error).__name__} while a failed step was undone; "
+            "every other change of the step was undone. An undo a manager "
+            "records (restore_request_state, or a call given to "
+            "BlockPool.record) must put back what it saved and not raise"
+        )
+        raise PluginError(msg, plugin_name=module) from error
 
 
 def taken_since(journal: list[Record], mark: int) -> list[list[int]]:

@@ -50,8 +50,6 @@ class CheckpointManager(SingleTypeManager):
     than the hash block is fine: the unit is a multiple of the hash block.
     """
 
-    hits_from_cache_tables = True
-
     reads_hit_before_step: ClassVar[bool] = True
 
     hit_policies: ClassVar[frozenset[HitPolicy]] = frozenset({HitPolicy.CHECKPOINT})

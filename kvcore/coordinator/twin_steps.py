@@ -44,7 +44,6 @@ PROMISES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("get_num_blocks_to_allocate", "allocate_new_blocks", "allocate_twins"),
     ),
     ("releases_by_count", ("remove_skipped_blocks", "release_twins")),
-    ("hits_from_cache_tables", ("find_longest_cache_hit", "block_hash")),
 )
 
 #: (one-group step, twin step, the twin step through the one-group one).

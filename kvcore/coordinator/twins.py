@@ -21,6 +21,7 @@ __all__ = [
     "Runs",
     "defining",
     "kind_steps",
+    "own_code",
     "record_whole",
     "twin_key",
     "twin_runs",
@@ -78,25 +79,32 @@ def twin_runs(managers: Sequence[SingleTypeManager], flag: str | None = None) ->
     return tuple((first, tuple(members)) for first, members in runs)
 
 
+def own_code(cls: type, *steps: str) -> bool:
+    """Whether manager class ``cls`` runs a kind's own code for one of
+    ``steps``: the class in its method resolution order that defines the
+    step (an override, or a twin step made from a one-group override) is
+    not one of the core's manager classes (:data:`CORE_MANAGERS`)."""
+    mro = cls.__mro__
+    for step in steps:
+        owner = next((k for k in mro if step in vars(k)), None)
+        if owner is not None and owner not in CORE_MANAGERS:
+            return True
+    return False
+
+
 def defining(runs: Runs, *steps: str) -> frozenset[int]:
-    """The group ids of the classes of ``runs`` whose manager class runs
-    its own code for one of ``steps``: the class in its method resolution
-    order that defines the step (an override, or a twin step made from a
-    one-group override) is not one of the core's manager classes
-    (:data:`CORE_MANAGERS`).  Those steps are a kind's own code: what they
-    return is checked where it crosses into the core, and the tables they
-    may change are recorded whole before they run; the core's own steps
-    need neither.  Found once per plan, the same for a built-in kind's
-    class as for a third party's."""
-    out: set[int] = set()
-    for _, members in runs:
-        mro = type(members[0]).__mro__
-        for step in steps:
-            owner = next((k for k in mro if step in vars(k)), None)
-            if owner is not None and owner not in CORE_MANAGERS:
-                out.update(m.kv_cache_group_id for m in members)
-                break
-    return frozenset(out)
+    """The group ids of the classes of ``runs`` that run their own code for
+    one of ``steps`` (see :func:`own_code`).  Those steps are a kind's own
+    code: what they return is checked where it crosses into the core, and
+    the tables they may change are recorded whole before they run; the
+    core's own steps need neither.  Found once per plan, the same for a
+    built-in kind's class as for a third party's."""
+    return frozenset(
+        m.kv_cache_group_id
+        for _, members in runs
+        if own_code(type(members[0]), *steps)
+        for m in members
+    )
 
 
 #: The steps that change a request's tables, by their class (twin) name,

@@ -1,0 +1,241 @@
+"""Kinds whose search, keys, errors or undo calls misbehave: each is refused
+or named where it crosses into the core, and nothing it reads is the
+core's own to change.  The search of a class is checked when the class
+that defines it (or ``block_hash``) is a kind's, whatever flag the kind
+declares; what it returns and what it reads are copies."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import kvcore
+from kvcore import KindRegistry
+from kvcore.coordinator import KVCacheManager, Request
+from kvcore.coordinator.manager import HitQuery
+from kvcore.errors import PluginError, PluginResultError
+from kvcore_full_attention import FullAttention, FullAttentionManager
+
+
+def _manager(manager_type: type, num_groups: int = 1) -> KVCacheManager:
+    kind = type("HostileKind", (FullAttention,), {"manager_type": manager_type})()
+    spec = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    return KVCacheManager(
+        kvcore.KVCacheConfig(
+            num_blocks=32,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                kvcore.KVCacheGroupSpec([f"l{g}"], spec) for g in range(num_groups)
+            ],
+        ),
+        max_model_len=1024,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind], owner="acme"),
+    )
+
+
+def _computed(mgr: KVCacheManager, rid: str, tokens: range) -> Request:
+    req = Request(rid, list(tokens), hash_block_size=16)
+    assert mgr.allocate_slots(req, len(tokens)) is not None
+    req.num_computed_tokens = len(tokens)
+    return req
+
+
+class _ShiftedSearch(FullAttentionManager):
+    """Serves each position the block keyed one position on, and says its
+    hits come from the cache tables (the flag is not the check's to
+    switch off)."""
+
+    hits_from_cache_tables = True
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
+            cls, query
+        )
+        return [blocks[1:] + blocks[:1] for blocks in found]
+
+
+class _ShiftedKeys(FullAttentionManager):
+    """Keys one position off and searches by its own keys: its
+    ``block_hash`` agrees with its search, not with the prefix each block
+    holds."""
+
+    def block_hash(self, chunk_hashes: Any, index: int) -> Any:
+        return chunk_hashes[index + 1] if index + 1 < len(chunk_hashes) else None
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        pool = query.block_pool
+        out = []
+        for i in range(query.max_blocks):
+            if i + 1 >= len(query.chunk_hashes):
+                break
+            block = pool.lookup(query.chunk_hashes[i + 1], query.group_ids[0])
+            if block is None:
+                break
+            out.append(block)
+        return [out]
+
+
+@pytest.mark.parametrize("manager_type", [_ShiftedSearch, _ShiftedKeys])
+def test_a_hit_of_blocks_keyed_by_another_prefix_is_refused(
+    manager_type: type,
+) -> None:
+    mgr = _manager(manager_type)
+    _computed(mgr, "a", range(64))
+    b = Request("b", [*range(48), *range(9000, 9020)], hash_block_size=16)
+    with pytest.raises(
+        PluginResultError, match="not keyed there by the prefix"
+    ) as info:
+        mgr.get_computed_blocks(b)
+    assert info.value.plugin_name == "acme"
+
+
+class _ScratchSearch(FullAttentionManager):
+    """Answers every search with one list it reuses."""
+
+    scratch: ClassVar[list[int]] = []
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
+            cls, query
+        )
+        cls.scratch[:] = found[0]
+        return [cls.scratch]
+
+
+def test_a_hit_is_not_the_list_a_kinds_search_reuses() -> None:
+    mgr = _manager(_ScratchSearch)
+    _computed(mgr, "x", range(1000, 1064))
+    _computed(mgr, "y", range(2000, 2064))
+    assert mgr.get_block_ids("x") == ([1, 2, 3, 4],)
+    b = Request("b", list(range(1000, 1065)), hash_block_size=16)
+    hit_b, num_b = mgr.get_computed_blocks(b)
+    c = Request("c", list(range(2000, 2065)), hash_block_size=16)
+    mgr.get_computed_blocks(c)  # the scratch list now holds y's blocks
+    assert hit_b.get_block_ids() == ([1, 2, 3, 4],)
+    assert mgr.allocate_slots(b, 65 - num_b, num_b, hit_b) is not None
+    assert mgr.get_block_ids("b")[0][:4] == [1, 2, 3, 4]
+
+
+class _ReversingSearch(FullAttentionManager):
+    """Reverses the hashes it is given in place."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        query.block_hashes.reverse()  # type: ignore[attr-defined]
+        return [[]]
+
+
+def test_a_kinds_search_cannot_change_the_requests_hashes() -> None:
+    mgr = _manager(_ReversingSearch)
+    b = Request("b", list(range(65)), hash_block_size=16)
+    hashes = list(b.block_hashes)
+    with pytest.raises(PluginError, match=r"_ReversingSearch.*raised in find_longest"):
+        mgr.get_computed_blocks(b)
+    assert list(b.block_hashes) == hashes
+
+
+class _RaisingSearch(FullAttentionManager):
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        raise KeyError("missing")
+
+
+def test_a_search_that_raises_is_reported_as_the_plugins() -> None:
+    mgr = _manager(_RaisingSearch)
+    b = Request("b", list(range(40)), hash_block_size=16)
+    with pytest.raises(
+        PluginError, match="raised in find_longest_cache_hit: KeyError"
+    ) as info:
+        mgr.get_computed_blocks(b)
+    assert info.value.plugin_name == "acme"
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+class _Misreports(FullAttentionManager):
+    """Raises from its allocation step: an exception whose message itself
+    raises, or a PluginError naming another plugin."""
+
+    how = ""
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        if self.how == "unprintable":
+            raise _Unprintable
+        raise PluginError("state corrupted", plugin_name="kvcore_mamba")
+
+
+@pytest.mark.parametrize("how", ["unprintable", "another plugin's name"])
+def test_a_raising_step_is_named_by_the_groups_plugin(how: str) -> None:
+    manager = type("_Misreports", (_Misreports,), {"how": how})
+    mgr = _manager(manager)
+    free = mgr.get_num_free_blocks()
+    req = Request("r", list(range(32)), hash_block_size=16)
+    with pytest.raises(PluginError) as info:
+        mgr.allocate_slots(req, 32)
+    assert info.value.plugin_name == "acme"
+    if how == "unprintable":
+        assert "_Unprintable: (its message could not be formatted)" in str(info.value)
+    assert mgr.get_num_free_blocks() == free
+
+
+class _RaisingUndo(FullAttentionManager):
+    """Keeps per-request state whose undo raises, and fails its second
+    group's allocation: the failed step's rollback meets the raising undo."""
+
+    keeps_request_state = True
+
+    def request_state(self, request_id: str) -> Any:
+        return "saved"
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        raise RuntimeError("cannot restore")
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        if self.kv_cache_group_id == 1:
+            raise ValueError("step fails")
+        return new
+
+
+def test_an_undo_that_raises_leaves_the_rest_of_the_step_undone() -> None:
+    mgr = _manager(_RaisingUndo, num_groups=2)
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    req = Request("r", list(range(64)), hash_block_size=16)
+    with pytest.raises(PluginError, match="restore_request_state raised RuntimeError"):
+        mgr.allocate_slots(req, 64)
+    # Every other change was undone: no table, no block out, no open step.
+    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+    for group in mgr.coordinator.single_type_managers:
+        assert "r" not in group.req_to_blocks
+    assert pool.journal is None
+
+
+class _RaisingServes(FullAttentionManager):
+    def hit_serves(self, blocks: Any) -> bool:
+        raise ValueError("cannot tell")
+
+
+def test_a_hit_serves_that_raises_is_reported_as_the_plugins() -> None:
+    mgr = _manager(_RaisingServes)
+    _computed(mgr, "a", range(64))
+    b = Request("b", [*range(48), 9999], hash_block_size=16)
+    hit, num = mgr.get_computed_blocks(b)
+    assert num == 48
+    with pytest.raises(PluginError, match="hit_serves raised ValueError") as info:
+        mgr.allocate_slots(b, 1, num, hit)
+    assert info.value.plugin_name == "acme"
+    assert "b" not in mgr.coordinator.single_type_managers[0].req_to_blocks
