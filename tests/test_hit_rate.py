@@ -189,9 +189,8 @@ def test_a_readmission_counts_in_the_hits_and_the_bound_alike() -> None:
 class CorruptingManager(FullAttentionManager):
     """A faulty third-party manager: it keys a request's first two full
     blocks crosswise (the first under the second's hash, the second under
-    the first's).  Every key names the right prefix length, so the hits it
-    serves pass the core's key check, but they read the two blocks in the
-    wrong order, which only the blocks' content shows."""
+    the first's).  Every key names the right prefix length; hits on them
+    would read the two blocks in the wrong order."""
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         rid = request.request_id
@@ -242,28 +241,23 @@ class CorruptingFullAttention(FullAttention):
     manager_type = CorruptingManager
 
 
-def test_the_oracle_catches_a_hit_on_blocks_keyed_crosswise() -> None:
-    # A keys its two full blocks crosswise; C, B and D each hit 32 tokens
-    # of them, reading A's second block where their first 16 tokens go.
+def test_blocks_keyed_crosswise_are_refused_when_they_are_keyed() -> None:
+    # A keys its two full blocks crosswise: each key names the right prefix
+    # length, so only the block's position in A's table shows the fault.
+    # The core checks a kind's own keying step against the table, so the
+    # run stops at A's keying, before any request could hit those blocks
+    # (the content oracle would report each such hit; see
+    # test_partial_block_content_and_copies_in_the_model).
     faulty = kvcore.KindRegistry.from_kinds([CorruptingFullAttention()])
-    result = Driver(_plan16(), registry=faulty, validate=True).run(_hand_workload())
-    assert result.completed == 4
-    assert (result.checked_hits, result.invalid_hits) == (3, 3)
-    assert result.prefix_hit_tokens == 96
-    assert [r.split(",")[0] for r in result.invalid_hit_reports] == [
-        "request 'C'",
-        "request 'B'",
-        "request 'D'",
-    ]
-    first = result.invalid_hit_reports[0]
-    assert first.startswith("request 'C', hit of 32 tokens: group 0's block 2")
-    assert "at position 0 does not hold its tokens [0, 16)" in first
-    # Without validation nothing is checked or counted.
-    plain = Driver(_plan16(), registry=faulty).run(_hand_workload())
-    assert (plain.validated, plain.checked_hits, plain.invalid_hits) == (False, 0, 0)
+    with pytest.raises(kvcore.errors.PluginResultError) as info:
+        Driver(_plan16(), registry=faulty, validate=True).run(_hand_workload())
+    assert "CorruptingManager.cache_twins keyed block" in str(info.value)
+    assert "for request 'A'" in str(info.value)
     # The built-in manager's hits are all valid.
     honest = Driver(_plan16(), validate=True).run(_hand_workload())
     assert (honest.checked_hits, honest.invalid_hits) == (3, 0)
+    plain = Driver(_plan16()).run(_hand_workload())
+    assert (plain.validated, plain.checked_hits, plain.invalid_hits) == (False, 0, 0)
 
 
 def test_a_hit_naming_another_prefixs_block_is_refused_at_lookup() -> None:

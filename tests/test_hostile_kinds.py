@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import coordinator_setup as setup
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.manager import HitQuery
 from kvcore.errors import PluginError, PluginResultError
 from kvcore_full_attention import FullAttention, FullAttentionManager
+from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
 
 
 def _manager(manager_type: type, num_groups: int = 1) -> KVCacheManager:
@@ -239,3 +241,146 @@ def test_a_hit_serves_that_raises_is_reported_as_the_plugins() -> None:
         mgr.allocate_slots(b, 1, num, hit)
     assert info.value.plugin_name == "acme"
     assert "b" not in mgr.coordinator.single_type_managers[0].req_to_blocks
+
+
+class _NoTouch(FullAttentionManager):
+    """Attaches a hit without taking references on its blocks."""
+
+    def add_computed_blocks(self, request_id: str, blocks: Any) -> None:
+        self.record_request_state(request_id)
+        self.req_to_blocks[request_id] = list(blocks)
+        self.num_cached_block[request_id] = len(blocks)
+
+
+def test_an_attach_that_takes_no_reference_is_refused() -> None:
+    # The hit's blocks would sit in two tables with one reference: freeing
+    # the first holder would hand them out under the second.
+    mgr = _manager(_NoTouch)
+    _computed(mgr, "a", range(1000, 1064))
+    before = list(mgr.block_pool.ref_cnt)
+    b = Request("b", [*range(1000, 1048), *[7] * 20], hash_block_size=16)
+    hit, num = mgr.get_computed_blocks(b)
+    with pytest.raises(
+        PluginResultError, match=r"add_computed_blocks attached \[1, 2, 3\]"
+    ):
+        mgr.allocate_slots(b, 68 - num, num, hit)
+    assert list(mgr.block_pool.ref_cnt) == before
+    assert "b" not in mgr.coordinator.single_type_managers[0].req_to_blocks
+
+
+class _CountsNothing(FullAttentionManager):
+    """Counts no block for a running request, and promises that a count of
+    0 means its step grows nothing."""
+
+    grows_by_count = True
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Any
+    ) -> int:
+        if request_id in self.req_to_blocks:
+            return 0
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks
+        )
+
+
+class _GrowsHalf(FullAttentionManager):
+    """Takes half the blocks a step needs."""
+
+    def allocate_twins(self, twins: Any, request_id: str, num_tokens: int) -> Any:
+        return super().allocate_twins(twins, request_id, num_tokens // 2)
+
+
+@pytest.mark.parametrize(
+    ("manager_type", "refused"),
+    [
+        (_CountsNothing, "get_num_blocks_to_allocate counted 0 blocks for request 'r'"),
+        (_GrowsHalf, "allocate_twins left cache group 0's table of request 'r'"),
+    ],
+)
+def test_a_step_that_leaves_the_table_short_is_refused(
+    manager_type: type, refused: str
+) -> None:
+    # The engine's slots for the step's tokens index the table: a table
+    # short of them would send the step's KV past it.
+    mgr = _manager(manager_type)
+    r = Request("r", list(range(200)), hash_block_size=16)
+    if manager_type is _CountsNothing:
+        assert mgr.allocate_slots(r, 32) is not None
+        r.num_computed_tokens = 32
+    held = mgr.get_block_ids("r") if manager_type is _CountsNothing else None
+    free = mgr.get_num_free_blocks()
+    with pytest.raises(PluginResultError, match=refused):
+        mgr.allocate_slots(r, 64, delay_cache_blocks=True)
+    assert mgr.get_num_free_blocks() == free
+    if held is not None:
+        assert mgr.get_block_ids("r") == held
+
+
+class _KeepsFreed(SlidingWindowManager):
+    """Frees the blocks a request no longer reads but leaves them in its
+    table."""
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        self.record_request_state(request_id)
+        last = min(num_computed_tokens // self.block_size - 1, len(blocks))
+        self.block_pool.free_blocks([b for b in blocks[:last] if b])
+
+
+def test_a_release_that_leaves_freed_blocks_in_the_table_is_refused() -> None:
+    kind = type("KeepsFreedKind", (SlidingWindow,), {"manager_type": _KeepsFreed})()
+    mgr = setup.beside_full_attention(kind, 32, block_size=4, window=4)
+    req = Request("r", list(range(16)), hash_block_size=4)
+    assert mgr.allocate_slots(req, 16) is not None
+    req.num_computed_tokens = 16
+    req.append_output_token_ids(99)
+    before = (list(mgr.block_pool.ref_cnt), mgr.get_block_ids("r"))
+    with pytest.raises(PluginResultError, match="freed block 5 but left it"):
+        mgr.allocate_slots(req, 1)
+    assert (list(mgr.block_pool.ref_cnt), mgr.get_block_ids("r")) == before
+
+
+class _PinsNegative(SlidingWindowManager):
+    """Pins table position -1 (meaning its newest) at admission."""
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        super().plan_checkpoints(request, num_computed_tokens)
+        self.pinned[request.request_id] = [-1]
+
+
+def test_a_negative_pin_never_releases_the_newest_block() -> None:
+    # A step that does not fit sheds the pins: the release then restarts
+    # at the lowest pin, never below position 0 (from -1 it would free the
+    # request's newest block, inside its window).
+    kind = type("PinsKind", (SlidingWindow,), {"manager_type": _PinsNegative})()
+    spec = SlidingWindow().spec_type(
+        block_size=16,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+        sliding_window=32,
+    )
+    mgr = setup.manager_for(
+        [spec],
+        7,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind], owner="acme"),
+        max_model_len=1024,
+    )
+    r = Request("r", list(range(200)), hash_block_size=16)
+    assert mgr.allocate_slots(r, 64) is not None
+    r.num_computed_tokens = 64
+    assert mgr.allocate_slots(r, 16) is not None
+    r.num_computed_tokens = 80
+    table = mgr.get_block_ids("r")[0]
+    free = mgr.get_num_free_blocks()
+    other = Request("o", list(range(500, 500 + 16 * free)), hash_block_size=16)
+    assert mgr.allocate_slots(other, 16 * free) is not None
+    mgr.allocate_slots(r, 32)
+    # Positions 3 and 4 (tokens 48-79) are what its window reads.
+    assert mgr.get_block_ids("r")[0][3:5] == table[3:5]
+    assert all(mgr.block_pool.ref_cnt[b] == 1 for b in table[3:5])

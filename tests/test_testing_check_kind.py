@@ -533,9 +533,9 @@ def _kind(spec_type: type[FullAttentionSpec], manager: type) -> CacheKind:
         pytest.param(
             WrongGroupSpec,
             WrongGroupManager,
-            r"'wrong_group': 'two-a' prefill step 1: block \d+ of cache group 1's "
-            r"table is keyed under group 0; a manager keys its blocks under its "
-            r"own kv_cache_group_id",
+            r"'wrong_group': kvcore refused its manager's answer in a step: "
+            r".*WrongGroupManager.cache_twins keyed block \d+ under group 0 for "
+            r"request 'two-a', but it is not in that group's table",
             id="keys-under-another-group",
         ),
     ],

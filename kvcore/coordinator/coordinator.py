@@ -30,12 +30,16 @@ from kvcore.coordinator.counted_release import freeable_counts
 from kvcore.coordinator.found_hits import check_found_hit
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.kind_effects import (
+    check_attached,
+    check_count_covers,
+    checked_step,
+)
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.plugin_results import (
     BadCount,
     block_count,
-    check_new_blocks,
     count_error,
     result_error,
     shown,
@@ -492,9 +496,9 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                     lengths = record_whole(members, rid)
                 mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
-                if allocating and first in own:
-                    marks = (mark, lengths)
-                    new = check_new_blocks(members, rid, new, journal, marks)
+                if first in own:
+                    marks = (journal, mark, lengths)
+                    new = checked_step(method, members, args, new, marks)
                 if new and allocating:
                     if out is None:
                         out = [[] for _ in range(self.num_groups)]
@@ -626,9 +630,15 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
             ):
                 gid = manager.kv_cache_group_id
                 if computed:
-                    if gid in own and self.block_pool.journal is not None:
-                        record_whole((manager,), request_id)
+                    journal = self.block_pool.journal
+                    if gid not in own or journal is None:
+                        manager.add_computed_blocks(request_id, computed)
+                        continue
+                    length = record_whole((manager,), request_id)[0]
+                    mark = len(journal)
                     manager.add_computed_blocks(request_id, computed)
+                    touched = (journal, mark)
+                    check_attached(manager, request_id, length, computed, touched)
         except Exception as exc:
             raise self.plugin_error(gid, "add_computed_blocks", exc) from exc
 
@@ -653,8 +663,9 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 mark = 0 if journal is None else len(journal)
                 new = lead.allocate_twins(members, request_id, tokens)
                 if first in own:
-                    marks = (mark, lengths)
-                    new = check_new_blocks(members, request_id, new, journal, marks)
+                    marks = (journal, mark, lengths)
+                    step = (request_id, tokens)
+                    new = checked_step("allocate_twins", members, step, new, marks)
                 if new:
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
@@ -674,11 +685,14 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         as :meth:`get_num_blocks_to_allocate` takes them."""
         total = 0
         manager = None
+        own = self._kind_steps["get_num_blocks_to_allocate"]
         try:
             for manager, size in self._grow_classes:
                 need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
                 if type(need) is not int or need < 0:
                     block_count(need)
+                if not need and manager.kv_cache_group_id in own and caps is None:
+                    check_count_covers(manager, request_id, num_tokens)
                 if caps is not None:  # the table's positions count toward it
                     cap = caps[manager.kv_cache_group_id]
                     if cap is not None:

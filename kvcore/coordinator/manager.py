@@ -330,7 +330,8 @@ class SingleTypeManager:
         del self.pinned[request_id]
         released = self.num_released.get(request_id)
         if released is not None:
-            self.num_released[request_id] = min(released, *pins)
+            # Pins are a kind's answer: a position below 0 is none.
+            self.num_released[request_id] = max(0, min(released, *pins))
         return pins, released
 
     def restore_checkpoints(self, request_id: str, state: Any) -> None:

@@ -108,15 +108,17 @@ def defining(runs: Runs, *steps: str) -> frozenset[int]:
 
 
 #: The steps that change a request's tables, by their class (twin) name,
-#: each with the hooks it runs: where a kind's manager class defines one
-#: itself, the step's answers are checked and the tables it may change are
-#: recorded whole before it runs.
+#: each with the hooks it runs, and the count a running step is weighed
+#: by: where a kind's manager class defines one itself, the step's answers
+#: are checked and the tables it may change are recorded whole before it
+#: runs.
 KIND_STEPS = {
     "allocate_twins": ("allocate_twins",),
     "release_twins": ("release_twins", "kept_twins", "kept_if_room_twins"),
     "cache_twins": ("cache_twins",),
     "pop_twins": ("pop_twins",),
     "add_computed_blocks": ("add_computed_blocks",),
+    "get_num_blocks_to_allocate": ("get_num_blocks_to_allocate",),
 }
 
 

@@ -1,0 +1,184 @@
+"""What a kind's own step left behind, checked before the step commits.
+
+A step a kind's manager class defines itself (see
+:func:`~kvcore.coordinator.twins.defining`) changes the request's tables,
+the pool's references and its keys with code the core did not write; an
+answer can be right while the tables are not.  The checks here read only
+the request's tables and what the step recorded in the pool's journal, so
+the core's own steps never pay for them.  Each failure is a
+:class:`~kvcore.errors.PluginResultError` naming the manager class, and
+the step is undone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcore.coordinator.hashing import hashes_at_block_size
+from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
+from kvcore.coordinator.pool_journal import TOUCH, UNKEY, Record
+
+__all__ = [
+    "check_attached",
+    "check_count_covers",
+    "check_covers",
+    "check_keyed",
+    "check_released",
+    "checked_step",
+]
+
+
+def checked_step(
+    method: str,
+    members: Sequence[Any],
+    args: Sequence[Any],
+    new: object,
+    marks: tuple[list[Record] | None, int, Sequence[int]],
+) -> Any:
+    """What a kind's own class step ``method`` (``allocate_twins``,
+    ``release_twins`` or ``cache_twins``, called with ``args``) returned
+    (``new``), once what it left is checked; ``marks``: the journal, where
+    the step's records start and the tables' lengths before it."""
+    journal, mark, lengths = marks
+    journal = journal or []  # a kind's step runs inside a transaction
+    if method == "allocate_twins":
+        request_id, num_tokens = args[0], args[1]
+        new = check_new_blocks(members, request_id, new, journal, (mark, lengths))
+        check_covers(members, request_id, num_tokens)
+    elif method == "release_twins":
+        check_released(members, args[0], method)
+    else:
+        check_keyed(members, args[0], journal, mark)
+    return new
+
+
+def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> None:
+    """After a kind's allocation: each position-indexed twin's table holds a
+    position for every one of ``num_tokens`` tokens (the engine's slots for
+    the step's tokens index the table)."""
+    for manager in members:
+        if not manager.position_indexed:
+            continue
+        table = manager.req_to_blocks.get(request_id) or ()
+        if len(table) * manager.block_size < num_tokens:
+            raise result_error(
+                members[0],
+                "allocate_twins",
+                f"left cache group {manager.kv_cache_group_id}'s table of request "
+                f"{request_id!r} at {len(table)} blocks of {manager.block_size} "
+                f"tokens where the step covers {num_tokens} tokens: the engine "
+                "would write the step's KV past the table; take a block for "
+                "every position the step reaches",
+            )
+
+
+def check_count_covers(manager: Any, request_id: str, num_tokens: int) -> None:
+    """A kind's count of 0 blocks for a running request at ``num_tokens``:
+    its table already holds a position for every token (with the
+    ``grows_by_count`` promise, a count of 0 passes the step over)."""
+    table = manager.req_to_blocks.get(request_id) or ()
+    if len(table) * manager.block_size >= num_tokens:
+        return
+    raise result_error(
+        manager,
+        "get_num_blocks_to_allocate",
+        f"counted 0 blocks for request {request_id!r} at {num_tokens} tokens in "
+        f"cache group {manager.kv_cache_group_id}, whose table holds "
+        f"{len(table)} blocks of {manager.block_size} tokens; count the "
+        "blocks the step's tokens need",
+    )
+
+
+def check_released(members: Sequence[Any], request_id: str, method: str) -> None:
+    """After a kind's release (or the hooks the release asks): every block
+    left in each twin's table is still held (a freed block left in place
+    would be handed out again and freed under its next owner)."""
+    ref = members[0].block_pool.ref_cnt
+    for manager in members:
+        for block in manager.req_to_blocks.get(request_id) or ():
+            if block and not ref[block]:
+                raise result_error(
+                    members[0],
+                    method,
+                    f"freed block {block} but left it in cache group "
+                    f"{manager.kv_cache_group_id}'s table of request "
+                    f"{request_id!r}; a released position holds the null block",
+                )
+
+
+def check_keyed(
+    members: Sequence[Any], request: Any, journal: list[Record], mark: int
+) -> None:
+    """After a kind's keying: every block it keyed (the keys ``journal``
+    recorded from ``mark`` on) is in its own group's table of the request,
+    keyed by the request's hash at its position where the group's block is
+    a whole number of hash blocks (a later request of another prompt would
+    read it as its prefix)."""
+    by_group = {m.kv_cache_group_id: m for m in members}
+    rid = request.request_id
+    for record in journal[mark:]:
+        if record[0] != UNKEY:
+            continue
+        gid, pairs = record[1], record[2]
+        manager = by_group.get(gid)
+        table = manager.req_to_blocks.get(rid) or () if manager else ()
+        where = {block: i for i, block in enumerate(table) if block}
+        lead = manager or members[0]
+        block_size, chunk = lead.block_size, lead.hash_block_size
+        hashes = (
+            hashes_at_block_size(request.block_hashes, chunk, block_size)
+            if not block_size % chunk
+            else None
+        )
+        for block, key in pairs:
+            i = where.get(block)
+            if i is not None and (
+                hashes is None or (i < len(hashes) and hashes[i] == key)
+            ):
+                continue
+            raise result_error(
+                members[0],
+                "cache_twins",
+                f"keyed block {block} under group {gid} for request {rid!r}, "
+                "but it is not in that group's table of the request at a "
+                "position whose prefix the key is; key each group's blocks "
+                "under the request's hash at their position "
+                "(block_pool.cache_full_blocks)",
+            )
+
+
+def check_attached(
+    manager: Any,
+    request_id: str,
+    length: int,
+    blocks: Sequence[int],
+    touched: tuple[list[Record], int],
+) -> None:
+    """After a kind's ``add_computed_blocks``: the group's table grew by the
+    admission ``blocks`` (from ``length``), and the step took a reference on
+    each that is not the null block (the hand-outs' journal records from the
+    mark in ``touched``): an untouched hit block would be freed under the
+    request by its other holder."""
+    table = manager.req_to_blocks.get(request_id) or ()
+    grown = list(table[length:])
+    journal, mark = touched
+    taken = [
+        block
+        for record in journal[mark:]
+        if record[0] == TOUCH
+        for block in record[1]
+        if block
+    ]
+    wanted = [block for block in blocks if block]
+    if grown == list(blocks) and sorted(taken) == sorted(wanted):
+        return
+    raise result_error(
+        manager,
+        "add_computed_blocks",
+        f"attached {shown(grown)} to cache group {manager.kv_cache_group_id}'s "
+        f"table of request {request_id!r} and took references on "
+        f"{shown(taken)}, for the admission blocks {shown(list(blocks))}; "
+        "append them as given and take one reference on each that is not "
+        "the null block (block_pool.touch)",
+    )
