@@ -12,7 +12,6 @@ import coordinator_setup as setup
 import pytest
 import torch
 
-import kvcore
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.manager import HitQuery
@@ -22,22 +21,19 @@ from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
 
 
 def _manager(manager_type: type, num_groups: int = 1) -> KVCacheManager:
+    """A manager over ``num_groups`` groups of a full-attention kind served
+    by ``manager_type``, registered by plugin ``acme``."""
     kind = type("HostileKind", (FullAttention,), {"manager_type": manager_type})()
     spec = FullAttention().spec_type(
         block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
     )
-    return KVCacheManager(
-        kvcore.KVCacheConfig(
-            num_blocks=32,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                kvcore.KVCacheGroupSpec([f"l{g}"], spec) for g in range(num_groups)
-            ],
-        ),
-        max_model_len=1024,
+    return setup.manager_for(
+        [spec] * num_groups,
+        32,
         scheduler_block_size=16,
         hash_block_size=16,
         registry=KindRegistry.from_kinds([kind], owner="acme"),
+        max_model_len=1024,
     )
 
 

@@ -10,36 +10,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcore.coordinator.parts import CoordinatorParts
 from kvcore.coordinator.state_manager import CheckpointManager
 
 if TYPE_CHECKING:
-    from kvcore.coordinator.block_pool import BlockPool
     from kvcore.coordinator.manager import SingleTypeManager
     from kvcore.coordinator.request import Request
-    from kvcore.errors import PluginError
 
 __all__ = ["CheckpointSteps"]
 
 
-class CheckpointSteps:
+class CheckpointSteps(CoordinatorParts):
     """The checkpoint steps of the coordinator, which supplies the pool, the
     planning groups, their twin classes and the error reports."""
 
-    block_pool: BlockPool
     planning: tuple[SingleTypeManager, ...]
     _path_twins: Sequence[Sequence[CheckpointManager]]
-
-    if TYPE_CHECKING:  # the coordinator's
-
-        def plugin_error(
-            self, gid: int, method: str, exc: BaseException
-        ) -> PluginError: ...
-
-        def forget_span(self, request_id: str) -> None: ...
-
-        def _each(
-            self, managers: Sequence[SingleTypeManager], method: str, *args: Any
-        ) -> list[Any]: ...
 
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """Let every state group choose where to keep checkpoints for a

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.parts import CoordinatorParts
 from kvcore.coordinator.plugin_results import result_error, shown
 from kvcore.coordinator.twins import defining, record_whole, twin_runs
 from kvcore.coordinator.undo import truncate
 from kvcore.errors import InvalidRequestError, KvcoreTypeError
 
 if TYPE_CHECKING:
-    from kvcore.coordinator.block_pool import BlockPool
-    from kvcore.errors import PluginError
+    pass
 
 __all__ = ["FreeSteps", "PoppedId", "list_key"]
 
@@ -53,24 +53,9 @@ def list_key(ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(ordered[bisect_right(ordered, 0) :])  # null blocks sort first
 
 
-class FreeSteps:
+class FreeSteps(CoordinatorParts):
     """The free step of the coordinator, which supplies the pool, the
     managers' error reports and cache spans."""
-
-    block_pool: BlockPool
-    single_type_managers: tuple[SingleTypeManager, ...]
-
-    if TYPE_CHECKING:  # the coordinator's
-
-        def plugin_error(
-            self, gid: int, method: str, exc: BaseException
-        ) -> PluginError: ...
-
-        def forget_span(self, request_id: str) -> None: ...
-
-        def _each(
-            self, managers: Sequence[SingleTypeManager], method: str, *args: Any
-        ) -> list[Any]: ...
 
     def _init_free_order(self, managers: Sequence[SingleTypeManager]) -> None:
         """The free order of ``managers`` (each one's ``holds_back`` set):
