@@ -133,6 +133,32 @@ def test_policy_steps_keeps_every_step_end_on_a_boundary() -> None:
     assert cached_state_ends(mgr, req) == [112, 128]
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_policy_steps_states_a_request_released_leave_before_their_prefix(
+    deferred: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside full attention, the step-end states a request released rejoin
+    its table when it is freed (at once, or popped and released later): each
+    leaves the cache before the attention blocks its hit reads, never after
+    them (cached, with nothing to serve)."""
+    mgr = hybrid(policy="steps")
+    if deferred:
+        pop = mgr.pop_blocks_for_free
+        monkeypatch.setattr(mgr, "free", lambda r: mgr.release_blocks(pop(r)))
+    req = Request("a", tokens(100), hash_block_size=BS)
+    run(mgr, req, tokens(40, 1000))
+    # Both states were released by later steps; the last (139) is unkeyed.
+    assert cached_state_ends(mgr, req) == [112, 128]
+    pool = mgr.block_pool
+    where = {b: i for i, b in enumerate(pool.eviction_order())}
+    for end in (112, 128):
+        state_block = pool.lookup(req.block_hashes[end // BS - 1], 1)
+        prefix = [pool.lookup(h, 0) for h in req.block_hashes[: end // BS]]
+        assert state_block is not None
+        assert None not in prefix
+        assert where[state_block] < min(where[b] for b in prefix if b is not None)
+
+
 def test_mode_all_keys_every_state_on_a_hit_boundary() -> None:
     mgr = hybrid(mode="all")
     req = Request("a", tokens(100), hash_block_size=BS)

@@ -166,10 +166,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         # A group that releases blocks while a request runs, beside one that
         # keeps the request's whole prefix (which no eviction can reach
         # while it runs), holds back the released blocks its hits need (and
-        # spares the rest), unless every one it releases stays a hit point.
+        # spares the rest), or rejoins them all if each stays a hit point.
         if any(m.caching and not m.skips_blocks for m in managers):
             for m in managers:
                 m.holds_back = m.caching and m.skips_blocks and not m.keeps_releases
+                m.rejoins_releases = m.caching and m.skips_blocks and m.keeps_releases
         # The blocks one point of a request's grid costs, over every group
         # that keeps blocks there: each keeps the grid to its share.
         cost = sum(self._grid_answer(m, "grid_point_blocks") for m in self.planning)

@@ -3,7 +3,8 @@
 
 Every group's table is popped, one ``pop_twins`` call per run of
 consecutive twins in free order (groups that evict last at the end); the
-blocks a running request held back rejoin their group's table; the blocks
+blocks a running request held back (or released, in a group whose every
+release stays a hit point) rejoin their group's table; the blocks
 are queued for eviction by hit point across caching groups
 (:class:`~kvcore.coordinator.free_order.HitPointOrder`), else group by
 group, each tail first; the states a state group kept go to the back of
@@ -68,11 +69,15 @@ class FreeSteps(CoordinatorParts):
         self._checked_pops = defining(self._pop_runs, "pop_twins")
         #: Managers whose freed blocks go to the back of the eviction order.
         self._evicting_last = tuple(m for m in managers if m.evicts_last)
-        #: Those that hold back released blocks, freed before the state
-        #: groups: a freed request's held-back blocks rejoin their group's
-        #: table (state groups move theirs to the back, see
-        #: :meth:`_refresh_checkpoints`).
-        self._holding = tuple(m for m in managers if m.holds_back and not m.evicts_last)
+        #: Those whose freed request's held-back blocks rejoin its table:
+        #: groups that hold back, freed before the state groups (which move
+        #: theirs to the back, see :meth:`_refresh_checkpoints`), and groups
+        #: whose every release stays a hit point (``rejoins_releases``).
+        self._holding = tuple(
+            m
+            for m in managers
+            if m.rejoins_releases or (m.holds_back and not m.evicts_last)
+        )
         #: Their indices in the free order.
         self._holding_at = tuple(self._free_order.index(m) for m in self._holding)
         #: Two or more caching groups: freed blocks queue by hit point.
@@ -82,7 +87,10 @@ class FreeSteps(CoordinatorParts):
         #: The groups with work left for a free after its blocks are popped
         #: (held-back blocks, kept states): a popped request's records there
         #: are filed under a :class:`PoppedId` until its list is released.
-        self._parking = (*self._holding, *self._evicting_last)
+        self._parking = (
+            *self._holding,
+            *(m for m in self._evicting_last if m not in self._holding),
+        )
         #: The popped lists whose free is not finished, by :func:`list_key`:
         #: each one's id and popped tables, in the order they were popped.
         self._parked: dict[
@@ -184,15 +192,17 @@ class FreeSteps(CoordinatorParts):
         blocks it held back rejoin them first (:meth:`_rejoin_held_back`),
         then every block by hit point across caching groups
         (:class:`HitPointOrder`), else group by group in free order, each
-        tail first; the states it kept go to the back last."""
+        tail first; the states it kept go to the back last, but for those
+        that rejoined its table."""
+        rejoined: list[int] = []
         if self._holding:
             tables = list(tables)  # a parked record stays as popped
-            self._rejoin_held_back(request_id, tables)
+            rejoined = self._rejoin_held_back(request_id, tables)
         freed = self._in_free_order(tables)
         if freed:
             self.block_pool.free_table(freed)
         if self._evicting_last:
-            self._refresh_checkpoints(request_id)
+            self._refresh_checkpoints(request_id, rejoined)
 
     def _pop_tables(self, request_id: str) -> list[list[int] | None]:
         """Forget the request in every group: each group's table (None where
@@ -236,12 +246,14 @@ class FreeSteps(CoordinatorParts):
 
     def _rejoin_held_back(
         self, request_id: str, tables: list[list[int] | None]
-    ) -> None:
-        """Take again the blocks the request held back that are still
+    ) -> list[int]:
+        """Take again the blocks the request held back (or, where the
+        group rejoins its releases, released keyed) that are still
         cached and put each in a copy of its group's table at its position
         (released there, so the null block): its group frees it with the
         rest of the table, tail first, and the hit points it completes
-        leave the cache with the request's other blocks."""
+        leave the cache with the request's other blocks.  The blocks put
+        back."""
         held = self._each(self._holding, "take_held_back", request_id)
         revived: list[int] = []
         for manager, index, pairs in zip(
@@ -258,6 +270,7 @@ class FreeSteps(CoordinatorParts):
             revived += [block for _, block in pairs]
         if revived:
             self.block_pool.touch(revived)
+        return revived
 
     def _check_held_back(
         self,
@@ -297,10 +310,17 @@ class FreeSteps(CoordinatorParts):
                     "and the free block it held back there, each block once",
                 )
 
-    def _refresh_checkpoints(self, request_id: str) -> None:
+    def _refresh_checkpoints(self, request_id: str, rejoined: list[int]) -> None:
         """Move the states a freed request kept, released earlier, to the
-        back of the eviction order with its other blocks."""
-        self.block_pool.requeue_at_back(self._released_states(request_id))
+        back of the eviction order with its other blocks; not those that
+        ``rejoined`` its table, queued by hit point beside the blocks their
+        hits read (behind all of them, a state outlived the attention
+        blocks it needs and served nothing)."""
+        states = self._released_states(request_id)
+        if rejoined:
+            skip = set(rejoined)
+            states = [block for block in states if block not in skip]
+        self.block_pool.requeue_at_back(states)
 
     def _released_states(self, request_id: str) -> list[int]:
         """The states the request kept and released earlier, group by group

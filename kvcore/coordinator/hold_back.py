@@ -11,7 +11,8 @@ through the class forms ``kept_twins`` and ``kept_if_room_twins`` (see
 This module runs that step for the manager base class: it checks each
 answer where it enters the core, moves the blocks in one pool call per
 kind, and notes what a group freed before the others holds back for
-``take_held_back``.
+``take_held_back``; a group whose every release stays a hit point
+(``rejoins_releases``) holds back none and notes its keyed releases there.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def hold_back_twins(
     last group's first (as one pool call per group would leave them); each
     twin's lowest position first (evicted first).  A group freed before
     the others (not ``evicts_last``) remembers them for ``take_held_back``.
-    Every answer is checked before the pool changes."""
+    Every answer is checked before the pool changes.  A group whose every
+    release stays a hit point (``rejoins_releases``) holds back none."""
+    if not lead.holds_back:
+        _remember_keyed(twins, request_id, positions, removed)
+        return
     num = len(twins)
     answers = lead.kept_twins(twins, request_id, positions, removed)
     if type(answers) is not list or len(answers) != num:
@@ -99,6 +104,29 @@ def hold_back_twins(
 def _where(positions: Sequence[int], released: Sequence[int]) -> dict[int, int]:
     """Each released block's table position, by block id."""
     return dict(zip(released, positions, strict=True))
+
+
+def _remember_keyed(
+    twins: Sequence[Manager],
+    request_id: str,
+    positions: Sequence[int],
+    removed: Sequence[Sequence[int]],
+) -> None:
+    """Note each twin's released blocks that its group keyed, for
+    ``take_held_back``: they rejoin the table when the request is freed,
+    so each leaves the cache by hit point with the blocks its hit reads
+    (moved behind all of them, a state outlived the attention blocks it
+    needs and served nothing)."""
+    for twin, released in zip(twins, removed, strict=True):
+        pool = twin.block_pool
+        gid = twin.kv_cache_group_id
+        keyed = [
+            block
+            for block in released
+            if pool.key_hash[block] is not None and pool.key_group[block] == gid
+        ]
+        if keyed:
+            _remember_held(twin, request_id, keyed, _where(positions, released))
 
 
 def _remember_held(

@@ -201,10 +201,11 @@ class SingleTypeManager:
         #: Whether this group's blocks are hashed and looked up.
         self.caching = bool(enable_caching) and spec.hit_policy.hashes_blocks
         #: Set by the coordinator when the group releases blocks while a
-        #: request runs, picks which to keep (not :attr:`keeps_releases`) and
-        #: another group keeps the request's whole prefix: released blocks
-        #: :meth:`kept_for_later` names are then held back, the rest spare.
-        self.holds_back = False
+        #: request runs and another group keeps the request's whole prefix:
+        #: one that picks which to keep (not :attr:`keeps_releases`) holds
+        #: back those :meth:`kept_for_later` names, the rest spare; one that
+        #: keeps all rejoins its keyed ones to the table when it is freed.
+        self.holds_back = self.rejoins_releases = False
         #: Set by the coordinator on planning groups (see grid_point_blocks).
         self.grid_point_cost = 0
         self.grid_share = 0.0
@@ -405,16 +406,15 @@ class SingleTypeManager:
 
     def take_held_back(self, request_id: str) -> list[tuple[int, int]]:
         """When the request is freed: ``(table position, block)`` of the
-        blocks it held back that sit free still holding the key they were
-        released with; the coordinator puts them back in the eviction
-        order beside the request's other blocks at their positions."""
+        blocks it held back (or released, see ``rejoins_releases``) that sit
+        free still keyed as released; the coordinator puts them back in the
+        eviction order beside the request's other blocks at their positions."""
         held = self.held_back.pop(request_id, None)
         if not held:
             return []
         pool = self.block_pool
         pool.record(self.held_back.__setitem__, request_id, held)
-        ref = pool.ref_cnt
-        key_hash = pool.key_hash
+        ref, key_hash = pool.ref_cnt, pool.key_hash
         return [
             (pos, block)
             for pos, block, key in held
@@ -851,7 +851,7 @@ class SingleTypeManager:
         pool = self.block_pool
         pool.record(put_at_each, tables, positions, removed)
         pool.free_each(removed, spare=self.holds_back)
-        if self.holds_back:
+        if self.holds_back or self.rejoins_releases:
             hold_back_twins(self, twins, request_id, positions, removed)
 
     _own_release_twins = release_twins
