@@ -17,6 +17,7 @@ from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.manager import HitQuery
 from kvcore.errors import PluginError, PluginResultError
 from kvcore_full_attention import FullAttention, FullAttentionManager
+from kvcore_mamba import Mamba, MambaManager, MambaSpec
 from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
 
 
@@ -380,3 +381,113 @@ def test_a_negative_pin_never_releases_the_newest_block() -> None:
     # Positions 3 and 4 (tokens 48-79) are what its window reads.
     assert mgr.get_block_ids("r")[0][3:5] == table[3:5]
     assert all(mgr.block_pool.ref_cnt[b] == 1 for b in table[3:5])
+
+
+class _TwiceTargeted(MambaManager):
+    """Plans its first checkpoint target twice."""
+
+    def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
+        super().plan_checkpoints(request, num_computed_tokens)
+        targets = self.targets.get(request.request_id)
+        if targets:
+            self.targets[request.request_id] = sorted([*targets, targets[0]])
+
+
+def test_checkpoint_targets_a_kind_plans_are_checked() -> None:
+    # The core's state step takes a block per target: a target named twice
+    # took two blocks for one position, one of them in no table.
+    kind = type("TwiceKind", (Mamba,), {"manager_type": _TwiceTargeted})()
+    attention = FullAttention().spec_type(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    state = MambaSpec(
+        block_size=16,
+        shapes=((4, 8),),
+        dtypes=(torch.float16,),
+        mamba_cache_mode="align",
+        checkpoint_policy="turns",
+    )
+    mgr = setup.manager_for(
+        [attention, state],
+        64,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([FullAttention(), kind], owner="acme"),
+    )
+    free = mgr.get_num_free_blocks()
+    req = Request("r", list(range(100)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match=r"targets \[96, 96\]") as info:
+        mgr.allocate_slots(req, 100)
+    assert info.value.plugin_name == "acme"
+    assert mgr.get_num_free_blocks() == free
+    assert "r" not in mgr.coordinator.single_type_managers[1].targets
+
+
+class _TakesInCount(FullAttentionManager):
+    """Takes a block from the pool while it counts."""
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Any
+    ) -> int:
+        self.block_pool.get_new_blocks(1)
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks
+        )
+
+
+class _FreesInCount(FullAttentionManager):
+    """Calls back into the KVCacheManager while it counts."""
+
+    owner: ClassVar[Any] = None
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Any
+    ) -> int:
+        if request_id in self.req_to_blocks and self.owner is not None:
+            self.owner.free(request_id)
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks
+        )
+
+
+class _TouchesInSearch(FullAttentionManager):
+    """Takes references on its hit while it searches."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
+            cls, query
+        )
+        query.block_pool.touch(found[0])
+        return [list(found[0])]
+
+
+@pytest.mark.parametrize(
+    ("manager_type", "method"),
+    [
+        (_TakesInCount, "get_num_blocks_to_allocate"),
+        (_FreesInCount, "get_num_blocks_to_allocate"),
+        (_TouchesInSearch, "find_longest_cache_hit"),
+    ],
+)
+def test_a_query_that_changes_the_pool_is_refused(
+    manager_type: type, method: str
+) -> None:
+    manager = type(manager_type.__name__, (manager_type,), {})
+    mgr = _manager(manager)
+    a = Request("a", list(range(64)), hash_block_size=16)
+    if manager_type is not _TakesInCount:
+        assert mgr.allocate_slots(a, 64) is not None
+        a.num_computed_tokens = 64
+        a.append_output_token_ids(1)
+    manager.owner = mgr
+    b = Request("b", list(range(64)), hash_block_size=16)
+    if manager_type is _TouchesInSearch:
+        mgr.free(a)
+        query: Any = lambda: mgr.get_computed_blocks(b)  # noqa: E731
+    else:
+        query = lambda: mgr.allocate_slots(a, 16 if a.num_computed_tokens else 64)  # noqa: E731
+    with pytest.raises(PluginResultError, match="changed the block pool") as info:
+        query()
+    assert f"{manager_type.__name__}.{method}" in str(info.value)
+    assert info.value.plugin_name == "acme"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcore.coordinator.parts import CoordinatorParts
+from kvcore.coordinator.plugin_results import result_error, shown
 from kvcore.coordinator.state_manager import CheckpointManager
 
 if TYPE_CHECKING:
@@ -26,12 +27,40 @@ class CheckpointSteps(CoordinatorParts):
 
     planning: tuple[SingleTypeManager, ...]
     _path_twins: Sequence[Sequence[CheckpointManager]]
+    _kind_steps: dict[str, frozenset[int]]
+
+    def _check_targets(
+        self, manager: SingleTypeManager, request_id: str, num_computed_tokens: int
+    ) -> None:
+        """After a kind's own ``plan_checkpoints``: the token counts a
+        checkpoint group keeps states at, which the core's steps place a
+        block at each, are ints past the computed tokens, ascending, each
+        once (one named twice took two blocks for one position)."""
+        targets = getattr(manager, "targets", {}).get(request_id)
+        if not targets:
+            return
+        last = num_computed_tokens
+        for target in targets:
+            if type(target) is not int or target <= last:
+                problem = (
+                    f"planned checkpoint targets {shown(targets)} for request "
+                    f"{request_id!r} at {num_computed_tokens} computed tokens; "
+                    "they must be ints past the computed tokens, ascending, "
+                    "each once"
+                )
+                error = result_error(manager, "plan_checkpoints", problem)
+                raise self.plugin_error(manager.kv_cache_group_id, "plan", error)
+            last = target
 
     def plan_checkpoints(self, request: Request, num_computed_tokens: int) -> None:
         """Let every state group choose where to keep checkpoints for a
         request being admitted."""
         self.forget_span(request.request_id)
         self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
+        own = self._kind_steps["plan_checkpoints"]
+        for manager in self.planning:
+            if manager.kv_cache_group_id in own:
+                self._check_targets(manager, request.request_id, num_computed_tokens)
         for twins in self._path_twins:
             CheckpointManager.agree_on_path(twins, request)
 

@@ -33,7 +33,9 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.kind_effects import (
     check_attached,
     check_count_covers,
+    check_query,
     checked_step,
+    pool_mark,
 )
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
@@ -53,6 +55,9 @@ from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
 
 __all__ = ["KVCacheCoordinator", "SpecGroup"]
+
+_SEARCH = "find_longest_cache_hit"
+_COUNT = "get_num_blocks_to_allocate"
 
 
 class KVCacheCoordinator(FreeSteps, CheckpointSteps):
@@ -350,13 +355,14 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         cache tables key at each position (see
         :mod:`kvcore.coordinator.found_hits`)."""
         try:
+            if not group.checks_hits:
+                return group.manager_type.find_longest_cache_hit(query)
+            mark = pool_mark(self.block_pool)
             found = group.manager_type.find_longest_cache_hit(query)
-            if group.checks_hits:
-                return check_found_hit(found, query, self.single_type_managers)
+            check_query(self.single_type_managers[group.group_ids[0]], _SEARCH, mark)
+            return check_found_hit(found, query, self.single_type_managers)
         except Exception as exc:
-            gid = group.group_ids[0]
-            raise self.plugin_error(gid, "find_longest_cache_hit", exc) from exc
-        return found
+            raise self.plugin_error(group.group_ids[0], _SEARCH, exc) from exc
 
     def _hashes_of(
         self, group: SpecGroup, block_hashes: Sequence[BlockHash]
@@ -597,6 +603,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         as the request runs."""
         total = 0
         gid = 0
+        own = self._kind_steps["get_num_blocks_to_allocate"]
         try:
             for manager, computed in zip(
                 self.single_type_managers, new_computed_blocks, strict=True
@@ -605,7 +612,10 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 tokens = (
                     num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
                 )
+                mark = pool_mark(self.block_pool) if gid in own else None
                 need = manager.get_num_blocks_to_allocate(request_id, tokens, computed)
+                if mark is not None:
+                    check_query(manager, _COUNT, mark)
                 if type(need) is not int or need < 0:
                     block_count(need)
                 cap = None if caps is None else caps[gid]
@@ -689,11 +699,15 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         own = self._kind_steps["get_num_blocks_to_allocate"]
         try:
             for manager, size in self._grow_classes:
+                mine = manager.kv_cache_group_id in own
+                mark = pool_mark(self.block_pool) if mine else None
                 need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
                 if type(need) is not int or need < 0:
                     block_count(need)
-                if not need and manager.kv_cache_group_id in own and caps is None:
-                    check_count_covers(manager, request_id, num_tokens)
+                if mark is not None:
+                    check_query(manager, _COUNT, mark)
+                    if not need and caps is None:
+                        check_count_covers(manager, request_id, num_tokens)
                 if caps is not None:  # the table's positions count toward it
                     cap = caps[manager.kv_cache_group_id]
                     if cap is not None:

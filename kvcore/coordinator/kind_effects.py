@@ -24,8 +24,10 @@ __all__ = [
     "check_count_covers",
     "check_covers",
     "check_keyed",
+    "check_query",
     "check_released",
     "checked_step",
+    "pool_mark",
 ]
 
 
@@ -71,6 +73,29 @@ def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> No
                 "would write the step's KV past the table; take a block for "
                 "every position the step reaches",
             )
+
+
+def pool_mark(pool: Any) -> tuple[int, int, int]:
+    """What a query must leave as it is: the free blocks, the cached
+    blocks and the transactions run (a nested step runs one)."""
+    return (pool.free_queue.num_free, pool.num_cached_blocks, pool.transactions)
+
+
+def check_query(manager: Any, method: str, mark: tuple[int, int, int]) -> None:
+    """After a kind's own query ``method`` (a count or a search, asked before
+    any step and outside any transaction): the pool is as ``mark`` found it.
+    A block taken, touched from the free queue, keyed, or a step run by a
+    call back into the KVCacheManager would not be undone if the step is
+    refused."""
+    if pool_mark(manager.block_pool) == mark:
+        return
+    raise result_error(
+        manager,
+        method,
+        "changed the block pool (took, touched or keyed blocks, or called back "
+        "into the KVCacheManager) while it was asked; a count or a search "
+        "reads the pool and the tables and changes nothing",
+    )
 
 
 def check_count_covers(manager: Any, request_id: str, num_tokens: int) -> None:

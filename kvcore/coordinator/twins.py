@@ -119,6 +119,7 @@ KIND_STEPS = {
     "pop_twins": ("pop_twins",),
     "add_computed_blocks": ("add_computed_blocks",),
     "get_num_blocks_to_allocate": ("get_num_blocks_to_allocate",),
+    "plan_checkpoints": ("plan_checkpoints",),
 }
 
 
