@@ -491,3 +491,26 @@ def test_a_query_that_changes_the_pool_is_refused(
         query()
     assert f"{manager_type.__name__}.{method}" in str(info.value)
     assert info.value.plugin_name == "acme"
+
+
+class _NullPadded(FullAttentionManager):
+    """Answers its hit with the null block at every position."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
+            cls, query
+        )
+        return [[0] * len(blocks) for blocks in found]
+
+
+def test_a_hit_its_own_kind_says_does_not_serve_is_refused_at_lookup() -> None:
+    # Refused where it enters the core, naming the kind, not later at the
+    # engine's allocate_slots as if the engine had cut the hit.
+    mgr = _manager(_NullPadded)
+    _computed(mgr, "a", range(64))
+    b = Request("b", list(range(65)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match="hit_serves says lacks") as info:
+        mgr.get_computed_blocks(b)
+    assert "_NullPadded.find_longest_cache_hit" in str(info.value)
+    assert info.value.plugin_name == "acme"

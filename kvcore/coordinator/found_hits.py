@@ -85,6 +85,14 @@ def check_found_hit(
                     "position (a hit's blocks are the cached blocks of its own "
                     "prefix, the null block where the kind reads nothing)",
                 )
+        if blocks and not manager.hit_serves(blocks):
+            raise _hit_error(
+                manager,
+                f"returned {shown(blocks)} for group {gid}, a hit its own "
+                "hit_serves says lacks what the next token reads (a hit of "
+                "null blocks only, or a window or state cut off); return the "
+                "longest hit that serves, or none",
+            )
     # Copies: the lists the kind returned stay its own to reuse.
     return [list(blocks) for blocks in found]
 
