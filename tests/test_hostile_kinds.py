@@ -16,6 +16,11 @@ from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.manager import HitQuery
 from kvcore.errors import PluginError, PluginResultError
+from kvcore_cross_attention import (
+    CrossAttention,
+    CrossAttentionManager,
+    CrossAttentionSpec,
+)
 from kvcore_full_attention import FullAttention, FullAttentionManager
 from kvcore_mamba import Mamba, MambaManager, MambaSpec
 from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
@@ -514,3 +519,121 @@ def test_a_hit_its_own_kind_says_does_not_serve_is_refused_at_lookup() -> None:
         mgr.get_computed_blocks(b)
     assert "_NullPadded.find_longest_cache_hit" in str(info.value)
     assert info.value.plugin_name == "acme"
+
+
+class _LoggingMamba(MambaManager):
+    """Overrides the attach step only to observe it."""
+
+    attached: ClassVar[int] = 0
+
+    def add_computed_blocks(self, request_id: str, blocks: Any) -> None:
+        type(self).attached += 1
+        super().add_computed_blocks(request_id, blocks)
+
+
+class _LoggingCross(CrossAttentionManager):
+    """Overrides the allocation only to observe it."""
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        return super().allocate_new_blocks(request_id, num_tokens)
+
+
+def _turns(kind: Any) -> tuple[int, tuple[list[int], ...]]:
+    """Three turns sharing a prefix, then a fourth resuming from the third:
+    the hit and the fourth's tables."""
+    registry = KindRegistry.from_kinds([FullAttention(), kind], owner="acme")
+    mgr = setup.manager_for(
+        [setup.fa(16), setup.mamba(16, policy="turns")],
+        200,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=registry,
+    )
+
+    def turn(rid: str, tokens: list[int], outputs: range) -> list[int]:
+        req = Request(rid, tokens, hash_block_size=16)
+        blocks, hit = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
+        req.num_computed_tokens = req.num_tokens
+        for token in outputs:
+            req.append_output_token_ids(token)
+            assert mgr.allocate_slots(req, 1) is not None
+            req.num_computed_tokens += 1
+        mgr.free(req)
+        return list(req.all_token_ids)
+
+    prefix = list(range(160))
+    turn("a", [*prefix, *range(1000, 1040)], range(1, 2))
+    turn("b", [*prefix, *range(2000, 2040)], range(1, 2))
+    third = turn("c", [*prefix, *range(3000, 3040)], range(4000, 4020))
+    d = Request("d", [*third, *range(5000, 5030)], hash_block_size=16)
+    blocks, hit = mgr.get_computed_blocks(d)
+    assert mgr.allocate_slots(d, d.num_tokens - hit, hit, blocks) is not None
+    return hit, mgr.get_block_ids("d")
+
+
+def test_a_kinds_attach_may_place_a_shared_state_in_a_null_slot() -> None:
+    # The core's checkpoint attach puts the state shared on the request's
+    # path into a null slot and touches it: a kind calling it is not refused,
+    # and serves what the built-in kind serves.
+    kind = type("LoggingMamba", (Mamba,), {"manager_type": _LoggingMamba})()
+    assert _turns(kind) == _turns(Mamba())
+    assert _LoggingMamba.attached > 0
+
+
+def test_a_kinds_allocation_may_leave_a_table_empty() -> None:
+    # A cross-attention group of a text-only request holds no block.
+    kind = type("LoggingCross", (CrossAttention,), {"manager_type": _LoggingCross})()
+    cross = CrossAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
+    mgr = setup.manager_for(
+        [setup.fa(16), cross],
+        64,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([FullAttention(), kind], owner="acme"),
+    )
+    text = Request("text", list(range(32)), hash_block_size=16)
+    out = mgr.allocate_slots(text, 32, num_encoder_tokens=0)
+    assert out is not None
+    assert out.get_block_ids() == ([1, 2], [])
+
+
+class _NullPads(FullAttentionManager):
+    """Grows the table with null blocks and answers no new block."""
+
+    def allocate_twins(self, twins: Any, request_id: str, num_tokens: int) -> Any:
+        table = self.req_to_blocks.setdefault(request_id, [])
+        self.record_request_state(request_id)
+        table += [0] * (-(-num_tokens // self.block_size) - len(table))
+        return None
+
+
+class _KeepsPopped(FullAttentionManager):
+    """Returns the request's tables from its pop but does not forget them."""
+
+    def pop_twins(self, twins: Any, request_id: str) -> Any:
+        return [t.req_to_blocks.get(request_id) for t in twins]
+
+
+@pytest.mark.parametrize(
+    ("manager_type", "refused"),
+    [
+        (_NullPads, "with no block at the position of its last token"),
+        (_KeepsPopped, "and forget it"),
+    ],
+)
+def test_a_table_of_null_blocks_or_a_pop_that_keeps_it_is_refused(
+    manager_type: type, refused: str
+) -> None:
+    mgr = _manager(manager_type)
+    req = Request("a", list(range(64)), hash_block_size=16)
+    if manager_type is _NullPads:
+        with pytest.raises(PluginResultError, match=refused):
+            mgr.allocate_slots(req, 64)
+        return
+    assert mgr.allocate_slots(req, 64) is not None
+    with pytest.raises(PluginResultError, match=refused):
+        mgr.free(req)
+    assert mgr.get_block_ids("a") == ([1, 2, 3, 4],)

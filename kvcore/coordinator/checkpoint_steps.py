@@ -30,13 +30,13 @@ class CheckpointSteps(CoordinatorParts):
     _kind_steps: dict[str, frozenset[int]]
 
     def _check_targets(
-        self, manager: SingleTypeManager, request_id: str, num_computed_tokens: int
+        self, manager: CheckpointManager, request_id: str, num_computed_tokens: int
     ) -> None:
         """After a kind's own ``plan_checkpoints``: the token counts a
         checkpoint group keeps states at, which the core's steps place a
         block at each, are ints past the computed tokens, ascending, each
         once (one named twice took two blocks for one position)."""
-        targets = getattr(manager, "targets", {}).get(request_id)
+        targets = manager.targets.get(request_id)
         if not targets:
             return
         last = num_computed_tokens
@@ -59,7 +59,9 @@ class CheckpointSteps(CoordinatorParts):
         self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
         own = self._kind_steps["plan_checkpoints"]
         for manager in self.planning:
-            if manager.kv_cache_group_id in own:
+            if manager.kv_cache_group_id in own and isinstance(
+                manager, CheckpointManager
+            ):
                 self._check_targets(manager, request.request_id, num_computed_tokens)
         for twins in self._path_twins:
             CheckpointManager.agree_on_path(twins, request)

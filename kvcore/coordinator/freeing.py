@@ -222,9 +222,11 @@ class FreeSteps(CoordinatorParts):
                 held = [m.req_to_blocks.get(request_id) for m in members]
                 sizes = [-1 if table is None else len(table) for table in held]
                 popped = lead.pop_twins(members, request_id)
-                if (popped != held and list(popped) != held) or sizes != [
-                    -1 if table is None else len(table) for table in popped
-                ]:
+                if (
+                    (popped != held and list(popped) != held)
+                    or sizes != [-1 if t is None else len(t) for t in popped]
+                    or any(request_id in m.req_to_blocks for m in members)
+                ):
                     raise _pop_error(lead, request_id, (held, sizes), popped)
                 tables += popped
         except Exception as exc:
@@ -357,5 +359,6 @@ def _pop_error(
         f"returned {shown(popped)} for request {request_id!r}, whose tables "
         f"were {shown(tables)} (of {shown(sizes)} blocks before the call); it "
         "must return each twin's table as the request held it (None where it "
-        "held none), so the request's blocks, and only they, are freed",
+        "held none) and forget it, so the request's blocks, and only they, are "
+        "freed, once",
     )

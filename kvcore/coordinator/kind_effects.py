@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
 from kvcore.coordinator.pool_journal import TOUCH, UNKEY, Record
 
@@ -57,21 +56,24 @@ def checked_step(
 
 def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> None:
     """After a kind's allocation: each position-indexed twin's table holds a
-    position for every one of ``num_tokens`` tokens (the engine's slots for
-    the step's tokens index the table)."""
+    block at the position of the last of ``num_tokens`` tokens (the engine's
+    slots for the step's tokens index the table)."""
     for manager in members:
-        if not manager.position_indexed:
+        if not manager.position_indexed or num_tokens <= 0:
             continue
         table = manager.req_to_blocks.get(request_id) or ()
-        if len(table) * manager.block_size < num_tokens:
+        last = (num_tokens - 1) // manager.block_size
+        # The step's last token is written into the block at its position.
+        if len(table) <= last or not table[last]:
             raise result_error(
                 members[0],
                 "allocate_twins",
                 f"left cache group {manager.kv_cache_group_id}'s table of request "
                 f"{request_id!r} at {len(table)} blocks of {manager.block_size} "
-                f"tokens where the step covers {num_tokens} tokens: the engine "
-                "would write the step's KV past the table; take a block for "
-                "every position the step reaches",
+                f"tokens where the step covers {num_tokens} tokens, with no block "
+                "at the position of its last token: the engine would write the "
+                "step's KV past the table or into the null block; take a block "
+                "for every position the step writes",
             )
 
 
@@ -137,29 +139,35 @@ def check_keyed(
 ) -> None:
     """After a kind's keying: every block it keyed (the keys ``journal``
     recorded from ``mark`` on) is in its own group's table of the request,
-    keyed by the request's hash at its position where the group's block is
-    a whole number of hash blocks (a later request of another prompt would
-    read it as its prefix)."""
+    keyed by the request's hash of the tokens up to its position's end (a
+    later request of another prompt would read it as its prefix)."""
     by_group = {m.kv_cache_group_id: m for m in members}
     rid = request.request_id
+    chunks = request.block_hashes
     for record in journal[mark:]:
         if record[0] != UNKEY:
             continue
         gid, pairs = record[1], record[2]
         manager = by_group.get(gid)
         table = manager.req_to_blocks.get(rid) or () if manager else ()
-        where = {block: i for i, block in enumerate(table) if block}
+        # Keyed blocks sit near the table's end: look there first.
+        start = max(0, len(table) - len(pairs) - 8)
+        where = {block: start + i for i, block in enumerate(table[start:]) if block}
         lead = manager or members[0]
         block_size, chunk = lead.block_size, lead.hash_block_size
-        hashes = (
-            hashes_at_block_size(request.block_hashes, chunk, block_size)
-            if not block_size % chunk
-            else None
-        )
         for block, key in pairs:
             i = where.get(block)
-            if i is not None and (
-                hashes is None or (i < len(hashes) and hashes[i] == key)
+            if i is None and start:
+                where = {b: j for j, b in enumerate(table) if b}
+                start = 0
+                i = where.get(block)
+            end = -1 if i is None else (i + 1) * block_size
+            n = end // chunk
+            if (
+                end > 0
+                and not end % chunk
+                and n <= len(chunks)
+                and chunks[n - 1] == key
             ):
                 continue
             raise result_error(
@@ -180,23 +188,29 @@ def check_attached(
     blocks: Sequence[int],
     touched: tuple[list[Record], int],
 ) -> None:
-    """After a kind's ``add_computed_blocks``: the group's table grew by the
-    admission ``blocks`` (from ``length``), and the step took a reference on
-    each that is not the null block (the hand-outs' journal records from the
-    mark in ``touched``): an untouched hit block would be freed under the
-    request by its other holder."""
+    """After a kind's ``add_computed_blocks``: the group's table grew (from
+    ``length``) by the admission ``blocks`` at their positions, a block in
+    place of a null one allowed (a state shared on the request's path), and
+    the step took one reference on each block it added (the journal records
+    from the mark in ``touched``): a hit block left untouched would be freed
+    under the request by its other holder."""
     table = manager.req_to_blocks.get(request_id) or ()
     grown = list(table[length:])
     journal, mark = touched
-    taken = [
+    taken = sorted(
         block
         for record in journal[mark:]
         if record[0] == TOUCH
         for block in record[1]
         if block
-    ]
-    wanted = [block for block in blocks if block]
-    if grown == list(blocks) and sorted(taken) == sorted(wanted):
+    )
+    if (
+        len(grown) == len(blocks)
+        and all(
+            not want or got == want for got, want in zip(grown, blocks, strict=True)
+        )
+        and taken == sorted(block for block in grown if block)
+    ):
         return
     raise result_error(
         manager,
@@ -204,6 +218,6 @@ def check_attached(
         f"attached {shown(grown)} to cache group {manager.kv_cache_group_id}'s "
         f"table of request {request_id!r} and took references on "
         f"{shown(taken)}, for the admission blocks {shown(list(blocks))}; "
-        "append them as given and take one reference on each that is not "
-        "the null block (block_pool.touch)",
+        "append them at their positions and take one reference on each block "
+        "added (block_pool.touch)",
     )

@@ -120,7 +120,7 @@ def _extends_tables(
     for i, manager in enumerate(members):
         blocks = new[i] if new is not None else []
         table = manager.req_to_blocks.get(request_id) or ()
-        grown = table[lengths[i] :]
+        grown = list(table[lengths[i] :])
         if null in grown:
             grown = [block for block in grown if block != null]
         if grown == blocks:
