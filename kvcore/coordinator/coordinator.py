@@ -217,14 +217,13 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         #: The classes whose manager class defines a step itself, by step:
         #: the kind's own code (checked, its tables recorded whole).
         self._kind_steps = kind_steps(self._admit_runs)
-        #: Each class of growing twins' first manager and size: a running
-        #: request's growth is counted once per class.
+        #: Each class of growing twins (counted once per class): its first
+        #: manager, its size and whether its count is the kind's own.
         sizes: dict[int, int] = {}
         for first, members in self._grow_runs:
             sizes[first] = sizes.get(first, 0) + len(members)
-        self._grow_classes = tuple(
-            (managers[first], size) for first, size in sizes.items()
-        )
+        own = self._kind_steps["get_num_blocks_to_allocate"]
+        self._grow_classes = tuple((managers[f], n, f in own) for f, n in sizes.items())
         #: The token spans in which each request's cache_blocks keys
         #: nothing, when every caching group's manager keys by hash chunk
         #: ends (see :mod:`kvcore.coordinator.cache_spans`); else None.
@@ -696,15 +695,14 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         as :meth:`get_num_blocks_to_allocate` takes them."""
         total = 0
         manager = None
-        own = self._kind_steps["get_num_blocks_to_allocate"]
         try:
-            for manager, size in self._grow_classes:
-                mine = manager.kv_cache_group_id in own
-                mark = pool_mark(self.block_pool) if mine else None
+            for manager, size, kinds in self._grow_classes:
+                if kinds:
+                    mark = pool_mark(self.block_pool)
                 need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
                 if type(need) is not int or need < 0:
                     block_count(need)
-                if mark is not None:
+                if kinds:
                     check_query(manager, _COUNT, mark)
                     if not need and caps is None:
                         check_count_covers(manager, request_id, num_tokens)
