@@ -43,6 +43,14 @@ def _manager(manager_type: type, num_groups: int = 1) -> KVCacheManager:
     )
 
 
+def _core_hit(cls: type, query: HitQuery) -> list[list[int]]:
+    """The core's prefix search, run for a kind's class that wraps it."""
+    found: list[list[int]] = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
+        cls, query
+    )
+    return found
+
+
 def _computed(mgr: KVCacheManager, rid: str, tokens: range) -> Request:
     req = Request(rid, list(tokens), hash_block_size=16)
     assert mgr.allocate_slots(req, len(tokens)) is not None
@@ -59,9 +67,7 @@ class _ShiftedSearch(FullAttentionManager):
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
-        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
-            cls, query
-        )
+        found = _core_hit(cls, query)
         return [blocks[1:] + blocks[:1] for blocks in found]
 
 
@@ -108,9 +114,7 @@ class _ScratchSearch(FullAttentionManager):
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
-        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
-            cls, query
-        )
+        found = _core_hit(cls, query)
         cls.scratch[:] = found[0]
         return [cls.scratch]
 
@@ -460,9 +464,7 @@ class _TouchesInSearch(FullAttentionManager):
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
-        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
-            cls, query
-        )
+        found = _core_hit(cls, query)
         query.block_pool.touch(found[0])
         return [list(found[0])]
 
@@ -503,9 +505,7 @@ class _NullPadded(FullAttentionManager):
 
     @classmethod
     def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
-        found = FullAttentionManager.find_longest_cache_hit.__func__(  # type: ignore[attr-defined]
-            cls, query
-        )
+        found = _core_hit(cls, query)
         return [[0] * len(blocks) for blocks in found]
 
 
