@@ -637,3 +637,114 @@ def test_a_table_of_null_blocks_or_a_pop_that_keeps_it_is_refused(
     with pytest.raises(PluginResultError, match=refused):
         mgr.free(req)
     assert mgr.get_block_ids("a") == ([1, 2, 3, 4],)
+
+
+# -- references a kind's step takes or drops beside the request's tables ----
+
+
+class _FreesAnother(SlidingWindowManager):
+    """Releases what the window lets go and drops one more reference: on
+    the first block of the request's table it keeps (a prefix another
+    request shares)."""
+
+    def release_twins(self, twins: Any, request_id: str, num_computed: int) -> None:
+        super().release_twins(twins, request_id, num_computed)
+        table = self.req_to_blocks.get(request_id) or []
+        kept = [b for b in table if b]
+        if kept:
+            self.block_pool.free_blocks(kept[:1])
+
+
+class _TakesExtra(FullAttentionManager):
+    """Allocates the step's blocks and one more it puts in no table."""
+
+    def allocate_twins(self, twins: Any, request_id: str, num_tokens: int) -> Any:
+        new = super().allocate_twins(twins, request_id, num_tokens)
+        if new and request_id != "a":
+            self.block_pool.get_new_blocks(1)
+        return new
+
+
+class _TouchesKeyed(FullAttentionManager):
+    """Keys the request's blocks and takes a reference on the first."""
+
+    def cache_twins(self, twins: Any, request: Any, num_tokens: int) -> None:
+        super().cache_twins(twins, request, num_tokens)
+        table = self.req_to_blocks.get(request.request_id) or []
+        if table and request.request_id != "a":
+            self.block_pool.touch(table[:1])
+
+
+class _AttachFreesOther(FullAttentionManager):
+    """Attaches the hit as the core does, then drops a reference on
+    another request's block."""
+
+    def add_computed_blocks(self, request_id: str, blocks: Any) -> None:
+        super().add_computed_blocks(request_id, blocks)
+        other = self.req_to_blocks["a"]
+        self.block_pool.free_blocks([other[-1]])
+
+
+def _pool_state(mgr: KVCacheManager) -> tuple[list[int], int, Any]:
+    pool = mgr.block_pool
+    return (list(pool.ref_cnt), mgr.get_num_free_blocks(), mgr.get_block_ids("a"))
+
+
+def test_a_release_that_drops_a_shared_blocks_reference_is_refused() -> None:
+    # Block 1 sits in both requests' tables with two references; the extra
+    # drop would free it under "a", which still reads it.
+    kind = type("FreesAnotherKind", (SlidingWindow,), {"manager_type": _FreesAnother})()
+    mgr = setup.beside_full_attention(kind, 64, block_size=4, window=4)
+    a = Request("a", list(range(32)), hash_block_size=4)
+    assert mgr.allocate_slots(a, 32) is not None
+    a.num_computed_tokens = 32
+    b = Request("b", [*range(16), *range(500, 520)], hash_block_size=4)
+    hit, num = mgr.get_computed_blocks(b)
+    assert num == 16
+    assert mgr.allocate_slots(b, 36 - num, num, hit) is not None
+    b.num_computed_tokens = 36
+    b.append_output_token_ids(7)
+    before = _pool_state(mgr)
+    with pytest.raises(
+        PluginResultError,
+        match=r"release_twins left block \d+'s reference count 1 below",
+    ) as info:
+        mgr.allocate_slots(b, 1)
+    assert info.value.plugin_name == "<manual>"
+    assert _pool_state(mgr) == before
+
+
+@pytest.mark.parametrize(
+    ("manager_type", "step"),
+    [(_TakesExtra, "allocate_twins"), (_TouchesKeyed, "cache_twins")],
+)
+def test_a_step_that_keeps_a_reference_no_table_holds_is_refused(
+    manager_type: type, step: str
+) -> None:
+    # A reference no table of the request gives back is never dropped: the
+    # block never returns to the free queue.
+    mgr = _manager(manager_type)
+    _computed(mgr, "a", range(32))
+    before = _pool_state(mgr)
+    r = Request("r", list(range(100, 164)), hash_block_size=16)
+    with pytest.raises(
+        PluginResultError, match=rf"{step} left block \d+'s reference count 1 above"
+    ) as info:
+        mgr.allocate_slots(r, 64)
+    assert info.value.plugin_name == "acme"
+    assert _pool_state(mgr) == before
+    assert "r" not in mgr.coordinator.single_type_managers[0].req_to_blocks
+
+
+def test_an_attach_that_drops_another_requests_reference_is_refused() -> None:
+    mgr = _manager(_AttachFreesOther)
+    _computed(mgr, "a", range(1000, 1064))
+    before = _pool_state(mgr)
+    b = Request("b", [*range(1000, 1048), *[7] * 20], hash_block_size=16)
+    hit, num = mgr.get_computed_blocks(b)
+    with pytest.raises(
+        PluginResultError,
+        match=r"add_computed_blocks left block 4's reference count 1 below",
+    ):
+        mgr.allocate_slots(b, 68 - num, num, hit)
+    assert _pool_state(mgr) == before

@@ -499,11 +499,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 if first in own:
                     # A request id, or (keying) the request.
                     rid = getattr(args[0], "request_id", args[0])
-                    lengths = record_whole(members, rid)
+                    before = record_whole(members, rid)
                 mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
                 if first in own:
-                    marks = (journal, mark, lengths)
+                    marks = (journal, mark, before)
                     new = checked_step(method, members, args, new, marks)
                 if new and allocating:
                     if out is None:
@@ -644,11 +644,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                     if gid not in own or journal is None:
                         manager.add_computed_blocks(request_id, computed)
                         continue
-                    length = record_whole((manager,), request_id)[0]
+                    before = record_whole((manager,), request_id)[0]
                     mark = len(journal)
                     manager.add_computed_blocks(request_id, computed)
                     touched = (journal, mark)
-                    check_attached(manager, request_id, length, computed, touched)
+                    check_attached(manager, request_id, before, computed, touched)
         except Exception as exc:
             raise self.plugin_error(gid, "add_computed_blocks", exc) from exc
 
@@ -669,11 +669,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 gid = lead.kv_cache_group_id
                 tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
                 if first in own:
-                    lengths = record_whole(members, request_id)
+                    before = record_whole(members, request_id)
                 mark = 0 if journal is None else len(journal)
                 new = lead.allocate_twins(members, request_id, tokens)
                 if first in own:
-                    marks = (journal, mark, lengths)
+                    marks = (journal, mark, before)
                     step = (request_id, tokens)
                     new = checked_step("allocate_twins", members, step, new, marks)
                 if new:

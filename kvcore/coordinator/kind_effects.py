@@ -12,14 +12,16 @@ the step is undone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import zip_longest
 from typing import Any
 
 from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
-from kvcore.coordinator.pool_journal import TOUCH, UNKEY, Record
+from kvcore.coordinator.pool_journal import RELEASE, TOUCH, UNGET, UNKEY, Record
 
 __all__ = [
     "check_attached",
+    "check_balanced",
     "check_count_covers",
     "check_covers",
     "check_keyed",
@@ -35,23 +37,82 @@ def checked_step(
     members: Sequence[Any],
     args: Sequence[Any],
     new: object,
-    marks: tuple[list[Record] | None, int, Sequence[int]],
+    marks: tuple[list[Record] | None, int, Sequence[Sequence[int]]],
 ) -> Any:
     """What a kind's own class step ``method`` (``allocate_twins``,
     ``release_twins`` or ``cache_twins``, called with ``args``) returned
     (``new``), once what it left is checked; ``marks``: the journal, where
-    the step's records start and the tables' lengths before it."""
-    journal, mark, lengths = marks
+    the step's records start and the tables before it."""
+    journal, mark, before = marks
     journal = journal or []  # a kind's step runs inside a transaction
     if method == "allocate_twins":
         request_id, num_tokens = args[0], args[1]
+        lengths = [len(table) for table in before]
         new = check_new_blocks(members, request_id, new, journal, (mark, lengths))
         check_covers(members, request_id, num_tokens)
     elif method == "release_twins":
-        check_released(members, args[0], method)
+        request_id = args[0]
+        check_released(members, request_id, method)
     else:
+        request_id = args[0].request_id
         check_keyed(members, args[0], journal, mark)
+    check_balanced(members, request_id, method, before, (journal, mark))
     return new
+
+
+def check_balanced(
+    members: Sequence[Any],
+    request_id: str,
+    method: str,
+    before: Sequence[Sequence[int]],
+    since: tuple[list[Record], int],
+) -> None:
+    """After a kind's step over ``members`` (their tables of the request
+    were ``before``): the step changed each block's reference count by as
+    much as it changed how often the request's tables list the block (the
+    references the pool's journal recorded from the mark in ``since``).  A
+    reference dropped on a block the tables do not give up frees it under
+    its other holder (another request, another twin's shared hit); one
+    taken on a block no table gains is never freed."""
+    journal, mark = since
+    change: dict[int, int] = {}
+    for record in journal[mark:]:
+        op = record[0]
+        if op in (TOUCH, UNGET, RELEASE):
+            step = -1 if op == RELEASE else 1
+            for block in record[1]:
+                if block:
+                    change[block] = change.get(block, 0) + step
+    for manager, old in zip(members, before, strict=True):
+        table = manager.req_to_blocks.get(request_id) or ()
+        size = len(old)
+        if len(table) >= size and list(table[:size]) == list(old):
+            pairs: Iterable[tuple[int, int]] = zip_longest(
+                (), table[size:], fillvalue=0
+            )
+        else:  # positions changed: compared one by one (0, the null block, past an end)
+            pairs = zip_longest(old, table, fillvalue=0)
+        for was, now in pairs:
+            if was != now:
+                if was:
+                    change[was] = change.get(was, 0) + 1
+                if now:
+                    change[now] = change.get(now, 0) - 1
+    wrong = [(block, n) for block, n in change.items() if n]
+    if not wrong:
+        return
+    block, n = wrong[0]
+    groups = ", ".join(str(m.kv_cache_group_id) for m in members)
+    raise result_error(
+        members[0],
+        method,
+        f"left block {block}'s reference count {abs(n)} "
+        f"{'above' if n > 0 else 'below'} what the tables of request "
+        f"{request_id!r} in cache group(s) {groups} hold of it; a step takes one "
+        "reference for each block it puts in the request's tables and drops "
+        "one for each it takes out (block_pool.get_new_blocks, touch, "
+        "free_blocks), and changes no other block's count",
+    )
 
 
 def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> None:
@@ -184,18 +245,18 @@ def check_keyed(
 def check_attached(
     manager: Any,
     request_id: str,
-    length: int,
+    before: Sequence[int],
     blocks: Sequence[int],
     touched: tuple[list[Record], int],
 ) -> None:
     """After a kind's ``add_computed_blocks``: the group's table grew (from
-    ``length``) by the admission ``blocks`` at their positions, a block in
+    ``before``) by the admission ``blocks`` at their positions, a block in
     place of a null one allowed (a state shared on the request's path), and
     the step took one reference on each block it added (the journal records
-    from the mark in ``touched``): a hit block left untouched would be freed
-    under the request by its other holder."""
+    from the mark in ``touched``) and none on others: a hit block left
+    untouched would be freed under the request by its other holder."""
     table = manager.req_to_blocks.get(request_id) or ()
-    grown = list(table[length:])
+    grown = list(table[len(before) :])
     journal, mark = touched
     taken = sorted(
         block
@@ -211,6 +272,8 @@ def check_attached(
         )
         and taken == sorted(block for block in grown if block)
     ):
+        step = "add_computed_blocks"
+        check_balanced((manager,), request_id, step, (before,), touched)
         return
     raise result_error(
         manager,

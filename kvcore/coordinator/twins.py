@@ -129,16 +129,19 @@ def kind_steps(runs: Runs) -> dict[str, frozenset[int]]:
     return {step: defining(runs, *hooks) for step, hooks in KIND_STEPS.items()}
 
 
-def record_whole(members: Sequence[SingleTypeManager], request_id: str) -> list[int]:
+def record_whole(
+    members: Sequence[SingleTypeManager], request_id: str
+) -> list[list[int]]:
     """Before a kind's own step over ``members`` (a transaction open):
     record each one's table for the request whole, with its counts, so a
     rollback puts back every position the step changed, in place or not
     (the core's steps record exactly what they change; a kind's may change
-    a table without recording it); once per transaction and request.  Each
-    table's length now (0 where there is none): what the step extends."""
-    lengths = []
+    a table without recording it); once per transaction and request.  A
+    copy of each table now (empty where there is none): what the step's
+    effects are checked against."""
+    before = []
     for manager in members:
         SingleTypeManager.record_request_state(manager, request_id, whole=True)
         table = manager.req_to_blocks.get(request_id)
-        lengths.append(0 if table is None else len(table))
-    return lengths
+        before.append([] if table is None else list(table))
+    return before
