@@ -470,16 +470,19 @@ class _TouchesInSearch(FullAttentionManager):
 
 
 @pytest.mark.parametrize(
-    ("manager_type", "method"),
+    ("manager_type", "refused"),
     [
-        (_TakesInCount, "get_num_blocks_to_allocate"),
-        (_FreesInCount, "get_num_blocks_to_allocate"),
-        (_TouchesInSearch, "find_longest_cache_hit"),
+        (_TakesInCount, "get_num_blocks_to_allocate changed the block pool"),
+        (_FreesInCount, "get_num_blocks_to_allocate: ReentrantCallError"),
+        (_TouchesInSearch, "find_longest_cache_hit changed the block pool"),
     ],
 )
-def test_a_query_that_changes_the_pool_is_refused(
-    manager_type: type, method: str
+def test_a_query_that_changes_the_pool_is_refused_and_undone(
+    manager_type: type, refused: str
 ) -> None:
+    # A count or a search runs inside a transaction: what it changed is
+    # undone, and a call back into the KVCacheManager is refused before it
+    # changes anything.
     manager = type(manager_type.__name__, (manager_type,), {})
     mgr = _manager(manager)
     a = Request("a", list(range(64)), hash_block_size=16)
@@ -494,10 +497,18 @@ def test_a_query_that_changes_the_pool_is_refused(
         query: Any = lambda: mgr.get_computed_blocks(b)  # noqa: E731
     else:
         query = lambda: mgr.allocate_slots(a, 16 if a.num_computed_tokens else 64)  # noqa: E731
-    with pytest.raises(PluginResultError, match="changed the block pool") as info:
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.get_num_free_blocks(), pool.num_cached_blocks)
+    running = manager_type is _FreesInCount
+    held = mgr.get_block_ids("a") if running else None
+    with pytest.raises(PluginError) as info:
         query()
-    assert f"{manager_type.__name__}.{method}" in str(info.value)
+    assert refused in str(info.value).replace(f"{manager_type.__name__}.", "")
     assert info.value.plugin_name == "acme"
+    after = (list(pool.ref_cnt), pool.get_num_free_blocks(), pool.num_cached_blocks)
+    assert after == before
+    if held is not None:
+        assert mgr.get_block_ids("a") == held
 
 
 class _NullPadded(FullAttentionManager):
@@ -748,3 +759,22 @@ def test_an_attach_that_drops_another_requests_reference_is_refused() -> None:
     ):
         mgr.allocate_slots(b, 68 - num, num, hit)
     assert _pool_state(mgr) == before
+
+
+@pytest.mark.parametrize("ask", ["can_fit_full_sequence", "full_sequence_must_fit"])
+def test_a_count_asked_for_the_whole_sequence_is_watched(ask: str) -> None:
+    # The whole-sequence check asks each group's count too: a count that
+    # takes a block there is refused and undone like a step's count.
+    mgr = _manager(_TakesInCount)
+    r = Request("r", list(range(64)), hash_block_size=16)
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.get_num_free_blocks())
+    call: Any = (
+        (lambda: mgr.can_fit_full_sequence(r))
+        if ask == "can_fit_full_sequence"
+        else (lambda: mgr.allocate_slots(r, 64, full_sequence_must_fit=True))
+    )
+    with pytest.raises(PluginResultError, match="changed the block pool") as info:
+        call()
+    assert info.value.plugin_name == "acme"
+    assert (list(pool.ref_cnt), pool.get_num_free_blocks()) == before

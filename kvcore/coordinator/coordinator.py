@@ -33,9 +33,8 @@ from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.kind_effects import (
     check_attached,
     check_count_covers,
-    check_query,
     checked_step,
-    pool_mark,
+    watched_query,
 )
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
@@ -222,7 +221,8 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         sizes: dict[int, int] = {}
         for first, members in self._grow_runs:
             sizes[first] = sizes.get(first, 0) + len(members)
-        own = self._kind_steps["get_num_blocks_to_allocate"]
+        #: The groups whose count is the kind's own code (run watched).
+        self.kind_counts = own = self._kind_steps["get_num_blocks_to_allocate"]
         self._grow_classes = tuple((managers[f], n, f in own) for f, n in sizes.items())
         #: The token spans in which each request's cache_blocks keys
         #: nothing, when every caching group's manager keys by hash chunk
@@ -356,9 +356,9 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         try:
             if not group.checks_hits:
                 return group.manager_type.find_longest_cache_hit(query)
-            mark = pool_mark(self.block_pool)
-            found = group.manager_type.find_longest_cache_hit(query)
-            check_query(self.single_type_managers[group.group_ids[0]], _SEARCH, mark)
+            lead = self.single_type_managers[group.group_ids[0]]
+            search = group.manager_type.find_longest_cache_hit
+            found = watched_query(lead, _SEARCH, search, query)
             return check_found_hit(found, query, self.single_type_managers)
         except Exception as exc:
             raise self.plugin_error(group.group_ids[0], _SEARCH, exc) from exc
@@ -611,10 +611,13 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 tokens = (
                     num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
                 )
-                mark = pool_mark(self.block_pool) if gid in own else None
-                need = manager.get_num_blocks_to_allocate(request_id, tokens, computed)
-                if mark is not None:
-                    check_query(manager, _COUNT, mark)
+                count = manager.get_num_blocks_to_allocate
+                if gid in own:
+                    need = watched_query(
+                        manager, _COUNT, count, request_id, tokens, computed
+                    )
+                else:
+                    need = count(request_id, tokens, computed)
                 if type(need) is not int or need < 0:
                     block_count(need)
                 cap = None if caps is None else caps[gid]
@@ -697,15 +700,17 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         manager = None
         try:
             for manager, size, kinds in self._grow_classes:
+                count = manager.get_num_blocks_to_allocate
                 if kinds:
-                    mark = pool_mark(self.block_pool)
-                need = manager.get_num_blocks_to_allocate(request_id, num_tokens, ())
+                    need = watched_query(
+                        manager, _COUNT, count, request_id, num_tokens, ()
+                    )
+                else:
+                    need = count(request_id, num_tokens, ())
                 if type(need) is not int or need < 0:
                     block_count(need)
-                if kinds:
-                    check_query(manager, _COUNT, mark)
-                    if not need and caps is None:
-                        check_count_covers(manager, request_id, num_tokens)
+                if kinds and not need and caps is None:
+                    check_count_covers(manager, request_id, num_tokens)
                 if caps is not None:  # the table's positions count toward it
                     cap = caps[manager.kv_cache_group_id]
                     if cap is not None:

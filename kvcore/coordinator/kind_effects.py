@@ -17,7 +17,14 @@ from itertools import zip_longest
 from typing import Any
 
 from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
-from kvcore.coordinator.pool_journal import RELEASE, TOUCH, UNGET, UNKEY, Record
+from kvcore.coordinator.pool_journal import (
+    RELEASE,
+    TOUCH,
+    UNDO_CALL,
+    UNGET,
+    UNKEY,
+    Record,
+)
 
 __all__ = [
     "check_attached",
@@ -25,10 +32,9 @@ __all__ = [
     "check_count_covers",
     "check_covers",
     "check_keyed",
-    "check_query",
     "check_released",
     "checked_step",
-    "pool_mark",
+    "watched_query",
 ]
 
 
@@ -86,7 +92,7 @@ def check_balanced(
     for manager, old in zip(members, before, strict=True):
         table = manager.req_to_blocks.get(request_id) or ()
         size = len(old)
-        if len(table) >= size and list(table[:size]) == list(old):
+        if len(table) >= size and table[:size] == old:
             pairs: Iterable[tuple[int, int]] = zip_longest(
                 (), table[size:], fillvalue=0
             )
@@ -138,26 +144,39 @@ def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> No
             )
 
 
-def pool_mark(pool: Any) -> tuple[int, int, int]:
-    """What a query must leave as it is: the free blocks, the cached
-    blocks and the transactions run (a nested step runs one)."""
-    return (pool.free_queue.num_free, pool.num_cached_blocks, pool.transactions)
-
-
-def check_query(manager: Any, method: str, mark: tuple[int, int, int]) -> None:
-    """After a kind's own query ``method`` (a count or a search, asked before
-    any step and outside any transaction): the pool is as ``mark`` found it.
-    A block taken, touched from the free queue, keyed, or a step run by a
-    call back into the KVCacheManager would not be undone if the step is
-    refused."""
-    if pool_mark(manager.block_pool) == mark:
-        return
+def watched_query(manager: Any, method: str, call: Any, *args: Any) -> Any:
+    """What a kind's own query ``method`` (a count or a search:
+    ``call(*args)``) answers, once it is known to have changed nothing in
+    the pool: it runs inside a transaction (the step's, or one opened for
+    it), and a change recorded there (a block taken, touched, freed or
+    keyed; a call back into the KVCacheManager, refused as re-entrant) is
+    undone and reported as the kind's."""
+    pool = manager.block_pool
+    opened = pool.journal is None
+    if opened:
+        pool.begin()
+    journal = pool.journal
+    mark = len(journal)
+    try:
+        answer = call(*args)
+    except BaseException:
+        if opened:
+            pool.rollback()
+        raise
+    changed = any(record[0] != UNDO_CALL for record in journal[mark:])
+    if opened:
+        if changed:
+            pool.rollback()
+        else:
+            pool.commit()
+    if not changed:
+        return answer
     raise result_error(
         manager,
         method,
-        "changed the block pool (took, touched or keyed blocks, or called back "
-        "into the KVCacheManager) while it was asked; a count or a search "
-        "reads the pool and the tables and changes nothing",
+        "changed the block pool (took, touched, freed or keyed blocks) while it "
+        "was asked; a count or a search reads the pool and the tables and "
+        "changes nothing",
     )
 
 

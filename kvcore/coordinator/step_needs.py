@@ -19,10 +19,13 @@ from kvcore.coordinator.checks import (
     not_a_request,
 )
 from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.kind_effects import watched_query
 from kvcore.coordinator.partial import split_copy_sources
 from kvcore.coordinator.plugin_results import block_count
 from kvcore.coordinator.request import Request
 from kvcore.errors import InvalidRequestError
+
+_COUNT = "get_num_blocks_to_allocate"
 
 if TYPE_CHECKING:
     from kvcore.coordinator.block_pool import BlockPool
@@ -253,17 +256,21 @@ class StepNeeds(ManagerParts):
         rid = request.request_id
         total = 0
         empty: tuple[int, ...] = ()
+        watched = self.coordinator.kind_counts
         for gid, manager in enumerate(self._managers):
             computed = attach[gid] if attach else empty
             try:
                 tokens = num_encoder if manager.takes_encoder_tokens else num_tokens
-                need = block_count(
-                    manager.get_num_blocks_to_allocate(rid, tokens, computed)
-                )
+                count = manager.get_num_blocks_to_allocate
+                if gid in watched:
+                    answer = watched_query(
+                        manager, _COUNT, count, rid, tokens, computed
+                    )
+                else:
+                    answer = count(rid, tokens, computed)
+                need = block_count(answer)
             except Exception as exc:
-                err = self.coordinator.plugin_error(
-                    gid, "get_num_blocks_to_allocate", exc
-                )
+                err = self.coordinator.plugin_error(gid, _COUNT, exc)
                 raise err from exc
             spec = manager.kv_cache_spec
             if manager.skips_blocks and manager.block_size == spec.block_size:
