@@ -32,7 +32,6 @@ __all__ = [
     "check_count_covers",
     "check_covers",
     "check_keyed",
-    "check_released",
     "checked_step",
     "watched_query",
 ]
@@ -57,8 +56,7 @@ def checked_step(
         new = check_new_blocks(members, request_id, new, journal, (mark, lengths))
         check_covers(members, request_id, num_tokens)
     elif method == "release_twins":
-        request_id = args[0]
-        check_released(members, request_id, method)
+        request_id = args[0]  # a freed block left in a table: unbalanced
     else:
         request_id = args[0].request_id
         check_keyed(members, args[0], journal, mark)
@@ -92,11 +90,14 @@ def check_balanced(
     for manager, old in zip(members, before, strict=True):
         table = manager.req_to_blocks.get(request_id) or ()
         size = len(old)
-        if len(table) >= size and table[:size] == old:
-            pairs: Iterable[tuple[int, int]] = zip_longest(
-                (), table[size:], fillvalue=0
-            )
-        else:  # positions changed: compared one by one (0, the null block, past an end)
+        pairs: Iterable[tuple[int, int]]
+        if len(table) == size:
+            if table == old:
+                continue  # a list as it was (most steps)
+            pairs = zip(old, table, strict=True)
+        elif len(table) > size and table[:size] == old:
+            pairs = zip_longest((), table[size:], fillvalue=0)  # appended to
+        else:  # positions changed: compared one by one (0: the null block)
             pairs = zip_longest(old, table, fillvalue=0)
         for was, now in pairs:
             if was != now:
@@ -104,6 +105,8 @@ def check_balanced(
                     change[was] = change.get(was, 0) + 1
                 if now:
                     change[now] = change.get(now, 0) - 1
+    if not change:
+        return
     wrong = [(block, n) for block, n in change.items() if n]
     if not wrong:
         return
@@ -197,23 +200,6 @@ def check_count_covers(manager: Any, request_id: str, num_tokens: int) -> None:
     )
 
 
-def check_released(members: Sequence[Any], request_id: str, method: str) -> None:
-    """After a kind's release (or the hooks the release asks): every block
-    left in each twin's table is still held (a freed block left in place
-    would be handed out again and freed under its next owner)."""
-    ref = members[0].block_pool.ref_cnt
-    for manager in members:
-        for block in manager.req_to_blocks.get(request_id) or ():
-            if block and not ref[block]:
-                raise result_error(
-                    members[0],
-                    method,
-                    f"freed block {block} but left it in cache group "
-                    f"{manager.kv_cache_group_id}'s table of request "
-                    f"{request_id!r}; a released position holds the null block",
-                )
-
-
 def check_keyed(
     members: Sequence[Any], request: Any, journal: list[Record], mark: int
 ) -> None:
@@ -270,36 +256,22 @@ def check_attached(
 ) -> None:
     """After a kind's ``add_computed_blocks``: the group's table grew (from
     ``before``) by the admission ``blocks`` at their positions, a block in
-    place of a null one allowed (a state shared on the request's path), and
-    the step took one reference on each block it added (the journal records
-    from the mark in ``touched``) and none on others: a hit block left
-    untouched would be freed under the request by its other holder."""
+    place of a null one allowed (a state shared on the request's path),
+    and the references moved with it (:func:`check_balanced`, from the
+    mark in ``touched``): a hit block attached untouched would be freed
+    under the request by its other holder."""
     table = manager.req_to_blocks.get(request_id) or ()
     grown = list(table[len(before) :])
-    journal, mark = touched
-    taken = sorted(
-        block
-        for record in journal[mark:]
-        if record[0] == TOUCH
-        for block in record[1]
-        if block
-    )
-    if (
-        len(grown) == len(blocks)
-        and all(
-            not want or got == want for got, want in zip(grown, blocks, strict=True)
-        )
-        and taken == sorted(block for block in grown if block)
+    if len(grown) != len(blocks) or not all(
+        not want or got == want for got, want in zip(grown, blocks, strict=True)
     ):
-        step = "add_computed_blocks"
-        check_balanced((manager,), request_id, step, (before,), touched)
-        return
-    raise result_error(
-        manager,
-        "add_computed_blocks",
-        f"attached {shown(grown)} to cache group {manager.kv_cache_group_id}'s "
-        f"table of request {request_id!r} and took references on "
-        f"{shown(taken)}, for the admission blocks {shown(list(blocks))}; "
-        "append them at their positions and take one reference on each block "
-        "added (block_pool.touch)",
-    )
+        raise result_error(
+            manager,
+            "add_computed_blocks",
+            f"attached {shown(grown)} to cache group {manager.kv_cache_group_id}'s "
+            f"table of request {request_id!r} for the admission blocks "
+            f"{shown(list(blocks))}; append them at their positions and take one "
+            "reference on each block added (block_pool.touch)",
+        )
+    step = "add_computed_blocks"
+    check_balanced((manager,), request_id, step, (before,), touched)

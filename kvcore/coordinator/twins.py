@@ -14,6 +14,7 @@ from typing import Any
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.managers import FixedBlocksManager, PrefixManager, WindowManager
 from kvcore.coordinator.state_manager import CheckpointManager
+from kvcore.coordinator.undo import put_back
 
 __all__ = [
     "CORE_MANAGERS",
@@ -136,12 +137,25 @@ def record_whole(
     record each one's table for the request whole, with its counts, so a
     rollback puts back every position the step changed, in place or not
     (the core's steps record exactly what they change; a kind's may change
-    a table without recording it); once per transaction and request.  A
-    copy of each table now (empty where there is none): what the step's
-    effects are checked against."""
-    before = []
+    a table without recording it).  The copy of each table (empty where
+    there is none) is returned: what the step's effects are checked
+    against."""
+    before: list[list[int]] = []
     for manager in members:
-        SingleTypeManager.record_request_state(manager, request_id, whole=True)
+        # The counts and the kind's own state, once per transaction.
+        SingleTypeManager.record_request_state(manager, request_id)
         table = manager.req_to_blocks.get(request_id)
-        before.append([] if table is None else list(table))
+        if table is None:
+            before.append([])
+            continue
+        copy = list(table)
+        manager.block_pool.record(
+            put_back,
+            manager,
+            request_id,
+            (table, copy),
+            manager.num_cached_block.get(request_id),
+            manager.num_released.get(request_id),
+        )
+        before.append(copy)
     return before
