@@ -244,10 +244,10 @@ class SingleTypeManager:
         (:meth:`allocate_new_blocks`, :meth:`remove_skipped_blocks`,
         :meth:`cache_blocks`, :meth:`kept_for_later`, :meth:`kept_if_room`),
         its twins are stepped group by group through that override.  The
-        one-group step of a class that does not override it runs the twin
-        step it inherits over the group alone (the base class's, where an
-        ancestor overrides the one-group step: that ancestor's twins step
-        through it, and its subclass's twin step reaches it by ``super()``).
+        one-group step reached by ``super()`` runs the class's twin step over
+        the group alone, but where an ancestor overrides the one-group step:
+        that ancestor's twins step through it, a subclass's twin step
+        reaches it by ``super()``, and the base class's twin step runs.
         A promise flag (:attr:`caches_at_chunk_ends`, :attr:`grows_by_count`,
         :attr:`releases_by_count`) is dropped
         where the class overrides a method it covers and sets no flag."""
@@ -258,7 +258,7 @@ class SingleTypeManager:
                 setattr(cls, flag, False)
         for single, twins, each in TWIN_STEPS:
             if twins in own:
-                if single in own or not _ancestor_steps_alone(cls, single):
+                if not _ancestor_steps_alone(cls, single):
                     setattr(cls, f"_own_{twins}", own[twins])
             elif single in own:
                 setattr(cls, twins, each)
