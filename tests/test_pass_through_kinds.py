@@ -637,5 +637,5 @@ def test_a_pass_through_kind_serves_like_the_built_in_one_many_seeds(
 ) -> None:
     """The same over many more and longer traces."""
     plan = PLANS[name]
-    counts, _ = differ(plan, range(100, 160), 300, promises=promises)
+    counts, _ = differ(plan, range(100, 130), 300, promises=promises)
     check_counts(plan, counts)
