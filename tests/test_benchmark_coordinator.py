@@ -84,3 +84,19 @@ def test_kvcore_only_run_prints_its_figures(bench: Any, capsys: Any) -> None:
     v4 = out["deepseek_v4/batch2"]
     assert v4["kvcore_whole_block_hits"]["prefix_hit_tokens"] == 0
     assert "compare" not in v4
+
+
+def test_the_kind_override_benchmark_runs_both_kinds_side_by_side(
+    capsys: Any,
+) -> None:
+    overrides = load_benchmark("kind_overrides")
+    argv = ["--json", "--contexts", "64,256", "--steps", "32", "--repeat", "1"]
+    assert overrides.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"full_attention", "sliding_window"}
+    for rows in out.values():
+        assert set(rows) == {"64", "256"}
+        for row in rows.values():
+            assert row["built_in_us"] > 0
+            assert row["pass_through_us"] > 0
+            assert row["ratio"] == row["pass_through_us"] / row["built_in_us"]
