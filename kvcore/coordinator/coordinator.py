@@ -34,6 +34,7 @@ from kvcore.coordinator.kind_effects import (
     check_attached,
     check_count_covers,
     checked_step,
+    count_of,
     watched_query,
 )
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
@@ -611,13 +612,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 tokens = (
                     num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
                 )
-                count = manager.get_num_blocks_to_allocate
-                if gid in own:
-                    need = watched_query(
-                        manager, _COUNT, count, request_id, tokens, computed
-                    )
-                else:
-                    need = count(request_id, tokens, computed)
+                need = count_of(manager, gid in own, request_id, tokens, computed)
                 if type(need) is not int or need < 0:
                     block_count(need)
                 cap = None if caps is None else caps[gid]

@@ -33,6 +33,7 @@ __all__ = [
     "check_covers",
     "check_keyed",
     "checked_step",
+    "count_of",
     "watched_query",
 ]
 
@@ -145,6 +146,29 @@ def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> No
                 "step's KV past the table or into the null block; take a block "
                 "for every position the step writes",
             )
+
+
+def count_of(
+    manager: Any,
+    watched: bool,
+    request_id: str,
+    num_tokens: int,
+    computed: Sequence[int],
+) -> Any:
+    """``manager``'s count (unchecked) of the blocks a step covering ``num_tokens``
+    takes with ``computed`` attached, run :func:`watched_query` where
+    it is the kind's own code (``watched``)."""
+    count = manager.get_num_blocks_to_allocate
+    if watched:
+        return watched_query(
+            manager,
+            "get_num_blocks_to_allocate",
+            count,
+            request_id,
+            num_tokens,
+            computed,
+        )
+    return count(request_id, num_tokens, computed)
 
 
 def watched_query(manager: Any, method: str, call: Any, *args: Any) -> Any:

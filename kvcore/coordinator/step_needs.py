@@ -19,7 +19,7 @@ from kvcore.coordinator.checks import (
     not_a_request,
 )
 from kvcore.coordinator.coordinator import KVCacheCoordinator
-from kvcore.coordinator.kind_effects import watched_query
+from kvcore.coordinator.kind_effects import count_of
 from kvcore.coordinator.partial import split_copy_sources
 from kvcore.coordinator.plugin_results import block_count
 from kvcore.coordinator.request import Request
@@ -261,13 +261,7 @@ class StepNeeds(ManagerParts):
             computed = attach[gid] if attach else empty
             try:
                 tokens = num_encoder if manager.takes_encoder_tokens else num_tokens
-                count = manager.get_num_blocks_to_allocate
-                if gid in watched:
-                    answer = watched_query(
-                        manager, _COUNT, count, rid, tokens, computed
-                    )
-                else:
-                    answer = count(rid, tokens, computed)
+                answer = count_of(manager, gid in watched, rid, tokens, computed)
                 need = block_count(answer)
             except Exception as exc:
                 err = self.coordinator.plugin_error(gid, _COUNT, exc)
