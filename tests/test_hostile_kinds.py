@@ -781,3 +781,193 @@ def test_a_count_asked_for_the_whole_sequence_is_watched(ask: str) -> None:
         call()
     assert info.value.plugin_name == "acme"
     assert (list(pool.ref_cnt), pool.get_num_free_blocks()) == before
+
+
+# -- table positions a kind's step may change ---------------------------------
+
+
+class _SwapsInAnother(FullAttentionManager):
+    """Keys its blocks, then puts request "a"'s newest block in place of
+    the request's own newest one, touching it and freeing its own: the
+    references balance."""
+
+    def cache_twins(self, twins: Any, request: Any, num_tokens: int) -> None:
+        super().cache_twins(twins, request, num_tokens)
+        mine = self.req_to_blocks.get(request.request_id)
+        if request.request_id == "b" and mine:
+            theirs = self.req_to_blocks["a"][-1]
+            self.block_pool.touch([theirs])
+            old, mine[-1] = mine[-1], theirs
+            self.block_pool.free_blocks([old])
+
+
+class _SwapsTwins(FullAttentionManager):
+    """Grows the tables, then swaps their first blocks between two twins:
+    each layer would read the other's KV."""
+
+    def allocate_twins(self, twins: Any, request_id: str, num_tokens: int) -> Any:
+        running = request_id in self.req_to_blocks
+        new = super().allocate_twins(twins, request_id, num_tokens)
+        if running and len(twins) == 2:
+            first, second = (t.req_to_blocks[request_id] for t in twins)
+            first[0], second[0] = second[0], first[0]
+        return new
+
+
+class _LyingTable(list):  # type: ignore[type-arg]
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _KeepsAListThatLies(FullAttentionManager):
+    """Replaces the request's table by a list subclass that says it is
+    equal to anything, holding request "a"'s block."""
+
+    def cache_twins(self, twins: Any, request: Any, num_tokens: int) -> None:
+        super().cache_twins(twins, request, num_tokens)
+        rid = request.request_id
+        if rid == "b":
+            table = _LyingTable(self.req_to_blocks[rid])
+            table[-1] = self.req_to_blocks["a"][-1]
+            self.req_to_blocks[rid] = table
+
+
+@pytest.mark.parametrize(
+    ("manager_type", "groups", "refused"),
+    [
+        (_SwapsInAnother, 1, r"cache_twins put block \d+ at position 2 in place"),
+        (_SwapsTwins, 2, r"allocate_twins put block \d+ at position 0 in place"),
+        (_KeepsAListThatLies, 1, "cache_twins replaced it by a non-list"),
+    ],
+)
+def test_a_step_that_puts_one_block_in_place_of_another_is_refused(
+    manager_type: type, groups: int, refused: str
+) -> None:
+    # Balanced references are not enough: a block in place of another is
+    # written by two requests (or two layers), and the one it replaced is
+    # lost to the engine, which was told the table holds it.
+    mgr = _manager(manager_type, num_groups=groups)
+    a = _computed(mgr, "a", range(40))
+    del a
+    b = Request("b", list(range(1000, 1040)), hash_block_size=16)
+    if manager_type is _SwapsTwins:
+        assert mgr.allocate_slots(b, 40) is not None
+        b.num_computed_tokens = 40
+        b.append_output_token_ids(1)
+    before = _pool_state(mgr)
+    tables = mgr.get_block_ids("b") if manager_type is _SwapsTwins else None
+    with pytest.raises(PluginResultError, match=refused) as info:
+        mgr.allocate_slots(b, 9 if manager_type is _SwapsTwins else 40)
+    assert info.value.plugin_name == "acme"
+    assert _pool_state(mgr) == before
+    if tables is not None:
+        assert mgr.get_block_ids("b") == tables
+
+
+# -- what a kind's free hooks may do ------------------------------------------
+
+
+class _PopsRewritten(FullAttentionManager):
+    """Rewrites the popped table in place (same list, same length) to name
+    request "a"'s newest block before handing it back."""
+
+    def pop_twins(self, twins: Any, request_id: str) -> Any:
+        if request_id == "b":
+            self.req_to_blocks["b"][-1] = self.req_to_blocks["a"][-1]
+        return super().pop_twins(twins, request_id)
+
+
+class _PopFreesAnother(SlidingWindowManager):
+    """Drops a reference on request "a"'s newest block while it pops, or
+    while it answers which blocks it held back (``hook``)."""
+
+    hook = "pop_twins"
+
+    def pop_twins(self, twins: Any, request_id: str) -> Any:
+        if self.hook == "pop_twins" and request_id == "b":
+            self.block_pool.free_blocks([self.req_to_blocks["a"][-1]])
+        return super().pop_twins(twins, request_id)
+
+    def take_held_back(self, request_id: str) -> Any:
+        if self.hook == "take_held_back" and request_id == "b":
+            self.block_pool.free_blocks([self.req_to_blocks["a"][-1]])
+        return super().take_held_back(request_id)
+
+
+def test_a_pop_that_rewrites_its_table_in_place_is_refused() -> None:
+    # Compared with the very lists it rewrote, the pop would pass: the free
+    # would drop "a"'s block and leak the request's own.
+    mgr = _manager(_PopsRewritten)
+    _computed(mgr, "a", range(40))
+    b = _computed(mgr, "b", range(1000, 1040))
+    before = _pool_state(mgr), mgr.get_block_ids("b")
+    with pytest.raises(
+        PluginResultError, match=r"pop_twins returned \[\[\d+, \d+, 3\]\]"
+    ):
+        mgr.free(b)
+    assert (_pool_state(mgr), mgr.get_block_ids("b")) == before
+
+
+@pytest.mark.parametrize("hook", ["pop_twins", "take_held_back"])
+def test_a_free_hook_that_changes_the_pool_is_refused(hook: str) -> None:
+    manager = type("_PopFreesAnother", (_PopFreesAnother,), {"hook": hook})
+    kind = type("FreesKind", (SlidingWindow,), {"manager_type": manager})()
+    mgr = setup.beside_full_attention(kind, 32, block_size=4, window=8)
+    a = Request("a", list(range(10)), hash_block_size=4)
+    assert mgr.allocate_slots(a, 10) is not None
+    b = Request("b", list(range(100, 110)), hash_block_size=4)
+    assert mgr.allocate_slots(b, 10) is not None
+    before = _pool_state(mgr), mgr.get_block_ids("b")
+    refused = "changed the block pool" if hook == "take_held_back" else "pop_twins"
+    with pytest.raises(PluginResultError, match=refused) as info:
+        mgr.free(b)
+    assert info.value.plugin_name == "<manual>"
+    assert (_pool_state(mgr), mgr.get_block_ids("b")) == before
+
+
+class _PopsTheQueueInCount(FullAttentionManager):
+    """Takes a block straight off the pool's free queue while it counts:
+    no journal record shows it."""
+
+    def get_num_blocks_to_allocate(self, *args: Any) -> int:
+        self.block_pool.free_queue.popleft()
+        return super().get_num_blocks_to_allocate(*args)
+
+
+def test_a_count_that_takes_from_the_free_queue_directly_is_refused() -> None:
+    # The free count tells it (what the pool's own calls did not record
+    # cannot be undone; the kind is named).
+    mgr = _manager(_PopsTheQueueInCount)
+    r = Request("r", list(range(64)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match="changed the block pool") as info:
+        mgr.allocate_slots(r, 64)
+    assert info.value.plugin_name == "acme"
+
+
+class _StepOnTheInstance(FullAttentionManager):
+    """Sets its keying step on itself when built: a step that takes a
+    reference no table holds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        core = self.cache_twins
+
+        def cache_twins(twins: Any, request: Any, num_tokens: int) -> None:
+            core(twins, request, num_tokens)
+            table = self.req_to_blocks.get(request.request_id)
+            if table:
+                self.block_pool.touch(table[:1])
+
+        self.cache_twins = cache_twins  # type: ignore[method-assign]
+
+
+def test_a_step_a_manager_sets_on_itself_is_checked_as_its_own() -> None:
+    mgr = _manager(_StepOnTheInstance)
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.get_num_free_blocks())
+    r = Request("r", list(range(64)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match="cache_twins left block 1's"):
+        mgr.allocate_slots(r, 64)
+    assert (list(pool.ref_cnt), pool.get_num_free_blocks()) == before

@@ -285,7 +285,7 @@ POPS = {
     r"were \[\[3, 4\]\] \(of \[2\] blocks before the call\); it must return each "
     r"twin's table as the request held it",
     "pop its table cut in place": r"returned \[\[3\]\] for request 'r', whose "
-    r"tables were \[\[3\]\] \(of \[2\] blocks before the call\)",
+    r"tables were \[\[3, 4\]\] \(of \[2\] blocks before the call\)",
     "pop another request's block": r"returned \[\[3, 4, 1\]\] for request 'r'",
     "pop nothing": r"returned \[None\] for request 'r'",
 }

@@ -31,6 +31,7 @@ from kvcore.coordinator.found_hits import check_found_hit
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.kind_effects import (
+    CHANGED_POOL,
     check_attached,
     check_count_covers,
     checked_step,
@@ -43,9 +44,11 @@ from kvcore.coordinator.plugin_results import (
     BadCount,
     block_count,
     count_error,
+    grid_answer,
     result_error,
     shown,
 )
+from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, kind_steps, record_whole, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
@@ -176,20 +179,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
             for m in managers:
                 m.holds_back = m.caching and m.skips_blocks and not m.keeps_releases
                 m.rejoins_releases = m.caching and m.skips_blocks and m.keeps_releases
-        # The blocks one point of a request's grid costs, over every group
-        # that keeps blocks there: each keeps the grid to its share.
-        cost = sum(self._grid_answer(m, "grid_point_blocks") for m in self.planning)
-        # The blocks a token of cached prefix takes in the groups that keep
-        # every block (what a grid point makes reachable).
-        prefix_blocks = sum(
-            1 / m.block_size
-            for m in managers
-            if m.caching and m.position_indexed and not m.skips_blocks
-        )
-        for m in self.planning:
-            m.grid_point_cost = cost
-            m.grid_share = self._grid_answer(m, "grid_pool_share")
-            m.grid_prefix_blocks = prefix_blocks
+        self._init_grid(managers)
         #: Groups whose tables are sized by the request's encoder tokens
         #: (``SingleTypeManager.takes_encoder_tokens``); empty for a
         #: decoder-only plan.
@@ -238,6 +228,24 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         #: count 0), releases in or keys in changes nothing, so the manager
         #: passes it over (every growing manager's ``grows_by_count``).
         self.idle_steps = all(m.grows_by_count for m in managers if m.position_indexed)
+
+    def _init_grid(self, managers: tuple[SingleTypeManager, ...]) -> None:
+        """What a checkpoint grid costs each planning group: the blocks one
+        point of a request's grid costs over every group that keeps blocks
+        there (each keeps the grid to its share), and the blocks a token of
+        cached prefix takes in the groups that keep every block (what a
+        grid point makes reachable)."""
+        owners = self._owners
+        cost = sum(grid_answer(m, "grid_point_blocks", owners) for m in self.planning)
+        prefix_blocks = sum(
+            1 / m.block_size
+            for m in managers
+            if m.caching and m.position_indexed and not m.skips_blocks
+        )
+        for m in self.planning:
+            m.grid_point_cost = cost
+            m.grid_share = grid_answer(m, "grid_pool_share", owners)
+            m.grid_prefix_blocks = prefix_blocks
 
     def _init_hits(
         self, managers: tuple[SingleTypeManager, ...], policies: Sequence[HitPolicy]
@@ -757,17 +765,28 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         return spans.covers(request.request_id, num_tokens)
 
     def _each(
-        self, managers: Sequence[SingleTypeManager], method: str, *args: Any
+        self,
+        managers: Sequence[SingleTypeManager],
+        method: str,
+        *args: Any,
+        reads: bool = False,
     ) -> list[Any]:
         """Call ``method`` on each of ``managers``, in order, and return what
         each returned; a manager that raises is reported as a PluginError
-        naming it."""
+        naming it.  ``reads``: the hook only answers, so a pool change it
+        records in the open transaction is refused (and undone with it)."""
         results = []
         gid = 0
+        journal = self.block_pool.journal if reads else None
         try:
             for manager in managers:
                 gid = manager.kv_cache_group_id
+                mark = 0 if journal is None else len(journal)
                 results.append(getattr(manager, method)(*args))
+                if journal is not None and any(
+                    record[0] != UNDO_CALL for record in journal[mark:]
+                ):
+                    raise result_error(manager, method, CHANGED_POOL)
         except Exception as exc:
             raise self.plugin_error(gid, method, exc) from exc
         return results
@@ -783,43 +802,6 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         )
 
     # -- transactions -------------------------------------------------------------
-
-    def _grid_answer(self, manager: SingleTypeManager, method: str) -> Any:
-        """``manager.grid_point_blocks()`` (an int of at least 0) or
-        ``manager.grid_pool_share()`` (a number from 0 to 1), checked where
-        it enters the core, at construction."""
-        gid = manager.kv_cache_group_id
-        owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
-        plugin = self._owners[gid]
-        try:
-            answer = getattr(manager, method)()
-        except Exception as exc:
-            msg = (
-                f"{owner}.{method}() of cache group {gid} (plugin {plugin!r}) "
-                f"raised while the KV cache manager was built: "
-                f"{type(exc).__name__}: {exc}; fix the plugin or block it with "
-                f"KVCORE_DISABLE_PLUGINS={plugin}"
-            )
-            raise PluginError(msg, plugin_name=plugin) from exc
-        if method == "grid_point_blocks":
-            ok = type(answer) is int and answer >= 0
-            rule = (
-                "an int of at least 0: the blocks a running request keeps in "
-                "the group at each point of its grid"
-            )
-        else:
-            ok = type(answer) in (int, float) and 0 <= answer <= 1
-            rule = (
-                "a number from 0 to 1: the share of the pool one request's "
-                "grid may take (0: no limit)"
-            )
-        if not ok:
-            msg = (
-                f"{owner}.{method}() returned {answer!r} for cache group {gid}; "
-                f"it must return {rule}"
-            )
-            raise PluginResultError(msg, plugin_name=plugin)
-        return answer
 
     def plugin_error(self, gid: int, method: str, exc: BaseException) -> PluginError:
         """The error for group ``gid``'s manager raising ``exc`` in ``method``

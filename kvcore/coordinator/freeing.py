@@ -21,6 +21,7 @@ from kvcore.coordinator.free_order import HitPointOrder
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.parts import CoordinatorParts
 from kvcore.coordinator.plugin_results import result_error, shown
+from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.twins import defining, record_whole, twin_runs
 from kvcore.coordinator.undo import truncate
 from kvcore.errors import InvalidRequestError, KvcoreTypeError
@@ -217,16 +218,27 @@ class FreeSteps(CoordinatorParts):
                 if first not in self._checked_pops:
                     tables += lead.pop_twins(members, request_id)
                     continue
-                if self.block_pool.journal is not None:
+                journal = self.block_pool.journal
+                # Copies: a pop that rewrote a table in place is told apart.
+                copies = (
                     record_whole(members, request_id)
-                held = [m.req_to_blocks.get(request_id) for m in members]
-                sizes = [-1 if table is None else len(table) for table in held]
+                    if journal is not None
+                    else [list(m.req_to_blocks.get(request_id, ())) for m in members]
+                )
+                held = [
+                    None if request_id not in m.req_to_blocks else copy
+                    for m, copy in zip(members, copies, strict=True)
+                ]
+                mark = 0 if journal is None else len(journal)
                 popped = lead.pop_twins(members, request_id)
                 if (
-                    (popped != held and list(popped) != held)
-                    or sizes != [-1 if t is None else len(t) for t in popped]
+                    type(popped) not in (list, tuple)
+                    or list(popped) != held
+                    or any(t is not None and type(t) is not list for t in popped)
                     or any(request_id in m.req_to_blocks for m in members)
+                    or any(r[0] != UNDO_CALL for r in (journal or ())[mark:])
                 ):
+                    sizes = [-1 if t is None else len(t) for t in held]
                     raise _pop_error(lead, request_id, (held, sizes), popped)
                 tables += popped
         except Exception as exc:
@@ -256,7 +268,7 @@ class FreeSteps(CoordinatorParts):
         rest of the table, tail first, and the hit points it completes
         leave the cache with the request's other blocks.  The blocks put
         back."""
-        held = self._each(self._holding, "take_held_back", request_id)
+        held = self._each(self._holding, "take_held_back", request_id, reads=True)
         revived: list[int] = []
         for manager, index, pairs in zip(
             self._holding, self._holding_at, held, strict=True
@@ -359,6 +371,7 @@ def _pop_error(
         f"returned {shown(popped)} for request {request_id!r}, whose tables "
         f"were {shown(tables)} (of {shown(sizes)} blocks before the call); it "
         "must return each twin's table as the request held it (None where it "
-        "held none) and forget it, so the request's blocks, and only they, are "
+        "held none), unchanged, and forget it, without taking, freeing or "
+        "keying a block itself, so the request's blocks, and only they, are "
         "freed, once",
     )

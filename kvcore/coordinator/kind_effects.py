@@ -12,8 +12,7 @@ the step is undone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from itertools import zip_longest
+from collections.abc import Sequence
 from typing import Any
 
 from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
@@ -27,6 +26,7 @@ from kvcore.coordinator.pool_journal import (
 )
 
 __all__ = [
+    "CHANGED_POOL",
     "check_attached",
     "check_balanced",
     "check_count_covers",
@@ -65,6 +65,19 @@ def checked_step(
     return new
 
 
+#: What a step of each kind may do to a table position it held before:
+#: (a block may become the null block, the null block may become a block
+#: the pool handed out in the step); every step may append but the two
+#: that neither grow nor attach.
+_MAY = {
+    "allocate_twins": (False, True),
+    "release_twins": (True, False),
+    "cache_twins": (False, False),
+    "add_computed_blocks": (False, False),
+}
+_APPENDS = frozenset(("allocate_twins", "add_computed_blocks"))
+
+
 def check_balanced(
     members: Sequence[Any],
     request_id: str,
@@ -73,14 +86,20 @@ def check_balanced(
     since: tuple[list[Record], int],
 ) -> None:
     """After a kind's step over ``members`` (their tables of the request
-    were ``before``): the step changed each block's reference count by as
-    much as it changed how often the request's tables list the block (the
-    references the pool's journal recorded from the mark in ``since``).  A
-    reference dropped on a block the tables do not give up frees it under
-    its other holder (another request, another twin's shared hit); one
-    taken on a block no table gains is never freed."""
+    were ``before``): each table is still a list, changed only as the step
+    may (a release nulls positions, an allocation fills null ones with
+    blocks it took, no step puts one block in place of another or moves a
+    block between twins, a table never shrinks, and only an allocation or
+    an attach appends), and each block's reference count moved by as much
+    as how often the tables list it (the references the pool's journal
+    recorded from the mark in ``since``).  A reference dropped on a block
+    the tables do not give up frees it under its other holder (another
+    request, another twin's shared hit); one taken on a block no table
+    gains is never freed; a block swapped in would be written by two
+    requests or two layers."""
     journal, mark = since
     change: dict[int, int] = {}
+    handed: set[int] = set()
     for record in journal[mark:]:
         op = record[0]
         if op in (TOUCH, UNGET, RELEASE):
@@ -88,26 +107,38 @@ def check_balanced(
             for block in record[1]:
                 if block:
                     change[block] = change.get(block, 0) + step
+            if op == UNGET:
+                handed.update(record[1])
+    may_null, may_fill = _MAY[method]
+    appends = method in _APPENDS
     for manager, old in zip(members, before, strict=True):
-        table = manager.req_to_blocks.get(request_id) or ()
+        table = manager.req_to_blocks.get(request_id, [])
+        if type(table) is not list:
+            raise _moved(
+                members, method, manager, request_id, "replaced it by a non-list"
+            )
         size = len(old)
-        pairs: Iterable[tuple[int, int]]
-        if len(table) == size:
-            if table == old:
-                continue  # a list as it was (most steps)
-            pairs = zip(old, table, strict=True)
-        elif len(table) > size and table[:size] == old:
-            pairs = zip_longest((), table[size:], fillvalue=0)  # appended to
-        else:  # positions changed: compared one by one (0: the null block)
-            pairs = zip_longest(old, table, fillvalue=0)
-        for was, now in pairs:
-            if was != now:
-                if was:
-                    change[was] = change.get(was, 0) + 1
-                if now:
-                    change[now] = change.get(now, 0) - 1
-    if not change:
-        return
+        if len(table) == size and table == old:
+            continue  # as it was (most steps)
+        if len(table) < size:
+            raise _moved(members, method, manager, request_id, "shortened it")
+        if len(table) > size and not appends:
+            raise _moved(members, method, manager, request_id, "appended to it")
+        for i, (was, now) in enumerate(zip(old, table, strict=False)):
+            if was == now:
+                continue
+            if not (now == 0 and may_null) and not (
+                was == 0 and may_fill and now in handed
+            ):
+                done = f"put block {now} at position {i} in place of block {was}"
+                raise _moved(members, method, manager, request_id, done)
+            if was:
+                change[was] = change.get(was, 0) + 1
+            if now:
+                change[now] = change.get(now, 0) - 1
+        for now in table[size:]:
+            if now:
+                change[now] = change.get(now, 0) - 1
     wrong = [(block, n) for block, n in change.items() if n]
     if not wrong:
         return
@@ -122,6 +153,22 @@ def check_balanced(
         "reference for each block it puts in the request's tables and drops "
         "one for each it takes out (block_pool.get_new_blocks, touch, "
         "free_blocks), and changes no other block's count",
+    )
+
+
+def _moved(
+    members: Sequence[Any], method: str, manager: Any, request_id: str, done: str
+) -> Exception:
+    """The error for a step that changed a table as no step of its kind may."""
+    return result_error(
+        members[0],
+        method,
+        f"{done} (cache group {manager.kv_cache_group_id}'s table of request "
+        f"{request_id!r}); a table stays a list that a release changes only by "
+        "putting the null block at released positions and an allocation only "
+        "by appending or by putting a block it takes at a null position; no "
+        "step puts one block in place of another, moves one to another group "
+        "or shortens the table",
     )
 
 
@@ -146,6 +193,14 @@ def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> No
                 "step's KV past the table or into the null block; take a block "
                 "for every position the step writes",
             )
+
+
+#: Why a hook that only answers (a count, a search, a free's hooks) is
+#: refused when it changed the pool.
+CHANGED_POOL = (
+    "changed the block pool (took, touched, freed or keyed blocks) while it was "
+    "asked; it only answers: it reads the pool and the tables and changes nothing"
+)
 
 
 def count_of(
@@ -184,13 +239,19 @@ def watched_query(manager: Any, method: str, call: Any, *args: Any) -> Any:
         pool.begin()
     journal = pool.journal
     mark = len(journal)
+    # The free and cached counts too: a change made past the pool's own
+    # calls (its free queue popped directly) records nothing.
+    counts = (pool.free_queue.num_free, pool.num_cached_blocks)
     try:
         answer = call(*args)
     except BaseException:
         if opened:
             pool.rollback()
         raise
-    changed = any(record[0] != UNDO_CALL for record in journal[mark:])
+    changed = any(record[0] != UNDO_CALL for record in journal[mark:]) or counts != (
+        pool.free_queue.num_free,
+        pool.num_cached_blocks,
+    )
     if opened:
         if changed:
             pool.rollback()
@@ -198,13 +259,7 @@ def watched_query(manager: Any, method: str, call: Any, *args: Any) -> Any:
             pool.commit()
     if not changed:
         return answer
-    raise result_error(
-        manager,
-        method,
-        "changed the block pool (took, touched, freed or keyed blocks) while it "
-        "was asked; a count or a search reads the pool and the tables and "
-        "changes nothing",
-    )
+    raise result_error(manager, method, CHANGED_POOL)
 
 
 def check_count_covers(manager: Any, request_id: str, num_tokens: int) -> None:

@@ -30,5 +30,9 @@ class CoordinatorParts:
         def forget_span(self, request_id: str) -> None: ...
 
         def _each(
-            self, managers: Sequence[SingleTypeManager], method: str, *args: Any
+            self,
+            managers: Sequence[SingleTypeManager],
+            method: str,
+            *args: Any,
+            reads: bool = False,
         ) -> list[Any]: ...

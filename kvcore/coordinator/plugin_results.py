@@ -9,13 +9,14 @@ from itertools import chain
 from typing import Any
 
 from kvcore.coordinator.pool_journal import Record, taken_since
-from kvcore.errors import KvcoreTypeError, PluginResultError
+from kvcore.errors import KvcoreTypeError, PluginError, PluginResultError
 
 __all__ = [
     "BadCount",
     "block_count",
     "check_new_blocks",
     "count_error",
+    "grid_answer",
     "result_error",
     "shown",
     "skip_error",
@@ -195,3 +196,41 @@ def skip_error(
         "the table is padded with the null block up to it; fix the plugin's "
         "release rule",
     )
+
+
+def grid_answer(manager: Any, method: str, owners: Sequence[str]) -> Any:
+    """``manager.grid_point_blocks()`` (an int of at least 0) or
+    ``manager.grid_pool_share()`` (a number from 0 to 1), checked where
+    it enters the core, at construction."""
+    gid = manager.kv_cache_group_id
+    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
+    plugin = owners[gid]
+    try:
+        answer = getattr(manager, method)()
+    except Exception as exc:
+        msg = (
+            f"{owner}.{method}() of cache group {gid} (plugin {plugin!r}) "
+            f"raised while the KV cache manager was built: "
+            f"{type(exc).__name__}: {exc}; fix the plugin or block it with "
+            f"KVCORE_DISABLE_PLUGINS={plugin}"
+        )
+        raise PluginError(msg, plugin_name=plugin) from exc
+    if method == "grid_point_blocks":
+        ok = type(answer) is int and answer >= 0
+        rule = (
+            "an int of at least 0: the blocks a running request keeps in "
+            "the group at each point of its grid"
+        )
+    else:
+        ok = type(answer) in (int, float) and 0 <= answer <= 1
+        rule = (
+            "a number from 0 to 1: the share of the pool one request's "
+            "grid may take (0: no limit)"
+        )
+    if not ok:
+        msg = (
+            f"{owner}.{method}() returned {answer!r} for cache group {gid}; "
+            f"it must return {rule}"
+        )
+        raise PluginResultError(msg, plugin_name=plugin)
+    return answer

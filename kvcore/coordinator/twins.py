@@ -99,11 +99,13 @@ def defining(runs: Runs, *steps: str) -> frozenset[int]:
     code: what they return is checked where it crosses into the core, and
     the tables they may change are recorded whole before they run; the
     core's own steps need neither.  Found once per plan, the same for a
-    built-in kind's class as for a third party's."""
+    built-in kind's class as for a third party's; a step a manager sets
+    on itself (an instance attribute) is its own code too."""
     return frozenset(
         m.kv_cache_group_id
         for _, members in runs
         if own_code(type(members[0]), *steps)
+        or any(step in getattr(t, "__dict__", ()) for t in members for step in steps)
         for m in members
     )
 
