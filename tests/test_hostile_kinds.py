@@ -971,3 +971,138 @@ def test_a_step_a_manager_sets_on_itself_is_checked_as_its_own() -> None:
     with pytest.raises(PluginResultError, match="cache_twins left block 1's"):
         mgr.allocate_slots(r, 64)
     assert (list(pool.ref_cnt), pool.get_num_free_blocks()) == before
+
+
+class _ActsWhileAsked(SlidingWindowManager):
+    """Frees request "a"'s newest block (or takes a block) from a hook
+    the core asks outside a step or to weigh one: ``hook`` names it."""
+
+    hook = ""
+
+    def _strike(self, name: str) -> None:
+        if self.hook == name and "a" in self.req_to_blocks:
+            self.hook = ""  # once
+            self.block_pool.free_blocks([self.req_to_blocks["a"][-1]])
+
+    def admission_blocks(self, hit: Any, num_computed_tokens: int) -> Any:
+        self._strike("admission_blocks")
+        return super().admission_blocks(hit, num_computed_tokens)
+
+    def releases_nothing(self, request_id: str, num_computed_tokens: int) -> bool:
+        if self.hook == "releases_nothing":
+            self.block_pool.get_new_blocks(1)
+        return super().releases_nothing(request_id, num_computed_tokens)
+
+    def plan_checkpoints(self, request: Any, num_computed_tokens: int) -> None:
+        self._strike("plan_checkpoints")
+        super().plan_checkpoints(request, num_computed_tokens)
+
+    def shed_checkpoints(self, request_id: str) -> Any:
+        self._strike("shed_checkpoints")
+        return super().shed_checkpoints(request_id)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    ["admission_blocks", "releases_nothing", "plan_checkpoints", "shed_checkpoints"],
+)
+def test_a_hook_that_only_answers_may_not_change_the_pool(hook: str) -> None:
+    # Asked outside any step (or in one of its own, to weigh a step), what
+    # such a hook changed would stay: it is undone, and the kind named.
+    manager = type("_ActsWhileAsked", (_ActsWhileAsked,), {"hook": hook})
+    kind = type("ActsKind", (SlidingWindow,), {"manager_type": manager})()
+    num_blocks = 14 if hook == "shed_checkpoints" else 40
+    mgr = setup.beside_full_attention(kind, num_blocks, block_size=4, window=8)
+    a = Request("a", list(range(10)), hash_block_size=4)
+    assert mgr.allocate_slots(a, 10) is not None
+    a.num_computed_tokens = 10
+    before = _pool_state(mgr)
+    if hook == "releases_nothing":
+        a.append_output_token_ids(5)
+        step: Any = lambda: mgr.allocate_slots(a, 1)  # noqa: E731
+    else:
+        b = Request("b", list(range(100, 148)), hash_block_size=4)
+        step = lambda: mgr.allocate_slots(b, 48)  # noqa: E731
+    with pytest.raises(PluginResultError, match=f"{hook} changed the block pool"):
+        step()
+    assert _pool_state(mgr) == before
+
+
+class _Rehashes(FullAttentionManager):
+    """Rewrites the request's block hashes to another prompt's before it
+    keys its blocks (so its keys agree with the hashes it left)."""
+
+    def cache_twins(self, twins: Any, request: Any, num_tokens: int) -> None:
+        if request.request_id == "b":
+            other = Request("x", list(range(7000, 7064)), hash_block_size=16)
+            request.block_hashes[:] = other.block_hashes[: len(request.block_hashes)]
+        super().cache_twins(twins, request, num_tokens)
+
+
+def test_a_step_that_changes_the_requests_hashes_is_refused() -> None:
+    # Keyed under another prompt's hashes, the request's blocks would be
+    # served as that prompt's prefix; the engine's hashes are put back.
+    mgr = _manager(_Rehashes)
+    b = Request("b", list(range(1000, 1064)), hash_block_size=16)
+    hashes = list(b.block_hashes)
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.get_num_free_blocks(), pool.num_cached_blocks)
+    with pytest.raises(PluginResultError, match="changed the block hashes of request"):
+        mgr.allocate_slots(b, 64)
+    assert b.block_hashes == hashes
+    after = (list(pool.ref_cnt), pool.get_num_free_blocks(), pool.num_cached_blocks)
+    assert after == before
+
+
+class _StateThatFrees(FullAttentionManager):
+    """Keeps a request state whose snapshot frees request "a"'s newest
+    block: asked by the core's own steps before they change the request."""
+
+    keeps_request_state = True
+
+    def request_state(self, request_id: str) -> Any:
+        if request_id == "b":
+            self.block_pool.free_blocks([self.req_to_blocks["a"][-1]])
+        return None
+
+
+def test_a_request_state_snapshot_that_changes_the_pool_is_refused() -> None:
+    mgr = _manager(_StateThatFrees)
+    _computed(mgr, "a", range(40))
+    before = _pool_state(mgr)
+    b = Request("b", list(range(1000, 1040)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match="request_state changed the block pool"):
+        mgr.allocate_slots(b, 40)
+    assert _pool_state(mgr) == before
+
+
+class _FillsANullSlot(FullAttentionManager):
+    """Admits its hit with the null block at the last position, then puts
+    request "a"'s newest block there (touched: the references balance)."""
+
+    def admission_blocks(self, hit: Any, num_computed_tokens: int) -> Any:
+        out = list(super().admission_blocks(hit, num_computed_tokens))
+        if out and "a" in self.req_to_blocks:
+            out[-1] = 0
+        return out
+
+    def add_computed_blocks(self, request_id: str, blocks: Any) -> None:
+        blocks = list(blocks)
+        if blocks and not blocks[-1] and "a" in self.req_to_blocks:
+            blocks[-1] = self.req_to_blocks["a"][-1]
+        super().add_computed_blocks(request_id, blocks)
+
+
+def test_a_block_of_another_prefix_in_a_null_admission_slot_is_refused() -> None:
+    # Only a state keyed by the request's own prefix there may fill it.
+    mgr = _manager(_FillsANullSlot)
+    c = _computed(mgr, "c", range(100, 140))
+    mgr.free(c)
+    _computed(mgr, "a", range(40))
+    b = Request("b", [*range(100, 140), 9], hash_block_size=16)
+    hit, num = mgr.get_computed_blocks(b)
+    assert num == 32
+    before = _pool_state(mgr)
+    with pytest.raises(PluginResultError, match="add_computed_blocks attached"):
+        mgr.allocate_slots(b, 41 - num, num, hit)
+    assert _pool_state(mgr) == before

@@ -52,6 +52,7 @@ STEPS = (
     "remove_skipped_blocks",
     "count_freeable_skipped",
     "releases_nothing",
+    "admission_blocks",
 )
 #: The one-group steps (a one-group override is stepped twin by twin).
 ONE_GROUP_STEPS = (

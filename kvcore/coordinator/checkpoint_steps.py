@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcore.coordinator.kind_effects import check_hashes_kept
 from kvcore.coordinator.parts import CoordinatorParts
-from kvcore.coordinator.plugin_results import result_error, shown
+from kvcore.coordinator.plugin_results import answered_only, result_error, shown
 from kvcore.coordinator.state_manager import CheckpointManager
+from kvcore.errors import PluginError
 
 if TYPE_CHECKING:
     from kvcore.coordinator.manager import SingleTypeManager
@@ -56,12 +58,19 @@ class CheckpointSteps(CoordinatorParts):
         """Let every state group choose where to keep checkpoints for a
         request being admitted."""
         self.forget_span(request.request_id)
-        self._each(self.planning, "plan_checkpoints", request, num_computed_tokens)
-        own = self._kind_steps["plan_checkpoints"]
+        plan = "plan_checkpoints"
+        own = self._kind_steps[plan]
+        hashes = (request.block_hashes, list(request.block_hashes))
         for manager in self.planning:
-            if manager.kv_cache_group_id in own and isinstance(
-                manager, CheckpointManager
-            ):
+            self._each((manager,), plan, request, num_computed_tokens, reads=True)
+            gid = manager.kv_cache_group_id
+            if gid not in own:
+                continue
+            try:
+                check_hashes_kept(manager, plan, request, hashes)
+            except PluginError as exc:
+                raise self.plugin_error(gid, plan, exc) from exc
+            if isinstance(manager, CheckpointManager):
                 self._check_targets(manager, request.request_id, num_computed_tokens)
         for twins in self._path_twins:
             CheckpointManager.agree_on_path(twins, request)
@@ -77,9 +86,13 @@ class CheckpointSteps(CoordinatorParts):
         saved: list[Any] = []
         pool = self.block_pool
         pool.begin()
+        journal = pool.journal if pool.journal is not None else []
         try:
             for manager in self.planning:
-                saved.append(manager.shed_checkpoints(request_id))
+                mark = len(journal)
+                state = manager.shed_checkpoints(request_id)
+                answered_only(manager, "shed_checkpoints", journal, mark)
+                saved.append(state)
         except BaseException as exc:
             pool.rollback()
             if not isinstance(exc, Exception):
@@ -107,4 +120,4 @@ class CheckpointSteps(CoordinatorParts):
     def forget_checkpoints(self, request_id: str) -> None:
         """Undo :meth:`plan_checkpoints` after a refused admission."""
         self.forget_span(request_id)
-        self._each(self.planning, "forget_checkpoints", request_id)
+        self._each(self.planning, "forget_checkpoints", request_id, reads=True)

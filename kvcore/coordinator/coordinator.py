@@ -31,11 +31,11 @@ from kvcore.coordinator.found_hits import check_found_hit
 from kvcore.coordinator.freeing import FreeSteps
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.kind_effects import (
-    CHANGED_POOL,
     check_attached,
     check_count_covers,
     checked_step,
     count_of,
+    step_snapshot,
     watched_query,
 )
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
@@ -48,7 +48,6 @@ from kvcore.coordinator.plugin_results import (
     result_error,
     shown,
 )
-from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, kind_steps, record_whole, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
@@ -506,13 +505,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                     continue
                 gid = first
                 if first in own:
-                    # A request id, or (keying) the request.
-                    rid = getattr(args[0], "request_id", args[0])
-                    before = record_whole(members, rid)
+                    snapshot = step_snapshot(members, args)
                 mark = -1 if journal is None else len(journal)
                 new = getattr(members[0], method)(members, *args)
                 if first in own:
-                    marks = (journal, mark, before)
+                    marks = (journal, mark, snapshot)
                     new = checked_step(method, members, args, new, marks)
                 if new and allocating:
                     if out is None:
@@ -548,9 +545,17 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         if leads is None:
             return False
         lead = None
+        own = self._kind_steps["releases_nothing"]
         try:
             for lead in leads:
-                if lead.releases_nothing(request_id, num_computed_tokens) is not True:
+                ask = lead.releases_nothing
+                if lead.kv_cache_group_id in own:
+                    answer = watched_query(
+                        lead, "releases_nothing", ask, request_id, num_computed_tokens
+                    )
+                else:
+                    answer = ask(request_id, num_computed_tokens)
+                if answer is not True:
                     return False
         except Exception as exc:
             # Asked on behalf of the release the step would run: reported as
@@ -576,11 +581,18 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         :meth:`SingleTypeManager.admission_blocks`)."""
         out: list[list[int]] = []
         null = self.block_pool.null_block
+        own = self._kind_steps["admission_blocks"]
         for manager, computed in zip(
             self.single_type_managers, new_computed_blocks, strict=True
         ):
+            ask = manager.admission_blocks
             try:
-                attach = manager.admission_blocks(computed, num_computed_tokens)
+                if manager.kv_cache_group_id in own:
+                    attach = watched_query(
+                        manager, "admission_blocks", ask, computed, num_computed_tokens
+                    )
+                else:
+                    attach = ask(computed, num_computed_tokens)
             except Exception as exc:
                 gid = manager.kv_cache_group_id
                 raise self.plugin_error(gid, "admission_blocks", exc) from exc
@@ -634,9 +646,14 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         return total
 
     def add_computed_blocks(
-        self, request_id: str, new_computed_blocks: Sequence[Sequence[int]]
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[int]],
+        block_hashes: Sequence[BlockHash] | None = None,
     ) -> None:
-        """Phase one: touch every group's hit blocks before anything allocates."""
+        """Phase one: touch every group's hit blocks before anything
+        allocates (``block_hashes``: the request's, which a kind's shared
+        state in place of a null admission block must be keyed by)."""
         self.forget_span(request_id)
         own = self._kind_steps["add_computed_blocks"]
         gid = 0
@@ -653,7 +670,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                     before = record_whole((manager,), request_id)[0]
                     mark = len(journal)
                     manager.add_computed_blocks(request_id, computed)
-                    touched = (journal, mark)
+                    touched = (journal, mark, block_hashes)
                     check_attached(manager, request_id, before, computed, touched)
         except Exception as exc:
             raise self.plugin_error(gid, "add_computed_blocks", exc) from exc
@@ -675,11 +692,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 gid = lead.kv_cache_group_id
                 tokens = num_encoder_tokens if lead.takes_encoder_tokens else num_tokens
                 if first in own:
-                    before = record_whole(members, request_id)
+                    snapshot = step_snapshot(members, (request_id,))
                 mark = 0 if journal is None else len(journal)
                 new = lead.allocate_twins(members, request_id, tokens)
                 if first in own:
-                    marks = (journal, mark, before)
+                    marks = (journal, mark, snapshot)
                     step = (request_id, tokens)
                     new = checked_step("allocate_twins", members, step, new, marks)
                 if new:
@@ -773,20 +790,20 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
     ) -> list[Any]:
         """Call ``method`` on each of ``managers``, in order, and return what
         each returned; a manager that raises is reported as a PluginError
-        naming it.  ``reads``: the hook only answers, so a pool change it
-        records in the open transaction is refused (and undone with it)."""
+        naming it.  ``reads``: the hook only answers (it may change its own
+        manager's state, recorded for a rollback): a pool change it makes is
+        undone and refused (see ``watched_query``)."""
         results = []
         gid = 0
-        journal = self.block_pool.journal if reads else None
         try:
             for manager in managers:
                 gid = manager.kv_cache_group_id
-                mark = 0 if journal is None else len(journal)
-                results.append(getattr(manager, method)(*args))
-                if journal is not None and any(
-                    record[0] != UNDO_CALL for record in journal[mark:]
-                ):
-                    raise result_error(manager, method, CHANGED_POOL)
+                call = getattr(manager, method)
+                results.append(
+                    watched_query(manager, method, call, *args)
+                    if reads
+                    else call(*args)
+                )
         except Exception as exc:
             raise self.plugin_error(gid, method, exc) from exc
         return results

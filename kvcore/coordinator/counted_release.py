@@ -30,7 +30,7 @@ def freeable_counts(
     of at least 0, else a :class:`PluginResultError` naming the manager."""
     managers = coordinator.skipping
     counts: list[int] = coordinator._each(
-        managers, METHOD, request_id, num_computed_tokens
+        managers, METHOD, request_id, num_computed_tokens, reads=True
     )
     for manager, count in zip(managers, counts, strict=True):
         if type(count) is not int or count < 0:

@@ -13,9 +13,14 @@ the step is undone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
-from kvcore.coordinator.plugin_results import check_new_blocks, result_error, shown
+from kvcore.coordinator.plugin_results import (
+    CHANGED_POOL,
+    check_new_blocks,
+    result_error,
+    shown,
+)
 from kvcore.coordinator.pool_journal import (
     RELEASE,
     TOUCH,
@@ -24,16 +29,18 @@ from kvcore.coordinator.pool_journal import (
     UNKEY,
     Record,
 )
+from kvcore.coordinator.twins import record_whole
 
 __all__ = [
-    "CHANGED_POOL",
     "check_attached",
     "check_balanced",
     "check_count_covers",
     "check_covers",
     "check_keyed",
+    "check_hashes_kept",
     "checked_step",
     "count_of",
+    "step_snapshot",
     "watched_query",
 ]
 
@@ -43,14 +50,15 @@ def checked_step(
     members: Sequence[Any],
     args: Sequence[Any],
     new: object,
-    marks: tuple[list[Record] | None, int, Sequence[Sequence[int]]],
+    marks: tuple[list[Record] | None, int, Snapshot],
 ) -> Any:
     """What a kind's own class step ``method`` (``allocate_twins``,
     ``release_twins`` or ``cache_twins``, called with ``args``) returned
     (``new``), once what it left is checked; ``marks``: the journal, where
     the step's records start and the tables before it."""
-    journal, mark, before = marks
-    journal = journal or []  # a kind's step runs inside a transaction
+    journal, mark, (before, hashes) = marks
+    if journal is None:  # a kind's step runs inside a transaction
+        journal = []
     if method == "allocate_twins":
         request_id, num_tokens = args[0], args[1]
         lengths = [len(table) for table in before]
@@ -60,6 +68,7 @@ def checked_step(
         request_id = args[0]  # a freed block left in a table: unbalanced
     else:
         request_id = args[0].request_id
+        check_hashes_kept(members[0], method, args[0], hashes)
         check_keyed(members, args[0], journal, mark)
     check_balanced(members, request_id, method, before, (journal, mark))
     return new
@@ -76,6 +85,45 @@ _MAY = {
     "add_computed_blocks": (False, False),
 }
 _APPENDS = frozenset(("allocate_twins", "add_computed_blocks"))
+
+
+#: What a kind's step is checked against: each twin's table before it,
+#: and (a step given the request) the request's hash list and its copy.
+Snapshot: TypeAlias = tuple[list[list[int]], tuple[list[Any], list[Any]] | None]
+
+
+def step_snapshot(members: Sequence[Any], args: Sequence[Any]) -> Snapshot:
+    """Before a kind's step over ``members`` called with ``args`` (a
+    request id first, or the request): the tables recorded whole
+    (:func:`~kvcore.coordinator.twins.record_whole`) and, where the step is
+    given the request, its block hashes and a copy of them."""
+    request = args[0]
+    rid = getattr(request, "request_id", request)
+    hashes = None if rid is request else request.block_hashes
+    copy = None if hashes is None else (hashes, list(hashes))
+    return record_whole(members, rid), copy
+
+
+def check_hashes_kept(
+    manager: Any, method: str, request: Any, hashes: tuple[list[Any], list[Any]] | None
+) -> None:
+    """After a kind's step given ``request``: its block hashes are the list
+    they were, as they were (``hashes``: the list and a copy).  They are
+    the engine's, and every key and hit of the request is read from them;
+    changed ones are put back before the step is refused."""
+    if hashes is None:
+        return
+    held, copy = hashes
+    if request.block_hashes is held and held == copy:
+        return
+    held[:] = copy
+    request.block_hashes = held
+    raise result_error(
+        manager,
+        method,
+        f"changed the block hashes of request {request.request_id!r}; a step "
+        "reads the request and changes only the pool and the request's tables",
+    )
 
 
 def check_balanced(
@@ -193,14 +241,6 @@ def check_covers(members: Sequence[Any], request_id: str, num_tokens: int) -> No
                 "step's KV past the table or into the null block; take a block "
                 "for every position the step writes",
             )
-
-
-#: Why a hook that only answers (a count, a search, a free's hooks) is
-#: refused when it changed the pool.
-CHANGED_POOL = (
-    "changed the block pool (took, touched, freed or keyed blocks) while it was "
-    "asked; it only answers: it reads the pool and the tables and changes nothing"
-)
 
 
 def count_of(
@@ -331,26 +371,48 @@ def check_attached(
     request_id: str,
     before: Sequence[int],
     blocks: Sequence[int],
-    touched: tuple[list[Record], int],
+    touched: tuple[list[Record], int, Sequence[Any] | None],
 ) -> None:
     """After a kind's ``add_computed_blocks``: the group's table grew (from
     ``before``) by the admission ``blocks`` at their positions, a block in
-    place of a null one allowed (a state shared on the request's path),
-    and the references moved with it (:func:`check_balanced`, from the
-    mark in ``touched``): a hit block attached untouched would be freed
-    under the request by its other holder."""
+    place of a null one only where the group keyed it by the request's
+    prefix there (a state shared on the request's path; with the request's
+    hashes, the last of ``touched``), and the references moved with it
+    (:func:`check_balanced`, from the journal mark in ``touched``): a hit
+    block attached untouched would be freed under the request by its other
+    holder, and a block of another prefix would be read as this one's."""
+    journal, mark, hashes = touched
     table = manager.req_to_blocks.get(request_id) or ()
     grown = list(table[len(before) :])
     if len(grown) != len(blocks) or not all(
-        not want or got == want for got, want in zip(grown, blocks, strict=True)
+        got == want
+        or (not want and (hashes is None or _keys_prefix(manager, got, pos, hashes)))
+        for pos, (got, want) in enumerate(zip(grown, blocks, strict=True), len(before))
     ):
         raise result_error(
             manager,
             "add_computed_blocks",
             f"attached {shown(grown)} to cache group {manager.kv_cache_group_id}'s "
             f"table of request {request_id!r} for the admission blocks "
-            f"{shown(list(blocks))}; append them at their positions and take one "
-            "reference on each block added (block_pool.touch)",
+            f"{shown(list(blocks))}; append them at their positions (a block in "
+            "place of a null one only where the group keyed it by the request's "
+            "prefix there) and take one reference on each block added "
+            "(block_pool.touch)",
         )
     step = "add_computed_blocks"
-    check_balanced((manager,), request_id, step, (before,), touched)
+    check_balanced((manager,), request_id, step, (before,), (journal, mark))
+
+
+def _keys_prefix(manager: Any, block: int, pos: int, hashes: Sequence[Any]) -> bool:
+    """Whether ``block`` is keyed in ``manager``'s group by the prefix that
+    table position ``pos`` ends: the request's hash of the chunk it ends
+    (a position not ending on a chunk holds no keyed state)."""
+    pool = manager.block_pool
+    end = (pos + 1) * manager.block_size
+    n, rest = divmod(end, manager.hash_block_size)
+    return (
+        not rest
+        and 0 < n <= len(hashes)
+        and pool.key_group[block] == manager.kv_cache_group_id
+        and pool.key_hash[block] == hashes[n - 1]
+    )

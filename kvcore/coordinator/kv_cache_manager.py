@@ -565,7 +565,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         if running:
             new_blocks = coordinator.grow(rid, num_tokens)
         else:
-            coordinator.add_computed_blocks(rid, attach)
+            coordinator.add_computed_blocks(rid, attach, request.block_hashes)
             new_blocks = coordinator.allocate_new_blocks(rid, num_tokens, num_encoder)
         if cache_to >= 0:
             coordinator.cache_blocks(request, cache_to)

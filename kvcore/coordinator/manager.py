@@ -21,7 +21,7 @@ from kvcore.checkpoints import GRID_POOL_SHARE
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
 from kvcore.coordinator.hold_back import hold_back_twins
-from kvcore.coordinator.plugin_results import skip_error
+from kvcore.coordinator.plugin_results import answered_only, skip_error
 from kvcore.coordinator.pool_journal import UNDO_CALL
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twin_steps import PROMISES, TWIN_STEPS
@@ -718,11 +718,10 @@ class SingleTypeManager:
         )
         journal.append((UNDO_CALL, put_back, args))
         if seen is None and self.keeps_request_state:
-            pool.record(
-                self.restore_request_state,
-                request_id,
-                self.request_state(request_id),
-            )
+            mark = len(journal)
+            state = self.request_state(request_id)
+            answered_only(self, "request_state", journal, mark)
+            pool.record(self.restore_request_state, request_id, state)
 
     def record_twins(self, twins: Sequence[SingleTypeManager], request_id: str) -> None:
         """:meth:`record_request_state` for each of ``twins`` (tables only
@@ -751,6 +750,7 @@ class SingleTypeManager:
             for blocks in (twin.req_to_blocks.get(request_id),)
         ]
         if self.keeps_request_state:  # twins are one class
+            mark = len(journal)
             for twin in twins:
                 recorded = twin._recorded
                 if recorded[0] != transaction:
@@ -764,6 +764,7 @@ class SingleTypeManager:
                     request_id,
                     twin.request_state(request_id),
                 )
+            answered_only(self, "request_state", journal, mark)
         journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
 
     def request_state(self, request_id: str) -> Any:

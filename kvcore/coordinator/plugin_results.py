@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
-from kvcore.coordinator.pool_journal import Record, taken_since
+from kvcore.coordinator.pool_journal import UNDO_CALL, Record, taken_since
 from kvcore.errors import KvcoreTypeError, PluginError, PluginResultError
 
 __all__ = [
+    "CHANGED_POOL",
+    "answered_only",
     "BadCount",
     "block_count",
     "check_new_blocks",
@@ -21,6 +23,22 @@ __all__ = [
     "shown",
     "skip_error",
 ]
+
+
+#: Why a hook that only answers (a count, a search, a request's state, a
+#: free's hooks) is refused when it changed the pool.
+CHANGED_POOL = (
+    "changed the block pool (took, touched, freed or keyed blocks) while it was "
+    "asked; it only answers: it reads the pool and the tables and changes nothing"
+)
+
+
+def answered_only(manager: Any, method: str, journal: list[Record], mark: int) -> None:
+    """After ``manager``'s hook ``method`` ran inside the open transaction
+    whose ``journal`` stood at ``mark``: it recorded nothing but undo calls
+    (its own state); a pool change is refused (the step is undone)."""
+    if any(record[0] != UNDO_CALL for record in journal[mark:]):
+        raise result_error(manager, method, CHANGED_POOL)
 
 
 def shown(value: object) -> str:

@@ -123,6 +123,8 @@ KIND_STEPS = {
     "add_computed_blocks": ("add_computed_blocks",),
     "get_num_blocks_to_allocate": ("get_num_blocks_to_allocate",),
     "plan_checkpoints": ("plan_checkpoints",),
+    "admission_blocks": ("admission_blocks",),
+    "releases_nothing": ("releases_nothing",),
 }
 
 
