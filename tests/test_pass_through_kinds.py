@@ -53,6 +53,8 @@ STEPS = (
     "count_freeable_skipped",
     "releases_nothing",
     "admission_blocks",
+    "take_held_back",
+    "forget_checkpoints",
 )
 #: The one-group steps (a one-group override is stepped twin by twin).
 ONE_GROUP_STEPS = (

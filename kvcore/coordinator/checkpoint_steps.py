@@ -60,11 +60,11 @@ class CheckpointSteps(CoordinatorParts):
         self.forget_span(request.request_id)
         plan = "plan_checkpoints"
         own = self._kind_steps[plan]
-        hashes = (request.block_hashes, list(request.block_hashes))
+        hashes = (request.block_hashes, list(request.block_hashes)) if own else None
         for manager in self.planning:
             self._each((manager,), plan, request, num_computed_tokens, reads=True)
             gid = manager.kv_cache_group_id
-            if gid not in own:
+            if hashes is None or gid not in own:
                 continue
             try:
                 check_hashes_kept(manager, plan, request, hashes)

@@ -59,7 +59,6 @@ from kvcore.structs import KVCacheConfig
 __all__ = ["KVCacheCoordinator", "SpecGroup"]
 
 _SEARCH = "find_longest_cache_hit"
-_COUNT = "get_num_blocks_to_allocate"
 
 
 class KVCacheCoordinator(FreeSteps, CheckpointSteps):
@@ -548,13 +547,13 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         own = self._kind_steps["releases_nothing"]
         try:
             for lead in leads:
-                ask = lead.releases_nothing
                 if lead.kv_cache_group_id in own:
+                    ask = lead.releases_nothing
                     answer = watched_query(
                         lead, "releases_nothing", ask, request_id, num_computed_tokens
                     )
                 else:
-                    answer = ask(request_id, num_computed_tokens)
+                    answer = lead.releases_nothing(request_id, num_computed_tokens)
                 if answer is not True:
                     return False
         except Exception as exc:
@@ -585,14 +584,14 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         for manager, computed in zip(
             self.single_type_managers, new_computed_blocks, strict=True
         ):
-            ask = manager.admission_blocks
             try:
                 if manager.kv_cache_group_id in own:
+                    ask = manager.admission_blocks
                     attach = watched_query(
                         manager, "admission_blocks", ask, computed, num_computed_tokens
                     )
                 else:
-                    attach = ask(computed, num_computed_tokens)
+                    attach = manager.admission_blocks(computed, num_computed_tokens)
             except Exception as exc:
                 gid = manager.kv_cache_group_id
                 raise self.plugin_error(gid, "admission_blocks", exc) from exc
@@ -632,7 +631,12 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 tokens = (
                     num_encoder_tokens if manager.takes_encoder_tokens else num_tokens
                 )
-                need = count_of(manager, gid in own, request_id, tokens, computed)
+                if gid in own:
+                    need = count_of(manager, True, request_id, tokens, computed)
+                else:
+                    need = manager.get_num_blocks_to_allocate(
+                        request_id, tokens, computed
+                    )
                 if type(need) is not int or need < 0:
                     block_count(need)
                 cap = None if caps is None else caps[gid]
@@ -720,13 +724,12 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         manager = None
         try:
             for manager, size, kinds in self._grow_classes:
-                count = manager.get_num_blocks_to_allocate
                 if kinds:
-                    need = watched_query(
-                        manager, _COUNT, count, request_id, num_tokens, ()
-                    )
+                    need = count_of(manager, True, request_id, num_tokens, ())
                 else:
-                    need = count(request_id, num_tokens, ())
+                    need = manager.get_num_blocks_to_allocate(
+                        request_id, num_tokens, ()
+                    )
                 if type(need) is not int or need < 0:
                     block_count(need)
                 if kinds and not need and caps is None:
@@ -791,17 +794,19 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         """Call ``method`` on each of ``managers``, in order, and return what
         each returned; a manager that raises is reported as a PluginError
         naming it.  ``reads``: the hook only answers (it may change its own
-        manager's state, recorded for a rollback): a pool change it makes is
-        undone and refused (see ``watched_query``)."""
+        manager's state, recorded for a rollback): where it is a kind's own
+        code, a pool change it makes is undone and refused (see
+        ``watched_query``)."""
         results = []
         gid = 0
+        own = self._kind_steps[method] if reads else ()
         try:
             for manager in managers:
                 gid = manager.kv_cache_group_id
                 call = getattr(manager, method)
                 results.append(
                     watched_query(manager, method, call, *args)
-                    if reads
+                    if gid in own
                     else call(*args)
                 )
         except Exception as exc:

@@ -125,6 +125,9 @@ KIND_STEPS = {
     "plan_checkpoints": ("plan_checkpoints",),
     "admission_blocks": ("admission_blocks",),
     "releases_nothing": ("releases_nothing",),
+    "count_freeable_skipped": ("count_freeable_skipped",),
+    "forget_checkpoints": ("forget_checkpoints",),
+    "take_held_back": ("take_held_back",),
 }
 
 
