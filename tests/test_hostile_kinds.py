@@ -1106,3 +1106,54 @@ def test_a_block_of_another_prefix_in_a_null_admission_slot_is_refused() -> None
     with pytest.raises(PluginResultError, match="add_computed_blocks attached"):
         mgr.allocate_slots(b, 41 - num, num, hit)
     assert _pool_state(mgr) == before
+
+
+# -- undo calls that act while a failed step is undone ------------------------
+
+
+class _UndoActs(FullAttentionManager):
+    """Keeps per-request state whose undo changes the pool (drops a
+    reference on request "a"'s last block, or begins a step of its own),
+    and fails the allocation of request "b"."""
+
+    keeps_request_state = True
+    how = ""
+
+    def request_state(self, request_id: str) -> Any:
+        return None
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        pool = self.block_pool
+        if self.how == "frees":
+            pool.free_blocks([self.req_to_blocks["a"][-1]])
+        else:
+            pool.begin()
+            pool.get_new_blocks(1)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        if request_id == "b":
+            raise ValueError("step fails")
+        return new
+
+
+@pytest.mark.parametrize(
+    ("how", "refused"),
+    [
+        ("frees", "restore_request_state changed the block pool"),
+        ("begins", "restore_request_state raised ReentrantCallError"),
+    ],
+)
+def test_an_undo_that_changes_the_pool_is_undone_and_refused(
+    how: str, refused: str
+) -> None:
+    # The undo calls run inside the rollback: a change one makes to the
+    # pool would outlive a step reported undone (a's block freed under it).
+    mgr = _manager(type("_UndoActs", (_UndoActs,), {"how": how}))
+    _computed(mgr, "a", range(40))
+    before = _pool_state(mgr)
+    b = Request("b", list(range(1000, 1040)), hash_block_size=16)
+    with pytest.raises(PluginError, match=refused):
+        mgr.allocate_slots(b, 40)
+    assert _pool_state(mgr) == before
+    assert mgr.block_pool.journal is None

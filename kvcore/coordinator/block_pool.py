@@ -261,14 +261,19 @@ class BlockPool(FreeMoves, TwinPoolOps):
     def rollback(self) -> None:
         """Undo every change since :meth:`begin`, newest first: reference
         counts, free-queue order, prefix-cache keys and events are as they
-        were."""
+        were.  An undo call that raises or changes the pool is reported as
+        a :class:`~kvcore.errors.PluginError` once all are undone."""
         journal = self.journal
-        self.journal = None
         if journal is None:
             return
+        # The undo calls run with a journal of their own: a pool change one
+        # makes is caught and undone (see undo_all), and a step begun from
+        # one is refused as nested.
+        self.journal = []
         try:
             undo_all(self, journal)
         finally:
+            self.journal = None
             del self._events[self._events_mark :]
 
     def record(self, undo: Callable[..., object], *args: Any) -> None:

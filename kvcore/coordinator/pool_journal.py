@@ -9,6 +9,7 @@ records an :data:`UNDO_CALL`: a function and its arguments.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, TypeAlias
 
 from kvcore.coordinator.cache_tables import remove_entry
@@ -158,31 +159,59 @@ _UNDO = {
 
 
 def undo_all(pool: Any, journal: list[Record]) -> None:
-    """Undo every record of ``journal``, newest first.  An undo call a
-    manager recorded that raises does not stop the others (the pool's own
-    records undo what they did whatever it did); once all have run, the
-    first such failure is raised as a :class:`PluginError` naming the
-    call's owner."""
-    failed: tuple[Record, Exception] | None = None
+    """Undo every record of ``journal``, newest first, while
+    ``pool.journal`` is a fresh list (see :meth:`BlockPool.rollback`).  An
+    undo call a manager recorded that raises, or that changes the pool
+    (what that list caught, undone at once: the step is reported undone),
+    does not stop the others (the pool's own records undo what they did
+    whatever it did); once all have run, the first such failure is raised
+    as a :class:`PluginError` naming the call's owner."""
+    caught = pool.journal
+    failed: tuple[Record, Exception | None] | None = None
     for record in reversed(journal):
         try:
             _UNDO[record[0]](pool, record)
         except Exception as exc:
             if failed is None:
                 failed = (record, exc)
+        if caught:
+            _undo_caught(pool, caught)
+            if failed is None:
+                failed = (record, None)
     if failed is not None:
         record, error = failed
-        call = record[1]
-        owner = getattr(call, "__self__", call)
-        module = getattr(type(owner), "__module__", None) or "unknown"
-        name = getattr(call, "__qualname__", repr(call))
-        msg = (
-            f"{name} raised {type(error).__name__} while a failed step was undone; "
-            "every other change of the step was undone. An undo a manager "
-            "records (restore_request_state, or a call given to "
-            "BlockPool.record) must put back what it saved and not raise"
-        )
-        raise PluginError(msg, plugin_name=module) from error
+        raise _undo_error(record[1], error) from error
+
+
+def _undo_caught(pool: Any, caught: list[Record]) -> None:
+    """Undo, newest first, the pool changes an undo call made (``caught``
+    by the rollback's journal), emptying it; an undo call among them that
+    changes the pool again is caught and undone the same way."""
+    while caught:
+        record = caught.pop()
+        with contextlib.suppress(Exception):  # the call that made it is reported
+            _UNDO[record[0]](pool, record)
+
+
+def _undo_error(call: Any, error: Exception | None) -> PluginError:
+    """The error for undo call ``call`` that raised ``error`` (None: it
+    changed the pool), naming the call's owner."""
+    owner = getattr(call, "__self__", call)
+    plugin = getattr(type(owner), "__module__", None) or "unknown"
+    name = getattr(call, "__qualname__", repr(call))
+    did = (
+        "changed the block pool (took, touched, freed or keyed blocks)"
+        if error is None
+        else f"raised {type(error).__name__}"
+    )
+    msg = (
+        f"{name} {did} while a failed step was undone (plugin {plugin!r}); "
+        "every other change of the step, and the call's changes to the block "
+        "pool, were undone. An undo a manager records (restore_request_state, "
+        "or a call given to BlockPool.record) must put back what it saved, "
+        "change nothing in the block pool and not raise"
+    )
+    return PluginError(msg, plugin_name=plugin)
 
 
 def taken_since(journal: list[Record], mark: int) -> list[list[int]]:
