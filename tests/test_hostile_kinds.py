@@ -26,9 +26,10 @@ from kvcore_mamba import Mamba, MambaManager, MambaSpec
 from kvcore_sliding_window import SlidingWindow, SlidingWindowManager
 
 
-def _manager(manager_type: type, num_groups: int = 1) -> KVCacheManager:
+def _manager(manager_type: type, num_groups: int = 1, **kw: Any) -> KVCacheManager:
     """A manager over ``num_groups`` groups of a full-attention kind served
-    by ``manager_type``, registered by plugin ``acme``."""
+    by ``manager_type``, registered by plugin ``acme`` (``kw``: more
+    settings)."""
     kind = type("HostileKind", (FullAttention,), {"manager_type": manager_type})()
     spec = FullAttention().spec_type(
         block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16
@@ -40,6 +41,7 @@ def _manager(manager_type: type, num_groups: int = 1) -> KVCacheManager:
         hash_block_size=16,
         registry=KindRegistry.from_kinds([kind], owner="acme"),
         max_model_len=1024,
+        **kw,
     )
 
 
@@ -1157,3 +1159,32 @@ def test_an_undo_that_changes_the_pool_is_undone_and_refused(
         mgr.allocate_slots(b, 40)
     assert _pool_state(mgr) == before
     assert mgr.block_pool.journal is None
+
+
+class _TakesEvents(FullAttentionManager):
+    """Takes the pool's events while it counts a step of request "b"."""
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Any
+    ) -> int:
+        if request_id == "b":
+            self.block_pool.take_events()
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks
+        )
+
+
+def test_a_kind_that_takes_the_pools_events_is_refused() -> None:
+    # The events are the engine's: taken inside a step, they would never
+    # reach it (and a rollback could not put them back).
+    mgr = _manager(_TakesEvents, enable_kv_cache_events=True)
+    _computed(mgr, "a", range(64))
+    before = _pool_state(mgr)
+    b = Request("b", list(range(500, 532)), hash_block_size=16)
+    with pytest.raises(
+        PluginError, match="managers must not take the block pool's events"
+    ) as info:
+        mgr.allocate_slots(b, 32)
+    assert info.value.plugin_name == "acme"
+    assert _pool_state(mgr) == before
+    assert [type(e).__name__ for e in mgr.take_events()] == ["BlockStored"]

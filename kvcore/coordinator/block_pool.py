@@ -856,7 +856,16 @@ class BlockPool(FreeMoves, TwinPoolOps):
         return 1.0 - self.free_queue.num_free / usable
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Return and clear the events recorded since the last call."""
+        """Return and clear the events recorded since the last call.
+        Refused inside a step or a query (a cache manager taking them): the
+        events are the engine's, and a rollback could not put them back."""
+        if self.journal is not None:
+            msg = (
+                "take_events was called from inside a step or a query (by a "
+                "cache manager); managers must not take the block pool's "
+                "events, which the engine takes between steps"
+            )
+            raise ReentrantCallError(msg)
         events = self._events
         if not events:
             return []
