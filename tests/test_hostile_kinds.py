@@ -1188,3 +1188,58 @@ def test_a_kind_that_takes_the_pools_events_is_refused() -> None:
     assert info.value.plugin_name == "acme"
     assert _pool_state(mgr) == before
     assert [type(e).__name__ for e in mgr.take_events()] == ["BlockStored"]
+
+
+class _ShiftedStateKeys(MambaManager):
+    """A state kind of blocks finer than the hash block whose own
+    ``block_hash`` keys each position by the chunk one further on, and
+    searches by those keys: its hit is served by the state after 16
+    tokens more than it covers."""
+
+    def block_hash(self, chunk_hashes: Any, index: int) -> Any:
+        end = (index + 1) * self.block_size
+        if end % self.hash_block_size:
+            return None
+        chunk = end // self.hash_block_size
+        return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        pool, gid = query.block_pool, query.group_ids[0]
+        found: list[int] = []
+        for i in range(query.max_length // query.block_size):
+            end = (i + 1) * query.block_size
+            chunk = end // query.hash_block_size
+            if end % query.hash_block_size or chunk >= len(query.chunk_hashes):
+                continue
+            block = pool.lookup(query.chunk_hashes[chunk], gid)
+            if block is not None:
+                found = [0] * i + [block]
+        return [found]
+
+
+def test_a_finer_state_hit_is_checked_by_the_prefix_key_not_the_kinds() -> None:
+    # 8-token states under 16-token hash chunks: the kind's own block_hash
+    # agrees with its search, not with the prefix each state ends.
+    kind = type("ShiftedKind", (Mamba,), {"manager_type": _ShiftedStateKeys})()
+    mgr = setup.manager_for(
+        [setup.mamba(8, policy="turns")],
+        64,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([kind], owner="acme"),
+        max_model_len=1024,
+    )
+    a = Request("a", list(range(64)), hash_block_size=16)
+    assert mgr.allocate_slots(a, 64) is not None
+    a.num_computed_tokens = 64
+    mgr.free(a)
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.eviction_order())
+    b = Request("b", [*range(64), 5], hash_block_size=16)
+    with pytest.raises(
+        PluginResultError, match="not keyed there by the prefix"
+    ) as info:
+        mgr.get_computed_blocks(b)
+    assert info.value.plugin_name == "acme"
+    assert (list(pool.ref_cnt), pool.eviction_order()) == before

@@ -6,10 +6,10 @@ prefix's KV (a wrong position, a repeated block, an id computed by hand)
 would be read as this request's prefix, so every hit is checked before the
 coordinator uses it: one list per group searched, all of one length, and
 each block that is not the null block an id of the pool keyed, in its
-group, by the prefix ending with it: the request's hash at that position
-where the group's block is a whole number of hash blocks (a kind's own
-``block_hash`` cannot move that key), the manager's ``block_hash`` where
-it is finer.
+group, by the prefix ending with it: the request's chunk hash of the tokens
+up to the position's end (:func:`~kvcore.coordinator.hashing.prefix_key`;
+a kind's own ``block_hash`` cannot move that key), so a block finer than
+the hash block is hit only where its prefix ends on a hash-block boundary.
 
 The searches of kvcore's manager bases (prefix, window, checkpoint) read
 only the pool's cache tables at each position's key, so their hits hold
@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvcore.coordinator.hashing import prefix_key
 from kvcore.coordinator.plugin_results import result_error, shown
 from kvcore.errors import PluginResultError
 
@@ -48,10 +49,7 @@ def check_found_hit(
     key_group = pool.key_group
     num_blocks = pool.num_blocks
     chunks = query.chunk_hashes
-    # The prefix hashes at the groups' block size (none for a block finer
-    # than the hash block): the key of every position a manager keys the
-    # usual way; its own block_hash is asked only for finer blocks.
-    hashes = query.block_hashes
+    chunk_size = pool.hash_block_size
     length = -1
     for gid, blocks in zip(gids, found, strict=True):
         manager = managers[gid]
@@ -62,8 +60,7 @@ def check_found_hit(
                 "all of one length (the hit's blocks in every group searched)",
             )
         length = len(blocks)
-        key_of = manager.block_hash
-        usual = len(hashes) >= length
+        block_size = manager.block_size
         for i, block in enumerate(blocks):
             if type(block) is not int or not 0 <= block < num_blocks:
                 raise _hit_error(
@@ -74,10 +71,10 @@ def check_found_hit(
                 )
             if not block:
                 continue
-            key = key_hash[block]
-            if key_group[block] != gid or (
-                key != hashes[i] if usual else key != key_of(chunks, i)
-            ):
+            # The kind's own block_hash cannot move the key a position
+            # must hold (None: a position keyed by no prefix).
+            key = prefix_key(chunks, (i + 1) * block_size, chunk_size)
+            if key is None or key_hash[block] != key or key_group[block] != gid:
                 raise _hit_error(
                     manager,
                     f"returned block {block} at position {i} of group {gid}, "

@@ -738,6 +738,19 @@ class BlockHashView(Sequence[BlockHash]):
         return f"BlockHashView(k={self._k}, len={len(self)})"
 
 
+def prefix_key(
+    chunk_hashes: Sequence[BlockHash], end: int, hash_block_size: int
+) -> BlockHash | None:
+    """The prefix-cache key of a block whose prefix ends after ``end``
+    tokens: the chunk hash of that prefix, or None where it does not end on
+    a hash-block boundary (such a block is never keyed) or is not hashed
+    yet.  The one rule every group's blocks are keyed and checked by."""
+    if end <= 0 or end % hash_block_size:
+        return None
+    chunk = end // hash_block_size - 1
+    return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
+
+
 def hashes_at_block_size(
     block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
 ) -> Sequence[BlockHash]:

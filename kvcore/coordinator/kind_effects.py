@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
+from kvcore.coordinator.hashing import prefix_key
 from kvcore.coordinator.plugin_results import (
     CHANGED_POOL,
     check_new_blocks,
@@ -346,14 +347,7 @@ def check_keyed(
                 where = {b: j for j, b in enumerate(table) if b}
                 start = 0
                 i = where.get(block)
-            end = -1 if i is None else (i + 1) * block_size
-            n = end // chunk
-            if (
-                end > 0
-                and not end % chunk
-                and n <= len(chunks)
-                and chunks[n - 1] == key
-            ):
+            if i is not None and prefix_key(chunks, (i + 1) * block_size, chunk) == key:
                 continue
             raise result_error(
                 members[0],

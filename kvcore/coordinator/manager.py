@@ -19,7 +19,7 @@ import attrs
 
 from kvcore.checkpoints import GRID_POOL_SHARE
 from kvcore.coordinator.block_pool import BlockPool
-from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size
+from kvcore.coordinator.hashing import BlockHash, hashes_at_block_size, prefix_key
 from kvcore.coordinator.hold_back import hold_back_twins
 from kvcore.coordinator.plugin_results import answered_only, skip_error
 from kvcore.coordinator.pool_journal import UNDO_CALL
@@ -591,11 +591,9 @@ class SingleTypeManager:
         """The cache key of table position ``index``: the hash of the prefix
         ending with that block, or None when that prefix does not end on a
         hash boundary (or is not hashed yet)."""
-        end = (index + 1) * self.block_size
-        if end % self.hash_block_size:
-            return None
-        chunk = end // self.hash_block_size - 1
-        return chunk_hashes[chunk] if chunk < len(chunk_hashes) else None
+        return prefix_key(
+            chunk_hashes, (index + 1) * self.block_size, self.hash_block_size
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the request's blocks that ``num_tokens`` tokens fill
