@@ -94,11 +94,18 @@ def manager_for(
 
 
 def beside_full_attention(
-    kind: Any, num_blocks: int, *, block_size: int = 16, window: int = 32, **kw: Any
+    kind: Any,
+    num_blocks: int,
+    *,
+    block_size: int = 16,
+    window: int = 32,
+    owner: str = "<manual>",
+    **kw: Any,
 ) -> KVCacheManager:
     """A manager over a full-attention group and a group of ``kind`` (a
     sliding-window kind, its window ``window`` tokens), both of
-    ``block_size``-token blocks, with a registry of just those two kinds."""
+    ``block_size``-token blocks, with a registry of just those two kinds
+    (registered by plugin ``owner``)."""
     shape = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8}
     specs = [
         FullAttentionSpec(dtype=torch.float16, **shape),
@@ -109,7 +116,7 @@ def beside_full_attention(
         num_blocks,
         scheduler_block_size=block_size,
         hash_block_size=block_size,
-        registry=KindRegistry.from_kinds([FullAttention(), kind]),
+        registry=KindRegistry.from_kinds([FullAttention(), kind], owner=owner),
         max_model_len=1024,
         **kw,
     )

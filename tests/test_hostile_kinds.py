@@ -1243,3 +1243,32 @@ def test_a_finer_state_hit_is_checked_by_the_prefix_key_not_the_kinds() -> None:
         mgr.get_computed_blocks(b)
     assert info.value.plugin_name == "acme"
     assert (list(pool.ref_cnt), pool.eviction_order()) == before
+
+
+# -- errors named by the plugin that registered the kind ----------------------
+
+
+class _HeldElsewhere(SlidingWindowManager):
+    """Answers ``take_held_back`` with a position the request never
+    released and a block in use."""
+
+    def take_held_back(self, request_id: str) -> list[tuple[int, int]]:
+        super().take_held_back(request_id)
+        return [(0, 1)]
+
+
+def test_a_bad_held_back_answer_is_named_by_the_groups_plugin() -> None:
+    kind = type("HeldKind", (SlidingWindow,), {"manager_type": _HeldElsewhere})()
+    mgr = setup.beside_full_attention(kind, 32, block_size=4, window=8, owner="acme")
+    a = Request("a", list(range(30)), hash_block_size=4)
+    assert mgr.allocate_slots(a, 30) is not None
+    a.num_computed_tokens = 30
+    a.append_output_token_ids(1)
+    assert mgr.allocate_slots(a, 1) is not None
+    before = _pool_state(mgr)
+    with pytest.raises(
+        PluginResultError, match=r"take_held_back returned \(0, 1\)"
+    ) as info:
+        mgr.free(a)
+    assert info.value.plugin_name == "acme"
+    assert _pool_state(mgr) == before

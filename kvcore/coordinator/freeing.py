@@ -315,14 +315,16 @@ class FreeSteps(CoordinatorParts):
                 )
                 seen.add(block)
             if not ok:
-                raise result_error(
+                gid = manager.kv_cache_group_id
+                error = result_error(
                     manager,
                     "take_held_back",
                     f"returned {shown(pair)} for request {request_id!r} in cache "
-                    f"group {manager.kv_cache_group_id}; it must return (table "
-                    "position, block) pairs, each a position the request released "
-                    "and the free block it held back there, each block once",
+                    f"group {gid}; it must return (table position, block) pairs, "
+                    "each a position the request released and the free block it "
+                    "held back there, each block once",
                 )
+                raise self.plugin_error(gid, "take_held_back", error)
 
     def _refresh_checkpoints(self, request_id: str, rejoined: list[int]) -> None:
         """Move the states a freed request kept, released earlier, to the
