@@ -1155,8 +1155,9 @@ def test_an_undo_that_changes_the_pool_is_undone_and_refused(
     _computed(mgr, "a", range(40))
     before = _pool_state(mgr)
     b = Request("b", list(range(1000, 1040)), hash_block_size=16)
-    with pytest.raises(PluginError, match=refused):
+    with pytest.raises(PluginError, match=refused) as info:
         mgr.allocate_slots(b, 40)
+    assert info.value.plugin_name == "acme"
     assert _pool_state(mgr) == before
     assert mgr.block_pool.journal is None
 
@@ -1272,3 +1273,39 @@ def test_a_bad_held_back_answer_is_named_by_the_groups_plugin() -> None:
         mgr.free(a)
     assert info.value.plugin_name == "acme"
     assert _pool_state(mgr) == before
+
+
+class _RaisingUndoAtFree(_RaisingUndo):
+    """Records its state when the request is freed, then fails the free."""
+
+    def pop_blocks(self, request_id: str) -> list[int] | None:
+        self.record_request_state(request_id)
+        super().pop_blocks(request_id)
+        raise ValueError("free fails")
+
+
+@pytest.mark.parametrize("step", ["allocate_slots", "free"])
+def test_an_undo_that_raises_is_named_by_the_groups_plugin(step: str) -> None:
+    # The rollback names the undo call's owner: a group's manager is named
+    # by the plugin that registered its kind, whoever rolls the step back.
+    if step == "allocate_slots":
+        mgr = _manager(_RaisingUndo, num_groups=2)  # its second group fails
+    else:
+        mgr = _manager(_RaisingUndoAtFree)
+    r = Request("r", list(range(64)), hash_block_size=16)
+    if step == "free":
+        assert mgr.allocate_slots(r, 64) is not None
+        r.num_computed_tokens = 64
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks())
+    held = [m.req_to_blocks.get("r") for m in mgr.coordinator.single_type_managers]
+    with pytest.raises(
+        PluginError, match="restore_request_state raised RuntimeError"
+    ) as info:
+        mgr.allocate_slots(r, 64) if step == "allocate_slots" else mgr.free(r)
+    assert info.value.plugin_name == "acme"
+    assert "(plugin 'acme')" in str(info.value)
+    assert (list(pool.ref_cnt), pool.free_queue.get_all_free_blocks()) == before
+    assert [
+        m.req_to_blocks.get("r") for m in mgr.coordinator.single_type_managers
+    ] == held

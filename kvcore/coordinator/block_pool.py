@@ -130,6 +130,7 @@ class BlockPool(FreeMoves, TwinPoolOps):
         "num_blocks",
         "partial_group",
         "partial_keys",
+        "plugin_of",
         "ref_cnt",
         "transactions",
     )
@@ -188,6 +189,10 @@ class BlockPool(FreeMoves, TwinPoolOps):
         #: its undo once per transaction (see
         #: SingleTypeManager.record_request_state).
         self.transactions = 0
+        #: ``owner -> (plugin, distribution)`` where ``owner`` is a cache
+        #: group's manager, else None (set by the coordinator): whom the
+        #: error of an undo call a manager recorded names.
+        self.plugin_of: Callable[[object], tuple[str, str | None] | None] | None = None
         self._events_mark = 0
         #: Prefix-cache keys dropped so far (evictions and resets): a hit
         #: looked up when this was ``n`` still holds its keys while it is ``n``.

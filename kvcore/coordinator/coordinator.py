@@ -9,6 +9,7 @@ every group's manager.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from kvcore.coordinator.plugin_results import (
     block_count,
     count_error,
     grid_answer,
+    group_plugin,
     result_error,
     shown,
 )
@@ -137,6 +139,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         )
         self.single_type_managers = managers = built.managers
         self._owners = built.owners
+        self.block_pool.plugin_of = functools.partial(group_plugin, self)
         #: Each group's checked boundary overlap (see headroom).
         self.boundary_overlaps = built.overlaps
         self._plugin_manager = getattr(registry, "_pm", None)

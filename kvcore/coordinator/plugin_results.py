@@ -19,6 +19,7 @@ __all__ = [
     "check_new_blocks",
     "count_error",
     "grid_answer",
+    "group_plugin",
     "result_error",
     "shown",
     "skip_error",
@@ -53,6 +54,18 @@ def result_error(manager: Any, method: str, problem: str) -> PluginResultError:
     return PluginResultError(
         f"{owner}.{method} {problem}", plugin_name=type(manager).__module__
     )
+
+
+def group_plugin(coordinator: Any, owner: object) -> tuple[str, str | None] | None:
+    """The plugin that registered the kind of the cache group ``owner``
+    manages, and its distribution; None where ``owner`` is no group's
+    manager.  The block pool names an undo call's owner by it (see
+    ``BlockPool.plugin_of``), whoever rolls the failed step back."""
+    for gid, manager in enumerate(coordinator.single_type_managers):
+        if manager is owner:
+            plugin: str = coordinator._owners[gid]
+            return plugin, coordinator._distribution(plugin)
+    return None
 
 
 #: The one type a class step's answer lists each group's new blocks in.

@@ -180,7 +180,7 @@ def undo_all(pool: Any, journal: list[Record]) -> None:
                 failed = (record, None)
     if failed is not None:
         record, error = failed
-        raise _undo_error(record[1], error) from error
+        raise _undo_error(pool, record[1], error) from error
 
 
 def _undo_caught(pool: Any, caught: list[Record]) -> None:
@@ -193,11 +193,16 @@ def _undo_caught(pool: Any, caught: list[Record]) -> None:
             _UNDO[record[0]](pool, record)
 
 
-def _undo_error(call: Any, error: Exception | None) -> PluginError:
+def _undo_error(pool: Any, call: Any, error: Exception | None) -> PluginError:
     """The error for undo call ``call`` that raised ``error`` (None: it
-    changed the pool), naming the call's owner."""
+    changed the pool), naming the plugin of the group whose manager
+    recorded it (see ``BlockPool.plugin_of``), else the owner's module."""
     owner = getattr(call, "__self__", call)
-    plugin = getattr(type(owner), "__module__", None) or "unknown"
+    named = pool.plugin_of(owner) if pool.plugin_of is not None else None
+    plugin, distribution = named or (
+        getattr(type(owner), "__module__", None) or "unknown",
+        None,
+    )
     name = getattr(call, "__qualname__", repr(call))
     did = (
         "changed the block pool (took, touched, freed or keyed blocks)"
@@ -211,7 +216,7 @@ def _undo_error(call: Any, error: Exception | None) -> PluginError:
         "or a call given to BlockPool.record) must put back what it saved, "
         "change nothing in the block pool and not raise"
     )
-    return PluginError(msg, plugin_name=plugin)
+    return PluginError(msg, plugin_name=plugin, distribution=distribution)
 
 
 def taken_since(journal: list[Record], mark: int) -> list[list[int]]:
