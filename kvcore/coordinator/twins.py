@@ -105,9 +105,19 @@ def defining(runs: Runs, *steps: str) -> frozenset[int]:
         m.kv_cache_group_id
         for _, members in runs
         if own_code(type(members[0]), *steps)
-        or any(step in getattr(t, "__dict__", ()) for t in members for step in steps)
+        or any(_set_on(t, step) for t in members for step in steps)
         for m in members
     )
+
+
+def _set_on(manager: SingleTypeManager, step: str) -> bool:
+    """Whether ``manager`` holds ``step`` as an attribute of its own, read
+    without its ``__dict__`` (reading that makes every later attribute
+    read of the manager slower)."""
+    found = getattr(manager, step, None)
+    if found is None:
+        return False
+    return getattr(found, "__func__", None) is not getattr(type(manager), step, None)
 
 
 #: The steps that change a request's tables, by their class (twin) name,
