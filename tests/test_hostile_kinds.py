@@ -1309,3 +1309,23 @@ def test_an_undo_that_raises_is_named_by_the_groups_plugin(step: str) -> None:
     assert [
         m.req_to_blocks.get("r") for m in mgr.coordinator.single_type_managers
     ] == held
+
+
+class _RewritesItsQuery(FullAttentionManager):
+    """Answers a hit of another prompt's keyed blocks and points its query
+    at that prompt's hashes, so the hit would check out against them."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, query: HitQuery) -> list[list[int]]:
+        other = Request("x", list(range(64)), hash_block_size=16)
+        query.chunk_hashes = tuple(other.block_hashes)
+        query.block_hashes = tuple(other.block_hashes)
+        return _core_hit(cls, query)
+
+
+def test_a_search_that_rewrites_its_query_is_refused() -> None:
+    mgr = _manager(_RewritesItsQuery)
+    _computed(mgr, "a", range(64))
+    b = Request("b", list(range(500, 564)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match="changed the query it was given"):
+        mgr.get_computed_blocks(b)

@@ -368,7 +368,10 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 return group.manager_type.find_longest_cache_hit(query)
             lead = self.single_type_managers[group.group_ids[0]]
             search = group.manager_type.find_longest_cache_hit
+            read = (query.group_ids, query.chunk_hashes, query.block_pool)
             found = watched_query(lead, _SEARCH, search, query)
+            if (query.group_ids, query.chunk_hashes, query.block_pool) != read:
+                raise result_error(lead, _SEARCH, "changed the query it was given")
             return check_found_hit(found, query, self.single_type_managers)
         except Exception as exc:
             raise self.plugin_error(group.group_ids[0], _SEARCH, exc) from exc
