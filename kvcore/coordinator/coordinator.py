@@ -43,17 +43,18 @@ from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.partial import PartialKeys, partial_prefix_hit
 from kvcore.coordinator.plugin_results import (
     BadCount,
+    admission_error,
     block_count,
     count_error,
     grid_answer,
     group_plugin,
     result_error,
-    shown,
+    within_hit,
 )
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.twins import Runs, kind_steps, record_whole, twin_runs
 from kvcore.coordinator.unwritten import UnwrittenStates
-from kvcore.errors import PluginError, PluginResultError
+from kvcore.errors import PluginError
 from kvcore.registry import KindRegistry
 from kvcore.spec import HitPolicy
 from kvcore.structs import KVCacheConfig
@@ -603,10 +604,10 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 raise self.plugin_error(gid, "admission_blocks", exc) from exc
             if attach != computed and not (
                 type(attach) is list
-                and (not attach or _within_hit(attach, computed, null))
+                and (not attach or within_hit(attach, computed, null))
             ):
                 gid = manager.kv_cache_group_id
-                error = _admission_error(manager, computed, attach)
+                error = admission_error(manager, computed, attach)
                 raise self.plugin_error(gid, "admission_blocks", error)
             out.append(attach)
         return tuple(out)
@@ -879,25 +880,3 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         except Exception:  # metadata lookups only decorate the message
             shown = None
         return shown.rsplit(" ", 1)[0] if shown else None
-
-
-def _within_hit(attach: list[int], hit: Sequence[int], null: int) -> bool:
-    """Whether admission blocks are the hit's blocks at their own
-    positions, the null block anywhere (skipped, or a state a connector
-    loads)."""
-    if len(attach) > len(hit) and any(b != null for b in attach[len(hit) :]):
-        return False
-    return all(a in (h, null) for a, h in zip(attach, hit, strict=False))
-
-
-def _admission_error(
-    manager: SingleTypeManager, hit: Sequence[int], attach: object
-) -> PluginResultError:
-    return result_error(
-        manager,
-        "admission_blocks",
-        f"returned {shown(attach)} for cache group {manager.kv_cache_group_id}'s "
-        f"hit {list(hit)[:8]!r}; it must return a list of the hit's blocks at "
-        "their positions, the null block where the kind skips one (a block of "
-        "its own choosing would be attached to the request as computed)",
-    )

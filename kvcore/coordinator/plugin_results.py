@@ -12,6 +12,7 @@ from kvcore.coordinator.pool_journal import UNDO_CALL, Record, taken_since
 from kvcore.errors import KvcoreTypeError, PluginError, PluginResultError
 
 __all__ = [
+    "admission_error",
     "CHANGED_POOL",
     "answered_only",
     "BadCount",
@@ -23,6 +24,7 @@ __all__ = [
     "result_error",
     "shown",
     "skip_error",
+    "within_hit",
 ]
 
 
@@ -265,3 +267,25 @@ def grid_answer(manager: Any, method: str, owners: Sequence[str]) -> Any:
         )
         raise PluginResultError(msg, plugin_name=plugin)
     return answer
+
+
+def within_hit(attach: list[int], hit: Sequence[int], null: int) -> bool:
+    """Whether admission blocks are the hit's blocks at their own
+    positions, the null block anywhere (skipped, or a state a connector
+    loads)."""
+    if len(attach) > len(hit) and any(b != null for b in attach[len(hit) :]):
+        return False
+    return all(a in (h, null) for a, h in zip(attach, hit, strict=False))
+
+
+def admission_error(
+    manager: Any, hit: Sequence[int], attach: object
+) -> PluginResultError:
+    return result_error(
+        manager,
+        "admission_blocks",
+        f"returned {shown(attach)} for cache group {manager.kv_cache_group_id}'s "
+        f"hit {list(hit)[:8]!r}; it must return a list of the hit's blocks at "
+        "their positions, the null block where the kind skips one (a block of "
+        "its own choosing would be attached to the request as computed)",
+    )
