@@ -15,6 +15,7 @@ import torch
 from kvcore import KindRegistry
 from kvcore.coordinator import KVCacheManager, Request
 from kvcore.coordinator.manager import HitQuery
+from kvcore.coordinator.undo import put_entry
 from kvcore.errors import PluginError, PluginResultError
 from kvcore_cross_attention import (
     CrossAttention,
@@ -1329,3 +1330,88 @@ def test_a_search_that_rewrites_its_query_is_refused() -> None:
     b = Request("b", list(range(500, 564)), hash_block_size=16)
     with pytest.raises(PluginResultError, match="changed the query it was given"):
         mgr.get_computed_blocks(b)
+
+
+class _JournalsItsState(FullAttentionManager):
+    """A correct kind whose per-request counter has one setter, which
+    records the old value for a rollback (as a step's change must be),
+    used by its undo too; its second group fails request "bad"."""
+
+    keeps_request_state = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: dict[str, Any] = {}
+
+    def _set(self, rid: str, value: Any) -> None:
+        self.block_pool.record(put_entry, self.steps, rid, self.steps.get(rid))
+        put_entry(self.steps, rid, value)
+
+    def request_state(self, request_id: str) -> Any:
+        return self.steps.get(request_id)
+
+    def restore_request_state(self, request_id: str, state: Any) -> None:
+        self._set(request_id, state)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        self.record_request_state(request_id)
+        self._set(request_id, (self.steps.get(request_id) or 0) + 1)
+        new = super().allocate_new_blocks(request_id, num_tokens)
+        if self.kv_cache_group_id == 1 and request_id == "bad":
+            raise ValueError("group 1 cannot serve this request")
+        return new
+
+
+def test_an_undo_that_records_its_own_state_is_not_a_pool_change() -> None:
+    # The rollback reports the step's own failure, and the counter is
+    # back where it was (the undo's own journal entry is not run again).
+    mgr = _manager(_JournalsItsState, num_groups=2)
+    with pytest.raises(PluginError, match="group 1 cannot serve") as info:
+        mgr.allocate_slots(Request("bad", list(range(32)), hash_block_size=16), 32)
+    assert "changed the block pool" not in str(info.value)
+    assert [m.steps for m in mgr.coordinator.single_type_managers] == [{}, {}]
+
+
+class _RewritesTheHitInPlace(FullAttentionManager):
+    """Rewrites the admission list it is given, in place, to end on
+    request "a"'s newest block (``hook``: where)."""
+
+    hook = "add_computed_blocks"
+
+    def _rewrite(self, blocks: Any, name: str) -> None:
+        if self.hook == name and blocks and "a" in self.req_to_blocks:
+            blocks[-1] = self.req_to_blocks["a"][-1]
+
+    def admission_blocks(self, hit: Any, num_computed_tokens: int) -> Any:
+        self._rewrite(hit, "admission_blocks")
+        return hit if self.hook == "admission_blocks" else list(hit)
+
+    def add_computed_blocks(self, request_id: str, blocks: Any) -> None:
+        self._rewrite(blocks, "add_computed_blocks")
+        super().add_computed_blocks(request_id, blocks)
+
+    def get_num_blocks_to_allocate(self, *args: Any) -> int:
+        self._rewrite(args[2], "get_num_blocks_to_allocate")
+        return super().get_num_blocks_to_allocate(*args)
+
+
+@pytest.mark.parametrize(
+    "hook", ["add_computed_blocks", "admission_blocks", "get_num_blocks_to_allocate"]
+)
+def test_a_hook_that_rewrites_the_hit_it_is_given_changes_nothing(hook: str) -> None:
+    # A kind's hook is given a copy of the admission blocks: rewritten in
+    # place, it is compared with the core's own list (or changes nothing).
+    manager = type("_RewritesTheHitInPlace", (_RewritesTheHitInPlace,), {"hook": hook})
+    mgr = _manager(manager)
+    mgr.free(_computed(mgr, "c", range(100, 140)))
+    _computed(mgr, "a", range(40))
+    b = Request("b", [*range(100, 140), 9], hash_block_size=16)
+    hit, num = mgr.get_computed_blocks(b)
+    if hook == "get_num_blocks_to_allocate":
+        assert mgr.allocate_slots(b, 41 - num, num, hit) is not None
+        assert mgr.get_block_ids("b")[0][:2] == hit.get_block_ids()[0]
+        return
+    before = _pool_state(mgr)
+    with pytest.raises(PluginResultError, match=f"{hook} "):
+        mgr.allocate_slots(b, 41 - num, num, hit)
+    assert _pool_state(mgr) == before

@@ -592,10 +592,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
             self.single_type_managers, new_computed_blocks, strict=True
         ):
             try:
-                if manager.kv_cache_group_id in own:
+                if manager.kv_cache_group_id in own:  # given a copy of the hit
                     ask = manager.admission_blocks
+                    hit = list(computed)
                     attach = watched_query(
-                        manager, "admission_blocks", ask, computed, num_computed_tokens
+                        manager, "admission_blocks", ask, hit, num_computed_tokens
                     )
                 else:
                     attach = manager.admission_blocks(computed, num_computed_tokens)
@@ -680,7 +681,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                         continue
                     before = record_whole((manager,), request_id)[0]
                     mark = len(journal)
-                    manager.add_computed_blocks(request_id, computed)
+                    manager.add_computed_blocks(request_id, list(computed))
                     touched = (journal, mark, block_hashes)
                     check_attached(manager, request_id, before, computed, touched)
         except Exception as exc:

@@ -173,7 +173,10 @@ def check_balanced(
             raise _moved(members, method, manager, request_id, "shortened it")
         if len(table) > size and not appends:
             raise _moved(members, method, manager, request_id, "appended to it")
-        for i, (was, now) in enumerate(zip(old, table, strict=False)):
+        # Positions it held, walked only where they changed (an append
+        # leaves them as they were).
+        held = () if len(table) > size and table[:size] == old else old
+        for i, (was, now) in enumerate(zip(held, table, strict=False)):
             if was == now:
                 continue
             if not (now == 0 and may_null) and not (
@@ -255,14 +258,14 @@ def count_of(
     takes with ``computed`` attached, run :func:`watched_query` where
     it is the kind's own code (``watched``)."""
     count = manager.get_num_blocks_to_allocate
-    if watched:
+    if watched:  # given a copy: the admission blocks are the core's
         return watched_query(
             manager,
             "get_num_blocks_to_allocate",
             count,
             request_id,
             num_tokens,
-            computed,
+            list(computed),
         )
     return count(request_id, num_tokens, computed)
 
@@ -280,18 +283,18 @@ def watched_query(manager: Any, method: str, call: Any, *args: Any) -> Any:
         pool.begin()
     journal = pool.journal
     mark = len(journal)
-    # The free and cached counts too: a change made past the pool's own
-    # calls (its free queue popped directly) records nothing.
-    counts = (pool.free_queue.num_free, pool.num_cached_blocks)
+    # The free count too: a change made past the pool's own calls (its
+    # free queue popped directly) records nothing.
+    free = pool.free_queue.num_free
     try:
         answer = call(*args)
     except BaseException:
         if opened:
             pool.rollback()
         raise
-    changed = any(record[0] != UNDO_CALL for record in journal[mark:]) or counts != (
-        pool.free_queue.num_free,
-        pool.num_cached_blocks,
+    changed = (
+        any(record[0] != UNDO_CALL for record in journal[mark:])
+        or free != pool.free_queue.num_free
     )
     if opened:
         if changed:

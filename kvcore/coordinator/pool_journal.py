@@ -174,23 +174,29 @@ def undo_all(pool: Any, journal: list[Record]) -> None:
         except Exception as exc:
             if failed is None:
                 failed = (record, exc)
-        if caught:
-            _undo_caught(pool, caught)
-            if failed is None:
-                failed = (record, None)
+        if caught and _undo_caught(pool, caught) and failed is None:
+            failed = (record, None)
     if failed is not None:
         record, error = failed
+        if error is None:
+            raise _undo_error(pool, record[1], None)
         raise _undo_error(pool, record[1], error) from error
 
 
-def _undo_caught(pool: Any, caught: list[Record]) -> None:
+def _undo_caught(pool: Any, caught: list[Record]) -> bool:
     """Undo, newest first, the pool changes an undo call made (``caught``
-    by the rollback's journal), emptying it; an undo call among them that
-    changes the pool again is caught and undone the same way."""
+    by the rollback's journal), emptying it; whether there were any.  The
+    undo calls it recorded (its own state's journal, as a step's setter
+    keeps it) are dropped: the rollback is putting that state back."""
+    changed = False
     while caught:
         record = caught.pop()
+        if record[0] == UNDO_CALL:
+            continue
+        changed = True
         with contextlib.suppress(Exception):  # the call that made it is reported
             _UNDO[record[0]](pool, record)
+    return changed
 
 
 def _undo_error(pool: Any, call: Any, error: Exception | None) -> PluginError:

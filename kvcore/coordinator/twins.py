@@ -117,7 +117,9 @@ def _set_on(manager: SingleTypeManager, step: str) -> bool:
     found = getattr(manager, step, None)
     if found is None:
         return False
-    return getattr(found, "__func__", None) is not getattr(type(manager), step, None)
+    return getattr(found, "__self__", None) is not manager or getattr(
+        found, "__func__", None
+    ) is not getattr(type(manager), step, None)
 
 
 #: The steps that change a request's tables, by their class (twin) name,

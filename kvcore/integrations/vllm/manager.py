@@ -519,7 +519,7 @@ class KVCacheManager:
                 if new is not None:
                     new = table_extensions(managers, rid, lengths, new)
             else:
-                coordinator.add_computed_blocks(rid, attach)
+                coordinator.add_computed_blocks(rid, attach, request.block_hashes)
                 new = coordinator.allocate_new_blocks(
                     rid, num_slots, num_encoder_tokens
                 )
