@@ -251,8 +251,9 @@ class BlockPool(FreeMoves, TwinPoolOps):
             msg = (
                 "a step is already running on this block pool: a cache manager "
                 "called back into the KVCacheManager (allocate_slots, free or "
-                "reset_prefix_cache) from inside a step; managers must not call "
-                "the KVCacheManager, the outer step is undone"
+                "reset_prefix_cache) from inside a step or while it was asked a "
+                "count or a search; managers must not call the KVCacheManager, "
+                "and what the outer call changed is undone"
             )
             raise ReentrantCallError(msg)
         self.journal = []
