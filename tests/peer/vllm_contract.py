@@ -1387,3 +1387,55 @@ def test_a_release_that_raises_before_a_step_is_undone(
     assert manager.block_pool.get_num_free_blocks() == free
     assert manager.allocate_slots(a, 1)
     assert manager.get_block_ids("a")[1][:2] == [0, 0]
+
+
+def test_an_overstated_freeable_count_is_blamed_under_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As in the pinned-window test, B's step fits only without its pinned
+    window, but here it takes two blocks in each group: the two blocks the
+    shed window's release returns are not enough.  A window manager whose
+    ``count_freeable_skipped`` claims five more makes the step look as if
+    it fits; once the release has run the pool is short, and the error
+    names the count (as kvcore's own steps do), not the allocation that
+    would run the pool dry.  The step is undone."""
+    from kvcore.errors import PluginResultError
+    from kvcore_sliding_window import SlidingWindowManager
+
+    manager = _caching_manager([_attention(), _attention(WINDOW, torch.float16)], 40)
+    prompt = list(range(100, 100 + 6 * BS))
+    a = _request("a", prompt, 4)
+    assert manager.allocate_slots(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    manager.free(a)
+    b = _request("b", [*prompt[: 3 * BS], *range(3000, 3000 + 2 * BS)], 4 * BS)
+    hit, num_hit, _ = manager.get_computed_blocks(b)
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit)
+    b.num_computed_tokens = b.num_tokens
+    while b.num_computed_tokens % BS:
+        b.append_output_token_ids(500 + b.num_computed_tokens)
+        manager.remove_skipped_blocks("b", b.num_computed_tokens)
+        assert manager.allocate_slots(b, 1)
+        b.num_computed_tokens += 1
+    filled = 0
+    while manager.allocate_slots(
+        _request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)], 1), 3
+    ):
+        filled += 1
+    for i in range(BS + 1):
+        b.append_output_token_ids(900 + i)
+    manager.remove_skipped_blocks("b", b.num_computed_tokens)
+    tables = manager.get_block_ids("b")
+    free = manager.block_pool.get_num_free_blocks()
+    assert manager.allocate_slots(b, BS + 1) is None  # honestly, it does not fit
+    count = SlidingWindowManager.count_freeable_skipped
+
+    def overstated(self: Any, request_id: str, num_computed_tokens: int) -> int:
+        return count(self, request_id, num_computed_tokens) + 5
+
+    monkeypatch.setattr(SlidingWindowManager, "count_freeable_skipped", overstated)
+    with pytest.raises(PluginResultError, match="count_freeable_skipped of"):
+        manager.allocate_slots(b, BS + 1)
+    monkeypatch.undo()
+    assert manager.get_block_ids("b") == tables
+    assert manager.block_pool.get_num_free_blocks() == free

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvcore.coordinator.blocks import BlockId, KVCacheBlock
 from kvcore.coordinator.coordinator import KVCacheCoordinator
+from kvcore.coordinator.counted_release import overstated_release
 from kvcore.coordinator.engine_calls import check_state_step, state_writes
 from kvcore.coordinator.group_hits import find_longest_cache_hit_per_group
 from kvcore.coordinator.headroom import BoundaryHeadroom
@@ -29,7 +30,7 @@ from kvcore.integrations.vllm.lookahead import (
     UnsupportedFeatureError,
     reprefillable_tokens,
 )
-from kvcore.integrations.vllm.specs import to_kvcore_config
+from kvcore.integrations.vllm.specs import admission_caps, to_kvcore_config
 from kvcore.integrations.vllm.views import (
     BlockPoolView,
     PlannedRequest,
@@ -243,7 +244,7 @@ class KVCacheManager:
         #: whole sequence fits (``full_sequence_must_fit``): a group that
         #: releases blocks as the request runs holds at most its window (or
         #: chunk) and the tokens in flight at once; None where uncapped.
-        self._admission_caps = _admission_caps(
+        self._admission_caps = admission_caps(
             kv_cache_config,
             max_model_len if max_in_flight_tokens is None else max_in_flight_tokens,
             max_model_len,
@@ -491,11 +492,12 @@ class KVCacheManager:
         kept = reserved_blocks + watermark
         shed = None
         if need > self._room(rid, need, kept):
-            shed = self._shed_to_fit(
+            fit = self._shed_to_fit(
                 rid, running, attach, (num_slots, num_encoder_tokens, processed), kept
             )
-            if shed is None:
+            if fit is None:
                 return None
+            shed, need = fit
         cache_to = -1
         if self.enable_caching and not delay_cache_blocks:
             cache_to = max(
@@ -510,8 +512,12 @@ class KVCacheManager:
         try:
             if running:
                 if shed is not None and processed:
-                    # The shed windows leave the table now.
+                    # The shed windows leave the table now; the step fitted
+                    # by the blocks their release was counted to return.
                     coordinator.remove_skipped_blocks(rid, processed)
+                    if pool.get_num_free_blocks() - kept < need:
+                        step = (rid, processed)
+                        raise overstated_release(coordinator, step, need + kept)
                     if before is not None:
                         # Released blocks the grow hands back are new.
                         before = self._held_ids(rid, hit)
@@ -550,13 +556,13 @@ class KVCacheManager:
         attach: tuple[list[BlockId], ...],
         tokens: tuple[int, int, int],
         kept: int,
-    ) -> list[Any] | None:
+    ) -> tuple[list[Any], int] | None:
         """A step that does not fit gives up the request's optional
         checkpoints (windows it keeps for later hits), as kvcore's own
-        steps do: what was shed when it fits without them (a running
-        request counting the blocks its release then returns), else None
-        (they are restored).  ``tokens``: the step's slots, encoder tokens
-        and processed tokens."""
+        steps do: what was shed and the blocks the step then needs when it
+        fits without them (a running request counting the blocks its
+        release then returns), else None (they are restored).  ``tokens``:
+        the step's slots, encoder tokens and processed tokens."""
         num_slots, num_encoder, processed = tokens
         coordinator = self.kvcore
         shed = coordinator.shed_checkpoints(rid) if coordinator.planning else None
@@ -568,7 +574,7 @@ class KVCacheManager:
             if running and processed:
                 room += coordinator.count_freeable_skipped(rid, processed)
             if need <= room:
-                return shed
+                return shed, need
         except BaseException:
             coordinator.restore_checkpoints(rid, shed)
             raise
@@ -867,32 +873,3 @@ class KVCacheManager:
         rid = request.request_id
         if rid in self._scheduled and request.status == RequestStatus.RUNNING:
             self.kvcore.forget_unwritten(rid, request.num_computed_tokens)
-
-
-def _admission_caps(
-    kv_cache_config: Any, max_in_flight_tokens: int, max_model_len: int
-) -> tuple[int | None, ...] | None:
-    """Each group's ``max_admission_blocks_per_request`` where vLLM 0.33
-    caps its whole-sequence check by it (the specs whose managers recycle
-    blocks: sliding window, chunked local, hi-sparse resident), else None;
-    None for a config with no capped group."""
-    import vllm.v1.kv_cache_interface as specs
-
-    capped = tuple(
-        getattr(specs, name)
-        for name in (
-            "SlidingWindowSpec",
-            "ChunkedLocalAttentionSpec",
-            "HiSparseResidentSpec",
-        )
-        if hasattr(specs, name)
-    )
-    caps = tuple(
-        group.kv_cache_spec.max_admission_blocks_per_request(
-            max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
-        )
-        if isinstance(group.kv_cache_spec, capped)
-        else None
-        for group in kv_cache_config.kv_cache_groups
-    )
-    return caps if any(cap is not None for cap in caps) else None

@@ -18,6 +18,7 @@ from kvcore.structs import KVCacheConfig, KVCacheGroupSpec
 __all__ = [
     "SUPPORTED_SPECS",
     "VLLM_CHECKPOINT_POLICY",
+    "admission_caps",
     "to_kvcore_config",
     "to_kvcore_spec",
 ]
@@ -155,3 +156,32 @@ def to_kvcore_config(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_caching,
     )
+
+
+def admission_caps(
+    kv_cache_config: Any, max_in_flight_tokens: int, max_model_len: int
+) -> tuple[int | None, ...] | None:
+    """Each group's ``max_admission_blocks_per_request`` where vLLM 0.33
+    caps its whole-sequence check by it (the specs whose managers recycle
+    blocks: sliding window, chunked local, hi-sparse resident), else None;
+    None for a config with no capped group."""
+    import vllm.v1.kv_cache_interface as specs
+
+    capped = tuple(
+        getattr(specs, name)
+        for name in (
+            "SlidingWindowSpec",
+            "ChunkedLocalAttentionSpec",
+            "HiSparseResidentSpec",
+        )
+        if hasattr(specs, name)
+    )
+    caps = tuple(
+        group.kv_cache_spec.max_admission_blocks_per_request(
+            max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+        )
+        if isinstance(group.kv_cache_spec, capped)
+        else None
+        for group in kv_cache_config.kv_cache_groups
+    )
+    return caps if any(cap is not None for cap in caps) else None
