@@ -4,8 +4,11 @@ A step a kind's manager class defines itself (see
 :func:`~kvcore.coordinator.twins.defining`) changes the request's tables,
 the pool's references and its keys with code the core did not write; an
 answer can be right while the tables are not.  The checks here read only
-the request's tables and what the step recorded in the pool's journal, so
-the core's own steps never pay for them.  Each failure is a
+the request's tables, a copy of them and of the request's hashes taken
+before the step, and what the step recorded in the pool's journal, so the
+core's own steps never pay for them.  A kind's own query (a count, a
+search, a hook that only answers) runs inside a transaction and must
+record nothing there (:func:`watched_query`).  Each failure is a
 :class:`~kvcore.errors.PluginResultError` naming the manager class, and
 the step is undone.
 """
