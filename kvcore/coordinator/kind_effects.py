@@ -149,18 +149,7 @@ def check_balanced(
     request, another twin's shared hit); one taken on a block no table
     gains is never freed; a block swapped in would be written by two
     requests or two layers."""
-    journal, mark = since
-    change: dict[int, int] = {}
-    handed: set[int] = set()
-    for record in journal[mark:]:
-        op = record[0]
-        if op in (TOUCH, UNGET, RELEASE):
-            step = -1 if op == RELEASE else 1
-            for block in record[1]:
-                if block:
-                    change[block] = change.get(block, 0) + step
-            if op == UNGET:
-                handed.update(record[1])
+    change, handed = _references_moved(*since)
     may_null, may_fill = _MAY[method]
     appends = method in _APPENDS
     for manager, old in zip(members, before, strict=True):
@@ -194,6 +183,8 @@ def check_balanced(
         for now in table[size:]:
             if now:
                 change[now] = change.get(now, 0) - 1
+    if not change:
+        return  # no reference moved, no table changed (most steps)
     wrong = [(block, n) for block, n in change.items() if n]
     if not wrong:
         return
@@ -209,6 +200,26 @@ def check_balanced(
         "one for each it takes out (block_pool.get_new_blocks, touch, "
         "free_blocks), and changes no other block's count",
     )
+
+
+def _references_moved(
+    journal: list[Record], mark: int
+) -> tuple[dict[int, int], set[int]]:
+    """Each block's reference change the journal recorded from ``mark``
+    on (touched and handed out: +1, released: -1), and the blocks handed
+    out."""
+    change: dict[int, int] = {}
+    handed: set[int] = set()
+    for record in journal[mark:]:
+        op = record[0]
+        if op in (TOUCH, UNGET, RELEASE):
+            step = -1 if op == RELEASE else 1
+            for block in record[1]:
+                if block:
+                    change[block] = change.get(block, 0) + step
+            if op == UNGET:
+                handed.update(record[1])
+    return change, handed
 
 
 def _moved(

@@ -161,18 +161,15 @@ def record_whole(
     against."""
     before: list[list[int]] = []
     for manager in members:
-        # The counts and the kind's own state, once per transaction.
-        SingleTypeManager.record_request_state(manager, request_id)
+        if manager.keeps_request_state:  # its own state, once per transaction
+            SingleTypeManager.record_request_state(manager, request_id)
         table = manager.req_to_blocks.get(request_id)
-        if table is None:
-            before.append([])
-            continue
-        copy = list(table)
+        copy = [] if table is None else list(table)
         manager.block_pool.record(
             put_back,
             manager,
             request_id,
-            (table, copy),
+            None if table is None else (table, copy),  # None: dropped on undo
             manager.num_cached_block.get(request_id),
             manager.num_released.get(request_id),
         )
