@@ -1415,3 +1415,34 @@ def test_a_hook_that_rewrites_the_hit_it_is_given_changes_nothing(hook: str) -> 
     with pytest.raises(PluginResultError, match=f"{hook} "):
         mgr.allocate_slots(b, 41 - num, num, hit)
     assert _pool_state(mgr) == before
+
+
+class _BorrowsAStep(FullAttentionManager):
+    """Sets as its keying step a bound method of another object, which runs
+    the core's keying and then takes a reference no table holds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache_twins = _TouchingKeys(self).cache_twins  # type: ignore[method-assign]
+
+
+class _TouchingKeys:
+    def __init__(self, manager: FullAttentionManager) -> None:
+        self.manager = manager
+
+    def cache_twins(self, twins: Any, request: Any, num_tokens: int) -> None:
+        manager = self.manager
+        FullAttentionManager.cache_twins(manager, twins, request, num_tokens)
+        table = manager.req_to_blocks.get(request.request_id)
+        if table:
+            manager.block_pool.touch(table[:1])
+
+
+def test_a_step_borrowed_from_another_object_is_checked_as_the_kinds() -> None:
+    mgr = _manager(_BorrowsAStep)
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.get_num_free_blocks())
+    r = Request("r", list(range(64)), hash_block_size=16)
+    with pytest.raises(PluginResultError, match="cache_twins left block 1's"):
+        mgr.allocate_slots(r, 64)
+    assert (list(pool.ref_cnt), pool.get_num_free_blocks()) == before
