@@ -1281,14 +1281,11 @@ def test_a_window_hybrid_keeps_a_prompts_last_window_for_its_next_turn() -> None
     assert num_hit == len(prompt)
 
 
-def test_a_step_that_does_not_fit_with_its_pinned_window_runs_without_it() -> None:
-    """B shares A's first 48 tokens and hits there, so it keeps the window
-    of that branch point (positions 1 and 2) in its table as it decodes.
-    With the pool full, B's step into a new block fits only without those
-    two blocks: under vLLM, as in kvcore's own steps, B gives them up and
-    the step runs instead of being refused.  The window's precision is not
-    full attention's, so vLLM zeroes new blocks: the shed blocks the step
-    takes back are listed for zeroing like any new block."""
+def _decoding_past_a_branch_point() -> tuple[kvcore_vllm.KVCacheManager, Request]:
+    """A full attention and window manager (40 blocks) where request B hit
+    the first 48 tokens of A's cached prompt, so it keeps the window of
+    that branch point (positions 1 and 2) in its table, and has decoded to
+    the end of a block."""
     manager = _caching_manager([_attention(), _attention(WINDOW, torch.float16)], 40)
     prompt = list(range(100, 100 + 6 * BS))
     a = _request("a", prompt, 4)
@@ -1305,6 +1302,18 @@ def test_a_step_that_does_not_fit_with_its_pinned_window_runs_without_it() -> No
         manager.remove_skipped_blocks("b", b.num_computed_tokens)
         assert manager.allocate_slots(b, 1)
         b.num_computed_tokens += 1
+    return manager, b
+
+
+def test_a_step_that_does_not_fit_with_its_pinned_window_runs_without_it() -> None:
+    """B shares A's first 48 tokens and hits there, so it keeps the window
+    of that branch point (positions 1 and 2) in its table as it decodes.
+    With the pool full, B's step into a new block fits only without those
+    two blocks: under vLLM, as in kvcore's own steps, B gives them up and
+    the step runs instead of being refused.  The window's precision is not
+    full attention's, so vLLM zeroes new blocks: the shed blocks the step
+    takes back are listed for zeroing like any new block."""
+    manager, b = _decoding_past_a_branch_point()
     pinned = manager.get_block_ids("b")[1][1:3]
     assert 0 not in pinned
     filled = 0
@@ -1402,21 +1411,7 @@ def test_an_overstated_freeable_count_is_blamed_under_vllm(
     from kvcore.errors import PluginResultError
     from kvcore_sliding_window import SlidingWindowManager
 
-    manager = _caching_manager([_attention(), _attention(WINDOW, torch.float16)], 40)
-    prompt = list(range(100, 100 + 6 * BS))
-    a = _request("a", prompt, 4)
-    assert manager.allocate_slots(a, len(prompt))
-    a.num_computed_tokens = len(prompt)
-    manager.free(a)
-    b = _request("b", [*prompt[: 3 * BS], *range(3000, 3000 + 2 * BS)], 4 * BS)
-    hit, num_hit, _ = manager.get_computed_blocks(b)
-    assert manager.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit)
-    b.num_computed_tokens = b.num_tokens
-    while b.num_computed_tokens % BS:
-        b.append_output_token_ids(500 + b.num_computed_tokens)
-        manager.remove_skipped_blocks("b", b.num_computed_tokens)
-        assert manager.allocate_slots(b, 1)
-        b.num_computed_tokens += 1
+    manager, b = _decoding_past_a_branch_point()
     filled = 0
     while manager.allocate_slots(
         _request(f"f{filled}", [8000 + 4 * filled + i for i in range(3)], 1), 3
