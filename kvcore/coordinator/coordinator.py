@@ -195,20 +195,21 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         # decision for the class), and a class whose run changed nothing
         # is passed over.
         self._skip_runs = twin_runs(managers, "skips_blocks")
-        #: The first manager of each run of skipping twins, when every
-        #: skipping manager keeps the ``releases_by_count`` promise (a step
-        #: may then ask them whether it releases anything), else None.
-        self._release_leads: tuple[SingleTypeManager, ...] | None = (
-            tuple(members[0] for _, members in self._skip_runs)
-            if all(m.releases_by_count for m in self.skipping)
-            else None
-        )
         self._cache_runs = twin_runs(managers, "caching")
         self._grow_runs = twin_runs(managers, "position_indexed")
         self._admit_runs = twin_runs(managers)
         #: The classes whose manager class defines a step itself, by step:
         #: the kind's own code (checked, its tables recorded whole).
-        self._kind_steps = kind_steps(self._admit_runs)
+        self._kind_steps = steps = kind_steps(self._admit_runs)
+        #: The first manager of each run of skipping twins and whether its
+        #: answer is the kind's own (watched), when every skipping manager
+        #: keeps the ``releases_by_count`` promise (a step may then ask them
+        #: whether it releases anything), else None.
+        self._release_leads: tuple[tuple[SingleTypeManager, bool], ...] | None = (
+            tuple((m[0], f in steps["releases_nothing"]) for f, m in self._skip_runs)
+            if all(m.releases_by_count for m in self.skipping)
+            else None
+        )
         #: Each class of growing twins (counted once per class): its first
         #: manager, its size and whether its count is the kind's own.
         sizes: dict[int, int] = {}
@@ -551,10 +552,9 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         if leads is None:
             return False
         lead = None
-        own = self._kind_steps["releases_nothing"]
         try:
-            for lead in leads:
-                if lead.kv_cache_group_id in own:
+            for lead, watched in leads:
+                if watched:
                     ask = lead.releases_nothing
                     answer = watched_query(
                         lead, "releases_nothing", ask, request_id, num_computed_tokens
