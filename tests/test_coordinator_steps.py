@@ -7,7 +7,6 @@ taken out as the null block; within a step groups allocate in group order.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -575,15 +574,26 @@ def test_twin_steps_built_from_a_one_group_override_return_what_they_promise() -
         def pop_blocks(self, request_id: str) -> list[int] | None:
             raise AssertionError
 
-    def twin(grown: list[int]) -> Any:
-        return types.SimpleNamespace(
-            allocate_new_blocks=lambda rid, n: grown,
-            remove_skipped_blocks=lambda rid, n: 3,
-            cache_blocks=lambda request, n: 3,
-            pop_blocks=lambda rid: None,
-        )
+    class Twin:
+        """A twin whose one-group steps answer as given (the twin steps
+        call them through its class)."""
 
-    a, b = twin([]), twin([7])
+        def __init__(self, grown: list[int]) -> None:
+            self.grown = grown
+
+        def allocate_new_blocks(self, rid: str, n: int) -> list[int]:
+            return self.grown
+
+        def remove_skipped_blocks(self, rid: str, n: int) -> int:
+            return 3
+
+        def cache_blocks(self, request: object, n: int) -> int:
+            return 3
+
+        def pop_blocks(self, rid: str) -> None:
+            return None
+
+    a, b = Twin([]), Twin([7])
     cls: Any = OneGroupSteps
     assert cls.allocate_twins(a, [a, b], "r", 4) == [[], [7]]
     assert cls.allocate_twins(a, [a, a], "r", 4) is None

@@ -429,16 +429,16 @@ def test_a_step_that_rolls_back_records_no_copy_and_changes_nothing():
     before = state()
     ring = mgr.coordinator.single_type_managers[3]
 
-    def broken(twins: object, request_id: str, num_tokens: int) -> list[object]:
+    def broken(*args: object) -> list[object]:
         raise RuntimeError("ring allocation failed")
 
-    # Admission steps each run of twins through its first manager's class
-    # step (the ring's run is the ring alone).
-    ring.allocate_twins = broken  # type: ignore[method-assign]
-    with pytest.raises(PluginError, match="ring allocation failed"):
-        mgr.allocate_slots(b, 302 - hit, hit, blocks)
+    # The core calls a step through the manager's class: the ring's class
+    # fails its allocation for this one step.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(ring), "allocate_twins", broken)
+        with pytest.raises(PluginError, match="ring allocation failed"):
+            mgr.allocate_slots(b, 302 - hit, hit, blocks)
     assert state() == before
-    del ring.allocate_twins
     out = mgr.allocate_slots(b, 302 - hit, hit, blocks)
     assert out is not None
     assert [c.num_tokens for c in out.copies] == [256, 256]

@@ -514,7 +514,8 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 if first in own:
                     snapshot = step_snapshot(members, args)
                 mark = -1 if journal is None else len(journal)
-                new = getattr(members[0], method)(members, *args)
+                lead = members[0]
+                new = getattr(type(lead), method)(lead, members, *args)
                 if first in own:
                     marks = (journal, mark, snapshot)
                     new = checked_step(method, members, args, new, marks)
@@ -555,12 +556,19 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         try:
             for lead, watched in leads:
                 if watched:
-                    ask = lead.releases_nothing
+                    ask = type(lead).releases_nothing
                     answer = watched_query(
-                        lead, "releases_nothing", ask, request_id, num_computed_tokens
+                        lead,
+                        "releases_nothing",
+                        ask,
+                        lead,
+                        request_id,
+                        num_computed_tokens,
                     )
                 else:
-                    answer = lead.releases_nothing(request_id, num_computed_tokens)
+                    answer = type(lead).releases_nothing(
+                        lead, request_id, num_computed_tokens
+                    )
                 if answer is not True:
                     return False
         except Exception as exc:
@@ -593,13 +601,20 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         ):
             try:
                 if manager.kv_cache_group_id in own:  # given a copy of the hit
-                    ask = manager.admission_blocks
+                    ask = type(manager).admission_blocks
                     hit = list(computed)
                     attach = watched_query(
-                        manager, "admission_blocks", ask, hit, num_computed_tokens
+                        manager,
+                        "admission_blocks",
+                        ask,
+                        manager,
+                        hit,
+                        num_computed_tokens,
                     )
                 else:
-                    attach = manager.admission_blocks(computed, num_computed_tokens)
+                    attach = type(manager).admission_blocks(
+                        manager, computed, num_computed_tokens
+                    )
             except Exception as exc:
                 gid = manager.kv_cache_group_id
                 raise self.plugin_error(gid, "admission_blocks", exc) from exc
@@ -642,8 +657,8 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 if gid in own:
                     need = count_of(manager, True, request_id, tokens, computed)
                 else:
-                    need = manager.get_num_blocks_to_allocate(
-                        request_id, tokens, computed
+                    need = type(manager).get_num_blocks_to_allocate(
+                        manager, request_id, tokens, computed
                     )
                 if type(need) is not int or need < 0:
                     block_count(need)
@@ -677,11 +692,13 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 if computed:
                     journal = self.block_pool.journal
                     if gid not in own or journal is None:
-                        manager.add_computed_blocks(request_id, computed)
+                        type(manager).add_computed_blocks(manager, request_id, computed)
                         continue
                     before = record_whole((manager,), request_id)[0]
                     mark = len(journal)
-                    manager.add_computed_blocks(request_id, list(computed))
+                    type(manager).add_computed_blocks(
+                        manager, request_id, list(computed)
+                    )
                     touched = (journal, mark, block_hashes)
                     check_attached(manager, request_id, before, computed, touched)
         except Exception as exc:
@@ -706,7 +723,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 if first in own:
                     snapshot = step_snapshot(members, (request_id,))
                 mark = 0 if journal is None else len(journal)
-                new = lead.allocate_twins(members, request_id, tokens)
+                new = type(lead).allocate_twins(lead, members, request_id, tokens)
                 if first in own:
                     marks = (journal, mark, snapshot)
                     step = (request_id, tokens)
@@ -735,8 +752,8 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 if kinds:
                     need = count_of(manager, True, request_id, num_tokens, ())
                 else:
-                    need = manager.get_num_blocks_to_allocate(
-                        request_id, num_tokens, ()
+                    need = type(manager).get_num_blocks_to_allocate(
+                        manager, request_id, num_tokens, ()
                     )
                 if type(need) is not int or need < 0:
                     block_count(need)
@@ -811,11 +828,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         try:
             for manager in managers:
                 gid = manager.kv_cache_group_id
-                call = getattr(manager, method)
+                call = getattr(type(manager), method)
                 results.append(
-                    watched_query(manager, method, call, *args)
+                    watched_query(manager, method, call, manager, *args)
                     if gid in own
-                    else call(*args)
+                    else call(manager, *args)
                 )
         except Exception as exc:
             raise self.plugin_error(gid, method, exc) from exc

@@ -216,7 +216,7 @@ class FreeSteps(CoordinatorParts):
                 lead = members[0]
                 gid = lead.kv_cache_group_id
                 if first not in self._checked_pops:
-                    tables += lead.pop_twins(members, request_id)
+                    tables += type(lead).pop_twins(lead, members, request_id)
                     continue
                 journal = self.block_pool.journal
                 # Copies: a pop that rewrote a table in place is told apart.
@@ -230,7 +230,7 @@ class FreeSteps(CoordinatorParts):
                     for m, copy in zip(members, copies, strict=True)
                 ]
                 mark = 0 if journal is None else len(journal)
-                popped = lead.pop_twins(members, request_id)
+                popped = type(lead).pop_twins(lead, members, request_id)
                 if (
                     type(popped) not in (list, tuple)
                     or list(popped) != held

@@ -49,10 +49,11 @@ def hold_back_twins(
         _remember_keyed(twins, request_id, positions, removed)
         return
     num = len(twins)
-    answers = lead.kept_twins(twins, request_id, positions, removed)
+    steps = type(lead)
+    answers = steps.kept_twins(lead, twins, request_id, positions, removed)
     if type(answers) is not list or len(answers) != num:
         raise _answers_error(lead, "kept_twins", request_id, answers, num)
-    spares = lead.kept_if_room_twins(twins, request_id, positions, removed)
+    spares = steps.kept_if_room_twins(lead, twins, request_id, positions, removed)
     if type(spares) is not list or len(spares) != num:
         raise _answers_error(lead, "kept_if_room_twins", request_id, spares, num)
     held: list[int] = []

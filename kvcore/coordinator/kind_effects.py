@@ -271,17 +271,18 @@ def count_of(
     """``manager``'s count (unchecked) of the blocks a step covering ``num_tokens``
     takes with ``computed`` attached, run :func:`watched_query` where
     it is the kind's own code (``watched``)."""
-    count = manager.get_num_blocks_to_allocate
+    count = type(manager).get_num_blocks_to_allocate
     if watched:  # given a copy: the admission blocks are the core's
         return watched_query(
             manager,
             "get_num_blocks_to_allocate",
             count,
+            manager,
             request_id,
             num_tokens,
             list(computed),
         )
-    return count(request_id, num_tokens, computed)
+    return count(manager, request_id, num_tokens, computed)
 
 
 def watched_query(manager: Any, method: str, call: Any, *args: Any) -> Any:

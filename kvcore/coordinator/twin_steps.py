@@ -22,11 +22,11 @@ def _each_twin(single: str, *, returns: str = "blocks", zipped: bool = False) ->
         if zipped:
             *shared, lists = args
             out = [
-                getattr(twin, single)(*shared, own)
+                getattr(type(twin), single)(twin, *shared, own)
                 for twin, own in zip(twins, lists, strict=True)
             ]
         else:
-            out = [getattr(twin, single)(*args) for twin in twins]
+            out = [getattr(type(twin), single)(twin, *args) for twin in twins]
         if returns == "answers":
             return out
         return out if returns == "blocks" and any(out) else None

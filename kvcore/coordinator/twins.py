@@ -99,27 +99,15 @@ def defining(runs: Runs, *steps: str) -> frozenset[int]:
     code: what they return is checked where it crosses into the core, and
     the tables they may change are recorded whole before they run; the
     core's own steps need neither.  Found once per plan, the same for a
-    built-in kind's class as for a third party's; a step a manager sets
-    on itself (an instance attribute) is its own code too."""
+    built-in kind's class as for a third party's.  The core calls these
+    steps through the manager's class, as Python calls special methods:
+    one set on a manager instance is never run."""
     return frozenset(
         m.kv_cache_group_id
         for _, members in runs
         if own_code(type(members[0]), *steps)
-        or any(_set_on(t, step) for t in members for step in steps)
         for m in members
     )
-
-
-def _set_on(manager: SingleTypeManager, step: str) -> bool:
-    """Whether ``manager`` holds ``step`` as an attribute of its own, read
-    without its ``__dict__`` (reading that makes every later attribute
-    read of the manager slower)."""
-    found = getattr(manager, step, None)
-    if found is None:
-        return False
-    return getattr(found, "__self__", None) is not manager or getattr(
-        found, "__func__", None
-    ) is not getattr(type(manager), step, None)
 
 
 #: The steps that change a request's tables, by their class (twin) name,
