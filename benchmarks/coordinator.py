@@ -42,7 +42,11 @@ Also measured:
 - ``groups``: cost per call with 1, 4, 16, 64 full-attention groups (kvcore
   only);
 - ``memory``: the pool's bytes per block at 10^6 blocks (tracemalloc), for
-  vLLM's too when it runs.
+  vLLM's too when it runs;
+- ``python_floor``: the full-attention trace on ``python_floor.py``'s bare
+  manager of the same semantics, timed by the same loop: kvcore's cost per
+  manager call over the floor's, and vLLM's over the floor's (the most times
+  faster than vLLM a Python manager can be).
 
 ``--gc``, applied to both sides: ``freeze`` (the default) runs
 ``gc.collect(); gc.freeze()`` after building each manager, as an engine does
@@ -74,6 +78,7 @@ from typing import Any
 
 import attrs
 import torch
+from python_floor import FloorManager
 
 import kvcore
 import kvcore.tools.zoo
@@ -104,6 +109,14 @@ RATE_FIGURES = {
 }
 #: Workload counters that must agree between the two managers (same trace,
 #: same hits, same blocks).
+#: The manager calls the CPython floor (``python_floor.py``) times; the
+#: request's own calls are kvcore's on both sides.
+FLOOR_FIGURES = (
+    "allocate_slots_prefill_us",
+    "allocate_slots_decode_us",
+    "get_computed_blocks_us",
+    "free_us",
+)
 WORKLOAD = {
     "prefix_hit_tokens": "prefix_hit_tokens",
     "peak_blocks_in_use": "peak_blocks_in_use",
@@ -262,7 +275,7 @@ def deepseek_v4_manager(
 
 # -- kvcore's side of the trace ---------------------------------------------------
 def run_trace(
-    make_manager: Callable[[], KVCacheManager],
+    make_manager: Callable[[], KVCacheManager | FloorManager],
     prompts: list[list[int]],
     decode_tokens: list[list[int]],
     *,
@@ -396,7 +409,7 @@ def interleaved(
 
 
 def kvcore_side(
-    make: Callable[[], KVCacheManager],
+    make: Callable[[], KVCacheManager | FloorManager],
     prompts: list[list[int]],
     decode: list[list[int]],
     hash_block_size: int,
@@ -668,6 +681,42 @@ def workload_mismatch(kv: dict[str, Any], vl: dict[str, Any]) -> list[str]:
     ]
 
 
+def over_floor(
+    kv: dict[str, Any], floor: dict[str, Any], vl: dict[str, Any] | None
+) -> dict[str, dict[str, float]]:
+    """Per manager call: kvcore's and the floor's time, kvcore over the
+    floor, and (with vLLM) vLLM's time over the floor: how many times faster
+    than vLLM a manager at the floor would be, the most any Python manager
+    can reach."""
+    rows: dict[str, dict[str, float]] = {}
+    for key in FLOOR_FIGURES:
+        row = {
+            "kvcore": kv[key],
+            "floor": floor[key],
+            "kv_over_floor": kv[key] / floor[key],
+        }
+        if vl is not None:
+            row["vllm_over_floor"] = vl[TIME_FIGURES[key]] / floor[key]
+        rows[key] = row
+    return rows
+
+
+def print_floor(title: str, rows: dict[str, dict[str, float]]) -> None:
+    print(
+        f"{title}: kvcore beside the CPython floor (python_floor.py; vLLM/floor: "
+        "the most times faster than vLLM a Python manager can be)",
+        file=sys.stderr,
+    )
+    for key, row in rows.items():
+        vl = row.get("vllm_over_floor")
+        print(
+            f"  {key:28} {row['kvcore']:9.3f} {row['floor']:9.3f} "
+            f"{row['kv_over_floor']:7.2f}x"
+            + ("" if vl is None else f"  vLLM/floor {vl:5.2f}x"),
+            file=sys.stderr,
+        )
+
+
 def print_table(title: str, rows: dict[str, dict[str, float]]) -> None:
     print(title, file=sys.stderr)
     print(
@@ -788,9 +837,14 @@ def run_full_attention(
     make_third, _ = full_attention_manager(
         args.num_blocks, args.max_model_len, third_party=True
     )
+
+    def make_floor() -> FloorManager:
+        return FloorManager(args.num_blocks)
+
     sides = {
         "kvcore": kvcore_side(make, prompts, decode, hash_bs, args),
         "kvcore_third_party": kvcore_side(make_third, prompts, decode, hash_bs, args),
+        "python_floor": kvcore_side(make_floor, prompts, decode, hash_bs, args),
     }
     if worker is not None:
         sides = {"vllm": worker.run, **sides}
@@ -811,8 +865,18 @@ def run_full_attention(
                 "the built-in one, its figures over the built-in one's",
                 entry["third_party_over_built_in"],
             )
-        if worker is not None:
-            vl = median_run(vl_runs[batch])
+        floor = median_run(runs["python_floor", batch])
+        vl = median_run(vl_runs[batch]) if worker is not None else None
+        entry["python_floor"] = floor
+        entry["over_floor"] = over_floor(figures, floor, vl)
+        entry["floor_workload_mismatch"] = [
+            line.replace("vLLM", "floor") for line in workload_mismatch(figures, floor)
+        ]
+        if not args.json:
+            print_floor(f"full_attention batch {batch}", entry["over_floor"])
+            for line in entry["floor_workload_mismatch"]:
+                print(f"  WORKLOAD DIFFERS: {line}", file=sys.stderr)
+        if vl is not None:
             entry["vllm"] = vl
             entry["compare"] = compare(figures, vl)
             entry["workload_mismatch"] = workload_mismatch(figures, vl)

@@ -100,3 +100,42 @@ def test_the_kind_override_benchmark_runs_both_kinds_side_by_side(
             assert row["built_in_us"] > 0
             assert row["pass_through_us"] > 0
             assert row["ratio"] == row["pass_through_us"] / row["built_in_us"]
+
+
+@pytest.mark.parametrize(("num_blocks", "batch"), [(100_000, 4), (150, 2), (90, 3)])
+def test_the_python_floor_serves_the_trace_as_kvcore_does(
+    bench: Any, num_blocks: int, batch: int
+) -> None:
+    """The floor is a measuring stick only if it does kvcore's work: the
+    same hits, refusals and free and cached blocks, also in pools small
+    enough that prefix-cached blocks are evicted (the eviction order is
+    the same)."""
+    args = bench.argparse.Namespace(
+        seed=3,
+        shared_prefix_len=256,
+        num_prefixes=3,
+        requests=40,
+        prompt_len=512,
+        decode_steps=40,
+    )
+    prompts, decode = bench.make_trace(args)
+    make_kvcore, hash_block_size = bench.full_attention_manager(num_blocks, 32768)
+    runs = {}
+    for side, make in (
+        ("kvcore", make_kvcore),
+        ("floor", lambda: bench.FloorManager(num_blocks)),
+    ):
+        runs[side] = bench.run_trace(
+            make,
+            prompts,
+            decode,
+            hash_block_size=hash_block_size,
+            hash_function="sha256",
+            batch=batch,
+            decode_steps=args.decode_steps,
+            gc_mode="on",
+        )
+    assert bench.workload_mismatch(runs["kvcore"], runs["floor"]) == []
+    assert runs["kvcore"]["prefix_hit_tokens"] > 0
+    if num_blocks < 1000:  # the small pools evict cached blocks
+        assert runs["kvcore"]["cached_blocks_end"] < num_blocks - 1
