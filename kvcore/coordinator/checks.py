@@ -90,7 +90,13 @@ def checked_hit(
         or type(num_lookahead_tokens) is not int
         or num_lookahead_tokens < 0
     ):
-        check_counts(rid, num_new_computed_tokens, num_lookahead_tokens)
+        check_counts(
+            rid,
+            {
+                "num_new_computed_tokens": num_new_computed_tokens,
+                "num_lookahead_tokens": num_lookahead_tokens,
+            },
+        )
     hit: object = new_computed_blocks  # checked: engines pass anything
     if hit is not None and not isinstance(hit, KVCacheBlocks):
         msg = (
@@ -126,29 +132,15 @@ def check_engine_keywords(
     num_encoder = engine.get("num_encoder_tokens", 0)
     full_sequence_must_fit = engine.get("full_sequence_must_fit", False)
     check_external(manager, request, num_external, num_encoder, full_sequence_must_fit)
-    num_in_flight, reserved = check_step_limits(request.request_id, engine)
+    limits = {n: engine.get(n, 0) for n in ("num_in_flight_tokens", "reserved_blocks")}
+    check_counts(request.request_id, limits)
     return (
         cast(int, num_external),
         cast(bool, full_sequence_must_fit),
         cast(int, num_encoder),
-        num_in_flight,
-        reserved,
+        cast(int, limits["num_in_flight_tokens"]),
+        cast(int, limits["reserved_blocks"]),
     )
-
-
-def check_step_limits(rid: str, engine: Mapping[str, object]) -> tuple[int, int]:
-    """The checked ``num_in_flight_tokens`` and ``reserved_blocks``."""
-    out = []
-    for name in ("num_in_flight_tokens", "reserved_blocks"):
-        value = engine.get(name, 0)
-        if type(value) is not int or value < 0:
-            msg = (
-                f"allocate_slots for request {rid!r}: {name} must be a "
-                f"non-negative int, got {value!r}"
-            )
-            raise wrong(value, msg)
-        out.append(value)
-    return out[0], out[1]
 
 
 def check_external(
@@ -419,13 +411,9 @@ def owned(pool: BlockPool, block: object) -> bool:
     return type(bid) is int and 0 <= bid < pool.num_blocks
 
 
-def check_counts(
-    rid: str, num_new_computed_tokens: object, num_lookahead: object
-) -> None:
-    for name, value in (
-        ("num_new_computed_tokens", num_new_computed_tokens),
-        ("num_lookahead_tokens", num_lookahead),
-    ):
+def check_counts(rid: str, counts: Mapping[str, object]) -> None:
+    """Each of allocate_slots' ``counts``, by name, a non-negative int."""
+    for name, value in counts.items():
         if type(value) is not int or value < 0:
             msg = (
                 f"allocate_slots for request {rid!r}: {name} must be a "

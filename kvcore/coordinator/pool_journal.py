@@ -3,8 +3,9 @@
 A step runs inside a transaction (:meth:`BlockPool.begin`); every change to
 reference counts, the free queue and the prefix cache appends a record, a
 plain tuple whose first item is one of the op codes below, and a rollback
-undoes the records newest first (:func:`undo`, one function per op code).  State kept beside the pool
-records an :data:`UNDO_CALL`: a function and its arguments.
+undoes the records newest first (:func:`undo_all`, one function per op
+code).  State kept beside the pool records an :data:`UNDO_CALL`: a function
+and its arguments.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, TypeAlias
 from kvcore.coordinator.cache_tables import remove_entry
 from kvcore.errors import PluginError
 
-__all__ = ["NOTHING", "UNDO_CALL", "Record", "taken_since", "undo", "undo_all"]
+__all__ = ["NOTHING", "UNDO_CALL", "Record", "taken_since", "undo_all"]
 
 Record: TypeAlias = tuple[Any, ...]
 """A journal record: an op code, then what its undo needs."""
@@ -31,11 +32,6 @@ UNPARTIAL = 7  # a block's partial keys dropped
 UNDO_CALL = 8  # state kept beside the pool: (op, function, args)
 
 NOTHING: Record = (UNDO_CALL, tuple, ())  # a place held; undoes nothing
-
-
-def undo(pool: Any, record: Record) -> None:
-    """Undo one journal record of ``pool`` (a :class:`BlockPool`)."""
-    _UNDO[record[0]](pool, record)
 
 
 def _touch(pool: Any, record: Record) -> None:

@@ -306,7 +306,7 @@ class StepNeeds(ManagerParts):
                 f"positive int, got {num_tokens!r}"
             )
             raise InvalidRequestError(msg)
-        check_counts(rid, num_new_computed_tokens, 0)
+        check_counts(rid, {"num_new_computed_tokens": num_new_computed_tokens})
         check_external(self, request, num_external_computed_tokens, 0, False)
         attach: tuple[list[int], ...] = ()
         held = 0
