@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from itertools import compress
 
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.plugin_results import result_error
 from kvcore.errors import PluginResultError
 
 __all__ = ["HitPointOrder"]
@@ -101,10 +102,9 @@ class HitPointOrder:
 def _bad_reading(
     manager: SingleTypeManager, position: int, reading: object
 ) -> PluginResultError:
-    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
-    msg = (
-        f"{owner}.shortest_hit_reading({position}) returned {reading!r}; it "
-        "must return an int of at least 0: the fewest tokens a hit must "
-        "cover to read the block at that table position"
+    return result_error(
+        manager,
+        f"shortest_hit_reading({position})",
+        f"returned {reading!r}; it must return an int of at least 0: the "
+        "fewest tokens a hit must cover to read the block at that table position",
     )
-    return PluginResultError(msg, plugin_name=type(manager).__module__)

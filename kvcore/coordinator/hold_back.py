@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
+from kvcore.coordinator.plugin_results import result_error
 from kvcore.coordinator.undo import truncate
 from kvcore.errors import PluginResultError
 
@@ -158,13 +159,13 @@ def _answers_error(
 ) -> PluginResultError:
     """A class answer (``kept_twins``, ``kept_if_room_twins``) that is not
     one list per twin, as an error naming the manager class."""
-    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
-    msg = (
-        f"{owner}.{method} returned {answers!r} for request {request_id!r}; "
-        f"it must return a list of {num_twins} lists, one per twin, of the "
-        "released blocks to hold back"
+    return result_error(
+        manager,
+        method,
+        f"returned {answers!r} for request {request_id!r}; it must return a "
+        f"list of {num_twins} lists, one per twin, of the released blocks to "
+        "hold back",
     )
-    return PluginResultError(msg, plugin_name=type(manager).__module__)
 
 
 def _checked(
@@ -180,24 +181,22 @@ def _checked(
     ``seen`` (the ids named so far, which it extends), lowest position
     first, else an error naming the manager class (nothing is held back
     yet)."""
-    owner = f"{type(manager).__module__}.{type(manager).__qualname__}"
-    plugin = type(manager).__module__
     if not isinstance(kept, list):
-        msg = (
-            f"{owner}.{method} returned {type(kept).__name__} for "
-            f"request {request_id!r}; it must return a list of the released "
-            "blocks to hold back (or [])"
+        raise result_error(
+            manager,
+            method,
+            f"returned {type(kept).__name__} for request {request_id!r}; it "
+            "must return a list of the released blocks to hold back (or [])",
         )
-        raise PluginResultError(msg, plugin_name=plugin)
     for block in kept:
         if type(block) is not int or block not in where or block in seen:
-            msg = (
-                f"{owner}.{method} returned {block!r} for request "
-                f"{request_id!r}, which is not one of the blocks it just "
-                "released or is named twice (kept_for_later and "
-                "kept_if_room together); return each released block to "
-                "hold back once"
+            raise result_error(
+                manager,
+                method,
+                f"returned {block!r} for request {request_id!r}, which is not "
+                "one of the blocks it just released or is named twice "
+                "(kept_for_later and kept_if_room together); return each "
+                "released block to hold back once",
             )
-            raise PluginResultError(msg, plugin_name=plugin)
         seen.add(block)
     return sorted(kept, key=where.__getitem__)
