@@ -653,31 +653,27 @@ class KVCacheManager(StepNeeds, EngineCalls):
                 out.append([])
                 continue
             unit = self.coordinator.partial_units.get(gid)
-            if unit is not None and not num_computed_tokens % unit:
-                # A partial-hit group: the block at the cut is a copy source.
-                keep = -(-num_computed_tokens // manager.block_size)
-                if keep > len(group_blocks):
-                    msg = (
-                        f"cannot truncate group {gid}'s hit of {len(group_blocks)} "
-                        f"blocks to {num_computed_tokens} tokens: it is shorter"
-                    )
-                    raise InvalidRequestError(msg)
-                out.append(list(group_blocks[:keep]))
-                continue
-            if manager.position_indexed:
-                if num_computed_tokens % manager.block_size:
-                    msg = (
-                        f"cannot truncate group {gid}'s hit to {num_computed_tokens} "
-                        f"tokens: not a multiple of its block size {manager.block_size}"
-                    )
-                    raise InvalidRequestError(msg)
-                if num_computed_tokens // manager.block_size > len(group_blocks):
-                    msg = (
-                        f"cannot truncate group {gid}'s hit of {len(group_blocks)} "
-                        f"blocks to {num_computed_tokens} tokens: it is shorter"
-                    )
-                    raise InvalidRequestError(msg)
-            out.append(self._truncated(gid, group_blocks, num_computed_tokens))
+            # A partial-hit group: the block at the cut is a copy source.
+            partial = unit is not None and not num_computed_tokens % unit
+            size = manager.block_size
+            if manager.position_indexed and not partial and num_computed_tokens % size:
+                msg = (
+                    f"cannot truncate group {gid}'s hit to {num_computed_tokens} "
+                    f"tokens: not a multiple of its block size {size}"
+                )
+                raise InvalidRequestError(msg)
+            keep = -(-num_computed_tokens // size)
+            if (partial or manager.position_indexed) and keep > len(group_blocks):
+                msg = (
+                    f"cannot truncate group {gid}'s hit of {len(group_blocks)} "
+                    f"blocks to {num_computed_tokens} tokens: it is shorter"
+                )
+                raise InvalidRequestError(msg)
+            out.append(
+                list(group_blocks[:keep])
+                if partial
+                else self._truncated(gid, group_blocks, num_computed_tokens)
+            )
         if not any(out):
             return self.empty_kv_cache_blocks
         # The hit's own pool: a hit of another manager stays foreign.
