@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.request import Request
+from kvcore.coordinator.undo import put_entry
 
 __all__ = ["CacheSpans"]
 
@@ -55,7 +56,7 @@ class CacheSpans(dict[str, tuple[int, int]]):
             return
         else:
             del self[rid]
-        self.pool.record(_put_span, self, rid, old)
+        self.pool.record(put_entry, self, rid, old)
 
     def covers(self, request_id: str, num_tokens: int) -> bool:
         """Whether a call for the request at ``num_tokens`` keys nothing."""
@@ -66,12 +67,4 @@ class CacheSpans(dict[str, tuple[int, int]]):
         """Drop the request's span: something may key its blocks again."""
         old = self.pop(request_id, None)
         if old is not None:
-            self.pool.record(_put_span, self, request_id, old)
-
-
-def _put_span(spans: CacheSpans, request_id: str, span: tuple[int, int] | None) -> None:
-    """Put a request's span back as it was (a step rolled back)."""
-    if span is None:
-        spans.pop(request_id, None)
-    else:
-        spans[request_id] = span
+            self.pool.record(put_entry, self, request_id, old)

@@ -870,10 +870,7 @@ class CheckpointManager(SingleTypeManager):
             self.on_path,
         )
         for store, value in zip(stores, state, strict=True):
-            if value is None:
-                store.pop(request_id, None)
-            else:
-                store[request_id] = value
+            put_entry(store, request_id, value)
         self._released_kept.pop(request_id, None)
 
     @classmethod

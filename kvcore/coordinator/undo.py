@@ -72,14 +72,8 @@ def put_back(
         else:
             blocks[:] = items
         manager.req_to_blocks[request_id] = blocks
-    for store, value in (
-        (manager.num_cached_block, cached),
-        (manager.num_released, released),
-    ):
-        if value is None:
-            store.pop(request_id, None)
-        else:
-            store[request_id] = value
+    put_entry(manager.num_cached_block, request_id, cached)
+    put_entry(manager.num_released, request_id, released)
 
 
 def put_entries(entries: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
