@@ -7,14 +7,22 @@ plugin, the rule and the fix."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 from kvcore.coordinator.manager import SingleTypeManager
+from kvcore.coordinator.twins import CLASS_STEPS
 from kvcore.errors import PluginError, PluginResultError
 from kvcore.spec import HitPolicy
 
-__all__ = ["check_built", "check_manager", "declared_policy", "search_problem"]
+__all__ = [
+    "check_built",
+    "check_class_steps",
+    "check_manager",
+    "declared_policy",
+    "search_problem",
+]
 
 
 def declared_policy(spec: Any, kind: str, plugin: str) -> HitPolicy:
@@ -122,6 +130,7 @@ def check_manager(
             "block boundary, 0 for none)"
         )
         raise PluginError(msg, plugin_name=plugin)
+    check_class_steps(type(manager), kind, plugin)
     if manager.caching:
         problem = search_problem(type(manager))
         if problem:
@@ -134,6 +143,26 @@ def check_manager(
             )
             raise PluginError(msg, plugin_name=plugin)
     return overlap
+
+
+def check_class_steps(manager_type: type, kind: str, plugin: str) -> None:
+    """Every step the core calls through the class (:data:`CLASS_STEPS`) is
+    a method there: a plain function, or a ``functools.partialmethod``.  A
+    staticmethod, classmethod, property or callable object would not be
+    given the manager as its first argument."""
+    for name in CLASS_STEPS:
+        step = inspect.getattr_static(manager_type, name, None)
+        if step is None or inspect.isfunction(step):
+            continue
+        if isinstance(step, functools.partialmethod):
+            continue
+        msg = (
+            f"cache kind {kind!r} (plugin {plugin!r}): its manager "
+            f"{manager_type.__name__}.{name} is a {type(step).__name__}, not a "
+            "method; the core calls a manager's steps through its class with the "
+            f"manager first, so define it as a method (def {name}(self, ...))"
+        )
+        raise PluginError(msg, plugin_name=plugin)
 
 
 def search_problem(manager_type: type[SingleTypeManager]) -> str | None:

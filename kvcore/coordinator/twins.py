@@ -14,9 +14,11 @@ from typing import Any
 from kvcore.coordinator.manager import SingleTypeManager
 from kvcore.coordinator.managers import FixedBlocksManager, PrefixManager, WindowManager
 from kvcore.coordinator.state_manager import CheckpointManager
+from kvcore.coordinator.twin_steps import TWIN_STEPS
 from kvcore.coordinator.undo import put_back
 
 __all__ = [
+    "CLASS_STEPS",
     "CORE_MANAGERS",
     "KIND_STEPS",
     "Runs",
@@ -129,6 +131,17 @@ KIND_STEPS = {
     "forget_checkpoints": ("forget_checkpoints",),
     "take_held_back": ("take_held_back",),
 }
+
+
+#: Every step the core calls through a manager's class (never an attribute
+#: set on the instance): the hooks of :data:`KIND_STEPS` and the one-group
+#: steps the twin steps derive from.
+CLASS_STEPS = tuple(
+    dict.fromkeys(
+        [hook for hooks in KIND_STEPS.values() for hook in hooks]
+        + [single for single, _, _ in TWIN_STEPS]
+    )
+)
 
 
 def kind_steps(runs: Runs) -> dict[str, frozenset[int]]:
