@@ -1458,3 +1458,119 @@ class _TouchingKeys:
 def test_a_step_borrowed_from_another_object_is_never_run() -> None:
     mgr = _manager(_BorrowsAStep)
     assert _keyed_step_state(mgr) == _keyed_step_state(_manager(FullAttentionManager))
+
+
+class _TouchesInRequestState(MambaManager):
+    """Its ``request_state`` (a hook that only answers) takes a reference
+    on the request's first state once armed."""
+
+    armed: ClassVar[bool] = False
+
+    def request_state(self, request_id: str) -> Any:
+        table = self.req_to_blocks.get(request_id)
+        if type(self).armed and table and any(table):
+            self.block_pool.touch([b for b in table if b][:1])
+        return super().request_state(request_id)
+
+
+def test_request_state_asked_by_a_state_groups_pop_is_checked() -> None:
+    # The core's pop of a state group records the kind's request_state:
+    # a reference taken there would never be dropped; the free is refused
+    # and undone, the request still live with its blocks.
+    kind = type("Grabby", (Mamba,), {"manager_type": _TouchesInRequestState})()
+    mgr = setup.manager_for(
+        [setup.fa(16), setup.mamba(16)],
+        64,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds([FullAttention(), kind], owner="acme"),
+    )
+    r = Request("r", list(range(64)), hash_block_size=16)
+    assert mgr.allocate_slots(r, 64) is not None
+    r.num_computed_tokens = 64
+    pool = mgr.block_pool
+    before = (list(pool.ref_cnt), pool.get_num_free_blocks(), mgr.get_block_ids("r"))
+    _TouchesInRequestState.armed = True
+    try:
+        with pytest.raises(PluginResultError, match="request_state") as info:
+            mgr.free(r)
+    finally:
+        _TouchesInRequestState.armed = False
+    assert info.value.plugin_name == "acme"
+    assert (
+        list(pool.ref_cnt),
+        pool.get_num_free_blocks(),
+        mgr.get_block_ids("r"),
+    ) == before
+    mgr.free(r)
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+
+
+class _RejoinFails(SlidingWindowManager):
+    """Its ``take_held_back`` (asked after every group's pop) raises once
+    armed."""
+
+    armed: ClassVar[bool] = False
+
+    def take_held_back(self, request_id: str) -> Any:
+        if type(self).armed:
+            msg = "rejoin failed"
+            raise RuntimeError(msg)
+        return super().take_held_back(request_id)
+
+
+def _turns_then_free(fail: bool, state_first: bool) -> tuple[Any, ...]:
+    """A state group's request decoded past several states (with ``fail``,
+    a free that failed after every pop, undone, between them), then freed:
+    the pool's order, keys and what a hit then serves."""
+    window = type("Failing", (SlidingWindow,), {"manager_type": _RejoinFails})()
+    specs = [setup.mamba(16), setup.fa(16), setup.sw(16, 32)]
+    mgr = setup.manager_for(
+        specs if state_first else specs[::-1],
+        96,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        registry=KindRegistry.from_kinds(
+            [FullAttention(), window, Mamba()], owner="acme"
+        ),
+    )
+    r = Request("r", list(range(100)), hash_block_size=16)
+    assert mgr.allocate_slots(r, 100) is not None
+    r.num_computed_tokens = 100
+    for token in range(40):
+        r.append_output_token_ids(token)
+        assert mgr.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    if fail:
+        _RejoinFails.armed = True
+        try:
+            with pytest.raises(PluginError, match="rejoin failed"):
+                mgr.free(r)
+        finally:
+            _RejoinFails.armed = False
+    for token in range(40, 80):  # the request runs on as if never freed
+        r.append_output_token_ids(token)
+        assert mgr.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    mgr.free(r)
+    pool = mgr.block_pool
+    again = Request("again", [*range(100), *range(80), 7], hash_block_size=16)
+    blocks, hit = mgr.get_computed_blocks(again)
+    return (
+        pool.free_queue.get_all_free_blocks(),
+        [pool.block(b).block_hash for b in range(pool.num_blocks)],
+        hit,
+        blocks.get_block_ids(),
+    )
+
+
+@pytest.mark.parametrize("state_first", [True, False])
+def test_a_free_undone_in_another_group_keeps_the_state_groups_records(
+    state_first: bool,
+) -> None:
+    # The state group's pop (its kept and step-end states, its targets) is
+    # undone with the rest: the free that follows queues and keys the pool
+    # as a free that never failed, and a later request gets the same hit.
+    freed = _turns_then_free(fail=False, state_first=state_first)
+    assert freed[2] > 0
+    assert _turns_then_free(fail=True, state_first=state_first) == freed
