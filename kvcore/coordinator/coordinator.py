@@ -194,10 +194,17 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         # steps the run (allocate_twins, release_twins, cache_twins: one
         # decision for the class), and a class whose run changed nothing
         # is passed over.
-        self._skip_runs = twin_runs(managers, "skips_blocks")
-        self._cache_runs = twin_runs(managers, "caching")
-        self._grow_runs = twin_runs(managers, "position_indexed")
-        self._admit_runs = twin_runs(managers)
+        # Equal runs share one tuple, whichever step walks them: a step that
+        # grows (or admits) and keys a request records its tables once (see
+        # SingleTypeManager.record_twins).
+        shared: dict[tuple[int, ...], tuple[SingleTypeManager, ...]] = {}
+        self._skip_runs, self._cache_runs, self._grow_runs, self._admit_runs = (
+            tuple(
+                (first, shared.setdefault(tuple(map(id, members)), members))
+                for first, members in twin_runs(managers, flag)
+            )
+            for flag in ("skips_blocks", "caching", "position_indexed", None)
+        )
         #: The classes whose manager class defines a step itself, by step:
         #: the kind's own code (checked, its tables recorded whole).
         self._kind_steps = steps = kind_steps(self._admit_runs)
