@@ -687,8 +687,9 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
     ) -> None:
         """Phase one: touch every group's hit blocks before anything
         allocates (``block_hashes``: the request's, which a kind's shared
-        state in place of a null admission block must be keyed by)."""
-        self.forget_span(request_id)
+        state in place of a null admission block must be keyed by).  Phase
+        two (:meth:`allocate_new_blocks`), in the same step, drops the
+        request's cache span."""
         own = self._kind_steps["add_computed_blocks"]
         gid = 0
         try:
