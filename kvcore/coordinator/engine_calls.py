@@ -26,6 +26,9 @@ from kvcore.errors import InvalidRequestError, KvcoreTypeError, UnknownRequestEr
 if TYPE_CHECKING:
     from kvcore.coordinator.coordinator import KVCacheCoordinator
 
+#: The status a free sets, read from the enum once (see kv_cache_manager).
+_FINISHED = RequestStatus.FINISHED
+
 
 class PrefixCacheStats:
     """Lookups since the last reset: requests, queried and hit tokens."""
@@ -164,9 +167,9 @@ class EngineCalls(ManagerParts):
         if coordinator.partial is not None:
             coordinator.partial.forget(rid)
         del self._requests[rid]
-        held.status = RequestStatus.FINISHED
+        held.status = _FINISHED
         if request is not held and isinstance(request, Request):
-            request.status = RequestStatus.FINISHED
+            request.status = _FINISHED
         return out
 
     def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:

@@ -54,6 +54,9 @@ class ManagerOptions(TypedDict, total=False):
 
 #: The engine keywords' values when an engine passes none.
 _NO_ENGINE = (0, False, 0, 0, 0)
+#: An enum member read from its class costs a lookup through the enum's
+#: metaclass on every read: the status a step sets is read once, here.
+_RUNNING = RequestStatus.RUNNING
 
 __all__ = [
     "EngineStepKeywords",
@@ -353,7 +356,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
             ):
                 # Nothing grows, is released or keyed: the step changes nothing
                 # (a step already open refuses it, in BlockPool.begin).
-                request.status = RequestStatus.RUNNING
+                request.status = _RUNNING
                 self._marks.scheduled_to[rid] = scheduled_to
                 return self.empty_kv_cache_blocks
             step = ((), None, 0, need)
@@ -487,7 +490,7 @@ class KVCacheManager(StepNeeds, EngineCalls):
         if watched:
             # The step writes from its processed tokens on (see _step's args).
             unwritten.took(rid, new_blocks, keyed_from, args[3])
-        request.status = RequestStatus.RUNNING
+        request.status = _RUNNING
         if held is not request:
             self._requests[rid] = request
         if not running:
