@@ -129,9 +129,9 @@ class TwinPoolOps:
                 check_store(
                     num_cached_blocks, num_full_blocks, len(table), num_hashes, gid
                 )
-        if replaced is None:
-            replaced = [None] * len(tables)
         if pool.enable_kv_cache_events or not pool.enable_caching:
+            if replaced is None:
+                replaced = [None] * len(tables)
             # Events carry each store's tokens: the one-group calls build them.
             for table, gid, old in zip(tables, group_ids, replaced, strict=True):
                 pool.cache_full_blocks(
@@ -152,6 +152,8 @@ class TwinPoolOps:
             block_hashes,
             range(num_cached_blocks, num_full_blocks),
         )
+        if replaced is None:
+            return
         # Each replaced block held another group's key than the blocks just
         # keyed, so dropping it after every store leaves what one store and
         # drop per group would.
