@@ -353,22 +353,28 @@ class FreeBlockQueue:
         back_end = self.back
         head = self.head
         tail = self.tail
-        # The segments in queue order, each (first, last): the front
-        # chain, the blocks queued before, the back chain.
-        segments: list[tuple[BlockId, BlockId]]
+        # In queue order, each segment's first and last block: the front
+        # chain (empty: its end or unlinked), the blocks queued before
+        # (none: the tail), the back chain; all read before a link changes.
+        queued, queued_last = next_links[head], prev_links[tail]
         if table:
-            segments = [(front, prev_links[front_end]), (back, prev_links[back_end])]
+            front_last, back_last = prev_links[front_end], prev_links[back_end]
         else:
-            segments = [(next_links[front_end], front), (next_links[back_end], back)]
-        if next_links[head] != tail:
-            segments.insert(1, (next_links[head], prev_links[tail]))
+            front, front_last = next_links[front_end], front
+            back, back_last = next_links[back_end], back
         prev = head
-        for first, last in segments:
-            if first in (front_end, back_end, UNLINKED):
-                continue  # an empty chain
-            next_links[prev] = first
-            prev_links[first] = prev
-            prev = last
+        if front != front_end and front != UNLINKED:
+            next_links[prev] = front
+            prev_links[front] = prev
+            prev = front_last
+        if queued != tail:
+            next_links[prev] = queued
+            prev_links[queued] = prev
+            prev = queued_last
+        if back != back_end and back != UNLINKED:
+            next_links[prev] = back
+            prev_links[back] = prev
+            prev = back_last
         next_links[prev] = tail
         prev_links[tail] = prev
         self.drop_chains()
