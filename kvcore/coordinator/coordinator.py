@@ -562,20 +562,13 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         lead = None
         try:
             for lead, watched in leads:
-                if watched:
-                    ask = type(lead).releases_nothing
-                    answer = watched_query(
-                        lead,
-                        "releases_nothing",
-                        ask,
-                        lead,
-                        request_id,
-                        num_computed_tokens,
-                    )
-                else:
-                    answer = type(lead).releases_nothing(
-                        lead, request_id, num_computed_tokens
-                    )
+                ask = type(lead).releases_nothing
+                args = (lead, request_id, num_computed_tokens)
+                answer = (
+                    watched_query(lead, "releases_nothing", ask, *args)
+                    if watched
+                    else ask(*args)
+                )
                 if answer is not True:
                     return False
         except Exception as exc:
@@ -607,21 +600,12 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
             self.single_type_managers, new_computed_blocks, strict=True
         ):
             try:
+                ask = type(manager).admission_blocks
                 if manager.kv_cache_group_id in own:  # given a copy of the hit
-                    ask = type(manager).admission_blocks
-                    hit = list(computed)
-                    attach = watched_query(
-                        manager,
-                        "admission_blocks",
-                        ask,
-                        manager,
-                        hit,
-                        num_computed_tokens,
-                    )
+                    args = (manager, list(computed), num_computed_tokens)
+                    attach = watched_query(manager, "admission_blocks", ask, *args)
                 else:
-                    attach = type(manager).admission_blocks(
-                        manager, computed, num_computed_tokens
-                    )
+                    attach = ask(manager, computed, num_computed_tokens)
             except Exception as exc:
                 gid = manager.kv_cache_group_id
                 raise self.plugin_error(gid, "admission_blocks", exc) from exc
