@@ -26,6 +26,9 @@ def checkpoints_kept(
     back until it is freed, then moved to the back of the eviction
     order (``CheckpointManager.take_released_checkpoints``)."""
     out: list[list[int]] = []
+    pool = self.block_pool  # every group's: one pool per coordinator
+    key_hash = pool.key_hash
+    key_group = pool.key_group
     for twin, released in zip(twins, removed, strict=True):
         kept = twin.kept.get(request_id)
         # A step end is an output end in the making: held only while the
@@ -37,8 +40,6 @@ def checkpoints_kept(
         if not kept and end is None and before is None:
             continue
         gid = twin.kv_cache_group_id
-        key_hash = twin.block_pool.key_hash
-        key_group = twin.block_pool.key_group
         for block in released:
             key = key_hash[block]
             if key is None or key_group[block] != gid:
