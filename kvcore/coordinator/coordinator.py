@@ -501,12 +501,14 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
         ``release_twins`` or ``cache_twins``) once per run of twins, in group
         order, on the run's first manager with the run; pass over a class
         once one of its runs changed nothing (returned no block and recorded
-        nothing in the open transaction).  What the calls returned that
+        nothing in the open transaction, which only a run not recorded
+        earlier in it tells: see ``record_twins``).  What the calls returned that
         holds blocks, by group id; a manager that raises is reported as its
         plugin's failure in ``step``, the one-group step.  Only the new
         blocks ``allocate_twins`` returns are used (and checked where they
         cross in); what a release or a keying returns is not."""
         journal = self.block_pool.journal
+        transaction = self.block_pool.transactions
         allocating = method == "allocate_twins"
         own = self._kind_steps[method] if journal is not None else ()
         idle: list[int] = []
@@ -520,8 +522,10 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 gid = first
                 if first in own:
                     snapshot = step_snapshot(members, args)
-                mark = -1 if journal is None else len(journal)
                 lead = members[0]
+                recorded = lead._twins_recorded
+                fresh = recorded[0] != transaction or recorded[2] is not members
+                mark = -1 if journal is None else len(journal)
                 new = getattr(type(lead), method)(lead, members, *args)
                 if first in own:
                     marks = (journal, mark, snapshot)
@@ -531,7 +535,7 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
-                elif not new and mark == len(journal or ()):
+                elif not new and fresh and mark == len(journal or ()):
                     idle.append(first)
                     continue
                 changed = True
