@@ -36,34 +36,37 @@ def test_the_deepseek_v4_plan_is_described_group_by_group(bench: Any) -> None:
         assert group["fields"]["dtype"] == str(spec.dtype).removeprefix("torch.")
 
 
+def _trace(bench: Any, **draws: int) -> tuple[Any, Any]:
+    """The benchmark's trace of 512-token prompts on shared prefixes of 256."""
+    args = bench.argparse.Namespace(shared_prefix_len=256, prompt_len=512, **draws)
+    return bench.make_trace(args)
+
+
+def _run(bench: Any, make: Any, trace: Any, hash_block_size: int, **loop: int) -> Any:
+    """The benchmark's timed loop over ``trace`` (``loop``: batch, decode steps)."""
+    prompts, decode = trace
+    return bench.run_trace(
+        make,
+        prompts,
+        decode,
+        hash_block_size=hash_block_size,
+        hash_function="sha256",
+        gc_mode="on",
+        **loop,
+    )
+
+
 def test_whole_block_hits_give_none_under_the_plans_large_blocks(bench: Any) -> None:
     """The side-by-side run's kvcore uses vLLM's hit rule: a 512-token prompt
     gets no hit under 2048-token blocks; kvcore's default, copy-on-write
     hits inside a block, serves some of the shared prefixes."""
-    args = bench.argparse.Namespace(
-        seed=0,
-        shared_prefix_len=256,
-        num_prefixes=2,
-        requests=12,
-        prompt_len=512,
-        decode_steps=4,
-    )
-    prompts, decode = bench.make_trace(args)
+    trace = _trace(bench, seed=0, num_prefixes=2, requests=12, decode_steps=4)
     hits = {}
     for partial in (True, False):
         make, hash_block_size, _ = bench.deepseek_v4_manager(
             64 << 30, 32768, partial_hits=partial
         )
-        run = bench.run_trace(
-            make,
-            prompts,
-            decode,
-            hash_block_size=hash_block_size,
-            hash_function="sha256",
-            batch=4,
-            decode_steps=4,
-            gc_mode="on",
-        )
+        run = _run(bench, make, trace, hash_block_size, batch=4, decode_steps=4)
         assert run["allocation_failures"] == 0
         assert run["free_blocks_end"] == make().block_pool.get_num_free_blocks()
         hits[partial] = run["prefix_hit_tokens"]
@@ -110,31 +113,15 @@ def test_the_python_floor_serves_the_trace_as_kvcore_does(
     same hits, refusals and free and cached blocks, also in pools small
     enough that prefix-cached blocks are evicted (the eviction order is
     the same)."""
-    args = bench.argparse.Namespace(
-        seed=3,
-        shared_prefix_len=256,
-        num_prefixes=3,
-        requests=40,
-        prompt_len=512,
-        decode_steps=40,
-    )
-    prompts, decode = bench.make_trace(args)
+    trace = _trace(bench, seed=3, num_prefixes=3, requests=40, decode_steps=40)
     make_kvcore, hash_block_size = bench.full_attention_manager(num_blocks, 32768)
-    runs = {}
-    for side, make in (
-        ("kvcore", make_kvcore),
-        ("floor", lambda: bench.FloorManager(num_blocks)),
-    ):
-        runs[side] = bench.run_trace(
-            make,
-            prompts,
-            decode,
-            hash_block_size=hash_block_size,
-            hash_function="sha256",
-            batch=batch,
-            decode_steps=args.decode_steps,
-            gc_mode="on",
+    runs = {
+        side: _run(bench, make, trace, hash_block_size, batch=batch, decode_steps=40)
+        for side, make in (
+            ("kvcore", make_kvcore),
+            ("floor", lambda: bench.FloorManager(num_blocks)),
         )
+    }
     assert bench.workload_mismatch(runs["kvcore"], runs["floor"]) == []
     assert runs["kvcore"]["prefix_hit_tokens"] > 0
     if num_blocks < 1000:  # the small pools evict cached blocks
