@@ -716,10 +716,20 @@ class SingleTypeManager:
         )
         journal.append((UNDO_CALL, put_back, args))
         if seen is None and self.keeps_request_state:
-            mark = len(journal)
-            state = self.request_state(request_id)
-            answered_only(self, "request_state", journal, mark)
-            pool.record(self.restore_request_state, request_id, state)
+            self._record_own_state(request_id)
+
+    def _record_own_state(self, request_id: str) -> None:
+        """Inside a step: record :meth:`request_state` for a rollback, the
+        answer checked to have changed nothing in the pool (it only
+        answers)."""
+        pool = self.block_pool
+        journal = pool.journal
+        if journal is None:
+            return
+        mark = len(journal)
+        state = self.request_state(request_id)
+        answered_only(self, "request_state", journal, mark)
+        pool.record(self.restore_request_state, request_id, state)
 
     def record_twins(self, twins: Sequence[SingleTypeManager], request_id: str) -> None:
         """:meth:`record_request_state` for each of ``twins`` (tables only
@@ -748,7 +758,6 @@ class SingleTypeManager:
             for blocks in (twin.req_to_blocks.get(request_id),)
         ]
         if self.keeps_request_state:  # twins are one class
-            mark = len(journal)
             for twin in twins:
                 recorded = twin._recorded
                 if recorded[0] != transaction:
@@ -757,12 +766,7 @@ class SingleTypeManager:
                     continue
                 else:
                     recorded[1][request_id] = False
-                pool.record(
-                    twin.restore_request_state,
-                    request_id,
-                    twin.request_state(request_id),
-                )
-            answered_only(self, "request_state", journal, mark)
+                twin._record_own_state(request_id)
         journal.append((UNDO_CALL, put_back_each, (request_id, entries)))
 
     def request_state(self, request_id: str) -> Any:

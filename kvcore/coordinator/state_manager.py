@@ -22,7 +22,6 @@ from kvcore.coordinator.block_pool import BlockPool
 from kvcore.coordinator.hashing import hashes_at_block_size
 from kvcore.coordinator.manager import HitQuery, SingleTypeManager
 from kvcore.coordinator.output_ends import OutputEnds
-from kvcore.coordinator.plugin_results import answered_only
 from kvcore.coordinator.request import Request
 from kvcore.coordinator.state_kept import checkpoints_kept, interval_states_kept
 from kvcore.coordinator.step_ends import ChunkEnds, replace_step_ends
@@ -748,13 +747,7 @@ class CheckpointManager(SingleTypeManager):
         return None
 
     def pop_blocks(self, request_id: str) -> list[int] | None:
-        pool = self.block_pool
-        journal = pool.journal
-        if journal is not None:  # a kind's request_state only answers
-            mark = len(journal)
-            state = self.request_state(request_id)
-            answered_only(self, "request_state", journal, mark)
-            pool.record_undo(partial(self.restore_request_state, request_id, state))
+        self._record_own_state(request_id)
         self.on_path.pop(request_id, None)
         self.targets.pop(request_id, None)
         self.pinned.pop(request_id, None)
@@ -769,6 +762,7 @@ class CheckpointManager(SingleTypeManager):
         blocks = super().pop_blocks(request_id)
         if step_before is not None:
             kept = [*(kept or ()), step_before[1:]]
+        pool = self.block_pool
         returned = self._returned.pop(request_id, None)
         if returned is not None:  # admitted: its count stands
             pool.record(self._returned.__setitem__, request_id, returned)
