@@ -523,8 +523,6 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                 if first in own:
                     snapshot = step_snapshot(members, args)
                 lead = members[0]
-                recorded = lead._twins_recorded
-                fresh = recorded[0] != transaction or recorded[2] is not members
                 mark = -1 if journal is None else len(journal)
                 new = getattr(type(lead), method)(lead, members, *args)
                 if first in own:
@@ -535,9 +533,11 @@ class KVCacheCoordinator(FreeSteps, CheckpointSteps):
                         out = [[] for _ in range(self.num_groups)]
                     for manager, blocks in zip(members, new, strict=True):
                         out[manager.kv_cache_group_id] = blocks
-                elif not new and fresh and mark == len(journal or ()):
-                    idle.append(first)
-                    continue
+                elif not new and mark == len(journal or ()):
+                    recorded = lead._twins_recorded  # by this step, earlier?
+                    if recorded[0] != transaction or recorded[2] is not members:
+                        idle.append(first)
+                        continue
                 changed = True
         except Exception as exc:
             raise self.plugin_error(gid, step, exc) from exc
