@@ -673,9 +673,12 @@ def compare(kv: dict[str, Any], vl: dict[str, Any]) -> dict[str, dict[str, float
     return rows
 
 
-def workload_mismatch(kv: dict[str, Any], vl: dict[str, Any]) -> list[str]:
+def workload_mismatch(
+    kv: dict[str, Any], vl: dict[str, Any], other: str = "vLLM"
+) -> list[str]:
+    """The workload counters on which kvcore and ``other`` disagree."""
     return [
-        f"{key}: kvcore {kv[key]} vs vLLM {vl[vkey]}"
+        f"{key}: kvcore {kv[key]} vs {other} {vl[vkey]}"
         for key, vkey in WORKLOAD.items()
         if kv[key] != vl[vkey]
     ]
@@ -869,9 +872,7 @@ def run_full_attention(
         vl = median_run(vl_runs[batch]) if worker is not None else None
         entry["python_floor"] = floor
         entry["over_floor"] = over_floor(figures, floor, vl)
-        entry["floor_workload_mismatch"] = [
-            line.replace("vLLM", "floor") for line in workload_mismatch(figures, floor)
-        ]
+        entry["floor_workload_mismatch"] = workload_mismatch(figures, floor, "floor")
         if not args.json:
             print_floor(f"full_attention batch {batch}", entry["over_floor"])
             for line in entry["floor_workload_mismatch"]:
